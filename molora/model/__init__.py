@@ -1,0 +1,1 @@
+"""Model layer: routed linears, attach to transformers models, base loading, the lean runner."""

@@ -1,0 +1,235 @@
+"""`molora.attach`: per-token multi-LoRA on a plain transformers causal LM.
+
+    mm = molora.attach(model, {"math": "adapters/math", "code": "adapters/code"})
+    mm(input_ids, adapter_ids=ids)          # ids [B, L]: index into mm.adapter_names per token, -1 = base
+    mm(input_ids, adapter_ids="math")       # one adapter for the whole batch
+    mm.generate(input_ids, adapter_ids=VocabRouter(...))
+
+`attach` reads and validates every adapter first, builds one `AdapterBank` over the union of their target
+linears, swaps those `nn.Linear`s for `RoutedLoRALinear`s (walk-and-swap) and copies each adapter into a
+slot. Each forward turns the routing into slot ids [T, k] once and hands it to the routed linears through
+the model's `RoutingContext`. This layer knows models and routers; it knows nothing of requests or HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from molora.adapters.bank import AdapterBank
+from molora.adapters.io import LoRAAdapter, read_adapter
+from molora.config import LLAMA_PROJECTIONS, BankConfig
+from molora.errors import AdapterError, MoLoRAError, RoutingError
+from molora.model.lora_linear import RoutedLoRALinear, RoutingContext, linear_shapes, swap_modules
+from molora.ops import LoRADispatcher
+from molora.routing import Router, Routing, SequenceRouter
+from molora.sampling import sample_next
+
+log = logging.getLogger("molora.model")
+
+AdapterSpec = torch.Tensor | str | Router | Routing | None
+
+
+class MoLoRAModel(nn.Module):
+    """A causal LM whose target linears add each token's own adapter delta. See the module docstring."""
+
+    def __init__(self, model: nn.Module, bank: AdapterBank, context: RoutingContext, *,
+                 router: Router | None = None, tokenizer: Any = None, base_name: str | None = None,
+                 check_base: bool = True) -> None:
+        super().__init__()
+        self.model = model
+        self.bank = bank
+        self.context = context
+        self.router = router
+        self.tokenizer = tokenizer
+        self.base_name = base_name
+        self.check_base = check_base
+        self.adapters: dict[str, LoRAAdapter] = {}  # in load order: index i <-> adapter_names[i]
+        self._index_to_slot = torch.empty(0, dtype=torch.long)
+        self.bundle: Any = None  # set by molora.load: the manifest this model came from
+
+    # ------------------------------------------------------------------------------------ adapters
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(self.adapters)
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def read(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Read and validate a PEFT folder against this model's linears (does not load it)."""
+        return read_adapter(path, linear_shapes(self.model), name=name,
+                            base_name=self.base_name if self.check_base else None)
+
+    def load_adapter(self, name: str, path: str | Path | LoRAAdapter) -> int:
+        """Load an adapter into a free slot at run time; on any error nothing changes. Returns the slot."""
+        adapter = path if isinstance(path, LoRAAdapter) else self.read(name, path)
+        if adapter.name != name:
+            adapter = LoRAAdapter(name=name, path=adapter.path, config=adapter.config, modules=adapter.modules)
+        slot = self.bank.load(adapter)
+        self.adapters[name] = adapter
+        self._sync_slots()
+        return slot
+
+    def unload_adapter(self, name: str) -> None:
+        """Free `name`'s slot. Indices of adapters loaded after it shift down by one."""
+        if name not in self.adapters:
+            raise AdapterError(f"adapter {name!r} is not loaded; loaded: {self.adapter_names}")
+        self.bank.unload(name)
+        del self.adapters[name]
+        self._sync_slots()
+
+    def _sync_slots(self) -> None:
+        self._index_to_slot = torch.tensor([self.bank.slot_of(n) for n in self.adapters], dtype=torch.long,
+                                           device=self.device)
+
+    # ------------------------------------------------------------------------------------ routing
+    def resolve(self, input_ids: torch.Tensor, adapter_ids: AdapterSpec = None,
+                adapter_weights: torch.Tensor | None = None, *, start: int = 0) -> Routing | None:
+        """Turn any accepted routing spec into a `Routing` over input_ids [B, L] (None: decided in-network)."""
+        if isinstance(adapter_ids, Routing):
+            return adapter_ids
+        if isinstance(adapter_ids, torch.Tensor):
+            return Routing(adapter_ids, adapter_weights)
+        if isinstance(adapter_ids, str):
+            adapter_ids = SequenceRouter(adapter_ids)
+        router = adapter_ids if adapter_ids is not None else self.router
+        if router is None:
+            raise RoutingError("no routing given and no router attached: pass adapter_ids (a LongTensor of "
+                               "adapter indices, an adapter name or a Router) or attach a router")
+        if router.in_network:
+            router.prepare(self, input_ids)
+            return None
+        return router.route(input_ids, self.adapter_names, start=start)
+
+    def slot_routing(self, routing: Routing, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Map adapter indices to bank slots, flattened: (slot_ids [T, k], weights [T, k] | None)."""
+        ids, weights = routing.adapter_ids, routing.weights
+        if ids.dtype not in (torch.int64, torch.int32) or ids.shape[:2] != shape or ids.ndim not in (2, 3):
+            raise RoutingError(f"adapter_ids must be an integer tensor shaped like input_ids {tuple(shape)} "
+                               f"(or [B, L, k] for top-k), got {ids.dtype} {tuple(ids.shape)}")
+        k = len(self.adapters)
+        if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= k):
+            raise RoutingError(f"adapter_ids hold values in [{int(ids.min())}, {int(ids.max())}], but only "
+                               f"-1 (base) and 0..{k - 1} (adapters {self.adapter_names}) are valid")
+        ids = ids.reshape(-1, 1 if ids.ndim == 2 else ids.shape[-1]).long().to(self._index_to_slot.device)
+        if weights is not None:
+            if weights.shape[:2] != shape or weights.reshape(ids.shape[0], -1).shape != ids.shape:
+                raise RoutingError(f"adapter_weights {tuple(weights.shape)} must match adapter_ids")
+            weights = weights.reshape(ids.shape).to(self.device)
+        lookup = torch.cat([self._index_to_slot, self._index_to_slot.new_full((1,), -1)])  # index -1 -> -1
+        return lookup[ids], weights
+
+    @contextmanager
+    def routed(self, input_ids: torch.Tensor, adapter_ids: AdapterSpec = None,
+               adapter_weights: torch.Tensor | None = None, *, start: int = 0):
+        """Fill the routing context for one forward over input_ids, and clear it afterwards."""
+        routing = self.resolve(input_ids, adapter_ids, adapter_weights, start=start)
+        if routing is not None:
+            self.context.set(*self.slot_routing(routing, input_ids.shape))
+        try:
+            yield routing
+        finally:
+            self.context.clear()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                adapter_ids: AdapterSpec = None, adapter_weights: torch.Tensor | None = None,
+                **kwargs: Any) -> Any:
+        """The transformers output (`.logits` [B, L, V]) with each token's adapter applied."""
+        with self.routed(input_ids, adapter_ids, adapter_weights, start=kwargs.pop("start", 0)):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    # ------------------------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 adapter_ids: str | Router | None = None, max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, eos_token_id: int | Sequence[int] | None = None,
+                 pad_token_id: int | None = None, seed: int | None = None) -> torch.Tensor:
+        """Greedy or sampled continuation [B, L + n] (left-padded batches), routing every new token too.
+
+        The router sees each generated token when it is fed back in, so for `VocabRouter` the input token
+        decides. Finished rows are filled with pad_token_id (default: the first eos id).
+        """
+        from transformers import DynamicCache
+
+        if isinstance(adapter_ids, torch.Tensor):
+            raise RoutingError("generate needs a router or an adapter name (a fixed adapter_ids tensor cannot "
+                               "cover the tokens still to be generated); use OracleRouter for given labels")
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        gen = torch.Generator(device=input_ids.device).manual_seed(seed) if seed is not None else None
+        cache = DynamicCache()
+        tokens, step_ids, step_pos, start = input_ids, input_ids, positions, 0
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for _ in range(max_new_tokens):
+            out = self(step_ids, attention_mask=mask, adapter_ids=adapter_ids, position_ids=step_pos,
+                       cache=cache, use_cache=True, start=start)
+            nxt = sample_next(out.logits[:, -1], temperature, top_k, top_p, gen)
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+            done |= torch.isin(nxt, torch.tensor(eos, device=nxt.device)) if eos else done
+            if bool(done.all()):
+                break
+            start += step_ids.shape[1]
+            step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        return tokens
+
+
+# ---------------------------------------------------------------------------------------------- attach
+
+def attach(model: nn.Module, adapters: Mapping[str, str | Path] | None = None, *, slots: int | None = None,
+           max_rank: int | None = None, target_modules: Sequence[str] | None = None,
+           router: Router | None = None, tokenizer: Any = None, dispatch: str = "auto",
+           base_name: str | None = None, check_base: bool = True) -> MoLoRAModel:
+    """Swap the target linears of `model` for routed layers and load `adapters` (name -> PEFT folder).
+
+    slots: bank size S (default max(4, number of adapters)); max_rank: R (default the largest rank given,
+    at least 8); target_modules: module-name suffixes to make routable besides the adapters' own targets
+    (default, when no adapter is given: the seven Llama projections).
+    """
+    if any(isinstance(m, RoutedLoRALinear) for m in model.modules()):
+        raise MoLoRAError("this model is already attached; attach once and use load_adapter for more")
+    adapters = dict(adapters or {})
+    base_name = base_name if base_name is not None else (getattr(model, "name_or_path", None) or None)
+    shapes = linear_shapes(model)
+    read = [read_adapter(p, shapes, name=n, base_name=base_name if check_base else None)
+            for n, p in adapters.items()]
+    targets = set().union(*(a.modules for a in read)) if read else set()
+    suffixes = target_modules if target_modules is not None else (() if read else LLAMA_PROJECTIONS)
+    targets |= {m for m in shapes if any(re.fullmatch(rf"(.*\.)?{re.escape(s)}", m) for s in suffixes)}
+    if not targets:
+        raise MoLoRAError(f"no linear of the model matches target_modules={list(suffixes)}")
+    num_slots = slots if slots is not None else max(4, len(read))
+    if num_slots < len(read):
+        raise MoLoRAError(f"slots={num_slots} is fewer than the {len(read)} adapters given")
+    rank = max_rank if max_rank is not None else max([8] + [a.max_rank for a in read])
+    param = next(model.parameters())
+    bank = AdapterBank({m: shapes[m] for m in sorted(targets)}, BankConfig(num_slots, rank),
+                       dtype=param.dtype, device=param.device)
+    context = RoutingContext()
+    dispatcher = LoRADispatcher(dispatch)
+    swap_modules(model, sorted(targets),
+                 lambda name, old: RoutedLoRALinear(old, bank.slots[name], context, dispatcher))
+    mm = MoLoRAModel(model, bank, context, router=router, tokenizer=tokenizer, base_name=base_name,
+                     check_base=check_base)
+    for adapter in read:
+        mm.load_adapter(adapter.name, adapter)
+    mm._sync_slots()
+    log.info("attached %d adapters over %d linears (%d slots, max rank %d)", len(read), len(targets),
+             num_slots, rank)
+    return mm

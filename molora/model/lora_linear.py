@@ -1,0 +1,100 @@
+"""`RoutedLoRALinear`: a base linear plus the routed LoRA delta of each token, one code path.
+
+    y = x @ W.T + b  +  lora_delta(x, A, B, scale, slot_ids, weights)        x [..., d_in] -> T = prod(...)
+
+The routing of the current step (slot_ids [T, k], weights [T, k] or None) lives in a `RoutingContext`
+that the owner of the model fills before each forward and clears after; every routed linear of the model
+holds a reference to the same context. Nothing here reads globals or hooks, and `forward` never branches
+on adapter names or file formats.
+
+The layer keeps the base linear's own `weight` / `bias` parameters under the same names, so the model's
+state_dict keys (`...q_proj.weight`) do not change when it is swapped in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from molora.adapters.bank import LoRASlots
+from molora.ops import LoRADispatcher
+
+
+class RoutingContext:
+    """The routing of one forward pass, shared by all routed linears of a model.
+
+    slot_ids [T, k] (long, -1 = base only) and weights [T, k] (or None for weight 1), where T counts the
+    tokens of the step in row-major order of the model's input (batch, then sequence).
+    """
+
+    __slots__ = ("slot_ids", "weights")
+
+    def __init__(self) -> None:
+        self.slot_ids: torch.Tensor | None = None
+        self.weights: torch.Tensor | None = None
+
+    def set(self, slot_ids: torch.Tensor | None, weights: torch.Tensor | None = None) -> None:
+        assert slot_ids is None or slot_ids.ndim == 2, "slot_ids must be [T, k]"
+        assert weights is None or (slot_ids is not None and weights.shape == slot_ids.shape)
+        self.slot_ids, self.weights = slot_ids, weights
+
+    def clear(self) -> None:
+        self.slot_ids = self.weights = None
+
+
+class RoutedLoRALinear(nn.Module):
+    """A linear whose output adds, for each token, the LoRA delta of the adapter its routing names."""
+
+    def __init__(self, base: nn.Linear, slots: LoRASlots, context: RoutingContext,
+                 dispatcher: LoRADispatcher) -> None:
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.lora = slots
+        self.context = context
+        self.dispatcher = dispatcher
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        slot_ids = self.context.slot_ids
+        if slot_ids is None or self.lora.active == 0:
+            return y
+        flat = x.reshape(-1, self.in_features)  # [T, d_in]
+        if flat.shape[0] != slot_ids.shape[0]:
+            raise RuntimeError(f"routing covers {slot_ids.shape[0]} tokens but the layer got {flat.shape[0]}")
+        delta = self.dispatcher(flat, self.lora.A, self.lora.B, self.lora.scale, slot_ids, self.context.weights)
+        return y + delta.view(y.shape).to(y.dtype)
+
+    def to_linear(self) -> nn.Linear:
+        """A plain nn.Linear sharing this layer's base parameters (the delta is dropped)."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        device=self.weight.device, dtype=self.weight.dtype)
+        lin.weight = self.weight
+        if self.bias is not None:
+            lin.bias = self.bias
+        return lin
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Module path -> (d_out, d_in) for every linear of `model` (plain or already routed)."""
+    return {name: (m.out_features, m.in_features) for name, m in model.named_modules()
+            if isinstance(m, (nn.Linear, RoutedLoRALinear))}
+
+
+def swap_modules(model: nn.Module, names: Iterable[str],
+                 make: Callable[[str, nn.Module], nn.Module]) -> list[str]:
+    """Replace each named submodule by `make(name, old)`; return the names replaced, in order."""
+    replaced = []
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, make(name, getattr(parent, child)))
+        replaced.append(name)
+    return replaced

@@ -1,0 +1,123 @@
+"""The router interface and the deterministic routers.
+
+A router maps tokens to adapters. It answers in *adapter indices*: positions in the model's list of
+adapter names (`MoLoRAModel.adapter_names`), -1 meaning "base model only". The model turns indices into
+bank slots; routers never see slots, banks or modules.
+
+    route(input_ids [B, L], adapter_names, start=p) -> Routing(adapter_ids [B, L] or [B, L, k], weights)
+
+`start` is the position of `input_ids[:, 0]` in the sequence: 0 for a prompt, the current length during
+generation (a generated token is routed when it is fed back in, so the input token decides).
+
+Routers whose decision is made inside the network from hidden states (the learned router) set
+`in_network = True`; their `route` is not called by the model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from molora.errors import RoutingError
+
+
+@dataclass
+class Routing:
+    """Per-token choice: adapter_ids [B, L] (top-1) or [B, L, k] with weights [B, L, k]; -1 = none."""
+
+    adapter_ids: torch.Tensor
+    weights: torch.Tensor | None = None
+
+
+def adapter_index(names: Sequence[str], name: str | None) -> int:
+    """Index of `name` in `names` (-1 for None), with a clear error when it is not loaded."""
+    if name is None:
+        return -1
+    try:
+        return list(names).index(name)
+    except ValueError:
+        raise RoutingError(f"unknown adapter {name!r}; loaded adapters: {list(names)}") from None
+
+
+class Router(ABC):
+    """Maps the tokens of a batch to adapter indices."""
+
+    in_network: ClassVar[bool] = False
+
+    @abstractmethod
+    def route(self, input_ids: torch.Tensor, adapter_names: Sequence[str], *, start: int = 0) -> Routing:
+        """Adapter indices for `input_ids` [B, L] whose first column sits at position `start`."""
+
+
+class VocabRouter(Router):
+    """Routes by token-id ranges: the multimodal case (image-code ids to an image adapter, the rest to text).
+
+    ranges: (lo, hi, adapter) with lo inclusive, hi exclusive, non-overlapping; tokens outside every range
+    go to `default` (an adapter name, or None for the base model).
+    """
+
+    def __init__(self, ranges: Sequence[tuple[int, int, str | None]], default: str | None = None) -> None:
+        spans = sorted((int(lo), int(hi), name) for lo, hi, name in ranges)
+        for lo, hi, name in spans:
+            if not 0 <= lo < hi:
+                raise RoutingError(f"vocab range [{lo}, {hi}) for {name!r} is empty or negative; need 0 <= lo < hi")
+        for (lo1, hi1, n1), (lo2, hi2, n2) in zip(spans, spans[1:]):
+            if lo2 < hi1:
+                raise RoutingError(f"vocab ranges [{lo1}, {hi1}) for {n1!r} and [{lo2}, {hi2}) for {n2!r} overlap")
+        self.ranges = spans
+        self.default = default
+
+    def route(self, input_ids: torch.Tensor, adapter_names: Sequence[str], *, start: int = 0) -> Routing:
+        out = torch.full_like(input_ids, adapter_index(adapter_names, self.default))
+        for lo, hi, name in self.ranges:
+            out = torch.where((input_ids >= lo) & (input_ids < hi), adapter_index(adapter_names, name), out)
+        return Routing(out)
+
+    def to_json(self) -> dict:
+        return {"ranges": [[lo, hi, n] for lo, hi, n in self.ranges], "default": self.default}
+
+
+class SequenceRouter(Router):
+    """One adapter per sequence, as today's servers do: the per-request baseline.
+
+    adapters: one name for every row, or one name (or None) per row of the batch.
+    """
+
+    def __init__(self, adapters: str | None | Sequence[str | None]) -> None:
+        self.adapters = adapters
+
+    def route(self, input_ids: torch.Tensor, adapter_names: Sequence[str], *, start: int = 0) -> Routing:
+        rows = input_ids.shape[0]
+        per_row = [self.adapters] * rows if self.adapters is None or isinstance(self.adapters, str) \
+            else list(self.adapters)
+        if len(per_row) != rows:
+            raise RoutingError(f"SequenceRouter has {len(per_row)} adapters for a batch of {rows} sequences")
+        idx = torch.tensor([adapter_index(adapter_names, n) for n in per_row], device=input_ids.device)
+        return Routing(idx[:, None].expand_as(input_ids).clone())
+
+
+class OracleRouter(Router):
+    """Per-token labels given by the caller (adapter names, or None), indexed by sequence position.
+
+    labels: [B][N] names covering positions 0..N-1; positions past N use the row's last label
+    (so generated tokens stay on the adapter of the part they answer).
+    """
+
+    def __init__(self, labels: Sequence[Sequence[str | None]]) -> None:
+        if not labels or any(len(row) == 0 for row in labels):
+            raise RoutingError("OracleRouter needs at least one label per sequence")
+        self.labels = [list(row) for row in labels]
+
+    def route(self, input_ids: torch.Tensor, adapter_names: Sequence[str], *, start: int = 0) -> Routing:
+        rows, length = input_ids.shape
+        if rows != len(self.labels):
+            raise RoutingError(f"OracleRouter has labels for {len(self.labels)} sequences, batch has {rows}")
+        out = torch.empty_like(input_ids)
+        for b, row in enumerate(self.labels):
+            names = [row[min(p, len(row) - 1)] for p in range(start, start + length)]
+            out[b] = torch.tensor([adapter_index(adapter_names, n) for n in names], dtype=out.dtype)
+        return Routing(out)
