@@ -49,6 +49,42 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------- serve
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accept this Bearer key (repeatable; also $MOLORA_API_KEYS, comma-separated); none: open")
+    p.add_argument("--admin-key", action="append", default=[], metavar="KEY",
+                   help="key that may load/unload adapters (repeatable; also $MOLORA_ADMIN_KEYS)")
+    p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
+                   help="folder POST /v1/adapters may load from (repeatable; none: run-time loading off)")
+    p.add_argument("--max-queue", type=int, default=256, help="engine requests in flight at most; more get 429")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences the engine runs per step (default 64)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="context length in tokens (default 2048)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
+
+
+@command("serve", _serve_args)
+def _serve(args: argparse.Namespace) -> int:
+    """Serve the OpenAI-compatible API (model=bundle routes per token; bundle:adapter pins one adapter)."""
+    import os
+
+    from molora.engine import EngineConfig
+    from molora.server import serve
+
+    def env(name: str) -> list[str]:
+        return [k for k in os.environ.get(name, "").split(",") if k]
+
+    serve(args.bundle, host=args.host, port=args.port, api_keys=args.api_key + env("MOLORA_API_KEYS"),
+          admin_keys=args.admin_key + env("MOLORA_ADMIN_KEYS"), adapter_roots=args.adapter_root,
+          max_queue=args.max_queue, drain_timeout_s=args.drain_timeout,
+          engine_config=EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len))
+    return 0
+
+
 # --------------------------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:

@@ -68,8 +68,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, name: str
         model.name_or_path = name or str(path)
         return model, tok
     model, tok = _load_pretrained(path.parent, torch.float32, gguf_file=path.name)
+    # the weights are plain floats now: drop the GGUF quantizer so the model saves like any other
     if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config  # the weights are plain floats now
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
     model.name_or_path = name or str(path)
     if cache:
         _write_cache(model, tok, cached)

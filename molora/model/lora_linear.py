@@ -28,13 +28,33 @@ class RoutingContext:
 
     slot_ids [T, k] (long, -1 = base only) and weights [T, k] (or None for weight 1), where T counts the
     tokens of the step in row-major order of the model's input (batch, then sequence).
+    For in-network (learned) routing the owner also sets `router` (it decides per block from hidden
+    states), `slot_map` (router adapter index -> bank slot, [K]) and `allowed` (bool [K] or None); gated
+    blocks then refresh slot_ids before they run. `trace`, when a list, collects each block's decision.
     """
 
-    __slots__ = ("slot_ids", "weights")
+    __slots__ = ("slot_ids", "weights", "router", "slot_map", "allowed", "trace")
 
     def __init__(self) -> None:
         self.slot_ids: torch.Tensor | None = None
         self.weights: torch.Tensor | None = None
+        self.router = None
+        self.slot_map: torch.Tensor | None = None
+        self.allowed: torch.Tensor | None = None
+        self.trace: list | None = None
+
+    def route_block(self, block: int, hidden: torch.Tensor) -> None:
+        """Let the in-network router decide for `block` from its input hidden [T, D] (no-op without one)."""
+        if self.router is None:
+            return
+        decision = self.router.decide(block, hidden, self.allowed)
+        if decision is None:
+            return  # keep the previous block's decision
+        ids, weights = decision  # [T, k] in router order, -1 = none
+        lookup = torch.cat([self.slot_map, self.slot_map.new_full((1,), -1)])
+        self.slot_ids, self.weights = lookup[ids], weights
+        if self.trace is not None and self.router.gate_index(block) is not None:
+            self.trace.append((block, ids))  # only blocks whose own gate decided
 
     def set(self, slot_ids: torch.Tensor | None, weights: torch.Tensor | None = None) -> None:
         assert slot_ids is None or slot_ids.ndim == 2, "slot_ids must be [T, k]"
@@ -42,7 +62,7 @@ class RoutingContext:
         self.slot_ids, self.weights = slot_ids, weights
 
     def clear(self) -> None:
-        self.slot_ids = self.weights = None
+        self.slot_ids = self.weights = self.router = self.slot_map = self.allowed = None
 
 
 class RoutedLoRALinear(nn.Module):

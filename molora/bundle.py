@@ -1,0 +1,243 @@
+"""Bundles: a folder with `molora.json` naming a base model, its adapters, a router and a prompt template.
+
+    {
+      "format": "molora-bundle/1",
+      "name": "molora-default",
+      "base": "default",                      # the embedded SmolLM2, a .gguf file or a transformers folder
+      "prompt_template": "<|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n",
+      "stop": ["<|im_end|>"],
+      "adapters": [{"name": "arith", "path": "adapters/arith", "description": "...",
+                    "tasks": ["multistep_arithmetic_two"]}],
+      "router": {"kind": "learned", "path": "router"},     # or "vocab" / "sequence" / "none"
+      "vocab_routes": {"ranges": [[lo, hi, "adapter"]], "default": null},
+      "slots": 8, "max_rank": 16
+    }
+
+Relative paths resolve against the bundle folder. `load(path_or_None)` returns a `MoLoRAModel` with the
+router and tokenizer attached; None is the embedded default bundle shipped inside the package.
+This module owns the manifest format and its validation; it knows nothing of requests or HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from molora.errors import BundleError, MoLoRAError
+from molora.routing import Router, SequenceRouter, VocabRouter
+
+MANIFEST = "molora.json"
+FORMAT = "molora-bundle/1"
+DEFAULT_BUNDLE_DIR = Path(__file__).parent / "default_bundle"
+CHATML_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@dataclass(frozen=True)
+class AdapterEntry:
+    name: str
+    path: Path
+    description: str = ""
+    tasks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A parsed, validated manifest (paths resolved)."""
+
+    folder: Path
+    name: str
+    base: str
+    adapters: tuple[AdapterEntry, ...]
+    router_kind: str = "none"
+    router_path: Path | None = None
+    vocab_routes: dict | None = None
+    prompt_template: str = CHATML_TEMPLATE
+    stop: tuple[str, ...] = ("<|im_end|>",)
+    slots: int | None = None
+    max_rank: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def adapter_for_task(self, task: str) -> str | None:
+        """The adapter whose `tasks` lists `task` (oracle routing), or None."""
+        return next((a.name for a in self.adapters if task in a.tasks), None)
+
+    def format_prompt(self, prompt: str) -> str:
+        return self.prompt_template.replace("{prompt}", prompt)
+
+
+def read_bundle(folder: str | Path) -> Bundle:
+    """Parse `folder/molora.json` and check that every file it names exists."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise BundleError(f"{path}: missing; a bundle folder holds {MANIFEST} (make one with "
+                          "`molora build-default --out DIR` or see docs)") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{path}: not valid JSON ({e})") from e
+    if raw.get("format", FORMAT) != FORMAT:
+        raise BundleError(f"{path}: format {raw.get('format')!r} is not {FORMAT!r}")
+    adapters = []
+    for i, a in enumerate(raw.get("adapters", [])):
+        if not isinstance(a, dict) or "name" not in a or "path" not in a:
+            raise BundleError(f"{path}: adapters[{i}] needs 'name' and 'path'")
+        p = (folder / a["path"]).resolve()
+        if not (p / "adapter_config.json").is_file():
+            raise BundleError(f"{path}: adapter {a['name']!r}: {p} holds no adapter_config.json")
+        adapters.append(AdapterEntry(a["name"], p, a.get("description", ""), tuple(a.get("tasks", []))))
+    names = [a.name for a in adapters]
+    if len(set(names)) != len(names):
+        raise BundleError(f"{path}: duplicate adapter names {names}")
+    router = raw.get("router") or {"kind": "none"}
+    kind = router.get("kind", "none")
+    if kind not in ("learned", "vocab", "sequence", "none"):
+        raise BundleError(f"{path}: router kind {kind!r}: use learned, vocab, sequence or none")
+    router_path = (folder / router["path"]).resolve() if router.get("path") else None
+    if kind == "learned" and (router_path is None or not router_path.is_dir()):
+        raise BundleError(f"{path}: learned router folder {router_path} is missing")
+    base = str(raw.get("base", "default"))
+    if base != "default" and not Path(base).is_absolute():
+        base = str((folder / base).resolve())
+    return Bundle(folder=folder, name=str(raw.get("name", folder.name)), base=base, adapters=tuple(adapters),
+                  router_kind=kind, router_path=router_path, vocab_routes=raw.get("vocab_routes"),
+                  prompt_template=raw.get("prompt_template", CHATML_TEMPLATE), stop=tuple(raw.get("stop", [])),
+                  slots=raw.get("slots"), max_rank=raw.get("max_rank"), extra=raw.get("extra", {}))
+
+
+def write_manifest(folder: str | Path, manifest: dict) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, **manifest}, indent=2) + "\n")
+    return folder / MANIFEST
+
+
+def default_bundle_dir() -> Path:
+    if not (DEFAULT_BUNDLE_DIR / MANIFEST).is_file():
+        raise BundleError(f"the embedded default bundle is missing ({DEFAULT_BUNDLE_DIR}); rebuild it with "
+                          f"`molora build-default --out {DEFAULT_BUNDLE_DIR}`")
+    return DEFAULT_BUNDLE_DIR
+
+
+def make_router(bundle: Bundle, kind: str | None = None) -> Router | None:
+    """The bundle's router (or another kind it can provide: 'vocab' needs vocab_routes)."""
+    kind = kind or bundle.router_kind
+    if kind == "learned":
+        from molora.routing.learned import LearnedRouter
+
+        if bundle.router_path is None:
+            raise BundleError(f"bundle {bundle.name!r} has no learned router")
+        router = LearnedRouter.load(bundle.router_path)
+        unknown = [n for n in router.adapter_names if n not in {a.name for a in bundle.adapters}]
+        if unknown:
+            raise BundleError(f"bundle {bundle.name!r}: the router was trained for adapters {unknown} that "
+                              f"the manifest does not list ({[a.name for a in bundle.adapters]})")
+        return router
+    if kind == "vocab":
+        if not bundle.vocab_routes:
+            raise BundleError(f"bundle {bundle.name!r} defines no vocab_routes")
+        return VocabRouter([tuple(r) for r in bundle.vocab_routes["ranges"]], bundle.vocab_routes.get("default"))
+    if kind == "sequence":
+        first = bundle.adapters[0].name if bundle.adapters else None
+        return SequenceRouter(first)
+    return None
+
+
+def load(path: str | Path | None = None, *, base_only: bool = False, dtype: torch.dtype = torch.float32,
+         dispatch: str = "auto") -> Any:
+    """A `MoLoRAModel` for the bundle at `path` (None: the embedded default), router and tokenizer attached."""
+    from molora.model.attach import attach
+    from molora.model.base import load_base
+
+    bundle = read_bundle(default_bundle_dir() if path is None else path)
+    model, tokenizer = load_base(bundle.base, dtype)
+    adapters = {} if base_only else {a.name: a.path for a in bundle.adapters}
+    try:
+        mm = attach(model, adapters, slots=bundle.slots if not base_only else None, max_rank=bundle.max_rank,
+                    tokenizer=tokenizer, dispatch=dispatch)
+    except MoLoRAError as e:
+        raise BundleError(f"bundle {bundle.folder}: {e}") from e
+    mm.router = None if base_only else make_router(bundle)
+    mm.bundle = bundle
+    return mm
+
+
+# --------------------------------------------------------------------------------------------- prompts
+
+@dataclass
+class PromptResult:
+    prompt: str
+    text: str
+    prompt_ids: list[int]
+    answer_ids: list[int]
+    adapters: list[str | None]  # one per token of prompt_ids + answer_ids
+
+
+def encode_prompt(mm: Any, prompt: str) -> list[int]:
+    """Token ids of `prompt` wrapped in the bundle's template (or the tokenizer's chat template)."""
+    tok = mm.tokenizer
+    bundle = getattr(mm, "bundle", None)
+    if bundle is not None:
+        return tok(bundle.format_prompt(prompt), add_special_tokens=False)["input_ids"]
+    return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=True)["input_ids"]
+
+
+def stop_ids(mm: Any) -> list[int]:
+    tok = mm.tokenizer
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    bundle = getattr(mm, "bundle", None)
+    for s in (bundle.stop if bundle else ("<|im_end|>",)):
+        tid = tok.convert_tokens_to_ids(s)
+        if isinstance(tid, int) and tid != tok.unk_token_id:
+            ids.add(tid)
+    return sorted(ids)
+
+
+@torch.no_grad()
+def run_prompt(mm: Any, prompt: str, *, adapter: str | None = None, router: Router | None = None,
+               max_new_tokens: int = 128, temperature: float = 0.0, seed: int | None = None,
+               trace: bool = False) -> PromptResult:
+    """Generate an answer for one prompt; with trace=True also report each token's adapter."""
+    ids = torch.tensor([encode_prompt(mm, prompt)], device=mm.device)
+    spec = adapter if adapter is not None else (router if router is not None else mm.router)
+    gen_spec = spec if spec is not None else SequenceRouter(None)  # no router: the base model
+    stops = stop_ids(mm)
+    out = mm.generate(ids, adapter_ids=gen_spec, max_new_tokens=max_new_tokens, temperature=temperature,
+                      eos_token_id=stops, seed=seed)
+    answer = out[0, ids.shape[1]:].tolist()
+    while answer and answer[-1] in stops:
+        answer.pop()
+    text = mm.tokenizer.decode(answer, skip_special_tokens=True)
+    full = out[:, : ids.shape[1] + len(answer)]
+    adapters = token_adapters(mm, full, gen_spec) if trace else []
+    return PromptResult(prompt, text, ids[0].tolist(), answer, adapters)
+
+
+@torch.no_grad()
+def token_adapters(mm: Any, ids: torch.Tensor, spec: Any) -> list[str | None]:
+    """The adapter each token of ids [1, N] is routed to (learned: the most frequent choice over blocks)."""
+    names = mm.adapter_names
+    router = spec if spec is not None else mm.router
+    if isinstance(router, str):
+        return [router] * ids.shape[1]
+    if router is not None and router.in_network:
+        mm.context.trace = []
+        try:
+            mm(ids, adapter_ids=router)
+            votes = torch.stack([t for _, t in mm.context.trace])[..., 0]  # [blocks, N] router order
+        finally:
+            mm.context.trace = None
+        rnames = router.adapter_names
+        picks = []
+        for col in votes.T.tolist():
+            best = max(set(col), key=col.count)
+            picks.append(rnames[best] if best >= 0 else None)
+        return picks
+    routing = router.route(ids, names, start=0)
+    first = routing.adapter_ids.reshape(ids.shape[1], -1)[:, 0].tolist()
+    return [names[i] if i >= 0 else None for i in first]

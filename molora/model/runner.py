@@ -1,0 +1,363 @@
+"""`ModelRunner`: a lean Llama-family forward over a flattened ragged batch and a paged KV cache.
+
+    runner = ModelRunner(mm, num_blocks=256, block_size=16)
+    hidden = runner.forward(tokens, positions, meta, routing)     # [B, D]: last token of each sequence
+    logits = runner.logits(hidden)                                # [B, V]
+
+Legend: T tokens in the step (all sequences, concatenated, no padding), B sequences in the step,
+D hidden, H query heads, Hkv key/value heads, G = H / Hkv, hd head dim, L blocks, K router adapters,
+k choices per token, N = num_blocks * block_size cache rows.
+
+The runner is built FROM an attached `MoLoRAModel` and reuses its transformers modules (embed_tokens,
+input_layernorm, q_proj ... which are `RoutedLoRALinear` where adapted, sharing the bank and
+`mm.context`), so PEFT keys and the bank stay the same objects. It implements only what transformers
+would do with padding and a cache object: RoPE (cos/sin tables taken once from the model's own
+`rotary_emb`, so every rope_type of the config is honoured), grouped-query causal attention (optionally
+sliding-window) over a paged cache, and the last-token selection. Supported: Llama/SmolLM2, Mistral,
+Qwen2 (q/k/v bias lives in the linears) and Qwen3 (q_norm / k_norm on the head dim).
+
+Routing is explicit per step (`StepRouting`): fixed slot ids [T, k] written into `mm.context` once, and
+optionally an in-network router whose `decide(block, hidden, allowed)` is called before each block for
+the rows it owns. The runner knows slots and router indices, not adapter names, requests or sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from molora.errors import MoLoRAError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class BatchMeta:
+    """Per-sequence layout of one flattened step. Sequence b owns tokens [offset_b, offset_b + query_lens[b]).
+
+    query_lens[b]: tokens of b in this step (a prefill chunk or 1 for decode); context_lens[b]: KV length of
+    b after this step (cached + new), so its new tokens sit at positions context_lens[b] - query_lens[b] ...;
+    block_tables[b]: cache block ids of b in order (covering at least context_lens[b] rows).
+    """
+
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+
+
+@dataclass
+class RouterGroup:
+    """Rows of the step routed by the in-network router, with one allowed mask: rows [n] (None = all T),
+    allowed bool [K] over the router's adapters (None = all)."""
+
+    rows: Tensor | None
+    allowed: Tensor | None
+
+
+@dataclass
+class StepRouting:
+    """The routing of one step. slot_ids [T, k] (-1 = base) and weights [T, k] or None hold the fixed
+    routing of every row; `router` (with `router_slots` [K]: router adapter index -> bank slot, -1 if not
+    resident) overwrites the rows of its `groups` before each block."""
+
+    slot_ids: Tensor | None = None
+    weights: Tensor | None = None
+    router: Any = None
+    router_slots: Tensor | None = None
+    groups: list[RouterGroup] = field(default_factory=list)
+
+
+class PagedKVCache:
+    """K and V of every block, in fixed blocks: k[l], v[l] are [N, Hkv, hd] with row = block * bs + offset."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+        rows = num_blocks * block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.k = torch.zeros(num_layers, rows, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(num_layers, rows, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+    def blocks(self, rows: Tensor) -> Tensor:
+        """A layer's [N, Hkv, hd] cache viewed by block: [num_blocks, block_size, Hkv, hd]."""
+        return rows.view(self.num_blocks, self.block_size, *rows.shape[1:])
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass
+class _AttnPlan:
+    """Index tensors of one step, shared by all layers (built once per step by `ModelRunner.plan`)."""
+
+    write_rows: Tensor                        # [T] cache row of each new token
+    last_rows: Tensor                         # [B] row in T of each sequence's last token
+    dec_tok: Tensor | None                    # [Bd] rows in T of the decode tokens (query_len 1)
+    dec_blocks: Tensor | None                 # [Bd * nb] cache blocks of their contexts (nb: longest, padded)
+    dec_mask: Tensor | None                   # [Bd, 1, 1, nb * bs] bool, True = attend
+    chunks: list[tuple[int, int, Tensor | None, Tensor | None]]  # (start, n, cache blocks, mask [n, ctx])
+
+
+class ModelRunner:
+    """Explicit-input forward of an attached Llama-family model over a paged KV cache (module docstring).
+
+    Not an nn.Module: it borrows the model's modules and owns only the cache and the RoPE tables.
+    """
+
+    def __init__(self, mm: Any, *, num_blocks: int, block_size: int = 16, max_model_len: int = 2048) -> None:
+        cfg = mm.model.config
+        if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+            raise MoLoRAError(f"the runner supports model types {SUPPORTED_MODEL_TYPES}, got "
+                              f"{getattr(cfg, 'model_type', None)!r}; use MoLoRAModel.generate for others")
+        inner = mm.model.model
+        self.mm = mm
+        self.context = mm.context
+        self.embed = inner.embed_tokens
+        self.norm = inner.norm
+        self.lm_head = mm.model.lm_head
+        # The blocks' own submodules, resolved once (a GatedBlock wrapper forwards attribute reads).
+        self.blocks = [_Block(layer, i, cfg) for i, layer in enumerate(inner.layers)]
+        b0 = self.blocks[0]
+        self.num_heads, self.num_kv_heads, self.head_dim = b0.num_heads, b0.num_kv_heads, b0.head_dim
+        self.max_model_len = max_model_len
+        param = next(mm.model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.cache = PagedKVCache(len(self.blocks), num_blocks, block_size, self.num_kv_heads, self.head_dim,
+                                  self.dtype, self.device)
+        self.cos, self.sin = _rope_tables(inner.rotary_emb, max_model_len, self.dtype, self.device)  # [P, hd]
+        self.last_slot_ids: Tensor | None = None  # [B, k] routing of each sequence's last token, last forward
+        self.last_weights: Tensor | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    # ------------------------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward(self, tokens: Tensor, positions: Tensor, meta: BatchMeta, routing: StepRouting | None = None,
+                *, logits: bool = False) -> Tensor:
+        """tokens [T], positions [T] -> hidden [B, D] (or logits [B, V]) of the last token of each sequence.
+
+        Writes the K/V of every token into the cache rows its sequence's block table names.
+        """
+        plan = self.plan(positions, meta)
+        ctx = self.context
+        slot_ids = None if routing is None else routing.slot_ids
+        weights = None if routing is None else routing.weights
+        learned = routing is not None and routing.router is not None and bool(routing.groups)
+        if learned:  # the router overwrites its rows per block; keep the caller's tensors intact
+            slot_ids, weights = self._routing_buffers(tokens.shape[0], routing)
+        ctx.set(slot_ids, weights)
+        try:
+            h = self.embed(tokens)                                          # [T, D]
+            for block in self.blocks:
+                if learned:
+                    self._decide(block.index, h, routing, slot_ids, weights)
+                h = block(h, positions, plan, self.cache, self.cos, self.sin)
+            h = self.norm(h[plan.last_rows])                                 # [B, D]
+            self.last_slot_ids = None if slot_ids is None else slot_ids[plan.last_rows]  # [B, k]
+            self.last_weights = None if weights is None else weights[plan.last_rows]
+            return self.logits(h) if logits else h
+        finally:
+            ctx.clear()
+
+    __call__ = forward
+
+    @torch.no_grad()
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden [B, D] (already normed) -> logits [B, V]. An adapted lm_head uses the last tokens' routing."""
+        if hasattr(self.lm_head, "lora") and self.last_slot_ids is not None:
+            self.context.set(self.last_slot_ids, self.last_weights)
+            try:
+                return self.lm_head(hidden)
+            finally:
+                self.context.clear()
+        return self.lm_head(hidden)
+
+    # ------------------------------------------------------------------------------------ routing
+    @staticmethod
+    def _routing_buffers(T: int, routing: StepRouting) -> tuple[Tensor, Tensor | None]:
+        """Working copies [T, k] of the fixed routing, widened to the router's top-k with weights if needed."""
+        router_k = getattr(routing.router, "top_k", None) or getattr(getattr(routing.router, "config", None), "top_k", 1)
+        k = max(int(router_k), 1 if routing.slot_ids is None else routing.slot_ids.shape[1])
+        device = routing.router_slots.device
+        ids = torch.full((T, k), -1, dtype=torch.long, device=device)
+        w = None
+        if routing.slot_ids is not None:
+            ids[:, :routing.slot_ids.shape[1]] = routing.slot_ids
+        if k > 1 or routing.weights is not None:
+            w = torch.zeros(T, k, dtype=torch.float32, device=device)
+            if routing.weights is not None:
+                w[:, :routing.weights.shape[1]] = routing.weights
+            else:
+                w[:, 0] = 1.0
+        return ids, w
+
+    def _decide(self, block: int, h: Tensor, routing: StepRouting, slot_ids: Tensor, weights: Tensor | None) -> None:
+        """Let the router choose, from the block's input h [T, D], the slots of its rows (in place)."""
+        lookup = torch.cat([routing.router_slots, routing.router_slots.new_full((1,), -1)])  # index -1 -> -1
+        for g in routing.groups:
+            hidden = h if g.rows is None else h[g.rows]                      # [n, D]
+            out = routing.router.decide(block, hidden, g.allowed)
+            if out is None:
+                continue                                                     # keep the previous decision
+            ids, w = out                                                     # [n, k'] router order
+            slots = lookup[ids.long()]                                       # [n, k'] slots, -1 = base
+            k2 = slots.shape[1]
+            if k2 > slot_ids.shape[1]:
+                raise MoLoRAError(f"the router returned top-{k2} choices but declares top_k={slot_ids.shape[1]} "
+                                  "(set `top_k` or `config.top_k` on the router)")
+            rows = slice(None) if g.rows is None else g.rows
+            slot_ids[rows] = torch.cat([slots, slots.new_full((slots.shape[0], slot_ids.shape[1] - k2), -1)], 1)
+            if weights is not None:
+                ww = torch.ones_like(slots, dtype=weights.dtype) if w is None else w.to(weights.dtype)
+                pad = ww.new_zeros(ww.shape[0], weights.shape[1] - k2)
+                weights[rows] = torch.cat([ww, pad], 1)
+
+    # ------------------------------------------------------------------------------------ planning
+    def plan(self, positions: Tensor, meta: BatchMeta) -> _AttnPlan:
+        """Cache rows to write, decode gathers and prefill chunks of one step (shared by all layers)."""
+        q_lens, ctx_lens, tables = meta.query_lens, meta.context_lens, meta.block_tables
+        B, bs, dev = len(q_lens), self.cache.block_size, self.device
+        if not (len(ctx_lens) == len(tables) == B) or sum(q_lens) != positions.shape[0]:
+            raise MoLoRAError(f"batch metadata covers {sum(q_lens)} tokens in {B} sequences, but the step has "
+                              f"{positions.shape[0]} tokens")
+        if max(ctx_lens) > self.max_model_len:
+            raise MoLoRAError(f"context of {max(ctx_lens)} tokens exceeds max_model_len={self.max_model_len}")
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)  # [B, W]
+        seq_of = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(q_lens, device=dev))  # [T]
+        write_rows = table[seq_of, positions // bs] * bs + positions % bs    # [T]
+        ends = torch.tensor(q_lens, device=dev).cumsum(0)
+        dec = [b for b in range(B) if q_lens[b] == 1]
+        dec_tok = dec_blocks = dec_mask = None
+        if dec:
+            d = torch.tensor(dec, device=dev)
+            nb = -(-max(ctx_lens[b] for b in dec) // bs)                        # blocks of the longest context
+            dec_blocks = table[d][:, :nb].reshape(-1)                          # [Bd * nb] (short tables: padded)
+            col = torch.arange(nb * bs, device=dev)                            # [C], C = nb * bs
+            clen = torch.tensor([ctx_lens[b] for b in dec], device=dev)[:, None]
+            dec_mask = (col[None, :] < clen)[:, None, None, :]                 # [Bd, 1, 1, C]
+            dec_tok = ends[d] - 1
+        chunks = []
+        starts = [0]
+        for n in q_lens[:-1]:
+            starts.append(starts[-1] + n)
+        for b in range(B):
+            n, c = q_lens[b], ctx_lens[b]
+            if n == 1:
+                continue
+            blocks = mask = None
+            if c != n:  # earlier tokens are in the cache: gather the whole context, causal with offset
+                blocks = table[b, :-(-c // bs)]                                 # [ceil(c / bs)]
+                mask = torch.arange(c, device=dev)[None, :] <= (c - n + torch.arange(n, device=dev))[:, None]
+            chunks.append((starts[b], n, blocks, mask))                       # mask [n, ctx]
+        return _AttnPlan(write_rows, ends - 1, dec_tok, dec_blocks, dec_mask, chunks)
+
+
+class _Block:
+    """One decoder block's modules and our attention over the paged cache (not an nn.Module: it only
+    borrows the model's modules)."""
+
+    def __init__(self, layer: nn.Module, index: int, cfg: Any) -> None:
+        attn = layer.self_attn
+        self.index = index
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.mlp = layer.mlp
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.window = _sliding_window(cfg, index)
+
+    def __call__(self, h: Tensor, positions: Tensor, plan: _AttnPlan, cache: PagedKVCache,
+                 cos: Tensor, sin: Tensor) -> Tensor:
+        x = self.input_layernorm(h)                                          # [T, D]
+        h = h + self.o_proj(self.attention(x, positions, plan, cache, cos, sin))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def attention(self, x: Tensor, positions: Tensor, plan: _AttnPlan, cache: PagedKVCache,
+                  cos: Tensor, sin: Tensor) -> Tensor:
+        T, H, Hkv, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(T, H, hd)
+        k = self.k_proj(x).view(T, Hkv, hd)
+        v = self.v_proj(x).view(T, Hkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        c, s = cos[positions][:, None, :], sin[positions][:, None, :]        # [T, 1, hd]
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
+        kc, vc = cache.k[self.index], cache.v[self.index]                    # [N, Hkv, hd]
+        kc.index_copy_(0, plan.write_rows, k)
+        vc.index_copy_(0, plan.write_rows, v)
+        out = x.new_empty(T, H, hd)
+        if plan.dec_tok is not None:
+            out[plan.dec_tok] = self._decode(q[plan.dec_tok], cache.blocks(kc), cache.blocks(vc), plan,
+                                             positions[plan.dec_tok])
+        for start, n, blocks, mask in plan.chunks:
+            sl = slice(start, start + n)
+            if blocks is None:  # the whole context is this chunk: plain causal attention
+                kk, vv = k[sl], v[sl]
+            else:  # gather whole blocks (contiguous copies), then cut to the context length
+                c = mask.shape[1]
+                kk = cache.blocks(kc).index_select(0, blocks).view(-1, Hkv, hd)[:c]   # [ctx, Hkv, hd]
+                vv = cache.blocks(vc).index_select(0, blocks).view(-1, Hkv, hd)[:c]
+            if self.window is not None:
+                qpos, kpos = positions[sl], torch.arange(kk.shape[0], device=x.device)
+                win = (kpos[None, :] > qpos[:, None] - self.window) & (kpos[None, :] <= qpos[:, None])
+                mask = win if mask is None else mask & win
+            o = F.scaled_dot_product_attention(
+                q[sl].transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
+                attn_mask=mask, is_causal=mask is None, scale=self.scaling, enable_gqa=True)  # [1, H, n, hd]
+            out[sl] = o[0].transpose(0, 1)
+        return out.view(T, H * hd)
+
+    def _decode(self, q: Tensor, kb: Tensor, vb: Tensor, plan: _AttnPlan, qpos: Tensor) -> Tensor:
+        """q [Bd, H, hd] of single-token sequences against their contexts -> [Bd, H, hd].
+
+        kb, vb [NB, bs, Hkv, hd]: the layer's cache by block. Whole blocks are gathered (contiguous copies,
+        about twice as fast as gathering rows); the mask hides rows past each context's end.
+        """
+        Bd, H, hd = q.shape
+        Hkv = self.num_kv_heads
+        kk = kb.index_select(0, plan.dec_blocks).view(Bd, -1, Hkv, hd).transpose(1, 2)   # [Bd, Hkv, C, hd]
+        vv = vb.index_select(0, plan.dec_blocks).view(Bd, -1, Hkv, hd).transpose(1, 2)
+        mask = plan.dec_mask                                                 # [Bd, 1, 1, C]
+        if self.window is not None:
+            col = torch.arange(kk.shape[2], device=q.device)
+            mask = mask & (col[None, :] > qpos[:, None] - self.window)[:, None, None, :]
+        qg = q.view(Bd, Hkv, H // Hkv, hd)                                   # query head h = kv * G + g
+        o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask, scale=self.scaling)  # [Bd, Hkv, G, hd]
+        return o.reshape(Bd, H, hd)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_tables(rotary: nn.Module, max_len: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos, sin [max_len, hd] from the model's own rotary embedding (any rope_type the config names).
+
+    Dynamic rope types that rescale with the sequence length are evaluated once at max_len.
+    """
+    probe = torch.zeros(1, dtype=dtype, device=device)
+    pos = torch.arange(max_len, device=device)[None]                          # [1, P]
+    with torch.no_grad():
+        cos, sin = rotary(probe, pos)
+    return cos[0].to(dtype), sin[0].to(dtype)
+
+
+def _sliding_window(cfg: Any, index: int) -> int | None:
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if window is None:
+        return None
+    if types is not None:
+        return window if types[index] == "sliding_attention" else None
+    return window  # Mistral: every layer

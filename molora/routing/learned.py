@@ -1,0 +1,228 @@
+"""`LearnedRouter`: small gates over hidden states choose each token's adapter inside the network (MoLoRA).
+
+Two gate layouts, one module:
+
+- **joint** (default): a K+1-way linear gate (K adapters + "none") trained on a mixture of the adapters'
+  datasets. Logits [T, K+1] = W[g] @ rms(h) + b[g].
+- **composable**: each adapter brings its own binary gate (its domain versus generic text), trained alone;
+  a token goes to the adapter whose gate fires highest above `threshold`, else to none. A new adapter plus
+  its gate is added with `add_adapter` without touching the other gates.
+
+And two placements:
+
+- **per_block**: gate g = block; each decoder block decides from its own input hidden state.
+- **shared**: one gate at block `shared_block` decides once per token; blocks before it run the base
+  model, later blocks reuse the decision.
+
+`decide(block, hidden [T, D], allowed [K] | None)` returns (adapter_ids [T, k] in router order, -1 = none;
+weights [T, k] or None) or None to keep the previous decision. Top-k (k <= 2) renormalizes the chosen
+probabilities. The router knows hidden states and adapter names; not slots, banks or requests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from molora.errors import BundleError, RoutingError
+from molora.routing.base import Router, Routing
+
+ROUTER_WEIGHTS = "router.safetensors"
+ROUTER_CONFIG = "router.json"
+
+
+@dataclass(frozen=True)
+class LearnedRouterConfig:
+    adapter_names: tuple[str, ...]
+    hidden_size: int
+    num_blocks: int
+    placement: str = "per_block"   # "per_block" | "shared"
+    shared_block: int = 0
+    composable: bool = False
+    top_k: int = 1
+    threshold: float = 0.0          # composable: a gate must exceed this logit to claim a token
+
+    def __post_init__(self) -> None:
+        if self.placement not in ("per_block", "shared"):
+            raise RoutingError(f"placement={self.placement!r}: use 'per_block' or 'shared'")
+        if not 0 <= self.shared_block < self.num_blocks:
+            raise RoutingError(f"shared_block={self.shared_block} outside 0..{self.num_blocks - 1}")
+        if self.top_k not in (1, 2):
+            raise RoutingError(f"top_k={self.top_k}: the learned router supports top-1 and top-2")
+        if len(set(self.adapter_names)) != len(self.adapter_names):
+            raise RoutingError(f"duplicate adapter names {list(self.adapter_names)}")
+
+    @property
+    def num_gates(self) -> int:
+        return self.num_blocks if self.placement == "per_block" else 1
+
+
+class LearnedRouter(Router, nn.Module):
+    """Gates over hidden states; see the module docstring."""
+
+    in_network = True
+
+    def __init__(self, config: LearnedRouterConfig) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.adapter_names = list(config.adapter_names)
+        G, D = config.num_gates, config.hidden_size
+        C = len(self.adapter_names) + (0 if config.composable else 1)  # joint: last class = none
+        self.weight = nn.Parameter(torch.zeros(G, C, D))  # [G, C, D]
+        self.bias = nn.Parameter(torch.zeros(G, C))       # [G, C]
+
+    # ------------------------------------------------------------------------------------- inference
+    def gate_index(self, block: int) -> int | None:
+        c = self.config
+        if c.placement == "per_block":
+            return block
+        return 0 if block == c.shared_block else None
+
+    def logits(self, gate: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Gate logits [T, C] for hidden [T, D] (RMS-normalized first: block inputs differ in scale)."""
+        h = F.rms_norm(hidden.float(), (hidden.shape[-1],))
+        return h @ self.weight[gate].T + self.bias[gate]
+
+    def decide(self, block: int, hidden: torch.Tensor, allowed: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        gate = self.gate_index(block)
+        if gate is None:
+            if block < self.config.shared_block:  # before the shared gate: base model only
+                return torch.full((hidden.shape[0], 1), -1, dtype=torch.long, device=hidden.device), None
+            return None
+        with torch.no_grad():
+            return self.choose(self.logits(gate, hidden), allowed)
+
+    def choose(self, logits: torch.Tensor, allowed: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(adapter_ids [T, k], weights [T, k] | None) from gate logits [T, C]."""
+        K = len(self.adapter_names)
+        if self.config.composable:
+            # composable: column K is a fixed "none" logit at the threshold
+            logits = torch.cat([logits, logits.new_full((logits.shape[0], 1), self.config.threshold)], 1)
+        if allowed is not None:
+            block = torch.cat([~allowed.to(logits.device), allowed.new_zeros(1, device=logits.device)])
+            logits = logits.masked_fill(block, float("-inf"))
+        k = self.config.top_k
+        if k == 1:
+            top = logits.argmax(-1, keepdim=True)
+            return torch.where(top == K, -1, top), None
+        probs = logits.softmax(-1)
+        w, top = probs.topk(k, dim=-1)
+        w = w / w.sum(-1, keepdim=True).clamp_min(1e-9)
+        return torch.where(top == K, -1, top), w
+
+    def route(self, input_ids: torch.Tensor, adapter_names: Sequence[str], *, start: int = 0) -> Routing:
+        raise RoutingError("LearnedRouter decides inside the network; pass it as adapter_ids to a MoLoRAModel")
+
+    def prepare(self, mm: Any, input_ids: torch.Tensor) -> None:
+        """Make `mm` route by this router for its next forward (installs gated blocks once)."""
+        install_gates(mm)
+        missing = [n for n in self.adapter_names if n not in mm.bank]
+        if missing:
+            raise RoutingError(f"the router was trained for adapters {missing} that are not loaded "
+                               f"(loaded: {mm.adapter_names})")
+        ctx = mm.context
+        ctx.router = self
+        ctx.slot_map = torch.tensor([mm.bank.slot_of(n) for n in self.adapter_names], device=input_ids.device)
+
+    # ------------------------------------------------------------------------------------- composability
+    def add_adapter(self, name: str, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        """Composable mode: append `name` with its own gate (weight [G, D], bias [G]); others untouched."""
+        if not self.config.composable:
+            raise RoutingError("add_adapter needs a composable router; a joint router is retrained instead")
+        if name in self.adapter_names:
+            raise RoutingError(f"the router already has a gate for {name!r}")
+        G, _, D = self.weight.shape
+        if weight.shape != (G, D) or bias.shape != (G,):
+            raise RoutingError(f"gate for {name!r} has shape {tuple(weight.shape)}/{tuple(bias.shape)}, "
+                               f"expected ({G}, {D})/({G},)")
+        with torch.no_grad():
+            self.weight = nn.Parameter(torch.cat([self.weight, weight[:, None].to(self.weight)], 1))
+            self.bias = nn.Parameter(torch.cat([self.bias, bias[:, None].to(self.bias)], 1))
+        self.adapter_names.append(name)
+        self.config = LearnedRouterConfig(**{**asdict(self.config), "adapter_names": tuple(self.adapter_names)})
+
+    def gate_of(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Composable mode: the (weight [G, D], bias [G]) of one adapter's gate."""
+        i = self.adapter_names.index(name)
+        return self.weight[:, i].detach().clone(), self.bias[:, i].detach().clone()
+
+    # ------------------------------------------------------------------------------------- files
+    def save(self, folder: str | Path) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({"weight": self.weight.detach().contiguous(), "bias": self.bias.detach().contiguous()},
+                  str(folder / ROUTER_WEIGHTS))
+        (folder / ROUTER_CONFIG).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "LearnedRouter":
+        folder = Path(folder)
+        try:
+            raw = json.loads((folder / ROUTER_CONFIG).read_text())
+            raw["adapter_names"] = tuple(raw["adapter_names"])
+            router = cls(LearnedRouterConfig(**raw))
+            tensors = load_file(str(folder / ROUTER_WEIGHTS))
+        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+            raise BundleError(f"cannot read the learned router in {folder}: {e}") from e
+        for key in ("weight", "bias"):
+            want = getattr(router, key).shape
+            if key not in tensors or tensors[key].shape != want:
+                got = tuple(tensors[key].shape) if key in tensors else "missing"
+                raise BundleError(f"{folder / ROUTER_WEIGHTS}: {key} is {got}, expected {tuple(want)}")
+        with torch.no_grad():
+            router.weight.copy_(tensors["weight"])
+            router.bias.copy_(tensors["bias"])
+        return router
+
+
+# --------------------------------------------------------------------------------------------- gating
+
+class GatedBlock(nn.Module):
+    """A decoder block that lets the in-network router decide from its input before running."""
+
+    def __init__(self, block: nn.Module, index: int, context: Any) -> None:
+        super().__init__()
+        self.block = block
+        self.index = index
+        self.context = context
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.context.route_block(self.index, hidden_states.reshape(-1, hidden_states.shape[-1]))
+        return self.block(hidden_states, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["block"], name)  # attention_type etc. read by transformers
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of a transformers causal LM (model.model.layers for the Llama family)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise RoutingError(f"cannot find decoder layers (model.model.layers) in {type(model).__name__}")
+    return layers
+
+
+def install_gates(mm: Any) -> list[int]:
+    """Wrap each decoder block of mm.model in a GatedBlock once; return the indices wrapped."""
+    layers = decoder_layers(mm.model)
+    done = []
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, GatedBlock):
+            layers[i] = GatedBlock(layer, i, mm.context)
+            done.append(i)
+    return done

@@ -1,0 +1,13 @@
+"""molora's OpenAI-compatible HTTP server (needs the `serve` extra: fastapi, uvicorn).
+
+    from molora.server import serve
+    serve("path/to/bundle", port=8000, api_keys=["sk-local"])
+
+Files: protocol (wire format and errors), runner (the engine thread), generation (completions and chat),
+metrics (Prometheus text), app (routes, auth, adapters, draining), launch (uvicorn, SIGTERM drain).
+"""
+
+from molora.server.app import create_app, resolve_adapter_path
+from molora.server.launch import ServerThread, build_engine, serve
+
+__all__ = ["ServerThread", "build_engine", "create_app", "resolve_adapter_path", "serve"]

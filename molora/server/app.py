@@ -1,0 +1,352 @@
+"""The FastAPI application: routes, API keys, adapter management, errors, draining, metrics.
+
+    app = create_app(engine, model_name="molora-default", api_keys=("sk-...",), adapter_roots=("adapters",))
+
+Owns: the HTTP surface (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/v1/adapters`,
+`/health`, `/metrics`), Bearer-key checks (any key for the API, an admin key for loading and unloading
+adapters), adapter paths confined to the configured roots, OpenAI-style error JSON for every failure
+(never FastAPI's 422), the body-size limit, the 429/503 answers with Retry-After, and the drain flag that
+turns new requests away with 503 while in-flight ones finish. The engine thread starts with the app's
+lifespan and stops with it.
+
+Knows nothing of how an engine is built or of uvicorn (that is `molora.server.launch`), nor of what the
+generation endpoints do inside (`molora.server.generation`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from molora.errors import BankFullError, MoLoRAError
+from molora.server.generation import Generation, ModelInfo
+from molora.server.metrics import ServerMetrics
+from molora.server.protocol import (
+    AdapterLoadRequest, APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, validation_error,
+)
+from molora.server.runner import EngineRunner, RunnerStopped, Saturated
+
+log = logging.getLogger("molora.server")
+M = TypeVar("M", bound=BaseModel)
+
+MAX_BODY_BYTES = 4 << 20
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/adapters", "/health", "/metrics")
+
+
+class ServerState:
+    """Everything the routes share; `app.state.molora`."""
+
+    def __init__(self, engine: Any, runner: EngineRunner, metrics: ServerMetrics, info: ModelInfo, *,
+                 api_keys: Sequence[str], admin_keys: Sequence[str], adapter_roots: Sequence[Path],
+                 max_body_bytes: int, retry_after_s: int) -> None:
+        self.engine, self.runner, self.metrics, self.info = engine, runner, metrics, info
+        self.api_keys = tuple(api_keys) + tuple(admin_keys)   # an admin key is also an API key
+        self.admin_keys = tuple(admin_keys)
+        self.adapter_roots = tuple(adapter_roots)
+        self.max_body_bytes = max_body_bytes
+        self.retry_after_s = retry_after_s
+        self.draining = False
+        self.generation = Generation(runner, metrics, info)
+
+    def begin_drain(self) -> None:
+        """From now on new requests get 503; the ones in flight go on to the end."""
+        self.draining = True
+
+
+def create_app(engine: Any, *, model_name: str | None = None, api_keys: Sequence[str] = (),
+               admin_keys: Sequence[str] = (), adapter_roots: Sequence[str | Path] = (), max_queue: int = 256,
+               max_model_len: int | None = None, default_max_tokens: int = 512,
+               max_body_bytes: int = MAX_BODY_BYTES, retry_after_s: int = 1) -> FastAPI:
+    """The OpenAI-compatible app over `engine` (see the module docstring).
+
+    model_name: the served model id (default: the bundle's name, else "molora"); `model_name:adapter` pins
+    an adapter. max_queue: engine requests in flight at most (each choice counts); more get 429.
+    max_model_len: context length (default: the engine's `max_model_len`).
+    """
+    mm = engine.mm
+    bundle = getattr(mm, "bundle", None)
+    tok = engine.tokenizer
+    config = getattr(mm, "config", None)
+    info = ModelInfo(
+        name=model_name or (bundle.name if bundle is not None else "molora"), tokenizer=tok,
+        stop_token_ids=tuple(_stop_ids(tok, bundle)), vocab_size=_vocab_size(tok, config),
+        max_model_len=max_model_len or engine.max_model_len,
+        prompt_template=bundle.prompt_template if bundle is not None else None,
+        adapters=[a["name"] for a in engine.list_adapters()], default_max_tokens=default_max_tokens)
+    metrics = ServerMetrics()
+    runner = EngineRunner(engine, max_in_flight=max_queue, on_step=metrics.observe_step)
+    state = ServerState(engine, runner, metrics, info, api_keys=api_keys, admin_keys=admin_keys,
+                        adapter_roots=[Path(r).resolve() for r in adapter_roots], max_body_bytes=max_body_bytes,
+                        retry_after_s=retry_after_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runner.start()
+        try:
+            yield
+        finally:
+            state.begin_drain()
+            runner.stop()
+
+    app = FastAPI(title="molora", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible serving of one base model with per-token LoRA routing.")
+    app.state.molora = state
+    _add_error_handlers(app, state)
+    _add_routes(app, state)
+    app.add_middleware(_Gate, state=state)
+    return app
+
+
+# ---------------------------------------------------------------------------------------------- routes
+
+def _add_routes(app: FastAPI, s: ServerState) -> None:
+    api, admin = Depends(_auth(s, admin=False)), Depends(_auth(s, admin=True))
+
+    @app.post("/v1/completions", dependencies=[api])
+    async def completions(request: Request) -> Response:
+        return await s.generation.completions(await _parse(request, CompletionRequest, s), request)
+
+    @app.post("/v1/chat/completions", dependencies=[api])
+    async def chat_completions(request: Request) -> Response:
+        return await s.generation.chat(await _parse(request, ChatCompletionRequest, s), request)
+
+    @app.get("/v1/models", dependencies=[api])
+    async def models() -> ModelList:
+        return _model_list(s)
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[api])
+    async def model(model_id: str) -> ModelCard:
+        s.info.resolve(model_id)
+        return next(card for card in _model_list(s).data if card.id == model_id)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = s.runner.alive and not s.draining
+        status = "ok" if ok else ("draining" if s.draining else "engine thread stopped")
+        return JSONResponse({"status": status, "in_flight": s.runner.in_flight}, status_code=200 if ok else 503)
+
+    @app.get("/metrics", dependencies=[api])
+    async def metrics() -> PlainTextResponse:
+        stats = await s.runner.call(s.engine.stats)
+        text = s.metrics.render(stats, in_flight=s.runner.in_flight, max_in_flight=s.runner.max_in_flight,
+                                draining=s.draining)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/adapters", dependencies=[api])
+    async def list_adapters() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": jsonable_encoder(await s.runner.call(s.engine.list_adapters))})
+
+    @app.post("/v1/adapters", dependencies=[admin], status_code=201)
+    async def load_adapter(request: Request) -> JSONResponse:
+        req = await _parse(request, AdapterLoadRequest, s)
+        if req.name in s.info.adapters:
+            raise APIError(409, f"adapter {req.name!r} is already loaded; DELETE /v1/adapters/{req.name} first",
+                           param="name", code="adapter_exists")
+        path = resolve_adapter_path(req.path, s.adapter_roots)
+        try:
+            await s.runner.call(lambda: s.engine.load_adapter(req.name, str(path)))
+        except BankFullError as e:
+            raise APIError(409, str(e), param="name", code="no_free_slot") from e
+        except MoLoRAError as e:
+            raise APIError(400, str(e), param="path", code="invalid_adapter") from e
+        await _refresh_adapters(s)
+        return JSONResponse({"object": "adapter", "name": req.name, "model": f"{s.info.name}:{req.name}",
+                             "loaded": True}, status_code=201)
+
+    @app.delete("/v1/adapters/{name}", dependencies=[admin])
+    async def unload_adapter(name: str) -> JSONResponse:
+        if name not in s.info.adapters:
+            raise APIError(404, f"adapter {name!r} is not loaded; loaded: {s.info.adapters}", param="name",
+                           code="adapter_not_found")
+        try:
+            await s.runner.call(lambda: s.engine.unload_adapter(name))
+        except MoLoRAError as e:
+            raise APIError(409, str(e), param="name", code="adapter_busy") from e
+        await _refresh_adapters(s)
+        return JSONResponse({"object": "adapter", "name": name, "deleted": True})
+
+
+def _model_list(s: ServerState) -> ModelList:
+    created = int(s.metrics.started)
+    cards = [ModelCard(id=s.info.name, created=created)]
+    cards += [ModelCard(id=f"{s.info.name}:{a}", created=created, adapter=a) for a in s.info.adapters]
+    return ModelList(data=cards)
+
+
+async def _refresh_adapters(s: ServerState) -> None:
+    s.info.adapters = [a["name"] for a in await s.runner.call(s.engine.list_adapters)]
+
+
+def resolve_adapter_path(path: str, roots: Sequence[Path]) -> Path:
+    """The adapter folder `path` names, resolved (symlinks and '..' followed), if it lies under a root.
+
+    Relative paths are taken relative to each root in turn; absolute ones must resolve inside a root.
+    """
+    if not roots:
+        raise APIError(403, "loading adapters at run time is disabled: start the server with --adapter-root DIR",
+                       param="path", code="adapter_loading_disabled")
+    given = Path(path)
+    try:
+        candidates = [given.resolve()] if given.is_absolute() else [(root / given).resolve() for root in roots]
+    except (OSError, ValueError, RuntimeError) as e:  # null bytes, symlink loops
+        raise APIError(400, f"adapter path {path!r} is not a valid path ({e})", param="path") from e
+    inside = [c for c in candidates if any(c.is_relative_to(root) for root in roots)]
+    if not inside:
+        raise APIError(403, f"adapter path {path!r} lies outside the adapter roots; give a folder under one of "
+                       f"{[str(r) for r in roots]}", param="path", code="path_outside_roots")
+    found = next((c for c in inside if (c / "adapter_config.json").is_file()), None)
+    if found is None:
+        raise APIError(404, f"no PEFT adapter (adapter_config.json) at {path!r} under the adapter roots",
+                       param="path", code="adapter_not_found")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- auth
+
+def _auth(s: ServerState, *, admin: bool) -> Any:
+    async def check(request: Request) -> None:
+        if not s.api_keys:
+            return  # no keys configured: an open local server
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        if not token or not _matches(token, s.api_keys):
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if admin and not _matches(token, s.admin_keys):
+            raise APIError(403, "loading and unloading adapters needs an admin key (--admin-key)",
+                           type="permission_error", code="admin_key_required")
+    return check
+
+
+def _matches(token: str, keys: Sequence[str]) -> bool:
+    return any(hmac.compare_digest(token.encode(), k.encode()) for k in keys)
+
+
+# ---------------------------------------------------------------------------------------------- bodies
+
+async def _parse(request: Request, model: type[M], s: ServerState) -> M:
+    """The body validated as `model`; 413 over the size limit, 400 for bad JSON or bad fields."""
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > s.max_body_bytes:
+            raise APIError(413, f"request body over {s.max_body_bytes} bytes", code="request_too_large")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+def _error(status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(APIError(status, message, type=type, code=code).body(), status_code=status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI, s: ServerState) -> None:
+    retry = {"Retry-After": str(s.retry_after_s)}
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(Saturated)
+    async def saturated(_: Request, e: Saturated) -> JSONResponse:
+        return _error(429, f"the server is at capacity ({e}); retry after {s.retry_after_s} s",
+                      type="rate_limit_error", code="server_busy", headers=retry)
+
+    @app.exception_handler(RunnerStopped)
+    async def stopped(_: Request, e: RunnerStopped) -> JSONResponse:
+        return _error(503, f"the engine is not running ({e})", type="server_error", code="unavailable", headers=retry)
+
+    @app.exception_handler(MoLoRAError)
+    async def molora_error(_: Request, e: MoLoRAError) -> JSONResponse:
+        return _error(400, str(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None,
+                      headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def request_invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        return _error(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _error(500, f"internal error ({type(e).__name__}); the server keeps serving", type="server_error")
+
+
+class _Gate:
+    """Pure ASGI middleware: 503 while draining, 413 by Content-Length, response counts for /metrics."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.s = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        route = next((r for r in _ROUTES if path == r or path.startswith(r + "/")), "other")
+        status = 500
+
+        async def counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope, path)
+            if refusal is not None:
+                await refusal(scope, receive, counted)
+                return
+            if not self.s.runner.alive and not self.s.draining:
+                self.s.runner.start()  # served without a lifespan (some test clients): start on first use
+            await self.app(scope, receive, counted)
+        finally:
+            self.s.metrics.observe_response(route, status)
+
+    def _refusal(self, scope: Scope, path: str) -> Response | None:
+        if self.s.draining and path != "/health":
+            return _error(503, "the server is shutting down; retry on another replica", type="server_error",
+                          code="draining", headers={"Retry-After": str(self.s.retry_after_s), "Connection": "close"})
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.s.max_body_bytes:
+            return _error(413, f"request body of {int(length)} bytes is over the {self.s.max_body_bytes}-byte limit",
+                          code="request_too_large")
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- model facts
+
+def _stop_ids(tok: Any, bundle: Any) -> list[int]:
+    """End-of-sequence ids: the tokenizer's eos plus the bundle's stop tokens (ChatML's <|im_end|> without one)."""
+    ids = {tok.eos_token_id} if getattr(tok, "eos_token_id", None) is not None else set()
+    for text in (bundle.stop if bundle is not None else ("<|im_end|>",)):
+        tid = tok.convert_tokens_to_ids(text)
+        if isinstance(tid, int) and tid != getattr(tok, "unk_token_id", None) and tid >= 0:
+            ids.add(tid)
+    return sorted(ids)
+
+
+def _vocab_size(tok: Any, config: Any) -> int:
+    sizes = [len(tok)] + ([config.vocab_size] if getattr(config, "vocab_size", None) else [])
+    return min(sizes)

@@ -1,0 +1,397 @@
+"""/v1/completions and /v1/chat/completions: from a validated request to engine requests and back.
+
+Owns: choosing the model and routing (`bundle` = per-token routing, `bundle:adapter` = one pinned
+adapter, the `molora` options), turning prompts into token ids (raw text for completions; for chat the
+bundle's prompt template on a single user message, else the tokenizer's chat template), context-length
+and vocabulary checks, `SamplingParams` per choice (n choices and batched prompts are one engine request
+each), and the two ways back: one JSON response, or SSE chunks ending in `data: [DONE]`. A client that
+disconnects (mid-stream, or while waiting for a non-streamed answer) aborts its engine requests.
+
+Knows nothing of the engine thread (it talks to `EngineRunner`), auth, adapters management or metrics
+rendering; it reports each finished choice to `ServerMetrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from molora.config import SamplingParams
+from molora.errors import MoLoRAError
+from molora.server.metrics import ServerMetrics
+from molora.server.protocol import (
+    APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatLogprobs, ChatMessageOut, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
+    CompletionResponse, Delta, Routed, TokenLogprob, TopLogprob, Usage, GenerationRequest,
+)
+from molora.server.runner import EngineFailure, EngineRunner, RequestSpec, Submission
+
+
+@dataclass
+class ModelInfo:
+    """What the handlers need to know about the served model; `adapters` follows loads and unloads."""
+
+    name: str
+    tokenizer: Any
+    stop_token_ids: tuple[int, ...]
+    vocab_size: int
+    max_model_len: int | None = None
+    prompt_template: str | None = None      # the bundle's, with "{prompt}"; None: the tokenizer's template
+    adapters: list[str] = field(default_factory=list)
+    default_max_tokens: int = 512           # chat without max_tokens (capped by the context left)
+
+    def resolve(self, model: str) -> str | None:
+        """The pinned adapter of `model` (None for per-token routing); 404 for anything else."""
+        if model == self.name:
+            return None
+        prefix = self.name + ":"
+        if model.startswith(prefix) and model[len(prefix):] in self.adapters:
+            return model[len(prefix):]
+        served = [self.name] + [f"{prefix}{a}" for a in self.adapters]
+        raise APIError(404, f"model {model!r} does not exist; this server serves {served}", param="model",
+                       code="model_not_found")
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far, and when (for TTFT/TPOT)."""
+
+    index: int
+    prompt_tokens: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    adapters: list[str | None] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    t_first: float | None = None
+    t_last: float | None = None
+
+    def update(self, out: Any, now: float) -> None:
+        self.prompt_tokens = out.prompt_tokens
+        self.text += out.new_text
+        self.token_ids += out.new_token_ids
+        self.adapters += out.token_adapters
+        self.logprobs += out.logprobs or []
+        if out.new_token_ids:
+            self.t_first = self.t_first if self.t_first is not None else now
+            self.t_last = now
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+class Generation:
+    """The two generation endpoints over one `EngineRunner`."""
+
+    def __init__(self, runner: EngineRunner, metrics: ServerMetrics, info: ModelInfo) -> None:
+        self.runner, self.metrics, self.info = runner, metrics, info
+
+    # ------------------------------------------------------------------------------------ endpoints
+    async def completions(self, req: CompletionRequest, request: Request) -> Response:
+        req.check_supported()
+        prompts = [self._encode_completion(p, i) for i, p in enumerate(req.prompt_list())]
+        fmt = _CompletionFormat(self.info, "cmpl-" + uuid.uuid4().hex, req)
+        return await self._run(req, prompts, req.max_tokens, req.logprobs, fmt, request)
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        req.check_supported()
+        prompt = self._encode_chat(req)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        fmt = _ChatFormat(self.info, "chatcmpl-" + uuid.uuid4().hex, req)
+        return await self._run(req, [prompt], req.token_limit, top, fmt, request)
+
+    # ------------------------------------------------------------------------------------ prompts
+    def _encode_completion(self, prompt: str | list[int], i: int) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.info.tokenizer.encode(prompt, add_special_tokens=True))
+        bad = [t for t in prompt if t >= self.info.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt[{i}] holds token ids {bad[:5]} outside the vocabulary "
+                           f"[0, {self.info.vocab_size})", param="prompt")
+        return list(prompt)
+
+    def _encode_chat(self, req: ChatCompletionRequest) -> list[int]:
+        tok, msgs = self.info.tokenizer, req.messages
+        if self.info.prompt_template is not None and len(msgs) == 1 and msgs[0].role == "user":
+            text = self.info.prompt_template.replace("{prompt}", msgs[0].text())
+        elif getattr(tok, "chat_template", None):
+            conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in msgs]
+            try:
+                text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # jinja templates raise on conversations they do not accept
+                raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from e
+        else:
+            raise APIError(400, "this model has no chat template for system or multi-turn messages; send one "
+                           "user message, or use /v1/completions with your own prompt", param="messages")
+        return list(tok.encode(text, add_special_tokens=False))
+
+    def _specs(self, req: GenerationRequest, prompts: Sequence[list[int]], max_tokens: int | None,
+               logprobs: int | None) -> list[RequestSpec]:
+        opts, info = req.options, self.info
+        adapter = info.resolve(req.model)
+        unknown = [a for a in opts.adapters or [] if a not in info.adapters]
+        if unknown:
+            raise APIError(404, f"unknown adapters {unknown} in molora.adapters; loaded: {info.adapters}",
+                           param="molora.adapters", code="adapter_not_found")
+        if adapter is not None and opts.adapters is not None and adapter not in opts.adapters:
+            raise APIError(400, f"model pins adapter {adapter!r}, which molora.adapters {opts.adapters} excludes",
+                           param="molora.adapters")
+        if adapter is not None and opts.routing not in ("auto", "sequence"):
+            raise APIError(400, f"model {req.model!r} pins one adapter; molora.routing={opts.routing!r} needs "
+                           f"model={info.name!r} (per-token routing)", param="molora.routing")
+        stop = req.stop_strings()
+        specs = []
+        for p, ids in enumerate(prompts):
+            new_tokens = self._budget(ids, max_tokens)
+            for j in range(req.n):
+                try:
+                    params = SamplingParams(
+                        max_new_tokens=new_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                        seed=None if req.seed is None else req.seed + j, stop_token_ids=info.stop_token_ids,
+                        stop=stop, logprobs=0 if logprobs is None else max(logprobs, 1))
+                except MoLoRAError as e:
+                    raise APIError(400, str(e)) from e
+                specs.append(RequestSpec(p * req.n + j, ids, params, adapter, opts.adapters, opts.routing))
+        return specs
+
+    def _budget(self, ids: list[int], max_tokens: int | None) -> int:
+        """New tokens for a prompt: max_tokens, or the default capped by the context left."""
+        if not ids:
+            raise APIError(400, "the prompt is empty (0 tokens); send some text", param="prompt")
+        ctx = self.info.max_model_len
+        if ctx is None:
+            return max_tokens or self.info.default_max_tokens
+        if max_tokens is None:
+            max_tokens = min(self.info.default_max_tokens, ctx - len(ids))
+        if len(ids) + max(max_tokens, 1) > ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                           f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+                           "completion). Please reduce the length of the prompt or the completion.",
+                           param="max_tokens" if len(ids) < ctx else "prompt", code="context_length_exceeded")
+        return max_tokens
+
+    # ------------------------------------------------------------------------------------ running
+    async def _run(self, req: GenerationRequest, prompts: list[list[int]], max_tokens: int | None,
+                   logprobs: int | None, fmt: _Format, request: Request) -> Response:
+        specs = self._specs(req, prompts, max_tokens, logprobs)
+        if len(specs) > self.runner.max_in_flight:
+            raise APIError(400, f"this request needs {len(specs)} engine requests (n x prompts), more than the "
+                           f"server admits at once ({self.runner.max_in_flight}); lower n or split the batch",
+                           param="n")
+        try:
+            sub = await self.runner.submit(specs, fmt.id)
+        except MoLoRAError as e:
+            raise APIError(400, str(e)) from e
+        states = [ChoiceState(spec.index, len(spec.prompt_ids)) for spec in specs]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return SSEResponse(self._stream(sub, states, fmt, include_usage, req.n), sub)
+        try:
+            await _until_done_or_gone(self._collect(sub, states), request)
+        finally:
+            sub.close()
+        return JSONResponse(fmt.response(states, _usage(states, req.n)).model_dump(mode="json"))
+
+    async def _outputs(self, sub: Submission, states: list[ChoiceState]) -> AsyncIterator[tuple[ChoiceState, Any]]:
+        """Each output in arrival order, after updating its choice's state; raises on engine failure."""
+        by_index = {s.index: s for s in states}
+        while sub.unfinished:
+            item = await sub.queue.get()
+            if isinstance(item, EngineFailure):
+                raise APIError(500, item.message, type="server_error", code="engine_error")
+            index, out = item
+            state = by_index[index]
+            state.update(out, time.perf_counter())
+            if out.finished:
+                sub.finished(out.request_id)
+                self._observe(sub, state)
+            yield state, out
+
+    async def _collect(self, sub: Submission, states: list[ChoiceState]) -> None:
+        async for _ in self._outputs(sub, states):
+            pass
+
+    async def _stream(self, sub: Submission, states: list[ChoiceState], fmt: _Format, include_usage: bool,
+                      n: int) -> AsyncIterator[str]:
+        try:
+            for state in states:
+                head = fmt.head(state)
+                if head is not None:
+                    yield _sse(head)
+            async for state, out in self._outputs(sub, states):
+                chunk = fmt.chunk(state, out)
+                if chunk is not None:
+                    yield _sse(chunk)
+            if include_usage:
+                yield _sse(fmt.usage_chunk(_usage(states, n)))
+            yield "data: [DONE]\n\n"
+        except APIError as e:  # the engine failed mid-stream: tell the client in-band, as OpenAI does
+            yield "data: " + json.dumps(e.body()) + "\n\n"
+        finally:
+            sub.close()
+
+    def _observe(self, sub: Submission, s: ChoiceState) -> None:
+        now = time.perf_counter()
+        n = len(s.token_ids)
+        ttft = s.t_first - sub.arrival if s.t_first is not None else None
+        tpot = (s.t_last - s.t_first) / (n - 1) if n > 1 and s.t_first is not None and s.t_last is not None else None
+        self.metrics.observe_request(ttft=ttft, tpot=tpot, latency=now - sub.arrival, prompt_tokens=s.prompt_tokens,
+                                     completion_tokens=n, finish_reason=s.finish_reason)
+
+
+def _usage(states: list[ChoiceState], n: int) -> Usage:
+    """Prompt tokens once per prompt (not per choice, as OpenAI counts n), completion tokens of all choices."""
+    prompt = sum(s.prompt_tokens for s in states if s.index % n == 0)
+    completion = sum(len(s.token_ids) for s in states)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def _until_done_or_gone(work: Any, request: Request) -> None:
+    """Await `work`; if the client disconnects first, cancel it and raise (the caller aborts)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise APIError(499, "client closed the request", code="client_disconnected")
+    task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(chunk: BaseModel) -> str:
+    return "data: " + chunk.model_dump_json() + "\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """An event stream that aborts its engine requests however it ends (done, disconnect, cancellation)."""
+
+    def __init__(self, chunks: AsyncIterator[str], sub: Submission) -> None:
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.sub = sub
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.sub.close()
+
+
+# ------------------------------------------------------------------------------------------ formats
+
+class _Format:
+    """How one endpoint writes choices: the full response, the stream chunks, the usage chunk."""
+
+    def __init__(self, info: ModelInfo, id: str, req: Any) -> None:
+        self.info, self.id, self.req = info, id, req
+        self.created = int(time.time())
+        self.routing = req.options.return_routing
+
+    def _routed(self, token_ids: list[int], adapters: list[str | None]) -> Routed | None:
+        return Routed(token_ids=list(token_ids), adapters=list(adapters)) if self.routing else None
+
+    def _token(self, token_id: int) -> str:
+        return self.info.tokenizer.decode([token_id])
+
+    def head(self, state: ChoiceState) -> BaseModel | None:
+        return None
+
+    def response(self, states: list[ChoiceState], usage: Usage) -> BaseModel:
+        raise NotImplementedError
+
+    def chunk(self, state: ChoiceState, out: Any) -> BaseModel | None:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        raise NotImplementedError
+
+
+class _CompletionFormat(_Format):
+    def _logprobs(self, entries: list[dict], offset: int) -> CompletionLogprobs | None:
+        if self.req.logprobs is None:
+            return None
+        lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for e in entries:
+            token = self._token(e["token_id"])
+            lp.tokens.append(token)
+            lp.token_logprobs.append(float(e["logprob"]))
+            lp.top_logprobs.append({self._token(i): float(v) for i, v in e["top"][: self.req.logprobs]})
+            lp.text_offset.append(offset)
+            offset += len(token)
+        return lp
+
+    def response(self, states: list[ChoiceState], usage: Usage) -> CompletionResponse:
+        choices = [CompletionChoice(index=s.index, text=s.text, logprobs=self._logprobs(s.logprobs, 0),
+                                    finish_reason=s.finish_reason, molora=self._routed(s.token_ids, s.adapters))
+                   for s in states]
+        return CompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices, usage=usage)
+
+    def chunk(self, state: ChoiceState, out: Any) -> CompletionChunk | None:
+        wants_tokens = self.routing or self.req.logprobs is not None
+        if not (out.new_text or out.finished or (out.new_token_ids and wants_tokens)):
+            return None
+        offset = len(state.text) - len(out.new_text)
+        choice = CompletionChoice(index=state.index, text=out.new_text,
+                                  logprobs=self._logprobs(out.logprobs or [], offset),
+                                  finish_reason=out.finish_reason if out.finished else None,
+                                  molora=self._routed(out.new_token_ids, out.token_adapters))
+        return CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])
+
+    def usage_chunk(self, usage: Usage) -> CompletionChunk:
+        return CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[], usage=usage)
+
+
+class _ChatFormat(_Format):
+    def _logprobs(self, entries: list[dict]) -> ChatLogprobs | None:
+        if not self.req.logprobs:
+            return None
+        k = self.req.top_logprobs or 0
+        content = []
+        for e in entries:
+            token = self._token(e["token_id"])
+            top = [TopLogprob(token=(t := self._token(i)), logprob=float(v), bytes=list(t.encode()))
+                   for i, v in e["top"][:k]]
+            content.append(TokenLogprob(token=token, logprob=float(e["logprob"]), bytes=list(token.encode()),
+                                        top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def response(self, states: list[ChoiceState], usage: Usage) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=s.index, message=ChatMessageOut(content=s.text),
+                              logprobs=self._logprobs(s.logprobs), finish_reason=s.finish_reason,
+                              molora=self._routed(s.token_ids, s.adapters))
+                   for s in states]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
+                                      usage=usage)
+
+    def head(self, state: ChoiceState) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=state.index, delta=Delta(role="assistant", content=""))
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])
+
+    def chunk(self, state: ChoiceState, out: Any) -> ChatCompletionChunk | None:
+        if not (out.new_text or out.finished or (out.new_token_ids and (self.routing or self.req.logprobs))):
+            return None
+        choice = ChatChunkChoice(index=state.index, delta=Delta(content=out.new_text or None),
+                                 logprobs=self._logprobs(out.logprobs or []),
+                                 finish_reason=out.finish_reason if out.finished else None,
+                                 molora=self._routed(out.new_token_ids, out.token_adapters))
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])
+
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[], usage=usage)

@@ -1,0 +1,111 @@
+"""`serve()`: build the engine from a bundle and run the app under uvicorn, draining on SIGTERM.
+
+Owns: loading (`molora.bundle.load` -> `Engine`), the uvicorn configuration, and the drain on SIGTERM or
+Ctrl-C: the app starts answering new requests with 503 at once, uvicorn stops accepting connections,
+requests in flight run to the end (up to `drain_timeout_s`, then they are cancelled and their engine
+requests aborted), the engine thread stops and the process exits. `ServerThread` runs the same server on
+a background thread (tests, benchmarks). Knows nothing of the routes themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from molora.server.app import create_app
+
+log = logging.getLogger("molora.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server that flips the app into draining mode the moment a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.molora_app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.molora_app.state.molora.begin_drain()
+        log.warning("signal %d: draining %d in-flight requests, then exiting", sig,
+                    self.molora_app.state.molora.runner.in_flight)
+        super().handle_exit(sig, frame)
+
+
+def build_engine(bundle: str | Path | None = None, engine_config: Any = None) -> Any:
+    """An `Engine` over the bundle at `bundle` (None: the embedded default bundle)."""
+    from molora.bundle import load
+    from molora.engine import Engine, EngineConfig
+
+    mm = load(bundle)
+    return Engine(mm, engine_config if engine_config is not None else EngineConfig())
+
+
+def serve(bundle: str | Path | None = None, *, host: str = "127.0.0.1", port: int = 8000,
+          api_keys: Sequence[str] = (), admin_keys: Sequence[str] = (), adapter_roots: Sequence[str | Path] = (),
+          engine_config: Any = None, max_queue: int = 256, model_name: str | None = None,
+          drain_timeout_s: float = 30.0, log_level: str = "info", engine: Any = None) -> None:
+    """Serve the OpenAI-compatible API until SIGTERM/SIGINT, then drain and return.
+
+    bundle: a bundle folder (None: the embedded default); engine: an already built engine instead.
+    api_keys / admin_keys: Bearer keys (none: an open server; admin keys also work as API keys).
+    adapter_roots: folders that POST /v1/adapters may load from (none: run-time loading disabled).
+    """
+    if not api_keys and not admin_keys and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without API keys: anyone who can reach this port can use it (--api-key)", host)
+    if engine is None:
+        engine = build_engine(bundle, engine_config)
+    app = create_app(engine, model_name=model_name, api_keys=api_keys, admin_keys=admin_keys,
+                     adapter_roots=adapter_roots, max_queue=max_queue)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s,
+                            access_log=False)
+    server = DrainingServer(config, app)
+    log.info("serving %s on http://%s:%d/v1", app.state.molora.info.name, host, port)
+    server.run()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ServerThread:
+    """The app on a background thread with a live socket: `with ServerThread(app) as url: ...`.
+
+    url is the API base (`http://127.0.0.1:<port>/v1`), as the `openai` client wants it.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.app = app
+        self.port = port if port is not None else free_port(host)
+        self.host = host
+        config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=5)
+        self.server = DrainingServer(config, app)
+        self.thread = threading.Thread(target=self.server.run, name="molora-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on port {self.port} did not start")
+            time.sleep(0.02)
+        return self.url
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)

@@ -1,0 +1,334 @@
+"""The wire format of the OpenAI-compatible API: request and response models and the error JSON.
+
+Owns: what a request body may hold (types, ranges, which OpenAI parameters molora refuses and why), the
+shape of every response and stream chunk, and `APIError` (an HTTP status plus OpenAI's error object
+`{"error": {"message", "type", "param", "code"}}`). Knows nothing of engines, tokenizers or FastAPI.
+
+Models are strict (no "1" for 1) and refuse unknown fields, as OpenAI's API does; NaN and infinity are
+refused everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_validator
+
+MAX_N = 16            # choices per request (each one is an engine request)
+MAX_STOP = 4          # stop strings, as OpenAI
+MAX_BATCH = 64        # prompts in one /v1/completions call
+MAX_LOGPROBS = 20     # top-n logprobs (SamplingParams' limit)
+INT64 = 2**63
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+class APIError(Exception):
+    """An error the client caused (4xx) or must wait out (429/503), rendered as OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """A 400 naming the first offending field, its problem and, for unknown fields, that they are refused."""
+    err = e.errors(include_url=False)[0]
+    loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
+    param = ".".join(loc) or None
+    if err["type"] == "extra_forbidden":
+        msg = f"unrecognized request argument {param!r}: molora does not support it"
+    else:
+        got = repr(err.get("input"))
+        msg = f"{param or 'body'}: {err['msg']} (got {got[:80] + '...' if len(got) > 80 else got})"
+    return APIError(400, msg, param=param, code="invalid_value")
+
+
+def _is_union_tag(part: str | int) -> bool:
+    """pydantic names the member of a union it tried in `loc` ('str', 'list[constrained-int]'): not a field."""
+    return isinstance(part, str) and ("[" in part or part in _UNION_TAGS
+                                      or part.startswith(("constrained-", "function-")))
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+# --------------------------------------------------------------------------------------------- requests
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+class MoloraOptions(_Strict):
+    """molora's own request options: how to route, over which adapters, and whether to report it."""
+
+    routing: Literal["auto", "learned", "vocab", "sequence"] = "auto"
+    adapters: list[Name] | None = Field(None, max_length=256)
+    return_routing: bool = False
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class GenerationRequest(_Strict):
+    model: Name
+    max_tokens: int | None = Field(None, ge=1, lt=INT64)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, lt=2**31)                 # extension (vLLM has it too); 0 = off
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: StopString | list[StopString] | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    molora: MoloraOptions | None = None
+
+    @field_validator("temperature", "top_p", "top_k", "n", "stream", "presence_penalty", "frequency_penalty",
+                     mode="before")
+    @classmethod
+    def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # OpenAI accepts null for these (some clients send it): the default applies
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise APIError(400, f"stop holds {len(stops)} strings; at most {MAX_STOP} are allowed", param="stop")
+        return tuple(stops)
+
+    def check_supported(self) -> None:
+        """Refuse, with a 400 naming the parameter, what molora accepts syntactically but does not do."""
+        if self.presence_penalty or self.frequency_penalty:
+            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
+            raise APIError(400, f"{param} is not supported by molora; send 0 or leave it out", param=param)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported by molora; leave it out", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        self.stop_strings()
+
+    @property
+    def options(self) -> MoloraOptions:
+        return self.molora or MoloraOptions()
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
+
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, lt=INT64)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo=true is not supported by molora; prepend the prompt yourself", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix (insertion) is not supported by molora", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, f"best_of={self.best_of} is not supported (only best_of == n)", param="best_of")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise APIError(400, "prompt is an empty list; send a string or token ids", param="prompt")
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) and len(self.prompt) > MAX_BATCH:
+            raise APIError(400, f"{len(self.prompt)} prompts in one request; at most {MAX_BATCH}", param="prompt")
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """Each prompt of the call (a batch is several): text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=INT64)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise APIError(400, "send max_tokens or max_completion_tokens, not both", param="max_tokens")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class AdapterLoadRequest(_Strict):
+    """POST /v1/adapters: load the PEFT folder at `path` (under a configured root) as `name`."""
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}$")]
+    path: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+
+
+# -------------------------------------------------------------------------------------------- responses
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Routed(BaseModel):
+    """Each generated token's id and the adapter it was routed to (None: the base model)."""
+
+    token_ids: list[int]
+    adapters: list[str | None]
+
+
+def _absent(v: Any) -> bool:
+    return v is None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    molora: Routed | None = Field(None, exclude_if=_absent)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    molora: Routed | None = Field(None, exclude_if=_absent)
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = Field(None, exclude_if=_absent)
+    content: str | None = Field(None, exclude_if=_absent)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    molora: Routed | None = Field(None, exclude_if=_absent)
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, exclude_if=_absent)
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, exclude_if=_absent)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "molora"
+    adapter: str | None = None  # the pinned adapter of `bundle:adapter`; None for per-token routing
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
