@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -46,6 +47,162 @@ def _generate(args: argparse.Namespace) -> int:
     result = run_prompt(mm, args.prompt, adapter=args.adapter, max_new_tokens=args.max_tokens,
                         temperature=args.temperature, seed=args.seed)
     print(result.text)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- route
+
+def _route_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the user message")
+    p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
+    p.add_argument("--routing", default=None, choices=["learned", "vocab", "sequence"],
+                   help="router to use (default: the bundle's)")
+    p.add_argument("--adapter", default=None, help="pin one adapter instead of routing")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
+    p.add_argument("--json", action="store_true", help='print {"tokens":[{"text","adapter"}...]} instead')
+    p.add_argument("--html", default=None, metavar="FILE", help="also write a coloured HTML page with a legend")
+
+
+@command("route", _route_args)
+def _route(args: argparse.Namespace) -> int:
+    """Generate and show each token of prompt and answer coloured by its adapter."""
+    from molora.bundle import load, make_router
+    from molora.view import render_json, to_ansi, to_html, to_plain
+
+    mm = load(args.bundle)
+    router = make_router(mm.bundle, args.routing) if args.routing else None
+    view = routed_view(mm, args.prompt, adapter=args.adapter, router=router, max_new_tokens=args.max_tokens)
+    if args.json:
+        print(render_json(view))
+    else:
+        print(to_ansi(view) if sys.stdout.isatty() else to_plain(view))
+    if args.html:
+        from pathlib import Path
+
+        Path(args.html).write_text(to_html([(args.prompt, view)]))
+        print(f"wrote {args.html}", file=sys.stderr)
+    return 0
+
+
+def routed_view(mm, prompt: str, **kwargs):
+    from molora.bundle import run_prompt
+    from molora.view import routed_text
+
+    r = run_prompt(mm, prompt, trace=True, **kwargs)
+    return routed_text(mm.tokenizer, r.prompt_ids + r.answer_ids, r.adapters, len(r.prompt_ids), mm.adapter_names)
+
+
+# --------------------------------------------------------------------------------------------- demo
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
+    p.add_argument("--html", default="routing.html", metavar="FILE", help="routing page to write (default routing.html)")
+
+
+@command("demo", _demo_args)
+def _demo(args: argparse.Namespace) -> int:
+    """What `make run` shows: per-token routing on the default bundle, one prompt per skill and a mixed one."""
+    from pathlib import Path
+
+    from molora.bundle import load
+    from molora.data.skills import EVAL_SEED_BASE, generate
+    from molora.view import to_ansi, to_html, to_plain
+
+    mm = load(args.bundle)
+    tasks = [t for a in mm.bundle.adapters for t in a.tasks]
+    prompts = [generate(t, 1, seed=EVAL_SEED_BASE + 77)[0] for t in tasks]
+    cases = [(f"{p.task} (expected: {p.target})", p.input) for p in prompts]
+    if len(prompts) >= 2:
+        cases.append(("two skills in one message", prompts[0].input + "\n" + prompts[1].input))
+    views = []
+    for heading, prompt in cases:
+        view = routed_view(mm, prompt, max_new_tokens=32)
+        views.append((heading, view))
+        print(f"== {heading}")
+        print((to_ansi(view) if sys.stdout.isatty() else to_plain(view)) + "\n")
+    Path(args.html).write_text(to_html(views, title=f"molora routing view: {mm.bundle.name}"))
+    print(f"wrote {args.html} (open it in a browser to see each token coloured by its adapter)")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- training
+
+def _train_adapter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("data", help='JSONL of {"prompt","completion"} or {"messages":[...]}')
+    p.add_argument("--out", required=True, help="folder to write the PEFT adapter into")
+    p.add_argument("--base", default="default", help="base model: default, a .gguf file or a transformers folder")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
+    p.add_argument("--alpha", type=float, default=16.0, help="lora_alpha (default 16)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--epochs", type=float, default=1.0, help="passes over the data (default 1)")
+    p.add_argument("--batch-size", type=int, default=16, help="examples per step (default 16)")
+    p.add_argument("--targets", default=",".join(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                  "up_proj", "down_proj")), help="comma-separated module names")
+    p.add_argument("--seed", type=int, default=0, help="seed (same data + seed = same adapter)")
+    p.add_argument("--fp32", action="store_true", help="keep the frozen base in fp32 (default bf16: faster)")
+
+
+@command("train-adapter", _train_adapter_args)
+def _train_adapter(args: argparse.Namespace) -> int:
+    """Train one focused LoRA on a JSONL file; writes a standard PEFT folder."""
+    from molora.model.base import load_base
+    from molora.train.adapter import AdapterTrainConfig, read_examples, train_adapter
+
+    pairs = read_examples(args.data)
+    cfg = AdapterTrainConfig(rank=args.rank, alpha=args.alpha, lr=args.lr, epochs=args.epochs,
+                             batch_size=args.batch_size, seed=args.seed, bf16=not args.fp32,
+                             target_modules=tuple(t for t in args.targets.split(",") if t))
+    model, tok = load_base(None if args.base == "default" else args.base)
+    stats = train_adapter(model, tok, pairs, args.out, cfg)
+    print(f"wrote {args.out}: {stats['examples']} examples, {stats['tokens']} tokens in {stats['seconds']} s, "
+          f"final loss {stats['final_loss']}")
+    return 0
+
+
+def _train_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", required=True, help="bundle folder whose adapters the router chooses between")
+    p.add_argument("--data", action="append", default=[], metavar="ADAPTER=FILE",
+                   help="an adapter's JSONL data (repeatable); use none=FILE for generic text")
+    p.add_argument("--mixed", type=int, default=0, help="also build this many two-adapter multi-turn sequences")
+    p.add_argument("--placement", default="per_block", choices=["per_block", "shared"])
+    p.add_argument("--composable", action="store_true", help="one independent gate per adapter")
+    p.add_argument("--top-k", type=int, default=1, choices=[1, 2])
+    p.add_argument("--refine-margin", type=float, default=None,
+                   help="relabel tokens another adapter predicts better by this many nats")
+    p.add_argument("--limit", type=int, default=300, help="sequences per data file at most (default 300)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+@command("train-router", _train_router_args)
+def _train_router(args: argparse.Namespace) -> int:
+    """Train the learned router (base and adapters frozen) and write it into the bundle."""
+    from molora.bundle import load
+    from molora.train.router import RouterTrainConfig
+    from molora.train.router_cli import train_router_for_bundle
+
+    mm = load(args.bundle)
+    cfg = RouterTrainConfig(placement=args.placement, composable=args.composable, top_k=args.top_k,
+                            refine_margin=args.refine_margin, seed=args.seed)
+    data = dict(d.split("=", 1) for d in args.data)
+    report = train_router_for_bundle(mm, data, cfg, limit=args.limit, mixed=args.mixed, seed=args.seed)
+    print(json.dumps(report))
+    return 0
+
+
+def _build_default_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="folder for the bundle")
+    p.add_argument("--data-only", action="store_true", help="write only the training JSONL files")
+    p.add_argument("--n-train", type=int, default=1500, help="training examples per adapter (default 1500)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+@command("build-default", _build_default_args)
+def _build_default(args: argparse.Namespace) -> int:
+    """Rebuild the embedded default bundle (data, four adapters, router) with one seeded command."""
+    from molora.train.default import DefaultRecipe, build_default
+
+    out = build_default(args.out, DefaultRecipe(n_train=args.n_train, seed=args.seed), data_only=args.data_only)
+    print(f"wrote {out}")
     return 0
 
 

@@ -177,7 +177,7 @@ class MoLoRAModel(nn.Module):
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for _ in range(max_new_tokens):
             out = self(step_ids, attention_mask=mask, adapter_ids=adapter_ids, position_ids=step_pos,
-                       cache=cache, use_cache=True, start=start)
+                       cache=cache, use_cache=True, start=start, logits_to_keep=1)  # last position only
             nxt = sample_next(out.logits[:, -1], temperature, top_k, top_p, gen)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             tokens = torch.cat([tokens, nxt[:, None]], dim=1)

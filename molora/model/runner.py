@@ -33,6 +33,8 @@ from torch import Tensor, nn
 from molora.errors import MoLoRAError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MERGE_PREFILL_TOKENS = 256  # fresh prompts up to this many tokens in all share one masked attention call
+# (saves a call per prompt; above it the dense Tf x Tf mask costs more than the calls it saves)
 
 
 @dataclass
@@ -98,7 +100,7 @@ class _AttnPlan:
     dec_tok: Tensor | None                    # [Bd] rows in T of the decode tokens (query_len 1)
     dec_blocks: Tensor | None                 # [Bd * nb] cache blocks of their contexts (nb: longest, padded)
     dec_mask: Tensor | None                   # [Bd, 1, 1, nb * bs] bool, True = attend
-    chunks: list[tuple[int, int, Tensor | None, Tensor | None]]  # (start, n, cache blocks, mask [n, ctx])
+    chunks: list[tuple[slice | Tensor, Tensor | None, Tensor | None]]  # (rows in T, cache blocks, mask [n, ctx])
 
 
 class ModelRunner:
@@ -242,19 +244,28 @@ class ModelRunner:
             clen = torch.tensor([ctx_lens[b] for b in dec], device=dev)[:, None]
             dec_mask = (col[None, :] < clen)[:, None, None, :]                 # [Bd, 1, 1, C]
             dec_tok = ends[d] - 1
-        chunks = []
         starts = [0]
         for n in q_lens[:-1]:
             starts.append(starts[-1] + n)
+        chunks: list[tuple[slice | Tensor, Tensor | None, Tensor | None]] = []
+        fresh = [b for b in range(B) if q_lens[b] > 1 and ctx_lens[b] == q_lens[b]]  # whole context in this step
+        if len(fresh) > 1 and sum(q_lens[b] for b in fresh) <= MERGE_PREFILL_TOKENS:
+            # one attention call for all fresh prompts: block-diagonal causal mask over their tokens
+            rows = torch.cat([torch.arange(starts[b], starts[b] + q_lens[b], device=dev) for b in fresh])  # [Tf]
+            seg, pos = seq_of[rows], positions[rows]
+            mask = (seg[None, :] == seg[:, None]) & (pos[None, :] <= pos[:, None])  # [Tf, Tf]
+            chunks.append((rows, None, mask))
+            fresh = []
         for b in range(B):
             n, c = q_lens[b], ctx_lens[b]
-            if n == 1:
+            if n == 1 or (c == n and b not in fresh):
                 continue
-            blocks = mask = None
-            if c != n:  # earlier tokens are in the cache: gather the whole context, causal with offset
-                blocks = table[b, :-(-c // bs)]                                 # [ceil(c / bs)]
+            sl = slice(starts[b], starts[b] + n)
+            if c == n:  # the whole context is this chunk: plain causal attention
+                chunks.append((sl, None, None))
+            else:       # earlier tokens are in the cache: gather the whole context, causal with offset
                 mask = torch.arange(c, device=dev)[None, :] <= (c - n + torch.arange(n, device=dev))[:, None]
-            chunks.append((starts[b], n, blocks, mask))                       # mask [n, ctx]
+                chunks.append((sl, table[b, :-(-c // bs)], mask))              # blocks [ceil(c/bs)], mask [n, c]
         return _AttnPlan(write_rows, ends - 1, dec_tok, dec_blocks, dec_mask, chunks)
 
 
@@ -299,22 +310,22 @@ class _Block:
         if plan.dec_tok is not None:
             out[plan.dec_tok] = self._decode(q[plan.dec_tok], cache.blocks(kc), cache.blocks(vc), plan,
                                              positions[plan.dec_tok])
-        for start, n, blocks, mask in plan.chunks:
-            sl = slice(start, start + n)
-            if blocks is None:  # the whole context is this chunk: plain causal attention
-                kk, vv = k[sl], v[sl]
+        for rows, blocks, mask in plan.chunks:
+            if blocks is None:  # all keys are in this step (fresh prompts): no cache read
+                kk, vv, kpos = k[rows], v[rows], positions[rows]
             else:  # gather whole blocks (contiguous copies), then cut to the context length
                 c = mask.shape[1]
                 kk = cache.blocks(kc).index_select(0, blocks).view(-1, Hkv, hd)[:c]   # [ctx, Hkv, hd]
                 vv = cache.blocks(vc).index_select(0, blocks).view(-1, Hkv, hd)[:c]
+                kpos = torch.arange(c, device=x.device)
             if self.window is not None:
-                qpos, kpos = positions[sl], torch.arange(kk.shape[0], device=x.device)
+                qpos = positions[rows]
                 win = (kpos[None, :] > qpos[:, None] - self.window) & (kpos[None, :] <= qpos[:, None])
                 mask = win if mask is None else mask & win
             o = F.scaled_dot_product_attention(
-                q[sl].transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
+                q[rows].transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
                 attn_mask=mask, is_causal=mask is None, scale=self.scaling, enable_gqa=True)  # [1, H, n, hd]
-            out[sl] = o[0].transpose(0, 1)
+            out[rows] = o[0].transpose(0, 1)
         return out.view(T, H * hd)
 
     def _decode(self, q: Tensor, kb: Tensor, vb: Tensor, plan: _AttnPlan, qpos: Tensor) -> Tensor:

@@ -188,24 +188,26 @@ class LearnedRouter(Router, nn.Module):
 
 # --------------------------------------------------------------------------------------------- gating
 
-class GatedBlock(nn.Module):
-    """A decoder block that lets the in-network router decide from its input before running."""
+class GatedBlockMixin:
+    """Mixed into a decoder block's own class: the in-network router decides from the block's input
+    before the block runs. Swapping the class (not wrapping the module) keeps every module path and
+    state_dict key unchanged, so adapters keep loading by their PEFT keys."""
 
-    def __init__(self, block: nn.Module, index: int, context: Any) -> None:
-        super().__init__()
-        self.block = block
-        self.index = index
-        self.context = context
+    molora_index: int
+    molora_context: Any
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        self.context.route_block(self.index, hidden_states.reshape(-1, hidden_states.shape[-1]))
-        return self.block(hidden_states, *args, **kwargs)
+        self.molora_context.route_block(self.molora_index, hidden_states.reshape(-1, hidden_states.shape[-1]))
+        return super().forward(hidden_states, *args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["block"], name)  # attention_type etc. read by transformers
+
+_GATED_CLASSES: dict[type, type] = {}
+
+
+def _gated_class(cls: type) -> type:
+    if cls not in _GATED_CLASSES:
+        _GATED_CLASSES[cls] = type(f"Gated{cls.__name__}", (GatedBlockMixin, cls), {})
+    return _GATED_CLASSES[cls]
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -218,11 +220,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def install_gates(mm: Any) -> list[int]:
-    """Wrap each decoder block of mm.model in a GatedBlock once; return the indices wrapped."""
-    layers = decoder_layers(mm.model)
+    """Make each decoder block of mm.model a gated block (once); return the indices changed."""
     done = []
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, GatedBlock):
-            layers[i] = GatedBlock(layer, i, mm.context)
+    for i, layer in enumerate(decoder_layers(mm.model)):
+        if not isinstance(layer, GatedBlockMixin):
+            layer.__class__ = _gated_class(type(layer))
+            layer.molora_index, layer.molora_context = i, mm.context
             done.append(i)
     return done

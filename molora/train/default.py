@@ -49,7 +49,7 @@ GENERIC_FILE = Path(__file__).resolve().parent.parent / "data" / "generic.jsonl.
 
 @dataclass(frozen=True)
 class DefaultRecipe:
-    n_train: int = 2000        # examples per adapter
+    n_train: int = 1500        # examples per adapter
     n_router: int = 150        # single-skill sequences per adapter for the router
     n_mixed: int = 150         # two-skill multi-turn sequences for the router
     n_generic: int = 150       # generic (none) sequences for the router
@@ -142,8 +142,8 @@ def build_default(out: str | Path, recipe: DefaultRecipe = DefaultRecipe(), *, d
     stats = {}
     for i, name in enumerate(SKILL_ADAPTERS):
         target = out / "adapters" / name
-        if only and name not in only:
-            continue
+        if (only and name not in only) or (target / "training_stats.json").is_file():
+            continue  # resume: an adapter already trained by this recipe is kept
         model, tok = load_default_base()
         pairs = [(r["prompt"], r["completion"]) for r in read_jsonl(paths[name])]
         cfg = AdapterTrainConfig(rank=recipe.rank, alpha=recipe.alpha, lr=recipe.lr, epochs=recipe.epochs,

@@ -51,6 +51,7 @@ class RouterTrainConfig:
     batch_size: int = 16
     seed: int = 0
     refine_margin: float | None = None   # refine labels by loss when set (nats)
+    threshold: float = 2.0               # composable: a gate claims a token only above this logit (p > 0.88)
 
 
 @torch.no_grad()
@@ -128,15 +129,16 @@ def fit_gates(feats: torch.Tensor, labels: torch.Tensor, num_classes: int, gates
     W = torch.zeros(G, C, D, requires_grad=True)
     b = torch.zeros(G, C, requires_grad=True)
     opt = torch.optim.Adam([W, b], lr=cfg.lr, weight_decay=cfg.weight_decay)
-    for _ in range(cfg.steps):
-        logits = torch.einsum("ngd,gcd->ngc", x, W) + b  # [N, G, C]
-        if binary_positive is not None:
-            loss = F.binary_cross_entropy_with_logits(logits[..., 0], y[:, None].expand(-1, G))
-        else:
-            loss = F.cross_entropy(logits.reshape(-1, C), y.repeat_interleave(G))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    with torch.enable_grad():  # callers may hold no_grad
+        for _ in range(cfg.steps):
+            logits = torch.einsum("ngd,gcd->ngc", x, W) + b  # [N, G, C]
+            if binary_positive is not None:
+                loss = F.binary_cross_entropy_with_logits(logits[..., 0], y[:, None].expand(-1, G))
+            else:
+                loss = F.cross_entropy(logits.reshape(-1, C), y.repeat_interleave(G))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
     return W.detach(), b.detach()
 
 
@@ -156,7 +158,8 @@ def train_router(mm, train: Sequence[LabelledSeq], names: Sequence[str],
     blocks = len(decoder_layers(mm.model))
     rcfg = LearnedRouterConfig(adapter_names=tuple(names), hidden_size=mm.config.hidden_size,
                                num_blocks=blocks, placement=cfg.placement, shared_block=cfg.shared_block,
-                               composable=cfg.composable, top_k=cfg.top_k)
+                               composable=cfg.composable, top_k=cfg.top_k,
+                               threshold=cfg.threshold)
     gates = list(range(blocks)) if cfg.placement == "per_block" else [cfg.shared_block]
     feats, labels = features if features is not None else collect_features(mm, train, names, cfg, progress)
     log.info("router features: %d tokens x %d blocks", feats.shape[0], feats.shape[1])

@@ -1,0 +1,232 @@
+"""Engine benchmark: continuous batching with per-token routing against transformers with static batches.
+
+    python -m molora.bench.engine [--quick] [--json OUT]
+
+Setup: SmolLM2-135M (the embedded default), 4 random-weight adapters (r=16, all seven projections, written
+with `save_adapter` into a temp dir), a VocabRouter splitting the vocabulary into 4 ranges (per-token
+routing: every step mixes all adapters), N concurrent requests of P-token random prompts and G greedy new
+tokens each (eos ignored, so every variant does the same greedy work).
+
+Measured in one run, variants interleaved within each repetition, medians reported:
+  engine       Engine.generate over all requests (continuous batching, paged KV, per-token routing)
+  hf_routed    the transformers forward with a DynamicCache (MoLoRAModel.generate's loop, last-token logits
+               only), static left-padded batches of --hf-batch requests, the same per-token routing
+  hf_base      transformers `model.generate` on the same static batches without adapters (no LoRA work at
+               all: a lower bound for transformers' time)
+  decode step  Engine.step() with N sequences decoding under per-token routing vs. the same step with
+               routing "none" (base only): the routing overhead ratio
+  swap         promoting an adapter from the CPU tier into a slot vs. a plain copy of the same bytes
+Ends with one JSON line. Owns only timing and reporting; knows the engine through its public API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from molora.adapters import save_adapter
+from molora.config import LLAMA_PROJECTIONS, SamplingParams
+from molora.engine import Engine, EngineConfig
+from molora.engine.hotset import HotSet
+from molora.routing import VocabRouter
+
+
+def make_adapters(model: Any, folder: Path, k: int, rank: int, seed: int = 0) -> dict[str, Path]:
+    """k random-weight PEFT folders (rank `rank`, all seven projections) for `model`."""
+    g = torch.Generator().manual_seed(seed)
+    targets = {n: m for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in LLAMA_PROJECTIONS}
+    out = {}
+    for i in range(k):
+        modules = {n: (torch.randn(rank, m.in_features, generator=g) / m.in_features ** 0.5,
+                       torch.randn(m.out_features, rank, generator=g) * 0.02) for n, m in targets.items()}
+        out[f"skill{i}"] = save_adapter(folder / f"skill{i}", modules, r=rank, lora_alpha=2 * rank,
+                                        base_model_name_or_path=getattr(model, "name_or_path", None))
+    return out
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids [B, L] and attention mask [B, L] of a static batch."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@torch.no_grad()
+def _hf_routed(mm: Any, prompts: list[list[int]], news: list[int], batch: int) -> None:
+    """Static batches through the transformers forward (DynamicCache, SDPA) with per-token routing; each
+    batch runs until its longest request is done. MoLoRAModel.generate's loop, plus logits_to_keep=1
+    (it computes prefill logits at every position, which would flatter the engine)."""
+    from transformers import DynamicCache
+
+    for i in range(0, len(prompts), batch):
+        ids, mask = _padded(prompts[i:i + batch])
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache, step_ids, start = DynamicCache(), ids, 0
+        for _ in range(max(news[i:i + batch])):
+            out = mm(step_ids, attention_mask=mask, adapter_ids=mm.router, position_ids=pos, cache=cache,
+                     use_cache=True, start=start, logits_to_keep=1)
+            nxt = out.logits[:, -1].argmax(-1)
+            start += step_ids.shape[1]
+            step_ids, pos = nxt[:, None], pos[:, -1:] + 1
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+
+
+def _hf_base(model: Any, prompts: list[list[int]], news: list[int], batch: int) -> None:
+    for i in range(0, len(prompts), batch):
+        ids, mask = _padded(prompts[i:i + batch])
+        new = max(news[i:i + batch])
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       pad_token_id=0)
+
+
+def decode_steps(engines: dict[str, Engine], prompts: list[list[int]], routing: dict[str, str],
+                 steps: int) -> dict[str, float]:
+    """Median ms of one Engine.step() with every sequence decoding, per engine, steps interleaved."""
+    for name, eng in engines.items():
+        for p in prompts:
+            eng.add_request(p, SamplingParams(max_new_tokens=steps + 8), routing=routing[name])
+        while any(r.remaining > 1 or r.num_computed == 0 for r in eng.requests.values()):
+            eng.step()                                   # finish every prefill first
+    times: dict[str, list[float]] = {n: [] for n in engines}
+    for _ in range(steps):
+        for name, eng in engines.items():
+            times[name].append(_timed(eng.step) * 1e3)
+    for eng in engines.values():
+        for rid in list(eng.requests):
+            eng.abort(rid)
+        eng.step()
+    return {n: statistics.median(v[2:]) for n, v in times.items()}
+
+
+def swap_cost(mm: Any, name: str, repeats: int = 5) -> dict[str, float]:
+    """ms to evict `name` from its slot and promote it back from the CPU tier, vs. copying its bytes."""
+    hs = HotSet(mm, cpu_bytes=1 << 30)
+    adapter = mm.adapters[name]
+    swap, copy = [], []
+    for _ in range(repeats):
+        hs._evict(name)
+        swap.append(_timed(lambda: hs._promote(name)) * 1e3)            # CPU tier -> slot (no disk read)
+        srcs = [t for m in adapter.modules.values() for t in (m.A, m.B)]
+        dsts = [torch.empty_like(t) for t in srcs]
+        copy.append(_timed(lambda: [d.copy_(s) for d, s in zip(dsts, srcs)]) * 1e3)
+    return {"swap_ms": statistics.median(swap), "memcpy_ms": statistics.median(copy),
+            "adapter_mib": adapter.nbytes() / 2**20}
+
+
+def workload(requests: int, prompt_len: int, new_tokens: int, vocab: int, mixed: bool,
+             seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Random prompts and new-token counts: all equal, or (mixed) uniform in [1/4, 1] of the given sizes."""
+    g = torch.Generator().manual_seed(seed)
+    lo = lambda n: max(1, n // 4) if mixed else n  # noqa: E731
+    lens = torch.randint(lo(prompt_len), prompt_len + 1, (requests,), generator=g).tolist()
+    news = torch.randint(lo(new_tokens), new_tokens + 1, (requests,), generator=g).tolist()
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens], news
+
+
+def measure(mm: Any, cfg: EngineConfig, prompts: list[list[int]], news: list[int], repeats: int, hf_batch: int,
+            decode_samples: int, tag: str) -> dict:
+    """Interleaved throughput of engine / hf_routed / hf_base, then the decode-step ratio (module docstring)."""
+    engine = Engine(mm, cfg)
+    params = [SamplingParams(max_new_tokens=n) for n in news]
+    variants = {
+        "engine": lambda: engine.generate(prompts, params, routing="vocab"),
+        "hf_routed": lambda: _hf_routed(mm, prompts, news, hf_batch),
+        "hf_base": lambda: _hf_base(mm.model, prompts, news, hf_batch),
+    }
+    secs: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            secs[name].append(_timed(fn))
+            print(f"  {tag} {name}: {secs[name][-1]:.2f} s", file=sys.stderr, flush=True)
+    med = {k: statistics.median(v) for k, v in secs.items()}
+    gen = sum(news)
+    step = decode_steps({"routed": engine, "base": Engine(mm, cfg)}, prompts, {"routed": "vocab", "base": "none"},
+                        decode_samples)
+    out = {f"{k}_s": v for k, v in med.items()}
+    out.update({f"{k}_tok_s": gen / v for k, v in med.items()})
+    out.update(speedup_vs_hf_routed=med["hf_routed"] / med["engine"], speedup_vs_hf_base=med["hf_base"] / med["engine"],
+               decode_step_routed_ms=step["routed"], decode_step_base_ms=step["base"],
+               decode_routing_overhead=step["routed"] / step["base"])
+    return out
+
+
+def run(requests: int, prompt_len: int, new_tokens: int, repeats: int, hf_batch: int, decode_samples: int,
+        bf16: bool, mixed: bool) -> dict:
+    from molora import attach
+    from molora.model.base import load_default_base
+
+    model, _tok = load_default_base()
+    vocab = model.config.vocab_size
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = make_adapters(model, Path(tmp), 4, 16)
+        q = vocab // 4
+        router = VocabRouter([(i * q, (i + 1) * q if i < 3 else vocab, f"skill{i}") for i in range(4)])
+        mm = attach(model, paths, router=router)
+        prompts, news = workload(requests, prompt_len, new_tokens, vocab, mixed)
+        longest = prompt_len + new_tokens + decode_samples + 16
+        cfg = EngineConfig(max_num_seqs=requests, max_tokens_per_step=512, block_size=16,
+                           kv_budget_tokens=requests * (longest + 16), max_model_len=longest, stop_at_eos=False)
+        result = {"requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens, "mixed": mixed,
+                  "generated_tokens": sum(news), "repeats": repeats, "hf_batch": hf_batch,
+                  "threads": torch.get_num_threads()}
+        result.update(measure(mm, cfg, prompts, news, repeats, hf_batch, decode_samples, "fp32"))
+        result.update(swap_cost(mm, "skill0"))
+        if bf16:
+            mm.to(torch.bfloat16)
+            r16 = measure(mm, cfg, prompts, news, repeats, hf_batch, decode_samples, "bf16")
+            result.update({f"bf16_{k}": v for k, v in r16.items()})
+            result["bf16_engine_vs_fp32_hf_routed"] = result["hf_routed_s"] / r16["engine_s"]
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="molora bench engine", description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=32, help="concurrent requests (default 32)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="greedy new tokens per request (default 64)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (default 3; --quick: 1)")
+    ap.add_argument("--hf-batch", type=int, default=32, help="static batch size of the transformers baselines")
+    ap.add_argument("--decode-samples", type=int, default=20, help="decode steps timed per variant")
+    ap.add_argument("--bf16", action="store_true", help="also run every variant with bf16 weights (AMX on CPU)")
+    ap.add_argument("--mixed", action="store_true",
+                    help="prompt lengths and new tokens uniform in [1/4, 1] of the given sizes (padding and "
+                         "early finishers: where continuous batching pays)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--quick", action="store_true", help="one repetition, 10 decode samples")
+    ap.add_argument("--json", metavar="OUT", help="also write the result JSON to this file")
+    args = ap.parse_args(argv)
+    repeats, samples = (1, 10) if args.quick else (args.repeats, args.decode_samples)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = run(args.requests, args.prompt_len, args.new_tokens, repeats, args.hf_batch, samples, args.bf16,
+              args.mixed)
+    print(f"engine {res['engine_tok_s']:.1f} tok/s | transformers routed {res['hf_routed_tok_s']:.1f} tok/s "
+          f"(x{res['speedup_vs_hf_routed']:.2f}) | transformers base {res['hf_base_tok_s']:.1f} tok/s "
+          f"(x{res['speedup_vs_hf_base']:.2f})")
+    print(f"decode step: routed {res['decode_step_routed_ms']:.1f} ms vs base {res['decode_step_base_ms']:.1f} ms "
+          f"(x{res['decode_routing_overhead']:.2f}); swap {res['swap_ms']:.2f} ms vs memcpy {res['memcpy_ms']:.2f} ms")
+    line = json.dumps({"bench": "engine", **{k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}})
+    if args.json:
+        Path(args.json).write_text(line + "\n")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""Per-step routing of a mixed batch: each request's tokens go where its routing mode says.
+
+    "none"     every token on the base model (slot -1)
+    "pinned"   every token on the request's one adapter (the per-sequence mode of today's servers)
+    "tokens"   a token-id router (VocabRouter, ...) routes each input token; its choice of an adapter the
+               request does not allow becomes the base model
+    "learned"  the in-network router decides per block from hidden states (`StepRouting.groups`); requests
+               with the same allowed set share one `decide` call per block
+
+`plan_routing` turns the scheduled chunks of one step into a `StepRouting` for the runner: slot ids [T, k]
+(-1 = base) and weights [T, k] or None, plus the learned router's row groups and its adapter -> slot map.
+Routers answer in indices into the engine's registered adapter names; this module maps them to bank slots.
+
+Knows requests' routing modes, adapter names and slots; nothing about KV blocks, sampling or text.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from molora.engine.hotset import HotSet
+from molora.engine.scheduler import Scheduled
+from molora.model.runner import RouterGroup, StepRouting
+
+MODES = ("none", "pinned", "tokens", "learned")
+
+
+def slot_lookup(hotset: HotSet, allowed: frozenset[str] | None = None) -> Tensor:
+    """[K + 1]: registered adapter index -> bank slot (-1 when not resident or not allowed); entry K
+    (index -1) -> -1."""
+    bank = hotset.mm.bank
+    slots = [bank.slot_of(n) if n in bank and (allowed is None or n in allowed) else -1 for n in hotset.names]
+    return torch.tensor(slots + [-1], dtype=torch.long)
+
+
+def _token_routing(s: Scheduled, hotset: HotSet) -> tuple[Tensor, Tensor | None]:
+    """Slot ids [n, k] (and weights [n, k] or None) from the request's token-id router."""
+    req = s.request
+    ids = torch.tensor([req.tokens[s.start:s.start + s.n]], dtype=torch.long)          # [1, n]
+    routing = req.router.route(ids, hotset.names, start=s.start)
+    idx = routing.adapter_ids.reshape(s.n, -1).long()                                   # [n, k] indices
+    slots = slot_lookup(hotset, req.allowed)[idx]                                       # [n, k] slots
+    w = None if routing.weights is None else routing.weights.reshape(s.n, -1).float()
+    return slots, w
+
+
+def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.device) -> StepRouting | None:
+    """The routing of one step (module docstring); None when every token runs on the base model."""
+    pieces: list[tuple[Tensor, Tensor | None]] = []
+    groups: dict[frozenset[str] | None, list[Tensor]] = {}
+    router = None
+    offset = 0
+    bank = hotset.mm.bank
+    for s in scheduled:
+        req = s.request
+        if req.mode == "pinned":
+            pieces.append((torch.full((s.n, 1), bank.slot_of(req.adapter), dtype=torch.long), None))
+        elif req.mode == "tokens":
+            pieces.append(_token_routing(s, hotset))
+        else:
+            pieces.append((torch.full((s.n, 1), -1, dtype=torch.long), None))
+            if req.mode == "learned":
+                assert router is None or router is req.router, "one in-network router per engine"
+                router = req.router
+                groups.setdefault(req.allowed, []).append(torch.arange(offset, offset + s.n))
+        offset += s.n
+    T = offset
+    k = max(p[0].shape[1] for p in pieces)
+    slot_ids = torch.cat([_widen(ids, k, -1) for ids, _ in pieces])                      # [T, k]
+    weights = None
+    if any(w is not None for _, w in pieces) or k > 1:
+        weights = torch.cat([_widen(w if w is not None else _first_choice(ids), k, 0.0) for ids, w in pieces])
+    if router is None:
+        if bool((slot_ids < 0).all()):
+            return None
+        return StepRouting(slot_ids.to(device), None if weights is None else weights.to(device))
+    names = list(router.adapter_names)
+    router_slots = torch.tensor([bank.slot_of(n) if n in bank else -1 for n in names], device=device)
+    out_groups = []
+    for allowed, rows in groups.items():
+        mask = torch.tensor([n in bank and (allowed is None or n in allowed) for n in names], device=device)
+        r = torch.cat(rows)
+        out_groups.append(RouterGroup(None if r.shape[0] == T else r.to(device),
+                                      None if bool(mask.all()) else mask))
+    return StepRouting(slot_ids.to(device), None if weights is None else weights.to(device),
+                       router=router, router_slots=router_slots, groups=out_groups)
+
+
+def _first_choice(ids: Tensor) -> Tensor:
+    w = torch.zeros(ids.shape, dtype=torch.float32)
+    w[:, 0] = 1.0
+    return w
+
+
+def _widen(t: Tensor, k: int, fill: float) -> Tensor:
+    """[n, k'] -> [n, k], padding the extra choices with `fill` (slot -1 / weight 0)."""
+    if t.shape[1] == k:
+        return t
+    return torch.cat([t, t.new_full((t.shape[0], k - t.shape[1]), fill)], 1)

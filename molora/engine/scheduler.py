@@ -1,0 +1,141 @@
+"""Continuous batching: which tokens of which requests run in the next step.
+
+Each step packs, under a token budget (`max_tokens_per_step`) and in this order:
+  1. one decode token for every running request that is decoding,
+  2. the next prefill chunk of running requests still in prefill (chunked prefill),
+  3. new requests from the waiting queue (FCFS) while the budget, `max_num_seqs`, free KV blocks and
+     hot-set slots allow; admission grows the block table for the first chunk and pins the adapters.
+When a running request needs a KV block and none is free, the most recently admitted request is
+preempted (recompute): its blocks and pins are released and it goes back to the front of the queue with
+all its tokens (prompt + generated so far) to prefill again. Finished or aborted requests free their
+blocks and pins at once (`finish`).
+
+Owns the waiting queue, the running list and their resources. Knows nothing about tensors, routing
+decisions, sampling or text.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from molora.engine.hotset import HotSet
+from molora.engine.kv import BlockAllocator
+from molora.engine.request import Request
+from molora.errors import MoLoRAError
+
+
+@dataclass
+class Scheduled:
+    """A request's share of one step: `n` tokens starting at token index `start` (= its num_computed)."""
+
+    request: Request
+    start: int
+    n: int
+
+    @property
+    def samples(self) -> bool:
+        """True if this chunk reaches the end of the known tokens, so its last position yields a new token."""
+        return self.start + self.n == len(self.request.tokens)
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill and recompute preemption (module docstring)."""
+
+    def __init__(self, allocator: BlockAllocator, hotset: HotSet, *, max_num_seqs: int,
+                 max_tokens_per_step: int) -> None:
+        self.allocator, self.hotset = allocator, hotset
+        self.max_num_seqs, self.max_tokens = max_num_seqs, max_tokens_per_step
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.failed: list[tuple[Request, str]] = []  # (request, why) that could not start; the engine reports them
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    # ------------------------------------------------------------------------------------ one step
+    def schedule(self) -> list[Scheduled]:
+        budget = self.max_tokens
+        out: list[Scheduled] = []
+        decoding = [r for r in self.running if r.remaining == 1]
+        prefilling = [r for r in self.running if r.remaining > 1]
+        for req in decoding + prefilling:
+            budget = self.max_tokens - sum(s.n for s in out)   # a preemption may give tokens back
+            if budget == 0:
+                break
+            if req not in self.running:      # preempted earlier in this loop
+                continue
+            n = min(req.remaining, budget)
+            if self._make_room(req, req.num_computed + n, out):
+                out.append(Scheduled(req, req.num_computed, n))
+        budget = self.max_tokens - sum(s.n for s in out)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.remaining, budget)
+            if not self.allocator.can_grow(req.block_table, n):
+                break                        # FCFS: later requests wait behind the head of the queue
+            try:
+                if not self.hotset.acquire(req.needs):
+                    break
+            except MoLoRAError as e:         # an adapter cannot be read any more: fail this request only
+                self.waiting.popleft()
+                self.failed.append((req, str(e)))
+                continue
+            req.pinned = True
+            self.allocator.grow(req.block_table, n)
+            self.waiting.popleft()
+            self.running.append(req)
+            out.append(Scheduled(req, 0, n))
+            budget -= n
+        return out
+
+    def _make_room(self, req: Request, length: int, scheduled: list[Scheduled]) -> bool:
+        """Grow req's table to `length` rows, preempting the newest running requests for blocks.
+        False if req itself had to be preempted."""
+        while not self.allocator.grow(req.block_table, length):
+            victim = self.running[-1]
+            for i, s in enumerate(scheduled):
+                if s.request is victim:      # it was already given tokens this step: take them back
+                    del scheduled[i]
+                    break
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    # ------------------------------------------------------------------------------------ releasing
+    def preempt(self, req: Request) -> None:
+        """Give back req's blocks and pins; it restarts (recompute) from the front of the queue."""
+        self._release(req)
+        self.running.remove(req)
+        req.num_computed = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished or aborted request from wherever it is and free its blocks and pins."""
+        self._release(req)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def _release(self, req: Request) -> None:
+        self.allocator.free(req.block_table)
+        if req.pinned:
+            self.hotset.release(req.needs)
+            req.pinned = False
+
+    def check(self) -> None:
+        """Assert that the block pool and the pins add up to exactly what the running requests hold."""
+        self.allocator.check(r.block_table for r in self.running)
+        assert all(not r.block_table and not r.pinned for r in self.waiting)
+        expected: dict[str, int] = {}
+        for r in self.running:
+            for n in dict.fromkeys(r.needs):
+                expected[n] = expected.get(n, 0) + 1
+        assert dict(self.hotset.pins) == expected, (dict(self.hotset.pins), expected)

@@ -1,0 +1,114 @@
+"""Learned routing: trained without manual labels, equal to oracle routing where it agrees, composable."""
+
+from __future__ import annotations
+
+import torch
+
+import molora
+from molora.routing.learned import LearnedRouter
+from molora.train.router import LabelledSeq, RouterTrainConfig, routing_accuracy, train_router
+from tests.conftest import make_peft_adapter, tiny_model
+
+# two clearly separable synthetic domains of token ids, and generic text
+RANGES = {"a": (40, 60), "b": (84, 104), None: (3, 23)}
+
+
+def _seqs(label: str | None, n: int, seed: int, names=("a", "b"), length=12, generic=(3, 23)) -> list[LabelledSeq]:
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = RANGES[label] if label else generic
+    k = names.index(label) if label else -1
+    out = []
+    for _ in range(n):
+        ids = torch.randint(lo, hi, (length,), generator=g).tolist()
+        out.append(LabelledSeq(ids, [k] * length, [k] * length))
+    return out
+
+
+def _mixture(seed: int, n: int = 40) -> list[LabelledSeq]:
+    return _seqs("a", n, seed) + _seqs("b", n, seed + 1) + _seqs(None, n, seed + 2)
+
+
+def _attached(tmp_path, names=("a", "b")):
+    paths = {n: make_peft_adapter(tmp_path / n, "qwen3", seed=i, targets=("q_proj", "v_proj", "down_proj"))
+             for i, n in enumerate(names)}
+    return molora.attach(tiny_model("qwen3"), paths)
+
+
+CFG = RouterTrainConfig(steps=200, lr=2e-2, tokens_per_seq=12)
+
+
+def test_router_learns_separable_domains_above_95_percent(tmp_path):
+    mm = _attached(tmp_path)
+    router = train_router(mm, _mixture(0), ["a", "b"], CFG)
+    acc = routing_accuracy(mm, router, _mixture(100, n=15))
+    assert acc["token_accuracy"] >= 95.0, acc
+
+
+@torch.no_grad()
+def test_learned_routing_equals_oracle_routing_where_the_router_agrees(tmp_path):
+    mm = _attached(tmp_path)
+    router = train_router(mm, _mixture(0), ["a", "b"], CFG)
+    agreed = 0
+    for seq in _mixture(200, n=5):
+        ids = torch.tensor([seq.ids])
+        mm.context.trace = []
+        learned = mm(ids, adapter_ids=router).logits
+        decisions = torch.stack([t[:, 0] for _, t in mm.context.trace])  # [blocks, N]
+        mm.context.trace = None
+        if not bool((decisions == torch.tensor(seq.labels)).all()):
+            continue
+        agreed += 1
+        oracle = mm(ids, adapter_ids=torch.tensor([seq.route])).logits
+        assert torch.allclose(learned, oracle, atol=1e-5)
+    assert agreed >= 5  # the check above ran on most sequences
+
+
+@torch.no_grad()
+def test_new_adapter_with_its_own_gate_leaves_old_routes_unchanged(tmp_path):
+    mm = _attached(tmp_path, names=("a",))
+    # a shared gate at block 0 reads the embeddings, which no adapter shapes: a gate trained apart sees
+    # exactly the features it will meet. Per-block gates read states that other adapters shaped, so a new
+    # gate can flip a few decisions there (measured in docs/results.md); this test pins the exact case.
+    cfg = RouterTrainConfig(composable=True, placement="shared", steps=400, lr=2e-2, tokens_per_seq=12)
+    only_a = train_router(mm, _seqs("a", 40, 0, ("a",)) + _seqs(None, 40, 1, ("a",)), ["a"], cfg)
+    probe = _seqs("a", 6, 50, ("a",)) + _seqs(None, 6, 51, ("a",))
+
+    def routes(router):
+        out = []
+        for s in probe:
+            mm.context.trace = []
+            mm(torch.tensor([s.ids]), adapter_ids=router)
+            out.append(torch.stack([t for _, t in mm.context.trace]))
+            mm.context.trace = None
+        return out
+
+    before = routes(only_a)
+    # adapter b and its gate are trained apart (b's data versus generic text), then loaded at run time
+    mm_b = _attached(tmp_path / "b_only", names=("b",))
+    # b's trainer sees the world beyond its domain as generic text (here: every id below b's range)
+    gate_b = train_router(mm_b, _seqs("b", 40, 2, ("b",)) + _seqs(None, 160, 3, ("b",), generic=(3, 84)),
+                          ["b"], cfg)
+    mm.load_adapter("b", tmp_path / "b_only" / "b")
+    only_a.add_adapter("b", *gate_b.gate_of("b"))
+    after = routes(only_a)
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    acc_b = routing_accuracy(mm, only_a, [LabelledSeq(s.ids, s.route, [1] * len(s.ids))
+                                          for s in _seqs("b", 6, 60, ("b",))])
+    assert acc_b["token_accuracy"] >= 90.0, acc_b
+
+
+def test_router_saves_and_loads_identically(tmp_path):
+    mm = _attached(tmp_path)
+    router = train_router(mm, _mixture(0, n=10), ["a", "b"], RouterTrainConfig(steps=20))
+    back = LearnedRouter.load(router.save(tmp_path / "r"))
+    assert torch.equal(back.weight, router.weight) and back.adapter_names == ["a", "b"]
+    ids = torch.tensor([_seqs("a", 1, 9)[0].ids])
+    with torch.no_grad():
+        assert torch.equal(mm(ids, adapter_ids=router).logits, mm(ids, adapter_ids=back).logits)
+
+
+def test_top2_router_weights_are_renormalized(tmp_path):
+    mm = _attached(tmp_path)
+    router = train_router(mm, _mixture(0, n=10), ["a", "b"], RouterTrainConfig(steps=20, top_k=2))
+    ids, w = router.choose(torch.randn(7, 3))
+    assert ids.shape == (7, 2) and torch.allclose(w.sum(-1), torch.ones(7))

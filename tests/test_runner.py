@@ -1,0 +1,233 @@
+"""The lean runner equals transformers: prefill, chunked prefill and decode over the paged cache, with and
+without adapters, per-token routing equal to MoLoRAModel's forward, and per-block in-network routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import molora
+from molora.model.runner import BatchMeta, ModelRunner, RouterGroup, StepRouting
+from tests.conftest import VOCAB, make_peft_adapter, tiny_model
+
+TOL = 1e-4
+SPECS = {
+    "a": dict(r=4, alpha=8, targets=("q_proj", "v_proj", "down_proj")),
+    "b": dict(r=8, alpha=4, targets=("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+}
+
+
+@pytest.fixture
+def mm(tmp_path, arch):
+    paths = {n: make_peft_adapter(tmp_path / n, arch, seed=i, **s) for i, (n, s) in enumerate(SPECS.items())}
+    return molora.attach(tiny_model(arch), paths)
+
+
+def _seq(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _route(n: int, seed: int, k: int = 2) -> torch.Tensor:
+    return torch.randint(-1, k, (n,), generator=torch.Generator().manual_seed(100 + seed))
+
+
+@torch.no_grad()
+def _reference(mm, ids: torch.Tensor, route: torch.Tensor | None) -> torch.Tensor:
+    """Last-token logits [V] of the attached transformers model over the whole sequence."""
+    r = torch.full_like(ids, -1) if route is None else route
+    return mm(ids[None], adapter_ids=r[None]).logits[0, -1]
+
+
+def _slots(mm, route: torch.Tensor) -> torch.Tensor:
+    return mm.slot_routing(molora.Routing(route[None]), torch.Size([1, route.shape[0]]))[0]  # [T, 1]
+
+
+class _Pager:
+    """Minimal block bookkeeping for the tests: consecutive blocks per sequence."""
+
+    def __init__(self, bs: int) -> None:
+        self.bs, self.next, self.tables = bs, 0, {}
+
+    def table(self, seq: int, length: int) -> list[int]:
+        t = self.tables.setdefault(seq, [])
+        while len(t) * self.bs < length:
+            t.append(self.next)
+            self.next += 1
+        return list(t)
+
+
+@pytest.mark.parametrize("adapters", [False, True])
+def test_one_step_prefill_of_ragged_batch_equals_transformers(mm, adapters):
+    runner = ModelRunner(mm, num_blocks=32, block_size=4, max_model_len=64)
+    lens = [5, 9, 1, 4]
+    seqs = [_seq(n, i) for i, n in enumerate(lens)]
+    routes = [_route(n, i) if adapters else None for i, n in enumerate(lens)]
+    pager = _Pager(4)
+    meta = BatchMeta(lens, lens, [pager.table(i, n) for i, n in enumerate(lens)])
+    routing = StepRouting(torch.cat([_slots(mm, r) for r in routes])) if adapters else None
+    logits = runner(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), meta, routing, logits=True)
+    for i, s in enumerate(seqs):
+        assert (logits[i] - _reference(mm, s, routes[i])).abs().max() <= TOL
+
+
+def test_chunked_prefill_and_decode_over_paged_cache_equal_transformers(mm):
+    """Two sequences advance together: one in prefill chunks, the other decoding; every step's logits
+    equal a full forward over the sequence so far. Blocks are interleaved to exercise the paging."""
+    runner = ModelRunner(mm, num_blocks=32, block_size=4, max_model_len=64)
+    a, b = _seq(14, 1), _seq(3, 2)
+    ra, rb = _route(40, 1), _route(40, 2)
+    pager = _Pager(4)
+    done_a, done_b = 0, 0
+    plan_a = [5, 6, 3, 1, 1, 1]  # prefill chunks then decode
+    for step, na in enumerate(plan_a):
+        nb = 3 if step == 0 else 1
+        if done_a + na > a.shape[0]:
+            a = torch.cat([a, _seq(1, 50 + step)])
+        if done_b + nb > b.shape[0]:
+            b = torch.cat([b, _seq(1, 70 + step)])
+        ta, tb = a[done_a:done_a + na], b[done_b:done_b + nb]
+        pa, pb = torch.arange(done_a, done_a + na), torch.arange(done_b, done_b + nb)
+        meta = BatchMeta([na, nb], [done_a + na, done_b + nb],
+                         [pager.table(0, done_a + na), pager.table(1, done_b + nb)])
+        slots = torch.cat([_slots(mm, ra[pa]), _slots(mm, rb[pb])])
+        logits = runner(torch.cat([ta, tb]), torch.cat([pa, pb]), meta, StepRouting(slots), logits=True)
+        done_a, done_b = done_a + na, done_b + nb
+        assert (logits[0] - _reference(mm, a[:done_a], ra[:done_a])).abs().max() <= TOL, step
+        assert (logits[1] - _reference(mm, b[:done_b], rb[:done_b])).abs().max() <= TOL, step
+
+
+def test_top2_weighted_routing_equals_molora_forward(mm):
+    runner = ModelRunner(mm, num_blocks=8, block_size=8, max_model_len=64)
+    ids = _seq(7, 3)
+    route = torch.stack([torch.zeros(7, dtype=torch.long), torch.ones(7, dtype=torch.long)], -1)  # [T, 2]
+    w = torch.softmax(torch.randn(7, 2, generator=torch.Generator().manual_seed(0)), -1)
+    slots, ww = mm.slot_routing(molora.Routing(route[None], w[None]), torch.Size([1, 7]))
+    ours = runner(ids, torch.arange(7), BatchMeta([7], [7], [[0]]), StepRouting(slots, ww), logits=True)[0]
+    with torch.no_grad():
+        ref = mm(ids[None], adapter_ids=route[None], adapter_weights=w[None]).logits[0, -1]
+    assert (ours - ref).abs().max() <= TOL
+
+
+class BlockRouter:
+    """Stand-in for the learned router: per block, adapter = sign of a hidden feature (router order b, a),
+    restricted by `allowed`; block 1 keeps block 0's decision (returns None). Records what it saw."""
+
+    in_network = True
+    adapter_names = ["b", "a"]
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, torch.Tensor]] = []
+
+    def decide(self, block, hidden, allowed=None):
+        self.seen.append((block, hidden.clone()))
+        if block % 2 == 1:
+            return None
+        score = torch.stack([hidden[:, block], -hidden[:, block], torch.zeros_like(hidden[:, 0])], -1)  # [T, 3]
+        if allowed is not None:
+            score[:, :2] = score[:, :2].masked_fill(~allowed, float("-inf"))
+        top = score.argmax(-1, keepdim=True)
+        return torch.where(top == 2, -1, top), None
+
+
+@torch.no_grad()
+def _hooked_reference(mm, ids: torch.Tensor, router: BlockRouter, allowed) -> torch.Tensor:
+    """transformers forward where a pre-hook on each block lets the stand-in decide (test-only hooks)."""
+    lookup = torch.tensor([mm.bank.slot_of(n) for n in router.adapter_names] + [-1])
+    handles = []
+    for i, layer in enumerate(mm.model.model.layers):
+        def hook(module, args, kwargs, i=i):
+            h = (args[0] if args else kwargs["hidden_states"]).reshape(-1, mm.config.hidden_size)
+            out = router.decide(i, h, allowed)
+            if out is not None:
+                mm.context.set(lookup[out[0]])
+        handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        return mm.model(input_ids=ids[None]).logits[0, -1]
+    finally:
+        for hd in handles:
+            hd.remove()
+        mm.context.clear()
+
+
+def test_in_network_router_decides_per_block_like_hooked_transformers(mm):
+    runner = ModelRunner(mm, num_blocks=16, block_size=4, max_model_len=64)
+    x, y = _seq(6, 4), _seq(5, 5)
+    router = BlockRouter()
+    slots = torch.tensor([mm.bank.slot_of(n) for n in router.adapter_names])
+    only_a = torch.tensor([False, True])
+    fixed = torch.full((11, 1), -1)
+    fixed[6:] = mm.bank.slot_of("b")  # y's rows: pinned unless a group claims them
+    routing = StepRouting(fixed, router=router, router_slots=slots,
+                          groups=[RouterGroup(torch.arange(6), None), RouterGroup(torch.arange(6, 11), only_a)])
+    logits = runner(torch.cat([x, y]), torch.cat([torch.arange(6), torch.arange(5)]),
+                    BatchMeta([6, 5], [6, 5], [[0, 1], [2, 3]]), routing, logits=True)
+    assert [b for b, _ in router.seen] == [0, 0, 1, 1]
+    assert (logits[0] - _hooked_reference(mm, x, BlockRouter(), None)).abs().max() <= TOL
+    assert (logits[1] - _hooked_reference(mm, y, BlockRouter(), only_a)).abs().max() <= TOL
+    assert set(runner.last_slot_ids[1].tolist()) <= {-1, mm.bank.slot_of("a")}
+
+
+@pytest.mark.parametrize("kind", ["mistral_window", "qwen2_bias"])
+def test_mistral_sliding_window_and_qwen2_bias_equal_transformers(kind):
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = MistralConfig(sliding_window=5, **common) if kind == "mistral_window" else Qwen2Config(**common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    if kind == "qwen2_bias":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    mm = molora.attach(model)
+    runner = ModelRunner(mm, num_blocks=16, block_size=4, max_model_len=64)
+    a, b = _seq(9, 1), _seq(4, 2)
+    logits = runner(torch.cat([a, b]), torch.cat([torch.arange(9), torch.arange(4)]),
+                    BatchMeta([9, 4], [9, 4], [[0, 1, 2], [3]]), logits=True)
+    nxt = logits.argmax(-1)
+    step = runner(nxt, torch.tensor([9, 4]), BatchMeta([1, 1], [10, 5], [[0, 1, 2], [3, 4]]), logits=True)
+    with torch.no_grad():
+        for i, s in enumerate((a, b)):
+            assert (logits[i] - model(input_ids=s[None]).logits[0, -1]).abs().max() <= TOL
+            full = torch.cat([s, nxt[i:i + 1]])
+            assert (step[i] - model(input_ids=full[None]).logits[0, -1]).abs().max() <= TOL
+
+
+def test_bf16_runner_stays_close_to_bf16_transformers(mm):
+    mm.to(torch.bfloat16)
+    runner = ModelRunner(mm, num_blocks=8, block_size=4, max_model_len=64)
+    ids, route = _seq(10, 8), _route(10, 8)
+    ours = runner(ids, torch.arange(10), BatchMeta([10], [10], [[0, 1, 2]]), StepRouting(_slots(mm, route)),
+                  logits=True)[0].float()
+    ref = _reference(mm, ids, route).float()
+    assert ours.dtype == torch.float32 and (ours - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def test_unsupported_architecture_and_overlong_context_are_refused(mm):
+    runner = ModelRunner(mm, num_blocks=4, block_size=4, max_model_len=8)
+    with pytest.raises(molora.MoLoRAError, match="max_model_len"):
+        runner(_seq(9, 0), torch.arange(9), BatchMeta([9], [9], [[0, 1, 2]]))
+    mm.model.config.model_type = "gpt2"
+    with pytest.raises(molora.MoLoRAError, match="supports model types"):
+        ModelRunner(mm, num_blocks=4)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_smollm2_runner_equals_transformers(tmp_path):
+    from molora.model.base import load_default_base
+
+    model, _ = load_default_base()
+    mm = molora.attach(model)
+    runner = ModelRunner(mm, num_blocks=16, block_size=16, max_model_len=128)
+    a, b = torch.randint(0, 49152, (21,)), torch.randint(0, 49152, (6,))
+    meta = BatchMeta([21, 6], [21, 6], [[0, 1], [2]])
+    logits = runner(torch.cat([a, b]), torch.cat([torch.arange(21), torch.arange(6)]), meta, logits=True)
+    with torch.no_grad():
+        for i, s in enumerate((a, b)):
+            ref = mm.model(input_ids=s[None]).logits[0, -1]
+            assert (logits[i] - ref).abs().max() <= TOL
+        nxt = logits.argmax(-1)
+        meta = BatchMeta([1, 1], [22, 7], [[0, 1], [2]])
+        step = runner(nxt, torch.tensor([21, 6]), meta, logits=True)
+        ref = mm.model(input_ids=torch.cat([a, nxt[:1]])[None]).logits[0, -1]
+        assert (step[0] - ref).abs().max() <= TOL
