@@ -142,8 +142,11 @@ def build_default(out: str | Path, recipe: DefaultRecipe = DefaultRecipe(), *, d
     stats = {}
     for i, name in enumerate(SKILL_ADAPTERS):
         target = out / "adapters" / name
-        if (only and name not in only) or (target / "training_stats.json").is_file():
-            continue  # resume: an adapter already trained by this recipe is kept
+        if (target / "training_stats.json").is_file():  # resume: keep an adapter already trained
+            stats[name] = json.loads((target / "training_stats.json").read_text())
+            continue
+        if only and name not in only:
+            continue
         model, tok = load_default_base()
         pairs = [(r["prompt"], r["completion"]) for r in read_jsonl(paths[name])]
         cfg = AdapterTrainConfig(rank=recipe.rank, alpha=recipe.alpha, lr=recipe.lr, epochs=recipe.epochs,

@@ -1,0 +1,23 @@
+"""Layer 1: per-token LoRA dispatch ops over stacked slot tensors.
+
+`lora_delta(x, A, B, scale, slot_ids, weights)` computes, for every token, the LoRA delta of the
+adapter(s) in the slot(s) it is routed to, in one pass over all tokens. `lora_delta_reference` is the
+spec (a plain loop); `BACKENDS` are the implementations; `LoRADispatcher` picks one once, and its
+`plan` checks and sorts a step's routing once for all target linears (`apply`).
+This package knows nothing about adapter names, banks or models.
+"""
+
+from molora.ops.dispatch import BACKENDS, LoRADispatcher, RoutingPlan, choose_backend, lora_delta
+from molora.ops.gather import LoRABackendError
+from molora.ops.lora import LoRAInputError, lora_delta_reference
+
+__all__ = [
+    "BACKENDS",
+    "LoRABackendError",
+    "LoRADispatcher",
+    "LoRAInputError",
+    "RoutingPlan",
+    "choose_backend",
+    "lora_delta",
+    "lora_delta_reference",
+]

@@ -1,0 +1,191 @@
+"""Every per-token LoRA dispatch backend equals the reference loop (molora.ops)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import molora.ops.gather as gather_module
+from molora.ops import (
+    BACKENDS,
+    LoRABackendError,
+    LoRADispatcher,
+    choose_backend,
+    lora_delta,
+    lora_delta_reference,
+)
+
+EAGER = ("sort_group", "stacked_mask", "auto")  # gather compiles; it has its own test below
+D_IN, D_OUT, R = 24, 20, 4
+
+
+def make(T: int, S: int, k: int = 1, *, seed: int = 0, dtype=torch.float32, ids=None, weighted=False):
+    """Small-magnitude random inputs (outputs of order 0.1-1) and a random routing with -1s."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D_IN, generator=g)
+    A = torch.randn(S, R, D_IN, generator=g) * 0.3
+    B = torch.randn(S, D_OUT, R, generator=g) * 0.3
+    scale = torch.rand(S, generator=g) + 0.5
+    if ids is None:
+        ids = torch.randint(-1, S, (T, k), generator=g)
+    w = torch.rand(ids.shape, generator=g) if weighted else None
+    return [x.to(dtype), A.to(dtype), B.to(dtype), scale, ids, None if w is None else w.to(dtype)]
+
+
+def routing_cases() -> dict[str, list]:
+    T, S = 37, 5
+    return {
+        "random_top1_with_unrouted": make(T, S, 1, seed=1),
+        "slot_nobody_uses": make(T, S, ids=torch.randint(0, 3, (T, 1)) * 2),  # slots 1, 3 empty
+        "all_tokens_one_adapter": make(T, S, ids=torch.full((T, 1), 3)),
+        "no_token_routed": make(T, S, ids=torch.full((T, 1), -1)),
+        "single_token": make(1, S, 1, seed=2),
+        "single_slot": make(T, 1, ids=torch.randint(-1, 1, (T, 1))),
+        "flat_slot_ids": make(T, S, ids=torch.randint(-1, S, (T,))),
+        "top2_weighted": make(T, S, 2, seed=3, weighted=True),
+        "top2_same_slot_twice": make(T, S, ids=torch.randint(0, S, (T, 1)).repeat(1, 2), weighted=True),
+        "top2_unweighted": make(T, S, 2, seed=4),
+    }
+
+
+@pytest.mark.parametrize("case", list(routing_cases()))
+@pytest.mark.parametrize("backend", EAGER)
+def test_backend_equals_reference(backend: str, case: str) -> None:
+    args = routing_cases()[case]
+    want = lora_delta_reference(*args)
+    got = lora_delta(*args, backend=backend)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("auto",))
+def test_zero_tokens_give_empty_output(backend: str) -> None:
+    args = make(0, 3, 2)  # no compile: T = 0 returns before any kernel
+    out = lora_delta(*args, backend=backend)
+    assert out.shape == (0, D_OUT) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", EAGER)
+def test_bf16_close_to_fp32_reference(backend: str) -> None:
+    args = make(29, 4, 2, seed=5, dtype=torch.bfloat16, weighted=True)
+    got = lora_delta(*args, backend=backend)
+    assert got.dtype == torch.bfloat16
+    as32 = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+    torch.testing.assert_close(got.float(), lora_delta_reference(*as32), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("backend", ("sort_group", "stacked_mask"))
+def test_gradients_equal_reference(backend: str) -> None:
+    """Adapter and router training backpropagate through the fast kernels."""
+    x, A, B, scale, ids, w = make(13, 3, 2, seed=6, weighted=True)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, A, B, w)]
+        fn(leaves[0], leaves[1], leaves[2], scale, ids, leaves[3]).square().sum().backward()
+        return [t.grad for t in leaves]
+
+    want = grads(lora_delta_reference)
+    got = grads(lambda *a: lora_delta(*a, backend=backend))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_gather_equals_reference() -> None:
+    """One compile (~5-30 s on 2 cores, less with a warm inductor cache) covers -1s, empty and repeated
+    slots and weights; other cases would each recompile (sizes 0/1 and dtypes specialize)."""
+    ids = torch.tensor([[0, 0], [-1, 2], [2, -1], [-1, -1], [0, 2]]).repeat(3, 1)  # slot 1 unused
+    args = make(15, 3, ids=ids, weighted=True)
+    torch.testing.assert_close(lora_delta(*args, backend="gather"), lora_delta_reference(*args),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T", [0, 1, 8, 64, 512, 4096, 65536])
+@pytest.mark.parametrize("S", [1, 2, 4, 16, 64])
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("rank", [8, 64])
+def test_choose_backend_picks_an_eager_backend(T: int, S: int, k: int, rank: int) -> None:
+    # never compiles, never loops over tokens
+    assert choose_backend(T, S, k, rank=rank) in ("sort_group", "stacked_mask")
+
+
+def test_choose_backend_stacks_small_steps_and_sorts_large_ones() -> None:
+    assert choose_backend(8, 4, 1) == "stacked_mask"           # decode step, few adapters
+    assert choose_backend(4096, 16, 1) == "sort_group"         # long prefill, many adapters
+    assert choose_backend(64, 16, 1, rank=64) == "sort_group"  # stacking wastes 15/16 of r=64 work
+    for T in (1, 64, 4096):
+        assert choose_backend(T, 1, 1) == "stacked_mask"       # one slot: nothing to sort
+
+
+def test_unknown_backend_names_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="sort_group.*stacked_mask.*gather"):
+        LoRADispatcher("nope")
+    with pytest.raises(ValueError, match="auto"):
+        lora_delta(*make(2, 2), backend="nope")
+
+
+def test_dispatcher_logs_its_backend_once_and_matches_reference(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="molora.ops"):
+        dispatch = LoRADispatcher("sort_group")
+    assert "sort_group" in caplog.text
+    args = make(9, 3, 2, seed=7, weighted=True)
+    torch.testing.assert_close(dispatch(*args), lora_delta_reference(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_one_plan_serves_every_target_linear_of_a_step() -> None:
+    """A step checks and sorts its routing once; linears of other shapes (and dtypes) reuse it."""
+    x, A, B, scale, ids, w = make(23, 4, 2, seed=8, weighted=True)
+    g = torch.Generator().manual_seed(9)
+    A2, B2 = torch.randn(4, 8, D_IN, generator=g) * 0.3, torch.randn(4, 40, 8, generator=g) * 0.3
+    for backend in EAGER:
+        dispatch = LoRADispatcher(backend)
+        plan = dispatch.plan(ids, w, num_slots=4)
+        for a, b in ((A, B), (A2, B2)):
+            torch.testing.assert_close(dispatch.apply(plan, x, a, b, scale),
+                                       lora_delta_reference(x, a, b, scale, ids, w), atol=1e-5, rtol=1e-5)
+        got16 = dispatch.apply(plan, x.bfloat16(), A.bfloat16(), B.bfloat16(), scale)
+        torch.testing.assert_close(got16.float(), lora_delta_reference(x, A, B, scale, ids, w), atol=3e-2, rtol=3e-2)
+
+
+def test_plan_refuses_a_bank_with_another_slot_count() -> None:
+    x, A, B, scale, ids, _ = make(5, 3)
+    plan = LoRADispatcher().plan(ids, num_slots=4)
+    with pytest.raises(ValueError, match="S=4"):
+        LoRADispatcher().apply(plan, x, A, B, scale)
+
+
+def test_gather_without_a_compiler_raises_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(gather_module, "compiled_gather_core", lambda: broken)
+    with pytest.raises(LoRABackendError, match="sort_group"):
+        lora_delta(*make(3, 2), backend="gather")
+
+
+def _bad(**over):
+    x, A, B, scale, ids, w = make(4, 3, 2, weighted=True)
+    d = dict(x=x, A=A, B=B, scale=scale, slot_ids=ids, weights=w) | over
+    return d["x"], d["A"], d["B"], d["scale"], d["slot_ids"], d["weights"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (_bad(x=torch.zeros(4, D_IN + 1)), "D_in"),
+        (_bad(x=torch.zeros(4, 2, D_IN)), r"\[T=4, D_in\]"),
+        (_bad(B=torch.zeros(3, D_OUT, R + 1)), "R="),
+        (_bad(scale=torch.ones(2)), "scale"),
+        (_bad(slot_ids=torch.zeros(5, 2, dtype=torch.long), weights=None), r"x must be \[T=5"),
+        (_bad(slot_ids=torch.zeros(4, 2)), "int64"),
+        (_bad(weights=torch.ones(4, 1)), "weights"),
+        (_bad(A=torch.zeros(3, R, D_IN, dtype=torch.float64)), "dtype"),
+        (_bad(slot_ids=torch.tensor([[0, 3]] * 4)), r"\[-1, 2\]"),
+        (_bad(slot_ids=torch.tensor([[0, -2]] * 4)), "-1 means no adapter"),
+    ],
+)
+def test_bad_arguments_raise_value_error_saying_what_was_expected(args, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        lora_delta(*args)
