@@ -56,6 +56,18 @@ def make_peft_adapter(path: Path, arch: str, *, r: int = 4, alpha: float = 8, ta
     return path
 
 
+def tiny_tokenizer():
+    """A word-level fast tokenizer over VOCAB ids: "w3 w17" -> [3, 17]; ids 0-2 are pad/eos/bos."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<|im_end|>": 1, "<s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
+                                   bos_token="<s>", unk_token="<pad>")
+
+
 @pytest.fixture(params=["qwen3", "llama"])
 def arch(request) -> str:
     return request.param
