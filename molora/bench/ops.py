@@ -14,15 +14,13 @@ and reports each backend's ratio to single, to kpass and to base.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from molora.bench.common import add_common_args, emit, machine_info, set_threads, time_interleaved
 from molora.ops import lora_delta
 from molora.ops.dispatch import cost_features
 
@@ -61,23 +59,6 @@ def _variant_fns(inp: dict, variants: Sequence[str]) -> dict[str, Callable[[], T
     return {k: fns[k] for k in variants}
 
 
-def _time_interleaved(
-    fns: dict[str, Callable[[], Tensor]], repeats: int, warmup: int = 2
-) -> tuple[dict[str, float], dict[str, float]]:
-    """(median, min) ms per variant; variants alternate inside each repetition so drift hits all alike.
-    The min is kept beside the median because a shared CPU adds whole scheduler slices to some runs."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return ({k: statistics.median(v) for k, v in times.items()}, {k: min(v) for k, v in times.items()})
-
-
 def bench_ops(
     Ts: Sequence[int] = (1, 8, 64, 512, 4096),
     Ks: Sequence[int] = (1, 2, 4, 8, 16),
@@ -100,8 +81,8 @@ def bench_ops(
             for K in Ks:
                 for r in ranks:
                     inp = _inputs(T, K, r, d, d_out, top_k, dtype, seed=T * 1000 + K * 10 + r)
-                    ms, ms_min = _time_interleaved(_variant_fns(inp, variants), repeats)
-                    rows.append(_row(T, K, r, d, d_out, top_k, dtype, ms) | {"ms_min": _round(ms_min)})
+                    t = time_interleaved(_variant_fns(inp, variants), repeats, warmup=2)
+                    rows.append(_row(T, K, r, d, d_out, top_k, dtype, t.median) | {"ms_min": _round(t.min)})
     return rows
 
 
@@ -194,7 +175,7 @@ def plot(rows: list[dict], path: str, stat: str = "ms") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="molora bench ops", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small grid: T in 1,64,4096; K in 1,4; r=16; no gather")
+    add_common_args(p, threads_default=0)  # --json, --plot, --quick (T in 1,64,4096; K in 1,4; r=16; no gather)
     p.add_argument("--Ts", type=int, nargs="+", default=[1, 8, 64, 512, 4096], help="token counts T")
     p.add_argument("--Ks", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="adapter (slot) counts K")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64], help="LoRA ranks r")
@@ -207,9 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="statistic in the table (min resists noise from other jobs on a shared CPU)")
     p.add_argument("--skip-gather", action="store_true", help="skip the compiled gather backend")
     p.add_argument("--fit", action="store_true", help="refit the auto rule's cost model to this run")
-    p.add_argument("--json", metavar="OUT", help="also write the rows to this JSON file")
-    p.add_argument("--plot", metavar="OUT.png", help="plot time / single-adapter vs T per backend")
     a = p.parse_args(argv)
+    set_threads(a.threads)
     if a.quick:
         a.Ts, a.Ks, a.ranks, a.skip_gather, a.repeats = [1, 64, 4096], [1, 4], [16], True, min(a.repeats, 5)
     rows = bench_ops(a.Ts, a.Ks, a.ranks, a.d, a.repeats, d_out=a.d_out, top_k=a.top_k,
@@ -220,12 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         coef = fit_cost_model(rows, stat)
         print(f"fitted STACKED_US = {tuple(coef['stacked_mask'])}, SORTED_US = {tuple(coef['sort_group'])}; "
               "auto / faster eager backend: mean %.3f, max %.2f" % auto_regret(rows, stat))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
     if a.plot:
         plot(rows, a.plot, stat)
-    print(json.dumps({"bench": "ops", "rows": rows}))
+    emit({"bench": "ops", "machine": machine_info(), "rows": rows}, a.json)
     return 0
 
 

@@ -44,9 +44,12 @@ BACKENDS: tuple[str, ...] = ("reference", "sort_group", "stacked_mask", "gather"
 #   sort_group   = fixed (argsort, bincount, host read) + per used slot segment (two small mm)
 #                  + per M MACs (T*k*R*D) + per M activations moved (T*k*D) + top-k > 1 (sum of choices)
 # On that grid the pick costs on average 1.1% more than the faster backend, at worst 1.55x (top-2,
-# T=512, where the timings were also noisiest). Picks for d=1024, r=16, top-1: S=2 -> stacked_mask at
-# every T; S=4 -> stacked_mask for 4 <= T <= 128; S=8 -> for 4 <= T <= 32; S=16 -> sort_group except
-# 16 <= T <= 32 (near ties). At T=1 with S >= 4 sort_group wins by ~10 us (it touches one slot's weights).
+# T=512, where the timings were also noisiest). Some of the points (ms, sort_group / stacked_mask, d=1024,
+# r=16, top-1; the pick in capitals):
+#   S=4:  T=1 .073/.078 SG   T=4 .107/.078 SM   T=16 .137/.111 SM   T=64 .214/.179 SM
+#         T=128 .281/.288 SM (near tie)   T=512 .674/.761 SG   T=2048 1.84/2.73 SG   T=4096 3.96/5.22 SG
+#   S=16: T=1 .082/.185 SG   T=16 .292/.309 SM (near tie)   T=64 .456/.627 SG   T=512 1.04/2.55 SG
+#   S=2:  stacked_mask at every T (T=4096 2.54 vs 3.55); r=64, S=16: sort_group at every T.
 # Costs are per call; a RoutingPlan shared by a step's linears removes most of either backend's fixed
 # cost (measured: 7 SmolLM2-shaped linears, T=1, S=4: 0.49 ms as 7 calls, 0.29 ms with one plan).
 # Measured on CPU only: on CUDA sort_group's host read syncs and breaks graph capture, so a GPU engine
@@ -76,8 +79,8 @@ def choose_backend(
     num_slots_used: the slots the stacked form must touch. `LoRADispatcher` passes A.shape[0] (all S
     slots of the bank), which needs no device sync; a caller that compacts the bank to the slots a
     step uses may pass that count. rank, d_in, d_out: A.shape[1], A.shape[2], B.shape[1].
-    Never picks "gather" (compiled gather measured slower than both on CPU, see molora/bench/ops.py)
-    nor "reference".
+    Never picks "gather" (compiled gather measured slower than the faster of the two at every T on
+    CPU: T=8 0.23 ms vs 0.11, T=4096 12-21 ms vs 10-14, d=1024, S=4, r=16) nor "reference".
     """
     args = (num_tokens, num_slots_used, top_k, rank, d_in + d_out)
     if estimate_us("stacked_mask", *args) <= estimate_us("sort_group", *args):

@@ -9,7 +9,8 @@ problems, shipped in `molora/data/generic.jsonl.gz`, labelled "none").
 
 `--data-only` writes just the exact JSONL files used for training (so anyone can check their overlap
 with any benchmark). Seeds: skill data uses `TRAIN_SEED_BASE + i` streams; held-out evaluation uses
-`EVAL_SEED_BASE + i` (see molora.data.skills).
+`EVAL_SEED_BASE + i` (see molora.data.skills). Counting and arithmetic completions are short worked
+solutions ending "So the answer is X." (molora.data.solutions: bare answers trained to 10% and 0%).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from molora.data.skills import TRAIN_SEED_BASE, generate, read_jsonl, write_jsonl
+from molora.data.solutions import worked_solution
 from molora.train.adapter import CHATML, END, AdapterTrainConfig, train_adapter
 from molora.train.router import (IGNORE, LabelledSeq, RouterTrainConfig, collect_features, routing_accuracy,
                                  train_router)
@@ -78,19 +80,22 @@ def write_data(out: Path, recipe: DefaultRecipe) -> dict[str, Path]:
     for i, (name, task) in enumerate(SKILL_ADAPTERS.items()):
         items = generate(task, recipe.n_train, seed=TRAIN_SEED_BASE + 10 * i)
         paths[name] = data / f"{name}.jsonl"
-        write_jsonl(paths[name], [{"prompt": it.input, "completion": it.target} for it in items])
+        write_jsonl(paths[name], [{"prompt": it.input, "completion": worked_solution(task, it.input, it.target)}
+                                  for it in items])
     rows = []
     for i, (name, task) in enumerate(SKILL_ADAPTERS.items()):
         for it in generate(task, recipe.n_router, seed=TRAIN_SEED_BASE + 10 * i + 1):
-            rows.append({"segments": [{"prompt": it.input, "completion": it.target, "label": name}]})
+            rows.append({"segments": [{"prompt": it.input, "completion": worked_solution(task, it.input, it.target),
+                                       "label": name}]})
     rng = random.Random(recipe.seed)
     names = list(SKILL_ADAPTERS)
     pools = {n: generate(SKILL_ADAPTERS[n], recipe.n_mixed, seed=TRAIN_SEED_BASE + 10 * k + 2)
              for k, n in enumerate(names)}
     for j in range(recipe.n_mixed):
         a, b = rng.sample(names, 2)
-        rows.append({"segments": [{"prompt": pools[n][j].input, "completion": pools[n][j].target, "label": n}
-                                  for n in (a, b)]})
+        rows.append({"segments": [{"prompt": pools[n][j].input, "label": n,
+                                   "completion": worked_solution(SKILL_ADAPTERS[n], pools[n][j].input,
+                                                                 pools[n][j].target)} for n in (a, b)]})
     for g in read_generic(recipe.n_generic, recipe.seed):
         rows.append({"segments": [{"prompt": g["prompt"], "completion": g["completion"], "label": None}]})
     rng.shuffle(rows)
