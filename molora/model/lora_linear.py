@@ -33,7 +33,7 @@ class RoutingContext:
     blocks then refresh slot_ids before they run. `trace`, when a list, collects each block's decision.
     """
 
-    __slots__ = ("slot_ids", "weights", "router", "slot_map", "allowed", "trace")
+    __slots__ = ("slot_ids", "weights", "router", "slot_map", "allowed", "trace", "_plan")
 
     def __init__(self) -> None:
         self.slot_ids: torch.Tensor | None = None
@@ -42,6 +42,13 @@ class RoutingContext:
         self.slot_map: torch.Tensor | None = None
         self.allowed: torch.Tensor | None = None
         self.trace: list | None = None
+        self._plan = None
+
+    def plan(self, dispatcher: LoRADispatcher, num_slots: int):
+        """The step's routing checked and sorted once (a `RoutingPlan`), shared by every routed linear."""
+        if self._plan is None:
+            self._plan = dispatcher.plan(self.slot_ids, self.weights, num_slots=num_slots)
+        return self._plan
 
     def route_block(self, block: int, hidden: torch.Tensor) -> None:
         """Let the in-network router decide for `block` from its input hidden [T, D] (no-op without one)."""
@@ -52,17 +59,17 @@ class RoutingContext:
             return  # keep the previous block's decision
         ids, weights = decision  # [T, k] in router order, -1 = none
         lookup = torch.cat([self.slot_map, self.slot_map.new_full((1,), -1)])
-        self.slot_ids, self.weights = lookup[ids], weights
+        self.slot_ids, self.weights, self._plan = lookup[ids], weights, None
         if self.trace is not None and self.router.gate_index(block) is not None:
             self.trace.append((block, ids))  # only blocks whose own gate decided
 
     def set(self, slot_ids: torch.Tensor | None, weights: torch.Tensor | None = None) -> None:
         assert slot_ids is None or slot_ids.ndim == 2, "slot_ids must be [T, k]"
         assert weights is None or (slot_ids is not None and weights.shape == slot_ids.shape)
-        self.slot_ids, self.weights = slot_ids, weights
+        self.slot_ids, self.weights, self._plan = slot_ids, weights, None
 
     def clear(self) -> None:
-        self.slot_ids = self.weights = self.router = self.slot_map = self.allowed = None
+        self.slot_ids = self.weights = self.router = self.slot_map = self.allowed = self._plan = None
 
 
 class RoutedLoRALinear(nn.Module):
@@ -86,7 +93,8 @@ class RoutedLoRALinear(nn.Module):
         flat = x.reshape(-1, self.in_features)  # [T, d_in]
         if flat.shape[0] != slot_ids.shape[0]:
             raise RuntimeError(f"routing covers {slot_ids.shape[0]} tokens but the layer got {flat.shape[0]}")
-        delta = self.dispatcher(flat, self.lora.A, self.lora.B, self.lora.scale, slot_ids, self.context.weights)
+        plan = self.context.plan(self.dispatcher, self.lora.A.shape[0])
+        delta = self.dispatcher.apply(plan, flat, self.lora.A, self.lora.B, self.lora.scale)
         return y + delta.view(y.shape).to(y.dtype)
 
     def to_linear(self) -> nn.Linear:

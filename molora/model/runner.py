@@ -158,6 +158,7 @@ class ModelRunner:
             for block in self.blocks:
                 if learned:
                     self._decide(block.index, h, routing, slot_ids, weights)
+                    ctx.set(slot_ids, weights)  # rows changed in place: drop the step's cached plan
                 h = block(h, positions, plan, self.cache, self.cos, self.sin)
             h = self.norm(h[plan.last_rows])                                 # [B, D]
             self.last_slot_ids = None if slot_ids is None else slot_ids[plan.last_rows]  # [B, k]
