@@ -242,6 +242,23 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------- bench
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", nargs="?", choices=["ops", "model", "hotset", "engine", "serve"],
+                   help="which benchmark (`molora bench WHAT --help` lists its options)")
+    p.add_argument("args", nargs=argparse.REMAINDER,
+                   help="that benchmark's options, e.g. --quick --threads 1 --json OUT --plot OUT.png")
+
+
+@command("bench", _bench_args)
+def _bench(args: argparse.Namespace) -> int:
+    """Performance benchmarks: ops, model, hotset, engine, serve (each ends with one JSON line)."""
+    from molora.bench.cli import main as bench_main
+
+    return bench_main([args.what, *args.args] if args.what else [])
+
+
 # --------------------------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,94 @@
+"""Benchmark smoke tests: every bench's tiny path runs end to end and ends stdout with one valid JSON line
+(timings are not checked: they are measurements, not invariants). Together well under 30 s on 2 cores."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from molora.bench.cli import main as bench_main
+from molora.bench.common import time_interleaved
+from molora.bench.model import lora_flops
+from tests.conftest import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _last_json(capsys) -> dict:
+    out = capsys.readouterr().out.strip().splitlines()
+    return json.loads(out[-1])
+
+
+def test_cli_refuses_unknown_bench(capsys):
+    assert bench_main(["nope"]) == 2
+    assert "ops" in capsys.readouterr().err
+
+
+def test_interleaved_timing_resets_and_caps_repeats():
+    calls: list[str] = []
+    t = time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3, warmup=1,
+                         reset={"a": lambda: calls.append("reset")}, max_repeats={"b": 1})
+    assert [len(v) for v in t.samples.values()] == [3, 1]
+    assert calls == ["a", "reset", "a", "reset", "b", "a", "reset", "a", "reset"]  # no warm-up for capped b
+    assert t.ratios("a")["a"] == 1.0
+
+
+def test_lora_flops_of_smollm2_are_a_few_percent():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, head_dim=64, vocab_size=49152)
+    f = lora_flops(cfg, 16)
+    assert 0.03 < f["lora_vs_base"] < f["lora_vs_body"] < 0.05
+
+
+def test_ops_bench_json(tmp_path, capsys):
+    path = tmp_path / "ops.json"
+    assert bench_main(["ops", "--Ts", "1", "16", "--Ks", "1", "2", "--ranks", "4", "--d", "32", "--repeats", "1",
+                       "--skip-gather", "--json", str(path)]) == 0
+    line = _last_json(capsys)
+    assert line["bench"] == "ops" and len(line["rows"]) == 4
+    assert json.loads(path.read_text())
+
+
+def test_model_bench_json_on_tiny(tmp_path, capsys):
+    path = tmp_path / "model.json"
+    assert bench_main(["model", "--models", "tiny", "--prefill", "2", "16", "--decode-batches", "2",
+                       "--context", "16", "--kmod-Ks", "2", "--kmod-batch", "1", "--repeats", "1",
+                       "--threads", "1", "--json", str(path)]) == 0
+    line = _last_json(capsys)
+    assert line == json.loads(path.read_text())
+    r = line["results"][0]
+    assert r["model"] == "tiny" and line["machine"]["cores"] >= 1
+    for variant in ("base", "molora", "runner", "peft_mixed", "kpass", "molora_bf16"):
+        assert r["prefill"]["ms"][variant] > 0 and variant in r["decode_b2"]["vs_base"]
+    # X-LoRA is either measured or its failure is recorded, never silently missing
+    assert "xlora" in r["prefill"]["ms"] or "xlora" in r["errors"]
+    assert r["kmodality"][0]["K"] == 2 and r["kmodality"][0]["speedup"] > 0
+    assert [g["name"] for g in line["goals"]["rows"]][:2] == ["prefill_vs_base", "decode_vs_base"]
+
+
+def test_hotset_bench_json_on_tiny(tmp_path, capsys):
+    assert bench_main(["hotset", "--model", "tiny", "--adapters", "4", "--slots", "1", "4", "--requests", "40",
+                       "--repeats", "1", "--threads", "1", "--json", str(tmp_path / "h.json")]) == 0
+    line = _last_json(capsys)
+    assert set(line["tiers"]["ms"]) == {"memcpy", "slot_copy", "slot_hit", "cpu_tier", "disk", "read"}
+    rows = line["zipf"]["rows"]
+    assert rows[-1]["hit_rate"] == 1.0 and rows[0]["hits"] + rows[0]["misses"] == 40
+
+
+def test_engine_bench_json_on_tiny(monkeypatch, capsys):
+    import molora.model.base as base
+
+    monkeypatch.setattr(base, "load_default_base", lambda *a, **k: (tiny_model("qwen3"), None))
+    assert bench_main(["engine", "--requests", "2", "--prompt-len", "8", "--new-tokens", "3", "--hf-batch", "2",
+                       "--threads", "1", "--quick"]) == 0
+    line = _last_json(capsys)
+    assert line["bench"] == "engine" and line["engine_tok_s"] > 0
