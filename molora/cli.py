@@ -242,6 +242,35 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------- eval
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
+    p.add_argument("--task", required=True, metavar="KIND:FILE",
+                   help="bbh:FILE.json, gsm8k:FILE.jsonl, math:FILE, gpqa:FILE.csv or mixed:FILE.jsonl")
+    p.add_argument("--routing", default="learned",
+                   help="base, adapter:NAME, oracle, sequence, learned (default) or merge")
+    p.add_argument("--limit", type=int, default=None, help="first N items only")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch (default 16)")
+    p.add_argument("--max-tokens", type=int, default=None, help="answer budget (default: per task kind)")
+    p.add_argument("--json", default=None, metavar="OUT", help='write {"task","routing","n","accuracy",...}')
+    p.add_argument("--predictions", default=None, metavar="OUT.jsonl", help="one line per item (or mixed part)")
+
+
+@command("eval", _eval_args)
+def _eval(args: argparse.Namespace) -> int:
+    """Score a routed model on a task file (greedy, the bundle's prompt template)."""
+    from molora.bundle import load
+    from molora.eval.runner import evaluate, save_results
+
+    mm = load(args.bundle)
+    summary, predictions = evaluate(mm, args.task, args.routing, limit=args.limit, batch_size=args.batch_size,
+                                    max_new_tokens=args.max_tokens)
+    save_results(summary, predictions, args.json, args.predictions)
+    print(json.dumps(summary))
+    return 0
+
+
 # --------------------------------------------------------------------------------------------- bench
 
 def _bench_args(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,7 @@
 """Routers: which adapter each token uses. See `molora.routing.base` for the interface."""
 
 from molora.routing.base import OracleRouter, Router, Routing, SequenceRouter, VocabRouter, adapter_index
+from molora.routing.merge import UniformMergeRouter
 
-__all__ = ["OracleRouter", "Router", "Routing", "SequenceRouter", "VocabRouter", "adapter_index"]
+__all__ = ["OracleRouter", "Router", "Routing", "SequenceRouter", "UniformMergeRouter", "VocabRouter",
+           "adapter_index"]
