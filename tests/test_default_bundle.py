@@ -1,0 +1,33 @@
+"""The embedded default bundle on the real model: it loads offline and routes each skill to its adapter."""
+
+from __future__ import annotations
+
+import pytest
+
+import molora
+from molora.bundle import run_prompt
+from molora.data.skills import EVAL_SEED_BASE, generate
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+
+
+@pytest.fixture(scope="module")
+def mm():
+    return molora.load()
+
+
+def test_default_bundle_names_four_skill_adapters_and_a_learned_router(mm):
+    assert mm.adapter_names == ["counting", "arithmetic", "dyck", "navigate"]
+    assert mm.router is not None and mm.router.adapter_names == mm.adapter_names
+    assert {t for a in mm.bundle.adapters for t in a.tasks} == {
+        "object_counting", "multistep_arithmetic_two", "dyck_languages", "navigate"}
+
+
+@pytest.mark.parametrize("task, adapter", [("object_counting", "counting"),
+                                           ("multistep_arithmetic_two", "arithmetic"),
+                                           ("dyck_languages", "dyck"), ("navigate", "navigate")])
+def test_learned_router_sends_each_skill_to_its_adapter(mm, task, adapter):
+    item = generate(task, 1, seed=EVAL_SEED_BASE + 4321)[0]
+    r = run_prompt(mm, item.input, max_new_tokens=4, trace=True)
+    question = r.adapters[3:len(r.prompt_ids)]  # after "<|im_start|>user\n"
+    assert question.count(adapter) >= 0.8 * len(question), (task, question)
