@@ -110,6 +110,11 @@ def write_eval_data(bundle: Bundle, folder: Path, n: int, n_mixed: int) -> dict[
 
 # ------------------------------------------------------------------------------------------- evaluation
 
+NOT_MEASURED = {"accuracy": math.nan, "lenient_accuracy": math.nan, "item_accuracy": math.nan,
+                "majority_baseline": math.nan, "seconds": 0.0, "generated_tokens": 0, "n": 0, "by_task": {}}
+CACHED_ONLY = False  # --cached-only: render what the cache holds; a missing run shows as "n/m"
+
+
 def cached_eval(mm: Any, spec: str, mode: str, cache: Path, batch_size: int, limit: int | None = None) -> dict:
     """The summary of evaluating `spec` (its first `limit` items) under `mode`, read from `cache` if there."""
     tag = f"__first{limit}" if limit else ""
@@ -117,6 +122,9 @@ def cached_eval(mm: Any, spec: str, mode: str, cache: Path, batch_size: int, lim
     if path.is_file():
         log(f"{spec.split('/')[-1]} {mode}: cached")
         return json.loads(path.read_text())
+    if CACHED_ONLY:
+        log(f"{spec.split('/')[-1]} {mode}: not measured (--cached-only)")
+        return dict(NOT_MEASURED, routing=mode)
     log(f"{spec.split('/')[-1]} {mode}: evaluating")
     summary, predictions = evaluate(mm, spec, mode, batch_size=batch_size, limit=limit)
     save_results(summary, predictions, path.with_suffix(".tmp"), path.with_suffix(".jsonl"))
@@ -135,6 +143,8 @@ def router_accuracy(mm: Any, tasks: list[str], n_per_skill: int, cache: Path) ->
     path = cache / "router_accuracy.json"
     if path.is_file():
         return json.loads(path.read_text())
+    if CACHED_ONLY:
+        return {}
     names = mm.router.adapter_names
     adapter = {t: mm.bundle.adapter_for_task(t) for t in tasks}
     tok, template = mm.tokenizer, mm.bundle.prompt_template
@@ -247,7 +257,7 @@ def _save(fig: Any, path: Path) -> str:
 # ------------------------------------------------------------------------------------------- markdown
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
-    fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
+    fmt = lambda v: ("n/m" if math.isnan(v) else f"{v:.1f}") if isinstance(v, float) else str(v)  # noqa: E731
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return "\n".join([*lines, *("| " + " | ".join(fmt(v) for v in row) + " |" for row in rows)])
 
@@ -382,7 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="runs/results_work", help="data and per-(task, mode) cache")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch (default 16)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--cached-only", action="store_true",
+                   help="evaluate nothing: render the cached runs, marking missing ones n/m (not measured)")
     args = p.parse_args(argv)
+    global CACHED_ONLY
+    CACHED_ONLY = args.cached_only
     if args.threads:
         torch.set_num_threads(args.threads)
     command = "python scripts/make_results.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -418,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode in ["base", "merge", "sequence", "learned", "oracle"]:
         runs = [skills[t][mode] for t in tasks] + ([mixed[mode]] if mode in mixed else [])
         secs, toks, n = (sum(r[k] for r in runs) for k in ("seconds", "generated_tokens", "n"))
-        cost[mode] = {"tokens_per_s": toks / secs, "seconds_per_item": secs / n, "tokens_per_item": toks / n}
+        cost[mode] = {"tokens_per_s": toks / max(secs, 1e-9), "seconds_per_item": secs / max(n, 1),
+                      "tokens_per_item": toks / max(n, 1)}
     base = "SmolLM2-135M-Instruct (embedded 4-bit GGUF, dequantized)" if bundle.base == "default" else bundle.base
     res = {"bundle": str(bundle.folder), "base": base, "fingerprint": fp, "n": args.n, "n_mixed": args.n_mixed,
            "date": time.strftime("%Y-%m-%d"), "batch_size": args.batch_size, "threads": torch.get_num_threads(),
