@@ -279,7 +279,11 @@ def render(res: dict, command: str, images: list[str]) -> str:
         f"(dropped: {res['data']['dropped']}). They follow the BBH task files' surface format but are not "
         f"the benchmark's items. One standard error at n={res['n']} is at most {se:.1f} points. "
         "Greedy decoding, the bundle's prompt template, strict scoring (the answer as asked; lenient in the "
-        "second table).",
+        "second table). The own-adapter (= oracle) and learned runs use all items; base, merge, sequence and "
+        f"the other adapters use the first {res.get('n_side') or res['n']} items of each skill. The default "
+        "bundle's counting and arithmetic adapters answer with a short worked solution ending \"So the answer "
+        "is X.\" (BBH's chain-of-thought closing; `molora/data/solutions.py`), which the strict scorer reads; "
+        "the dyck and navigate adapters answer bare.",
         "",
         "## Goals",
         "",
@@ -435,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         cost[mode] = {"tokens_per_s": toks / max(secs, 1e-9), "seconds_per_item": secs / max(n, 1),
                       "tokens_per_item": toks / max(n, 1)}
     base = "SmolLM2-135M-Instruct (embedded 4-bit GGUF, dequantized)" if bundle.base == "default" else bundle.base
-    res = {"bundle": str(bundle.folder), "base": base, "fingerprint": fp, "n": args.n, "n_mixed": args.n_mixed,
+    res = {"bundle": str(bundle.folder), "base": base, "fingerprint": fp, "n": args.n, "n_side": args.n_side, "n_mixed": args.n_mixed,
            "date": time.strftime("%Y-%m-%d"), "batch_size": args.batch_size, "threads": torch.get_num_threads(),
            "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
            "tasks": tasks, "adapters": names, "own_adapter": own, "data": data, "skills": skills,
