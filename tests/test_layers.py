@@ -1,0 +1,49 @@
+"""The layering of ../shared/design.md: imports point down only (checked by parsing every module's imports)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "molora"
+
+LAYER = {  # module prefix -> layer (the longest matching prefix wins)
+    "molora.errors": 0, "molora.config": 0,
+    "molora.ops": 1, "molora.adapters.io": 1, "molora.data": 1, "molora.sampling": 1, "molora.view": 1,
+    "molora.adapters.bank": 2, "molora.adapters": 2, "molora.routing": 2,
+    "molora.model": 3, "molora.bundle": 3,
+    "molora.engine": 4,
+    "molora.server": 5, "molora.train": 5, "molora.eval": 5, "molora.bench": 5,
+    "molora.cli": 6, "molora": 6,
+}
+SIBLINGS_APART = ("molora.server", "molora.train", "molora.eval", "molora.bench")  # layer 5 must not mix
+
+
+def layer_of(name: str) -> tuple[int, str]:
+    best = max((p for p in LAYER if name == p or name.startswith(p + ".")), key=len)
+    return LAYER[best], best
+
+
+def imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("molora"):
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("molora")}
+    return out
+
+
+def test_imports_point_down_only():
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        mod = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__")
+        if mod == "molora":
+            continue  # the package front door re-exports lazily
+        lm, pm = layer_of(mod)
+        for imp in imports(path) - {"molora"}:  # the bare package is a lazy facade, not a layer
+            li, pi = layer_of(imp)
+            apart = pm in SIBLINGS_APART and pi in SIBLINGS_APART and pm != pi
+            if li > lm or apart:
+                bad.append(f"{mod} (layer {lm}) imports {imp} (layer {li})")
+    assert not bad, "\n".join(sorted(bad))
