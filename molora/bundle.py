@@ -34,6 +34,19 @@ MANIFEST = "molora.json"
 FORMAT = "molora-bundle/1"
 DEFAULT_BUNDLE_DIR = Path(__file__).parent / "default_bundle"
 CHATML_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+END_OF_TURN = "<|im_end|>"
+
+
+def turn_text(template: str, prompt: str, answer: str | None = None, end: str = END_OF_TURN,
+              last: bool = True) -> str:
+    """One chat turn: template(prompt) [+ answer + end [+ "\\n" before a following turn]].
+
+    Training data, router data and evaluation all render turns with this function, so they agree.
+    """
+    text = template.replace("{prompt}", prompt)
+    if answer is None:
+        return text
+    return text + answer + end + ("" if last else "\n")
 
 
 @dataclass(frozen=True)
@@ -56,7 +69,7 @@ class Bundle:
     router_path: Path | None = None
     vocab_routes: dict | None = None
     prompt_template: str = CHATML_TEMPLATE
-    stop: tuple[str, ...] = ("<|im_end|>",)
+    stop: tuple[str, ...] = (END_OF_TURN,)
     slots: int | None = None
     max_rank: int | None = None
     extra: dict = field(default_factory=dict)
@@ -187,15 +200,18 @@ def encode_prompt(mm: Any, prompt: str) -> list[int]:
                                    tokenize=True, return_dict=True)["input_ids"]
 
 
-def stop_ids(mm: Any) -> list[int]:
-    tok = mm.tokenizer
-    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    bundle = getattr(mm, "bundle", None)
-    for s in (bundle.stop if bundle else ("<|im_end|>",)):
+def stop_token_ids(tok: Any, bundle: Bundle | None) -> list[int]:
+    """End-of-sequence ids: the tokenizer's eos plus the bundle's stop tokens (ChatML's end without one)."""
+    ids = {tok.eos_token_id} if getattr(tok, "eos_token_id", None) is not None else set()
+    for s in (bundle.stop if bundle is not None else (END_OF_TURN,)):
         tid = tok.convert_tokens_to_ids(s)
-        if isinstance(tid, int) and tid != tok.unk_token_id:
+        if isinstance(tid, int) and tid != getattr(tok, "unk_token_id", None) and tid >= 0:
             ids.add(tid)
     return sorted(ids)
+
+
+def stop_ids(mm: Any) -> list[int]:
+    return stop_token_ids(mm.tokenizer, getattr(mm, "bundle", None))
 
 
 @torch.no_grad()

@@ -42,15 +42,15 @@ from typing import Any
 
 import torch
 
-from molora.bundle import stop_ids
+from molora.bundle import CHATML_TEMPLATE, END_OF_TURN, stop_ids, turn_text
 from molora.errors import MoLoRAError
 from molora.eval.tasks import EvalItem, answer_kind, load_task, score_item
 from molora.routing import OracleRouter, Router, SequenceRouter
 from molora.routing.merge import UniformMergeRouter
 
 MODES = ("base", "adapter:NAME", "merge", "oracle", "sequence", "learned")
-END = "<|im_end|>"
-CHATML = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+END = END_OF_TURN
+CHATML = CHATML_TEMPLATE
 # new-token budget per answer kind: bare answers are short; a word list or a worked solution is not
 # ("int": the default bundle answers counting and arithmetic with worked solutions of up to ~127 tokens)
 MAX_NEW_TOKENS = {"int": 136, "label": 24, "dyck": 32, "choice": 32, "words": 96, "text": 64,
@@ -69,14 +69,6 @@ def template_of(mm: Any) -> tuple[str, str]:
     if bundle is None:
         return CHATML, END
     return bundle.prompt_template, (bundle.stop[0] if bundle.stop else END)
-
-
-def turn_text(template: str, prompt: str, answer: str | None = None, end: str = END, last: bool = True) -> str:
-    """One chat turn as `labelled_sequence` renders it: template(prompt) [+ answer + end [+ "\\n"]]."""
-    text = template.replace("{prompt}", prompt)
-    if answer is None:
-        return text
-    return text + answer + end + ("" if last else "\n")
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from molora.bundle import stop_token_ids
 from molora.errors import BankFullError, MoLoRAError
 from molora.server.generation import Generation, ModelInfo
 from molora.server.metrics import ServerMetrics
@@ -81,7 +82,7 @@ def create_app(engine: Any, *, model_name: str | None = None, api_keys: Sequence
     config = getattr(mm, "config", None)
     info = ModelInfo(
         name=model_name or (bundle.name if bundle is not None else "molora"), tokenizer=tok,
-        stop_token_ids=tuple(_stop_ids(tok, bundle)), vocab_size=_vocab_size(tok, config),
+        stop_token_ids=tuple(stop_token_ids(tok, bundle)), vocab_size=_vocab_size(tok, config),
         max_model_len=max_model_len or engine.max_model_len,
         prompt_template=bundle.prompt_template if bundle is not None else None,
         adapters=[a["name"] for a in engine.list_adapters()], default_max_tokens=default_max_tokens)
@@ -336,16 +337,6 @@ class _Gate:
 
 
 # ---------------------------------------------------------------------------------------------- model facts
-
-def _stop_ids(tok: Any, bundle: Any) -> list[int]:
-    """End-of-sequence ids: the tokenizer's eos plus the bundle's stop tokens (ChatML's <|im_end|> without one)."""
-    ids = {tok.eos_token_id} if getattr(tok, "eos_token_id", None) is not None else set()
-    for text in (bundle.stop if bundle is not None else ("<|im_end|>",)):
-        tid = tok.convert_tokens_to_ids(text)
-        if isinstance(tid, int) and tid != getattr(tok, "unk_token_id", None) and tid >= 0:
-            ids.add(tid)
-    return sorted(ids)
-
 
 def _vocab_size(tok: Any, config: Any) -> int:
     sizes = [len(tok)] + ([config.vocab_size] if getattr(config, "vocab_size", None) else [])

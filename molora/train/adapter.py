@@ -22,13 +22,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from molora.bundle import CHATML_TEMPLATE, END_OF_TURN, turn_text
 from molora.config import LLAMA_PROJECTIONS
 from molora.errors import MoLoRAError
 
 log = logging.getLogger("molora.train")
 
-CHATML = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-END = "<|im_end|>"
+CHATML = CHATML_TEMPLATE
+END = END_OF_TURN
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def tokenize_pairs(tokenizer: Any, pairs: Sequence[tuple[str, str]], template: s
     """(ids, prompt_len) per example: template(prompt) + completion + END, truncated to max_len."""
     out = []
     for prompt, completion in pairs:
-        p = tokenizer(template.replace("{prompt}", prompt), add_special_tokens=False)["input_ids"]
+        p = tokenizer(turn_text(template, prompt), add_special_tokens=False)["input_ids"]
         c = tokenizer(completion + END, add_special_tokens=False)["input_ids"]
         out.append(((p + c)[:max_len], len(p)))
     return out

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from molora.data.skills import TRAIN_SEED_BASE, generate, read_jsonl, write_jsonl
+from molora.bundle import turn_text
 from molora.data.solutions import worked_solution
 from molora.train.adapter import CHATML, END, AdapterTrainConfig, train_adapter
 from molora.train.router import (IGNORE, LabelledSeq, RouterTrainConfig, collect_features, routing_accuracy,
@@ -116,7 +117,7 @@ def labelled_sequence(tokenizer, segments: list[dict], names: list[str], templat
     route: list[int] = []
     labels: list[int] = []
     for k, seg in enumerate(segments):
-        text = template.replace("{prompt}", seg["prompt"]) + seg["completion"] + END + ("\n" if k + 1 < len(segments) else "")
+        text = turn_text(template, seg["prompt"], seg["completion"], END, last=k + 1 == len(segments))
         tok = tokenizer(text, add_special_tokens=False)["input_ids"]
         lab = names.index(seg["label"]) if seg.get("label") is not None else -1
         ids += tok
