@@ -67,7 +67,7 @@ def test_model_bench_json_on_tiny(tmp_path, capsys):
     assert line == json.loads(path.read_text())
     r = line["results"][0]
     assert r["model"] == "tiny" and line["machine"]["cores"] >= 1
-    for variant in ("base", "molora", "runner", "peft_mixed", "kpass", "molora_bf16"):
+    for variant in ("base", "molora", "runner", "peft_mixed", "peft_single", "kpass", "molora_bf16"):
         assert r["prefill"]["ms"][variant] > 0 and variant in r["decode_b2"]["vs_base"]
     # X-LoRA is either measured or its failure is recorded, never silently missing
     assert "xlora" in r["prefill"]["ms"] or "xlora" in r["errors"]

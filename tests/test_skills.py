@@ -240,3 +240,33 @@ def test_data_modules_do_not_import_torch():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n.split(".")[0] in ("torch", "numpy", "transformers") for n in names), path
+
+
+def test_worked_solutions_end_with_the_target_for_every_worked_skill():
+    from molora.data.solutions import WORKED_TASKS, worked_solution
+    from molora.eval.extract import strict_span
+
+    for task in WORKED_TASKS:
+        for it in generate(task, 200, seed=77):
+            sol = worked_solution(task, it.input, it.target)
+            assert sol.endswith(f"So the answer is {it.target}.")
+            assert strict_span(sol) == it.target
+
+
+def test_navigate_worked_solution_tracks_position_and_heading():
+    from molora.data.solutions import worked_solution
+
+    q = ("If you follow these instructions, do you return to the starting point? Take 3 steps. Turn left. "
+         "Take 3 steps. Turn around. Take 3 steps. Turn right. Take 3 steps.\nOptions:\n- Yes\n- No")
+    assert worked_solution("navigate", q, "Yes") == (
+        "Start at (0, 0) facing north. Take 3 steps north: (0, 3). Turn left: west. Take 3 steps west: (-3, 3). "
+        "Turn around: east. Take 3 steps east: (0, 3). Turn right: south. Take 3 steps south: (0, 0). "
+        "(0, 0) is the start. So the answer is Yes.")
+    fixed = ("If you follow these instructions, do you return to the starting point? Always face forward. "
+             "Take 2 steps right. Take 1 step backward.\nOptions:\n- Yes\n- No")
+    assert worked_solution("navigate", fixed, "No") == (
+        "Take 2 steps right: (2, 0). Take 1 step backward: (2, -1). (2, -1) is not the start. So the answer is No.")
+    with pytest.raises(ValueError, match="target"):
+        worked_solution("navigate", fixed, "Yes")  # a wrong target is caught, not trained on
+    with pytest.raises(ValueError, match="not understood"):
+        worked_solution("navigate", fixed.replace("Take 2 steps right.", "Jump twice."), "No")

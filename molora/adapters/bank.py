@@ -29,7 +29,12 @@ log = logging.getLogger("molora.bank")
 
 
 class LoRASlots(nn.Module):
-    """Slot storage of one linear. Buffers are non-persistent: they never enter the model's state_dict."""
+    """Slot storage of one linear. Buffers are non-persistent: they never enter the model's state_dict.
+
+    A [S, R, d_in] and B [S, d_out, R] as the ops expect them; B is a transposed view of the buffer
+    Bt [S, R, d_out], so that every slot's up-projection lies in one [S*R, d_out] matrix and the
+    stacked dispatch does all slots in a single GEMM (`molora.ops.lora.stacked_mask_apply`).
+    """
 
     def __init__(self, num_slots: int, max_rank: int, d_in: int, d_out: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
@@ -37,11 +42,16 @@ class LoRASlots(nn.Module):
         self.d_in, self.d_out = d_in, d_out
         self.register_buffer("A", torch.zeros(num_slots, max_rank, d_in, dtype=dtype, device=device),
                              persistent=False)  # [S, R, d_in]
-        self.register_buffer("B", torch.zeros(num_slots, d_out, max_rank, dtype=dtype, device=device),
-                             persistent=False)  # [S, d_out, R]
+        self.register_buffer("Bt", torch.zeros(num_slots, max_rank, d_out, dtype=dtype, device=device),
+                             persistent=False)  # [S, R, d_out]; B is its transposed view
         self.register_buffer("scale", torch.zeros(num_slots, dtype=torch.float32, device=device),
                              persistent=False)  # [S]
         self.active = 0  # how many loaded adapters target this linear; 0 lets forward skip the delta
+
+    @property
+    def B(self) -> torch.Tensor:
+        """[S, d_out, R]: a view of Bt (writes through to the same storage)."""
+        return self.Bt.transpose(1, 2)
 
     def extra_repr(self) -> str:
         s, r, d_in = self.A.shape

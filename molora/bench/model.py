@@ -14,6 +14,8 @@ each repetition (medians, ms; every ratio is against `base` measured in the same
                 mixed batch: per-request routing, not per token, the closest PEFT offers)
   xlora         PEFT X-LoRA (XLoraModel, depth-1 classifier): a base "scaling pass", then every adapter at
                 every token weighted by the learned per-token mixture (dense, the nearest peer to MoLoRA)
+  peft_single   PeftModel with one adapter active on every token: a plain unmerged LoRA, the cost any
+                unmerged adapter pays over the base (the floor for molora's per-token forward)
   kpass         per-token routing emulated with per-sequence routing: K full passes, one adapter each
   base_bf16, molora_bf16   the same in bfloat16 weights (off with --no-bf16)
 
@@ -192,6 +194,7 @@ def prefill_fns(st: Stack, batch: int, length: int, seed: int = 0) -> dict[str, 
         "runner_base": lambda: st.runner.forward(tokens, positions, meta, None, logits=True),
         "runner": lambda: st.runner.forward(tokens, positions, meta, StepRouting(slot_ids=slots), logits=True),
         "peft_mixed": lambda: st.peft(input_ids=ids, adapter_names=per_req, **kw),
+        "peft_single": lambda: st.peft(input_ids=ids, **kw),                 # its active adapter: the first
         "kpass": lambda: [st.mm(ids, adapter_ids=n, **kw) for n in st.names],
     }
     if st.xlora is not None:
@@ -230,7 +233,8 @@ def decode_fns(st: Stack, batch: int, ctx: int, seed: int = 0, *, xlora: bool = 
     per_req = [st.names[b % K] for b in range(batch)]
     positions = torch.full((batch,), ctx)
     meta = _runner_meta(batch, 1, ctx + 1, st.blocks_per_seq)
-    caches = {n: _kv_cache(st.base, batch, ctx, seed) for n in ("base", "molora", "peft_mixed", "kpass")}
+    caches = {n: _kv_cache(st.base, batch, ctx, seed)
+              for n in ("base", "molora", "peft_mixed", "peft_single", "kpass")}
     kw = dict(logits_to_keep=1, use_cache=True)
 
     def kpass() -> None:
@@ -245,6 +249,7 @@ def decode_fns(st: Stack, batch: int, ctx: int, seed: int = 0, *, xlora: bool = 
         "runner": lambda: st.runner.forward(nxt.reshape(-1), positions, meta, StepRouting(slot_ids=slots),
                                             logits=True),
         "peft_mixed": lambda: st.peft(input_ids=nxt, adapter_names=per_req, cache=caches["peft_mixed"], **kw),
+        "peft_single": lambda: st.peft(input_ids=nxt, cache=caches["peft_single"], **kw),
         "kpass": kpass,
     }
     if st.base_bf16 is not None:

@@ -29,12 +29,13 @@ VARIANTS_BASE: tuple[str, ...] = ("single", "kpass", "base")
 
 
 def _inputs(T: int, K: int, r: int, d: int, d_out: int, top_k: int, dtype: torch.dtype, seed: int) -> dict:
-    """Random x [T, d], A [K, r, d], B [K, d_out, r], scale [K], slot_ids [T, top_k], W [d_out, d]."""
+    """Random x [T, d], A [K, r, d], B [K, d_out, r], scale [K], slot_ids [T, top_k], W [d_out, d].
+    B is laid out as the bank keeps it (`LoRASlots`): a transposed view of a contiguous [K, r, d_out]."""
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.05).to(dtype)  # noqa: E731
     ids = torch.randint(0, K, (T, top_k), generator=g)
     weights = torch.softmax(torch.randn(T, top_k, generator=g), -1).to(dtype) if top_k > 1 else None
-    return dict(x=rand(T, d), A=rand(K, r, d), B=rand(K, d_out, r), scale=torch.full((K,), 2.0),
+    return dict(x=rand(T, d), A=rand(K, r, d), B=rand(K, r, d_out).transpose(1, 2), scale=torch.full((K,), 2.0),
                 slot_ids=ids, weights=weights, W=rand(d_out, d))
 
 

@@ -63,7 +63,8 @@ def zipf_models(models: Sequence[str], n: int, s: float, seed: int = 0) -> list[
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Sample:
-    """One streamed chat request, timed from send to first content chunk and to the end."""
+    """One streamed chat request: TTFT from send to the first chunk with text, TPOT from there to the
+    last chunk of the stream over the remaining completion tokens (usage counts them)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -81,9 +82,10 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
                     return Sample(False, error=str(chunk["error"]))
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
-                if any(c["delta"].get("content") for c in chunk.get("choices", [])):
+                if chunk.get("choices"):  # a token step; text may lag a step (held-back UTF-8 or stop prefix)
                     last = time.perf_counter()
-                    first = first if first is not None else last
+                if first is None and any(c["delta"].get("content") for c in chunk.get("choices", [])):
+                    first = last
     except httpx.HTTPError as e:
         return Sample(False, error=f"{type(e).__name__}: {e}")
     end = time.perf_counter()

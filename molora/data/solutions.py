@@ -8,6 +8,11 @@ chain-of-thought closing "So the answer is X." — the strict scorer reads the t
     object_counting:          "a flute: 1 (total 1); two trumpets: 2 (total 3). So the answer is 3."
     multistep_arithmetic_two: "(-1 + 2 * 3 - 4) = (-1 + 6 - 4) = (5 - 4) = 1. (5 - -6) = 11. 1 * 11 = 11.
                                So the answer is 11."
+    navigate:                 "Start at (0, 0) facing north. Take 3 steps north: (0, 3). Turn left: west.
+                               Take 3 steps west: (-3, 3). (-3, 3) is not the start. So the answer is No."
+
+Navigate keeps the whole state (position, heading) in the text: each move names the direction it goes and
+the position after it, so every step is one small addition next to the numbers it needs.
 
 Pure Python; knows the surface formats of the generators in `molora.data.skills`, nothing else.
 """
@@ -21,7 +26,14 @@ from molora.data.skills import _CATEGORIES
 _COUNT_WORDS = {"a": 1, "an": 1, "two": 2, "three": 3, "four": 4, "five": 5}
 _QUESTION = re.compile(r"^I have (?P<items>.+)\. How many (?P<cat>[a-z ]+) do I have\?$")
 _ARITH = re.compile(r"^\(\((?P<left>.+)\) (?P<op>[+\-*]) \((?P<right>.+)\)\) =$")
-WORKED_TASKS = ("object_counting", "multistep_arithmetic_two")
+_NAV_INSTRUCTIONS = re.compile(r"return to the starting point\? (?P<steps>.+?)\nOptions:", re.S)
+_NAV_STEP = re.compile(r"Always face forward\.|Turn (?P<turn>left|right|around)\.|"
+                       r"Take (?P<n>\d+) steps?(?: (?P<dir>forward|backward|left|right))?\.")
+_HEADINGS = ("north", "east", "south", "west")                 # clockwise, as in molora.data.skills
+_HEADING_STEP = ((0, 1), (1, 0), (0, -1), (-1, 0))
+_TURN = {"right": 1, "around": 2, "left": 3}                    # clockwise quarter turns
+_FACING = {"forward": 0, "right": 1, "backward": 2, "left": 3}  # "Always face forward" moves
+WORKED_TASKS = ("object_counting", "multistep_arithmetic_two", "navigate")
 
 
 def worked_solution(task: str, question: str, target: str) -> str:
@@ -30,6 +42,8 @@ def worked_solution(task: str, question: str, target: str) -> str:
         return _counting(question, target)
     if task == "multistep_arithmetic_two":
         return _arithmetic(question, target)
+    if task == "navigate":
+        return _navigate(question, target)
     return target
 
 
@@ -81,3 +95,34 @@ def _arithmetic(question: str, target: str) -> str:
         raise ValueError(f"worked value {result} != target {target} for {question!r}")
     parts.append(f"{a} {m['op']} {b} = {result}.")
     return " ".join(parts) + f" So the answer is {result}."
+
+
+def _navigate(question: str, target: str) -> str:
+    m = _NAV_INSTRUCTIONS.search(question)
+    if not m:
+        raise ValueError(f"not a navigate question: {question!r}")
+    text = m["steps"].strip()
+    steps = list(_NAV_STEP.finditer(text))
+    if " ".join(s[0] for s in steps) != text:
+        raise ValueError(f"navigate instructions not understood: {text!r}")
+    fixed = text.startswith("Always face forward.")
+    x = y = heading = 0
+    out = [] if fixed else ["Start at (0, 0) facing north."]
+    for step in steps:
+        if step["turn"]:
+            heading = (heading + _TURN[step["turn"]]) % 4
+            out.append(f"Turn {step['turn']}: {_HEADINGS[heading]}.")
+        elif step["n"]:
+            n = int(step["n"])
+            h = _FACING[step["dir"]] if fixed and step["dir"] else heading
+            x, y = x + n * _HEADING_STEP[h][0], y + n * _HEADING_STEP[h][1]
+            where = step["dir"] if fixed and step["dir"] else _HEADINGS[h]
+            out.append(f"Take {n} step{'s' if n != 1 else ''} {where}: ({x}, {y}).")
+        elif not fixed:
+            raise ValueError(f"'Always face forward.' must come first: {text!r}")
+    back = x == 0 and y == 0
+    if ("Yes" if back else "No") != target:
+        raise ValueError(f"worked walk ends at ({x}, {y}), target {target} for {question!r}")
+    out.append(f"({x}, {y}) is the start. So the answer is Yes." if back
+               else f"({x}, {y}) is not the start. So the answer is No.")
+    return " ".join(out)

@@ -94,8 +94,12 @@ class RoutedLoRALinear(nn.Module):
         if flat.shape[0] != slot_ids.shape[0]:
             raise RuntimeError(f"routing covers {slot_ids.shape[0]} tokens but the layer got {flat.shape[0]}")
         plan = self.context.plan(self.dispatcher, self.lora.A.shape[0])
-        delta = self.dispatcher.apply(plan, flat, self.lora.A, self.lora.B, self.lora.scale)
-        return y + delta.view(y.shape).to(y.dtype)
+        lora = self.lora
+        if torch.is_grad_enabled() or lora.A.dtype != y.dtype:  # autograd, or a bank in another dtype
+            delta = self.dispatcher.apply(plan, flat, lora.A, lora.B, lora.scale)
+            return y + delta.view(y.shape).to(y.dtype)
+        self.dispatcher.apply(plan, flat, lora.A, lora.B, lora.scale, out=y.view(-1, self.out_features))
+        return y
 
     def to_linear(self) -> nn.Linear:
         """A plain nn.Linear sharing this layer's base parameters (the delta is dropped)."""

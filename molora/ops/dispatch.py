@@ -34,28 +34,27 @@ log = logging.getLogger("molora.ops")
 BACKENDS: tuple[str, ...] = ("reference", "sort_group", "stacked_mask", "gather")
 
 # The "auto" rule is a cost model of the two eager backends, fitted (least squares on relative error,
-# non-negative terms, 24 of 276 points dropped as noise from other jobs on the shared CPU) to the minimum
-# over 3 sweeps x 9 interleaved repetitions of `molora.bench.ops` timings on the 2-core dev CPU (torch 2.13,
-# fp32, default threads; `python -m molora.bench.ops --fit ...` refits them):
-# r in {8, 16, 64}, S in {2, 4, 8, 16}, T in {1, 4, 16, ..., 2048}, d_in x d_out in {1024 x 1024, 576 x 1536}
-# with top-1, and 1024 x 1024 with weighted top-2. Terms in microseconds (M = 1e6, D = D_in + D_out):
-#   stacked_mask = fixed + per slot (one addmm each) + per M weights read (S*R*D: all slots, any T)
+# non-negative terms, points > 60% off dropped as noise from other jobs on the shared CPU) to the minimum
+# over 5 interleaved repetitions of `molora.bench.ops` timings on the 2-core dev CPU (torch 2.13, fp32,
+# 2 threads; `molora.bench.ops.fit_cost_model` refits them), with B stored slot-major as `LoRASlots` keeps it
+# (stacked_mask's up-projection is one GEMM): r in {8, 16, 64}, S in {2, 4, 8, 16}, T in {1, 4, 16, 64, 256,
+# 1024, 2048}, d_in x d_out in {1024 x 1024, 576 x 1536} with top-1, and 1024 x 1024 with weighted top-2.
+# Terms in microseconds (M = 1e6, D = D_in + D_out):
+#   stacked_mask = fixed + per slot + per M weights read (S*R*D: all slots, any T)
 #                  + per M MACs (T*S*R*D: every token through every slot)
 #   sort_group   = fixed (argsort, bincount, host read) + per used slot segment (two small mm)
 #                  + per M MACs (T*k*R*D) + per M activations moved (T*k*D) + top-k > 1 (sum of choices)
-# On that grid the pick costs on average 1.1% more than the faster backend, at worst 1.55x (top-2,
-# T=512, where the timings were also noisiest). Some of the points (ms, sort_group / stacked_mask, d=1024,
-# r=16, top-1; the pick in capitals):
-#   S=4:  T=1 .073/.078 SG   T=4 .107/.078 SM   T=16 .137/.111 SM   T=64 .214/.179 SM
-#         T=128 .281/.288 SM (near tie)   T=512 .674/.761 SG   T=2048 1.84/2.73 SG   T=4096 3.96/5.22 SG
-#   S=16: T=1 .082/.185 SG   T=16 .292/.309 SM (near tie)   T=64 .456/.627 SG   T=512 1.04/2.55 SG
-#   S=2:  stacked_mask at every T (T=4096 2.54 vs 3.55); r=64, S=16: sort_group at every T.
+# On those 252 points the pick costs on average 1.7% more than the faster backend (the previous fit, made
+# before the slot-major B, cost 18% more on the same points). sort_group / stacked_mask time at r=16
+# (d 576 x 1536): S=4: T=1 1.72, T=64 1.79, T=256 1.07, T=1024 2.12; S=16: T=256 0.59, T=1024 0.96.
+# stacked_mask wins wherever S*R is small; sort_group once S*R reaches ~128 at T >= 256 (its row gathers
+# and many skinny GEMMs are memory-bound on this CPU).
 # Costs are per call; a RoutingPlan shared by a step's linears removes most of either backend's fixed
-# cost (measured: 7 SmolLM2-shaped linears, T=1, S=4: 0.49 ms as 7 calls, 0.29 ms with one plan).
+# cost (checks and the backend pick are remembered per tensor signature, sorting is done once).
 # Measured on CPU only: on CUDA sort_group's host read syncs and breaks graph capture, so a GPU engine
 # should ask for stacked_mask (or gather) explicitly until this rule is measured there.
-STACKED_US = (46.3, 7.2, 58.9, 10.35)          # fixed, per slot, per M weights, per M MACs
-SORTED_US = (51.4, 18.7, 14.43, 344.2, 44.4)   # fixed, per used slot, per M MACs, per M moved, top-k > 1
+STACKED_US = (94.05, 1.99, 98.04, 11.05)             # fixed, per slot, per M weights, per M MACs
+SORTED_US = (151.22, 30.43, 14.76, 780.53, 104.82)   # fixed, per used slot, per M MACs, per M moved, top-k > 1
 
 
 def cost_features(backend: str, T: int, S: int, k: int, R: int, D: int) -> list[float]:
@@ -109,6 +108,7 @@ class RoutingPlan:
         self.num_slots = num_slots
         self._groups: SlotGroups | None = None
         self._slot_weights: dict[torch.dtype, Tensor] = {}
+        self._checked: dict[tuple, str] = {}                     # tensor shapes/dtypes -> resolved backend
 
     @property
     def num_tokens(self) -> int:
@@ -138,22 +138,47 @@ def _plan(slot_ids: Tensor, weights: Tensor | None, num_slots: int, check_ids: b
     return RoutingPlan(slot_ids, weights, num_slots)
 
 
-def _apply(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor) -> Tensor:
-    """Check the tensors against the plan, resolve "auto", run the kernel on the plan's metadata."""
-    validate_tensors(x, A, B, scale, plan.num_tokens, plan.num_slots)
+def _resolve(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor,
+             out: Tensor | None) -> str:
+    """Check the tensors against the plan and resolve "auto". Both depend only on shapes and dtypes, so
+    a plan remembers the answer per signature: a step's 7 * L target linears have about 4 distinct ones."""
+    key = (x.shape, x.dtype, A.shape, A.dtype, B.shape, B.dtype, scale.shape, scale.dtype,
+           None if out is None else (out.shape, out.dtype))
+    resolved = plan._checked.get(key)
+    if resolved is None:
+        validate_tensors(x, A, B, scale, plan.num_tokens, plan.num_slots)
+        if out is not None and (out.shape != (x.shape[0], B.shape[1]) or out.dtype != x.dtype):
+            _fail_out(out, x, B)
+        resolved = backend
+        if backend == "auto":
+            S, R, D_in = A.shape
+            resolved = choose_backend(plan.num_tokens, S, plan.top_k, rank=R, d_in=D_in, d_out=B.shape[1])
+        plan._checked[key] = resolved
+    return resolved
+
+
+def _fail_out(out: Tensor, x: Tensor, B: Tensor) -> None:
+    raise LoRAInputError(f"lora_delta: out must be a {x.dtype} tensor [T={x.shape[0]}, D_out={B.shape[1]}], "
+                         f"got {out.dtype} {tuple(out.shape)}")
+
+
+def _apply(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor,
+           out: Tensor | None = None) -> Tensor:
+    """Check the tensors against the plan, resolve "auto", run the kernel on the plan's metadata.
+    With `out` the delta is added into it in place (and `out` returned); else a new tensor."""
+    backend = _resolve(backend, plan, x, A, B, scale, out)
     if plan.num_tokens == 0:
-        return x.new_zeros(0, B.shape[1])                        # [0, D_out]
-    if backend == "auto":
-        S, R, D_in = A.shape
-        backend = choose_backend(plan.num_tokens, S, plan.top_k, rank=R, d_in=D_in, d_out=B.shape[1])
+        return x.new_zeros(0, B.shape[1]) if out is None else out  # [0, D_out]
     if backend == "sort_group":
-        return sort_group_apply(plan.groups(), x, A, B, scale)
+        return sort_group_apply(plan.groups(), x, A, B, scale, out)
     if backend == "stacked_mask":
-        return stacked_mask_apply(plan.slot_weights(x.dtype), x, A, B, scale)
+        return stacked_mask_apply(plan.slot_weights(x.dtype), x, A, B, scale, out)
     w = None if plan.weights is None else plan.weights.to(x.dtype)
     if backend == "gather":
-        return gather(x, A, B, scale, plan.slot_ids, w)
-    return lora_delta_reference(x, A, B, scale, plan.slot_ids, w)
+        delta = gather(x, A, B, scale, plan.slot_ids, w)
+    else:
+        delta = lora_delta_reference(x, A, B, scale, plan.slot_ids, w)
+    return delta if out is None else out.add_(delta)
 
 
 def lora_delta(
@@ -199,9 +224,11 @@ class LoRADispatcher:
         """Check a step's routing once (slot_ids [T] or [T, k], weights None or [T, k])."""
         return _plan(slot_ids, weights, num_slots, self.check_ids)
 
-    def apply(self, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor) -> Tensor:
-        """The delta [T, D_out] of one target linear (x [T, D_in], A [S, R, D_in], B [S, D_out, R], scale [S])."""
-        return _apply(self.backend, plan, x, A, B, scale)
+    def apply(self, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor,
+              out: Tensor | None = None) -> Tensor:
+        """The delta [T, D_out] of one target linear (x [T, D_in], A [S, R, D_in], B [S, D_out, R], scale [S]);
+        with out [T, D_out] (e.g. the base output) the delta is added into it in place, no new tensor."""
+        return _apply(self.backend, plan, x, A, B, scale, out)
 
     def __call__(
         self, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, slot_ids: Tensor, weights: Tensor | None = None

@@ -155,11 +155,13 @@ def group_by_slot(ids: Tensor, w: Tensor | None, num_slots: int) -> SlotGroups:
     )
 
 
-def sort_group_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tensor) -> Tensor:
+def sort_group_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None = None
+                     ) -> Tensor:
     """The sort_group backend. Per non-empty slot segment s (at most S of them):
     (x[tok_s] @ A[s].T) * coeff -> [n_s, R], @ B[s].T -> [n_s, D_out]; then the rows go back to their
     tokens by one gather (faster than index_add_ on CPU, deterministic on GPU).
-    Work ~ T*k*R*(D_in+D_out): each pair goes through its own adapter only. Fastest for large T."""
+    Work ~ T*k*R*(D_in+D_out): each pair goes through its own adapter only. Fastest for large T.
+    out: None (return a new [T, D_out] delta) or a [T, D_out] tensor the delta is added to in place."""
     T, k = g.row.shape[0] // g.top_k, g.top_k
     n_used, D_out = g.tok.shape[0], B.shape[1]
     coeff = scale.to(x.dtype)[g.slot]                        # [n] scale[s] (* weight)
@@ -181,8 +183,9 @@ def sort_group_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tens
         else:
             torch.mm(h, B[s].t(), out=y[off:off + n])
         off += n
-    out = y.index_select(0, g.row)                           # [M, D_out], zero rows for -1
-    return out if k == 1 else out.view(T, k, D_out).sum(1)   # [T, D_out]
+    delta = y.index_select(0, g.row)                         # [M, D_out], zero rows for -1
+    delta = delta if k == 1 else delta.view(T, k, D_out).sum(1)  # [T, D_out]
+    return delta if out is None else out.add_(delta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,25 +201,37 @@ def slot_weights(ids: Tensor, w: Tensor | None, num_slots: int, dtype: torch.dty
     return W[:, :num_slots]                                  # [T, S]
 
 
-def stacked_mask_apply(W: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: Tensor) -> Tensor:
+def stacked_mask_apply(W: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None = None
+                       ) -> Tensor:
     """The stacked_mask backend: every token through every slot, masked; no sort, no host read, static
-    shapes (CUDA-graph friendly). W [T, S] from `slot_weights`. One GEMM for all down-projections, one
-    accumulating GEMM per slot up:
+    shapes (CUDA-graph friendly). W [T, S] from `slot_weights`. One GEMM for all down-projections and,
+    when B is stored slot-major (B.transpose(1, 2) contiguous, as `LoRASlots` keeps it), one for all
+    up-projections:
 
         H   = x @ A.reshape(S*R, D_in).T                    [T, S*R]   (a view of A, no copy)
         H  *= (W * scale)[:, :, None]                       [T, S, R]
-        out = sum_s H[:, s] @ B[s].T                        [T, D_out]
+        out = H @ B.transpose(1, 2).reshape(S*R, D_out)     [T, D_out] (a view of B, no copy)
 
-    The up-projection loops over slots because B [S, D_out, R] has no [S*R, D_out] view; one GEMM on a
-    transposed copy of B measured slower for T <= 512 (the copy reads all of B every call).
+    With any other B layout the up-projection is one accumulating GEMM per slot (a transposed copy of
+    B per call measured slower for T <= 512: it reads all of B every call).
     Work ~ T*S*R*(D_in+D_out), S/k times sort_group's, so it wins only while T and S*R are small.
+    out: None (return a new [T, D_out] delta) or a [T, D_out] tensor the delta is added to in place.
     """
     T = x.shape[0]
     S, R, D_in = A.shape
     C = W.to(x.dtype) * scale.to(x.dtype)                    # [T, S]
     H = torch.mm(x, A.reshape(S * R, D_in).t())              # [T, S*R]
-    H = H.view(T, S, R) * C[:, :, None]                      # [T, S, R]
-    out = torch.mm(H[:, 0], B[0].t())                        # [T, D_out]
-    for s in range(1, S):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, A, C)):
+        H = H.view(T, S, R) * C[:, :, None]                  # training keeps the product out of place
+    else:
+        H = H.view(T, S, R).mul_(C[:, :, None])              # [T, S, R]
+    Bt = B.transpose(1, 2)                                   # [S, R, D_out]
+    if Bt.is_contiguous():
+        up = Bt.view(S * R, B.shape[1])                      # [S*R, D_out]
+        return torch.mm(H.view(T, S * R), up) if out is None else out.addmm_(H.view(T, S * R), up)
+    start = 0
+    if out is None:
+        out, start = torch.mm(H[:, 0], B[0].t()), 1          # [T, D_out]
+    for s in range(start, S):
         out.addmm_(H[:, s], B[s].t())
     return out
