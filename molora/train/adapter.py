@@ -151,8 +151,9 @@ def train_adapter(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], 
     t0, tokens, losses = time.perf_counter(), 0, []
     bar = tqdm(plan, desc=f"train {Path(out_dir).name}", disable=not progress, unit="batch")
     base = pm.get_base_model()
+    dev = next(base.parameters()).device
     for ids, att, lab in bar:
-        loss = completion_loss(base, ids, att, lab)
+        loss = completion_loss(base, ids.to(dev), att.to(dev), lab.to(dev))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

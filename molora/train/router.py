@@ -76,6 +76,8 @@ def collect_features(mm, seqs: Sequence[LabelledSeq], names: Sequence[str], cfg:
             ids[r, :n] = torch.tensor(s.ids)
             att[r, :n] = 1
             route[r, :n] = torch.tensor([slot_of[a] if a >= 0 else -1 for a in s.route])
+        dev = mm.device
+        ids, att, route = ids.to(dev), att.to(dev), route.to(dev)
         out = mm(ids, attention_mask=att, adapter_ids=route, output_hidden_states=True)
         hidden = torch.stack(out.hidden_states[: len(out.hidden_states) - 1], dim=2)  # [B, L, blocks, D]
         if cfg.refine_margin is not None:
@@ -86,7 +88,7 @@ def collect_features(mm, seqs: Sequence[LabelledSeq], names: Sequence[str], cfg:
             pos = [p for p, y in enumerate(lab) if y != IGNORE]
             pos = rng.sample(pos, min(cfg.tokens_per_seq, len(pos)))
             if pos:
-                feats.append(hidden[r, pos].to(torch.bfloat16))
+                feats.append(hidden[r, pos].to(device="cpu", dtype=torch.bfloat16))  # gates fit on CPU
                 labels.append(torch.tensor([lab[p] for p in pos]))
     if not feats:
         raise MoLoRAError("no labelled tokens to train the router on")
@@ -176,7 +178,7 @@ def train_router(mm, train: Sequence[LabelledSeq], names: Sequence[str],
     with torch.no_grad():
         router.weight.copy_(W)
         router.bias.copy_(b)
-    return router
+    return router.to(mm.device)
 
 
 @torch.no_grad()
@@ -187,11 +189,11 @@ def routing_accuracy(mm, router: LearnedRouter, seqs: Sequence[LabelledSeq]) -> 
     """
     hit_vote = hit_block = n_tok = n_block = 0
     for s in seqs:
-        ids = torch.tensor([s.ids])
+        ids = torch.tensor([s.ids], device=mm.device)
         mm.context.trace = []
         try:
             mm(ids, adapter_ids=router)
-            votes = torch.stack([t[:, 0] for _, t in mm.context.trace])  # [blocks, N]
+            votes = torch.stack([t[:, 0] for _, t in mm.context.trace]).cpu()  # [blocks, N]
         finally:
             mm.context.trace = None
         lab = torch.tensor(s.labels)

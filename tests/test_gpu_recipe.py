@@ -1,0 +1,32 @@
+"""The GPU recipe's plumbing, end to end on the CPU (scripts/gpu_recipe.py --smoke): data, four adapters, the
+bundle, the router, every eval mode of both models, the report. Slow (a few minutes on 2 cores)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_gpu_recipe_smoke_runs_every_step(tmp_path):
+    if not (ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl").is_file():
+        pytest.skip("needs ../shared/data/gsm8k")
+    spec = importlib.util.spec_from_file_location("gpu_recipe", ROOT / "scripts" / "gpu_recipe.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    assert recipe.main(["all", "--smoke", "--work", str(tmp_path), "--n", "8"]) == 0
+    manifest = json.loads((tmp_path / "bundle" / "molora.json").read_text())
+    assert [a["name"] for a in manifest["adapters"]] == list(recipe.ADAPTERS)
+    assert manifest["router"]["kind"] == "learned"
+    results = {p.stem for p in (tmp_path / "results").glob("*.json")}
+    for mode in recipe.SMALL_MODES:
+        assert f"small__gsm8k__{mode}" in results
+    assert "big__gsm8k__base" in results
+    report = (tmp_path / "report.md").read_text()
+    assert "SMOKE RUN" in report and "| Qwen3-8B | base |" in report
