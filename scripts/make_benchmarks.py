@@ -41,7 +41,7 @@ def bench_args(what: str, quick: bool, threads: int, work: Path, docs: Path) -> 
     if what == "hotset":
         return ["hotset", *q, "--threads", str(threads), *js, "--plot", str(docs / "bench_hotset.png")]
     if what == "engine":
-        return ["engine", "--quick", "--threads", str(threads), *js]
+        return ["engine", "--quick", "--bf16", "--threads", str(threads), *js]
     if what == "serve":  # closed-loop clients, Zipf over the bundle's models, 30% two-skill prompts
         levels = "1,4,16" if quick else "1,4,16,64"
         return ["serve", "--concurrency", levels, "--requests", "16" if quick else "64", "--max-tokens", "48",
@@ -295,7 +295,11 @@ def engine_section(records: dict[str, dict]) -> list[str]:
             f"Engine decode step with every sequence decoding: routed {e['decode_step_routed_ms']:.1f} ms against "
             f"{e['decode_step_base_ms']:.1f} ms with routing off (**{e['decode_routing_overhead']:.2f}×**). "
             f"Promoting an adapter ({e['adapter_mib']:.1f} MiB) from the CPU tier into a slot: "
-            f"{e['swap_ms']:.2f} ms against {e['memcpy_ms']:.2f} ms for a plain copy of its bytes.", ""]
+            f"{e['swap_ms']:.2f} ms against {e['memcpy_ms']:.2f} ms for a plain copy of its bytes.", ""] + ([
+            f"In bfloat16 (`molora serve --dtype bfloat16`; the same run, every variant in bf16): engine "
+            f"{e['bf16_engine_tok_s']:.1f} tokens/s, {e['bf16_speedup_vs_hf_routed']:.2f}× transformers with the "
+            f"same routing in bf16 and {e['bf16_engine_vs_fp32_hf_routed']:.2f}× its fp32 run; decode step routed / "
+            f"base {e['bf16_decode_routing_overhead']:.2f}×.", ""] if "bf16_engine_tok_s" in e else [])
 
 
 def serve_section(records: dict[str, dict]) -> list[str]:

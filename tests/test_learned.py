@@ -112,3 +112,20 @@ def test_top2_router_weights_are_renormalized(tmp_path):
     router = train_router(mm, _mixture(0, n=10), ["a", "b"], RouterTrainConfig(steps=20, top_k=2))
     ids, w = router.choose(torch.randn(7, 3))
     assert ids.shape == (7, 2) and torch.allclose(w.sum(-1), torch.ones(7))
+
+
+def test_router_routes_a_bf16_model_like_the_fp32_one(tmp_path):
+    """mm.to(bfloat16) (what `molora serve --dtype bfloat16` does) also casts the router; its gates still run in
+    fp32, so it routes and its decisions match the fp32 router's on the same hidden states."""
+    mm = _attached(tmp_path)
+    router = train_router(mm, _mixture(0, n=10), ["a", "b"], RouterTrainConfig(steps=40))
+    hidden = torch.randn(9, mm.config.hidden_size)
+    want = router.choose(router.logits(0, hidden))[0]
+    mm.router = router
+    mm.to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16
+    got = router.choose(router.logits(0, hidden.to(torch.bfloat16)))[0]
+    assert (got == want).float().mean() >= 0.8          # bf16 hidden states: near-ties may flip
+    ids = torch.tensor([_seqs("a", 1, 9)[0].ids])
+    with torch.no_grad():
+        assert torch.isfinite(mm(ids, adapter_ids=router).logits.float()).all()

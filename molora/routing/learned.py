@@ -89,7 +89,7 @@ class LearnedRouter(Router, nn.Module):
     def logits(self, gate: int, hidden: torch.Tensor) -> torch.Tensor:
         """Gate logits [T, C] for hidden [T, D] (RMS-normalized first: block inputs differ in scale)."""
         h = F.rms_norm(hidden.float(), (hidden.shape[-1],))
-        return h @ self.weight[gate].T + self.bias[gate]
+        return h @ self.weight[gate].float().T + self.bias[gate].float()  # fp32 even in a bf16 model
 
     def decide(self, block: int, hidden: torch.Tensor, allowed: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:

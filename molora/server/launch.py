@@ -40,19 +40,24 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def build_engine(bundle: str | Path | None = None, engine_config: Any = None) -> Any:
-    """An `Engine` over the bundle at `bundle` (None: the embedded default bundle)."""
+def build_engine(bundle: str | Path | None = None, engine_config: Any = None, dtype: str = "float32") -> Any:
+    """An `Engine` over the bundle at `bundle` (None: the embedded default bundle); dtype "bfloat16" runs
+    weights, adapters and KV cache in bf16 (AMX / avx512_bf16 on CPU; the router's gates stay fp32)."""
+    import torch
+
     from molora.bundle import load
     from molora.engine import Engine, EngineConfig
 
     mm = load(bundle)
+    if dtype != "float32":
+        mm.to(getattr(torch, dtype))
     return Engine(mm, engine_config if engine_config is not None else EngineConfig())
 
 
 def serve(bundle: str | Path | None = None, *, host: str = "127.0.0.1", port: int = 8000,
           api_keys: Sequence[str] = (), admin_keys: Sequence[str] = (), adapter_roots: Sequence[str | Path] = (),
           engine_config: Any = None, max_queue: int = 256, model_name: str | None = None,
-          drain_timeout_s: float = 30.0, log_level: str = "info", engine: Any = None) -> None:
+          drain_timeout_s: float = 30.0, log_level: str = "info", engine: Any = None, dtype: str = "float32") -> None:
     """Serve the OpenAI-compatible API until SIGTERM/SIGINT, then drain and return.
 
     bundle: a bundle folder (None: the embedded default); engine: an already built engine instead.
@@ -62,7 +67,7 @@ def serve(bundle: str | Path | None = None, *, host: str = "127.0.0.1", port: in
     if not api_keys and not admin_keys and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without API keys: anyone who can reach this port can use it (--api-key)", host)
     if engine is None:
-        engine = build_engine(bundle, engine_config)
+        engine = build_engine(bundle, engine_config, dtype)
     app = create_app(engine, model_name=model_name, api_keys=api_keys, admin_keys=admin_keys,
                      adapter_roots=adapter_roots, max_queue=max_queue)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s,
