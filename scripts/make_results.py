@@ -262,6 +262,19 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join([*lines, *("| " + " | ".join(fmt(v) for v in row) + " |" for row in rows)])
 
 
+def _reused_note(res: dict) -> list[str]:
+    """A line naming the runs taken over from an earlier bundle's cache (marked "reused_from" in their JSON)."""
+    runs = sorted({f"{t} {m}" for t, modes in res["skills"].items() for m, s in modes.items() if s.get("reused_from")}
+                  | {f"mixed {m}" for m, s in res.get("mixed", {}).items() if s.get("reused_from")})
+    if not runs:
+        return []
+    src = sorted({s["reused_from"] for modes in res["skills"].values() for s in modes.values() if s.get("reused_from")})
+    return [f"Reused runs: {len(runs)} (task, mode) runs whose adapter weights and items are byte-identical in the "
+            f"earlier bundle {', '.join(src)} were copied from its cache rather than rerun (the bundle changed only "
+            f"its navigate adapter and routers): {'; '.join(runs)}. The code that decoded them differed only in "
+            "floating-point summation order of the LoRA delta.", ""]
+
+
 def render(res: dict, command: str, images: list[str]) -> str:
     skills, tasks, names = res["skills"], res["tasks"], res["adapters"]
     own = res["own_adapter"]
@@ -281,10 +294,12 @@ def render(res: dict, command: str, images: list[str]) -> str:
         "Greedy decoding, the bundle's prompt template, strict scoring (the answer as asked; lenient in the "
         "second table). The own-adapter (= oracle) and learned runs use all items; base, merge, sequence and "
         f"the other adapters use the first {res.get('n_side') or res['n']} items of each skill. The default "
-        "bundle's counting and arithmetic adapters answer with a short worked solution ending \"So the answer "
-        "is X.\" (BBH's chain-of-thought closing; `molora/data/solutions.py`), which the strict scorer reads; "
-        "the dyck and navigate adapters answer bare.",
+        "bundle's counting, arithmetic and navigate adapters answer with a short worked solution ending \"So the "
+        "answer is X.\" (BBH's chain-of-thought closing; `molora/data/solutions.py`: running totals, one "
+        "operation at a time, the position and heading after each instruction), which the strict scorer reads; "
+        "the dyck adapter answers bare. PaLM's figures are answer-only, so the comparison is not like for like.",
         "",
+        *_reused_note(res),
         "## Goals",
         "",
         _table(["goal", "measured", "status"],
