@@ -418,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     CACHED_ONLY = args.cached_only
     if args.threads:
         torch.set_num_threads(args.threads)
-    command = "python scripts/make_results.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    # --cached-only re-renders what this same command (without the flag) measured; show the measuring command
+    command = "python scripts/make_results.py " + " ".join(a for a in (sys.argv[1:] if argv is None else argv)
+                                                           if a != "--cached-only")
 
     mm = load(args.bundle)
     bundle = mm.bundle
