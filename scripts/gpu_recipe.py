@@ -27,8 +27,9 @@ template writes for enable_thinking=False), so neither spends its budget on hidd
 MOLORA_DEVICE (see molora.model.base) puts every model on the GPU; nothing else changes for CUDA.
 
 --smoke runs the same pipeline on any machine, offline, in a few minutes: the embedded SmolLM2 as both
-models, local data only (GSM8K from ../shared/data/gsm8k, the logic generators; code and science stand-ins
-drawn from the generators), tiny sizes. It checks the plumbing, not the science.
+models, packaged data only (the GSM8K-style problems in molora/data/generic.jsonl.gz for math, the logic
+generators, code and science stand-ins drawn from the generators; GSM8K test items from ../shared/data/gsm8k
+when that folder exists), tiny sizes. It checks the plumbing, not the science.
 """
 
 from __future__ import annotations
@@ -127,18 +128,17 @@ def make_data(work: Path, n: int, smoke: bool) -> None:
     gsm_train = read_jsonl(SHARED_GSM8K / "train.jsonl") if SHARED_GSM8K.is_dir() else None
     gsm_test = read_jsonl(SHARED_GSM8K / "test.jsonl") if SHARED_GSM8K.is_dir() else None
     if smoke:
-        if gsm_train is None:
-            raise SystemExit(f"--smoke needs GSM8K at {SHARED_GSM8K}")
-        rows = {"math": [{"prompt": r["question"], "completion": _gsm8k_completion(r["answer"])}
-                         for r in gsm_train[:n]],
-                "logic": _logic_rows(n, 1000)}
+        from molora.train.default import read_generic  # GSM8K-style worked problems shipped in the package
+
+        rows = {"math": read_generic(n, 0), "logic": _logic_rows(n, 1000)}
         # stand-ins so the plumbing runs offline: word lists and bracket runs from the generators
         from molora.data.skills import generate
         rows["code"] = [{"prompt": it.input, "completion": it.target} for it in generate("word_sorting", n, 77)]
         rows["science"] = [{"prompt": it.input, "completion": it.target} for it in generate("dyck_languages", n, 78)]
         for name, r in rows.items():
             write_jsonl(data / f"{name}.jsonl", r)
-        write_jsonl(ev / "gsm8k.jsonl", gsm_test[:8])
+        if gsm_test is not None:
+            write_jsonl(ev / "gsm8k.jsonl", gsm_test[:8])
         from molora.data.skills import EVAL_SEED_BASE, write_bbh_file
         (ev / "bbh").mkdir(parents=True, exist_ok=True)
         for task in ("object_counting", "navigate"):
@@ -237,7 +237,7 @@ def router(work: Path, smoke: bool) -> None:
 
 def eval_sets(work: Path) -> list[str]:
     ev = work / "eval"
-    sets = [f"gsm8k:{ev / 'gsm8k.jsonl'}"]
+    sets = [f"gsm8k:{ev / 'gsm8k.jsonl'}"] if (ev / "gsm8k.jsonl").is_file() else []
     if (ev / "math500.jsonl").is_file():
         sets.append(f"math:{ev / 'math500.jsonl'}")
     sets += [f"bbh:{p}" for p in sorted((ev / "bbh").glob("*.json"))]
