@@ -97,6 +97,8 @@ def routed_view(mm, prompt: str, **kwargs):
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
     p.add_argument("--html", default="routing.html", metavar="FILE", help="routing page to write (default routing.html)")
+    p.add_argument("--max-tokens", type=int, default=160,
+                   help="answer budget per prompt (default 160: the adapters' worked solutions fit)")
 
 
 @command("demo", _demo_args)
@@ -116,7 +118,7 @@ def _demo(args: argparse.Namespace) -> int:
         cases.append(("two skills in one message", prompts[0].input + "\n" + prompts[1].input))
     views = []
     for heading, prompt in cases:
-        view = routed_view(mm, prompt, max_new_tokens=32)
+        view = routed_view(mm, prompt, max_new_tokens=args.max_tokens)
         views.append((heading, view))
         print(f"== {heading}")
         print((to_ansi(view) if sys.stdout.isatty() else to_plain(view)) + "\n")
