@@ -31,3 +31,14 @@ def test_learned_router_sends_each_skill_to_its_adapter(mm, task, adapter):
     r = run_prompt(mm, item.input, max_new_tokens=4, trace=True)
     question = r.adapters[3:len(r.prompt_ids)]  # after "<|im_start|>user\n"
     assert question.count(adapter) >= 0.8 * len(question), (task, question)
+
+
+def test_demo_what_make_run_shows(tmp_path, capsys):
+    """`molora demo` (the `make run` job): one routed answer per skill plus a two-skill message, and the page."""
+    from molora.cli import main
+
+    page = tmp_path / "routing.html"
+    assert main(["demo", "--max-tokens", "6", "--html", str(page)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("== ") == 5 and "== two skills in one message" in out and "tokens per adapter" in out
+    assert "<html" in page.read_text().lower()
