@@ -189,3 +189,29 @@ def _bad(**over):
 def test_bad_arguments_raise_value_error_saying_what_was_expected(args, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         lora_delta(*args)
+
+
+@pytest.mark.parametrize("case", list(routing_cases()))
+@pytest.mark.parametrize("backend", EAGER)
+def test_slot_major_b_and_in_place_out_equal_reference(backend: str, case: str) -> None:
+    """B as the bank stores it (a transposed view of [S, R, D_out]: stacked_mask's one-GEMM path), and the
+    delta added into a given `out` in place (what a routed linear does with its base output)."""
+    x, A, B, scale, ids, w = routing_cases()[case]
+    B_major = B.transpose(1, 2).contiguous().transpose(1, 2)          # same values, slot-major storage
+    want = lora_delta_reference(x, A, B, scale, ids, w)
+    torch.testing.assert_close(lora_delta(x, A, B_major, scale, ids, w, backend=backend), want, atol=1e-5, rtol=1e-5)
+    dispatch = LoRADispatcher(backend)
+    base = torch.randn(x.shape[0], D_OUT, generator=torch.Generator().manual_seed(5))
+    out = base.clone()
+    got = dispatch.apply(dispatch.plan(ids, w, num_slots=A.shape[0]), x, A, B_major, scale, out=out)
+    assert got is out
+    torch.testing.assert_close(out, base + want, atol=1e-5, rtol=1e-5)
+
+
+def test_out_of_the_wrong_shape_is_refused_and_left_unchanged() -> None:
+    x, A, B, scale, ids, _ = make(6, 3)
+    dispatch = LoRADispatcher()
+    out = torch.zeros(6, D_OUT + 1)
+    with pytest.raises(ValueError, match="out must be"):
+        dispatch.apply(dispatch.plan(ids, num_slots=3), x, A, B, scale, out=out)
+    assert not out.any()

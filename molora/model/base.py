@@ -134,5 +134,4 @@ def load_base(spec: str | Path | None = None, dtype: torch.dtype = torch.float32
     """(model, tokenizer) for a base spec: None or "default" = the embedded default, a .gguf file, or a
     transformers folder; the model on `device()` ($MOLORA_DEVICE)."""
     model, tok = _load_base(spec, dtype)
-    dev = device()
-    return (model if dev.type == "cpu" else model.to(dev)), tok
+    return model.to(device()), tok

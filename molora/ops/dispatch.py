@@ -18,6 +18,7 @@ from molora.ops.gather import gather
 from molora.ops.lora import (
     LoRAInputError,
     SlotGroups,
+    _fail,
     as_2d,
     group_by_slot,
     lora_delta_reference,
@@ -148,18 +149,13 @@ def _resolve(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, s
     if resolved is None:
         validate_tensors(x, A, B, scale, plan.num_tokens, plan.num_slots)
         if out is not None and (out.shape != (x.shape[0], B.shape[1]) or out.dtype != x.dtype):
-            _fail_out(out, x, B)
+            _fail("out", f"a {x.dtype} tensor [T={x.shape[0]}, D_out={B.shape[1]}]", f"{out.dtype} {tuple(out.shape)}")
         resolved = backend
         if backend == "auto":
             S, R, D_in = A.shape
             resolved = choose_backend(plan.num_tokens, S, plan.top_k, rank=R, d_in=D_in, d_out=B.shape[1])
         plan._checked[key] = resolved
     return resolved
-
-
-def _fail_out(out: Tensor, x: Tensor, B: Tensor) -> None:
-    raise LoRAInputError(f"lora_delta: out must be a {x.dtype} tensor [T={x.shape[0]}, D_out={B.shape[1]}], "
-                         f"got {out.dtype} {tuple(out.shape)}")
 
 
 def _apply(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor,

@@ -65,6 +65,7 @@ def collect_features(mm, seqs: Sequence[LabelledSeq], names: Sequence[str], cfg:
     feats, labels = [], []
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
     groups = [order[i:i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
+    dev = mm.device
     for g in tqdm(groups, desc="router features", disable=not progress, unit="batch"):
         L = max(len(seqs[i].ids) for i in g)
         ids = torch.zeros(len(g), L, dtype=torch.long)
@@ -76,7 +77,6 @@ def collect_features(mm, seqs: Sequence[LabelledSeq], names: Sequence[str], cfg:
             ids[r, :n] = torch.tensor(s.ids)
             att[r, :n] = 1
             route[r, :n] = torch.tensor([slot_of[a] if a >= 0 else -1 for a in s.route])
-        dev = mm.device
         ids, att, route = ids.to(dev), att.to(dev), route.to(dev)
         out = mm(ids, attention_mask=att, adapter_ids=route, output_hidden_states=True)
         hidden = torch.stack(out.hidden_states[: len(out.hidden_states) - 1], dim=2)  # [B, L, blocks, D]
