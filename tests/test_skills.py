@@ -259,14 +259,27 @@ def test_navigate_worked_solution_tracks_position_and_heading():
     q = ("If you follow these instructions, do you return to the starting point? Take 3 steps. Turn left. "
          "Take 3 steps. Turn around. Take 3 steps. Turn right. Take 3 steps.\nOptions:\n- Yes\n- No")
     assert worked_solution("navigate", q, "Yes") == (
-        "Start at (0, 0) facing north. Take 3 steps north: (0, 3). Turn left: west. Take 3 steps west: (-3, 3). "
-        "Turn around: east. Take 3 steps east: (0, 3). Turn right: south. Take 3 steps south: (0, 0). "
+        "Start at (0, 0) facing north. Take 3 steps north: y 0 + 3 = 3, now (0, 3). Turn left: north -> west. "
+        "Take 3 steps west: x 0 - 3 = -3, now (-3, 3). Turn around: west -> east. Take 3 steps east: "
+        "x -3 + 3 = 0, now (0, 3). Turn right: east -> south. Take 3 steps south: y 3 - 3 = 0, now (0, 0). "
         "(0, 0) is the start. So the answer is Yes.")
     fixed = ("If you follow these instructions, do you return to the starting point? Always face forward. "
              "Take 2 steps right. Take 1 step backward.\nOptions:\n- Yes\n- No")
     assert worked_solution("navigate", fixed, "No") == (
-        "Take 2 steps right: (2, 0). Take 1 step backward: (2, -1). (2, -1) is not the start. So the answer is No.")
+        "Take 2 steps right: x 0 + 2 = 2, now (2, 0). Take 1 step backward: y 0 - 1 = -1, now (2, -1). "
+        "(2, -1) is not the start. So the answer is No.")
     with pytest.raises(ValueError, match="target"):
         worked_solution("navigate", fixed, "Yes")  # a wrong target is caught, not trained on
     with pytest.raises(ValueError, match="not understood"):
         worked_solution("navigate", fixed.replace("Take 2 steps right.", "Jump twice."), "No")
+
+
+def test_arithmetic_worked_solution_writes_each_operation_next_to_its_operands():
+    from molora.data.solutions import worked_solution
+
+    q = "((-1 + 2 * 3 - 4) * (5 - -6)) ="
+    assert worked_solution("multistep_arithmetic_two", q, "11") == (
+        "(-1 + 2 * 3 - 4): 2 * 3 = 6; -1 + 6 = 5; 5 - 4 = 1. (5 - -6): 5 - -6 = 5 + 6 = 11. "
+        "1 * 11 = 11. So the answer is 11.")
+    with pytest.raises(ValueError):
+        worked_solution("multistep_arithmetic_two", q, "12")  # a wrong target is caught, not trained on

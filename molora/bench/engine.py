@@ -9,6 +9,7 @@ tokens each (eos ignored, so every variant does the same greedy work).
 
 Measured in one run, variants interleaved within each repetition, medians reported:
   engine       Engine.generate over all requests (continuous batching, paged KV, per-token routing)
+  engine_base  the same engine with routing "none" (no LoRA work): the runner's own speed
   hf_routed    the transformers forward with a DynamicCache (MoLoRAModel.generate's loop, last-token logits
                only), static left-padded batches of --hf-batch requests, the same per-token routing
   hf_base      transformers `model.generate` on the same static batches without adapters (no LoRA work at
@@ -16,6 +17,11 @@ Measured in one run, variants interleaved within each repetition, medians report
   decode step  Engine.step() with N sequences decoding under per-token routing vs. the same step with
                routing "none" (base only): the routing overhead ratio
   swap         promoting an adapter from the CPU tier into a slot vs. a plain copy of the same bytes
+  ceiling      one profiled engine run (torch.profiler): the time its GEMM and attention kernels take
+               (`KERNEL_OPS`, self time). hf_routed_s / that time is the most any runner calling the same
+               kernels could gain over hf_routed, even with zero cost outside them (scheduling, routing
+               metadata, norms, sampling, KV writes). Profiling adds a little to each op, so the ceiling
+               is if anything slightly low.
 Ends with one JSON line. Owns only timing and reporting; knows the engine through its public API.
 """
 
@@ -51,6 +57,24 @@ def make_adapters(model: Any, folder: Path, k: int, rank: int, seed: int = 0) ->
         out[f"skill{i}"] = save_adapter(folder / f"skill{i}", modules, r=rank, lora_alpha=2 * rank,
                                         base_model_name_or_path=getattr(model, "name_or_path", None))
     return out
+
+
+KERNEL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
+                        "aten::_scaled_dot_product_flash_attention_for_cpu",
+                        "aten::_scaled_dot_product_attention_math",
+                        "aten::_scaled_dot_product_efficient_attention",
+                        "aten::_scaled_dot_product_flash_attention"})
+
+
+def kernel_seconds(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(seconds in KERNEL_OPS, profiled wall seconds) of one run of `fn` under torch.profiler."""
+    from torch.profiler import profile
+
+    t0 = time.perf_counter()
+    with profile() as prof:
+        fn()
+    wall = time.perf_counter() - t0
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in KERNEL_OPS) / 1e6, wall
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -146,6 +170,7 @@ def measure(mm: Any, cfg: EngineConfig, prompts: list[list[int]], news: list[int
     params = [SamplingParams(max_new_tokens=n) for n in news]
     variants = {
         "engine": lambda: engine.generate(prompts, params, routing="vocab"),
+        "engine_base": lambda: engine.generate(prompts, params, routing="none"),
         "hf_routed": lambda: _hf_routed(mm, prompts, news, hf_batch),
         "hf_base": lambda: _hf_base(mm.model, prompts, news, hf_batch),
     }
@@ -160,7 +185,11 @@ def measure(mm: Any, cfg: EngineConfig, prompts: list[list[int]], news: list[int
                         decode_samples)
     out = {f"{k}_s": v for k, v in med.items()}
     out.update({f"{k}_tok_s": gen / v for k, v in med.items()})
+    kernel_s, profiled_s = kernel_seconds(variants["engine"])
     out.update(speedup_vs_hf_routed=med["hf_routed"] / med["engine"], speedup_vs_hf_base=med["hf_base"] / med["engine"],
+               engine_base_vs_hf_base=med["hf_base"] / med["engine_base"],
+               engine_kernel_s=kernel_s, engine_kernel_share=kernel_s / profiled_s,
+               ceiling_vs_hf_routed=med["hf_routed"] / kernel_s,
                decode_step_routed_ms=step["routed"], decode_step_base_ms=step["base"],
                decode_routing_overhead=step["routed"] / step["base"])
     return out
@@ -218,7 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               args.mixed)
     print(f"engine {res['engine_tok_s']:.1f} tok/s | transformers routed {res['hf_routed_tok_s']:.1f} tok/s "
           f"(x{res['speedup_vs_hf_routed']:.2f}) | transformers base {res['hf_base_tok_s']:.1f} tok/s "
-          f"(x{res['speedup_vs_hf_base']:.2f})")
+          f"(x{res['speedup_vs_hf_base']:.2f}) | engine base-only x{res['engine_base_vs_hf_base']:.2f} vs transformers base")
+    print(f"ceiling: the engine's GEMM + attention kernels take {res['engine_kernel_s']:.2f} s "
+          f"({100 * res['engine_kernel_share']:.0f}% of a profiled run): at most x{res['ceiling_vs_hf_routed']:.2f} "
+          f"over transformers routed with these kernels")
     print(f"decode step: routed {res['decode_step_routed_ms']:.1f} ms vs base {res['decode_step_base_ms']:.1f} ms "
           f"(x{res['decode_routing_overhead']:.2f}); swap {res['swap_ms']:.2f} ms vs memcpy {res['memcpy_ms']:.2f} ms")
     line = json.dumps({"bench": "engine", **{k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}})

@@ -6,13 +6,17 @@ locally (add one small count to a running total; apply one operation at a time),
 chain-of-thought closing "So the answer is X." — the strict scorer reads the text after "answer is".
 
     object_counting:          "a flute: 1 (total 1); two trumpets: 2 (total 3). So the answer is 3."
-    multistep_arithmetic_two: "(-1 + 2 * 3 - 4) = (-1 + 6 - 4) = (5 - 4) = 1. (5 - -6) = 11. 1 * 11 = 11.
-                               So the answer is 11."
-    navigate:                 "Start at (0, 0) facing north. Take 3 steps north: (0, 3). Turn left: west.
-                               Take 3 steps west: (-3, 3). (-3, 3) is not the start. So the answer is No."
+    multistep_arithmetic_two: "(-1 + 2 * 3 - 4): 2 * 3 = 6; -1 + 6 = 5; 5 - 4 = 1. (5 - -6): 5 - -6 = 5 + 6 = 11.
+                               1 * 11 = 11. So the answer is 11."
+    navigate:                 "Start at (0, 0) facing north. Take 3 steps north: y 0 + 3 = 3, now (0, 3).
+                               Turn left: north -> west. Take 3 steps west: x 0 - 3 = -3, now (-3, 3).
+                               (-3, 3) is not the start. So the answer is No."
 
-Navigate keeps the whole state (position, heading) in the text: each move names the direction it goes and
-the position after it, so every step is one small addition next to the numbers it needs.
+Navigate keeps the whole state (position, heading) in the text, and writes each update next to what it
+needs: a turn names the heading before and after it (a lookup in a 4 x 3 table, no state further back); a
+move writes the one coordinate it changes as a sum of the previous value and the step count, then the new
+position. Measured on the earlier format (position only): most wrong traces were heading lookups and two-digit
+sums done in the head.
 
 Pure Python; knows the surface formats of the generators in `molora.data.skills`, nothing else.
 """
@@ -63,21 +67,28 @@ def _counting(question: str, target: str) -> str:
     return "; ".join(steps) + f". So the answer is {total}."
 
 
+def _op(a: int, op: str, b: int) -> tuple[str, int]:
+    """One operation written out next to its operands: "a op b = c" ("a - -b = a + b = c")."""
+    value = a * b if op == "*" else a + b if op == "+" else a - b
+    if op == "-" and b < 0:
+        return f"{a} - {b} = {a} + {-b} = {value}", value
+    return f"{a} {op} {b} = {value}", value
+
+
 def _reduce(expr: str) -> tuple[list[str], int]:
-    """Evaluate one flat group step by step (* first, then left to right); return the chain and value."""
+    """Evaluate one flat group one operation at a time (* first, then left to right); return the
+    operations as written ("a op b = c") and the value."""
     toks = expr.split()
     nums = [int(toks[0])] + [int(t) for t in toks[2::2]]
     ops = toks[1::2]
-    chain = []
+    steps = []
     while ops:
         i = ops.index("*") if "*" in ops else 0
-        a, b = nums[i], nums[i + 1]
-        nums[i: i + 2] = [a * b if ops[i] == "*" else a + b if ops[i] == "+" else a - b]
+        text, value = _op(nums[i], ops[i], nums[i + 1])
+        steps.append(text)
+        nums[i: i + 2] = [value]
         del ops[i]
-        if ops:
-            chain.append("(" + " ".join(str(nums[0]) if k == 0 else f"{ops[k - 1]} {nums[k]}"
-                                        for k in range(len(nums))) + ")")
-    return chain, nums[0]
+    return steps, nums[0]
 
 
 def _arithmetic(question: str, target: str) -> str:
@@ -86,14 +97,13 @@ def _arithmetic(question: str, target: str) -> str:
         raise ValueError(f"not a multistep_arithmetic_two question: {question!r}")
     parts, values = [], []
     for side in ("left", "right"):
-        chain, value = _reduce(m[side])
-        parts.append(" = ".join([f"({m[side]})", *chain, str(value)]) + ".")
+        steps, value = _reduce(m[side])
+        parts.append(f"({m[side]}): " + "; ".join(steps) + ".")
         values.append(value)
-    a, b = values
-    result = a * b if m["op"] == "*" else a + b if m["op"] == "+" else a - b
+    text, result = _op(values[0], m["op"], values[1])
     if str(result) != target:
         raise ValueError(f"worked value {result} != target {target} for {question!r}")
-    parts.append(f"{a} {m['op']} {b} = {result}.")
+    parts.append(text + ".")
     return " ".join(parts) + f" So the answer is {result}."
 
 
@@ -110,14 +120,18 @@ def _navigate(question: str, target: str) -> str:
     out = [] if fixed else ["Start at (0, 0) facing north."]
     for step in steps:
         if step["turn"]:
-            heading = (heading + _TURN[step["turn"]]) % 4
-            out.append(f"Turn {step['turn']}: {_HEADINGS[heading]}.")
+            old, heading = heading, (heading + _TURN[step["turn"]]) % 4
+            out.append(f"Turn {step['turn']}: {_HEADINGS[old]} -> {_HEADINGS[heading]}.")
         elif step["n"]:
             n = int(step["n"])
             h = _FACING[step["dir"]] if fixed and step["dir"] else heading
-            x, y = x + n * _HEADING_STEP[h][0], y + n * _HEADING_STEP[h][1]
+            dx, dy = _HEADING_STEP[h]
+            axis, before = ("x", x) if dx else ("y", y)
+            x, y = x + n * dx, y + n * dy
             where = step["dir"] if fixed and step["dir"] else _HEADINGS[h]
-            out.append(f"Take {n} step{'s' if n != 1 else ''} {where}: ({x}, {y}).")
+            sign = "+" if dx + dy > 0 else "-"
+            out.append(f"Take {n} step{'s' if n != 1 else ''} {where}: {axis} {before} {sign} {n} = "
+                       f"{x if dx else y}, now ({x}, {y}).")
         elif not fixed:
             raise ValueError(f"'Always face forward.' must come first: {text!r}")
     back = x == 0 and y == 0

@@ -14,6 +14,7 @@ import logging
 import torch
 from torch import Tensor
 
+from molora.ops import fused_cpu
 from molora.ops.gather import gather
 from molora.ops.lora import (
     LoRAInputError,
@@ -32,7 +33,12 @@ from molora.ops.lora import (
 
 log = logging.getLogger("molora.ops")
 
-BACKENDS: tuple[str, ...] = ("reference", "sort_group", "stacked_mask", "gather")
+BACKENDS: tuple[str, ...] = ("reference", "sort_group", "stacked_mask", "gather", "fused")
+
+# "auto" takes "fused" (molora.ops.fused_cpu: one C++ pass, each token through its own slot only, no
+# gathers) wherever it can run: CPU, float32, top-1, no autograd, slot-major B, and the kernel built.
+# Measured by `molora bench ops` (docs/benchmarks.md); elsewhere the cost model below picks between the
+# two eager backends.
 
 # The "auto" rule is a cost model of the two eager backends, fitted (least squares on relative error,
 # non-negative terms, points > 60% off dropped as noise from other jobs on the shared CPU) to the minimum
@@ -143,8 +149,8 @@ def _resolve(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, s
              out: Tensor | None) -> str:
     """Check the tensors against the plan and resolve "auto". Both depend only on shapes and dtypes, so
     a plan remembers the answer per signature: a step's 7 * L target linears have about 4 distinct ones."""
-    key = (x.shape, x.dtype, A.shape, A.dtype, B.shape, B.dtype, scale.shape, scale.dtype,
-           None if out is None else (out.shape, out.dtype))
+    key = (x.shape, x.dtype, x.stride(), A.shape, A.dtype, B.shape, B.dtype, B.stride(), scale.shape, scale.dtype,
+           None if out is None else (out.shape, out.dtype), torch.is_grad_enabled())
     resolved = plan._checked.get(key)
     if resolved is None:
         validate_tensors(x, A, B, scale, plan.num_tokens, plan.num_slots)
@@ -153,7 +159,11 @@ def _resolve(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, s
         resolved = backend
         if backend == "auto":
             S, R, D_in = A.shape
-            resolved = choose_backend(plan.num_tokens, S, plan.top_k, rank=R, d_in=D_in, d_out=B.shape[1])
+            if fused_cpu.supports(x, B, plan.top_k) and fused_cpu.available():
+                resolved = "fused"
+            else:
+                resolved = choose_backend(plan.num_tokens, S, plan.top_k, rank=R, d_in=D_in, d_out=B.shape[1])
+
         plan._checked[key] = resolved
     return resolved
 
@@ -165,6 +175,13 @@ def _apply(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, sca
     backend = _resolve(backend, plan, x, A, B, scale, out)
     if plan.num_tokens == 0:
         return x.new_zeros(0, B.shape[1]) if out is None else out  # [0, D_out]
+    if backend == "fused":
+        if not fused_cpu.supports(x, B, plan.top_k):
+            raise LoRAInputError("backend 'fused' runs on CPU float32 tensors with top-1 routing, B stored "
+                                 "slot-major (B.transpose(1, 2) contiguous) and autograd off; got "
+                                 f"{x.device.type} {x.dtype}, top-{plan.top_k}, grad "
+                                 f"{'on' if torch.is_grad_enabled() else 'off'}. Use backend='auto'.")
+        return fused_cpu.fused_apply(plan.groups(), x, A, B, scale, out)
     if backend == "sort_group":
         return sort_group_apply(plan.groups(), x, A, B, scale, out)
     if backend == "stacked_mask":
@@ -211,8 +228,9 @@ class LoRADispatcher:
         self.backend = backend
         self.check_ids = check_ids
         if backend == "auto":
-            log.info("LoRA dispatch backend: auto (per call, stacked_mask or sort_group by a CPU cost "
-                     "model of T, S, k, R, D fitted to molora.bench.ops timings)")
+            log.info("LoRA dispatch backend: auto (fused where it can run: CPU, float32, top-1, no autograd; "
+                     "else stacked_mask or sort_group by a CPU cost model of T, S, k, R, D fitted to "
+                     "molora.bench.ops timings)")
         else:
             log.info("LoRA dispatch backend: %s (requested explicitly)", backend)
 

@@ -1,0 +1,237 @@
+"""The `fused` backend: per-token LoRA in one C++ pass over the tokens, no gathers, no masked work (CPU).
+
+Each routed token goes through its own slot only (the work of one adapter, as sort_group), but nothing is
+copied: a token's row of x is read where it lies and its delta is added into its row of `out` in place.
+Tokens are taken in sort_group's slot order (`SlotGroups`), in blocks of up to 4 of one slot:
+
+    h[i]    = A[s] @ x[t_i]          [R]       16-lane dot products, 4 tokens x 4 ranks of accumulators
+    h[i]   *= scale[s] (* weight)
+    out[t_i] += Bt[s].T @ h[i]       [D_out]   64-column tiles held in registers across the R ranks
+
+Blocks run in parallel on torch's intra-op threads (each token appears once when k = 1, so no two
+threads write one row). Written with GCC vector extensions (16-float vectors: AVX-512 where the CPU has
+it, split into narrower ones elsewhere); compiled once per machine by `torch.utils.cpp_extension` into
+torch's extension cache (about a minute; `-O3 -march=native`).
+
+Why: on the dev CPU the eager backends pay either S times the work (stacked_mask) or row gathers and
+scatters that are memory-bound (sort_group); `molora.bench.ops` measures this one against both and
+against a single adapter.
+
+Limits (callers fall back to the eager backends): CPU, float32, top-1 routing (k = 1), no autograd, B
+stored slot-major (B.transpose(1, 2) contiguous, as `LoRASlots` keeps it), x and out with unit column
+stride. `available()` says whether the extension built; MOLORA_FUSED=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+
+import torch
+from torch import Tensor
+
+from molora.ops.gather import LoRABackendError
+from molora.ops.lora import SlotGroups
+
+log = logging.getLogger("molora.ops")
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstring>
+
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof(v)); return v; }
+static inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+static inline float hsum(v16 v) { float s = 0.f; for (int i = 0; i < 16; ++i) s += v[i]; return s; }
+
+// h[i * R + r0 + r] = dot(x[i], A[r]) for NB tokens and RB ranks: NB * RB accumulators, each A chunk
+// loaded once for all NB tokens (A rows stream from L2 once D * RB floats outgrow L1).
+template <int NB, int RB>
+static inline void shrink_tile(const float* const* x, const float* A, int64_t D, float* h, int64_t R) {
+  v16 acc[NB][RB];
+  for (int i = 0; i < NB; ++i)
+    for (int r = 0; r < RB; ++r) acc[i][r] = v16{};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    v16 xv[NB];
+    for (int i = 0; i < NB; ++i) xv[i] = load16(x[i] + d);
+    for (int r = 0; r < RB; ++r) {
+      const v16 a = load16(A + r * D + d);
+      for (int i = 0; i < NB; ++i) acc[i][r] += xv[i] * a;
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int r = 0; r < RB; ++r) {
+      float s = hsum(acc[i][r]);
+      for (int64_t e = d; e < D; ++e) s += x[i][e] * A[r * D + e];
+      h[i * R + r] = s;
+    }
+}
+
+// h [NB, R] for NB tokens: ranks in tiles of 4 (then 1).
+template <int NB>
+static void shrink(const float* const* x, const float* A, int64_t R, int64_t D, float* h) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) shrink_tile<NB, 4>(x, A + r * D, D, h + r, R);
+  for (; r < R; ++r) shrink_tile<NB, 1>(x, A + r * D, D, h + r, R);
+}
+
+// out[i] += sum_r h[i][r] * Bt[r]  for NB rows, Bt [R, D] row-major; 64-column tiles in registers.
+template <int NB>
+static void expand(float* const* out, const float* h, int64_t R, const float* Bt, int64_t D) {
+  int64_t j = 0;
+  for (; j + 64 <= D; j += 64) {
+    v16 acc[NB][4];
+    for (int i = 0; i < NB; ++i)
+      for (int q = 0; q < 4; ++q) acc[i][q] = load16(out[i] + j + 16 * q);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* b = Bt + r * D + j;
+      const v16 b0 = load16(b), b1 = load16(b + 16), b2 = load16(b + 32), b3 = load16(b + 48);
+      for (int i = 0; i < NB; ++i) {
+        const float hv = h[i * R + r];
+        acc[i][0] += hv * b0; acc[i][1] += hv * b1; acc[i][2] += hv * b2; acc[i][3] += hv * b3;
+      }
+    }
+    for (int i = 0; i < NB; ++i)
+      for (int q = 0; q < 4; ++q) store16(out[i] + j + 16 * q, acc[i][q]);
+  }
+  for (; j < D; ++j)
+    for (int i = 0; i < NB; ++i) {
+      float s = out[i][j];
+      for (int64_t r = 0; r < R; ++r) s += h[i * R + r] * Bt[r * D + j];
+      out[i][j] = s;
+    }
+}
+
+// out[tok[p]] += coef[p] * Bt[s_p].T @ (A[s_p] @ x[tok[p]]) for the pairs p of each slot segment.
+void lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Tensor Bt, torch::Tensor tok,
+                 torch::Tensor coef, std::vector<int64_t> counts) {
+  const int64_t S = A.size(0), R = A.size(1), Din = A.size(2), Dout = Bt.size(2);
+  const float* xp = x.data_ptr<float>();
+  const float* Ap = A.data_ptr<float>();
+  const float* Bp = Bt.data_ptr<float>();
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  const float* cp = coef.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  constexpr int64_t NB = 4;
+  std::vector<int64_t> bstart, bslot;            // blocks of <= NB pairs of one slot
+  int64_t off = 0;
+  for (int64_t s = 0; s < (int64_t)counts.size() && s < S; ++s) {
+    for (int64_t p = off; p < off + counts[s]; p += NB) { bstart.push_back(p); bslot.push_back(s); }
+    off += counts[s];
+  }
+  const int64_t nblocks = (int64_t)bstart.size();
+  bstart.push_back(off);
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> h(NB * R);
+    float* rows[NB];
+    const float* xrows[NB];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t s = bslot[b], p0 = bstart[b];
+      const int64_t n = bstart[b + 1] - p0;     // blocks tile [0, off) in order; the last entry is off
+      const float* As = Ap + s * R * Din;
+      const float* Bs = Bp + s * R * Dout;
+      for (int64_t i = 0; i < n; ++i) {
+        xrows[i] = xp + tp[p0 + i] * ldx;
+        rows[i] = op + tp[p0 + i] * ldo;
+      }
+      switch (n) {
+        case 4: shrink<4>(xrows, As, R, Din, h.data()); break;
+        case 3: shrink<3>(xrows, As, R, Din, h.data()); break;
+        case 2: shrink<2>(xrows, As, R, Din, h.data()); break;
+        default: shrink<1>(xrows, As, R, Din, h.data()); break;
+      }
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t r = 0; r < R; ++r) h[i * R + r] *= cp[p0 + i];
+      switch (n) {
+        case 4: expand<4>(rows, h.data(), R, Bs, Dout); break;
+        case 3: expand<3>(rows, h.data(), R, Bs, Dout); break;
+        case 2: expand<2>(rows, h.data(), R, Bs, Dout); break;
+        default: expand<1>(rows, h.data(), R, Bs, Dout); break;
+      }
+    }
+  });
+}
+"""
+
+_lock = threading.Lock()
+_module = None
+_failed: str | None = None
+
+
+def _load():
+    """The compiled extension, building it on first use; None (reason logged once) if it cannot be built."""
+    global _module, _failed
+    if _module is not None or _failed is not None:
+        return _module
+    with _lock:
+        if _module is not None or _failed is not None:
+            return _module
+        if os.environ.get("MOLORA_FUSED", "1") == "0":
+            _failed = "turned off by MOLORA_FUSED=0"
+            return None
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            log.info("building the fused LoRA CPU kernel (once per machine, about a minute)")
+            venv_bin = os.path.dirname(sys.executable)  # a venv's ninja, when the venv is not activated
+            if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+                os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+            _module = load_inline(name=f"molora_fused_lora_v2_{_cpu_tag()}", cpp_sources=_SOURCE,
+                                  functions=["lora_fused_"], verbose=False,
+                                  extra_cflags=["-O3", "-march=native", "-ffp-contract=fast"])
+        except Exception as e:  # no compiler, no ninja, unsupported platform: the eager backends remain
+            _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            log.warning("fused LoRA CPU kernel unavailable (%s); using the eager backends", _failed)
+        return _module
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's feature flags: a build with -march=native is only reused on a like CPU."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor() or platform.machine()
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def available() -> bool:
+    """Whether the fused CPU kernel is built (builds it on first call)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel could not be built (None if it was, or was never tried)."""
+    return _failed
+
+
+def supports(x: Tensor, B: Tensor, top_k: int) -> bool:
+    """Whether a call with these tensors can run fused (module docstring: Limits); no build, no data read."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and top_k == 1 and x.stride(-1) == 1
+            and B.transpose(1, 2).is_contiguous() and not torch.is_grad_enabled())
+
+
+def fused_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None = None
+                ) -> Tensor:
+    """The fused backend on sort_group's metadata (k = 1): out [T, D_out] += each token's own delta.
+    out None: a new zero-initialised tensor is returned. Call only where `supports` and `available`."""
+    mod = _load()
+    if mod is None:
+        raise LoRABackendError(f"backend 'fused' needs its C++ kernel, which could not be built here ({_failed}). "
+                               "Use backend='auto' (falls back to the eager backends) or install a C++ compiler.")
+    if out is None:
+        out = x.new_zeros(x.shape[0], B.shape[1])
+    elif out.stride(-1) != 1:  # the kernel writes rows with unit stride
+        return out.add_(fused_apply(g, x, A, B, scale))
+    coef = scale.to(torch.float32)[g.slot]
+    if g.weight is not None:
+        coef = coef * g.weight.to(torch.float32)
+    mod.lora_fused_(out, x, A.contiguous(), B.transpose(1, 2), g.tok, coef.contiguous(), g.counts)
+    return out
