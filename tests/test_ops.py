@@ -275,16 +275,20 @@ def test_auto_takes_fused_only_where_it_can_run() -> None:
     B_major = B.transpose(1, 2).contiguous().transpose(1, 2)
     dispatch = LoRADispatcher("auto")
 
-    def picked(*, k: int = 1, b=B_major, dtype=torch.float32) -> str:
-        plan = dispatch.plan(ids.repeat(1, k), num_slots=3)
-        dispatch.apply(plan, x.to(dtype), A.to(dtype), b.to(dtype), scale)
+    def picked(*, k: int = 1, b=B_major, dtype=torch.float32, T: int = 9) -> str:
+        reps = -(-T // ids.shape[0])
+        plan = dispatch.plan(ids.repeat(reps, k)[:T], num_slots=3)
+        dispatch.apply(plan, x.repeat(reps, 1)[:T].to(dtype), A.to(dtype), b.to(dtype), scale)
         return next(iter(plan._checked.values()))
 
     with torch.no_grad():
         assert picked() == "fused"
         assert picked(k=2) in ("stacked_mask", "sort_group")            # top-2: the kernel is top-1 only
         assert picked(b=B) in ("stacked_mask", "sort_group")            # B not slot-major
-        assert picked(dtype=torch.bfloat16) in ("stacked_mask", "sort_group")
+        assert picked(dtype=torch.bfloat16) == "fused"
+        assert picked(T=1000) == "fused"                                # float32: at any T
+        assert picked(dtype=torch.bfloat16, T=1000) in ("stacked_mask", "sort_group")  # bf16 GEMMs win there
+        assert picked(dtype=torch.float64) in ("stacked_mask", "sort_group")
     assert picked() in ("stacked_mask", "sort_group")                   # autograd on (training)
 
 
@@ -295,3 +299,26 @@ def test_fused_refuses_what_it_cannot_run_with_a_clear_error() -> None:
         lora_delta(x, A, B, scale, ids, w, backend="fused")
     with pytest.raises(ValueError, match="autograd off"):
         lora_delta(*make(6, 3), backend="fused")
+
+
+@pytest.mark.parametrize("T, d_in, d_out", [(37, 40, 136), (9, 64, 192)])
+def test_fused_bf16_close_to_fp32_reference(T, d_in, d_out) -> None:
+    """bf16 tensors: exact widening, float32 sums, one rounding per output (as close as stacked_mask)."""
+    _fused_or_skip()
+    g = torch.Generator().manual_seed(d_out)
+    x = torch.randn(T, d_in, generator=g)
+    A = torch.randn(3, 8, d_in, generator=g) * 0.2
+    B = (torch.randn(3, 8, d_out, generator=g) * 0.2).transpose(1, 2)
+    scale = torch.rand(3, generator=g) + 0.5
+    ids = torch.randint(-1, 3, (T, 1), generator=g)
+    base = torch.randn(T, d_out, generator=g)
+    args16 = [t.bfloat16() for t in (x, A, B)]
+    want = base + lora_delta_reference(*[t.float() for t in args16], scale, ids)
+    with torch.no_grad():
+        dispatch = LoRADispatcher("fused")
+        out = base.bfloat16()
+        dispatch.apply(dispatch.plan(ids, num_slots=3), *args16, scale, out=out)
+        stacked = lora_delta(*args16, scale, ids, backend="stacked_mask").float() + base.bfloat16().float()
+    assert out.dtype == torch.bfloat16
+    err, err_stacked = (out.float() - want).abs().max(), (stacked - want).abs().max()
+    assert err <= max(2 * err_stacked, 1e-2 * want.abs().max())

@@ -4,7 +4,8 @@ Owns the timing loop, the table, the JSON line and the plot for `molora bench op
 about models or adapters: it builds random stacked slot tensors and random routings.
 
 For every (T tokens, K adapters, r rank) it times, interleaved within each repetition (medians, ms):
-  sort_group, stacked_mask, gather (compiled), auto   the dispatch backends (reference is too slow)
+  sort_group, stacked_mask, gather (compiled), fused (C++, where it builds and runs: fp32, top-1), auto
+             the dispatch backends (reference is too slow)
   single     all tokens on one adapter: (x @ A0.T) @ B0.T * scale0, what per-request serving runs
   kpass      per-sequence routing emulated: the full single-adapter LoRA K times over all T tokens
   base       the dense base linear x @ W.T, W [d_out, d_in], to put the LoRA overhead in proportion
@@ -24,7 +25,7 @@ from molora.bench.common import add_common_args, emit, machine_info, set_threads
 from molora.ops import lora_delta
 from molora.ops.dispatch import cost_features
 
-VARIANTS_OPS: tuple[str, ...] = ("sort_group", "stacked_mask", "gather", "auto")
+VARIANTS_OPS: tuple[str, ...] = ("sort_group", "stacked_mask", "gather", "fused", "auto")
 VARIANTS_BASE: tuple[str, ...] = ("single", "kpass", "base")
 
 
@@ -75,7 +76,10 @@ def bench_ops(
     """One row per (T, K, r): median ms of every variant plus ratios. gather=False skips the compiled
     backend (its first call compiles, ~25 s on 2 CPU cores)."""
     d_out = d if d_out is None else d_out
-    variants = [v for v in VARIANTS_OPS if gather or v != "gather"] + list(VARIANTS_BASE)
+    from molora.ops import fused_cpu
+
+    fused = top_k == 1 and dtype == torch.float32 and fused_cpu.available()
+    variants = [v for v in VARIANTS_OPS if (gather or v != "gather") and (fused or v != "fused")] + list(VARIANTS_BASE)
     rows = []
     with torch.inference_mode():
         for T in Ts:

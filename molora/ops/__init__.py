@@ -2,8 +2,10 @@
 
 `lora_delta(x, A, B, scale, slot_ids, weights)` computes, for every token, the LoRA delta of the
 adapter(s) in the slot(s) it is routed to, in one pass over all tokens. `lora_delta_reference` is the
-spec (a plain loop); `BACKENDS` are the implementations; `LoRADispatcher` picks one once, and its
-`plan` checks and sorts a step's routing once for all target linears (`apply`).
+spec (a plain loop); `BACKENDS` are the implementations (eager PyTorch: sort_group, stacked_mask; compiled:
+gather; C++: fused, `molora.ops.fused_cpu`, built once per machine); `LoRADispatcher` picks one once
+("auto": fused where it can run (CPU, fp32 or bf16, top-1, inference), else a measured cost model), and its `plan` checks and sorts a step's
+routing once for all target linears (`apply`).
 This package knows nothing about adapter names, banks or models.
 """
 

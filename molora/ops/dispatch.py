@@ -36,9 +36,13 @@ log = logging.getLogger("molora.ops")
 BACKENDS: tuple[str, ...] = ("reference", "sort_group", "stacked_mask", "gather", "fused")
 
 # "auto" takes "fused" (molora.ops.fused_cpu: one C++ pass, each token through its own slot only, no
-# gathers) wherever it can run: CPU, float32, top-1, no autograd, slot-major B, and the kernel built.
-# Measured by `molora bench ops` (docs/benchmarks.md); elsewhere the cost model below picks between the
-# two eager backends.
+# gathers) wherever it can run: CPU, float32 or bfloat16, top-1, no autograd, slot-major B, kernel built.
+# In float32 it beat both eager backends at every measured shape (T 8..2048, d 576/1536, S=4, r=16; see
+# `molora bench ops`). In bfloat16 the eager GEMMs use the CPU's bf16 units while the kernel computes in
+# float32, so stacked_mask catches up as T grows: even at T = 256 with S = 4 (1 thread; fused 78 vs 206 us
+# at T = 64, 263 vs 373 at 128, 518 vs 532 at 256, d 576 x 1536), hence fused in bf16 only below
+# FUSED_BF16_TOKENS_PER_SLOT * S tokens. Elsewhere the cost model below picks between the two eager backends.
+FUSED_BF16_TOKENS_PER_SLOT = 48
 
 # The "auto" rule is a cost model of the two eager backends, fitted (least squares on relative error,
 # non-negative terms, points > 60% off dropped as noise from other jobs on the shared CPU) to the minimum
@@ -159,7 +163,8 @@ def _resolve(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, s
         resolved = backend
         if backend == "auto":
             S, R, D_in = A.shape
-            if fused_cpu.supports(x, B, plan.top_k) and fused_cpu.available():
+            small = x.dtype != torch.bfloat16 or plan.num_tokens < FUSED_BF16_TOKENS_PER_SLOT * S
+            if small and fused_cpu.supports(x, B, plan.top_k) and fused_cpu.available():
                 resolved = "fused"
             else:
                 resolved = choose_backend(plan.num_tokens, S, plan.top_k, rank=R, d_in=D_in, d_out=B.shape[1])
@@ -177,7 +182,7 @@ def _apply(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, sca
         return x.new_zeros(0, B.shape[1]) if out is None else out  # [0, D_out]
     if backend == "fused":
         if not fused_cpu.supports(x, B, plan.top_k):
-            raise LoRAInputError("backend 'fused' runs on CPU float32 tensors with top-1 routing, B stored "
+            raise LoRAInputError("backend 'fused' runs on CPU float32 or bfloat16 tensors with top-1 routing, B stored "
                                  "slot-major (B.transpose(1, 2) contiguous) and autograd off; got "
                                  f"{x.device.type} {x.dtype}, top-{plan.top_k}, grad "
                                  f"{'on' if torch.is_grad_enabled() else 'off'}. Use backend='auto'.")
@@ -228,7 +233,7 @@ class LoRADispatcher:
         self.backend = backend
         self.check_ids = check_ids
         if backend == "auto":
-            log.info("LoRA dispatch backend: auto (fused where it can run: CPU, float32, top-1, no autograd; "
+            log.info("LoRA dispatch backend: auto (fused where it can run: CPU, fp32 or bf16, top-1, no autograd; "
                      "else stacked_mask or sort_group by a CPU cost model of T, S, k, R, D fitted to "
                      "molora.bench.ops timings)")
         else:

@@ -17,7 +17,10 @@ Why: on the dev CPU the eager backends pay either S times the work (stacked_mask
 scatters that are memory-bound (sort_group); `molora.bench.ops` measures this one against both and
 against a single adapter.
 
-Limits (callers fall back to the eager backends): CPU, float32, top-1 routing (k = 1), no autograd, B
+Works in float32 and in bfloat16 (bf16 values widen exactly to float32 on load, every sum runs in
+float32, each output rounds once to bf16 on store).
+
+Limits (callers fall back to the eager backends): CPU, float32 or bfloat16, top-1 routing (k = 1), no autograd, B
 stored slot-major (B.transpose(1, 2) contiguous, as `LoRASlots` keeps it), x and out with unit column
 stride. `available()` says whether the extension built; MOLORA_FUSED=0 turns it off.
 """
@@ -42,18 +45,40 @@ log = logging.getLogger("molora.ops")
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cstdint>
 #include <cstring>
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
+// Element access for float and bfloat16 (stored as uint16_t): arithmetic is always float32; bf16 values
+// widen exactly on load and round to nearest even on store (as torch does).
 static inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof(v)); return v; }
 static inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+static inline float load1(const float* p) { return *p; }
+static inline void store1(float* p, float v) { *p = v; }
+
+static inline v16 load16(const uint16_t* p) {
+  u16x16 h; std::memcpy(&h, p, sizeof(h));
+  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  v16 v; std::memcpy(&v, &w, sizeof(v)); return v;
+}
+static inline void store16(uint16_t* p, v16 v) {
+  u32x16 w; std::memcpy(&w, &v, sizeof(w));
+  w = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
+  u16x16 h = __builtin_convertvector(w, u16x16); std::memcpy(p, &h, sizeof(h));
+}
+static inline float load1(const uint16_t* p) { uint32_t w = (uint32_t)*p << 16; float f; std::memcpy(&f, &w, 4); return f; }
+static inline void store1(uint16_t* p, float f) {
+  uint32_t w; std::memcpy(&w, &f, 4); *p = (uint16_t)((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
+}
 static inline float hsum(v16 v) { float s = 0.f; for (int i = 0; i < 16; ++i) s += v[i]; return s; }
 
-// h[i * R + r0 + r] = dot(x[i], A[r]) for NB tokens and RB ranks: NB * RB accumulators, each A chunk
-// loaded once for all NB tokens (A rows stream from L2 once D * RB floats outgrow L1).
-template <int NB, int RB>
-static inline void shrink_tile(const float* const* x, const float* A, int64_t D, float* h, int64_t R) {
+// h[i * R + r] = dot(x[i], A[r]) for NB tokens and RB ranks: NB * RB accumulators, each A chunk
+// loaded once for all NB tokens (A rows stream from L2 once D * RB values outgrow L1).
+template <typename T, int NB, int RB>
+static inline void shrink_tile(const T* const* x, const T* A, int64_t D, float* h, int64_t R) {
   v16 acc[NB][RB];
   for (int i = 0; i < NB; ++i)
     for (int r = 0; r < RB; ++r) acc[i][r] = v16{};
@@ -69,29 +94,29 @@ static inline void shrink_tile(const float* const* x, const float* A, int64_t D,
   for (int i = 0; i < NB; ++i)
     for (int r = 0; r < RB; ++r) {
       float s = hsum(acc[i][r]);
-      for (int64_t e = d; e < D; ++e) s += x[i][e] * A[r * D + e];
+      for (int64_t e = d; e < D; ++e) s += load1(x[i] + e) * load1(A + r * D + e);
       h[i * R + r] = s;
     }
 }
 
 // h [NB, R] for NB tokens: ranks in tiles of 4 (then 1).
-template <int NB>
-static void shrink(const float* const* x, const float* A, int64_t R, int64_t D, float* h) {
+template <typename T, int NB>
+static void shrink(const T* const* x, const T* A, int64_t R, int64_t D, float* h) {
   int64_t r = 0;
-  for (; r + 4 <= R; r += 4) shrink_tile<NB, 4>(x, A + r * D, D, h + r, R);
-  for (; r < R; ++r) shrink_tile<NB, 1>(x, A + r * D, D, h + r, R);
+  for (; r + 4 <= R; r += 4) shrink_tile<T, NB, 4>(x, A + r * D, D, h + r, R);
+  for (; r < R; ++r) shrink_tile<T, NB, 1>(x, A + r * D, D, h + r, R);
 }
 
 // out[i] += sum_r h[i][r] * Bt[r]  for NB rows, Bt [R, D] row-major; 64-column tiles in registers.
-template <int NB>
-static void expand(float* const* out, const float* h, int64_t R, const float* Bt, int64_t D) {
+template <typename T, int NB>
+static void expand(T* const* out, const float* h, int64_t R, const T* Bt, int64_t D) {
   int64_t j = 0;
   for (; j + 64 <= D; j += 64) {
     v16 acc[NB][4];
     for (int i = 0; i < NB; ++i)
       for (int q = 0; q < 4; ++q) acc[i][q] = load16(out[i] + j + 16 * q);
     for (int64_t r = 0; r < R; ++r) {
-      const float* b = Bt + r * D + j;
+      const T* b = Bt + r * D + j;
       const v16 b0 = load16(b), b1 = load16(b + 16), b2 = load16(b + 32), b3 = load16(b + 48);
       for (int i = 0; i < NB; ++i) {
         const float hv = h[i * R + r];
@@ -103,23 +128,16 @@ static void expand(float* const* out, const float* h, int64_t R, const float* Bt
   }
   for (; j < D; ++j)
     for (int i = 0; i < NB; ++i) {
-      float s = out[i][j];
-      for (int64_t r = 0; r < R; ++r) s += h[i * R + r] * Bt[r * D + j];
-      out[i][j] = s;
+      float s = load1(out[i] + j);
+      for (int64_t r = 0; r < R; ++r) s += h[i * R + r] * load1(Bt + r * D + j);
+      store1(out[i] + j, s);
     }
 }
 
 // out[tok[p]] += coef[p] * Bt[s_p].T @ (A[s_p] @ x[tok[p]]) for the pairs p of each slot segment.
-void lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Tensor Bt, torch::Tensor tok,
-                 torch::Tensor coef, std::vector<int64_t> counts) {
-  const int64_t S = A.size(0), R = A.size(1), Din = A.size(2), Dout = Bt.size(2);
-  const float* xp = x.data_ptr<float>();
-  const float* Ap = A.data_ptr<float>();
-  const float* Bp = Bt.data_ptr<float>();
-  const int64_t* tp = tok.data_ptr<int64_t>();
-  const float* cp = coef.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+template <typename T>
+static void run(T* op, const T* xp, const T* Ap, const T* Bp, int64_t ldx, int64_t ldo, int64_t S, int64_t R,
+                int64_t Din, int64_t Dout, const int64_t* tp, const float* cp, const std::vector<int64_t>& counts) {
   constexpr int64_t NB = 4;
   std::vector<int64_t> bstart, bslot;            // blocks of <= NB pairs of one slot
   int64_t off = 0;
@@ -131,33 +149,49 @@ void lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Ten
   bstart.push_back(off);
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> h(NB * R);
-    float* rows[NB];
-    const float* xrows[NB];
+    T* rows[NB];
+    const T* xrows[NB];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t s = bslot[b], p0 = bstart[b];
       const int64_t n = bstart[b + 1] - p0;     // blocks tile [0, off) in order; the last entry is off
-      const float* As = Ap + s * R * Din;
-      const float* Bs = Bp + s * R * Dout;
+      const T* As = Ap + s * R * Din;
+      const T* Bs = Bp + s * R * Dout;
       for (int64_t i = 0; i < n; ++i) {
         xrows[i] = xp + tp[p0 + i] * ldx;
         rows[i] = op + tp[p0 + i] * ldo;
       }
       switch (n) {
-        case 4: shrink<4>(xrows, As, R, Din, h.data()); break;
-        case 3: shrink<3>(xrows, As, R, Din, h.data()); break;
-        case 2: shrink<2>(xrows, As, R, Din, h.data()); break;
-        default: shrink<1>(xrows, As, R, Din, h.data()); break;
+        case 4: shrink<T, 4>(xrows, As, R, Din, h.data()); break;
+        case 3: shrink<T, 3>(xrows, As, R, Din, h.data()); break;
+        case 2: shrink<T, 2>(xrows, As, R, Din, h.data()); break;
+        default: shrink<T, 1>(xrows, As, R, Din, h.data()); break;
       }
       for (int64_t i = 0; i < n; ++i)
         for (int64_t r = 0; r < R; ++r) h[i * R + r] *= cp[p0 + i];
       switch (n) {
-        case 4: expand<4>(rows, h.data(), R, Bs, Dout); break;
-        case 3: expand<3>(rows, h.data(), R, Bs, Dout); break;
-        case 2: expand<2>(rows, h.data(), R, Bs, Dout); break;
-        default: expand<1>(rows, h.data(), R, Bs, Dout); break;
+        case 4: expand<T, 4>(rows, h.data(), R, Bs, Dout); break;
+        case 3: expand<T, 3>(rows, h.data(), R, Bs, Dout); break;
+        case 2: expand<T, 2>(rows, h.data(), R, Bs, Dout); break;
+        default: expand<T, 1>(rows, h.data(), R, Bs, Dout); break;
       }
     }
   });
+}
+
+void lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Tensor Bt, torch::Tensor tok,
+                 torch::Tensor coef, std::vector<int64_t> counts) {
+  const int64_t S = A.size(0), R = A.size(1), Din = A.size(2), Dout = Bt.size(2);
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  const float* cp = coef.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat) {
+    run<float>(out.data_ptr<float>(), x.data_ptr<float>(), A.data_ptr<float>(), Bt.data_ptr<float>(), ldx, ldo,
+               S, R, Din, Dout, tp, cp, counts);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora_fused_: float32 or bfloat16 tensors");
+    auto u = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    run<uint16_t>(u(out), u(x), u(A), u(Bt), ldx, ldo, S, R, Din, Dout, tp, cp, counts);
+  }
 }
 """
 
@@ -184,7 +218,7 @@ def _load():
             venv_bin = os.path.dirname(sys.executable)  # a venv's ninja, when the venv is not activated
             if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-            _module = load_inline(name=f"molora_fused_lora_v2_{_cpu_tag()}", cpp_sources=_SOURCE,
+            _module = load_inline(name=f"molora_fused_lora_v3_{_cpu_tag()}", cpp_sources=_SOURCE,
                                   functions=["lora_fused_"], verbose=False,
                                   extra_cflags=["-O3", "-march=native", "-ffp-contract=fast"])
         except Exception as e:  # no compiler, no ninja, unsupported platform: the eager backends remain
@@ -214,7 +248,7 @@ def unavailable_reason() -> str | None:
 
 def supports(x: Tensor, B: Tensor, top_k: int) -> bool:
     """Whether a call with these tensors can run fused (module docstring: Limits); no build, no data read."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and top_k == 1 and x.stride(-1) == 1
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and top_k == 1 and x.stride(-1) == 1
             and B.transpose(1, 2).is_contiguous() and not torch.is_grad_enabled())
 
 
