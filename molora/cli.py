@@ -97,8 +97,9 @@ def routed_view(mm, prompt: str, **kwargs):
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
     p.add_argument("--html", default="routing.html", metavar="FILE", help="routing page to write (default routing.html)")
-    p.add_argument("--max-tokens", type=int, default=160,
-                   help="answer budget per prompt (default 160: the adapters' worked solutions fit)")
+    p.add_argument("--max-tokens", type=int, default=320,
+                   help="answer budget per prompt (default 320: the adapters' worked solutions fit; most stop "
+                        "well before)")
 
 
 @command("demo", _demo_args)
