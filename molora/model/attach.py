@@ -28,7 +28,7 @@ from molora.adapters.io import LoRAAdapter, read_adapter
 from molora.config import LLAMA_PROJECTIONS, BankConfig
 from molora.errors import AdapterError, MoLoRAError, RoutingError
 from molora.model.lora_linear import RoutedLoRALinear, RoutingContext, linear_shapes, swap_modules
-from molora.ops import LoRADispatcher
+from molora.ops import LoRADispatcher, fused_cpu
 from molora.routing import Router, Routing, SequenceRouter
 from molora.sampling import sample_next
 
@@ -223,6 +223,8 @@ def attach(model: nn.Module, adapters: Mapping[str, str | Path] | None = None, *
                        dtype=param.dtype, device=param.device)
     context = RoutingContext()
     dispatcher = LoRADispatcher(dispatch)
+    if dispatch in ("auto", "fused") and param.device.type == "cpu":
+        fused_cpu.available()  # build (once per machine) or load the CPU kernel now, not at the first request
     swap_modules(model, sorted(targets),
                  lambda name, old: RoutedLoRALinear(old, bank.slots[name], context, dispatcher))
     mm = MoLoRAModel(model, bank, context, router=router, tokenizer=tokenizer, base_name=base_name,
