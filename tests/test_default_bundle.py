@@ -42,3 +42,20 @@ def test_demo_what_make_run_shows(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("== ") == 5 and "== two skills in one message" in out and "tokens per adapter" in out
     assert "<html" in page.read_text().lower()
+
+
+def test_router_data_always_trains_the_positions_that_pick_each_answers_first_token(mm):
+    """The assistant header of every turn is a key position, labelled with that turn's adapter."""
+    from molora.train.default import KEY_TOKENS, labelled_sequence
+
+    segs = [{"prompt": "((1 + 2) * (3 - 4)) =", "completion": "So the answer is -3.", "label": "arithmetic"},
+            {"prompt": "I have a cat. How many animals do I have?", "completion": "So the answer is 1.",
+             "label": "counting"}]
+    seq = labelled_sequence(mm.tokenizer, segs, mm.adapter_names, mm.bundle.prompt_template)
+    assert len(seq.key) == 2 * KEY_TOKENS
+    first, second = seq.key[:KEY_TOKENS], seq.key[KEY_TOKENS:]
+    assert mm.tokenizer.decode([seq.ids[p] for p in first]).endswith("assistant\n")
+    assert {seq.labels[p] for p in first} == {mm.adapter_names.index("arithmetic")}
+    assert {seq.labels[p] for p in second} == {mm.adapter_names.index("counting")}
+    answer = mm.tokenizer.decode(seq.ids[first[-1] + 1:second[0]])
+    assert answer.startswith("So the answer is -3.")  # the key ends right before the answer

@@ -129,3 +129,18 @@ def test_router_routes_a_bf16_model_like_the_fp32_one(tmp_path):
     ids = torch.tensor([_seqs("a", 1, 9)[0].ids])
     with torch.no_grad():
         assert torch.isfinite(mm(ids, adapter_ids=router).logits.float()).all()
+
+
+def test_router_features_always_include_the_key_positions(tmp_path):
+    """Key positions (the tokens that pick each answer's first token) are trained on besides the sample."""
+    from molora.train.router import collect_features
+
+    mm = _attached(tmp_path)
+    seqs = _seqs("a", 6, 4)
+    keyed = [LabelledSeq(s.ids, s.route, s.labels, key=(len(s.ids) - 2, len(s.ids) - 1)) for s in seqs]
+    cfg = RouterTrainConfig(tokens_per_seq=3)
+    feats, labels = collect_features(mm, seqs, ["a", "b"], cfg)
+    feats_k, labels_k = collect_features(mm, keyed, ["a", "b"], cfg)
+    assert feats.shape[0] == 6 * 3 and feats_k.shape[0] == 6 * (3 + 2)
+    last = mm(torch.tensor([keyed[0].ids]), adapter_ids="a", output_hidden_states=True).hidden_states[0][0, -1]
+    assert any(torch.allclose(f[0].float(), last.to(torch.bfloat16).float()) for f in feats_k[:5])

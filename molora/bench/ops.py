@@ -180,7 +180,7 @@ def plot(rows: list[dict], path: str, stat: str = "ms") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="molora bench ops", description=__doc__.splitlines()[0])
-    add_common_args(p, threads_default=0)  # --json, --plot, --quick (T in 1,64,4096; K in 1,4; r=16; no gather)
+    add_common_args(p, threads_default=0)  # --json, --plot, --quick (T in 1,64,512,4096; K in 1,4; r=16; no gather)
     p.add_argument("--Ts", type=int, nargs="+", default=[1, 8, 64, 512, 4096], help="token counts T")
     p.add_argument("--Ks", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="adapter (slot) counts K")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64], help="LoRA ranks r")
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     set_threads(a.threads)
     if a.quick:
-        a.Ts, a.Ks, a.ranks, a.skip_gather, a.repeats = [1, 64, 4096], [1, 4], [16], True, min(a.repeats, 5)
+        a.Ts, a.Ks, a.ranks, a.skip_gather, a.repeats = [1, 64, 512, 4096], [1, 4], [16], True, min(a.repeats, 5)
     rows = bench_ops(a.Ts, a.Ks, a.ranks, a.d, a.repeats, d_out=a.d_out, top_k=a.top_k,
                      dtype=getattr(torch, a.dtype), gather=not a.skip_gather)
     stat = "ms" if a.stat == "median" else "ms_min"

@@ -105,25 +105,36 @@ def write_data(out: Path, recipe: DefaultRecipe) -> dict[str, Path]:
     return paths
 
 
+KEY_TOKENS = 3  # positions before each answer always trained on (LabelledSeq.key)
+
+
 def labelled_sequence(tokenizer, segments: list[dict], names: list[str], template: str = CHATML,
                       max_len: int = 384) -> LabelledSeq:
     """Render segments as consecutive chat turns; each token labelled by its segment's adapter.
 
     The opening tokens of each turn (before the user text) carry no label: nothing in them tells the skill.
+    The last KEY_TOKENS tokens before each answer (the assistant header) are `key` positions, trained on
+    in every sequence: their routing picks the answer's first token. Sampled like the rest, they were
+    missed once answers grew long (measured: a router that sent the arithmetic header to dyck and
+    answered "." to every arithmetic question).
     """
     head = template.split("{prompt}")[0]
     n_head = len(tokenizer(head, add_special_tokens=False)["input_ids"])
     ids: list[int] = []
     route: list[int] = []
     labels: list[int] = []
+    key: list[int] = []
     for k, seg in enumerate(segments):
         text = turn_text(template, seg["prompt"], seg["completion"], END, last=k + 1 == len(segments))
         tok = tokenizer(text, add_special_tokens=False)["input_ids"]
+        n_prompt = len(tokenizer(turn_text(template, seg["prompt"]), add_special_tokens=False)["input_ids"])
         lab = names.index(seg["label"]) if seg.get("label") is not None else -1
+        key += [len(ids) + p for p in range(max(n_head, n_prompt - KEY_TOKENS), min(n_prompt, len(tok)))
+                if len(ids) + p < max_len]
         ids += tok
         route += [lab] * len(tok)
         labels += [IGNORE] * n_head + [lab] * (len(tok) - n_head)
-    return LabelledSeq(ids[:max_len], route[:max_len], labels[:max_len])
+    return LabelledSeq(ids[:max_len], route[:max_len], labels[:max_len], tuple(key))
 
 
 # ------------------------------------------------------------------------------------------------ build

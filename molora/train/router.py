@@ -31,11 +31,14 @@ IGNORE = -100
 @dataclass
 class LabelledSeq:
     """ids [N]; route [N]: adapter index (router order, -1 none) used in the teacher-forced forward;
-    labels [N]: the target class per token (-1 none, IGNORE = not scored, e.g. template tokens)."""
+    labels [N]: the target class per token (-1 none, IGNORE = not scored, e.g. template tokens);
+    key: positions always trained on (besides the tokens_per_seq sampled ones): the last tokens before
+    each answer, whose routing picks the answer's first token."""
 
     ids: list[int]
     route: list[int]
     labels: list[int]
+    key: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,9 @@ def collect_features(mm, seqs: Sequence[LabelledSeq], names: Sequence[str], cfg:
         for r, i in enumerate(g):
             s = seqs[i]
             lab = relabel[r] if cfg.refine_margin is not None else s.labels
-            pos = [p for p, y in enumerate(lab) if y != IGNORE]
-            pos = rng.sample(pos, min(cfg.tokens_per_seq, len(pos)))
+            key = [p for p in s.key if p < len(lab) and lab[p] != IGNORE]
+            pos = [p for p, y in enumerate(lab) if y != IGNORE and p not in key]
+            pos = rng.sample(pos, min(cfg.tokens_per_seq, len(pos))) + key
             if pos:
                 feats.append(hidden[r, pos].to(device="cpu", dtype=torch.bfloat16))  # gates fit on CPU
                 labels.append(torch.tensor([lab[p] for p in pos]))
