@@ -34,7 +34,7 @@ def bench_args(what: str, quick: bool, threads: int, work: Path, docs: Path) -> 
     """The argv after `molora bench` for one benchmark."""
     q = ["--quick"] if quick else []
     js = ["--json", str(work / f"{what}.json")]
-    if what == "ops":   # the quick grid: T in 1, 64, 4096; K in 1, 4; r = 16
+    if what == "ops":   # the quick grid: T in 1, 64, 512, 4096; K in 1, 4; r = 16
         return ["ops", "--quick", *js, "--plot", str(docs / "bench_ops.png")]
     if what == "model":
         return ["model", *q, "--threads", str(threads), *js, "--plot", str(docs / "bench_model.png")]
