@@ -269,10 +269,11 @@ def _reused_note(res: dict) -> list[str]:
     if not runs:
         return []
     src = sorted({s["reused_from"] for modes in res["skills"].values() for s in modes.values() if s.get("reused_from")})
-    return [f"Reused runs: {len(runs)} (task, mode) runs whose adapter weights and items are byte-identical in the "
-            f"earlier bundle {', '.join(src)} were copied from its cache rather than rerun (the bundle changed only "
-            f"its navigate adapter and routers): {'; '.join(runs)}. The code that decoded them differed only in "
-            "floating-point summation order of the LoRA delta.", ""]
+    return [f"Reused runs: {len(runs)} (task, mode) runs were copied from the caches of the earlier bundles "
+            f"{', '.join(src)} rather than rerun. Each uses no router, only adapters whose weights are byte-identical "
+            f"here, on byte-identical items, and none of its answers reached the answer budget it ran with (so the "
+            f"budgets used now could not change it): {'; '.join(runs)}. Runs decoded by an older version of the "
+            "dispatch code can differ from a rerun only in the floating-point summation order of the LoRA delta.", ""]
 
 
 def render(res: dict, command: str, images: list[str]) -> str:

@@ -218,9 +218,12 @@ def _load():
             venv_bin = os.path.dirname(sys.executable)  # a venv's ninja, when the venv is not activated
             if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-            _module = load_inline(name=f"molora_fused_lora_v3_{_cpu_tag()}", cpp_sources=_SOURCE,
+            # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
+            # loaded, serves this library too); without it the kernel silently runs on one thread.
+            _module = load_inline(name=f"molora_fused_lora_v4_{_cpu_tag()}", cpp_sources=_SOURCE,
                                   functions=["lora_fused_"], verbose=False,
-                                  extra_cflags=["-O3", "-march=native", "-ffp-contract=fast"])
+                                  extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                                  extra_ldflags=["-fopenmp"])
         except Exception as e:  # no compiler, no ninja, unsupported platform: the eager backends remain
             _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
             log.warning("fused LoRA CPU kernel unavailable (%s); using the eager backends", _failed)
