@@ -168,7 +168,6 @@ def _resolve(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, s
                 resolved = "fused"
             else:
                 resolved = choose_backend(plan.num_tokens, S, plan.top_k, rank=R, d_in=D_in, d_out=B.shape[1])
-
         plan._checked[key] = resolved
     return resolved
 

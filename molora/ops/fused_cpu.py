@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from molora.ops.gather import LoRABackendError
-from molora.ops.lora import SlotGroups
+from molora.ops.lora import SlotGroups, pair_coefficients
 
 log = logging.getLogger("molora.ops")
 
@@ -267,8 +267,6 @@ def fused_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, o
         out = x.new_zeros(x.shape[0], B.shape[1])
     elif out.stride(-1) != 1:  # the kernel writes rows with unit stride
         return out.add_(fused_apply(g, x, A, B, scale))
-    coef = scale.to(torch.float32)[g.slot]
-    if g.weight is not None:
-        coef = coef * g.weight.to(torch.float32)
+    coef = pair_coefficients(g, scale, torch.float32)
     mod.lora_fused_(out, x, A.contiguous(), B.transpose(1, 2), g.tok, coef.contiguous(), g.counts)
     return out

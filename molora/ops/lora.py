@@ -155,6 +155,12 @@ def group_by_slot(ids: Tensor, w: Tensor | None, num_slots: int) -> SlotGroups:
     )
 
 
+def pair_coefficients(g: SlotGroups, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """[n] scale[slot] (* weight) of each routed pair of `g`, in `dtype`."""
+    coeff = scale.to(dtype)[g.slot]
+    return coeff if g.weight is None else coeff * g.weight.to(dtype)
+
+
 def sort_group_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None = None
                      ) -> Tensor:
     """The sort_group backend. Per non-empty slot segment s (at most S of them):
@@ -164,9 +170,7 @@ def sort_group_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tens
     out: None (return a new [T, D_out] delta) or a [T, D_out] tensor the delta is added to in place."""
     T, k = g.row.shape[0] // g.top_k, g.top_k
     n_used, D_out = g.tok.shape[0], B.shape[1]
-    coeff = scale.to(x.dtype)[g.slot]                        # [n] scale[s] (* weight)
-    if g.weight is not None:
-        coeff = coeff * g.weight.to(x.dtype)
+    coeff = pair_coefficients(g, scale, x.dtype)             # [n] scale[s] (* weight)
     xs = x.index_select(0, g.tok)                            # [n, D_in] rows grouped by slot
     y = x.new_empty(n_used + 1, D_out)                       # [n + 1, D_out]; row n stays zero
     y[n_used].zero_()
