@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import molora
@@ -144,3 +145,51 @@ def test_router_features_always_include_the_key_positions(tmp_path):
     assert feats.shape[0] == 6 * 3 and feats_k.shape[0] == 6 * (3 + 2)
     last = mm(torch.tensor([keyed[0].ids]), adapter_ids="a", output_hidden_states=True).hidden_states[0][0, -1]
     assert any(torch.allclose(f[0].float(), last.to(torch.bfloat16).float()) for f in feats_k[:5])
+
+
+def _biased_router(mm, carry_blocks: int) -> LearnedRouter:
+    """Gates with zero weights: block 0 picks "a", every later block picks "b" (router order a, b)."""
+    from molora.routing.learned import LearnedRouterConfig, decoder_layers
+
+    cfg = LearnedRouterConfig(("a", "b"), mm.config.hidden_size, len(decoder_layers(mm.model)),
+                              carry_blocks=carry_blocks)
+    router = LearnedRouter(cfg)
+    with torch.no_grad():
+        router.bias[0, 0] = 5.0
+        router.bias[1:, 1] = 5.0
+    return router
+
+
+def test_carry_replaces_the_early_gates_only_where_a_decision_is_carried():
+    from molora.errors import RoutingError
+    from molora.routing.learned import LearnedRouterConfig
+
+    router = LearnedRouter(LearnedRouterConfig(("a", "b"), 8, 3, carry_blocks=1))
+    with torch.no_grad():
+        router.bias[:, 0] = 5.0                                   # every gate alone would pick "a"
+    h, carry = torch.randn(3, 8), torch.tensor([1, -2, -1])
+    assert router.decide(0, h, carry=carry)[0][:, 0].tolist() == [1, 0, -1]
+    assert router.decide(1, h, carry=carry)[0][:, 0].tolist() == [0, 0, 0]   # above carry_blocks: own gate
+    assert router.decide(0, h)[0][:, 0].tolist() == [0, 0, 0]                 # nothing carried: own gate
+    assert router.carry_source == 2
+    for bad in (dict(carry_blocks=3), dict(carry_blocks=1, top_k=2),
+                dict(carry_blocks=1, placement="shared")):
+        with pytest.raises(RoutingError, match="carry_blocks"):
+            LearnedRouterConfig(("a", "b"), 8, 3, **bad)
+
+
+@torch.no_grad()
+def test_generate_carries_the_last_blocks_decision_into_the_next_tokens_early_blocks(tmp_path):
+    """Prompt tokens keep their block-0 gate ("a"); each generated token fed back takes, at block 0, the
+    decision its predecessor got at the last block ("b"). Without carry block 0 stays on "a"."""
+    mm = _attached(tmp_path)
+    ids = torch.tensor([_seqs("a", 1, 3)[0].ids])
+    for carry_blocks, later in ((1, 1), (0, 0)):
+        mm.context.trace = []
+        mm.generate(ids, adapter_ids=_biased_router(mm, carry_blocks), max_new_tokens=3)
+        block0 = [t[:, 0].tolist() for b, t in mm.context.trace if b == 0]
+        mm.context.trace = None
+        assert block0[0] == [0] * ids.shape[1]                    # the prompt forward
+        assert block0[1:] == [[later], [later]]                   # the two fed-back tokens
+    back = LearnedRouter.load(_biased_router(mm, 1).save(tmp_path / "r"))
+    assert back.carry_blocks == 1

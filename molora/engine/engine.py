@@ -36,7 +36,7 @@ from molora.config import SamplingParams
 from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
 from molora.engine.request import IncrementalDetokenizer, Request, RequestOutput, TextState
-from molora.engine.routing import plan_routing
+from molora.engine.routing import plan_routing, record_carry
 from molora.engine.scheduler import Scheduled, Scheduler
 from molora.errors import AdapterError, MoLoRAError, RoutingError
 from molora.model.runner import BatchMeta, ModelRunner
@@ -222,6 +222,8 @@ class Engine:
         routing = plan_routing(scheduled, self.hotset, self.runner.device)
         hidden = self.runner(tokens, positions, meta, routing)                    # [B, D]
         last_slots = self.runner.last_slot_ids                                    # [B, k] or None
+        if routing is not None and routing.carry is not None:
+            record_carry(scheduled, self.runner.last_carry)
         for s in scheduled:
             s.request.num_computed += s.n
         self.tokens_computed += len(tokens)

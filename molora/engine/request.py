@@ -121,6 +121,9 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     pinned: bool = False
     finish_reason: str | None = None
+    # mode "learned" with a carrying router: the decision at its carry_source block of the tokens at positions
+    # len(prompt_ids) - 1, len(prompt_ids), ...: what each next generated token carries (molora.routing.learned)
+    route_finals: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -5,7 +5,10 @@
     "tokens"   a token-id router (VocabRouter, ...) routes each input token; its choice of an adapter the
                request does not allow becomes the base model
     "learned"  the in-network router decides per block from hidden states (`StepRouting.groups`); requests
-               with the same allowed set share one `decide` call per block
+               with the same allowed set share one `decide` call per block. A router with `carry_blocks`
+               also gets, for each generated token, the decision its predecessor got at the router's
+               `carry_source` block (`Request.route_finals`, kept by `record_carry` after each step, so a
+               recomputed sequence routes exactly as before)
 
 `plan_routing` turns the scheduled chunks of one step into a `StepRouting` for the runner: slot ids [T, k]
 (-1 = base) and weights [T, k] or None, plus the learned router's row groups and its adapter -> slot map.
@@ -75,6 +78,19 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
         if bool((slot_ids < 0).all()):
             return None
         return StepRouting(slot_ids.to(device), None if weights is None else weights.to(device))
+    carry = None
+    if getattr(router, "carry_blocks", 0) > 0:
+        carry = torch.full((T,), -2, dtype=torch.long)
+        offset = 0
+        for s in scheduled:
+            req = s.request
+            if req.mode == "learned":
+                for j in range(s.n):  # generated tokens whose predecessor's decision is known
+                    i = s.start + j - len(req.prompt_ids)
+                    if 0 <= i < len(req.route_finals):
+                        carry[offset + j] = req.route_finals[i]
+            offset += s.n
+        carry = carry.to(device)
     names = list(router.adapter_names)
     router_slots = torch.tensor([bank.slot_of(n) if n in bank else -1 for n in names], device=device)
     out_groups = []
@@ -84,7 +100,24 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
         out_groups.append(RouterGroup(None if r.shape[0] == T else r.to(device),
                                       None if bool(mask.all()) else mask))
     return StepRouting(slot_ids.to(device), None if weights is None else weights.to(device),
-                       router=router, router_slots=router_slots, groups=out_groups)
+                       router=router, router_slots=router_slots, groups=out_groups, carry=carry)
+
+
+def record_carry(scheduled: list[Scheduled], last_carry: Tensor | None) -> None:
+    """Keep each learned request's decision at the router's carry_source block for its last token of the step
+    (last_carry [B] in scheduled order) when that token's successor is a generated one."""
+    if last_carry is None:
+        return
+    values = last_carry.tolist()
+    for s, v in zip(scheduled, values):
+        req = s.request
+        i = s.start + s.n - len(req.prompt_ids)  # index of the last token's successor among generated tokens
+        if req.mode != "learned" or i < 0 or v < -1:
+            continue
+        if i < len(req.route_finals):
+            req.route_finals[i] = v  # recomputed after a preemption: the same decision again
+        elif i == len(req.route_finals):
+            req.route_finals.append(v)
 
 
 def _first_choice(ids: Tensor) -> Tensor:

@@ -54,6 +54,7 @@ class MoLoRAModel(nn.Module):
         self.adapters: dict[str, LoRAAdapter] = {}  # in load order: index i <-> adapter_names[i]
         self._index_to_slot = torch.empty(0, dtype=torch.long)
         self.bundle: Any = None  # set by molora.load: the manifest this model came from
+        self.last_carry: torch.Tensor | None = None  # [B, L] decisions at the router's carry_source block
 
     # ------------------------------------------------------------------------------------ adapters
     @property
@@ -134,21 +135,30 @@ class MoLoRAModel(nn.Module):
 
     @contextmanager
     def routed(self, input_ids: torch.Tensor, adapter_ids: AdapterSpec = None,
-               adapter_weights: torch.Tensor | None = None, *, start: int = 0):
-        """Fill the routing context for one forward over input_ids, and clear it afterwards."""
+               adapter_weights: torch.Tensor | None = None, *, start: int = 0, carry: torch.Tensor | None = None):
+        """Fill the routing context for one forward over input_ids, and clear it afterwards.
+
+        carry [B, L] (or None): the decision each token carries from its predecessor (-2: none), for a
+        learned router with `carry_blocks`; `self.last_carry` [B, L] then holds the decisions at the
+        router's `carry_source` block (None without one)."""
         routing = self.resolve(input_ids, adapter_ids, adapter_weights, start=start)
         if routing is not None:
             self.context.set(*self.slot_routing(routing, input_ids.shape))
+        self.context.carry_in = None if carry is None else carry.reshape(-1)
+        self.last_carry = None
         try:
             yield routing
         finally:
+            out = self.context.carry_out
+            self.last_carry = None if out is None else out.reshape(input_ids.shape[0], -1)
             self.context.clear()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 adapter_ids: AdapterSpec = None, adapter_weights: torch.Tensor | None = None,
                 **kwargs: Any) -> Any:
         """The transformers output (`.logits` [B, L, V]) with each token's adapter applied."""
-        with self.routed(input_ids, adapter_ids, adapter_weights, start=kwargs.pop("start", 0)):
+        with self.routed(input_ids, adapter_ids, adapter_weights, start=kwargs.pop("start", 0),
+                         carry=kwargs.pop("carry", None)):
             return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     # ------------------------------------------------------------------------------------ generation
@@ -160,7 +170,9 @@ class MoLoRAModel(nn.Module):
         """Greedy or sampled continuation [B, L + n] (left-padded batches), routing every new token too.
 
         The router sees each generated token when it is fed back in, so for `VocabRouter` the input token
-        decides. Finished rows are filled with pad_token_id (default: the first eos id).
+        decides; a learned router with `carry_blocks` gets each fed-back token's carried decision (the
+        previous token's at its `carry_source` block). Finished rows are filled with pad_token_id (default:
+        the first eos id).
         """
         from transformers import DynamicCache
 
@@ -175,9 +187,11 @@ class MoLoRAModel(nn.Module):
         cache = DynamicCache()
         tokens, step_ids, step_pos, start = input_ids, input_ids, positions, 0
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        carry = None  # [B, 1] the previous token's decision, for a router with carry_blocks
         for _ in range(max_new_tokens):
             out = self(step_ids, attention_mask=mask, adapter_ids=adapter_ids, position_ids=step_pos,
-                       cache=cache, use_cache=True, start=start, logits_to_keep=1)  # last position only
+                       cache=cache, use_cache=True, start=start, logits_to_keep=1, carry=carry)  # last position
+            carry = None if self.last_carry is None else self.last_carry[:, -1:]
             nxt = sample_next(out.logits[:, -1], temperature, top_k, top_p, gen)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             tokens = torch.cat([tokens, nxt[:, None]], dim=1)

@@ -31,9 +31,12 @@ class RoutingContext:
     For in-network (learned) routing the owner also sets `router` (it decides per block from hidden
     states), `slot_map` (router adapter index -> bank slot, [K]) and `allowed` (bool [K] or None); gated
     blocks then refresh slot_ids before they run. `trace`, when a list, collects each block's decision.
+    `carry_in` [T] (or None) is the decision each token carries from its predecessor for a router with
+    `carry_blocks` (molora.routing.learned: Carry); `carry_out` [T] receives the decisions at the router's
+    `carry_source` block.
     """
 
-    __slots__ = ("slot_ids", "weights", "router", "slot_map", "allowed", "trace", "_plan")
+    __slots__ = ("slot_ids", "weights", "router", "slot_map", "allowed", "trace", "carry_in", "carry_out", "_plan")
 
     def __init__(self) -> None:
         self.slot_ids: torch.Tensor | None = None
@@ -42,6 +45,8 @@ class RoutingContext:
         self.slot_map: torch.Tensor | None = None
         self.allowed: torch.Tensor | None = None
         self.trace: list | None = None
+        self.carry_in: torch.Tensor | None = None
+        self.carry_out: torch.Tensor | None = None
         self._plan = None
 
     def plan(self, dispatcher: LoRADispatcher, num_slots: int):
@@ -54,10 +59,16 @@ class RoutingContext:
         """Let the in-network router decide for `block` from its input hidden [T, D] (no-op without one)."""
         if self.router is None:
             return
-        decision = self.router.decide(block, hidden, self.allowed)
+        carries = getattr(self.router, "carry_blocks", 0) > 0
+        if carries and self.carry_in is not None:
+            decision = self.router.decide(block, hidden, self.allowed, self.carry_in)
+        else:
+            decision = self.router.decide(block, hidden, self.allowed)
         if decision is None:
             return  # keep the previous block's decision
         ids, weights = decision  # [T, k] in router order, -1 = none
+        if carries and block == self.router.carry_source:
+            self.carry_out = ids[:, 0]
         lookup = torch.cat([self.slot_map, self.slot_map.new_full((1,), -1)])
         self.slot_ids, self.weights, self._plan = lookup[ids], weights, None
         if self.trace is not None and self.router.gate_index(block) is not None:
@@ -70,6 +81,7 @@ class RoutingContext:
 
     def clear(self) -> None:
         self.slot_ids = self.weights = self.router = self.slot_map = self.allowed = self._plan = None
+        self.carry_in = self.carry_out = None
 
 
 class RoutedLoRALinear(nn.Module):

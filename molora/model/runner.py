@@ -64,13 +64,15 @@ class RouterGroup:
 class StepRouting:
     """The routing of one step. slot_ids [T, k] (-1 = base) and weights [T, k] or None hold the fixed
     routing of every row; `router` (with `router_slots` [K]: router adapter index -> bank slot, -1 if not
-    resident) overwrites the rows of its `groups` before each block."""
+    resident) overwrites the rows of its `groups` before each block. `carry` [T] (or None): the decision each
+    row carries from its predecessor (-2: none) for a router with `carry_blocks`."""
 
     slot_ids: Tensor | None = None
     weights: Tensor | None = None
     router: Any = None
     router_slots: Tensor | None = None
     groups: list[RouterGroup] = field(default_factory=list)
+    carry: Tensor | None = None
 
 
 class PagedKVCache:
@@ -132,6 +134,7 @@ class ModelRunner:
         self.cos, self.sin = _rope_tables(inner.rotary_emb, max_model_len, self.dtype, self.device)  # [P, hd]
         self.last_slot_ids: Tensor | None = None  # [B, k] routing of each sequence's last token, last forward
         self.last_weights: Tensor | None = None
+        self.last_carry: Tensor | None = None     # [B] each sequence's last decision at the router's carry_source
 
     @property
     def block_size(self) -> int:
@@ -150,19 +153,23 @@ class ModelRunner:
         slot_ids = None if routing is None else routing.slot_ids
         weights = None if routing is None else routing.weights
         learned = routing is not None and routing.router is not None and bool(routing.groups)
+        carry_out = None
         if learned:  # the router overwrites its rows per block; keep the caller's tensors intact
             slot_ids, weights = self._routing_buffers(tokens.shape[0], routing)
+            if getattr(routing.router, "carry_blocks", 0) > 0:
+                carry_out = torch.full((tokens.shape[0],), -2, dtype=torch.long, device=slot_ids.device)
         ctx.set(slot_ids, weights)
         try:
             h = self.embed(tokens)                                          # [T, D]
             for block in self.blocks:
                 if learned:
-                    self._decide(block.index, h, routing, slot_ids, weights)
+                    self._decide(block.index, h, routing, slot_ids, weights, carry_out)
                     ctx.set(slot_ids, weights)  # rows changed in place: drop the step's cached plan
                 h = block(h, positions, plan, self.cache, self.cos, self.sin)
             h = self.norm(h[plan.last_rows])                                 # [B, D]
             self.last_slot_ids = None if slot_ids is None else slot_ids[plan.last_rows]  # [B, k]
             self.last_weights = None if weights is None else weights[plan.last_rows]
+            self.last_carry = None if carry_out is None else carry_out[plan.last_rows]  # [B], -2: not routed
             return self.logits(h) if logits else h
         finally:
             ctx.clear()
@@ -199,15 +206,23 @@ class ModelRunner:
                 w[:, 0] = 1.0
         return ids, w
 
-    def _decide(self, block: int, h: Tensor, routing: StepRouting, slot_ids: Tensor, weights: Tensor | None) -> None:
-        """Let the router choose, from the block's input h [T, D], the slots of its rows (in place)."""
+    def _decide(self, block: int, h: Tensor, routing: StepRouting, slot_ids: Tensor, weights: Tensor | None,
+                carry_out: Tensor | None = None) -> None:
+        """Let the router choose, from the block's input h [T, D], the slots of its rows (in place);
+        carry_out [T] (a router with carry_blocks) receives the decisions at its carry_source block."""
         lookup = torch.cat([routing.router_slots, routing.router_slots.new_full((1,), -1)])  # index -1 -> -1
         for g in routing.groups:
             hidden = h if g.rows is None else h[g.rows]                      # [n, D]
-            out = routing.router.decide(block, hidden, g.allowed)
+            if carry_out is not None and routing.carry is not None:
+                carry = routing.carry if g.rows is None else routing.carry[g.rows]
+                out = routing.router.decide(block, hidden, g.allowed, carry)
+            else:
+                out = routing.router.decide(block, hidden, g.allowed)
             if out is None:
                 continue                                                     # keep the previous decision
             ids, w = out                                                     # [n, k'] router order
+            if carry_out is not None and block == routing.router.carry_source:
+                carry_out[slice(None) if g.rows is None else g.rows] = ids[:, 0]
             slots = lookup[ids.long()]                                       # [n, k'] slots, -1 = base
             k2 = slots.shape[1]
             if k2 > slot_ids.shape[1]:

@@ -55,6 +55,22 @@ class RouterTrainConfig:
     seed: int = 0
     refine_margin: float | None = None   # refine labels by loss when set (nats)
     threshold: float = 2.0               # composable: a gate claims a token only above this logit (p > 0.88)
+    carry_blocks: int | None = None      # None: CARRY_BLOCKS for per_block top-1 routers, else 0
+
+
+# Blocks whose gates a generated token replaces by its predecessor's last-block decision (molora.routing.learned:
+# Carry). Measured on the default bundle's held-out router data: block 0's gate 62% right, block 1's 90%,
+# >= 97% from block 2 on; with carry over blocks 0-1 learned navigate went from 71.7% to the own adapter's 80.0%
+# on 60 items.
+CARRY_BLOCKS = 2
+
+
+def carry_blocks_for(cfg: RouterTrainConfig, num_blocks: int) -> int:
+    """The router's carry_blocks: the config's, or by default CARRY_BLOCKS where carry applies."""
+    if cfg.carry_blocks is not None:
+        return cfg.carry_blocks
+    ok = cfg.placement == "per_block" and cfg.top_k == 1 and num_blocks > CARRY_BLOCKS
+    return CARRY_BLOCKS if ok else 0
 
 
 @torch.no_grad()
@@ -165,7 +181,7 @@ def train_router(mm, train: Sequence[LabelledSeq], names: Sequence[str],
     rcfg = LearnedRouterConfig(adapter_names=tuple(names), hidden_size=mm.config.hidden_size,
                                num_blocks=blocks, placement=cfg.placement, shared_block=cfg.shared_block,
                                composable=cfg.composable, top_k=cfg.top_k,
-                               threshold=cfg.threshold)
+                               threshold=cfg.threshold, carry_blocks=carry_blocks_for(cfg, blocks))
     gates = list(range(blocks)) if cfg.placement == "per_block" else [cfg.shared_block]
     feats, labels = features if features is not None else collect_features(mm, train, names, cfg, progress)
     log.info("router features: %d tokens x %d blocks", feats.shape[0], feats.shape[1])
