@@ -175,6 +175,9 @@ def _train_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--carry-blocks", type=int, default=None,
                    help="generated tokens take their predecessor's last-block decision in blocks below this "
                         "(default 2 for per_block top-1 routers, 0 = off)")
+    p.add_argument("--tokens-per-seq", type=int, default=16,
+                   help="labelled tokens sampled per sequence for the gates (default 16; more trains rare "
+                        "positions better, memory grows as tokens x blocks x hidden size)")
     p.add_argument("--limit", type=int, default=300, help="sequences per data file at most (default 300)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -188,7 +191,8 @@ def _train_router(args: argparse.Namespace) -> int:
 
     mm = load(args.bundle)
     cfg = RouterTrainConfig(placement=args.placement, composable=args.composable, top_k=args.top_k,
-                            refine_margin=args.refine_margin, carry_blocks=args.carry_blocks, seed=args.seed)
+                            refine_margin=args.refine_margin, carry_blocks=args.carry_blocks,
+                            tokens_per_seq=args.tokens_per_seq, seed=args.seed)
     data = dict(d.split("=", 1) for d in args.data)
     report = train_router_for_bundle(mm, data, cfg, limit=args.limit, mixed=args.mixed, seed=args.seed)
     print(json.dumps(report))
