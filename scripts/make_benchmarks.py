@@ -257,9 +257,11 @@ def ops_section(records: dict[str, dict], out: Path, docs: Path) -> list[str]:
     names = [n for n in ("sort_group", "stacked_mask", "gather", "fused", "auto", "single", "kpass", "base")
              if n in rows[0]["ms"]]
     lines = ["## Dispatch ops", "",
-             f"`lora_delta` per backend on random inputs (d={rows[0]['d']}, fp32), medians in ms; **single**: all "
-             "tokens on one adapter (what per-request serving runs), **kpass**: the single-adapter LoRA K times "
-             "over all T tokens, **base**: the dense base matmul x @ W.T.", "",
+             f"Each backend's per-token LoRA delta on random inputs (d={rows[0]['d']}, fp32, random top-1 routing), "
+             "medians in ms, every LoRA variant adding its delta into one preallocated output as a model's linear "
+             "does (no allocation, no zeroing); **single**: all tokens on one adapter, `y.addmm_(x @ A.T, B.T)` "
+             "(what per-request serving runs), **kpass**: that K times over all T tokens, **base**: the dense base "
+             "matmul x @ W.T.", "",
              "| T | K | r | " + " | ".join(names) + " | auto / single | auto / kpass | auto / base |",
              "|---" * (len(names) + 6) + "|"]
     for r in rows:

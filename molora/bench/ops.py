@@ -6,10 +6,11 @@ about models or adapters: it builds random stacked slot tensors and random routi
 For every (T tokens, K adapters, r rank) it times, interleaved within each repetition (medians, ms):
   sort_group, stacked_mask, gather (compiled), fused (C++, where it builds and runs: fp32, top-1), auto
              the dispatch backends (reference is too slow)
-  single     all tokens on one adapter: (x @ A0.T) @ B0.T * scale0, what per-request serving runs
+  single     all tokens on one adapter: y += scale0 * (x @ A0.T) @ B0.T, what per-request serving runs
   kpass      per-sequence routing emulated: the full single-adapter LoRA K times over all T tokens
   base       the dense base linear x @ W.T, W [d_out, d_in], to put the LoRA overhead in proportion
-and reports each backend's ratio to single, to kpass and to base.
+and reports each backend's ratio to single, to kpass and to base. Every LoRA variant adds its delta into
+a preallocated output, as inside a model's linear (`_variant_fns`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from molora.bench.common import add_common_args, emit, machine_info, set_threads, time_interleaved
-from molora.ops import lora_delta
+from molora.ops import LoRADispatcher
 from molora.ops.dispatch import cost_features
 
 VARIANTS_OPS: tuple[str, ...] = ("sort_group", "stacked_mask", "gather", "fused", "auto")
@@ -41,23 +42,28 @@ def _inputs(T: int, K: int, r: int, d: int, d_out: int, top_k: int, dtype: torch
 
 
 def _variant_fns(inp: dict, variants: Sequence[str]) -> dict[str, Callable[[], Tensor]]:
+    """Each LoRA variant adds its delta into one preallocated output y [T, d_out], as a model's linear adds
+    it into the base output (RoutedLoRALinear passes out=y; a per-request server adds its one adapter's
+    delta the same way): no variant pays for allocating or zeroing its result."""
     x, A, B, scale, ids, w = (inp[k] for k in ("x", "A", "B", "scale", "slot_ids", "weights"))
     K = A.shape[0]
+    y = x.new_zeros(x.shape[0], B.shape[1])
+    s0 = float(scale[0])
 
     def kpass() -> Tensor:  # K full passes; each keeps the tokens of its adapter (K*N work)
-        out = x.new_zeros(x.shape[0], B.shape[1])
         for s in range(K):
-            keep = (ids[:, 0] == s).to(x.dtype)[:, None] * scale[s]
-            out += keep * ((x @ A[s].t()) @ B[s].t())
-        return out
+            keep = (ids[:, 0] == s).to(x.dtype)[:, None]
+            y.addmm_((x @ A[s].t()) * keep, B[s].t(), alpha=float(scale[s]))
+        return y
 
     fns: dict[str, Callable[[], Tensor]] = {
-        "single": lambda: ((x @ A[0].t()) @ B[0].t()) * scale[0],
+        "single": lambda: y.addmm_(x @ A[0].t(), B[0].t(), alpha=s0),
         "kpass": kpass,
         "base": lambda: x @ inp["W"].t(),
     }
     for name in VARIANTS_OPS:
-        fns[name] = lambda name=name: lora_delta(x, A, B, scale, ids, w, backend=name)
+        d = LoRADispatcher(name)
+        fns[name] = lambda d=d: d.apply(d.plan(ids, w, num_slots=K), x, A, B, scale, out=y)
     return {k: fns[k] for k in variants}
 
 
