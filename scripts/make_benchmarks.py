@@ -254,14 +254,16 @@ def ops_section(records: dict[str, dict], out: Path, docs: Path) -> list[str]:
     if "ops" not in records:
         return []
     rows = records["ops"]["result"]["rows"]
-    names = [n for n in ("sort_group", "stacked_mask", "gather", "fused", "auto", "single", "kpass", "base")
+    names = [n for n in ("sort_group", "stacked_mask", "gather", "fused", "auto", "single", "kpass", "base", "plan")
              if n in rows[0]["ms"]]
     lines = ["## Dispatch ops", "",
              f"Each backend's per-token LoRA delta on random inputs (d={rows[0]['d']}, fp32, random top-1 routing), "
              "medians in ms, every LoRA variant adding its delta into one preallocated output as a model's linear "
              "does (no allocation, no zeroing); **single**: all tokens on one adapter, `y.addmm_(x @ A.T, B.T)` "
              "(what per-request serving runs), **kpass**: that K times over all T tokens, **base**: the dense base "
-             "matmul x @ W.T.", "",
+             "matmul x @ W.T. Each backend applies one routing plan built beforehand, as the routed linears of a "
+             "model step share one; **plan** is the time to build it (check the slot ids, group the tokens by "
+             "slot), paid once per step, or once per block (7 linears) with a learned router.", "",
              "| T | K | r | " + " | ".join(names) + " | auto / single | auto / kpass | auto / base |",
              "|---" * (len(names) + 6) + "|"]
     for r in rows:

@@ -9,8 +9,10 @@ For every (T tokens, K adapters, r rank) it times, interleaved within each repet
   single     all tokens on one adapter: y += scale0 * (x @ A0.T) @ B0.T, what per-request serving runs
   kpass      per-sequence routing emulated: the full single-adapter LoRA K times over all T tokens
   base       the dense base linear x @ W.T, W [d_out, d_in], to put the LoRA overhead in proportion
+  plan       checking and grouping the routing (`LoRADispatcher.plan`): paid once per step and shared by
+             every routed linear (once per block with a learned router: 7 linears in a Llama block)
 and reports each backend's ratio to single, to kpass and to base. Every LoRA variant adds its delta into
-a preallocated output, as inside a model's linear (`_variant_fns`).
+a preallocated output and each backend reuses one plan, as inside a model's linear (`_variant_fns`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from molora.ops import LoRADispatcher
 from molora.ops.dispatch import cost_features
 
 VARIANTS_OPS: tuple[str, ...] = ("sort_group", "stacked_mask", "gather", "fused", "auto")
-VARIANTS_BASE: tuple[str, ...] = ("single", "kpass", "base")
+VARIANTS_BASE: tuple[str, ...] = ("single", "kpass", "base", "plan")
 
 
 def _inputs(T: int, K: int, r: int, d: int, d_out: int, top_k: int, dtype: torch.dtype, seed: int) -> dict:
@@ -44,11 +46,13 @@ def _inputs(T: int, K: int, r: int, d: int, d_out: int, top_k: int, dtype: torch
 def _variant_fns(inp: dict, variants: Sequence[str]) -> dict[str, Callable[[], Tensor]]:
     """Each LoRA variant adds its delta into one preallocated output y [T, d_out], as a model's linear adds
     it into the base output (RoutedLoRALinear passes out=y; a per-request server adds its one adapter's
-    delta the same way): no variant pays for allocating or zeroing its result."""
+    delta the same way): no variant pays for allocating or zeroing its result. Each dispatch backend applies
+    one plan built here, as the routed linears of a step share the step's plan; `plan` times building it."""
     x, A, B, scale, ids, w = (inp[k] for k in ("x", "A", "B", "scale", "slot_ids", "weights"))
     K = A.shape[0]
     y = x.new_zeros(x.shape[0], B.shape[1])
     s0 = float(scale[0])
+    planner = LoRADispatcher("auto")
 
     def kpass() -> Tensor:  # K full passes; each keeps the tokens of its adapter (K*N work)
         for s in range(K):
@@ -60,10 +64,12 @@ def _variant_fns(inp: dict, variants: Sequence[str]) -> dict[str, Callable[[], T
         "single": lambda: y.addmm_(x @ A[0].t(), B[0].t(), alpha=s0),
         "kpass": kpass,
         "base": lambda: x @ inp["W"].t(),
+        "plan": lambda: planner.plan(ids, w, num_slots=K).groups().tok,
     }
     for name in VARIANTS_OPS:
         d = LoRADispatcher(name)
-        fns[name] = lambda d=d: d.apply(d.plan(ids, w, num_slots=K), x, A, B, scale, out=y)
+        plan = d.plan(ids, w, num_slots=K)
+        fns[name] = lambda d=d, plan=plan: d.apply(plan, x, A, B, scale, out=y)
     return {k: fns[k] for k in variants}
 
 
