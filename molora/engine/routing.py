@@ -84,11 +84,12 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
         offset = 0
         for s in scheduled:
             req = s.request
-            if req.mode == "learned":
-                for j in range(s.n):  # generated tokens whose predecessor's decision is known
-                    i = s.start + j - len(req.prompt_ids)
-                    if 0 <= i < len(req.route_finals):
-                        carry[offset + j] = req.route_finals[i]
+            if req.mode == "learned":  # generated tokens p whose predecessor's decision is known
+                lo = max(s.start, len(req.prompt_ids))
+                hi = min(s.start + s.n, len(req.prompt_ids) + len(req.route_finals))
+                if lo < hi:
+                    i = lo - len(req.prompt_ids)
+                    carry[offset + lo - s.start:offset + hi - s.start] = torch.tensor(req.route_finals[i:i + hi - lo])
             offset += s.n
         carry = carry.to(device)
     names = list(router.adapter_names)

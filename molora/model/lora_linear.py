@@ -21,6 +21,7 @@ from torch import nn
 
 from molora.adapters.bank import LoRASlots
 from molora.ops import LoRADispatcher
+from molora.routing.base import in_network_decide
 
 
 class RoutingContext:
@@ -59,15 +60,11 @@ class RoutingContext:
         """Let the in-network router decide for `block` from its input hidden [T, D] (no-op without one)."""
         if self.router is None:
             return
-        carries = getattr(self.router, "carry_blocks", 0) > 0
-        if carries and self.carry_in is not None:
-            decision = self.router.decide(block, hidden, self.allowed, self.carry_in)
-        else:
-            decision = self.router.decide(block, hidden, self.allowed)
+        decision = in_network_decide(self.router, block, hidden, self.allowed, self.carry_in)
         if decision is None:
             return  # keep the previous block's decision
         ids, weights = decision  # [T, k] in router order, -1 = none
-        if carries and block == self.router.carry_source:
+        if getattr(self.router, "carry_blocks", 0) > 0 and block == self.router.carry_source:
             self.carry_out = ids[:, 0]
         lookup = torch.cat([self.slot_map, self.slot_map.new_full((1,), -1)])
         self.slot_ids, self.weights, self._plan = lookup[ids], weights, None

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from molora.errors import MoLoRAError
+from molora.routing.base import in_network_decide
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MERGE_PREFILL_TOKENS = 256  # fresh prompts up to this many tokens in all share one masked attention call
@@ -213,11 +214,8 @@ class ModelRunner:
         lookup = torch.cat([routing.router_slots, routing.router_slots.new_full((1,), -1)])  # index -1 -> -1
         for g in routing.groups:
             hidden = h if g.rows is None else h[g.rows]                      # [n, D]
-            if carry_out is not None and routing.carry is not None:
-                carry = routing.carry if g.rows is None else routing.carry[g.rows]
-                out = routing.router.decide(block, hidden, g.allowed, carry)
-            else:
-                out = routing.router.decide(block, hidden, g.allowed)
+            carry = routing.carry if routing.carry is None or g.rows is None else routing.carry[g.rows]
+            out = in_network_decide(routing.router, block, hidden, g.allowed, carry)
             if out is None:
                 continue                                                     # keep the previous decision
             ids, w = out                                                     # [n, k'] router order

@@ -33,6 +33,15 @@ class Routing:
     weights: torch.Tensor | None = None
 
 
+def in_network_decide(router, block: int, hidden: torch.Tensor, allowed: torch.Tensor | None = None,
+                      carry: torch.Tensor | None = None):
+    """router.decide for one block, passing `carry` (molora.routing.learned: Carry) only to a router with
+    `carry_blocks`; other in-network routers keep the three-argument `decide(block, hidden, allowed)`."""
+    if carry is not None and getattr(router, "carry_blocks", 0) > 0:
+        return router.decide(block, hidden, allowed, carry)
+    return router.decide(block, hidden, allowed)
+
+
 def adapter_index(names: Sequence[str], name: str | None) -> int:
     """Index of `name` in `names` (-1 for None), with a clear error when it is not loaded."""
     if name is None:

@@ -60,8 +60,8 @@ class RouterTrainConfig:
 
 # Blocks whose gates a generated token replaces by its predecessor's last-block decision (molora.routing.learned:
 # Carry). Measured on the default bundle's held-out router data: block 0's gate 62% right, block 1's 90%,
-# >= 97% from block 2 on; with carry over blocks 0-1 learned navigate went from 71.7% to the own adapter's 80.0%
-# on 60 items.
+# block 2's 96%, >= 97% after; with carry over blocks 0-1 learned navigate went from 71.7% to 78.3% on its first
+# 60 items (80.0% with blocks 0-1 forced to the right adapter; carry over 3 blocks also 78.3%).
 CARRY_BLOCKS = 2
 
 
