@@ -328,14 +328,17 @@ def test_thousand_cancel_and_complete_cycles_leave_pools_as_at_start(paths):
 
 
 @torch.no_grad()
-def test_carrying_learned_router_equals_generate_alone_busy_and_preempted(paths):
-    """A LearnedRouter with carry_blocks: the engine's greedy output equals `mm.generate`'s, alone and in a
-    busy, chunked, preempting batch (the carried decisions are kept per request and survive recompute)."""
+@pytest.mark.parametrize("probe_prompt", [False, True])
+def test_carrying_learned_router_equals_generate_alone_busy_and_preempted(paths, probe_prompt):
+    """A LearnedRouter with carry_blocks (and with a probe pass over the prompt): the engine's greedy output
+    equals `mm.generate`'s, alone and in a busy, chunked, preempting batch (the carried and probed decisions
+    are kept per request and survive recompute)."""
     from molora.routing.learned import LearnedRouter, LearnedRouterConfig, decoder_layers
 
-    def routed_mm():
+    def routed_mm(probe_prompt=probe_prompt):
         mm = _mm(paths)
-        cfg = LearnedRouterConfig(("b", "a"), mm.config.hidden_size, len(decoder_layers(mm.model)), carry_blocks=1)
+        cfg = LearnedRouterConfig(("b", "a"), mm.config.hidden_size, len(decoder_layers(mm.model)), carry_blocks=1,
+                                  probe_prompt=probe_prompt)
         router = LearnedRouter(cfg)
         with torch.no_grad():
             router.weight.normal_(generator=torch.Generator().manual_seed(0))
@@ -345,13 +348,16 @@ def test_carrying_learned_router_equals_generate_alone_busy_and_preempted(paths)
     probe = _prompt(26, 8)
     mm = routed_mm()
     ref = mm.generate(torch.tensor([probe]), adapter_ids=mm.router, max_new_tokens=10)[0, len(probe):].tolist()
+    if probe_prompt:  # the probe changes this output, so the comparisons below can tell probing from not
+        other = routed_mm(False)
+        assert other.generate(torch.tensor([probe]), adapter_ids=other.router, max_new_tokens=10)[0, len(probe):].tolist() != ref
     alone = Engine(mm, CFG).generate([probe], SamplingParams(max_new_tokens=10))[0]
     assert alone.new_token_ids == ref
     assert set(alone.token_adapters) <= {"a", "b", None}
-    busy_cfg = EngineConfig(max_num_seqs=8, max_tokens_per_step=16, block_size=4, num_kv_blocks=36,
+    busy_cfg = EngineConfig(max_num_seqs=8, max_tokens_per_step=16, block_size=4, num_kv_blocks=32,
                             max_model_len=128, stop_at_eos=False)
     engine = Engine(routed_mm(), busy_cfg)
-    others = [engine.add_request(_prompt(20 + i, 30 + i), SamplingParams(max_new_tokens=12)) for i in range(5)]
+    others = [engine.add_request(_prompt(20 + i, 30 + i), SamplingParams(max_new_tokens=20)) for i in range(5)]
     rid = engine.add_request(probe, SamplingParams(max_new_tokens=10))
     got: dict[str, list[int]] = {i: [] for i in others + [rid]}
     while engine.has_unfinished():

@@ -147,12 +147,12 @@ def test_router_features_always_include_the_key_positions(tmp_path):
     assert any(torch.allclose(f[0].float(), last.to(torch.bfloat16).float()) for f in feats_k[:5])
 
 
-def _biased_router(mm, carry_blocks: int) -> LearnedRouter:
+def _biased_router(mm, carry_blocks: int, probe_prompt: bool = False) -> LearnedRouter:
     """Gates with zero weights: block 0 picks "a", every later block picks "b" (router order a, b)."""
     from molora.routing.learned import LearnedRouterConfig, decoder_layers
 
     cfg = LearnedRouterConfig(("a", "b"), mm.config.hidden_size, len(decoder_layers(mm.model)),
-                              carry_blocks=carry_blocks)
+                              carry_blocks=carry_blocks, probe_prompt=probe_prompt)
     router = LearnedRouter(cfg)
     with torch.no_grad():
         router.bias[0, 0] = 5.0
@@ -193,3 +193,40 @@ def test_generate_carries_the_last_blocks_decision_into_the_next_tokens_early_bl
         assert block0[1:] == [[later], [later]]                   # the two fed-back tokens
     back = LearnedRouter.load(_biased_router(mm, 1).save(tmp_path / "r"))
     assert back.carry_blocks == 1
+
+
+def test_fixed_decisions_hold_at_every_block_and_probe_needs_carry():
+    from molora.errors import RoutingError
+    from molora.routing.base import in_network_decide
+    from molora.routing.learned import LearnedRouterConfig
+
+    router = LearnedRouter(LearnedRouterConfig(("a", "b"), 8, 3, carry_blocks=1, probe_prompt=True))
+    with torch.no_grad():
+        router.bias[:, 0] = 5.0                                   # every gate alone would pick "a"
+    h = torch.randn(3, 8)
+    for block in range(3):
+        ids, w = in_network_decide(router, block, h, None, None, torch.tensor([1, -2, -1]))
+        assert ids[:, 0].tolist() == [1, 0, -1] and w is None     # -2: the gate decides
+        assert in_network_decide(router, block, h, None, None, torch.tensor([1, 1, -1]))[0][:, 0].tolist() == [1, 1, -1]
+    with pytest.raises(RoutingError, match="probe_prompt needs carry_blocks"):
+        LearnedRouterConfig(("a", "b"), 8, 3, probe_prompt=True)
+
+
+@torch.no_grad()
+def test_generate_probes_the_prompt_then_routes_every_block_of_it_by_the_probes_last_block(tmp_path):
+    """With probe_prompt, a first forward over the prompt runs on the gates (block 0 picks "a", the last
+    block "b"); the real prompt forward then puts every block of every prompt token on "b"."""
+    mm = _attached(tmp_path)
+    ids = torch.tensor([_seqs("a", 1, 3)[0].ids])
+    L, n_blocks = ids.shape[1], len(mm.model.model.layers)
+    mm.context.trace = []
+    out = mm.generate(ids, adapter_ids=_biased_router(mm, 1, probe_prompt=True), max_new_tokens=2)
+    trace, mm.context.trace = mm.context.trace, None
+    probe, real = trace[:n_blocks], trace[n_blocks:2 * n_blocks]
+    assert probe[0][1][:, 0].tolist() == [0] * L and probe[-1][1][:, 0].tolist() == [1] * L
+    assert all(t[:, 0].tolist() == [1] * L for _, t in real)   # every block of the prompt: the probe's "b"
+    assert [t.shape[0] for _, t in trace[2 * n_blocks:]] == [1] * n_blocks  # then one token per forward
+    plain = mm.generate(ids, adapter_ids=_biased_router(mm, 1), max_new_tokens=2)
+    assert out.shape == plain.shape
+    back = LearnedRouter.load(_biased_router(mm, 1, probe_prompt=True).save(tmp_path / "p"))
+    assert back.probe_prompt

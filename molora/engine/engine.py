@@ -36,7 +36,7 @@ from molora.config import SamplingParams
 from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
 from molora.engine.request import IncrementalDetokenizer, Request, RequestOutput, TextState
-from molora.engine.routing import plan_routing, record_carry
+from molora.engine.routing import plan_routing, record_carry, record_probe
 from molora.engine.scheduler import Scheduled, Scheduler
 from molora.errors import AdapterError, MoLoRAError, RoutingError
 from molora.model.runner import BatchMeta, ModelRunner
@@ -134,7 +134,8 @@ class Engine:
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
         detok = IncrementalDetokenizer(self.tokenizer, prompt) if self.tokenizer is not None else None
         req = Request(rid, prompt, params, mode, adapter if mode == "pinned" else None, allowed, needs,
-                      router=router, generator=gen, detok=detok, text=TextState(tuple(params.stop)))
+                      router=router, generator=gen, detok=detok, text=TextState(tuple(params.stop)),
+                      prompt_routes=[] if mode == "learned" and getattr(router, "probe_prompt", False) else None)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -224,8 +225,11 @@ class Engine:
         last_slots = self.runner.last_slot_ids                                    # [B, k] or None
         if routing is not None and routing.carry is not None:
             record_carry(scheduled, self.runner.last_carry)
+        if any(s.probe for s in scheduled):
+            record_probe(scheduled, self.runner.carry_rows)
         for s in scheduled:
-            s.request.num_computed += s.n
+            if not s.probe:
+                s.request.num_computed += s.n
         self.tokens_computed += len(tokens)
         rows = [i for i, s in enumerate(scheduled) if s.samples]
         if not rows:

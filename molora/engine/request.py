@@ -124,6 +124,10 @@ class Request:
     # mode "learned" with a carrying router: the decision at its carry_source block of the tokens at positions
     # len(prompt_ids) - 1, len(prompt_ids), ...: what each next generated token carries (molora.routing.learned)
     route_finals: list[int] = field(default_factory=list)
+    # mode "learned" with a probing router (molora.routing.learned: Probe): each prompt token's decision at the
+    # carry_source block in the probe pass, filled chunk by chunk while `probing`; afterwards every block of
+    # that prompt token takes it (also when the sequence is recomputed after a preemption). None: no probe
+    prompt_routes: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -131,6 +135,12 @@ class Request:
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def probing(self) -> bool:
+        """True while the probe pass over the prompt is unfinished: its chunks sample nothing and, once it
+        ends, the prompt is computed again (num_computed goes back to 0) with the probe's decisions."""
+        return self.prompt_routes is not None and len(self.prompt_routes) < len(self.prompt_ids)
 
     @property
     def remaining(self) -> int:

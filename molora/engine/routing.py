@@ -8,7 +8,9 @@
                with the same allowed set share one `decide` call per block. A router with `carry_blocks`
                also gets, for each generated token, the decision its predecessor got at the router's
                `carry_source` block (`Request.route_finals`, kept by `record_carry` after each step, so a
-               recomputed sequence routes exactly as before)
+               recomputed sequence routes exactly as before). A router with `probe_prompt` first runs each
+               prompt on its gates (probe chunks; `record_probe` keeps every prompt token's decision in
+               `Request.prompt_routes`), then every block of each prompt token takes that decision (`fixed`)
 
 `plan_routing` turns the scheduled chunks of one step into a `StepRouting` for the runner: slot ids [T, k]
 (-1 = base) and weights [T, k] or None, plus the learned router's row groups and its adapter -> slot map.
@@ -92,6 +94,7 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
                     carry[offset + lo - s.start:offset + hi - s.start] = torch.tensor(req.route_finals[i:i + hi - lo])
             offset += s.n
         carry = carry.to(device)
+    fixed = _fixed_rows(scheduled, T, device) if getattr(router, "probe_prompt", False) else None
     names = list(router.adapter_names)
     router_slots = torch.tensor([bank.slot_of(n) if n in bank else -1 for n in names], device=device)
     out_groups = []
@@ -101,7 +104,34 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
         out_groups.append(RouterGroup(None if r.shape[0] == T else r.to(device),
                                       None if bool(mask.all()) else mask))
     return StepRouting(slot_ids.to(device), None if weights is None else weights.to(device),
-                       router=router, router_slots=router_slots, groups=out_groups, carry=carry)
+                       router=router, router_slots=router_slots, groups=out_groups, carry=carry, fixed=fixed)
+
+
+def _fixed_rows(scheduled: list[Scheduled], T: int, device: torch.device) -> Tensor:
+    """[T]: each probed prompt token's decision (molora.routing.learned: Probe); -2 for every other row."""
+    fixed = torch.full((T,), -2, dtype=torch.long)
+    offset = 0
+    for s in scheduled:
+        req = s.request
+        if req.mode == "learned" and not s.probe and req.prompt_routes is not None:
+            hi = min(s.start + s.n, len(req.prompt_ids))
+            if s.start < hi:
+                fixed[offset:offset + hi - s.start] = torch.tensor(req.prompt_routes[s.start:hi])
+        offset += s.n
+    return fixed.to(device)
+
+
+def record_probe(scheduled: list[Scheduled], carry_rows: Tensor | None) -> None:
+    """Keep the decisions (carry_rows [T] at the router's carry_source block) of each probe chunk's prompt
+    tokens in `Request.prompt_routes`, and send a request whose probe just ended back to position 0 for the
+    real pass. Call before the step's `num_computed` update (which skips probe chunks)."""
+    offset = 0
+    for s in scheduled:
+        if s.probe:
+            req = s.request
+            req.prompt_routes[s.start:s.start + s.n] = carry_rows[offset:offset + s.n].tolist()
+            req.num_computed = 0 if not req.probing else s.start + s.n
+        offset += s.n
 
 
 def record_carry(scheduled: list[Scheduled], last_carry: Tensor | None) -> None:
@@ -112,6 +142,8 @@ def record_carry(scheduled: list[Scheduled], last_carry: Tensor | None) -> None:
     values = last_carry.tolist()
     for s, v in zip(scheduled, values):
         req = s.request
+        if s.probe:
+            continue
         i = s.start + s.n - len(req.prompt_ids)  # index of the last token's successor among generated tokens
         if req.mode != "learned" or i < 0 or v < -1:
             continue

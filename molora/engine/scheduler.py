@@ -8,7 +8,8 @@ Each step packs, under a token budget (`max_tokens_per_step`) and in this order:
 When a running request needs a KV block and none is free, the most recently admitted request is
 preempted (recompute): its blocks and pins are released and it goes back to the front of the queue with
 all its tokens (prompt + generated so far) to prefill again. Finished or aborted requests free their
-blocks and pins at once (`finish`).
+blocks and pins at once (`finish`). A request whose prompt is being probed (`Request.probing`, a learned
+router's probe pass) is prefilled like any other; its chunks are marked `probe` and sample nothing.
 
 Owns the waiting queue, the running list and their resources. Knows nothing about tensors, routing
 decisions, sampling or text.
@@ -27,16 +28,18 @@ from molora.errors import MoLoRAError
 
 @dataclass
 class Scheduled:
-    """A request's share of one step: `n` tokens starting at token index `start` (= its num_computed)."""
+    """A request's share of one step: `n` tokens starting at token index `start` (= its num_computed);
+    `probe`: a chunk of the probe pass over the prompt (molora.routing.learned: Probe)."""
 
     request: Request
     start: int
     n: int
+    probe: bool = False
 
     @property
     def samples(self) -> bool:
         """True if this chunk reaches the end of the known tokens, so its last position yields a new token."""
-        return self.start + self.n == len(self.request.tokens)
+        return not self.probe and self.start + self.n == len(self.request.tokens)
 
 
 class Scheduler:
@@ -71,7 +74,7 @@ class Scheduler:
                 continue
             n = min(req.remaining, budget)
             if self._make_room(req, req.num_computed + n, out):
-                out.append(Scheduled(req, req.num_computed, n))
+                out.append(Scheduled(req, req.num_computed, n, req.probing))
         budget = self.max_tokens - sum(s.n for s in out)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -89,7 +92,7 @@ class Scheduler:
             self.allocator.grow(req.block_table, n)
             self.waiting.popleft()
             self.running.append(req)
-            out.append(Scheduled(req, 0, n))
+            out.append(Scheduled(req, 0, n, req.probing))
             budget -= n
         return out
 

@@ -135,16 +135,19 @@ class MoLoRAModel(nn.Module):
 
     @contextmanager
     def routed(self, input_ids: torch.Tensor, adapter_ids: AdapterSpec = None,
-               adapter_weights: torch.Tensor | None = None, *, start: int = 0, carry: torch.Tensor | None = None):
+               adapter_weights: torch.Tensor | None = None, *, start: int = 0, carry: torch.Tensor | None = None,
+               fixed: torch.Tensor | None = None):
         """Fill the routing context for one forward over input_ids, and clear it afterwards.
 
         carry [B, L] (or None): the decision each token carries from its predecessor (-2: none), for a
         learned router with `carry_blocks`; `self.last_carry` [B, L] then holds the decisions at the
-        router's `carry_source` block (None without one)."""
+        router's `carry_source` block (None without one). fixed [B, L] (or None): decisions that hold at
+        every block (-2: the router decides), e.g. a probe pass's `last_carry` (molora.routing.learned: Probe)."""
         routing = self.resolve(input_ids, adapter_ids, adapter_weights, start=start)
         if routing is not None:
             self.context.set(*self.slot_routing(routing, input_ids.shape))
         self.context.carry_in = None if carry is None else carry.reshape(-1)
+        self.context.fixed_in = None if fixed is None else fixed.reshape(-1)
         self.last_carry = None
         try:
             yield routing
@@ -158,7 +161,7 @@ class MoLoRAModel(nn.Module):
                 **kwargs: Any) -> Any:
         """The transformers output (`.logits` [B, L, V]) with each token's adapter applied."""
         with self.routed(input_ids, adapter_ids, adapter_weights, start=kwargs.pop("start", 0),
-                         carry=kwargs.pop("carry", None)):
+                         carry=kwargs.pop("carry", None), fixed=kwargs.pop("fixed", None)):
             return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     # ------------------------------------------------------------------------------------ generation
@@ -171,8 +174,9 @@ class MoLoRAModel(nn.Module):
 
         The router sees each generated token when it is fed back in, so for `VocabRouter` the input token
         decides; a learned router with `carry_blocks` gets each fed-back token's carried decision (the
-        previous token's at its `carry_source` block). Finished rows are filled with pad_token_id (default:
-        the first eos id).
+        previous token's at its `carry_source` block); with `probe_prompt` a probe forward over the prompt
+        first gives each prompt token the decision that routes all its blocks. Finished rows are filled with
+        pad_token_id (default: the first eos id).
         """
         from transformers import DynamicCache
 
@@ -188,9 +192,15 @@ class MoLoRAModel(nn.Module):
         tokens, step_ids, step_pos, start = input_ids, input_ids, positions, 0
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         carry = None  # [B, 1] the previous token's decision, for a router with carry_blocks
+        fixed = None  # [B, L] the prompt tokens' decisions from a probe pass (molora.routing.learned: Probe)
+        if getattr(adapter_ids if adapter_ids is not None else self.router, "probe_prompt", False):
+            self(input_ids, attention_mask=mask, adapter_ids=adapter_ids, position_ids=positions,
+                 use_cache=False, logits_to_keep=1)
+            fixed = self.last_carry
         for _ in range(max_new_tokens):
             out = self(step_ids, attention_mask=mask, adapter_ids=adapter_ids, position_ids=step_pos,
-                       cache=cache, use_cache=True, start=start, logits_to_keep=1, carry=carry)  # last position
+                       cache=cache, use_cache=True, start=start, logits_to_keep=1, carry=carry, fixed=fixed)
+            fixed = None
             carry = None if self.last_carry is None else self.last_carry[:, -1:]
             nxt = sample_next(out.logits[:, -1], temperature, top_k, top_p, gen)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)

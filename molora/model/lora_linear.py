@@ -34,10 +34,12 @@ class RoutingContext:
     blocks then refresh slot_ids before they run. `trace`, when a list, collects each block's decision.
     `carry_in` [T] (or None) is the decision each token carries from its predecessor for a router with
     `carry_blocks` (molora.routing.learned: Carry); `carry_out` [T] receives the decisions at the router's
-    `carry_source` block.
+    `carry_source` block. `fixed_in` [T] (or None) holds decisions that apply at every block (-2: the router
+    decides), as a probe pass gives prompt tokens (molora.routing.learned: Probe).
     """
 
-    __slots__ = ("slot_ids", "weights", "router", "slot_map", "allowed", "trace", "carry_in", "carry_out", "_plan")
+    __slots__ = ("slot_ids", "weights", "router", "slot_map", "allowed", "trace", "carry_in", "carry_out", "fixed_in",
+                 "_plan")
 
     def __init__(self) -> None:
         self.slot_ids: torch.Tensor | None = None
@@ -48,6 +50,7 @@ class RoutingContext:
         self.trace: list | None = None
         self.carry_in: torch.Tensor | None = None
         self.carry_out: torch.Tensor | None = None
+        self.fixed_in: torch.Tensor | None = None
         self._plan = None
 
     def plan(self, dispatcher: LoRADispatcher, num_slots: int):
@@ -60,7 +63,7 @@ class RoutingContext:
         """Let the in-network router decide for `block` from its input hidden [T, D] (no-op without one)."""
         if self.router is None:
             return
-        decision = in_network_decide(self.router, block, hidden, self.allowed, self.carry_in)
+        decision = in_network_decide(self.router, block, hidden, self.allowed, self.carry_in, self.fixed_in)
         if decision is None:
             return  # keep the previous block's decision
         ids, weights = decision  # [T, k] in router order, -1 = none
@@ -78,7 +81,7 @@ class RoutingContext:
 
     def clear(self) -> None:
         self.slot_ids = self.weights = self.router = self.slot_map = self.allowed = self._plan = None
-        self.carry_in = self.carry_out = None
+        self.carry_in = self.carry_out = self.fixed_in = None
 
 
 class RoutedLoRALinear(nn.Module):

@@ -66,7 +66,9 @@ class StepRouting:
     """The routing of one step. slot_ids [T, k] (-1 = base) and weights [T, k] or None hold the fixed
     routing of every row; `router` (with `router_slots` [K]: router adapter index -> bank slot, -1 if not
     resident) overwrites the rows of its `groups` before each block. `carry` [T] (or None): the decision each
-    row carries from its predecessor (-2: none) for a router with `carry_blocks`."""
+    row carries from its predecessor (-2: none) for a router with `carry_blocks`. `fixed` [T] (or None): a
+    decision that holds at every block (-2: the router decides), a probe pass's for prompt tokens
+    (molora.routing.learned: Probe)."""
 
     slot_ids: Tensor | None = None
     weights: Tensor | None = None
@@ -74,6 +76,7 @@ class StepRouting:
     router_slots: Tensor | None = None
     groups: list[RouterGroup] = field(default_factory=list)
     carry: Tensor | None = None
+    fixed: Tensor | None = None
 
 
 class PagedKVCache:
@@ -136,6 +139,7 @@ class ModelRunner:
         self.last_slot_ids: Tensor | None = None  # [B, k] routing of each sequence's last token, last forward
         self.last_weights: Tensor | None = None
         self.last_carry: Tensor | None = None     # [B] each sequence's last decision at the router's carry_source
+        self.carry_rows: Tensor | None = None     # [T] every row's decision there (-2: not routed), last forward
 
     @property
     def block_size(self) -> int:
@@ -171,6 +175,7 @@ class ModelRunner:
             self.last_slot_ids = None if slot_ids is None else slot_ids[plan.last_rows]  # [B, k]
             self.last_weights = None if weights is None else weights[plan.last_rows]
             self.last_carry = None if carry_out is None else carry_out[plan.last_rows]  # [B], -2: not routed
+            self.carry_rows = carry_out
             return self.logits(h) if logits else h
         finally:
             ctx.clear()
@@ -215,7 +220,8 @@ class ModelRunner:
         for g in routing.groups:
             hidden = h if g.rows is None else h[g.rows]                      # [n, D]
             carry = routing.carry if routing.carry is None or g.rows is None else routing.carry[g.rows]
-            out = in_network_decide(routing.router, block, hidden, g.allowed, carry)
+            fixed = routing.fixed if routing.fixed is None or g.rows is None else routing.fixed[g.rows]
+            out = in_network_decide(routing.router, block, hidden, g.allowed, carry, fixed)
             if out is None:
                 continue                                                     # keep the previous decision
             ids, w = out                                                     # [n, k'] router order

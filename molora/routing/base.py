@@ -34,12 +34,26 @@ class Routing:
 
 
 def in_network_decide(router, block: int, hidden: torch.Tensor, allowed: torch.Tensor | None = None,
-                      carry: torch.Tensor | None = None):
+                      carry: torch.Tensor | None = None, fixed: torch.Tensor | None = None):
     """router.decide for one block, passing `carry` (molora.routing.learned: Carry) only to a router with
-    `carry_blocks`; other in-network routers keep the three-argument `decide(block, hidden, allowed)`."""
+    `carry_blocks`; other in-network routers keep the three-argument `decide(block, hidden, allowed)`.
+
+    fixed [T] (or None): a decision that holds at every block (router index, -1 none; -2 where the router
+    decides), as a probe pass gives the prompt tokens (molora.routing.learned: Probe). Top-1 routers only."""
+    known = None
+    if fixed is not None:
+        known = fixed >= -1
+        if bool(known.all()):
+            return fixed.long()[:, None], None
     if carry is not None and getattr(router, "carry_blocks", 0) > 0:
-        return router.decide(block, hidden, allowed, carry)
-    return router.decide(block, hidden, allowed)
+        out = router.decide(block, hidden, allowed, carry)
+    else:
+        out = router.decide(block, hidden, allowed)
+    if known is None or not bool(known.any()):
+        return out
+    if out is None or out[0].shape[1] != 1:
+        raise RoutingError("fixed decisions need a per-block top-1 router")
+    return torch.where(known[:, None], fixed.long()[:, None], out[0]), None
 
 
 def adapter_index(names: Sequence[str], name: str | None) -> int:
