@@ -175,6 +175,9 @@ def _train_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--carry-blocks", type=int, default=None,
                    help="generated tokens take their predecessor's last-block decision in blocks below this "
                         "(default 2 for per_block top-1 routers, 0 = off)")
+    p.add_argument("--probe-prompt", action=argparse.BooleanOptionalAction, default=None,
+                   help="route each prompt token's blocks by a probe pass's last-block decision (one more "
+                        "forward over the prompt; default: on wherever carry is on)")
     p.add_argument("--tokens-per-seq", type=int, default=16,
                    help="labelled tokens sampled per sequence for the gates (default 16; more trains rare "
                         "positions better, memory grows as tokens x blocks x hidden size)")
@@ -192,6 +195,7 @@ def _train_router(args: argparse.Namespace) -> int:
     mm = load(args.bundle)
     cfg = RouterTrainConfig(placement=args.placement, composable=args.composable, top_k=args.top_k,
                             refine_margin=args.refine_margin, carry_blocks=args.carry_blocks,
+                            probe_prompt=args.probe_prompt,
                             tokens_per_seq=args.tokens_per_seq, seed=args.seed)
     data = dict(d.split("=", 1) for d in args.data)
     report = train_router_for_bundle(mm, data, cfg, limit=args.limit, mixed=args.mixed, seed=args.seed)

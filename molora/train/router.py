@@ -56,6 +56,7 @@ class RouterTrainConfig:
     refine_margin: float | None = None   # refine labels by loss when set (nats)
     threshold: float = 2.0               # composable: a gate claims a token only above this logit (p > 0.88)
     carry_blocks: int | None = None      # None: CARRY_BLOCKS for per_block top-1 routers, else 0
+    probe_prompt: bool | None = None     # None: on wherever carry is on (molora.routing.learned: Probe)
 
 
 # Blocks whose gates a generated token replaces by its predecessor's last-block decision (molora.routing.learned:
@@ -71,6 +72,11 @@ def carry_blocks_for(cfg: RouterTrainConfig, num_blocks: int) -> int:
         return cfg.carry_blocks
     ok = cfg.placement == "per_block" and cfg.top_k == 1 and num_blocks > CARRY_BLOCKS
     return CARRY_BLOCKS if ok else 0
+
+
+def probe_prompt_for(cfg: RouterTrainConfig, carry_blocks: int) -> bool:
+    """The router's probe_prompt: the config's, or by default on wherever carry is on."""
+    return bool(carry_blocks) if cfg.probe_prompt is None else cfg.probe_prompt
 
 
 @torch.no_grad()
@@ -178,10 +184,11 @@ def train_router(mm, train: Sequence[LabelledSeq], names: Sequence[str],
     if missing:
         raise MoLoRAError(f"train-router: adapters {missing} are not loaded (loaded: {mm.adapter_names})")
     blocks = len(decoder_layers(mm.model))
+    carry = carry_blocks_for(cfg, blocks)
     rcfg = LearnedRouterConfig(adapter_names=tuple(names), hidden_size=mm.config.hidden_size,
                                num_blocks=blocks, placement=cfg.placement, shared_block=cfg.shared_block,
-                               composable=cfg.composable, top_k=cfg.top_k,
-                               threshold=cfg.threshold, carry_blocks=carry_blocks_for(cfg, blocks))
+                               composable=cfg.composable, top_k=cfg.top_k, threshold=cfg.threshold,
+                               carry_blocks=carry, probe_prompt=probe_prompt_for(cfg, carry))
     gates = list(range(blocks)) if cfg.placement == "per_block" else [cfg.shared_block]
     feats, labels = features if features is not None else collect_features(mm, train, names, cfg, progress)
     log.info("router features: %d tokens x %d blocks", feats.shape[0], feats.shape[1])
