@@ -130,7 +130,11 @@ def record_probe(scheduled: list[Scheduled], carry_rows: Tensor | None) -> None:
         if s.probe:
             req = s.request
             req.prompt_routes[s.start:s.start + s.n] = carry_rows[offset:offset + s.n].tolist()
-            req.num_computed = 0 if not req.probing else s.start + s.n
+            if req.probing:
+                req.num_computed = s.start + s.n
+            else:  # the probe is complete: the real pass starts over with the prompt's decisions
+                req.prompt_routes = req.router.prompt_routes(torch.tensor(req.prompt_routes)).tolist()
+                req.num_computed = 0
         offset += s.n
 
 

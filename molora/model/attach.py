@@ -193,10 +193,11 @@ class MoLoRAModel(nn.Module):
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         carry = None  # [B, 1] the previous token's decision, for a router with carry_blocks
         fixed = None  # [B, L] the prompt tokens' decisions from a probe pass (molora.routing.learned: Probe)
-        if getattr(adapter_ids if adapter_ids is not None else self.router, "probe_prompt", False):
+        router = adapter_ids if adapter_ids is not None else self.router
+        if getattr(router, "probe_prompt", False):
             self(input_ids, attention_mask=mask, adapter_ids=adapter_ids, position_ids=positions,
                  use_cache=False, logits_to_keep=1)
-            fixed = self.last_carry
+            fixed = router.prompt_routes(self.last_carry)
         for _ in range(max_new_tokens):
             out = self(step_ids, attention_mask=mask, adapter_ids=adapter_ids, position_ids=step_pos,
                        cache=cache, use_cache=True, start=start, logits_to_keep=1, carry=carry, fixed=fixed)

@@ -34,11 +34,15 @@ engine do both).
 early and middle gates err the same way (on the default bundle, an arithmetic prompt's "8" went to counting
 in blocks 2-21). With `probe_prompt` the caller first runs the prompt once on the gates (the probe) and
 keeps each prompt token's decision at `carry_source`; the real pass then routes every block of each
-prompt token by that decision (`fixed`, see `molora.routing.base.in_network_decide`). The probe costs one
-more forward over the prompt (its logits are not needed). Measured on the default bundle (250 items per
-skill, learned routing with carry): arithmetic 4.0 -> 8.0 and dyck 78.8 -> 81.2, against 8.0 and 81.6
-for each task's own adapter. Callers: `MoLoRAModel.generate` (one probe forward over the whole prompt)
-and the engine (a probe phase of chunked prefill before the real one, `Request.prompt_routes`).
+prompt token by that decision (`fixed`, see `molora.routing.base.in_network_decide`). Since the whole
+prompt is known, a token the probe sent to "none" takes the next prompt token's adapter (`prompt_routes`):
+the chat header before any content (`<|im_start|>user\n`, position 0 being the attention sink) cannot tell
+the skill yet, and each adapter was trained with its LoRA on those tokens. The probe costs one more
+forward over the prompt (its logits are not needed). Measured on the default bundle (250 items per skill,
+learned routing with carry; own adapter in brackets): arithmetic 4.0 -> 8.0 [8.0], dyck 78.8 -> 81.2
+[81.6]; object counting 78.8 -> 76.4 without the fill and 80.4 [80.4] with it. Callers:
+`MoLoRAModel.generate` (one probe forward over the whole prompt) and the engine (a probe phase of chunked
+prefill before the real one, `Request.prompt_routes`).
 """
 
 from __future__ import annotations
@@ -153,6 +157,17 @@ class LearnedRouter(Router, nn.Module):
                 return carry, None
             ids, _ = self.choose(self.logits(gate, hidden), allowed)
             return torch.where(known, carry, ids), None
+
+    @staticmethod
+    def prompt_routes(probe: torch.Tensor) -> torch.Tensor:
+        """The prompt tokens' decisions [..., L] from a probe pass's carry_source decisions [..., L]: each
+        "none" (-1) takes the next non-none decision of the prompt (module docstring: Probe)."""
+        L = probe.shape[-1]
+        pos = torch.arange(L, device=probe.device).expand_as(probe)
+        src = torch.where(probe >= 0, pos, torch.full_like(pos, L))           # own index, or L for none
+        nxt = src.flip(-1).cummin(-1).values.flip(-1)                         # first non-none at or after
+        ext = torch.cat([probe, probe.new_full(probe.shape[:-1] + (1,), -1)], -1)
+        return ext.gather(-1, nxt)
 
     def choose(self, logits: torch.Tensor, allowed: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
