@@ -224,15 +224,47 @@ def run_prompt(mm: Any, prompt: str, *, adapter: str | None = None, router: Rout
     spec = adapter if adapter is not None else (router if router is not None else mm.router)
     gen_spec = spec if spec is not None else SequenceRouter(None)  # no router: the base model
     stops = stop_ids(mm)
-    out = mm.generate(ids, adapter_ids=gen_spec, max_new_tokens=max_new_tokens, temperature=temperature,
-                      eos_token_id=stops, seed=seed)
+    in_network = trace and not isinstance(gen_spec, str) and gen_spec.in_network
+    if in_network:
+        mm.context.trace = []  # every block's decision in every forward of the generation itself
+    try:
+        out = mm.generate(ids, adapter_ids=gen_spec, max_new_tokens=max_new_tokens, temperature=temperature,
+                          eos_token_id=stops, seed=seed)
+        steps = mm.context.trace
+    finally:
+        mm.context.trace = None
     answer = out[0, ids.shape[1]:].tolist()
     while answer and answer[-1] in stops:
         answer.pop()
     text = mm.tokenizer.decode(answer, skip_special_tokens=True)
     full = out[:, : ids.shape[1] + len(answer)]
-    adapters = token_adapters(mm, full, gen_spec) if trace else []
+    if in_network:
+        adapters = generation_adapters(steps, gen_spec, full.shape[1])
+    else:
+        adapters = token_adapters(mm, full, gen_spec) if trace else []
     return PromptResult(prompt, text, ids[0].tolist(), answer, adapters)
+
+
+def generation_adapters(trace: list, router: Router, n: int) -> list[str | None]:
+    """The adapter of each of n tokens (prompt + answer) as a generation routed it: the most frequent
+    choice over blocks in the forward that ran the token, from `RoutingContext.trace` entries (block, ids).
+    A probe forward (molora.routing.learned: Probe) is skipped: the prompt ran again with its decisions.
+    A last answer token that was never fed back has no routing (None)."""
+    forwards: list[list[torch.Tensor]] = []
+    prev = None
+    for block, ids in trace:
+        if prev is None or block <= prev:
+            forwards.append([])
+        forwards[-1].append(ids[:, 0])
+        prev = block
+    if getattr(router, "probe_prompt", False):
+        forwards = forwards[1:]
+    picks: list[str | None] = []
+    for f in forwards:
+        for col in torch.stack(f).T.tolist():  # [blocks, tokens] -> per token
+            best = max(set(col), key=col.count)
+            picks.append(router.adapter_names[best] if best >= 0 else None)
+    return (picks + [None] * n)[:n]
 
 
 @torch.no_grad()

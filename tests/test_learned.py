@@ -232,3 +232,20 @@ def test_generate_probes_the_prompt_then_routes_every_block_of_it_by_the_probes_
     assert out.shape == plain.shape
     back = LearnedRouter.load(_biased_router(mm, 1, probe_prompt=True).save(tmp_path / "p"))
     assert back.probe_prompt
+
+
+def test_generation_adapters_reads_the_generations_own_forwards():
+    """The routing view of a generation: majority over blocks per forward, the probe forward skipped, and
+    None for a last token that was never fed back."""
+    from types import SimpleNamespace
+
+    from molora.bundle import generation_adapters
+
+    t = torch.tensor
+    probe = [(0, t([[0], [0]])), (1, t([[0], [0]])), (2, t([[0], [0]]))]
+    prompt = [(0, t([[0], [1]])), (1, t([[1], [1]])), (2, t([[1], [-1]]))]
+    fed_back = [(0, t([[-1]])), (1, t([[-1]])), (2, t([[0]]))]
+    probing = SimpleNamespace(adapter_names=["a", "b"], probe_prompt=True)
+    assert generation_adapters(probe + prompt + fed_back, probing, 4) == ["b", "b", None, None]
+    plain = SimpleNamespace(adapter_names=["a", "b"], probe_prompt=False)
+    assert generation_adapters(prompt + fed_back, plain, 3) == ["b", "b", None]
