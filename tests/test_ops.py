@@ -247,10 +247,12 @@ def test_fused_equals_reference_and_adds_in_place(case: str) -> None:
     torch.testing.assert_close(out, base + want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("T, S, rank, d_in, d_out", [(37, 5, 6, 40, 136), (130, 3, 16, 64, 192), (5, 2, 9, 17, 65)])
+@pytest.mark.parametrize("T, S, rank, d_in, d_out", [(37, 5, 6, 40, 136), (130, 3, 16, 64, 192), (5, 2, 9, 17, 65),
+                                                    (1400, 4, 16, 520, 1030)])
 def test_fused_vector_paths_and_tails_equal_reference(T, S, rank, d_in, d_out) -> None:
     """Shapes that reach the 16-lane shrink, the 64-column expand tiles, their scalar tails, rank tiles of
-    4 and 1, and partial blocks of fewer than 4 tokens; weights on top-1 choices; a strided out."""
+    4 and 1, and partial blocks of fewer than 4 tokens; weights on top-1 choices; a strided out. The last
+    case is large enough (> 4 MB of rows) for the kernel to prefetch the next block's rows."""
     _fused_or_skip()
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, d_in, generator=g)

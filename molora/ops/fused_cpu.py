@@ -76,15 +76,18 @@ static inline void store1(uint16_t* p, float f) {
 static inline float hsum(v16 v) { float s = 0.f; for (int i = 0; i < 16; ++i) s += v[i]; return s; }
 
 // h[i * R + r] = dot(x[i], A[r]) for NB tokens and RB ranks: NB * RB accumulators, each A chunk
-// loaded once for all NB tokens (A rows stream from L2 once D * RB values outgrow L1).
+// loaded once for all NB tokens (A rows stream from L2 once D * RB values outgrow L1). The npf rows pf
+// (the next block's x) are prefetched a cache line per step, so DRAM fetches overlap this block's work.
 template <typename T, int NB, int RB>
-static inline void shrink_tile(const T* const* x, const T* A, int64_t D, float* h, int64_t R) {
+static inline void shrink_tile(const T* const* x, const T* A, int64_t D, float* h, int64_t R,
+                               const T* const* pf, int npf) {
   v16 acc[NB][RB];
   for (int i = 0; i < NB; ++i)
     for (int r = 0; r < RB; ++r) acc[i][r] = v16{};
   int64_t d = 0;
   for (; d + 16 <= D; d += 16) {
     v16 xv[NB];
+    for (int i = 0; i < npf; ++i) __builtin_prefetch(pf[i] + d, 0, 3);
     for (int i = 0; i < NB; ++i) xv[i] = load16(x[i] + d);
     for (int r = 0; r < RB; ++r) {
       const v16 a = load16(A + r * D + d);
@@ -99,19 +102,22 @@ static inline void shrink_tile(const T* const* x, const T* A, int64_t D, float* 
     }
 }
 
-// h [NB, R] for NB tokens: ranks in tiles of 4 (then 1).
+// h [NB, R] for NB tokens: ranks in tiles of 4 (then 1); the first tile prefetches pf.
 template <typename T, int NB>
-static void shrink(const T* const* x, const T* A, int64_t R, int64_t D, float* h) {
+static void shrink(const T* const* x, const T* A, int64_t R, int64_t D, float* h, const T* const* pf, int npf) {
   int64_t r = 0;
-  for (; r + 4 <= R; r += 4) shrink_tile<T, NB, 4>(x, A + r * D, D, h + r, R);
-  for (; r < R; ++r) shrink_tile<T, NB, 1>(x, A + r * D, D, h + r, R);
+  for (; r + 4 <= R; r += 4) shrink_tile<T, NB, 4>(x, A + r * D, D, h + r, R, pf, r == 0 ? npf : 0);
+  for (; r < R; ++r) shrink_tile<T, NB, 1>(x, A + r * D, D, h + r, R, pf, r == 0 ? npf : 0);
 }
 
 // out[i] += sum_r h[i][r] * Bt[r]  for NB rows, Bt [R, D] row-major; 64-column tiles in registers.
+// The npf rows pf (the next block's out) are prefetched for writing, tile by tile.
 template <typename T, int NB>
-static void expand(T* const* out, const float* h, int64_t R, const T* Bt, int64_t D) {
+static void expand(T* const* out, const float* h, int64_t R, const T* Bt, int64_t D, T* const* pf, int npf) {
   int64_t j = 0;
   for (; j + 64 <= D; j += 64) {
+    for (int i = 0; i < npf; ++i)
+      for (int q = 0; q < 64 * (int)sizeof(T); q += 64) __builtin_prefetch((const char*)(pf[i] + j) + q, 1, 3);
     v16 acc[NB][4];
     for (int i = 0; i < NB; ++i)
       for (int q = 0; q < 4; ++q) acc[i][q] = load16(out[i] + j + 16 * q);
@@ -147,10 +153,15 @@ static void run(T* op, const T* xp, const T* Ap, const T* Bp, int64_t ldx, int64
   }
   const int64_t nblocks = (int64_t)bstart.size();
   bstart.push_back(off);
+  // Software prefetch of the next block's rows pays only when the rows come from DRAM: measured on the
+  // dev CPU (d = 1024, r = 16) 6-12% faster at T = 4096, within noise or slightly slower at T <= 1024.
+  const bool prefetch = off * (Din + Dout) * (int64_t)sizeof(T) > (int64_t)4 << 20;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> h(NB * R);
     T* rows[NB];
     const T* xrows[NB];
+    T* prow[NB];
+    const T* pxrow[NB];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t s = bslot[b], p0 = bstart[b];
       const int64_t n = bstart[b + 1] - p0;     // blocks tile [0, off) in order; the last entry is off
@@ -160,19 +171,25 @@ static void run(T* op, const T* xp, const T* Ap, const T* Bp, int64_t ldx, int64
         xrows[i] = xp + tp[p0 + i] * ldx;
         rows[i] = op + tp[p0 + i] * ldo;
       }
+      int npf = 0;                              // rows of the next block (this thread's) to prefetch
+      if (prefetch && b + 1 < b1) {
+        const int64_t q0 = bstart[b + 1];
+        npf = (int)(bstart[b + 2] - q0);
+        for (int i = 0; i < npf; ++i) { pxrow[i] = xp + tp[q0 + i] * ldx; prow[i] = op + tp[q0 + i] * ldo; }
+      }
       switch (n) {
-        case 4: shrink<T, 4>(xrows, As, R, Din, h.data()); break;
-        case 3: shrink<T, 3>(xrows, As, R, Din, h.data()); break;
-        case 2: shrink<T, 2>(xrows, As, R, Din, h.data()); break;
-        default: shrink<T, 1>(xrows, As, R, Din, h.data()); break;
+        case 4: shrink<T, 4>(xrows, As, R, Din, h.data(), pxrow, npf); break;
+        case 3: shrink<T, 3>(xrows, As, R, Din, h.data(), pxrow, npf); break;
+        case 2: shrink<T, 2>(xrows, As, R, Din, h.data(), pxrow, npf); break;
+        default: shrink<T, 1>(xrows, As, R, Din, h.data(), pxrow, npf); break;
       }
       for (int64_t i = 0; i < n; ++i)
         for (int64_t r = 0; r < R; ++r) h[i * R + r] *= cp[p0 + i];
       switch (n) {
-        case 4: expand<T, 4>(rows, h.data(), R, Bs, Dout); break;
-        case 3: expand<T, 3>(rows, h.data(), R, Bs, Dout); break;
-        case 2: expand<T, 2>(rows, h.data(), R, Bs, Dout); break;
-        default: expand<T, 1>(rows, h.data(), R, Bs, Dout); break;
+        case 4: expand<T, 4>(rows, h.data(), R, Bs, Dout, prow, npf); break;
+        case 3: expand<T, 3>(rows, h.data(), R, Bs, Dout, prow, npf); break;
+        case 2: expand<T, 2>(rows, h.data(), R, Bs, Dout, prow, npf); break;
+        default: expand<T, 1>(rows, h.data(), R, Bs, Dout, prow, npf); break;
       }
     }
   });
@@ -220,7 +237,7 @@ def _load():
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
             # loaded, serves this library too); without it the kernel silently runs on one thread.
-            _module = load_inline(name=f"molora_fused_lora_v4_{_cpu_tag()}", cpp_sources=_SOURCE,
+            _module = load_inline(name=f"molora_fused_lora_v5_{_cpu_tag()}", cpp_sources=_SOURCE,
                                   functions=["lora_fused_"], verbose=False,
                                   extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"])
