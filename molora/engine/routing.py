@@ -133,7 +133,7 @@ def record_probe(scheduled: list[Scheduled], carry_rows: Tensor | None) -> None:
             if req.probing:
                 req.num_computed = s.start + s.n
             else:  # the probe is complete: the real pass starts over with the prompt's decisions
-                req.prompt_routes = req.router.prompt_routes(torch.tensor(req.prompt_routes)).tolist()
+                req.prompt_routes = req.router.prompt_routes(torch.tensor([req.prompt_routes]))[0].tolist()
                 req.num_computed = 0
         offset += s.n
 

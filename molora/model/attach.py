@@ -197,7 +197,7 @@ class MoLoRAModel(nn.Module):
         if getattr(router, "probe_prompt", False):
             self(input_ids, attention_mask=mask, adapter_ids=adapter_ids, position_ids=positions,
                  use_cache=False, logits_to_keep=1)
-            fixed = router.prompt_routes(self.last_carry)
+            fixed = router.prompt_routes(self.last_carry, mask)
         for _ in range(max_new_tokens):
             out = self(step_ids, attention_mask=mask, adapter_ids=adapter_ids, position_ids=step_pos,
                        cache=cache, use_cache=True, start=start, logits_to_keep=1, carry=carry, fixed=fixed)

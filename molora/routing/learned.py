@@ -35,14 +35,16 @@ early and middle gates err the same way (on the default bundle, an arithmetic pr
 in blocks 2-21). With `probe_prompt` the caller first runs the prompt once on the gates (the probe) and
 keeps each prompt token's decision at `carry_source`; the real pass then routes every block of each
 prompt token by that decision (`fixed`, see `molora.routing.base.in_network_decide`). Since the whole
-prompt is known, a token the probe sent to "none" takes the next prompt token's adapter (`prompt_routes`):
-the chat header before any content (`<|im_start|>user\n`, position 0 being the attention sink) cannot tell
-the skill yet, and each adapter was trained with its LoRA on those tokens. The probe costs one more
-forward over the prompt (its logits are not needed). Measured on the default bundle (250 items per skill,
-learned routing with carry; own adapter in brackets): arithmetic 4.0 -> 8.0 [8.0], dyck 78.8 -> 81.2
-[81.6]; object counting 78.8 -> 76.4 without the fill and 80.4 [80.4] with it. Callers:
-`MoLoRAModel.generate` (one probe forward over the whole prompt) and the engine (a probe phase of chunked
-prefill before the real one, `Request.prompt_routes`).
+prompt is known, a token the probe sent to "none" takes the prompt's most frequent adapter
+(`prompt_routes`): the chat header before any content (`<|im_start|>user\n`, position 0 being the
+attention sink) cannot tell the skill yet, and each adapter was trained with its LoRA on those tokens. The
+probe costs one more forward over the prompt (its logits are not needed). Measured on the default bundle,
+learned routing with carry (own adapter in brackets): on the 250 eval items per skill, probe without the
+fill: arithmetic 4.0 -> 8.0 [8.0], Dyck 78.8 -> 81.2 [81.6], but counting 78.8 -> 76.4 [80.4]. The fill
+was chosen on 200 separate validation items per skill (runs/exp/probe_val.py), against no fill and
+against taking the next prompt token's adapter: arithmetic 8.0 / 7.5 / 6.5 [6.5], counting 66.0 / 64.0 /
+66.0 [66.0]. Callers: `MoLoRAModel.generate` (one probe forward over the whole prompt) and the engine (a
+probe phase of chunked prefill before the real one, `Request.prompt_routes`).
 """
 
 from __future__ import annotations
@@ -159,15 +161,19 @@ class LearnedRouter(Router, nn.Module):
             return torch.where(known, carry, ids), None
 
     @staticmethod
-    def prompt_routes(probe: torch.Tensor) -> torch.Tensor:
-        """The prompt tokens' decisions [..., L] from a probe pass's carry_source decisions [..., L]: each
-        "none" (-1) takes the next non-none decision of the prompt (module docstring: Probe)."""
-        L = probe.shape[-1]
-        pos = torch.arange(L, device=probe.device).expand_as(probe)
-        src = torch.where(probe >= 0, pos, torch.full_like(pos, L))           # own index, or L for none
-        nxt = src.flip(-1).cummin(-1).values.flip(-1)                         # first non-none at or after
-        ext = torch.cat([probe, probe.new_full(probe.shape[:-1] + (1,), -1)], -1)
-        return ext.gather(-1, nxt)
+    def prompt_routes(probe: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The prompt tokens' decisions [B, L] from a probe pass's carry_source decisions [B, L]: each "none"
+        (-1) takes the most frequent other decision of its prompt (the lowest index on a tie; a prompt with
+        none other stays none). mask [B, L] (1 = token, 0 = padding) keeps padding out of the count."""
+        K = int(probe.max().clamp(min=0)) + 1
+        real = probe >= 0
+        if mask is not None:
+            real &= mask.to(device=probe.device).bool()
+        counts = torch.zeros(probe.shape[0], K, dtype=torch.long, device=probe.device)
+        counts.scatter_add_(1, probe.clamp(min=0), real.long())                    # [B, K]
+        top = counts.argmax(1, keepdim=True).expand_as(probe)                       # first max: lowest index
+        fill = torch.where(counts.sum(1, keepdim=True) > 0, top, torch.full_like(top, -1))
+        return torch.where(probe == -1, fill, probe)
 
     def choose(self, logits: torch.Tensor, allowed: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
