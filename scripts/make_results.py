@@ -380,7 +380,11 @@ def render(res: dict, command: str, images: list[str]) -> str:
             "extra forward that picks the adapter), summed over all skills; static batches of "
             f"{res['batch_size']} prompts of similar length, {res['threads']} CPU threads, fp32. Rows differ in "
             "how long the answers are (the base model writes sentences until its budget), so seconds per "
-            "item is shown too.", "",
+            "item is shown too." + (
+                " Reused runs (above) keep the timing of the session that ran them, under that session's load on "
+                "the machine, so rows measured at different times are not a side-by-side comparison; "
+                "`scripts/probe_cost.py` times learned routing with and without its probe pass, and the own "
+                "adapter, interleaved in one run." if _reused_note(res) else ""), "",
             _table(["mode", "tokens/s", "relative to base", "seconds per item", "answer tokens per item"],
                    [[m, c["tokens_per_s"], f'{c["tokens_per_s"] / cost["base"]["tokens_per_s"]:.2f}x',
                      c["seconds_per_item"], c["tokens_per_item"]] for m, c in cost.items()]), ""]
