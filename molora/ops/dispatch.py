@@ -153,14 +153,19 @@ def _resolve(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, s
              out: Tensor | None) -> str:
     """Check the tensors against the plan and resolve "auto". Both depend only on shapes and dtypes, so
     a plan remembers the answer per signature: a step's 7 * L target linears have about 4 distinct ones."""
-    key = (x.shape, x.dtype, x.stride(), A.shape, A.dtype, B.shape, B.dtype, B.stride(), scale.shape, scale.dtype,
-           None if out is None else (out.shape, out.dtype), torch.is_grad_enabled())
+    key = (x.shape, x.dtype, x.device, x.stride(), A.shape, A.dtype, B.shape, B.dtype, B.stride(), scale.shape,
+           scale.dtype, None if out is None else (out.shape, out.dtype), torch.is_grad_enabled())
     resolved = plan._checked.get(key)
     if resolved is None:
         validate_tensors(x, A, B, scale, plan.num_tokens, plan.num_slots)
         if out is not None and (out.shape != (x.shape[0], B.shape[1]) or out.dtype != x.dtype):
             _fail("out", f"a {x.dtype} tensor [T={x.shape[0]}, D_out={B.shape[1]}]", f"{out.dtype} {tuple(out.shape)}")
         resolved = backend
+        if backend == "fused" and plan.num_tokens and not fused_cpu.supports(x, B, plan.top_k):
+            raise LoRAInputError("backend 'fused' runs on CPU float32 or bfloat16 tensors with top-1 routing, B stored "
+                                 "slot-major (B.transpose(1, 2) contiguous) and autograd off; got "
+                                 f"{x.device.type} {x.dtype}, top-{plan.top_k}, grad "
+                                 f"{'on' if torch.is_grad_enabled() else 'off'}. Use backend='auto'.")
         if backend == "auto":
             S, R, D_in = A.shape
             small = x.dtype != torch.bfloat16 or plan.num_tokens < FUSED_BF16_TOKENS_PER_SLOT * S
@@ -179,12 +184,7 @@ def _apply(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, sca
     backend = _resolve(backend, plan, x, A, B, scale, out)
     if plan.num_tokens == 0:
         return x.new_zeros(0, B.shape[1]) if out is None else out  # [0, D_out]
-    if backend == "fused":
-        if not fused_cpu.supports(x, B, plan.top_k):
-            raise LoRAInputError("backend 'fused' runs on CPU float32 or bfloat16 tensors with top-1 routing, B stored "
-                                 "slot-major (B.transpose(1, 2) contiguous) and autograd off; got "
-                                 f"{x.device.type} {x.dtype}, top-{plan.top_k}, grad "
-                                 f"{'on' if torch.is_grad_enabled() else 'off'}. Use backend='auto'.")
+    if backend == "fused":  # _resolve checked fused_cpu.supports for this signature
         return fused_cpu.fused_apply(plan.groups(), x, A, B, scale, out)
     if backend == "sort_group":
         return sort_group_apply(plan.groups(), x, A, B, scale, out)

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from molora.ops.gather import LoRABackendError
-from molora.ops.lora import SlotGroups, pair_coefficients
+from molora.ops.lora import SlotGroups
 
 log = logging.getLogger("molora.ops")
 
@@ -140,10 +140,12 @@ static void expand(T* const* out, const float* h, int64_t R, const T* Bt, int64_
     }
 }
 
-// out[tok[p]] += coef[p] * Bt[s_p].T @ (A[s_p] @ x[tok[p]]) for the pairs p of each slot segment.
+// out[tok[p]] += scale[s_p] * w[p] * Bt[s_p].T @ (A[s_p] @ x[tok[p]]) for the pairs p of each slot segment
+// (w = 1 when wp is null).
 template <typename T>
 static void run(T* op, const T* xp, const T* Ap, const T* Bp, int64_t ldx, int64_t ldo, int64_t S, int64_t R,
-                int64_t Din, int64_t Dout, const int64_t* tp, const float* cp, const std::vector<int64_t>& counts) {
+                int64_t Din, int64_t Dout, const int64_t* tp, const float* sp, const float* wp,
+                const std::vector<int64_t>& counts) {
   constexpr int64_t NB = 4;
   std::vector<int64_t> bstart, bslot;            // blocks of <= NB pairs of one slot
   int64_t off = 0;
@@ -184,8 +186,10 @@ static void run(T* op, const T* xp, const T* Ap, const T* Bp, int64_t ldx, int64
         case 2: shrink<T, 2>(xrows, As, R, Din, h.data(), pxrow, npf); break;
         default: shrink<T, 1>(xrows, As, R, Din, h.data(), pxrow, npf); break;
       }
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t r = 0; r < R; ++r) h[i * R + r] *= cp[p0 + i];
+      for (int64_t i = 0; i < n; ++i) {
+        const float c = sp[s] * (wp ? wp[p0 + i] : 1.f);
+        for (int64_t r = 0; r < R; ++r) h[i * R + r] *= c;
+      }
       switch (n) {
         case 4: expand<T, 4>(rows, h.data(), R, Bs, Dout, prow, npf); break;
         case 3: expand<T, 3>(rows, h.data(), R, Bs, Dout, prow, npf); break;
@@ -197,23 +201,25 @@ static void run(T* op, const T* xp, const T* Ap, const T* Bp, int64_t ldx, int64
 }
 
 void lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Tensor Bt, torch::Tensor tok,
-                 torch::Tensor coef, std::vector<int64_t> counts) {
+                 torch::Tensor scale, torch::Tensor weight, std::vector<int64_t> counts) {
   const int64_t S = A.size(0), R = A.size(1), Din = A.size(2), Dout = Bt.size(2);
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
   const int64_t* tp = tok.data_ptr<int64_t>();
-  const float* cp = coef.data_ptr<float>();
+  const float* sp = scale.data_ptr<float>();
+  const float* wp = weight.numel() ? weight.data_ptr<float>() : nullptr;   // empty: every pair weighs 1
   if (x.scalar_type() == at::kFloat) {
     run<float>(out.data_ptr<float>(), x.data_ptr<float>(), A.data_ptr<float>(), Bt.data_ptr<float>(), ldx, ldo,
-               S, R, Din, Dout, tp, cp, counts);
+               S, R, Din, Dout, tp, sp, wp, counts);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora_fused_: float32 or bfloat16 tensors");
     auto u = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
-    run<uint16_t>(u(out), u(x), u(A), u(Bt), ldx, ldo, S, R, Din, Dout, tp, cp, counts);
+    run<uint16_t>(u(out), u(x), u(A), u(Bt), ldx, ldo, S, R, Din, Dout, tp, sp, wp, counts);
   }
 }
 """
 
 _lock = threading.Lock()
+_NO_WEIGHTS = torch.empty(0)  # the kernel's "every pair weighs 1"
 _module = None
 _failed: str | None = None
 
@@ -238,7 +244,7 @@ def _load():
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
             # loaded, serves this library too); without it the kernel silently runs on one thread.
-            _module = load_inline(name=f"molora_fused_lora_v5_{_cpu_tag()}", cpp_sources=_SOURCE,
+            _module = load_inline(name=f"molora_fused_lora_v6_{_cpu_tag()}", cpp_sources=_SOURCE,
                                   functions=["lora_fused_"], verbose=False,
                                   extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"])
@@ -285,6 +291,13 @@ def fused_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, o
         out = x.new_zeros(x.shape[0], B.shape[1])
     elif out.stride(-1) != 1:  # the kernel writes rows with unit stride
         return out.add_(fused_apply(g, x, A, B, scale))
-    coef = pair_coefficients(g, scale, torch.float32)
-    mod.lora_fused_(out, x, A.contiguous(), B.transpose(1, 2), g.tok, coef.contiguous(), g.counts)
+    # The kernel takes scale [S] and the pairs' weights as they are (float32, contiguous: no per-call op in the
+    # usual case); it multiplies them per pair itself.
+    if scale.dtype != torch.float32 or not scale.is_contiguous():
+        scale = scale.float().contiguous()
+    w = g.weight
+    if w is not None and (w.dtype != torch.float32 or not w.is_contiguous()):
+        w = w.float().contiguous()
+    mod.lora_fused_(out, x, A.contiguous(), B.transpose(1, 2), g.tok, scale, _NO_WEIGHTS if w is None else w,
+                    g.counts)
     return out
