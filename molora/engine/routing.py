@@ -80,21 +80,8 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
         if bool((slot_ids < 0).all()):
             return None
         return StepRouting(slot_ids.to(device), None if weights is None else weights.to(device))
-    carry = None
-    if getattr(router, "carry_blocks", 0) > 0:
-        carry = torch.full((T,), -2, dtype=torch.long)
-        offset = 0
-        for s in scheduled:
-            req = s.request
-            if req.mode == "learned":  # generated tokens p whose predecessor's decision is known
-                lo = max(s.start, len(req.prompt_ids))
-                hi = min(s.start + s.n, len(req.prompt_ids) + len(req.route_finals))
-                if lo < hi:
-                    i = lo - len(req.prompt_ids)
-                    carry[offset + lo - s.start:offset + hi - s.start] = torch.tensor(req.route_finals[i:i + hi - lo])
-            offset += s.n
-        carry = carry.to(device)
-    fixed = _fixed_rows(scheduled, T, device) if getattr(router, "probe_prompt", False) else None
+    carry = _token_rows(scheduled, T, device, _carried) if getattr(router, "carry_blocks", 0) > 0 else None
+    fixed = _token_rows(scheduled, T, device, _probed) if getattr(router, "probe_prompt", False) else None
     names = list(router.adapter_names)
     router_slots = torch.tensor([bank.slot_of(n) if n in bank else -1 for n in names], device=device)
     out_groups = []
@@ -107,18 +94,33 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
                        router=router, router_slots=router_slots, groups=out_groups, carry=carry, fixed=fixed)
 
 
-def _fixed_rows(scheduled: list[Scheduled], T: int, device: torch.device) -> Tensor:
-    """[T]: each probed prompt token's decision (molora.routing.learned: Probe); -2 for every other row."""
-    fixed = torch.full((T,), -2, dtype=torch.long)
+def _token_rows(scheduled: list[Scheduled], T: int, device: torch.device, known) -> Tensor:
+    """[T] decisions (router index, -1 none) at the rows of the learned requests' tokens that `known(s)` covers,
+    -2 at every other row. known(s) -> (token index of the first covered token, its decisions and the next ones)."""
+    rows = torch.full((T,), -2, dtype=torch.long)
     offset = 0
     for s in scheduled:
-        req = s.request
-        if req.mode == "learned" and not s.probe and req.prompt_routes is not None:
-            hi = min(s.start + s.n, len(req.prompt_ids))
-            if s.start < hi:
-                fixed[offset:offset + hi - s.start] = torch.tensor(req.prompt_routes[s.start:hi])
+        if s.request.mode == "learned":
+            lo, values = known(s)
+            if values:
+                rows[offset + lo - s.start:offset + lo - s.start + len(values)] = torch.tensor(values)
         offset += s.n
-    return fixed.to(device)
+    return rows.to(device)
+
+
+def _carried(s: Scheduled) -> tuple[int, list[int]]:
+    """The chunk's generated tokens whose predecessor's decision is known (`Request.route_finals`)."""
+    req, P = s.request, len(s.request.prompt_ids)
+    lo, hi = max(s.start, P), min(s.start + s.n, P + len(req.route_finals))
+    return lo, req.route_finals[lo - P:hi - P] if lo < hi else []
+
+
+def _probed(s: Scheduled) -> tuple[int, list[int]]:
+    """The chunk's prompt tokens, with their probe decisions, once the probe is done (`Request.prompt_routes`)."""
+    req = s.request
+    if s.probe or req.prompt_routes is None:
+        return s.start, []
+    return s.start, req.prompt_routes[s.start:min(s.start + s.n, len(req.prompt_ids))]
 
 
 def record_probe(scheduled: list[Scheduled], carry_rows: Tensor | None) -> None:

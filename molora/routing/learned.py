@@ -41,9 +41,9 @@ attention sink) cannot tell the skill yet, and each adapter was trained with its
 probe costs one more forward over the prompt (its logits are not needed). Measured on the default bundle,
 learned routing with carry (own adapter in brackets): on the 250 eval items per skill, probe without the
 fill: arithmetic 4.0 -> 8.0 [8.0], Dyck 78.8 -> 81.2 [81.6], but counting 78.8 -> 76.4 [80.4]. The fill
-was chosen on 200 separate validation items per skill (runs/exp/probe_val.py), against no fill and
-against taking the next prompt token's adapter: arithmetic 8.0 / 7.5 / 6.5 [6.5], counting 66.0 / 64.0 /
-66.0 [66.0]. Callers: `MoLoRAModel.generate` (one probe forward over the whole prompt) and the engine (a
+was chosen on 200 separate validation items per skill (seed EVAL_SEED_BASE + 500 + skill index, none in
+the training or eval items), against no fill and against taking the next prompt token's adapter:
+arithmetic 8.0 / 7.5 / 6.5 [6.5], counting 66.0 / 64.0 / 66.0 [66.0]. Callers: `MoLoRAModel.generate` (one probe forward over the whole prompt) and the engine (a
 probe phase of chunked prefill before the real one, `Request.prompt_routes`).
 """
 
