@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from molora.bench.cli import main as bench_main
-from molora.bench.common import time_interleaved
+from molora.bench.common import paired_ratio, time_interleaved
 from molora.bench.model import lora_flops
 from tests.conftest import tiny_model
 
@@ -40,6 +40,19 @@ def test_interleaved_timing_resets_and_caps_repeats():
     assert t.ratios("a")["a"] == 1.0
 
 
+def test_paired_ratio_cancels_load_shared_by_a_repetition():
+    # The machine slows down 3x for the last two repetitions: both variants pay it alike.
+    base = [10.0, 10.0, 10.0, 30.0, 30.0]
+    lora = [11.0, 11.0, 12.0, 33.0, 33.0]
+    med, q1, q3 = paired_ratio(lora, base)
+    assert med == pytest.approx(1.1) and q1 == pytest.approx(1.1) and q3 == pytest.approx(1.1)
+    assert paired_ratio([12.0, 30.0], [10.0, 10.0, 10.0])[0] == pytest.approx(2.1)  # zips the reps both ran
+    assert all(v != v for v in paired_ratio([], [1.0]))                               # nothing paired: NaN
+    t = time_interleaved({"a": lambda: None, "b": lambda: None}, 3)
+    s = t.summary("a")
+    assert len(s["samples_ms"]["b"]) == 3 and s["paired_vs_a"]["a"] == [1.0, 1.0, 1.0]
+
+
 def test_lora_flops_of_smollm2_are_a_few_percent():
     from transformers import LlamaConfig
 
@@ -55,6 +68,7 @@ def test_ops_bench_json(tmp_path, capsys):
                        "--skip-gather", "--json", str(path)]) == 0
     line = _last_json(capsys)
     assert line["bench"] == "ops" and len(line["rows"]) == 4
+    assert all(len(r["paired_vs_single"]["auto"]) == 3 for r in line["rows"])
     assert json.loads(path.read_text())
 
 
@@ -72,7 +86,12 @@ def test_model_bench_json_on_tiny(tmp_path, capsys):
     # X-LoRA is either measured or its failure is recorded, never silently missing
     assert "xlora" in r["prefill"]["ms"] or "xlora" in r["errors"]
     assert r["kmodality"][0]["K"] == 2 and r["kmodality"][0]["speedup"] > 0
-    assert [g["name"] for g in line["goals"]["rows"]][:2] == ["prefill_vs_base", "decode_vs_base"]
+    goals = line["goals"]["rows"]
+    assert [g["name"] for g in goals][:2] == ["prefill_vs_base", "decode_vs_base"]
+    for g in goals:  # met judges the paired median; its quartiles bracket it
+        for k, (med, q1, q3) in g["values_paired"].items():
+            assert q1 <= med <= q3 and g["met"][k] == (med >= g["limit"] if g["name"].startswith("xlora")
+                                                        else med <= g["limit"])
 
 
 def test_hotset_bench_json_on_tiny(tmp_path, capsys):

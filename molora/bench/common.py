@@ -72,13 +72,35 @@ class Timing:
         vals = getattr(self, stat)
         return {k: round(v / vals[ref], 4) for k, v in vals.items()}
 
+    def paired(self, name: str, ref: str) -> tuple[float, float, float]:
+        """Median and quartiles of name's time over ref's time *within each repetition* (see paired_ratio)."""
+        return paired_ratio(self.samples[name], self.samples[ref])
+
     def summary(self, ref: str | None = None) -> dict[str, Any]:
-        """JSON-ready: medians, minima, sample counts and (with ref) the ratios of the medians to ref."""
+        """JSON-ready: medians, minima, sample counts, the samples themselves (in the order taken) and, with
+        ref, the ratios of the medians to ref and the per-repetition ("paired") ratios to ref."""
         out: dict[str, Any] = {"ms": rounded(self.median), "ms_min": rounded(self.min),
-                               "n": {k: len(v) for k, v in self.samples.items()}}
+                               "n": {k: len(v) for k, v in self.samples.items()},
+                               "samples_ms": {k: [round(x, 3) for x in v] for k, v in self.samples.items()}}
         if ref is not None and ref in self.samples:
             out["vs_" + ref] = self.ratios(ref)
+            out["paired_vs_" + ref] = {k: rounded(list(self.paired(k, ref))) for k in self.samples
+                                       if self.samples[k] and self.samples[ref]}
         return out
+
+
+def paired_ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """(median, lower quartile, upper quartile) of a[i] / b[i] over the repetitions both were timed in.
+
+    time_interleaved times every variant once per repetition, one right after another, so a[i] and b[i]
+    ran under the same load; their ratio cancels a slow change in the machine's load (another tenant
+    starting, frequency drift) that shifts both series and that a ratio of two separate medians keeps.
+    A variant with max_repeats has the first repetitions' samples only: zip pairs exactly those."""
+    r = sorted(x / y for x, y in zip(a, b))
+    if not r:
+        return math.nan, math.nan, math.nan
+    q = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else [r[0], r[0], r[0]]
+    return statistics.median(r), q[0], q[2]
 
 
 def timed_ms(fn: Callable[[], Any]) -> float:

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from molora.bench.common import add_common_args, emit, machine_info, set_threads, time_interleaved
+from molora.bench.common import Timing, add_common_args, emit, machine_info, set_threads, time_interleaved
 from molora.ops import LoRADispatcher
 from molora.ops.dispatch import cost_features
 
@@ -99,8 +99,16 @@ def bench_ops(
                 for r in ranks:
                     inp = _inputs(T, K, r, d, d_out, top_k, dtype, seed=T * 1000 + K * 10 + r)
                     t = time_interleaved(_variant_fns(inp, variants), repeats, warmup=2)
-                    rows.append(_row(T, K, r, d, d_out, top_k, dtype, t.median) | {"ms_min": _round(t.min)})
+                    rows.append(_row(T, K, r, d, d_out, top_k, dtype, t.median) | {"ms_min": _round(t.min)}
+                                | _paired(t))
     return rows
+
+
+def _paired(t: Timing) -> dict:
+    """auto's per-repetition ratios to single and to kpass: [median, lower, upper quartile]
+    (`molora.bench.common.paired_ratio`)."""
+    return {f"paired_vs_{ref}": {"auto": [round(v, 4) for v in t.paired("auto", ref)]}
+            for ref in ("single", "kpass") if "auto" in t.samples and ref in t.samples}
 
 
 def _round(ms: dict[str, float]) -> dict[str, float]:
