@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-out", type=int, default=None, help="output size d_out (default: d)")
     p.add_argument("--top-k", type=int, default=1, help="choices per token (2: weighted top-2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--repeats", type=int, default=10, help="timed repetitions (medians reported)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed repetitions (medians reported; default 10, --quick: 5)")
     p.add_argument("--stat", choices=["median", "min"], default="median",
                    help="statistic in the table (min resists noise from other jobs on a shared CPU)")
     p.add_argument("--skip-gather", action="store_true", help="skip the compiled gather backend")
@@ -216,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     set_threads(a.threads)
     if a.quick:
-        a.Ts, a.Ks, a.ranks, a.skip_gather, a.repeats = [1, 64, 512, 4096], [1, 4], [16], True, min(a.repeats, 5)
+        a.Ts, a.Ks, a.ranks, a.skip_gather = [1, 64, 512, 4096], [1, 4], [16], True
+    if a.repeats is None:
+        a.repeats = 5 if a.quick else 10
     rows = bench_ops(a.Ts, a.Ks, a.ranks, a.d, a.repeats, d_out=a.d_out, top_k=a.top_k,
                      dtype=getattr(torch, a.dtype), gather=not a.skip_gather)
     stat = "ms" if a.stat == "median" else "ms_min"
