@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ("ops", "model", "hotset", "engine", "serve")
+ORDER = ("ops", "ops_grid", "model", "hotset", "engine", "serve")
+QUICK_SKIPS = ("ops_grid",)   # the issue's whole dispatch grid: tens of minutes, so not part of --quick
 
 
 def bench_args(what: str, quick: bool, threads: int, work: Path, docs: Path) -> list[str]:
@@ -36,6 +37,8 @@ def bench_args(what: str, quick: bool, threads: int, work: Path, docs: Path) -> 
     js = ["--json", str(work / f"{what}.json")]
     if what == "ops":   # the quick grid: T in 1, 64, 512, 4096; K in 1, 4; r = 16; 15 repetitions (its goal rows)
         return ["ops", "--quick", "--repeats", "15", *js, "--plot", str(docs / "bench_ops.png")]
+    if what == "ops_grid":  # T in 1, 8, 64, 512, 4096; K in 1, 2, 4, 8, 16; r in 8, 16, 64 (every backend)
+        return ["ops", "--threads", str(threads), "--json", str(work / "ops_grid.json")]
     if what == "model":
         # 7 repetitions even in the quick configuration: the prefill and decode ratios sit near their goals,
         # and with 3 two runs on this machine differed by 0.1-0.2 (1.32x vs 1.11x prefill, 1.24x vs 1.34x decode)
@@ -280,6 +283,32 @@ def ops_section(records: dict[str, dict], out: Path, docs: Path) -> list[str]:
     return lines + ["", f"![ops benchmark]({_rel(docs / 'bench_ops.png', out)})", ""]
 
 
+def ops_grid_section(records: dict[str, dict]) -> list[str]:
+    """The whole T x K x r grid, one pivot table per rank: auto / single and K-pass / auto per (T, K)."""
+    if "ops_grid" not in records:
+        return []
+    rows = records["ops_grid"]["result"]["rows"]
+    Ts, Ks = sorted({r["T"] for r in rows}), sorted({r["K"] for r in rows})
+    cell = {(r["T"], r["K"], r["r"]): r for r in rows}
+    lines = ["### The whole grid", "",
+             f"`{records['ops_grid']['command']}` (d={rows[0]['d']}, fp32, random top-1 routing, "
+             f"{rows[0]['threads']} threads, medians of {records['ops_grid']['result'].get('repeats', 10)} "
+             "interleaved repetitions). Each cell: auto's time / a single adapter's · K-pass time / auto's "
+             "(the per-sequence emulation's cost in units of one per-token pass; K is its limit) · the backend "
+             "auto chose.", ""]
+    for rank in sorted({r["r"] for r in rows}):
+        lines += [f"r = {rank}", "", "| T \\ K | " + " | ".join(str(k) for k in Ks) + " |", "|---" * (len(Ks) + 1) + "|"]
+        for T in Ts:
+            cells = []
+            for K in Ks:
+                r = cell.get((T, K, rank))
+                cells.append("–" if r is None else f"{r['vs_single']['auto']:.2f} · {1 / r['vs_kpass']['auto']:.1f} · "
+                             f"{r.get('auto_backend', '?')}")
+            lines.append(f"| {T} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
 def hotset_section(records: dict[str, dict], out: Path, docs: Path) -> list[str]:
     if "hotset" not in records:
         return []
@@ -376,6 +405,7 @@ def render(records: dict[str, dict], out: Path, docs: Path, script_cmd: str, not
     lines += meaning_section(records)
     lines += model_section(records, out, docs)
     lines += ops_section(records, out, docs)
+    lines += ops_grid_section(records)
     lines += hotset_section(records, out, docs)
     lines += engine_section(records)
     lines += serve_section(records)
@@ -392,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="each bench's quick configuration (a few minutes in all)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per bench (default 1)")
-    p.add_argument("--only", nargs="+", choices=ORDER, default=list(ORDER), help="run only these benches")
+    p.add_argument("--only", nargs="+", choices=ORDER, default=None,
+                   help=f"run only these benches (default: all; with --quick all but {', '.join(QUICK_SKIPS)})")
     p.add_argument("--render-only", action="store_true", help="rebuild the markdown from the records in --work")
     p.add_argument("--out", default="docs/benchmarks.md", help="markdown to write (default docs/benchmarks.md)")
     p.add_argument("--work", default="runs/bench", help="folder for the per-bench JSON and records")
@@ -403,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     out, work, docs = ROOT / out_rel, ROOT / work_rel, ROOT / out_rel.parent
     docs.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
+    if a.only is None:
+        a.only = [w for w in ORDER if not (a.quick and w in QUICK_SKIPS)]
     if not a.render_only:
         for what in a.only:
             args = bench_args(what, a.quick, a.threads, work_rel, out_rel.parent)

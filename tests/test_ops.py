@@ -324,3 +324,21 @@ def test_fused_bf16_close_to_fp32_reference(T, d_in, d_out) -> None:
     assert out.dtype == torch.bfloat16
     err, err_stacked = (out.float() - want).abs().max(), (stacked - want).abs().max()
     assert err <= max(2 * err_stacked, 1e-2 * want.abs().max())
+
+
+def test_backend_for_names_what_apply_runs() -> None:
+    from molora.ops import fused_cpu
+    from molora.ops.lora import LoRAInputError
+
+    x, A, B, scale = torch.randn(6, 8), torch.randn(3, 2, 8), torch.randn(3, 8, 2), torch.ones(3)
+    ids = torch.tensor([0, 1, 2, -1, 0, 1])
+    auto = LoRADispatcher("auto")
+    plan = auto.plan(ids, num_slots=3)
+    chosen = auto.backend_for(plan, x, A, B, scale)
+    assert chosen in BACKENDS and chosen != "auto"
+    if fused_cpu.available():  # B as given is not slot-major: fused cannot take it
+        assert chosen != "fused"
+        assert auto.backend_for(plan, x, A, B.transpose(1, 2).contiguous().transpose(1, 2), scale) == "fused"
+    assert LoRADispatcher("stacked_mask").backend_for(plan, x, A, B, scale) == "stacked_mask"
+    with pytest.raises(LoRAInputError):  # checked as apply checks: x's width must match A
+        auto.backend_for(plan, torch.randn(6, 5), A, B, scale)

@@ -100,8 +100,16 @@ def bench_ops(
                     inp = _inputs(T, K, r, d, d_out, top_k, dtype, seed=T * 1000 + K * 10 + r)
                     t = time_interleaved(_variant_fns(inp, variants), repeats, warmup=2)
                     rows.append(_row(T, K, r, d, d_out, top_k, dtype, t.median) | {"ms_min": _round(t.min)}
-                                | _paired(t))
+                                | _paired(t) | {"auto_backend": _auto_backend(inp)})
     return rows
+
+
+def _auto_backend(inp: dict) -> str:
+    """The backend "auto" resolves to for these inputs (as the timed auto variant, adding into an output)."""
+    d = LoRADispatcher("auto")
+    plan = d.plan(inp["slot_ids"], inp["weights"], num_slots=inp["A"].shape[0])
+    out = inp["x"].new_zeros(inp["x"].shape[0], inp["B"].shape[1])
+    return d.backend_for(plan, inp["x"], inp["A"], inp["B"], inp["scale"], out)
 
 
 def _paired(t: Timing) -> dict:
@@ -230,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
               "auto / faster eager backend: mean %.3f, max %.2f" % auto_regret(rows, stat))
     if a.plot:
         plot(rows, a.plot, stat)
-    emit({"bench": "ops", "machine": machine_info(), "rows": rows}, a.json)
+    emit({"bench": "ops", "machine": machine_info(), "repeats": a.repeats, "rows": rows}, a.json)
     return 0
 
 

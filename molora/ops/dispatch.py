@@ -248,6 +248,11 @@ class LoRADispatcher:
         with out [T, D_out] (e.g. the base output) the delta is added into it in place, no new tensor."""
         return _apply(self.backend, plan, x, A, B, scale, out)
 
+    def backend_for(self, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor,
+                    out: Tensor | None = None) -> str:
+        """The backend `apply` runs for these tensors ("auto" resolved); checks them as `apply` does."""
+        return _resolve(self.backend, plan, x, A, B, scale, out)
+
     def __call__(
         self, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, slot_ids: Tensor, weights: Tensor | None = None
     ) -> Tensor:
