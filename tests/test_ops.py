@@ -336,9 +336,12 @@ def test_backend_for_names_what_apply_runs() -> None:
     plan = auto.plan(ids, num_slots=3)
     chosen = auto.backend_for(plan, x, A, B, scale)
     assert chosen in BACKENDS and chosen != "auto"
-    if fused_cpu.available():  # B as given is not slot-major: fused cannot take it
-        assert chosen != "fused"
-        assert auto.backend_for(plan, x, A, B.transpose(1, 2).contiguous().transpose(1, 2), scale) == "fused"
+    if fused_cpu.available():
+        major = B.transpose(1, 2).contiguous().transpose(1, 2)   # slot-major, as the bank keeps B
+        assert chosen != "fused" and auto.backend_for(plan, x, A, major, scale) != "fused"  # autograd on
+        with torch.inference_mode():
+            assert auto.backend_for(plan, x, A, B, scale) != "fused"      # B not slot-major
+            assert auto.backend_for(plan, x, A, major, scale) == "fused"
     assert LoRADispatcher("stacked_mask").backend_for(plan, x, A, B, scale) == "stacked_mask"
     with pytest.raises(LoRAInputError):  # checked as apply checks: x's width must match A
         auto.backend_for(plan, torch.randn(6, 5), A, B, scale)
