@@ -271,6 +271,30 @@ def test_fused_vector_paths_and_tails_equal_reference(T, S, rank, d_in, d_out) -
     assert not wide[:, 1::2].any()
 
 
+@pytest.mark.parametrize("T, S, rank, d_in, d_out", [(37, 5, 6, 40, 136), (5, 2, 9, 17, 65), (1400, 4, 16, 520, 1030),
+                                                    (300, 2, 16, 576, 192)])
+def test_fused_bf16_paths_equal_reference(T, S, rank, d_in, d_out) -> None:
+    """bfloat16: the dot-product shrink with its scalar tail (d_in not a multiple of 32), lone blocks that
+    widen B as they read it and runs of blocks that widen a slot's B once; within bf16 rounding of the
+    float32 reference computed from the same bf16 inputs, added into a bf16 output."""
+    _fused_or_skip()
+    g = torch.Generator().manual_seed(T + 1)
+    x = torch.randn(T, d_in, generator=g).bfloat16()
+    A = (torch.randn(S, rank, d_in, generator=g) * 0.2).bfloat16()
+    B = (torch.randn(S, rank, d_out, generator=g) * 0.2).bfloat16().transpose(1, 2)
+    scale = torch.rand(S, generator=g) + 0.5
+    ids = torch.randint(-1, S, (T, 1), generator=g)
+    base = torch.randn(T, d_out, generator=g).bfloat16()
+    want = base.float() + lora_delta_reference(x.float(), A.float(), B.float(), scale, ids, None)
+    out = base.clone()
+    with torch.no_grad():
+        dispatch = LoRADispatcher("fused")
+        dispatch.apply(dispatch.plan(ids, num_slots=S), x, A, B, scale, out=out)
+    torch.testing.assert_close(out.float(), want, atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+    unrouted = ids[:, 0] < 0
+    assert torch.equal(out[unrouted], base[unrouted])
+
+
 def test_auto_takes_fused_only_where_it_can_run() -> None:
     _fused_or_skip()
     x, A, B, scale, ids, _ = make(9, 3)
@@ -289,7 +313,13 @@ def test_auto_takes_fused_only_where_it_can_run() -> None:
         assert picked(b=B) in ("stacked_mask", "sort_group")            # B not slot-major
         assert picked(dtype=torch.bfloat16) == "fused"
         assert picked(T=1000) == "fused"                                # float32: at any T
-        assert picked(dtype=torch.bfloat16, T=1000) in ("stacked_mask", "sort_group")  # bf16 GEMMs win there
+        # bf16: the eager backends' bf16 GEMMs win from a number of tokens per slot on (3 slots here)
+        from molora.ops import dispatch as dispatch_module, fused_cpu
+
+        per_slot = (dispatch_module.FUSED_BF16_TOKENS_PER_SLOT if fused_cpu.bf16_dot()
+                    else dispatch_module.FUSED_BF16_SOFT_TOKENS_PER_SLOT)
+        assert picked(dtype=torch.bfloat16, T=per_slot * 3 - 1) == "fused"
+        assert picked(dtype=torch.bfloat16, T=per_slot * 3) in ("stacked_mask", "sort_group")
         assert picked(dtype=torch.float64) in ("stacked_mask", "sort_group")
     assert picked() in ("stacked_mask", "sort_group")                   # autograd on (training)
 

@@ -90,7 +90,7 @@ def bench_ops(
     d_out = d if d_out is None else d_out
     from molora.ops import fused_cpu
 
-    fused = top_k == 1 and dtype == torch.float32 and fused_cpu.available()
+    fused = top_k == 1 and dtype in (torch.float32, torch.bfloat16) and fused_cpu.available()
     variants = [v for v in VARIANTS_OPS if (gather or v != "gather") and (fused or v != "fused")] + list(VARIANTS_BASE)
     rows = []
     with torch.inference_mode():

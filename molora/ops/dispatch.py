@@ -38,11 +38,17 @@ BACKENDS: tuple[str, ...] = ("reference", "sort_group", "stacked_mask", "gather"
 # "auto" takes "fused" (molora.ops.fused_cpu: one C++ pass, each token through its own slot only, no
 # gathers) wherever it can run: CPU, float32 or bfloat16, top-1, no autograd, slot-major B, kernel built.
 # In float32 it beat both eager backends at every measured shape (T 8..2048, d 576/1536, S=4, r=16; see
-# `molora bench ops`). In bfloat16 the eager GEMMs use the CPU's bf16 units while the kernel computes in
-# float32, so stacked_mask catches up as T grows: even at T = 256 with S = 4 (1 thread; fused 78 vs 206 us
-# at T = 64, 263 vs 373 at 128, 518 vs 532 at 256, d 576 x 1536), hence fused in bf16 only below
-# FUSED_BF16_TOKENS_PER_SLOT * S tokens. Elsewhere the cost model below picks between the two eager backends.
-FUSED_BF16_TOKENS_PER_SLOT = 48
+# `molora bench ops`). In bfloat16 the eager GEMMs use the CPU's bf16 units (AMX here) while the kernel runs
+# on vector units, so stacked_mask (S times the LoRA work, in two GEMMs) catches up once the GEMMs are large:
+# with S = 4, r = 16, 2 threads, the kernel's bf16 path as of module v8 (dot-product shrink), fused against
+# stacked_mask in ms: T = 256 0.16/0.28, 0.16/0.26, 0.11/0.22; T = 1024 0.53/0.65, 0.50/0.52, 0.31/0.39;
+# T = 2048 1.00/1.12, 0.97/0.79, 0.61/0.60 (d 576 x 1536, 1536 x 576, 576 x 576). Hence fused in bf16 below
+# FUSED_BF16_TOKENS_PER_SLOT * S tokens. A build without the bf16 dot product (a CPU without AVX512_BF16)
+# widens in software, where the earlier measurement holds (1 thread: fused 78 vs 206 us at T = 64, 263 vs 373
+# at 128, 518 vs 532 at 256): FUSED_BF16_SOFT_TOKENS_PER_SLOT. Elsewhere the cost model below picks between
+# the two eager backends.
+FUSED_BF16_TOKENS_PER_SLOT = 384
+FUSED_BF16_SOFT_TOKENS_PER_SLOT = 48
 
 # The "auto" rule is a cost model of the two eager backends, fitted (least squares on relative error,
 # non-negative terms, points > 60% off dropped as noise from other jobs on the shared CPU) to the minimum
@@ -168,7 +174,8 @@ def _resolve(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, s
                                  f"{'on' if torch.is_grad_enabled() else 'off'}. Use backend='auto'.")
         if backend == "auto":
             S, R, D_in = A.shape
-            small = x.dtype != torch.bfloat16 or plan.num_tokens < FUSED_BF16_TOKENS_PER_SLOT * S
+            per_slot = FUSED_BF16_TOKENS_PER_SLOT if fused_cpu.bf16_dot() else FUSED_BF16_SOFT_TOKENS_PER_SLOT
+            small = x.dtype != torch.bfloat16 or plan.num_tokens < per_slot * S
             if small and fused_cpu.supports(x, B, plan.top_k) and fused_cpu.available():
                 resolved = "fused"
             else:
