@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ("ops", "ops_grid", "model", "hotset", "engine", "serve")
+ORDER = ("ops", "ops_grid", "model", "hotset", "engine", "engine_mixed", "serve")
 
 
 def bench_args(what: str, quick: bool, threads: int, work: Path, docs: Path) -> list[str]:
@@ -47,6 +47,9 @@ def bench_args(what: str, quick: bool, threads: int, work: Path, docs: Path) -> 
     if what == "engine":
         # 3 interleaved repetitions even when quick: single runs of the two throughputs moved 0.86-1.32x apart
         return ["engine", "--repeats", "3", "--decode-samples", "10", "--bf16", "--threads", str(threads), *js]
+    if what == "engine_mixed":  # lengths uniform in [1/4, 1] of the prompt and new-token sizes
+        return ["engine", "--mixed", "--repeats", "3", "--decode-samples", "10", "--threads", str(threads),
+                "--json", str(work / "engine_mixed.json")]
     if what == "serve":  # closed-loop clients, Zipf over the bundle's models, 30% two-skill prompts
         levels = "1,4,16" if quick else "1,4,16,64"
         return ["serve", "--concurrency", levels, "--requests", "16" if quick else "64", "--max-tokens", "48",
@@ -392,6 +395,20 @@ def engine_section(records: dict[str, dict]) -> list[str]:
             f"base {e['bf16_decode_routing_overhead']:.2f}×.", ""] if "bf16_engine_tok_s" in e else [])
 
 
+def engine_mixed_section(records: dict[str, dict]) -> list[str]:
+    if "engine_mixed" not in records:
+        return []
+    e = records["engine_mixed"]["result"]
+    p = e["speedup_vs_hf_routed_paired"]
+    return [f"Mixed lengths (`--mixed`: prompt lengths and new tokens uniform in [1/4, 1] of {e['prompt_len']} and "
+            f"{e['new_tokens']}, {e['generated_tokens']} tokens generated in all; {e['repeats']} interleaved "
+            f"repetitions): engine {e['engine_s']:.2f} s ({e['engine_tok_s']:.1f} tokens/s), transformers with the "
+            f"same routing in static batches of {e['hf_batch']} {e['hf_routed_s']:.2f} s, transformers `generate` "
+            f"without adapters {e['hf_base_s']:.2f} s. Engine speedup over the routed baseline, median of the "
+            f"per-repetition ratios: **{p[0]:.2f}×** [{p[1]:.2f}–{p[2]:.2f}]: static batches pad every prompt to "
+            f"the longest and run until the longest request ends; continuous batching does neither.", ""]
+
+
 def serve_section(records: dict[str, dict]) -> list[str]:
     if "serve" not in records:
         return []
@@ -428,6 +445,7 @@ def render(records: dict[str, dict], out: Path, docs: Path, script_cmd: str, not
     lines += ops_grid_section(records)
     lines += hotset_section(records, out, docs)
     lines += engine_section(records)
+    lines += engine_mixed_section(records)
     lines += serve_section(records)
     lines += commands_section(records, script_cmd)
     lines += ["## Not covered here", "",

@@ -115,3 +115,6 @@ def test_engine_bench_json_on_tiny(monkeypatch, capsys):
     # the kernels are part of a profiled run, so their share lies in (0, 1] and the ceiling is a real bound
     assert 0 < line["engine_kernel_share"] <= 1
     assert line["ceiling_vs_hf_routed"] > 0
+    med, q1, q3 = line["speedup_vs_hf_routed_paired"]          # one repetition: the quartiles are the ratio
+    assert q1 == med == q3
+    assert med == pytest.approx(line["hf_routed_samples_s"][0] / line["engine_samples_s"][0], rel=0.05)  # rounded
