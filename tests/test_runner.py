@@ -70,6 +70,27 @@ def test_one_step_prefill_of_ragged_batch_equals_transformers(mm, adapters):
         assert (logits[i] - _reference(mm, s, routes[i])).abs().max() <= TOL
 
 
+@pytest.mark.parametrize("lens", [[90, 90, 40, 90], [80, 80, 80, 80]])
+def test_fresh_prompts_of_one_length_share_a_batched_causal_call(mm, lens):
+    """Over MERGE_PREFILL_TOKENS in all, fresh prompts of one length run as one [P, H, n, hd] causal call:
+    rows adjacent in the step (a slice) or not (an index: a 40-token prompt lies between); logits as
+    transformers gives each sequence alone."""
+    from molora.model.runner import MERGE_PREFILL_TOKENS
+
+    assert sum(lens) > MERGE_PREFILL_TOKENS
+    runner = ModelRunner(mm, num_blocks=96, block_size=4, max_model_len=128)
+    seqs = [_seq(n, i) for i, n in enumerate(lens)]
+    routes = [_route(n, i) for i, n in enumerate(lens)]
+    pager = _Pager(4)
+    meta = BatchMeta(lens, lens, [pager.table(i, n) for i, n in enumerate(lens)])
+    plan = runner.plan(torch.cat([torch.arange(n) for n in lens]), meta)
+    assert [P for _, P in plan.groups] == [lens.count(90) or 4]
+    logits = runner(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), meta,
+                    StepRouting(torch.cat([_slots(mm, r) for r in routes])), logits=True)
+    for i, s in enumerate(seqs):
+        assert (logits[i] - _reference(mm, s, routes[i])).abs().max() <= TOL
+
+
 def test_chunked_prefill_and_decode_over_paged_cache_equal_transformers(mm):
     """Two sequences advance together: one in prefill chunks, the other decoding; every step's logits
     equal a full forward over the sequence so far. Blocks are interleaved to exercise the paging."""
@@ -190,6 +211,24 @@ def test_mistral_sliding_window_and_qwen2_bias_equal_transformers(kind):
             assert (logits[i] - model(input_ids=s[None]).logits[0, -1]).abs().max() <= TOL
             full = torch.cat([s, nxt[i:i + 1]])
             assert (step[i] - model(input_ids=full[None]).logits[0, -1]).abs().max() <= TOL
+
+
+def test_sliding_window_in_a_batched_causal_call_equals_transformers():
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, sliding_window=5)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    runner = ModelRunner(molora.attach(model), num_blocks=80, block_size=4, max_model_len=160)
+    seqs = [_seq(150, 1), _seq(150, 2)]
+    pager = _Pager(4)
+    meta = BatchMeta([150, 150], [150, 150], [pager.table(i, 150) for i in range(2)])
+    assert [P for _, P in runner.plan(torch.arange(150).repeat(2), meta).groups] == [2]
+    logits = runner(torch.cat(seqs), torch.arange(150).repeat(2), meta, logits=True)
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            assert (logits[i] - model(input_ids=s[None]).logits[0, -1]).abs().max() <= TOL
 
 
 def test_bf16_runner_stays_close_to_bf16_transformers(mm):

@@ -107,6 +107,7 @@ class _AttnPlan:
     dec_blocks: Tensor | None                 # [Bd * nb] cache blocks of their contexts (nb: longest, padded)
     dec_mask: Tensor | None                   # [Bd, 1, 1, nb * bs] bool, True = attend
     chunks: list[tuple[slice | Tensor, Tensor | None, Tensor | None]]  # (rows in T, cache blocks, mask [n, ctx])
+    groups: list[tuple[slice | Tensor, int]]  # (rows in T, P): P fresh prompts of one length, one causal call
 
 
 class ModelRunner:
@@ -276,17 +277,26 @@ class ModelRunner:
             mask = (seg[None, :] == seg[:, None]) & (pos[None, :] <= pos[:, None])  # [Tf, Tf]
             chunks.append((rows, None, mask))
             fresh = []
+        by_len: dict[int, list[int]] = {}  # fresh prompts by length: each length is one batched causal call
+        for b in fresh:
+            by_len.setdefault(q_lens[b], []).append(b)
+        groups: list[tuple[slice | Tensor, int]] = []
+        for n, seqs in by_len.items():
+            if len(seqs) == 1:
+                chunks.append((slice(starts[seqs[0]], starts[seqs[0]] + n), None, None))
+            elif all(starts[b2] == starts[b1] + n for b1, b2 in zip(seqs, seqs[1:])):   # adjacent in T
+                groups.append((slice(starts[seqs[0]], starts[seqs[-1]] + n), len(seqs)))
+            else:
+                groups.append((torch.cat([torch.arange(starts[b], starts[b] + n, device=dev) for b in seqs]),
+                               len(seqs)))
         for b in range(B):
             n, c = q_lens[b], ctx_lens[b]
-            if n == 1 or (c == n and b not in fresh):
+            if n == 1 or c == n:
                 continue
-            sl = slice(starts[b], starts[b] + n)
-            if c == n:  # the whole context is this chunk: plain causal attention
-                chunks.append((sl, None, None))
-            else:       # earlier tokens are in the cache: gather the whole context, causal with offset
-                mask = torch.arange(c, device=dev)[None, :] <= (c - n + torch.arange(n, device=dev))[:, None]
-                chunks.append((sl, table[b, :-(-c // bs)], mask))              # blocks [ceil(c/bs)], mask [n, c]
-        return _AttnPlan(write_rows, ends - 1, dec_tok, dec_blocks, dec_mask, chunks)
+            # earlier tokens are in the cache: gather the whole context, causal with offset
+            mask = torch.arange(c, device=dev)[None, :] <= (c - n + torch.arange(n, device=dev))[:, None]
+            chunks.append((slice(starts[b], starts[b] + n), table[b, :-(-c // bs)], mask))  # blocks, mask [n, c]
+        return _AttnPlan(write_rows, ends - 1, dec_tok, dec_blocks, dec_mask, chunks, groups)
 
 
 class _Block:
@@ -330,6 +340,15 @@ class _Block:
         if plan.dec_tok is not None:
             out[plan.dec_tok] = self._decode(q[plan.dec_tok], cache.blocks(kc), cache.blocks(vc), plan,
                                              positions[plan.dec_tok])
+        for rows, P in plan.groups:  # P fresh prompts of one length n: [P, H, n, hd], plain causal attention
+            qq, kk, vv = (t[rows].view(P, -1, t.shape[1], hd).transpose(1, 2) for t in (q, k, v))
+            mask = None
+            if self.window is not None:
+                kpos = torch.arange(qq.shape[2], device=x.device)
+                mask = (kpos[None, :] > kpos[:, None] - self.window) & (kpos[None, :] <= kpos[:, None])
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=mask is None,
+                                               scale=self.scaling, enable_gqa=True)   # [P, H, n, hd]
+            out[rows] = o.transpose(1, 2).reshape(-1, H, hd)
         for rows, blocks, mask in plan.chunks:
             if blocks is None:  # all keys are in this step (fresh prompts): no cache read
                 kk, vv, kpos = k[rows], v[rows], positions[rows]
