@@ -188,14 +188,11 @@ def meaning_section(records: dict[str, dict]) -> list[str]:
                   f"LoRA arithmetic is negligible and the ratio is almost all overhead).", ""]
     pre = r["prefill"]["ms"]
     if "peft_single" in pre:
-        from molora.bench.common import paired_ratio
+        from molora.bench.model import scenario_ratio
 
         K = r["adapters"]
-        smp = r["prefill"].get("samples_ms")
-        vs_single = (paired_ratio(smp["molora"], smp["peft_single"])[0] if smp
-                     else pre["molora"] / pre["peft_single"])
         lines += [f"The prefill floor measured rather than counted: `peft_single` (PEFT with one adapter active on "
-                  f"every token, the plainest unmerged LoRA) costs **{_vs_base(r['prefill'], 'peft_single'):.2f}×** the "
+                  f"every token, the plainest unmerged LoRA) costs **{scenario_ratio(r['prefill'], 'peft_single', 'base'):.2f}×** the "
                   f"base in the same run, above the {1 + f['lora_vs_body']:.3f}× the FLOPs allow: at a hidden "
                   f"size of {r['config']['hidden_size']} every LoRA GEMM is skinny (r = {r['rank']} columns) and "
                   f"adding its [T, d_out] result to the base output is a full extra pass over that output, both "
@@ -205,22 +202,18 @@ def meaning_section(records: dict[str, dict]) -> list[str]:
                   f"does neither: each token's row goes through its own adapter's A and B where it lies, in 16-lane "
                   f"vectors with 64-column output tiles held in registers, and the delta is added into the base "
                   f"output in the same pass. molora per-token prefill is "
-                  f"**{vs_single:.2f}×** `peft_single` here (paired ratios). The LoRA share shrinks with "
+                  f"**{scenario_ratio(r['prefill'], 'molora', 'peft_single'):.2f}×** `peft_single` here (paired ratios). The LoRA share shrinks with "
                   f"the model: r·(d_in + d_out) / (d_in·d_out) ≈ 2r/d per square projection, "
                   f"{200 * r['rank'] / r['config']['hidden_size']:.1f}% at d = {r['config']['hidden_size']}, "
                   f"{200 * r['rank'] / 2048:.1f}% at d = 2048 (not measured here).", ""]
     return lines
 
 
-def _vs_base(scenario: dict, name: str) -> float:
-    """name's time / base's: the paired median where the record has one (older records: ratio of medians)."""
-    paired = scenario.get("paired_vs_base", {}).get(name)
-    return paired[0] if paired else scenario["vs_base"][name]
-
-
 def model_section(records: dict[str, dict], out: Path, docs: Path) -> list[str]:
     if "model" not in records:
         return []
+    from molora.bench.model import scenario_ratio
+
     res = records["model"]["result"]
     plan = res["plan"]
     lines = ["## Model: prefill and decode", "",
@@ -247,15 +240,13 @@ def model_section(records: dict[str, dict], out: Path, docs: Path) -> list[str]:
                   "| scenario | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for s in scen:
             label = "prefill" if s == "prefill" else f"decode, batch {r[s]['batch']}"
-            cells = [f"{fmt_ms(r[s]['ms'][n])} ({_vs_base(r[s], n):.2f}×)" if n in r[s]["ms"] else "–"
+            cells = [f"{fmt_ms(r[s]['ms'][n])} ({scenario_ratio(r[s], n, 'base'):.2f}×)" if n in r[s]["ms"] else "–"
                      for n in names]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
         if r["errors"]:
             lines += [f"Could not build: {r['errors']}", ""]
         if r.get("kmodality"):
-            from molora.bench.model import kmod_speedup
-
             k0 = r["kmodality"][0]
             lines += [f"K-modality workload on {r['model']}: {k0['batch']}×{k0['length']} tokens alternating K "
                       f"vocab-routed modalities in runs of {k0['segment']} tokens (VocabRouter over K equal "
@@ -263,10 +254,10 @@ def model_section(records: dict[str, dict], out: Path, docs: Path) -> list[str]:
                       "| K | base ms | per-token ms (× base) | per-sequence ms (× base) | speedup | limit |",
                       "|---|---|---|---|---|---|"]
             for k in r["kmodality"]:
-                speedup = kmod_speedup(k)
+                speedup = scenario_ratio(k, "per_sequence", "per_token")
                 lines.append(f"| {k['K']} | {fmt_ms(k['ms']['base'])} | {fmt_ms(k['ms']['per_token'])} "
-                             f"({_vs_base(k, 'per_token'):.2f}×) | {fmt_ms(k['ms']['per_sequence'])} "
-                             f"({_vs_base(k, 'per_sequence'):.2f}×) | **{speedup:.2f}×** | {k['K']}× |")
+                             f"({scenario_ratio(k, 'per_token', 'base'):.2f}×) | {fmt_ms(k['ms']['per_sequence'])} "
+                             f"({scenario_ratio(k, 'per_sequence', 'base'):.2f}×) | **{speedup:.2f}×** | {k['K']}× |")
             lines.append("")
     lines += ["PEFT X-LoRA notes: `XLoraModel` refuses a model config with `use_cache=True` and its `generate` "
               "forces `use_cache=False`, so it has no KV cache; its decode column (`xlora_recompute`) is what one "

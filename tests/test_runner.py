@@ -70,8 +70,8 @@ def test_one_step_prefill_of_ragged_batch_equals_transformers(mm, adapters):
         assert (logits[i] - _reference(mm, s, routes[i])).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("lens", [[90, 90, 40, 90], [80, 80, 80, 80]])
-def test_fresh_prompts_of_one_length_share_a_batched_causal_call(mm, lens):
+@pytest.mark.parametrize("lens, sizes", [([90, 90, 40, 90], [3, 1]), ([80, 80, 80, 80], [4])])
+def test_fresh_prompts_of_one_length_share_a_batched_causal_call(mm, lens, sizes):
     """Over MERGE_PREFILL_TOKENS in all, fresh prompts of one length run as one [P, H, n, hd] causal call:
     rows adjacent in the step (a slice) or not (an index: a 40-token prompt lies between); logits as
     transformers gives each sequence alone."""
@@ -84,7 +84,7 @@ def test_fresh_prompts_of_one_length_share_a_batched_causal_call(mm, lens):
     pager = _Pager(4)
     meta = BatchMeta(lens, lens, [pager.table(i, n) for i, n in enumerate(lens)])
     plan = runner.plan(torch.cat([torch.arange(n) for n in lens]), meta)
-    assert [P for _, P in plan.groups] == [lens.count(90) or 4]
+    assert [P for _, P in plan.groups] == sizes   # a prompt alone is a call of one
     logits = runner(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), meta,
                     StepRouting(torch.cat([_slots(mm, r) for r in routes])), logits=True)
     for i, s in enumerate(seqs):

@@ -38,8 +38,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from molora.bench.common import paired_ratio
 from molora.adapters import save_adapter
+from molora.bench.common import paired_ratio
 from molora.config import LLAMA_PROJECTIONS, SamplingParams
 from molora.engine import Engine, EngineConfig
 from molora.engine.hotset import HotSet

@@ -355,16 +355,16 @@ def bench_kmodality(st: Stack, plan: Plan) -> list[dict]:
         s = _scenario(f"{st.name} K-modality K={K}", fns, plan.repeats)
         s.update(K=K, batch=plan.kmod_batch, length=plan.prefill[1], segment=plan.segment,
                  speedup_of_medians=round(s["ms"]["per_sequence"] / s["ms"]["per_token"], 3))
-        s["speedup"] = round(kmod_speedup(s), 3)
+        s["speedup"] = round(scenario_ratio(s, "per_sequence", "per_token"), 3)
         rows.append(s)
     return rows
 
 
-def kmod_speedup(row: dict) -> float:
-    """A K-modality row's per-sequence time / per-token time: the paired median (a record made before the
-    samples were kept: the ratio of medians it stored)."""
-    smp = row.get("samples_ms")
-    return paired_ratio(smp["per_sequence"], smp["per_token"])[0] if smp else row["speedup"]
+def scenario_ratio(s: dict, a: str, b: str) -> float:
+    """a's time / b's in one scenario record (`_scenario`, a K-modality row): the paired median of its samples;
+    a record made before the samples were kept: the ratio of its medians."""
+    smp = s.get("samples_ms")
+    return paired_ratio(smp[a], smp[b])[0] if smp else s["ms"][a] / s["ms"][b]
 
 
 def goals(results: list[dict]) -> dict:
@@ -432,7 +432,7 @@ def format_table(out: dict) -> str:
             lines.append(f"{label:<12}{cells}")
         for row in r.get("kmodality", []):
             lines.append(f"K-modality K={row['K']}: per-token {row['ms']['per_token']:.1f} ms, per-sequence "
-                         f"{row['ms']['per_sequence']:.1f} ms: speedup {kmod_speedup(row):.2f}x (limit {row['K']}x)")
+                         f"{row['ms']['per_sequence']:.1f} ms: speedup {row['speedup']:.2f}x (limit {row['K']}x)")
         if r["errors"]:
             lines.append(f"errors: {r['errors']}")
     for g in out["goals"]["rows"]:
@@ -459,7 +459,7 @@ def plot(out: dict, path: str) -> None:
         width = 0.8 / len(names)
         for i, n in enumerate(names):
             xs = [j + i * width for j in range(len(scen))]
-            ys = [r[s].get("paired_vs_base", {}).get(n, [r[s]["vs_base"].get(n, float("nan"))])[0] for s in scen]
+            ys = [scenario_ratio(r[s], n, "base") if n in r[s]["ms"] else float("nan") for s in scen]
             ax.bar(xs, [min(y, top) for y in ys], width, label=n)
             for x, y in zip(xs, ys):
                 if y > top:
@@ -472,7 +472,8 @@ def plot(out: dict, path: str) -> None:
         ax = axes[0][-1]
         for r in kmod:
             Ks = [row["K"] for row in r["kmodality"]]
-            ax.plot(Ks, [kmod_speedup(row) for row in r["kmodality"]], marker="o", label=f"{r['model']} measured")
+            ax.plot(Ks, [scenario_ratio(row, "per_sequence", "per_token") for row in r["kmodality"]], marker="o",
+                    label=f"{r['model']} measured")
         ax.plot(Ks, Ks, "k--", lw=0.8, label="K (the limit)")
         ax.set(xlabel="K modalities", ylabel="per-sequence (K passes) / per-token (1 pass)",
                title="K-modality workload", xticks=Ks)

@@ -107,7 +107,7 @@ class _AttnPlan:
     dec_blocks: Tensor | None                 # [Bd * nb] cache blocks of their contexts (nb: longest, padded)
     dec_mask: Tensor | None                   # [Bd, 1, 1, nb * bs] bool, True = attend
     chunks: list[tuple[slice | Tensor, Tensor | None, Tensor | None]]  # (rows in T, cache blocks, mask [n, ctx])
-    groups: list[tuple[slice | Tensor, int]]  # (rows in T, P): P fresh prompts of one length, one causal call
+    groups: list[tuple[slice | Tensor, int]]  # (rows in T, P): P >= 1 fresh prompts of one length, one causal call
 
 
 class ModelRunner:
@@ -282,9 +282,7 @@ class ModelRunner:
             by_len.setdefault(q_lens[b], []).append(b)
         groups: list[tuple[slice | Tensor, int]] = []
         for n, seqs in by_len.items():
-            if len(seqs) == 1:
-                chunks.append((slice(starts[seqs[0]], starts[seqs[0]] + n), None, None))
-            elif all(starts[b2] == starts[b1] + n for b1, b2 in zip(seqs, seqs[1:])):   # adjacent in T
+            if all(starts[b2] == starts[b1] + n for b1, b2 in zip(seqs, seqs[1:])):   # adjacent in T (or alone)
                 groups.append((slice(starts[seqs[0]], starts[seqs[-1]] + n), len(seqs)))
             else:
                 groups.append((torch.cat([torch.arange(starts[b], starts[b] + n, device=dev) for b in seqs]),
@@ -350,7 +348,7 @@ class _Block:
                                                scale=self.scaling, enable_gqa=True)   # [P, H, n, hd]
             out[rows] = o.transpose(1, 2).reshape(-1, H, hd)
         for rows, blocks, mask in plan.chunks:
-            if blocks is None:  # all keys are in this step (fresh prompts): no cache read
+            if blocks is None:  # the merged fresh prompts (block-diagonal mask): all keys are in this step
                 kk, vv, kpos = k[rows], v[rows], positions[rows]
             else:  # gather whole blocks (contiguous copies), then cut to the context length
                 c = mask.shape[1]

@@ -200,6 +200,18 @@ static void expand(T* const* out, const float* h, int64_t R, const TB* Bt, int64
     }
 }
 
+// expand for a block of n <= 4 rows (the row count is a template argument of expand).
+template <typename T, typename TB>
+static void expand_rows(int64_t n, T* const* out, const float* h, int64_t R, const TB* Bt, int64_t D, T* const* pf,
+                        int npf) {
+  switch (n) {
+    case 4: expand<T, TB, 4>(out, h, R, Bt, D, pf, npf); break;
+    case 3: expand<T, TB, 3>(out, h, R, Bt, D, pf, npf); break;
+    case 2: expand<T, TB, 2>(out, h, R, Bt, D, pf, npf); break;
+    default: expand<T, TB, 1>(out, h, R, Bt, D, pf, npf); break;
+  }
+}
+
 // out[tok[p]] += scale[s_p] * w[p] * Bt[s_p].T @ (A[s_p] @ x[tok[p]]) for the pairs p of each slot segment
 // (w = 1 when wp is null).
 template <typename T>
@@ -265,22 +277,8 @@ static void run(T* op, const T* xp, const T* Ap, const T* Bp, int64_t ldx, int64
         for (; e < R * Dout; ++e) bw[e] = load1(Bs + e);
         bw_slot = s;
       }
-      if (wide) {
-        const float* Bw = bw.data();
-        switch (n) {
-          case 4: expand<T, float, 4>(rows, h.data(), R, Bw, Dout, prow, npf); break;
-          case 3: expand<T, float, 3>(rows, h.data(), R, Bw, Dout, prow, npf); break;
-          case 2: expand<T, float, 2>(rows, h.data(), R, Bw, Dout, prow, npf); break;
-          default: expand<T, float, 1>(rows, h.data(), R, Bw, Dout, prow, npf); break;
-        }
-      } else {
-        switch (n) {
-          case 4: expand<T, T, 4>(rows, h.data(), R, Bs, Dout, prow, npf); break;
-          case 3: expand<T, T, 3>(rows, h.data(), R, Bs, Dout, prow, npf); break;
-          case 2: expand<T, T, 2>(rows, h.data(), R, Bs, Dout, prow, npf); break;
-          default: expand<T, T, 1>(rows, h.data(), R, Bs, Dout, prow, npf); break;
-        }
-      }
+      if (wide) expand_rows<T, float>(n, rows, h.data(), R, bw.data(), Dout, prow, npf);
+      else expand_rows<T, T>(n, rows, h.data(), R, Bs, Dout, prow, npf);
     }
   });
 }
