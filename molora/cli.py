@@ -178,6 +178,12 @@ def _train_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-prompt", action=argparse.BooleanOptionalAction, default=None,
                    help="route each prompt token's blocks by a probe pass's last-block decision (one more "
                         "forward over the prompt; default: on wherever carry is on)")
+    p.add_argument("--confidence", type=float, default=0.0,
+                   help="an adapter takes a token only with at least this gate probability, else the base model "
+                        "does (0..1; default 0 = the most probable class; choose it on validation data)")
+    p.add_argument("--prompt-share", type=float, default=0.0,
+                   help="a request whose prompt the probe gives to adapters less than this share of runs wholly "
+                        "on the base model (0..1; needs the probe; default 0 = only a wholly unclaimed prompt)")
     p.add_argument("--tokens-per-seq", type=int, default=16,
                    help="labelled tokens sampled per sequence for the gates (default 16; more trains rare "
                         "positions better, memory grows as tokens x blocks x hidden size)")
@@ -195,8 +201,8 @@ def _train_router(args: argparse.Namespace) -> int:
     mm = load(args.bundle)
     cfg = RouterTrainConfig(placement=args.placement, composable=args.composable, top_k=args.top_k,
                             refine_margin=args.refine_margin, carry_blocks=args.carry_blocks,
-                            probe_prompt=args.probe_prompt,
-                            tokens_per_seq=args.tokens_per_seq, seed=args.seed)
+                            probe_prompt=args.probe_prompt, confidence=args.confidence,
+                            prompt_share=args.prompt_share, tokens_per_seq=args.tokens_per_seq, seed=args.seed)
     data = dict(d.split("=", 1) for d in args.data)
     report = train_router_for_bundle(mm, data, cfg, limit=args.limit, mixed=args.mixed, seed=args.seed)
     print(json.dumps(report))

@@ -209,9 +209,9 @@ def test_fixed_decisions_hold_at_every_block_and_probe_needs_carry():
         assert ids[:, 0].tolist() == [1, 0, -1] and w is None     # -2: the gate decides
         assert in_network_decide(router, block, h, None, None, torch.tensor([1, 1, -1]))[0][:, 0].tolist() == [1, 1, -1]
     probe = torch.tensor([[-1, -1, 2, -1, 1, 2], [1, -1, -1, 0, 0, 1], [-1, -1, -1, -1, -1, -1]])
-    assert LearnedRouter.prompt_routes(probe).tolist() == [[2, 2, 2, 2, 1, 2], [1, 0, 0, 0, 0, 1], [-1] * 6]
+    assert router.prompt_routes(probe).tolist() == [[2, 2, 2, 2, 1, 2], [1, 0, 0, 0, 0, 1], [-1] * 6]
     mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1], [1] * 6])            # padding does not vote
-    assert LearnedRouter.prompt_routes(torch.tensor([[1, 1, 1, 0, -1, 0]]), mask[1:2]).tolist() == [[1, 1, 1, 0, 0, 0]]
+    assert router.prompt_routes(torch.tensor([[1, 1, 1, 0, -1, 0]]), mask[1:2]).tolist() == [[1, 1, 1, 0, 0, 0]]
     with pytest.raises(RoutingError, match="probe_prompt needs carry_blocks"):
         LearnedRouterConfig(("a", "b"), 8, 3, probe_prompt=True)
 

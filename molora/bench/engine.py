@@ -187,7 +187,8 @@ def measure(mm: Any, cfg: EngineConfig, prompts: list[list[int]], news: list[int
     out = {f"{k}_s": v for k, v in med.items()}
     out.update({f"{k}_tok_s": gen / v for k, v in med.items()})
     kernel_s, profiled_s = kernel_seconds(variants["engine"])
-    out.update({f"{k}_samples_s": [round(x, 3) for x in v] for k, v in secs.items()})
+    out.update({f"{k}_samples_s": [float(f"{x:.6g}") for x in v] for k, v in secs.items()})  # 6 digits: a ratio
+    # recomputed from the record agrees with the stored one (3 decimals lost most of a tiny run's milliseconds)
     out["speedup_vs_hf_routed_paired"] = list(paired_ratio(secs["hf_routed"], secs["engine"]))  # [median, q1, q3]
     out.update(speedup_vs_hf_routed=med["hf_routed"] / med["engine"], speedup_vs_hf_base=med["hf_base"] / med["engine"],
                engine_base_vs_hf_base=med["hf_base"] / med["engine_base"],

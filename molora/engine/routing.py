@@ -10,7 +10,8 @@
                `carry_source` block (`Request.route_finals`, kept by `record_carry` after each step, so a
                recomputed sequence routes exactly as before). A router with `probe_prompt` first runs each
                prompt on its gates (probe chunks; `record_probe` keeps every prompt token's decision in
-               `Request.prompt_routes`), then every block of each prompt token takes that decision (`fixed`)
+               `Request.prompt_routes`), then every block of each prompt token takes that decision (`fixed`);
+               a prompt the probe keeps wholly on the base model turns the request to "none" (Base expert)
 
 `plan_routing` turns the scheduled chunks of one step into a `StepRouting` for the runner: slot ids [T, k]
 (-1 = base) and weights [T, k] or None, plus the learned router's row groups and its adapter -> slot map.
@@ -135,7 +136,10 @@ def record_probe(scheduled: list[Scheduled], carry_rows: Tensor | None) -> None:
             if req.probing:
                 req.num_computed = s.start + s.n
             else:  # the probe is complete: the real pass starts over with the prompt's decisions
-                req.prompt_routes = req.router.prompt_routes(torch.tensor([req.prompt_routes]))[0].tolist()
+                routes = req.router.prompt_routes(torch.tensor([req.prompt_routes]))
+                req.prompt_routes = routes[0].tolist()
+                if bool(req.router.base_only(routes)[0]):  # the router keeps this request on the base model
+                    req.mode = "none"                        # (molora.routing.learned: Base expert)
                 req.num_computed = 0
         offset += s.n
 

@@ -175,7 +175,8 @@ class MoLoRAModel(nn.Module):
         The router sees each generated token when it is fed back in, so for `VocabRouter` the input token
         decides; a learned router with `carry_blocks` gets each fed-back token's carried decision (the
         previous token's at its `carry_source` block); with `probe_prompt` a probe forward over the prompt
-        first gives each prompt token the decision that routes all its blocks. Finished rows are filled with
+        first gives each prompt token the decision that routes all its blocks, and a prompt it keeps on the
+        base model keeps its whole answer there (molora.routing.learned: Base expert). Finished rows are filled with
         pad_token_id (default: the first eos id).
         """
         from transformers import DynamicCache
@@ -198,10 +199,14 @@ class MoLoRAModel(nn.Module):
             self(input_ids, attention_mask=mask, adapter_ids=adapter_ids, position_ids=positions,
                  use_cache=False, logits_to_keep=1)
             fixed = router.prompt_routes(self.last_carry, mask)
+        # rows the probe kept wholly on the base model stay there for every generated token (Base expert)
+        base_rows = None if fixed is None else router.base_only(fixed, mask)
+        held = None if base_rows is None or not bool(base_rows.any()) else \
+            torch.where(base_rows, -1, -2)[:, None]                                 # [B, 1]
         for _ in range(max_new_tokens):
             out = self(step_ids, attention_mask=mask, adapter_ids=adapter_ids, position_ids=step_pos,
                        cache=cache, use_cache=True, start=start, logits_to_keep=1, carry=carry, fixed=fixed)
-            fixed = None
+            fixed = held
             carry = None if self.last_carry is None else self.last_carry[:, -1:]
             nxt = sample_next(out.logits[:, -1], temperature, top_k, top_p, gen)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)

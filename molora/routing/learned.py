@@ -50,6 +50,8 @@ probe phase of chunked prefill before the real one, `Request.prompt_routes`).
 from __future__ import annotations
 
 import json
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,6 +67,9 @@ from molora.routing.base import Router, Routing
 
 ROUTER_WEIGHTS = "router.safetensors"
 ROUTER_CONFIG = "router.json"
+BASE_EXPERT_KEYS = ("confidence", "prompt_share")  # router.json keys of the base expert (absent in old files)
+
+log = logging.getLogger("molora.routing")
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,9 @@ class LearnedRouterConfig:
     threshold: float = 0.0          # composable: a gate must exceed this logit to claim a token
     carry_blocks: int = 0           # generated tokens: blocks below this take the previous token's decision
     probe_prompt: bool = False      # prompt tokens: every block takes a probe pass's carry_source decision
+    confidence: float = 0.0         # base expert: an adapter takes a token only with probability >= this
+    prompt_share: float = 0.0       # base expert: the share of prompt tokens the probe must give to adapters,
+                                    # else the whole request (prompt and answer) runs on the base model
 
     def __post_init__(self) -> None:
         if self.placement not in ("per_block", "shared"):
@@ -93,6 +101,14 @@ class LearnedRouterConfig:
                                   or not 0 < self.carry_blocks < self.num_blocks):
             raise RoutingError(f"carry_blocks={self.carry_blocks}: carry needs placement='per_block', top_k=1 and "
                                f"0 < carry_blocks < num_blocks ({self.num_blocks}); use 0 to turn it off")
+        for key in ("confidence", "prompt_share"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+                raise RoutingError(f"{key}={value!r} is outside [0, 1]: it is a probability (a share of the "
+                                   f"prompt for prompt_share); use 0 to turn it off")
+        if self.prompt_share and not self.probe_prompt:
+            raise RoutingError(f"prompt_share={self.prompt_share} needs probe_prompt=true (the probe pass measures "
+                               "the share); set probe_prompt or prompt_share=0")
         if self.probe_prompt and not self.carry_blocks:
             raise RoutingError("probe_prompt needs carry_blocks > 0 (the probe keeps the decisions at the "
                                "carry_source block); set carry_blocks or probe_prompt=false")
@@ -160,37 +176,59 @@ class LearnedRouter(Router, nn.Module):
             ids, _ = self.choose(self.logits(gate, hidden), allowed)
             return torch.where(known, carry, ids), None
 
-    @staticmethod
-    def prompt_routes(probe: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The prompt tokens' decisions [B, L] from a probe pass's carry_source decisions [B, L]: each "none"
-        (-1) takes the most frequent other decision of its prompt (the lowest index on a tie; a prompt with
-        none other stays none). mask [B, L] (1 = token, 0 = padding) keeps padding out of the count."""
+    def prompt_routes(self, probe: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The prompt tokens' decisions [B, L] from a probe pass's carry_source decisions [B, L] (module
+        docstring: Probe and Base expert). mask [B, L] (1 = token, 0 = padding) keeps padding out of the counts.
+
+        A prompt whose share of tokens the probe gave to adapters is below `prompt_share`, or is zero, stays
+        wholly on the base model (every decision -1: the caller then keeps its answer there too). Otherwise
+        each "none" (-1) takes the most frequent other decision of its prompt (the lowest index on a tie)."""
+        real = torch.ones_like(probe, dtype=torch.bool) if mask is None else mask.to(device=probe.device).bool()
+        claimed = (probe >= 0) & real
         K = int(probe.max().clamp(min=0)) + 1
-        real = probe >= 0
-        if mask is not None:
-            real &= mask.to(device=probe.device).bool()
         counts = torch.zeros(probe.shape[0], K, dtype=torch.long, device=probe.device)
-        counts.scatter_add_(1, probe.clamp(min=0), real.long())                    # [B, K]
+        counts.scatter_add_(1, probe.clamp(min=0), claimed.long())                 # [B, K]
         top = counts.argmax(1, keepdim=True).expand_as(probe)                       # first max: lowest index
-        fill = torch.where(counts.sum(1, keepdim=True) > 0, top, torch.full_like(top, -1))
-        return torch.where(probe == -1, fill, probe)
+        share = claimed.sum(1) / real.sum(1).clamp(min=1)                           # [B]
+        base = (claimed.sum(1) == 0) | (share < self.config.prompt_share)           # [B]
+        filled = torch.where(probe == -1, top, probe)
+        return torch.where(base[:, None], torch.full_like(probe, -1), filled)
+
+    @staticmethod
+    def base_only(routes: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B] bool: rows of `prompt_routes` that stay wholly on the base model (every real token -1)."""
+        off = routes == -1
+        if mask is not None:
+            off |= ~mask.to(device=routes.device).bool()
+        return off.all(1)
 
     def choose(self, logits: torch.Tensor, allowed: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(adapter_ids [T, k], weights [T, k] | None) from gate logits [T, C]."""
+        """(adapter_ids [T, k], weights [T, k] | None) from gate logits [T, C].
+
+        An adapter whose probability is below `confidence` gives its token to the base model (-1): for the
+        joint gate the softmax over the K adapters and "none", for a composable gate its own sigmoid."""
         K = len(self.adapter_names)
+        conf = self.config.confidence
         if self.config.composable:
-            # composable: column K is a fixed "none" logit at the threshold
-            logits = torch.cat([logits, logits.new_full((logits.shape[0], 1), self.config.threshold)], 1)
+            # composable: column K is a fixed "none" logit at the threshold (raised to the confidence's logit)
+            none = self.config.threshold
+            if conf > 0:
+                none = max(none, math.log(conf / (1 - conf)) if conf < 1 else math.inf)
+            logits = torch.cat([logits, logits.new_full((logits.shape[0], 1), none)], 1)
         if allowed is not None:
             block = torch.cat([~allowed.to(logits.device), allowed.new_zeros(1, device=logits.device)])
             logits = logits.masked_fill(block, float("-inf"))
         k = self.config.top_k
-        if k == 1:
+        if k == 1 and (conf == 0 or self.config.composable):
             top = logits.argmax(-1, keepdim=True)
             return torch.where(top == K, -1, top), None
         probs = logits.softmax(-1)
         w, top = probs.topk(k, dim=-1)
+        if not self.config.composable:
+            top = torch.where(w < conf, K, top)                                     # unconfident: the base
+        if k == 1:
+            return torch.where(top == K, -1, top), None
         w = w / w.sum(-1, keepdim=True).clamp_min(1e-9)
         return torch.where(top == K, -1, top), w
 
@@ -245,10 +283,19 @@ class LearnedRouter(Router, nn.Module):
         try:
             raw = json.loads((folder / ROUTER_CONFIG).read_text())
             raw["adapter_names"] = tuple(raw["adapter_names"])
+            missing = [k for k in BASE_EXPERT_KEYS if k not in raw]
             router = cls(LearnedRouterConfig(**raw))
             tensors = load_file(str(folder / ROUTER_WEIGHTS))
         except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
             raise BundleError(f"cannot read the learned router in {folder}: {e}") from e
+        except RoutingError as e:
+            raise BundleError(f"{folder / ROUTER_CONFIG}: {e}") from e
+        if missing:
+            log.warning("%s has no base-expert settings (%s): it predates the base model as a routing outcome of "
+                        "its own, so it loads with %s = 0: every token goes to its most probable class and no "
+                        "prompt is kept wholly on the base model. Retrain it with `molora train-router` (general "
+                        "text in the none class) to keep prompts outside the adapters' skills on the base.",
+                        folder / ROUTER_CONFIG, ", ".join(missing), " = ".join(missing))
         for key in ("weight", "bias"):
             want = getattr(router, key).shape
             if key not in tensors or tensors[key].shape != want:

@@ -57,6 +57,8 @@ class RouterTrainConfig:
     threshold: float = 2.0               # composable: a gate claims a token only above this logit (p > 0.88)
     carry_blocks: int | None = None      # None: CARRY_BLOCKS for per_block top-1 routers, else 0
     probe_prompt: bool | None = None     # None: on wherever carry is on (molora.routing.learned: Probe)
+    confidence: float = 0.0              # base expert (molora.routing.learned): chosen on validation data
+    prompt_share: float = 0.0            # base expert: needs the probe
 
 
 # Blocks whose gates a generated token replaces by its predecessor's last-block decision (molora.routing.learned:
@@ -188,7 +190,8 @@ def train_router(mm, train: Sequence[LabelledSeq], names: Sequence[str],
     rcfg = LearnedRouterConfig(adapter_names=tuple(names), hidden_size=mm.config.hidden_size,
                                num_blocks=blocks, placement=cfg.placement, shared_block=cfg.shared_block,
                                composable=cfg.composable, top_k=cfg.top_k, threshold=cfg.threshold,
-                               carry_blocks=carry, probe_prompt=probe_prompt_for(cfg, carry))
+                               carry_blocks=carry, probe_prompt=probe_prompt_for(cfg, carry),
+                               confidence=cfg.confidence, prompt_share=cfg.prompt_share)
     gates = list(range(blocks)) if cfg.placement == "per_block" else [cfg.shared_block]
     feats, labels = features if features is not None else collect_features(mm, train, names, cfg, progress)
     log.info("router features: %d tokens x %d blocks", feats.shape[0], feats.shape[1])
