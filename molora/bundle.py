@@ -245,6 +245,36 @@ def run_prompt(mm: Any, prompt: str, *, adapter: str | None = None, router: Rout
     return PromptResult(prompt, text, ids[0].tolist(), answer, adapters)
 
 
+def left_pad(rows: Sequence[Sequence[int]], pad: int, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, L], attention_mask [B, L]) with each row right-aligned (left padding)."""
+    L = max(len(r) for r in rows)
+    ids = torch.full((len(rows), L), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), L), dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, L - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[b, L - len(row) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def generate_batch(mm: Any, rows: Sequence[Sequence[int]], spec: str | Router, max_new: Sequence[int],
+                   stops: Sequence[int]) -> tuple[list[list[int]], int]:
+    """Greedy answers (token ids, stop token dropped) for prompt ids `rows`, and the tokens generated.
+
+    Each row keeps at most its own max_new tokens, so an answer does not depend on its batch.
+    """
+    pad = mm.tokenizer.pad_token_id if mm.tokenizer.pad_token_id is not None else stops[0]
+    ids, mask = left_pad(rows, pad, mm.device)
+    out = mm.generate(ids, mask, adapter_ids=spec, max_new_tokens=max(max_new), eos_token_id=list(stops),
+                      pad_token_id=pad)
+    answers, generated = [], 0
+    for b, new in enumerate(out[:, ids.shape[1] :].tolist()):
+        new = new[: max_new[b]]
+        cut = next((i for i, t in enumerate(new) if t in stops), None)
+        generated += len(new) if cut is None else cut + 1
+        answers.append(new if cut is None else new[:cut])
+    return answers, generated
+
+
 def generation_adapters(trace: list, router: Router, n: int) -> list[str | None]:
     """The adapter of each of n tokens (prompt + answer) as a generation routed it: the most frequent
     choice over blocks in the forward that ran the token, from `RoutingContext.trace` entries (block, ids).

@@ -104,11 +104,13 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 
 @command("demo", _demo_args)
 def _demo(args: argparse.Namespace) -> int:
-    """What `make run` shows: per-token routing on the default bundle, one prompt per skill and a mixed one."""
+    """What `make run` shows: per-token routing on the default bundle, one prompt per skill, a mixed one, and a
+    general request that no adapter fits (answered by the base model, as the base model alone answers it)."""
     from pathlib import Path
 
-    from molora.bundle import load
+    from molora.bundle import load, run_prompt
     from molora.data.skills import EVAL_SEED_BASE, generate
+    from molora.routing import SequenceRouter
     from molora.view import to_ansi, to_html, to_plain
 
     mm = load(args.bundle)
@@ -117,12 +119,18 @@ def _demo(args: argparse.Namespace) -> int:
     cases = [(f"{p.task} (expected: {p.target})", p.input) for p in prompts]
     if len(prompts) >= 2:
         cases.append(("two skills in one message", prompts[0].input + "\n" + prompts[1].input))
+    general = "Write a haiku about the sea."
+    cases.append(("a general request: no adapter fits, so the base model answers", general))
     views = []
     for heading, prompt in cases:
         view = routed_view(mm, prompt, max_new_tokens=args.max_tokens)
         views.append((heading, view))
         print(f"== {heading}")
         print((to_ansi(view) if sys.stdout.isatty() else to_plain(view)) + "\n")
+        if prompt == general:
+            alone = run_prompt(mm, prompt, router=SequenceRouter(None), max_new_tokens=args.max_tokens).text
+            routed = run_prompt(mm, prompt, max_new_tokens=args.max_tokens).text
+            print(f"   the base model alone answers the same: {alone == routed}\n")
     Path(args.html).write_text(to_html(views, title=f"molora routing view: {mm.bundle.name}"))
     print(f"wrote {args.html} (open it in a browser to see each token coloured by its adapter)")
     return 0
@@ -270,7 +278,9 @@ def _serve(args: argparse.Namespace) -> int:
 def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
     p.add_argument("--task", required=True, metavar="KIND:FILE",
-                   help="bbh:FILE.json, gsm8k:FILE.jsonl, math:FILE, gpqa:FILE.csv or mixed:FILE.jsonl")
+                   help="bbh:FILE.json, gsm8k:FILE.jsonl, math:FILE, gpqa:FILE.csv, mixed:FILE.jsonl, or "
+                        "general:FILE.jsonl ({\"prompt\"} per line: base retention, the share of answers equal to "
+                        "the base model's)")
     p.add_argument("--routing", default="learned",
                    help="base, adapter:NAME, oracle, sequence, learned (default) or merge")
     p.add_argument("--limit", type=int, default=None, help="first N items only")
@@ -284,11 +294,13 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 def _eval(args: argparse.Namespace) -> int:
     """Score a routed model on a task file (greedy, the bundle's prompt template)."""
     from molora.bundle import load
+    from molora.eval.general import evaluate_general
     from molora.eval.runner import evaluate, save_results
 
     mm = load(args.bundle)
-    summary, predictions = evaluate(mm, args.task, args.routing, limit=args.limit, batch_size=args.batch_size,
-                                    max_new_tokens=args.max_tokens)
+    run = evaluate_general if args.task.startswith("general:") else evaluate
+    summary, predictions = run(mm, args.task, args.routing, limit=args.limit, batch_size=args.batch_size,
+                               max_new_tokens=args.max_tokens)
     save_results(summary, predictions, args.json, args.predictions)
     print(json.dumps(summary))
     return 0

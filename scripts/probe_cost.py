@@ -5,7 +5,8 @@
 For each skill file DIR/<task>.json (BBH format, e.g. make_results.py's held-out data) and each repetition,
 evaluates the first --limit items under learned routing with the probe, learned routing without it (the same
 router, `probe_prompt` off) and the task's own adapter, in turn (interleaved, so load on the machine falls on
-all three alike). Prints one JSON line: per variant the summed seconds, answer tokens, tokens/s and accuracy.
+all three alike). Prints one JSON line (and writes it to --out): per variant the summed seconds, answer tokens, tokens/s and
+accuracy.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main() -> int:
     p.add_argument("--limit", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="also write the JSON record here (e.g. docs/probe_cost.json)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     mm = load(args.bundle)
@@ -58,7 +60,10 @@ def main() -> int:
     out["probe_time_over_no_probe"] = round(totals["probe"]["seconds"] / totals["no_probe"]["seconds"], 3)
     out["probe_time_over_own"] = round(totals["probe"]["seconds"] / totals["own"]["seconds"], 3)
     out["command"] = "python scripts/probe_cost.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)
+    out["limit"], out["date"] = args.limit, time.strftime("%Y-%m-%d")
     print(json.dumps(out))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from molora.bundle import CHATML_TEMPLATE, END_OF_TURN, stop_ids, turn_text
+from molora.bundle import CHATML_TEMPLATE, END_OF_TURN, generate_batch, left_pad, stop_ids, turn_text
 from molora.errors import MoLoRAError
 from molora.eval.tasks import EvalItem, answer_kind, load_task, score_item
 from molora.routing import OracleRouter, Router, SequenceRouter
@@ -129,7 +129,7 @@ def sequence_choice(mm: Any, questions: Sequence[str], *, batch_size: int = 16) 
     out: list[str | None] = [None] * len(rows)
     for i in range(0, len(rows), batch_size):
         chunk = [rows[j] for j in order[i : i + batch_size]]
-        ids, mask = _left_pad(chunk, pad=0, device=mm.device)                   # [B, L]
+        ids, mask = left_pad(chunk, pad=0, device=mm.device)                   # [B, L]
         if router.in_network:
             mm.context.trace = []
             try:
@@ -168,36 +168,6 @@ def _spec(mm: Any, mode: Mode, labels: list[list[str | None]] | None, chosen: li
 
 
 # ------------------------------------------------------------------------------------------- generation
-
-def _left_pad(rows: Sequence[Sequence[int]], pad: int, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [B, L], attention_mask [B, L]) with each row right-aligned (left padding)."""
-    L = max(len(r) for r in rows)
-    ids = torch.full((len(rows), L), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), L), dtype=torch.long)
-    for b, row in enumerate(rows):
-        ids[b, L - len(row) :] = torch.tensor(row, dtype=torch.long)
-        mask[b, L - len(row) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def generate_batch(mm: Any, rows: Sequence[Sequence[int]], spec: str | Router, max_new: Sequence[int],
-                   stops: Sequence[int]) -> tuple[list[list[int]], int]:
-    """Greedy answers (token ids, stop token dropped) for prompt ids `rows`, and the tokens generated.
-
-    Each row keeps at most its own max_new tokens, so an answer does not depend on its batch.
-    """
-    pad = mm.tokenizer.pad_token_id if mm.tokenizer.pad_token_id is not None else stops[0]
-    ids, mask = _left_pad(rows, pad, mm.device)
-    out = mm.generate(ids, mask, adapter_ids=spec, max_new_tokens=max(max_new), eos_token_id=list(stops),
-                      pad_token_id=pad)
-    answers, generated = [], 0
-    for b, new in enumerate(out[:, ids.shape[1] :].tolist()):
-        new = new[: max_new[b]]
-        cut = next((i for i, t in enumerate(new) if t in stops), None)
-        generated += len(new) if cut is None else cut + 1
-        answers.append(new if cut is None else new[:cut])
-    return answers, generated
-
 
 @dataclass
 class _Dialog:

@@ -45,6 +45,18 @@ was chosen on 200 separate validation items per skill (seed EVAL_SEED_BASE + 500
 the training or eval items), against no fill and against taking the next prompt token's adapter:
 arithmetic 8.0 / 7.5 / 6.5 [6.5], counting 66.0 / 64.0 / 66.0 [66.0]. Callers: `MoLoRAModel.generate` (one probe forward over the whole prompt) and the engine (a
 probe phase of chunked prefill before the real one, `Request.prompt_routes`).
+
+**Base expert** ("none" as a routing outcome of its own). The joint gate's last class is the base model, trained
+on general text (molora.data.general: human-written everyday tasks, word problems, the base model's own answers)
+like any adapter's class on its data. Two router settings, both chosen on validation data and kept in router.json:
+`confidence` (an adapter takes a token only if its gate probability is at least this, else the base model does;
+composable gates compare their own sigmoid) and `prompt_share` (with the probe: a prompt whose share of tokens
+the probe gives to adapters is below it, or is zero, runs wholly on the base model, its answer included). The
+second is the generation-level policy: per-token gates err now and then, and on a prompt outside every skill one
+stray adapter token used to pull the whole prompt to that adapter through the fill; a prompt is either a skill's
+(routed per token, filled, carried) or nobody's (the base model's exact answer). A mixed prompt holds enough
+skill tokens to stay routed. `MoLoRAModel.generate` holds such rows on the base for every generated token; the
+engine turns such a request's mode to "none".
 """
 
 from __future__ import annotations

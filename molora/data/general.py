@@ -1,0 +1,111 @@
+"""General text: prompts outside every skill, for the router's base class and for base-retention checks.
+
+Pure Python (no torch). Three sources, each split by item into train / validation / test once, by a fixed
+seed, so that no setting is ever chosen on an item that is reported:
+
+- **Self-Instruct** seed tasks (175 human-written everyday instructions; `self_instruct.jsonl.gz`, Apache-2.0):
+  a seeded shuffle of the task ids gives 105 train, 35 validation, 35 test prompts.
+- **GSM8K** train problems (`generic.jsonl.gz`, 400 of them, MIT): word problems, the nearest general text to
+  the arithmetic and counting skills. The first 150 of a seeded shuffle were the router's generic text before
+  this split existed and stay in train; of the other 250, 25 are validation, 25 test, the rest train.
+- **Topic prompts** (train only): everyday requests built from templates and words of `words.txt.gz`
+  ("Write a short poem about the harbor."), so the base class sees many topics and forms, including the nouns
+  the counting skill lists (a banana in a poem is not a counting question). Their answers come from the base model itself (`molora.train.default`).
+
+    split = general_split()            # {"train": [...], "val": [...], "test": [...]} of {"id", "prompt", ...}
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent
+SELF_INSTRUCT_FILE = DATA / "self_instruct.jsonl.gz"
+GSM8K_FILE = DATA / "generic.jsonl.gz"
+EVERYDAY_TOPICS = (
+    "sea", "moon", "city", "forest", "river", "mountain", "garden", "library", "bicycle", "train", "winter",
+    "summer", "rain", "coffee", "tea", "bread", "kitchen", "school", "teacher", "doctor", "hospital", "museum",
+    "painting", "song", "guitar", "camera", "phone", "computer", "robot", "rocket", "planet", "star", "island",
+    "bridge", "castle", "market", "festival", "birthday", "wedding", "holiday", "airport", "hotel", "umbrella",
+    "clock", "window", "letter", "newspaper", "movie", "football", "marathon", "volcano", "desert", "ocean",
+    "friendship", "job interview", "recipe", "soup", "salad", "sandwich", "cookie",
+)
+SPLIT_SEED = 15                       # the general split's shuffle seed (never changed once results exist)
+SELF_INSTRUCT_SIZES = (105, 35, 35)   # train, val, test
+GSM8K_ROUTER_OLD = 150                # the router's generic rows before the split (seed 0 shuffle): train only
+GSM8K_HELD = (25, 25)                 # val, test from the rest
+
+TOPIC_TEMPLATES = (
+    "Write a short poem about the {w}.",
+    "What is a {w}? Explain it to a child.",
+    "Give me three tips for buying a {w}.",
+    "Write a two-sentence story about a {w} and a {v}.",
+    "Describe the {w} in one paragraph.",
+    "What is the difference between a {w} and a {v}?",
+    "Translate into French: I like the {w}.",
+    "Write a tweet about my new {w}.",
+    "Suggest a name for a shop that sells {w}s.",
+    "Summarize in one sentence why people like the {w}.",
+    "Write an email to a friend about the {w} I saw yesterday.",
+    "List some facts about the {w}.",
+)
+
+
+def _read_jsonl_gz(path: Path) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip() and not line.startswith("#")]
+
+
+def self_instruct_rows() -> list[dict]:
+    """{"id", "prompt", "output"} per Self-Instruct task: the instruction, then its instance input if any."""
+    rows = []
+    for task in _read_jsonl_gz(SELF_INSTRUCT_FILE):
+        inst = task["instances"][0]
+        prompt = task["instruction"].strip()
+        if inst.get("input", "").strip():
+            prompt += "\n\n" + inst["input"].strip()
+        rows.append({"id": task["id"], "source": "self_instruct", "prompt": prompt, "output": inst["output"].strip()})
+    return rows
+
+
+def gsm8k_rows() -> list[dict]:
+    """{"id", "prompt", "output"} per shipped GSM8K train problem, in the seed-0 shuffle the router always used
+    (`molora.train.default.read_generic`)."""
+    rows = _read_jsonl_gz(GSM8K_FILE)
+    random.Random(0).shuffle(rows)
+    return [{"id": f"gsm8k_{i}", "source": "gsm8k", "prompt": r["prompt"], "output": r["completion"]}
+            for i, r in enumerate(rows)]
+
+
+def general_split() -> dict[str, list[dict]]:
+    """The fixed train / val / test split of Self-Instruct and GSM8K general prompts (module docstring)."""
+    si = self_instruct_rows()
+    random.Random(SPLIT_SEED).shuffle(si)
+    a, b, _ = SELF_INSTRUCT_SIZES
+    gs = gsm8k_rows()
+    old, rest = gs[:GSM8K_ROUTER_OLD], gs[GSM8K_ROUTER_OLD:]
+    random.Random(SPLIT_SEED).shuffle(rest)
+    v, t = GSM8K_HELD
+    return {"train": si[:a] + old + rest[v + t:], "val": si[a:a + b] + rest[:v], "test": si[a + b:] + rest[v:v + t]}
+
+
+def topic_prompts(n: int, seed: int) -> list[dict]:
+    """n templated everyday requests over random words (train only)."""
+    from molora.data.skills import _CATEGORIES
+
+    words = list(EVERYDAY_TOPICS) + [one for items in _CATEGORIES.values() for one, _ in items]
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        t = TOPIC_TEMPLATES[i % len(TOPIC_TEMPLATES)]
+        out.append({"id": f"topic_{seed}_{i}", "source": "topic",
+                    "prompt": t.format(w=rng.choice(words), v=rng.choice(words))})
+    return out
+
+
+def split_record() -> dict[str, list[str]]:
+    """The ids of each split, for a bundle's manifest."""
+    return {k: [r["id"] for r in v] for k, v in general_split().items()}
