@@ -322,6 +322,58 @@ def render(res: dict, val: dict | None, cost: dict | None, images: list[str]) ->
     return "\n".join(out)
 
 
+README_BEGIN, README_END = "<!-- results:begin (scripts/make_results.py) -->", "<!-- results:end -->"
+
+
+def render_readme(res: dict, val: dict | None, cost: dict | None) -> str:
+    """The README's quality block (between README_BEGIN and README_END), from the same records as the page."""
+    skills, tasks = res["skills"], res["tasks"]
+    modes = [m for m in ("base", "sequence", "oracle", "learned") if m in _modes(res)]
+    label = {"base": "base¹", "sequence": "sequence¹", "oracle": "own adapter (= oracle)",
+             "learned": "**learned per-token**"}
+    rows = [[t, *(f"**{skills[t][m]['accuracy']:.1f}**" if m == "learned" else skills[t][m]["accuracy"]
+                  for m in modes), PALM_540B.get(t, "-")] for t in tasks]
+    out = [README_BEGIN,
+           f"**Quality** (rendered from [docs/results.json](docs/results.json) by `scripts/make_results.py`; "
+           f"{res['base']} + four r=8 skill adapters; {res['n']} fresh *synthetic* test items per skill in the "
+           "BIG-Bench-Hard format, generated with seeds never used for training, tuning or earlier reports; greedy; "
+           "strict accuracy %; full tables in [docs/results.md](docs/results.md)):", "",
+           _table(["skill", *(label[m] for m in modes), "PaLM 540B answer-only"], rows), "",
+           f"¹ on the first {res['n_side']} items of each skill."]
+    g = res["general"].get("learned")
+    if g:
+        seq = res["general"].get("sequence")
+        out += ["", f"**General prompts keep the base model's answers.** On {g['n']} *real* held-out general prompts "
+                "(human-written Self-Instruct tasks and GSM8K problems, a test split the router never saw and no "
+                f"setting was chosen on), learned routing returns the base model's exact greedy answer on "
+                f"**{g['retention']:.1f}%** ({g['empty_where_base_answers']:.1f}% empty where the base answers; "
+                f"{g['adapter_token_share']:.1f}% of answer tokens on an adapter)"
+                + (f"; one adapter per request picked by the router's vote keeps {seq['retention']:.1f}%" if seq else "")
+                + ". The router's base class is trained on general text, and a prompt the probe gives to adapters "
+                f"below a share of {res['router'].get('prompt_share')} runs wholly on the base model "
+                "(`molora/routing/learned.py`: Base expert); both settings were chosen on validation prompts."]
+    m = res["mixed"]
+    if "learned" in m and "sequence" in m:
+        out += ["", f"**Two-skill requests** answered turn by turn in one sequence ({res['n_mixed']} test items): "
+                f"learned per-token routing gets **{m['learned']['accuracy']:.1f}%** of parts right, the per-part "
+                f"oracle {m['oracle']['accuracy']:.1f}%, one adapter per request (`sequence`) "
+                f"{m['sequence']['accuracy']:.1f}%: the case today's servers cannot serve."]
+    if cost:
+        out += ["", f"**Router cost**: the probe and gates take {cost['probe_time_over_own']:.2f}x the own adapter's "
+                f"time end to end ({cost['probe_time_over_no_probe']:.2f}x learned routing without the probe; "
+                "`scripts/probe_cost.py`, interleaved)."]
+    out += [README_END]
+    return "\n".join(out)
+
+
+def update_readme(block: str, path: Path = Path("README.md")) -> None:
+    text = path.read_text(encoding="utf-8")
+    a, b = text.find(README_BEGIN), text.find(README_END)
+    if a < 0 or b < a:
+        raise SystemExit(f"{path} has no {README_BEGIN} ... {README_END} block to render into")
+    path.write_text(text[:a] + block + text[b + len(README_END):], encoding="utf-8")
+
+
 def plots(res: dict, folder: Path) -> list[str]:
     import matplotlib
 
@@ -371,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     cost = json.loads((DOCS / "probe_cost.json").read_text()) if (DOCS / "probe_cost.json").is_file() else None
     images = plots(res, DOCS)
     (DOCS / "results.md").write_text(render(res, val, cost, images) + "\n", encoding="utf-8")
+    update_readme(render_readme(res, val, cost))
     log("wrote docs/results.md from docs/results.json" + (", docs/validation.json" if val else "")
         + (", docs/probe_cost.json" if cost else ""))
     for g in goals(res, cost):

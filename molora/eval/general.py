@@ -3,7 +3,8 @@
     summary, predictions = evaluate_general(mm, "general:prompts.jsonl", "learned")
 
 FILE is JSONL, one prompt per line: {"prompt": "..."} (optional "id" and "source" are carried into the
-predictions). Each prompt is answered greedily twice in identical batches, once on the base model and once
+predictions; an optional "system" message renders the prompt with the tokenizer's chat template, as the server
+does for a chat with a system message). Each prompt is answered greedily twice in identical batches, once on the base model and once
 under `routing`, with the same answer budget (`max_new_tokens`, default 64), and three figures come back:
 
     retention                 % of prompts whose answer (up to the budget) equals the base model's, token for token
@@ -51,10 +52,24 @@ def load_general(spec: str) -> tuple[str, list[dict]]:
             raise EvalError(f"{path}:{n}: not JSON ({e})") from e
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise EvalError(f"{path}:{n}: each line needs a non-empty string \"prompt\"")
-        rows.append({"prompt": row["prompt"], "id": row.get("id", f"{path.stem}_{n}"), "source": row.get("source")})
+        if row.get("system") is not None and not isinstance(row["system"], str):
+            raise EvalError(f"{path}:{n}: \"system\" must be a string (a system message) or absent")
+        rows.append({"prompt": row["prompt"], "id": row.get("id", f"{path.stem}_{n}"), "source": row.get("source"),
+                     "system": row.get("system")})
     if not rows:
         raise EvalError(f"{path} holds no prompts")
     return path.stem, rows
+
+
+def _render(mm: Any, template: str, item: dict) -> list[int]:
+    """Prompt ids as the server renders a chat: the bundle's template for one user message, the tokenizer's
+    chat template when a system message comes with it."""
+    if not item.get("system"):
+        return _ids(mm.tokenizer, turn_text(template, item["prompt"]))
+    text = mm.tokenizer.apply_chat_template([{"role": "system", "content": item["system"]},
+                                             {"role": "user", "content": item["prompt"]}],
+                                            add_generation_prompt=True, tokenize=False)
+    return _ids(mm.tokenizer, text)
 
 
 def _forwards(trace: list) -> list[list[torch.Tensor]]:
@@ -135,7 +150,7 @@ def evaluate_general(mm: Any, task_spec: str, routing: str, *, limit: int | None
     items = items[:limit] if limit is not None else items
     budget = max_new_tokens or DEFAULT_TOKENS
     template, _ = template_of(mm)
-    rows = [_ids(mm.tokenizer, turn_text(template, it["prompt"])) for it in items]
+    rows = [_render(mm, template, it) for it in items]
     start = time.perf_counter()
     if base_answers is None:
         base_answers, _ = _answer(mm, rows, Mode("base"), [None] * len(rows), batch_size=batch_size, max_new=budget)

