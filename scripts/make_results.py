@@ -31,6 +31,7 @@ from typing import Any
 PALM_540B = {"object_counting": 51.2, "multistep_arithmetic_two": 1.6, "dyck_languages": 28.4, "navigate": 62.4}
 MIXED_MODES = ("learned", "sequence", "oracle")
 ROUTER_SEED = 9_000_000 + 200
+SYSTEM = "You are a helpful assistant."  # the general prompts again, after a system message many clients send
 DOCS = Path("docs")
 
 
@@ -135,6 +136,12 @@ def measure(args: argparse.Namespace, command: str) -> dict:
                                                        for r in rows])
     spec = f"general:{work / 'data' / 'general_test.jsonl'}"
     base_ids = None
+    write_jsonl(work / "data" / "general_test_system.jsonl",
+                [{"id": r["id"], "source": r["source"], "prompt": r["prompt"], "system": SYSTEM} for r in rows])
+    s = cached(work / "general_system__learned.json",
+               lambda: evaluate_general(mm, f"general:{work / 'data' / 'general_test_system.jsonl'}", "learned",
+                                        batch_size=args.batch_size))
+    general_system = {"learned": record("general_system", "learned", s)}
     for mode in ("learned", "sequence"):
         path = work / f"general__{mode}.json"
 
@@ -153,6 +160,7 @@ def measure(args: argparse.Namespace, command: str) -> dict:
             "n": args.n, "n_side": side, "n_mixed": args.n_mixed, "n_general": len(rows),
             "test_seed": SPLIT_SEEDS["test"], "dropped": dropped, "training_inputs": len(banned),
             "tasks": tasks, "own_adapter": own, "skills": skills, "mixed": mixed, "general": general,
+            "general_system": general_system, "system_message": SYSTEM,
             "router_accuracy": json.loads(acc_path.read_text()), "router": _router_settings(bundle), "runs": runs}
 
 
@@ -301,7 +309,11 @@ def render(res: dict, val: dict | None, cost: dict | None, images: list[str]) ->
                 _table(["mode", "retention %", "empty where the base answers %", "adapter tokens %",
                         *(f"retention, {s}" for s in sources)],
                        [[k, x["retention"], x["empty_where_base_answers"], x["adapter_token_share"],
-                         *(x["by_source"][s]["retention"] for s in sources)] for k, x in g.items()]), ""]
+                         *(x["by_source"][s]["retention"] for s in sources)] for k, x in g.items()]
+                       + [[f"{k}, after the system message \"{res['system_message']}\"", x["retention"],
+                           x["empty_where_base_answers"], x["adapter_token_share"],
+                           *(x["by_source"][s]["retention"] for s in sources)]
+                          for k, x in res.get("general_system", {}).items()]), ""]
     if val:
         out += render_validation(val)
     if cost:

@@ -30,6 +30,11 @@ def test_confidence_gives_unconfident_tokens_to_the_base_model():
     assert _router(confidence=0.95).choose(logits)[0][:, 0].tolist() == [-1, -1]
     ids, w = _router(confidence=0.5, top_k=2).choose(logits)        # top-2: the unconfident second choice too
     assert ids.tolist() == [[0, -1], [0, -1]] and w is not None
+    # (a, b, none) = (0.3, 0.1, 0.6): "none" wins the argmax, but confidence 0.25 lets "a" claim the token
+    narrow = torch.tensor([[0.3, 0.1, 0.6]]).log()
+    assert _router().choose(narrow)[0][:, 0].tolist() == [-1]
+    assert _router(confidence=0.25).choose(narrow)[0][:, 0].tolist() == [0]
+    assert _router(confidence=0.35).choose(narrow)[0][:, 0].tolist() == [-1]
     # composable: each gate's own sigmoid; logit 1.0 -> p 0.73, logit 3.0 -> p 0.95 (threshold 0 alone: both pass)
     comp = torch.tensor([[1.0, -2.0], [-2.0, 3.0]])
     assert _router(composable=True).choose(comp)[0][:, 0].tolist() == [0, 1]

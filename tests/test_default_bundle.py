@@ -40,7 +40,8 @@ def test_demo_what_make_run_shows(tmp_path, capsys):
     page = tmp_path / "routing.html"
     assert main(["demo", "--max-tokens", "6", "--html", str(page)]) == 0
     out = capsys.readouterr().out
-    assert out.count("== ") == 5 and "== two skills in one message" in out and "tokens per adapter" in out
+    assert out.count("== ") == 6 and "== two skills in one message" in out and "tokens per adapter" in out
+    assert "the base model alone answers the same: True" in out
     assert "<html" in page.read_text().lower()
 
 
@@ -59,3 +60,15 @@ def test_router_data_always_trains_the_positions_that_pick_each_answers_first_to
     assert {seq.labels[p] for p in second} == {mm.adapter_names.index("counting")}
     answer = mm.tokenizer.decode(seq.ids[first[-1] + 1:second[0]])
     assert answer.startswith("So the answer is -3.")  # the key ends right before the answer
+
+
+@pytest.mark.parametrize("prompt", ["What is the capital of France?", "Write a haiku about the sea.",
+                                    "Write a short story about a robot named Unit3 who learns to paint."])
+def test_a_general_prompt_gets_the_base_models_answer(mm, prompt):
+    """The prompts a new user tried first (issue 15): the router keeps them, answer included, on the base."""
+    from molora.routing import SequenceRouter
+
+    routed = run_prompt(mm, prompt, max_new_tokens=24, trace=True)
+    alone = run_prompt(mm, prompt, router=SequenceRouter(None), max_new_tokens=24)
+    assert routed.answer_ids == alone.answer_ids and routed.answer_ids
+    assert set(routed.adapters) == {None}

@@ -71,3 +71,6 @@ def test_probe_shares_and_the_prompt_share_that_separates_them(adapters):
     assert choose_prompt_share([0.0, 0.1, 0.5, 0.9], [0.7, 0.8]) == 0.6      # 0.9 cannot be told apart
     assert choose_prompt_share([0.0], [0.6]) == 0.3
     assert choose_prompt_share([0.2], [0.0, 0.9]) == 0.0                       # a wholly unclaimed skill prompt
+    skill = [0.0] + [0.8] * 199                                                # one in 200 may be lost (1%)
+    assert choose_prompt_share([0.1, 0.2], skill) == 0.5
+    assert choose_prompt_share([0.1, 0.2], skill, max_skill_lost=0.0) == 0.0

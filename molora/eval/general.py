@@ -209,11 +209,12 @@ def probe_shares(mm: Any, router: Any, prompts: list[str], *, batch_size: int = 
     return out
 
 
-def choose_prompt_share(general: list[float], skill: list[float]) -> float:
-    """The prompt_share that keeps every skill prompt routed (share >= it) and as many general prompts as
-    possible on the base (share < it): halfway between the lowest skill share and the highest general share
-    below it; 0 when some skill prompt is wholly unclaimed."""
-    low = min(skill)
+def choose_prompt_share(general: list[float], skill: list[float], max_skill_lost: float = 0.01) -> float:
+    """The prompt_share that keeps all but at most `max_skill_lost` of the skill prompts routed (share >= it)
+    and as many general prompts as possible on the base (share < it): halfway between the lowest skill share
+    it keeps and the highest general share below that; 0 when that skill share is 0."""
+    ranked = sorted(skill)
+    low = ranked[min(int(max_skill_lost * len(ranked)), len(ranked) - 1)]
     below = [g for g in general if g < low]
     if low <= 0:
         return 0.0

@@ -49,8 +49,8 @@ probe phase of chunked prefill before the real one, `Request.prompt_routes`).
 **Base expert** ("none" as a routing outcome of its own). The joint gate's last class is the base model, trained
 on general text (molora.data.general: human-written everyday tasks, word problems, the base model's own answers)
 like any adapter's class on its data. Two router settings, both chosen on validation data and kept in router.json:
-`confidence` (an adapter takes a token only if its gate probability is at least this, else the base model does;
-composable gates compare their own sigmoid) and `prompt_share` (with the probe: a prompt whose share of tokens
+`confidence` (0: the most probable class; c > 0: the most probable adapter takes a token if its gate
+probability is at least c, else the base model does; composable gates compare their own sigmoid) and `prompt_share` (with the probe: a prompt whose share of tokens
 the probe gives to adapters is below it, or is zero, runs wholly on the base model, its answer included). The
 second is the generation-level policy: per-token gates err now and then, and on a prompt outside every skill one
 stray adapter token used to pull the whole prompt to that adapter through the fill; a prompt is either a skill's
@@ -218,8 +218,11 @@ class LearnedRouter(Router, nn.Module):
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(adapter_ids [T, k], weights [T, k] | None) from gate logits [T, C].
 
-        An adapter whose probability is below `confidence` gives its token to the base model (-1): for the
-        joint gate the softmax over the K adapters and "none", for a composable gate its own sigmoid."""
+        confidence 0: the most probable class (an adapter or "none"). confidence c > 0, joint gate: the most
+        probable adapter takes the token if its probability (softmax over the K adapters and "none") is at
+        least c, whatever "none" has, else the base model does (-1); so c below 0.5 lets an adapter claim a
+        token "none" narrowly wins, c above it keeps doubtful tokens on the base. Composable gates compare their
+        own sigmoid with c."""
         K = len(self.adapter_names)
         conf = self.config.confidence
         if self.config.composable:
@@ -236,9 +239,11 @@ class LearnedRouter(Router, nn.Module):
             top = logits.argmax(-1, keepdim=True)
             return torch.where(top == K, -1, top), None
         probs = logits.softmax(-1)
-        w, top = probs.topk(k, dim=-1)
-        if not self.config.composable:
+        if not self.config.composable:  # the best adapters compete on their own probability, "none" aside
+            w, top = probs[:, :K].topk(min(k, K), dim=-1)
             top = torch.where(w < conf, K, top)                                     # unconfident: the base
+        else:
+            w, top = probs.topk(k, dim=-1)
         if k == 1:
             return torch.where(top == K, -1, top), None
         w = w / w.sum(-1, keepdim=True).clamp_min(1e-9)
