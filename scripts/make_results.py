@@ -221,13 +221,17 @@ def render_validation(val: dict) -> list[str]:
            f"validation seeds, {val['n_mixed']} two-skill items, {val['n_general']} general prompts of the "
            "validation split); no test item was read. Step 1 runs the probe alone (forwards, no generation): for "
            "each confidence, the share of each prompt's tokens it gives to adapters, and the prompt_share that "
-           "keeps every skill prompt routed while keeping as many general prompts as possible on the base.", "",
-           _table(["confidence", "chosen prompt_share", "general prompts kept on the base (%)",
-                   "lowest share of a skill prompt"],
-                  [[c, g["prompt_share"], g["general_on_base"], g["min_skill_share"]] for c, g in r["grid"].items()]),
-           "", f"Chosen for the default router: confidence {r['confidence']}, prompt_share {r['prompt_share']} "
-           "(the most general prompts on the base; on a tie, the lowest confidence). The other router variants:",
-           "", _table(["router", "confidence", "prompt_share", "general prompts kept on the base (%)"],
+           "keeps all but 1% of the skill prompts routed while keeping as many general prompts as possible on the "
+           "base (halfway across the gap).", "",
+           _table(["confidence", "prompt_share", "general kept on the base %", "skill prompts locked %",
+                   f"separated by {r.get('margin', 0)} %", "lowest skill share"],
+                  [[c, g["prompt_share"], g["general_on_base"], g.get("skill_locked", "-"),
+                    g.get("separated_with_margin", "-"), g["min_skill_share"]] for c, g in r["grid"].items()]),
+           "", f"Chosen for the default router: confidence {r['confidence']}, prompt_share {r['prompt_share']}: the "
+           f"most prompts separated by at least {r.get('margin', 0)} on the right side of their prompt_share (general "
+           "below, skill above; ties to the lowest confidence). The other router variants (a router without the "
+           "probe keeps 0 and 0):",
+           "", _table(["router", "confidence", "prompt_share", "general kept on the base %"],
                       [[v, x["confidence"], x["prompt_share"], x["grid"][str(x["confidence"])]["general_on_base"]]
                        for v, x in val["routers"].items()]), ""]
     gen = val.get("generation")
@@ -246,10 +250,10 @@ def render_validation(val: dict) -> list[str]:
             out += [f"Mixed validation items (part accuracy): learned {gen['mixed']['learned']['accuracy']:.1f}, "
                     f"sequence {gen['mixed']['sequence']['accuracy']:.1f}."]
         if "general" in gen:
-            g = gen["general"]["learned"]
-            out += [f"General validation prompts: learned routing gives the base model's exact answer on "
-                    f"{g['retention']:.1f}% ({g['empty_where_base_answers']:.1f}% empty where the base answers; "
-                    f"{g['adapter_token_share']:.1f}% of answer tokens on an adapter)."]
+            for k, g in gen["general"].items():
+                out += [f"General validation prompts ({k.replace('_', ' ')}): learned routing gives the base model's "
+                        f"exact answer on {g['retention']:.1f}% ({g['empty_where_base_answers']:.1f}% empty where the "
+                        f"base answers; {g['adapter_token_share']:.1f}% of answer tokens on an adapter)."]
         out += [""]
     return out
 
@@ -361,6 +365,8 @@ def render_readme(res: dict, val: dict | None, cost: dict | None) -> str:
                 f"**{g['retention']:.1f}%** ({g['empty_where_base_answers']:.1f}% empty where the base answers; "
                 f"{g['adapter_token_share']:.1f}% of answer tokens on an adapter)"
                 + (f"; one adapter per request picked by the router's vote keeps {seq['retention']:.1f}%" if seq else "")
+                + (f"; after the system message \"{res['system_message']}\" learned routing keeps "
+                   f"{res['general_system']['learned']['retention']:.1f}%" if res.get("general_system") else "")
                 + ". The router's base class is trained on general text, and a prompt the probe gives to adapters "
                 f"below a share of {res['router'].get('prompt_share')} runs wholly on the base model "
                 "(`molora/routing/learned.py`: Base expert); both settings were chosen on validation prompts."]
