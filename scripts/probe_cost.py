@@ -37,7 +37,7 @@ def main() -> int:
     router = mm.router
     if not getattr(router, "probe_prompt", False):
         raise SystemExit("the bundle's router has no probe_prompt: nothing to compare")
-    with_probe, without = router.config, dataclasses.replace(router.config, probe_prompt=False)
+    with_probe, without = router.config, dataclasses.replace(router.config, probe_prompt=False, prompt_share=0.0)
     totals = {v: {"seconds": 0.0, "tokens": 0, "correct": 0.0, "n": 0} for v in ("probe", "no_probe", "own")}
     for task_file in sorted(Path(args.data).glob("*.json")):
         spec = f"bbh:{task_file}"
