@@ -275,11 +275,9 @@ def generate_batch(mm: Any, rows: Sequence[Sequence[int]], spec: str | Router, m
     return answers, generated
 
 
-def generation_adapters(trace: list, router: Router, n: int) -> list[str | None]:
-    """The adapter of each of n tokens (prompt + answer) as a generation routed it: the most frequent
-    choice over blocks in the forward that ran the token, from `RoutingContext.trace` entries (block, ids).
-    A probe forward (molora.routing.learned: Probe) is skipped: the prompt ran again with its decisions.
-    A last answer token that was never fed back has no routing (None)."""
+def trace_forwards(trace: list) -> list[list[torch.Tensor]]:
+    """`RoutingContext.trace` entries (block, ids [T, k]) grouped by forward (the block index starts over),
+    each block's top choice ids[:, 0]."""
     forwards: list[list[torch.Tensor]] = []
     prev = None
     for block, ids in trace:
@@ -287,6 +285,15 @@ def generation_adapters(trace: list, router: Router, n: int) -> list[str | None]
             forwards.append([])
         forwards[-1].append(ids[:, 0])
         prev = block
+    return forwards
+
+
+def generation_adapters(trace: list, router: Router, n: int) -> list[str | None]:
+    """The adapter of each of n tokens (prompt + answer) as a generation routed it: the most frequent
+    choice over blocks in the forward that ran the token, from `RoutingContext.trace` entries (block, ids).
+    A probe forward (molora.routing.learned: Probe) is skipped: the prompt ran again with its decisions.
+    A last answer token that was never fed back has no routing (None)."""
+    forwards = trace_forwards(trace)
     if getattr(router, "probe_prompt", False):
         forwards = forwards[1:]
     picks: list[str | None] = []

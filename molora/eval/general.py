@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from molora.bundle import generate_batch, stop_ids, turn_text
+from molora.bundle import generate_batch, left_pad, stop_ids, trace_forwards, turn_text
 from molora.eval.runner import EvalError, Mode, _ids, _spec, parse_mode, sequence_choice, template_of
 from molora.routing import SequenceRouter
 
@@ -72,22 +72,10 @@ def _render(mm: Any, template: str, item: dict) -> list[int]:
     return _ids(mm.tokenizer, text)
 
 
-def _forwards(trace: list) -> list[list[torch.Tensor]]:
-    """RoutingContext.trace entries (block, ids [T, k]) grouped by forward (the block index starts over)."""
-    out: list[list[torch.Tensor]] = []
-    prev = None
-    for block, ids in trace:
-        if prev is None or block <= prev:
-            out.append([])
-        out[-1].append(ids[:, 0])
-        prev = block
-    return out
-
-
 def _adapter_flags(trace: list, probe: bool, rows: int, prompt_len: int, answers: list[list[int]]) -> list[list[bool]]:
     """Per row, per answer token: did the forward that computed it use an adapter at any block for it?
     Forwards: [probe], the prompt [B*L], then one per generated token [B]."""
-    fw = _forwards(trace)[1 if probe else 0:]
+    fw = trace_forwards(trace)[1 if probe else 0:]
     used = [torch.stack(f).ge(0).any(0) for f in fw]                              # per forward: [T] bool
     flags = []
     for b, ans in enumerate(answers):
@@ -192,8 +180,6 @@ def summarize_general(task: str, routing: str, predictions: list[dict], budget: 
 def probe_shares(mm: Any, router: Any, prompts: list[str], *, batch_size: int = 16) -> list[float]:
     """Per prompt (rendered with the bundle's template), the share of its tokens the router's probe pass gives
     to an adapter: what `prompt_share` is compared with (molora.routing.learned: Base expert)."""
-    from molora.bundle import left_pad
-
     template, _ = template_of(mm)
     rows = [_ids(mm.tokenizer, turn_text(template, p)) for p in prompts]
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))

@@ -80,9 +80,9 @@ def read_generic(n: int, seed: int) -> list[dict]:
     return rows[:n]
 
 
-def general_prompts(recipe: DefaultRecipe) -> list[dict]:
+def general_prompts(recipe: DefaultRecipe, split: dict[str, list[dict]]) -> list[dict]:
     """The general train prompts the base model answers itself: Self-Instruct train and the topic prompts."""
-    train = [r for r in general_split()["train"] if r["source"] == "self_instruct"]
+    train = [r for r in split["train"] if r["source"] == "self_instruct"]
     return train + topic_prompts(recipe.n_topic, TRAIN_SEED_BASE + 99)
 
 
@@ -114,19 +114,19 @@ def base_answers(path: Path, prompts: list[dict], recipe: DefaultRecipe, progres
     return done
 
 
-def write_general_eval(data: Path) -> dict[str, Path]:
+def write_general_eval(data: Path, split: dict[str, list[dict]]) -> dict[str, Path]:
     """general_val.jsonl and general_test.jsonl: the held-out general prompts for `molora eval --task general:`."""
     paths = {}
-    for split in ("val", "test"):
-        paths[f"general_{split}"] = data / f"general_{split}.jsonl"
-        write_jsonl(paths[f"general_{split}"], [{"id": r["id"], "source": r["source"], "prompt": r["prompt"]}
-                                                for r in general_split()[split]])
+    for name in ("val", "test"):
+        paths[f"general_{name}"] = data / f"general_{name}.jsonl"
+        write_jsonl(paths[f"general_{name}"], [{"id": r["id"], "source": r["source"], "prompt": r["prompt"]}
+                                               for r in split[name]])
     return paths
 
 
 def write_data(out: Path, recipe: DefaultRecipe, answers: dict[str, str]) -> dict[str, Path]:
     """Write every training file (adapters and router) and the general held-out prompts; return name -> path.
-    answers: the base model's answers to `general_prompts(recipe)` (`base_answers`)."""
+    answers: the base model's answers to `general_prompts(recipe, split)` (`base_answers`)."""
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -142,6 +142,7 @@ def write_data(out: Path, recipe: DefaultRecipe, answers: dict[str, str]) -> dic
                                        "label": name}]})
     rng = random.Random(recipe.seed)
     names = list(SKILL_ADAPTERS)
+    split = general_split()
     pools = {n: generate(SKILL_ADAPTERS[n], recipe.n_mixed, seed=TRAIN_SEED_BASE + 10 * k + 2)
              for k, n in enumerate(names)}
     for j in range(recipe.n_mixed):
@@ -150,9 +151,9 @@ def write_data(out: Path, recipe: DefaultRecipe, answers: dict[str, str]) -> dic
                                    "completion": worked_solution(SKILL_ADAPTERS[n], pools[n][j].input,
                                                                  pools[n][j].target)} for n in (a, b)]})
     # the base class: every general train prompt with its reference answer, and the base model's own answers
-    general = [{"prompt": g["prompt"], "completion": g["output"], "label": None} for g in general_split()["train"]]
+    general = [{"prompt": g["prompt"], "completion": g["output"], "label": None} for g in split["train"]]
     general += [{"prompt": g["prompt"], "completion": answers[g["id"]], "label": None}
-                for g in general_prompts(recipe)]
+                for g in general_prompts(recipe, split)]
     rows += [{"segments": [g]} for g in general]
     skill_pool = {n: generate(SKILL_ADAPTERS[n], recipe.n_general_mixed, seed=TRAIN_SEED_BASE + 10 * k + 3)
                   for k, n in enumerate(names)}
@@ -165,7 +166,7 @@ def write_data(out: Path, recipe: DefaultRecipe, answers: dict[str, str]) -> dic
     rng.shuffle(rows)
     paths["router"] = data / "router.jsonl"
     write_jsonl(paths["router"], rows)
-    paths.update(write_general_eval(data))
+    paths.update(write_general_eval(data, split))
     return paths
 
 
@@ -217,7 +218,8 @@ def build_default(out: str | Path, recipe: DefaultRecipe = DefaultRecipe(), *, d
     from molora.model.base import load_default_base
 
     out = Path(out)
-    answers = base_answers(out / "data" / "general_answers.jsonl", general_prompts(recipe), recipe, progress)
+    answers = base_answers(out / "data" / "general_answers.jsonl", general_prompts(recipe, general_split()), recipe,
+                           progress)
     paths = write_data(out, recipe, answers)
     if data_only:
         return out
