@@ -253,6 +253,16 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weights, adapters and KV cache (default float32; bfloat16 is faster on CPUs with "
                         "avx512_bf16/AMX and on GPUs, outputs differ slightly)")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="default deadline of a request in seconds (default 600); molora.timeout overrides it")
+    p.add_argument("--max-request-timeout", type=float, default=3600.0, metavar="S",
+                   help="the most molora.timeout may ask for (default 3600)")
+    p.add_argument("--queue-timeout", type=float, default=300.0, metavar="S",
+                   help="a request that has not started after this long ends with 503 (default 300; 0: never)")
+    p.add_argument("--stall-timeout", type=float, default=30.0, metavar="S",
+                   help="/health turns 503 when the engine is busy this long without a step (default 30)")
+    p.add_argument("--keepalive", type=float, default=15.0, metavar="S",
+                   help="SSE keep-alive comment interval while a stream waits (default 15)")
 
 
 @command("serve", _serve_args)
@@ -262,6 +272,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from molora.engine import EngineConfig
     from molora.server import serve
+    from molora.server.generation import Limits
 
     def env(name: str) -> list[str]:
         return [k for k in os.environ.get(name, "").split(",") if k]
@@ -269,7 +280,10 @@ def _serve(args: argparse.Namespace) -> int:
     serve(args.bundle, host=args.host, port=args.port, api_keys=args.api_key + env("MOLORA_API_KEYS"),
           admin_keys=args.admin_key + env("MOLORA_ADMIN_KEYS"), adapter_roots=args.adapter_root,
           max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, dtype=args.dtype,
-          engine_config=EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len))
+          engine_config=EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
+          limits=Limits(request_timeout_s=args.request_timeout, max_request_timeout_s=args.max_request_timeout,
+                        queue_timeout_s=args.queue_timeout or None, keepalive_s=args.keepalive),
+          stall_s=args.stall_timeout)
     return 0
 
 

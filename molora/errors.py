@@ -14,6 +14,10 @@ class AdapterError(MoLoRAError):
     """An adapter folder cannot be read or does not fit the base model."""
 
 
+class AdapterDraining(AdapterError):
+    """The adapter is being unloaded (draining): new requests may not use it, it cannot be loaded again yet."""
+
+
 class BankFullError(MoLoRAError):
     """No free slot is left in the adapter bank."""
 

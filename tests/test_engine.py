@@ -194,8 +194,6 @@ def test_hot_set_lru_eviction_pins_and_counters(paths):
     # b is least recently used but pinned by a running request: a's promotion must evict c instead
     long = engine.add_request(_prompt(4, 5), SamplingParams(max_new_tokens=50), adapter="b")
     engine.step()
-    with pytest.raises(AdapterError, match="in use"):
-        engine.unload_adapter("b")
     engine.generate([_prompt(4, 6)], GREEDY, adapter="a")
     assert {d["name"]: d["slot"] is not None for d in engine.list_adapters()} == {"a": True, "b": True, "c": False}
     # both slots pinned: a request for c waits until one frees
@@ -209,7 +207,7 @@ def test_hot_set_lru_eviction_pins_and_counters(paths):
     assert engine.stats()["num_waiting"] == 0 and engine.hotset.tier("c") == "slot"
     while engine.has_unfinished():
         engine.step()
-    engine.unload_adapter("b")
+    assert engine.unload_adapter("b") == "unloaded"
     assert [d["name"] for d in engine.list_adapters()] == ["a", "c"]
 
 
@@ -231,8 +229,6 @@ def test_vanished_adapter_folder_aborts_only_its_request(paths, tmp_path):
     shutil.copytree(paths["b"], tmp_path / "b")
     engine.load_adapter("b", str(tmp_path / "b"))      # validated, but no free slot and no CPU tier
     queued = engine.add_request(_prompt(4, 1), GREEDY, adapter="b")
-    with pytest.raises(AdapterError, match="in use"):
-        engine.unload_adapter("b")                     # a queued request still needs it
     shutil.rmtree(tmp_path / "b")
     ok = engine.add_request(_prompt(4, 2), GREEDY, adapter="a")
     outs = {}
@@ -240,6 +236,7 @@ def test_vanished_adapter_folder_aborts_only_its_request(paths, tmp_path):
         for out in engine.step():
             outs[out.request_id] = out
     assert outs[queued].finish_reason == "abort" and outs[ok].finish_reason == "length"
+    assert "'b'" in outs[queued].error and str(tmp_path / "b") in outs[queued].error
     engine.scheduler.check()
     assert not engine.hotset.pins
 

@@ -99,7 +99,7 @@ class FakeEngine:
         assert self._thread == threading.get_ident(), "engine called from two threads"
 
     def add_request(self, prompt_ids, params: SamplingParams, *, request_id=None, adapter=None,
-                    allowed_adapters=None, routing="auto") -> str:
+                    allowed_adapters=None, routing="auto", timeout_s=None, queue_timeout_s=None) -> str:
         self._same_thread()
         for name in [adapter] + list(allowed_adapters or []):
             if name is not None and name not in self.mm.adapter_names:
@@ -160,15 +160,24 @@ class FakeEngine:
                     tokens_by_adapter=dict(self.tokens_by_adapter),
                     hotset=dict(hits=7, misses=2, evictions=1, load_ms_total=12.5, slots=4))
 
-    def load_adapter(self, name: str, path: str) -> None:
-        self._same_thread()
+    def read_adapter(self, name: str, path: str, roots=None) -> str:  # any thread: files only
         if not (Path(path) / "adapter_config.json").is_file():
             raise AdapterError(f"{path}: no adapter_config.json")
+        return path
+
+    def load_adapter(self, name: str, adapter: str, roots=None) -> None:
+        self._same_thread()
         self.mm.adapter_names.append(name)
 
-    def unload_adapter(self, name: str) -> None:
+    def unload_adapter(self, name: str, force: bool = False) -> str:
         self._same_thread()
         self.mm.adapter_names.remove(name)
+        return "unloaded"
+
+    def reset(self, why: str) -> list:
+        self._same_thread()
+        self.running.clear()
+        return []
 
     def list_adapters(self) -> list[dict]:  # also called by create_app, before the engine thread starts
         return [{"name": n, "path": Path("/adapters") / n} for n in self.mm.adapter_names]
@@ -531,7 +540,7 @@ def test_metrics_report_queue_latency_hotset_and_adapter_tokens(client):
                    "molora_time_per_output_token_seconds_count 1", "molora_hotset_hits_total 7",
                    "molora_hotset_misses_total 2", "molora_hotset_evictions_total 1",
                    'molora_adapter_tokens_total{adapter="math"} 3', "molora_completion_tokens_total 3",
-                   'molora_http_responses_total{route="/v1/completions",code="200"} 1'):
+                   'molora_http_responses_total{code="200",route="/v1/completions"} 1'):
         assert needle in text, needle
 
 

@@ -140,6 +140,30 @@ class AdapterBank:
         log.debug("loaded adapter %r into slot %d", adapter.name, slot)
         return slot
 
+    # ---------------------------------------------------------------------------------------- faults
+    @torch.no_grad()
+    def nonfinite(self) -> list[str]:
+        """Names of loaded adapters whose slot holds a NaN or inf (memory corruption after validation). The
+        stacked dispatch sends every token through every slot, so one such slot spoils every row of a step."""
+        bad = set()
+        for s in self.slots.values():
+            rows = ~(torch.isfinite(s.A).flatten(1).all(1) & torch.isfinite(s.Bt).flatten(1).all(1))  # [S]
+            bad.update(int(i) for i in rows.nonzero().flatten())
+        return [self.table[i] for i in sorted(bad) if self.table[i] is not None]
+
+    @torch.no_grad()
+    def rewrite(self, name: str, adapter: LoRAAdapter | None) -> None:
+        """Write `adapter`'s weights again into the slot of `name` (same targets), or zeros when None (the
+        adapter then adds nothing: the base model's behaviour). The slot stays assigned to `name`."""
+        slot = self.slot_of(name)
+        targets = self._targets[name]
+        if adapter is not None and set(adapter.modules) != set(targets):
+            raise AdapterError(f"adapter {name!r}: the rewrite targets {sorted(adapter.modules)[:4]}, the slot "
+                               f"holds {sorted(targets)[:4]}")
+        self._clear(slot, targets)
+        if adapter is not None:
+            self._write(slot, adapter)
+
     def unload(self, name: str) -> int:
         """Zero and free the slot holding `name`; return the slot number."""
         slot = self.slot_of(name)

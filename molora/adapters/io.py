@@ -5,13 +5,18 @@ A PEFT LoRA folder holds `adapter_config.json` and `adapter_model.safetensors` w
 This module reads such a folder into plain tensors, checks it against the shapes of the base model's
 linears, and writes one back. It owns file formats and validation; it does not know nn.Module, banks or
 routing. Every refusal is an `AdapterError` naming the adapter, the file and the module.
+
+Confinement: given `roots`, a read resolves the folder and every file it opens (symlinks followed,
+`Path.resolve(strict=True)`) and refuses any that lands outside all of the roots, so a symlinked
+`adapter_model.safetensors` inside an allowed folder cannot pull in a file from elsewhere. The reader opens
+the resolved paths. Reading touches no shared state: it is safe on any thread (the engine reads on a worker).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,12 +49,14 @@ class ModuleLoRA:
 
 @dataclass(frozen=True)
 class LoRAAdapter:
-    """A validated adapter: its name, where it came from, its config and weights per module path."""
+    """A validated adapter: its name, where it came from, its config and weights per module path, and the
+    roots it was confined to when read (None: unconfined); a re-read of `path` must use the same roots."""
 
     name: str
     path: Path | None
     config: AdapterConfig
     modules: dict[str, ModuleLoRA]
+    roots: tuple[Path, ...] | None = None
 
     @property
     def max_rank(self) -> int:
@@ -62,16 +69,42 @@ class LoRAAdapter:
 
 # --------------------------------------------------------------------------------------------- reading
 
-def read_adapter_config(path: str | Path, name: str = "") -> AdapterConfig:
-    """Parse and check `adapter_config.json`; refuse PEFT variants molora cannot serve."""
+def resolve_roots(roots: Sequence[str | Path] | None) -> tuple[Path, ...] | None:
+    """The confinement roots, resolved (symlinks followed) so that resolved files compare against them."""
+    return None if roots is None else tuple(Path(r).resolve() for r in roots)
+
+
+def confine(path: Path, roots: tuple[Path, ...] | None, who: str) -> Path:
+    """`path` resolved, if it lies under one of `roots` (resolved ones); `path` unchanged when roots is None or
+    it does not exist (the caller's own open then reports it missing)."""
+    if roots is None:
+        return path
+    try:
+        real = path.resolve(strict=True)
+    except FileNotFoundError:
+        return path
+    except (OSError, RuntimeError) as e:  # a symlink loop, a permission error
+        raise AdapterError(f"{who}: cannot resolve {path} ({e})") from e
+    if not any(real.is_relative_to(r) for r in roots):
+        raise AdapterError(f"{who}: {path} resolves to {real}, outside the adapter roots "
+                           f"{[str(r) for r in roots]}; copy the files into the adapter folder instead of linking them")
+    return real
+
+
+def read_adapter_config(path: str | Path, name: str = "", *,
+                        roots: Sequence[str | Path] | None = None) -> AdapterConfig:
+    """Parse and check `adapter_config.json`; refuse PEFT variants molora cannot serve. With `roots`, the
+    folder and the file must resolve inside one of them (module docstring: Confinement)."""
     folder = Path(path)
     cfg_path = folder / CONFIG_FILE
     who = f"adapter {name!r} ({cfg_path})" if name else str(cfg_path)
+    roots = resolve_roots(roots)
     if not folder.is_dir():
         raise AdapterError(f"adapter {name!r}: {folder} is not a folder; pass a PEFT LoRA folder "
                            f"holding {CONFIG_FILE} and {WEIGHTS_FILE}")
+    confine(folder, roots, f"adapter {name!r}")
     try:
-        raw = json.loads(cfg_path.read_text())
+        raw = json.loads(confine(cfg_path, roots, who).read_text())
     except FileNotFoundError as e:
         raise AdapterError(f"{who}: missing; a PEFT LoRA folder needs {CONFIG_FILE}") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -145,19 +178,23 @@ def read_adapter(
     *,
     name: str | None = None,
     base_name: str | None = None,
+    roots: Sequence[str | Path] | None = None,
 ) -> LoRAAdapter:
     """Read and validate a PEFT LoRA folder against the base model.
 
     module_shapes maps each linear of the base model (module path, e.g. `model.layers.0.self_attn.q_proj`)
     to its `(d_out, d_in)`. base_name, when given, must match the adapter's `base_model_name_or_path`
-    (compared by their last path component, case-insensitively).
+    (compared by their last path component, case-insensitively). roots, when given, confine every file read
+    (module docstring: Confinement); the adapter remembers them for later re-reads.
     """
     folder = Path(path)
     name = name or folder.name
-    cfg = read_adapter_config(folder, name)
+    roots = resolve_roots(roots)
+    cfg = read_adapter_config(folder, name, roots=roots)
     weights_path = folder / WEIGHTS_FILE
     who = f"adapter {name!r} ({weights_path})"
     _check_base(cfg, base_name, f"adapter {name!r} ({folder / CONFIG_FILE})")
+    weights_path = confine(weights_path, roots, who)
     if not weights_path.is_file():
         extra = " (found adapter_model.bin: re-save it with safe_serialization=True)" \
             if (folder / "adapter_model.bin").exists() else ""
@@ -184,7 +221,7 @@ def read_adapter(
     if not pairs:
         raise AdapterError(f"{who}: holds no lora_A/lora_B weights")
     modules = {m: _module_lora(cfg, m, a, b, module_shapes[m], who) for m, (a, b) in sorted(pairs.items())}
-    return LoRAAdapter(name=name, path=folder, config=cfg, modules=modules)
+    return LoRAAdapter(name=name, path=folder, config=cfg, modules=modules, roots=roots)
 
 
 def _check_base(cfg: AdapterConfig, base_name: str | None, who: str) -> None:

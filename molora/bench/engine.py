@@ -146,7 +146,8 @@ def swap_cost(mm: Any, name: str, repeats: int = 5) -> dict[str, float]:
     swap, copy = [], []
     for _ in range(repeats):
         hs._evict(name)
-        swap.append(_timed(lambda: hs._promote(name)) * 1e3)            # CPU tier -> slot (no disk read)
+        swap.append(_timed(lambda: hs.acquire([name])) * 1e3)           # CPU tier -> slot (no disk read)
+        hs.release([name])
         srcs = [t for m in adapter.modules.values() for t in (m.A, m.B)]
         dsts = [torch.empty_like(t) for t in srcs]
         copy.append(_timed(lambda: [d.copy_(s) for d, s in zip(dsts, srcs)]) * 1e3)

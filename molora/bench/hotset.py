@@ -10,8 +10,9 @@ Latency per tier, variants interleaved in each repetition (medians, ms):
   slot_hit    `HotSet.acquire` of an adapter already in a slot (bookkeeping only)
   cpu_tier    `HotSet.acquire` of an adapter held in the CPU tier while every slot is taken: evict the
               least recently used slot (zeroing it) and copy the adapter in
-  disk        the same with no CPU tier (cpu_bytes=0): `read_adapter` (safetensors + validation), evict,
-              copy. After the first read the file sits in the OS page cache, so this is a warm disk.
+  disk        the same with no CPU tier (cpu_bytes=0): `read_adapter` (safetensors + validation) on the
+              hot set's loader thread, waited for, then evict and copy. After the first read the file sits
+              in the OS page cache, so this is a warm disk.
   read        `read_adapter` alone (the disk tier's share)
 
 The tier hits are made certain by cycling over more adapters than slots (LRU then misses every time).
@@ -65,7 +66,8 @@ def _cycler(hs: Any, names: list[str], expect: str) -> tuple[Callable[[], None],
         name = next(order)
         tier = hs.tier(name)
         assert tier == expect, f"{name} was in tier {tier!r}, expected {expect!r}"
-        assert hs.acquire([name])
+        while not hs.acquire([name]):   # a disk miss: the read runs on the hot set's loader thread
+            assert hs.wait_reads(), f"{name} could not be acquired"
         held.append(name)
 
     def release() -> None:

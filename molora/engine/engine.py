@@ -14,6 +14,11 @@ budget, KV blocks and hot-set slots -> one flattened batch (tokens [T], position
 stop checks and streaming detokenization -> outputs. Finished and aborted requests free their KV blocks
 and adapter pins at once.
 
+Adapters at run time: a cold adapter is read and validated on the hot set's loader thread while the
+steps go on (the step only copies a read adapter into a slot); `read_adapter` reads on any thread and
+`load_adapter(name, adapter)` registers the result; `unload_adapter` drains an adapter that requests in
+flight still use (new requests leave it out) or, with force=True, aborts them. See molora.engine.hotset.
+
 The engine is single-threaded: a server drives `step()` from one thread and calls `add_request` /
 `abort` under its own lock. Precision follows the model: fp32 by default (exact against transformers);
 `mm.to(torch.bfloat16)` before building the engine runs weights, adapters and KV cache in bf16 (AMX on
@@ -26,19 +31,23 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from collections import Counter
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from molora.adapters.io import LoRAAdapter
 from molora.config import SamplingParams
 from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
 from molora.engine.request import IncrementalDetokenizer, Request, RequestOutput, TextState
 from molora.engine.routing import plan_routing, record_carry, record_probe
 from molora.engine.scheduler import Scheduled, Scheduler
-from molora.errors import AdapterError, MoLoRAError, RoutingError
+from molora.errors import AdapterDraining, AdapterError, MoLoRAError, RoutingError
 from molora.model.runner import BatchMeta, ModelRunner
 from molora.routing import SequenceRouter, VocabRouter
 from molora.sampling import sample_next, top_logprobs
@@ -104,6 +113,11 @@ class Engine:
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
         self.steps = self.tokens_generated = self.tokens_computed = 0
+        self.faults = self.failures = 0     # chunks that raised / requests ended alone by a fault (step())
+        self.deadlines_expired: Counter[str] = Counter()
+        # what happened, for a server's metrics: ("queue_wait", s), ("deadline", "request" | "queue"),
+        # ("fault", message), ("isolated", message); the consumer pops from the left, the oldest drop off
+        self.events: deque[tuple[str, Any]] = deque(maxlen=10000)
         self.tokens_by_adapter: Counter[str] = Counter()
         log.info("engine: %d KV blocks x %d tokens (%.1f MiB), %d slots, max_model_len %d", config.kv_blocks,
                  config.block_size, self.runner.cache.nbytes() / 2**20, mm.bank.num_slots, self.max_model_len)
@@ -111,8 +125,17 @@ class Engine:
     # ------------------------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     adapter: str | None = None, allowed_adapters: list[str] | None = None,
-                    routing: str = "auto") -> str:
-        """Queue a request; returns its id. Bad input raises a MoLoRAError and changes nothing."""
+                    routing: str = "auto", timeout_s: float | None = None,
+                    queue_timeout_s: float | None = None) -> str:
+        """Queue a request; returns its id. Bad input raises a MoLoRAError and changes nothing.
+
+        timeout_s: the request ends with finish_reason "timeout" once it has been in the engine this long;
+        queue_timeout_s: the same if it has not started (been scheduled) by then. Both are checked at the start
+        of every step, so they fire at the first step boundary past the deadline; KV blocks and pins are freed.
+        """
+        for name, value in (("timeout_s", timeout_s), ("queue_timeout_s", queue_timeout_s)):
+            if value is not None and not value > 0:
+                raise MoLoRAError(f"{name}={value} must be a positive number of seconds (or None: no limit)")
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise MoLoRAError("the prompt is empty; give at least one token id")
@@ -136,17 +159,23 @@ class Engine:
         req = Request(rid, prompt, params, mode, adapter if mode == "pinned" else None, allowed, needs,
                       router=router, generator=gen, detok=detok, text=TextState(tuple(params.stop)),
                       prompt_routes=[] if mode == "learned" and getattr(router, "probe_prompt", False) else None)
+        req.arrival = time.monotonic()
+        req.timeout_s, req.queue_timeout_s = timeout_s, queue_timeout_s
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
 
     def _resolve_routing(self, routing: str, adapter: str | None, allowed_adapters: list[str] | None
                          ) -> tuple[str, Any, frozenset[str] | None, tuple[str, ...]]:
-        """(mode, router, allowed, adapters to pin) for a request; see molora.engine.routing."""
+        """(mode, router, allowed, adapters to pin) for a request; see molora.engine.routing. A draining adapter
+        (unload_adapter) is refused to a pinned request and left out of a router's allowed set and pins."""
         if routing not in ROUTING_CHOICES:
             raise RoutingError(f"routing={routing!r}; choose one of {ROUTING_CHOICES}")
         hs = self.hotset
         hs.check_known([adapter] if adapter is not None else [])
+        if adapter in hs.draining:
+            raise AdapterDraining(f"adapter {adapter!r} is being unloaded (draining: only requests already using it "
+                                  "may finish on it); choose another adapter, or load it again once it is gone")
         allowed = None if allowed_adapters is None else frozenset(allowed_adapters)
         hs.check_known(sorted(allowed or ()))
         router = self.mm.router
@@ -181,21 +210,47 @@ class Engine:
             else:
                 names = hs.names
             mode = "tokens"
+        if hs.draining.intersection(names):  # as if absent: the allowed set (which routing obeys) leaves it out
+            allowed = (allowed if allowed is not None else frozenset(hs.paths)) - hs.draining
         needs = tuple(n for n in names if allowed is None or n in allowed)
         if len(needs) > self.mm.bank.num_slots:
             raise RoutingError(f"this request may route to {len(needs)} adapters {list(needs)}, but the bank has "
                                f"{self.mm.bank.num_slots} slots; restrict allowed_adapters or attach with more slots")
         return mode, router, allowed, needs
 
-    def abort(self, request_id: str) -> None:
-        """Cancel a request: its KV blocks and pins are freed now; the next step reports it finished ("abort").
-        Unknown or already finished ids are ignored."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return
-        req.finish_reason = "abort"
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Cancel a request: its KV blocks and pins are freed now; the next step reports it finished ("abort",
+        with `error` as RequestOutput.error when given). Unknown or already finished ids are ignored."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._pending.append(self._end(req, "abort", error))
+
+    def _end(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
+        """Finish `req` now with `reason` (and `error`): free its KV blocks and pins, return its last output."""
+        self.requests.pop(req.request_id, None)
+        req.finish_reason, req.error = reason, error
         self.scheduler.finish(req)
-        self._pending.append(req.output([], req.text.emit(final=True), [], None))
+        return req.output([], req.text.emit(final=True), [], None)
+
+    def _expire(self, now: float) -> list[RequestOutput]:
+        """End the requests past their deadline (add_request's timeout_s / queue_timeout_s)."""
+        out = []
+        for req in list(self.requests.values()):
+            age = now - req.arrival
+            if req.timeout_s is not None and age >= req.timeout_s:
+                kind, why = "request", f"the request ran past its timeout of {req.timeout_s:g} s"
+            elif req.queue_timeout_s is not None and not req.started and age >= req.queue_timeout_s:
+                kind, why = "queue", (f"queue timeout: the request waited {age:.3g} s without starting (limit "
+                                      f"{req.queue_timeout_s:g} s); the server is overloaded, retry later")
+            else:
+                continue
+            self.deadlines_expired[kind] += 1
+            self._event("deadline", kind)
+            out.append(self._end(req, "timeout", why))
+        return out
+
+    def _event(self, kind: str, value: Any) -> None:
+        self.events.append((kind, value))
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._pending)
@@ -203,13 +258,23 @@ class Engine:
     # ------------------------------------------------------------------------------------ one step
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; outputs of requests that produced tokens or finished."""
+        """Run one scheduler step; outputs of requests that produced tokens or finished.
+
+        Failure isolation: when computing the step raises, its chunks are run again in halves until the
+        request(s) that make it raise are found; only those end (finish_reason "error", RequestOutput.error
+        names the cause), the rest of the step completes as if nothing happened (recomputing a chunk writes
+        the same KV rows again; sampler generators are restored first). A request whose logits are not
+        finite (a poisoned adapter) also ends alone. The scheduler, KV pool and pins are checked after every
+        recovered fault. An exception that escapes step() is an engine bug, not a request's fault.
+        """
         outputs, self._pending = self._pending, []
+        now = time.monotonic()
+        outputs += self._expire(now)
         scheduled = self.scheduler.schedule()
         for req, why in self.scheduler.failed:
             log.error("request %s aborted: %s", req.request_id, why)
             self.requests.pop(req.request_id, None)
-            req.finish_reason = "abort"
+            req.finish_reason, req.error = "abort", why
             outputs.append(req.output([], "", [], None))
         self.scheduler.failed.clear()
         if not scheduled:
@@ -219,31 +284,141 @@ class Engine:
                                   f"({self.allocator.num_free} free KV blocks, adapters {list(head.needs)})")
             return outputs
         self.steps += 1
+        for s in scheduled:
+            if not s.request.started:
+                s.request.started = True
+                self._event("queue_wait", now - s.request.arrival)
+        faults = self.faults
+        outputs += self._run_isolating(scheduled)
+        if self.faults != faults:
+            self.check()   # a recovered fault must leave the scheduler, KV pool and pins consistent
+        return outputs
+
+    def _run_isolating(self, scheduled: list[Scheduled]) -> list[RequestOutput]:
+        """_run(scheduled), bisecting on an exception to end only the request(s) that raise (see step)."""
+        gens = {id(s.request): s.request.generator.get_state() for s in scheduled if s.request.generator is not None}
+        try:
+            return self._run(scheduled)
+        except _CorruptSlots as e:  # every row of the step is spoiled: mend the slots, then run it again
+            self.faults += 1
+            for s in scheduled:
+                if id(s.request) in gens:
+                    s.request.generator.set_state(gens[id(s.request)])
+            lost = self._mend(e.names)
+            outs, keep = [], []
+            for s in scheduled:
+                gone = [n for n in lost if n in s.request.needs]
+                if gone:
+                    outs.append(self._fail(s.request, f"adapter {gone[0]!r} was corrupt in memory and could not be "
+                                                      f"read again ({lost[gone[0]]}); it now adds nothing"))
+                else:
+                    keep.append(s)
+            return outs + (self._run_isolating(keep) if keep else [])
+        except Exception as e:
+            self.faults += 1
+            self._event("fault", f"{type(e).__name__}: {e}")
+            for s in scheduled:                     # a sampled row may have drawn before the exception
+                if id(s.request) in gens:
+                    s.request.generator.set_state(gens[id(s.request)])
+            if len(scheduled) == 1:
+                req = scheduled[0].request
+                log.error("request %s failed alone (isolated): %s: %s", req.request_id, type(e).__name__, e,
+                          exc_info=True)
+                return [self._fail(req, f"the engine failed on this request ({type(e).__name__}: {e})")]
+            log.warning("a step over %d chunks raised %s: %s; running it again in halves to isolate the cause",
+                        len(scheduled), type(e).__name__, e)
+            mid = len(scheduled) // 2
+            return self._run_isolating(scheduled[:mid]) + self._run_isolating(scheduled[mid:])
+
+    def _mend(self, names: list[str]) -> dict[str, str]:
+        """Rewrite the corrupt slots of `names` from a fresh read of their folders (validated, so finite).
+        Returns {name: why} of those that could not be read again; their slots are zeroed (the adapter adds
+        nothing) and their CPU-tier copies dropped. Either way the slot is finite afterwards."""
+        lost: dict[str, str] = {}
+        bank = self.mm.bank
+        for name in names:
+            path = self.hotset.paths.get(name)
+            try:
+                if path is None:
+                    raise AdapterError("it was given in memory: there is no folder to read it from")
+                fresh = self.mm.read(name, path, roots=self.hotset.roots.get(name))
+                bank.rewrite(name, fresh)
+                self.mm.adapters[name] = fresh
+                log.error("adapter %r was corrupt in its slot (non-finite weights); rewrote it from %s", name, path)
+                self._event("repaired", name)
+            except Exception as e:
+                bank.rewrite(name, None)
+                lost[name] = f"{type(e).__name__}: {e}"
+                log.error("adapter %r was corrupt in its slot and could not be read again (%s); zeroed it", name,
+                          lost[name])
+            self.hotset.cpu.pop(name, None)  # the warm copy may be what was corrupted
+            self.hotset.cpu_used = sum(a.nbytes() for a in self.hotset.cpu.values())
+        return lost
+
+    def _fail(self, req: Request, why: str) -> RequestOutput:
+        """End one request on an error of its own: zero its KV rows (they may hold NaN that a later owner of
+        these blocks would read through masked attention), free them, report finish_reason "error"."""
+        self.failures += 1
+        self._event("isolated", why)
+        self.runner.cache.clear_blocks(req.block_table)
+        return self._end(req, "error", why)
+
+    def _run(self, scheduled: list[Scheduled]) -> list[RequestOutput]:
+        """Compute one group of chunks (may raise: nothing but KV rows and generators changed yet), then commit
+        each request's results on its own (an error there ends that request only)."""
         tokens, positions, meta = self._inputs(scheduled)
         routing = plan_routing(scheduled, self.hotset, self.runner.device)
         hidden = self.runner(tokens, positions, meta, routing)                    # [B, D]
-        last_slots = self.runner.last_slot_ids                                    # [B, k] or None
-        if routing is not None and routing.carry is not None:
-            record_carry(scheduled, self.runner.last_carry)
-        if any(s.probe for s in scheduled):
-            record_probe(scheduled, self.runner.carry_rows)
-        for s in scheduled:
-            if not s.probe:
-                s.request.num_computed += s.n
-        self.tokens_computed += len(tokens)
+        if not bool(torch.isfinite(hidden).all()):
+            corrupt = self.mm.bank.nonfinite()
+            if corrupt:
+                raise _CorruptSlots(corrupt)
+        runner = self.runner
+        last_slots, last_carry, carry_rows = runner.last_slot_ids, runner.last_carry, runner.carry_rows
         rows = [i for i, s in enumerate(scheduled) if s.samples]
-        if not rows:
-            return outputs
-        logits = self.runner.logits(hidden[rows])                                 # [b, V]
-        reqs = [scheduled[i].request for i in rows]
-        chosen = self._sample(reqs, logits)
+        logits = chosen = finite = None
+        if rows:
+            logits = runner.logits(hidden[rows])                                   # [b, V]
+            finite = torch.isfinite(logits).all(-1).tolist()
+            chosen = self._sample([scheduled[i].request for i in rows], logits, finite)
+        self.tokens_computed += len(tokens)
+        # ---- commit, request by request
+        outputs: list[RequestOutput] = []
         table = self.mm.bank.table
-        for j, (i, req) in enumerate(zip(rows, reqs)):
-            slot = -1 if last_slots is None else int(last_slots[i, 0])
-            adapter = table[slot] if slot >= 0 else None
-            lp = self._logprobs(req, logits[j], chosen[j])
-            outputs.append(self._advance(req, int(chosen[j]), adapter, lp))
+        sampled = {i: j for j, i in enumerate(rows)}
+        offset = 0
+        for i, s in enumerate(scheduled):
+            req, off = s.request, offset
+            offset += s.n
+            j = sampled.get(i)
+            if j is not None and not finite[j]:
+                used = sorted({table[x] for x in (last_slots[i].tolist() if last_slots is not None else []) if x >= 0})
+                outputs.append(self._fail(req, f"the model produced non-finite logits for this request (adapters "
+                                               f"on its last token: {used or 'none'}); a corrupt adapter?"))
+                continue
+            try:
+                if routing is not None and routing.carry is not None and last_carry is not None:
+                    record_carry([s], last_carry[i:i + 1])
+                if s.probe:
+                    record_probe([s], carry_rows[off:off + s.n])
+                else:
+                    req.num_computed += s.n
+                if j is not None:
+                    slot = -1 if last_slots is None else int(last_slots[i, 0])
+                    lp = self._logprobs(req, logits[j], chosen[j])
+                    outputs.append(self._advance(req, int(chosen[j]), table[slot] if slot >= 0 else None, lp))
+            except Exception as e:
+                log.error("request %s failed alone while committing its step: %s: %s", req.request_id,
+                          type(e).__name__, e, exc_info=True)
+                self.faults += 1
+                outputs.append(self._fail(req, f"the engine failed on this request ({type(e).__name__}: {e})"))
         return outputs
+
+    def check(self) -> None:
+        """Assert the engine's bookkeeping: scheduler queues, KV pool and adapter pins agree with the requests."""
+        self.scheduler.check()
+        queued = {r.request_id for r in self.scheduler.waiting} | {r.request_id for r in self.scheduler.running}
+        assert queued == set(self.requests), (sorted(queued ^ set(self.requests)), "requests and queues disagree")
 
     def _inputs(self, scheduled: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
         toks: list[int] = []
@@ -256,11 +431,11 @@ class Engine:
         dev = self.runner.device
         return torch.tensor(toks, device=dev), torch.tensor(pos, device=dev), meta
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, finite: list[bool]) -> torch.Tensor:
         chosen = logits.argmax(-1)                                                # [b] greedy for all
         for j, req in enumerate(reqs):
             p = req.params
-            if not p.greedy:
+            if not p.greedy and finite[j]:
                 chosen[j] = sample_next(logits[j:j + 1], p.temperature, p.top_k, p.top_p, req.generator)[0]
         return chosen
 
@@ -296,6 +471,13 @@ class Engine:
             del self.requests[req.request_id]
         return req.output([token], text, [adapter], lp)
 
+    def reset(self, why: str) -> list[RequestOutput]:
+        """End every request in flight with finish_reason "error" and `why` (after an engine bug); their
+        outputs are returned. The KV cache rows are zeroed."""
+        outs = [self._end(req, "error", why) for req in list(self.requests.values())]
+        self.runner.cache.clear_blocks(range(self.allocator.num_blocks))
+        return outs
+
     # ------------------------------------------------------------------------------------ offline use
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  **kw: Any) -> list[RequestOutput]:
@@ -329,28 +511,69 @@ class Engine:
         return [agg[rid] for rid in ids]
 
     # ------------------------------------------------------------------------------------ adapters, stats
-    def load_adapter(self, name: str, path: str) -> None:
-        """Register a PEFT folder at run time (validated now; loaded into a free slot if there is one)."""
-        self.hotset.register(name, path)
+    def read_adapter(self, name: str, path: str | Path, *, roots: Sequence[str | Path] | None = None) -> LoRAAdapter:
+        """Read and validate a PEFT folder for `load_adapter` (fits the bank; with `roots`, every file must
+        resolve inside one of them). Touches no engine state: call it on any thread, e.g. a server's
+        `asyncio.to_thread`, then `load_adapter(name, adapter)` on the engine thread."""
+        return self.hotset.read(name, path, roots)
 
-    def unload_adapter(self, name: str) -> None:
-        """Forget an adapter; refused with an AdapterError while a running or queued request may use it."""
-        users = [r.request_id for r in self.requests.values() if name in r.needs]
-        if users:
-            raise AdapterError(f"adapter {name!r} is in use by {len(users)} in-flight request(s) {users[:5]}; "
-                               "abort them or wait for them to finish before unloading it")
-        self.hotset.unregister(name)
+    def load_adapter(self, name: str, source: str | Path | LoRAAdapter, *,
+                     roots: Sequence[str | Path] | None = None) -> None:
+        """Register an adapter at run time: a PEFT folder (read and validated here, on this thread) or an
+        adapter from `read_adapter`. Loaded into a free slot if there is one. `roots` confine every later
+        re-read of the folder (an adapter from read_adapter keeps the roots it was read with). Refused, with
+        nothing changed, for a bad folder, a name in use, or a name still draining."""
+        self.hotset.register(name, source, roots)
+
+    def unload_adapter(self, name: str, force: bool = False) -> str:
+        """Unload an adapter: "unloaded" when it is gone now, "draining" when requests in flight (running or
+        queued) may still route to it: new requests no longer do, and it is unloaded when the last of those
+        finishes (Scheduler.finish). force=True aborts those requests (finish_reason "abort", with an error
+        naming the adapter) and unloads it now. Unknown names raise AdapterError."""
+        hs = self.hotset
+        hs.check_known([name])
+        users = self.scheduler.users(name)
+        if force:
+            why = f"adapter {name!r} was unloaded (force) while this request used it"
+            for req in users:
+                self.abort(req.request_id, error=why)
+            if name in hs.paths:     # the last abort already unregistered it if it was draining
+                hs.unregister(name)
+            log.info("adapter %r unloaded (force), %d request(s) aborted", name, len(users))
+            return "unloaded"
+        if not users:
+            hs.unregister(name)
+            return "unloaded"
+        if name not in hs.draining:
+            hs.drain(name)
+            log.info("adapter %r draining: %d request(s) in flight use it", name, len(users))
+        return "draining"
 
     def list_adapters(self) -> list[dict]:
-        """name, path, slot (or None), tier ("slot" | "cpu" | "disk") and pin count of every adapter."""
+        """name, path, slot (or None), tier ("slot" | "cpu" | "disk"), pin count and state ("ready" |
+        "loading": a background read is in flight | "draining": being unloaded) of every adapter."""
         return self.hotset.describe()
+
+    def close(self) -> None:
+        """Stop the adapter loader thread (HotSet.close); the engine still works, a later miss restarts it."""
+        self.hotset.close()
 
     def stats(self) -> dict:
         return {"num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
                 "kv_blocks_total": self.allocator.num_blocks, "kv_blocks_free": self.allocator.num_free,
                 "hotset": self.hotset.stats(), "tokens_by_adapter": dict(self.tokens_by_adapter),
                 "tokens_generated": self.tokens_generated, "tokens_computed": self.tokens_computed,
-                "steps": self.steps, "num_preemptions": self.scheduler.num_preemptions}
+                "steps": self.steps, "num_preemptions": self.scheduler.num_preemptions,
+                "faults": self.faults, "failed_requests": self.failures,
+                "deadlines_expired": dict(self.deadlines_expired)}
+
+
+class _CorruptSlots(Exception):
+    """A step met non-finite adapter weights in the bank (Engine._mend)."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(f"non-finite weights in the slots of {names}")
+        self.names = names
 
 
 def _per_prompt(key: str, value: Any, i: int, n: int) -> Any:

@@ -3,31 +3,47 @@
     slots  (the MoLoRAModel's AdapterBank: S fixed, preallocated slots; loading is a copy)
       ^ promote on a miss / evict the least recently used unpinned adapter into the CPU tier
     CPU tier  (validated `LoRAAdapter`s in host memory, LRU, at most `cpu_bytes` bytes)
-      ^ read on a miss that the CPU tier cannot serve / drop the least recently used
-    disk  (the PEFT folder each adapter was registered with)
+      ^ a finished background read joins it / drop the least recently used
+    loader thread  (one worker, "molora-adapter-io": reads and validates a folder off the engine thread)
+      ^ started by a miss that neither a slot nor the CPU tier can serve
+    disk  (the PEFT folder each adapter was registered with, confined to its roots if it was given any)
 
-Every adapter the engine knows is *registered* (name -> folder); it may sit in any tier. A request pins
-the adapters it may route to for as long as it is in flight (`acquire` / `release`); a pinned adapter is
-never evicted and cannot be unloaded. `acquire` is all-or-nothing: it changes nothing when the adapters
-cannot all be made resident (every slot pinned by others), and the scheduler retries later.
+Every adapter the engine knows is *registered* (name -> folder, roots); it may sit in any tier. A request
+pins the adapters it may route to for as long as it is in flight (`acquire` / `release`); a pinned adapter
+is never evicted. `acquire` is all-or-nothing and never touches the disk: an adapter in no tier gets a
+background read (started once) and `acquire` returns False, changing nothing; once the read is done, the
+next `acquire` puts it in the CPU tier and copies it into a slot (the only adapter work an engine step
+does). `acquire` also returns False when the adapters cannot all be made resident (every slot pinned by
+others); `fetch` tells the two apart for the scheduler. A failed read raises an `AdapterError` from the
+next `acquire` / `fetch` that needs the adapter and is then forgotten, so a fixed folder reads again.
 
-Owns the tiers, the LRU orders, the pin counts and the counters. Knows adapter names, folders and the
-`MoLoRAModel` load/unload calls; knows nothing about requests, KV blocks or routing decisions.
+Unloading: `unregister` forgets an adapter in every tier (refused while pinned). An adapter being unloaded
+while requests still use it is *draining* (`drain`): it stays registered and resident for them, new
+requests do not route to it (the engine leaves it out of their allowed set), and the scheduler unregisters
+it when its last user leaves. Registering a draining name is refused.
+
+Owns the tiers, the LRU orders, the pin counts, the loader thread and the counters. Knows adapter names,
+folders and the `MoLoRAModel` read/load/unload calls; knows nothing about requests, KV blocks or routing
+decisions. All methods run on the engine thread except `read` (any thread) and the loader's reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from molora.adapters.io import LoRAAdapter
-from molora.errors import AdapterError
+from molora.adapters.io import LoRAAdapter, resolve_roots
+from molora.errors import AdapterDraining, AdapterError
 
 log = logging.getLogger("molora.engine")
+
+Roots = tuple[Path, ...] | None
 
 
 class HotSet:
@@ -36,13 +52,18 @@ class HotSet:
     def __init__(self, mm: Any, cpu_bytes: int) -> None:
         self.mm = mm
         self.cpu_budget = cpu_bytes
-        # registry: every known adapter and its folder (None: given in memory, never dropped from the CPU tier)
+        # registry: every known adapter, its folder (None: given in memory, never dropped from the CPU tier)
+        # and the roots its files must resolve into on every read (None: unconfined)
         self.paths: dict[str, Path | None] = {n: a.path for n, a in mm.adapters.items()}
+        self.roots: dict[str, Roots] = {n: a.roots for n, a in mm.adapters.items()}
+        self.draining: set[str] = set()
         self.cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()   # LRU order: first = least recently used
         self.cpu_used = 0
         self.slot_lru: OrderedDict[str, None] = OrderedDict((n, None) for n in mm.bank.names)
         self.pins: Counter[str] = Counter()
-        self.hits = self.misses = self.evictions = self.disk_reads = 0
+        self.reads: dict[str, Future[LoRAAdapter]] = {}  # background reads, in flight or done and not yet taken
+        self._pool: ThreadPoolExecutor | None = None     # the loader thread, started by the first read
+        self.hits = self.misses = self.evictions = self.disk_reads = self.read_failures = 0
         self.load_ms_total = 0.0
         self.version = 0  # bumped whenever a slot changes hands (routing lookups depend on it)
 
@@ -58,15 +79,26 @@ class HotSet:
     def tier(self, name: str) -> str:
         return "slot" if self.resident(name) else "cpu" if name in self.cpu else "disk"
 
+    def state(self, name: str) -> str:
+        """"draining" (being unloaded), "loading" (a background read is in flight) or "ready"."""
+        if name in self.draining:
+            return "draining"
+        read = self.reads.get(name)
+        return "loading" if read is not None and not read.done() else "ready"
+
     def check_known(self, names: Iterable[str]) -> None:
         unknown = [n for n in names if n not in self.paths]
         if unknown:
             raise AdapterError(f"unknown adapter(s) {unknown}; registered adapters: {self.names}. "
                                "Load one with Engine.load_adapter(name, path)")
 
+    def reads_in_flight(self) -> int:
+        return sum(not f.done() for f in self.reads.values())
+
     def stats(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions,
                 "load_ms_total": round(self.load_ms_total, 3), "disk_reads": self.disk_reads,
+                "reads_in_flight": self.reads_in_flight(), "read_failures": self.read_failures,
                 "slots": self.mm.bank.num_slots, "slots_used": len(self.mm.bank.names),
                 "cpu_tier_bytes": self.cpu_used, "cpu_tier_budget": self.cpu_budget,
                 "pinned": {n: c for n, c in self.pins.items() if c}}
@@ -74,22 +106,36 @@ class HotSet:
     def describe(self) -> list[dict]:
         bank = self.mm.bank
         return [{"name": n, "path": None if p is None else str(p), "slot": bank.slot_of(n) if n in bank else None,
-                 "tier": self.tier(n), "pinned": self.pins[n]} for n, p in self.paths.items()]
+                 "tier": self.tier(n), "pinned": self.pins[n], "state": self.state(n)}
+                for n, p in self.paths.items()]
 
     # ------------------------------------------------------------------------------------ pins
+    def fetch(self, names: Iterable[str]) -> bool:
+        """True if every adapter in `names` is resident, in the CPU tier or read; otherwise start the missing
+        reads (once) and return False. Raises AdapterError for a failed read (and forgets it)."""
+        ready = True
+        for n in dict.fromkeys(names):
+            if not self.resident(n) and self._warm(n) is None:
+                ready = False
+        return ready
+
     def acquire(self, names: Iterable[str]) -> bool:
-        """Make every adapter in `names` resident and pin it. False (nothing changed) if slots are short."""
+        """Make every adapter in `names` resident and pin it. False (nothing changed) while a read is in flight
+        (`fetch`) or if slots are short. Raises AdapterError (nothing pinned) for a failed read."""
         want = list(dict.fromkeys(names))
         missing = [n for n in want if not self.resident(n)]
+        warm = {n: self._warm(n) for n in missing}
+        if any(a is None for a in warm.values()):
+            return False
         evictable = [n for n in self.slot_lru if self.pins[n] == 0 and n not in want]
         if len(missing) > len(self.mm.bank.free_slots()) + len(evictable):
             return False
         done: list[str] = []
         try:
             for n in want:
-                if n in missing:
+                if n in warm:
                     self.misses += 1
-                    self._promote(n)       # may raise (the folder vanished): undo the pins taken so far
+                    self._promote(warm[n], want)
                 else:
                     self.hits += 1
                     self.slot_lru.move_to_end(n)
@@ -107,20 +153,49 @@ class HotSet:
             if self.pins[n] == 0:
                 del self.pins[n]
 
+    def wait_reads(self, timeout: float | None = None) -> bool:
+        """Block until a background read finishes (or `timeout` seconds); False if none was in flight."""
+        pending = [f for f in self.reads.values() if not f.done()]
+        if pending:
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
+        return bool(pending)
+
     # ------------------------------------------------------------------------------------ run-time changes
-    def register(self, name: str, path: str | Path) -> None:
-        """Read and validate a PEFT folder, keep it in the CPU tier, and load it into a free slot if any."""
-        if name in self.paths:
-            raise AdapterError(f"adapter {name!r} is already loaded (from {self.paths[name]}); unload it first")
-        adapter = self._read(name, Path(path))
+    def read(self, name: str, path: str | Path, roots: Sequence[str | Path] | None = None) -> LoRAAdapter:
+        """Read and validate a PEFT folder and check that it fits the bank. Changes nothing: safe on any
+        thread (a server reads on a worker, then `register`s the adapter on the engine thread)."""
+        self._check_free(name)
+        adapter = self.mm.read(name, Path(path), roots=resolve_roots(roots))
         self.mm.bank.check(adapter)  # fits the bank (targets, rank): refuse now, not at first use
-        self.paths[name] = Path(path)
+        return adapter
+
+    def register(self, name: str, source: str | Path | LoRAAdapter,
+                 roots: Sequence[str | Path] | None = None) -> None:
+        """Register a PEFT folder (read and validated now, on this thread) or an adapter already read
+        (`read`); keep it in the CPU tier and load it into a free slot if any. `roots` confine every later
+        re-read of its folder (default for an adapter object: the roots it was read with)."""
+        self._check_free(name)
+        if isinstance(source, LoRAAdapter):
+            adapter = source if source.name == name else dataclasses.replace(source, name=name)
+            self.mm.bank.check(adapter)
+            confined = resolve_roots(roots) if roots is not None else adapter.roots
+        else:
+            confined = resolve_roots(roots)
+            adapter = self.read(name, source, confined)
+            self.disk_reads += 1  # counted once it succeeded: a refused load changes nothing, counters included
+        self.paths[name] = adapter.path
+        self.roots[name] = confined
         self._cache(adapter)
         if self.mm.bank.free_slots():
             self._load(adapter)
 
+    def drain(self, name: str) -> None:
+        """Mark a registered adapter as being unloaded: the scheduler unregisters it after its last user."""
+        self.check_known([name])
+        self.draining.add(name)
+
     def unregister(self, name: str) -> None:
-        """Forget an adapter in every tier. Refused while an in-flight request pins it."""
+        """Forget an adapter in every tier (a read in flight is dropped). Refused while a request pins it."""
         self.check_known([name])
         if self.pins[name]:
             raise AdapterError(f"adapter {name!r} is in use by {self.pins[name]} in-flight request(s); "
@@ -131,20 +206,66 @@ class HotSet:
             self.version += 1
         if name in self.cpu:
             self.cpu_used -= self.cpu.pop(name).nbytes()
-        del self.paths[name]
+        read = self.reads.pop(name, None)
+        if read is not None:
+            read.cancel()  # a running read finishes on the loader thread; its result is never looked at
+        self.draining.discard(name)
+        del self.paths[name], self.roots[name]
+
+    def close(self) -> None:
+        """Stop the loader thread (reads in flight are dropped). A later miss starts a new one."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self.reads.clear()
 
     # ------------------------------------------------------------------------------------ internals
-    def _promote(self, name: str) -> None:
+    def _check_free(self, name: str) -> None:
+        if name in self.draining:
+            raise AdapterDraining(f"adapter {name!r} is still draining (being unloaded; in-flight requests use it); "
+                                  "wait for them to finish, or unload it with force=True, before loading it again")
+        if name in self.paths:
+            raise AdapterError(f"adapter {name!r} is already loaded (from {self.paths[name]}); unload it first")
+
+    def _warm(self, name: str) -> LoRAAdapter | None:
+        """The adapter from the CPU tier or its finished read; None while it is being read (a read is started
+        if none is). Raises AdapterError if the read failed, forgetting the failure."""
         adapter = self.cpu.get(name)
         if adapter is not None:
-            self.cpu.move_to_end(name)
-        else:
+            return adapter
+        read = self.reads.get(name)
+        if read is None:
             path = self.paths[name]
             assert path is not None, f"in-memory adapter {name!r} left the CPU tier"
-            adapter = self._read(name, path)
-            self._cache(adapter)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="molora-adapter-io")
+            self.disk_reads += 1
+            self.reads[name] = self._pool.submit(self._read, name, path, self.roots[name])
+            return None
+        if not read.done():
+            return None
+        try:
+            return read.result()
+        except Exception as e:
+            del self.reads[name]
+            self.read_failures += 1
+            if isinstance(e, AdapterError):
+                raise AdapterError(str(e)) from e
+            raise AdapterError(f"adapter {name!r}: reading {self.paths[name]} failed "
+                               f"({type(e).__name__}: {e})") from e
+
+    def _read(self, name: str, path: Path, roots: Roots) -> LoRAAdapter:
+        """Runs on the loader thread: disk and validation only, no HotSet or model state."""
+        adapter = self.mm.read(name, path, roots=roots)
+        self.mm.bank.check(adapter)
+        return adapter
+
+    def _promote(self, adapter: LoRAAdapter, keep: list[str]) -> None:
+        """Copy a warm adapter into a slot, evicting the least recently used unpinned one not in `keep`."""
+        self.reads.pop(adapter.name, None)   # a finished read is taken now
+        self._cache(adapter)
         if not self.mm.bank.free_slots():
-            victim = next(n for n in self.slot_lru if self.pins[n] == 0)  # acquire checked one exists
+            victim = next(n for n in self.slot_lru if self.pins[n] == 0 and n not in keep)  # acquire checked
             self._evict(victim)
         self._load(adapter)
 
@@ -163,10 +284,6 @@ class HotSet:
         self.version += 1
         self._cache(adapter)
         log.debug("evicted adapter %r from its slot", name)
-
-    def _read(self, name: str, path: Path) -> LoRAAdapter:
-        self.disk_reads += 1
-        return self.mm.read(name, path)
 
     def _cache(self, adapter: LoRAAdapter) -> None:
         """Put `adapter` at the recent end of the CPU tier and drop old entries beyond the byte budget."""

@@ -31,10 +31,11 @@ class RequestOutput:
     new_text: str
     token_adapters: list[str | None]   # adapter that produced each new token (routing of the emitting position)
     finished: bool
-    finish_reason: str | None          # "stop" | "length" | "abort"
+    finish_reason: str | None          # "stop" | "length" | "abort" | "timeout" | "error"
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[dict] | None        # per new token {"token_id", "logprob", "top": [(id, logprob), ...]}
+    error: str | None = None           # why the engine ended it ("abort" by an operator, "timeout", "error")
 
 
 class IncrementalDetokenizer:
@@ -121,6 +122,11 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     pinned: bool = False
     finish_reason: str | None = None
+    error: str | None = None           # what ended it, when the engine ended it (see RequestOutput.error)
+    arrival: float = 0.0               # time.monotonic() when the engine got it
+    timeout_s: float | None = None     # deadlines (Engine.add_request)
+    queue_timeout_s: float | None = None
+    started: bool = False              # scheduled at least once (the queue timeout no longer applies)
     # mode "learned" with a carrying router: the decision at its carry_source block of the tokens at positions
     # len(prompt_ids) - 1, len(prompt_ids), ...: what each next generated token carries (molora.routing.learned)
     route_finals: list[int] = field(default_factory=list)
@@ -150,4 +156,4 @@ class Request:
     def output(self, new_ids: list[int], new_text: str, adapters: list[str | None],
                logprobs: list[dict] | None) -> RequestOutput:
         return RequestOutput(self.request_id, new_ids, new_text, adapters, self.finish_reason is not None,
-                             self.finish_reason, len(self.prompt_ids), self.num_generated, logprobs)
+                               self.finish_reason, len(self.prompt_ids), self.num_generated, logprobs, self.error)

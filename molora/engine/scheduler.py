@@ -5,11 +5,20 @@ Each step packs, under a token budget (`max_tokens_per_step`) and in this order:
   2. the next prefill chunk of running requests still in prefill (chunked prefill),
   3. new requests from the waiting queue (FCFS) while the budget, `max_num_seqs`, free KV blocks and
      hot-set slots allow; admission grows the block table for the first chunk and pins the adapters.
+     A request whose adapters are still being read from disk (`HotSet.fetch`: the read runs on the
+     hot set's loader thread) keeps its place in the queue and is passed over, so the requests behind
+     it may start; a shortage of KV blocks or slots stops admission (FCFS). Only when nothing at all
+     can run does `schedule` wait for a read to finish (an idle engine has nothing better to do).
+     A request whose adapter cannot be read fails alone (`failed`, with `Request.error`).
 When a running request needs a KV block and none is free, the most recently admitted request is
 preempted (recompute): its blocks and pins are released and it goes back to the front of the queue with
 all its tokens (prompt + generated so far) to prefill again. Finished or aborted requests free their
 blocks and pins at once (`finish`). A request whose prompt is being probed (`Request.probing`, a learned
 router's probe pass) is prefilled like any other; its chunks are marked `probe` and sample nothing.
+
+Draining adapters (`HotSet.drain`, an unload while requests use it): when the last request in flight
+(waiting or running) that needs a draining adapter leaves (`finish`, or failing to start), the scheduler
+unregisters the adapter. A preempted request is still in flight and keeps the adapter registered.
 
 Owns the waiting queue, the running list and their resources. Knows nothing about tensors, routing
 decisions, sampling or text.
@@ -17,13 +26,18 @@ decisions, sampling or text.
 
 from __future__ import annotations
 
+import itertools
+import logging
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
 from molora.engine.request import Request
 from molora.errors import MoLoRAError
+
+log = logging.getLogger("molora.engine")
 
 
 @dataclass
@@ -75,26 +89,39 @@ class Scheduler:
             n = min(req.remaining, budget)
             if self._make_room(req, req.num_computed + n, out):
                 out.append(Scheduled(req, req.num_computed, n, req.probing))
+        while self._admit(out) and not out:
+            self.hotset.wait_reads()         # nothing can run until an adapter read finishes
+        return out
+
+    def _admit(self, out: list[Scheduled]) -> bool:
+        """Admit waiting requests into `out` (module docstring, 3.); True if one was passed over because its
+        adapters are still being read."""
         budget = self.max_tokens - sum(s.n for s in out)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        reading, i = False, 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
             n = min(req.remaining, budget)
-            if not self.allocator.can_grow(req.block_table, n):
-                break                        # FCFS: later requests wait behind the head of the queue
             try:
+                if not self.hotset.fetch(req.needs):
+                    reading, i = True, i + 1     # its adapters are being read: it keeps its place
+                    continue
+                if not self.allocator.can_grow(req.block_table, n):
+                    break                    # FCFS: later requests wait behind this one
                 if not self.hotset.acquire(req.needs):
-                    break
+                    break                    # every slot it could take is pinned by running requests
             except MoLoRAError as e:         # an adapter cannot be read any more: fail this request only
-                self.waiting.popleft()
+                del self.waiting[i]
+                req.error = str(e)
                 self.failed.append((req, str(e)))
+                self._retire(req.needs)
                 continue
             req.pinned = True
             self.allocator.grow(req.block_table, n)
-            self.waiting.popleft()
+            del self.waiting[i]
             self.running.append(req)
             out.append(Scheduled(req, 0, n, req.probing))
             budget -= n
-        return out
+        return reading
 
     def _make_room(self, req: Request, length: int, scheduled: list[Scheduled]) -> bool:
         """Grow req's table to `length` rows, preempting the newest running requests for blocks.
@@ -120,12 +147,24 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, req: Request) -> None:
-        """Remove a finished or aborted request from wherever it is and free its blocks and pins."""
+        """Remove a finished or aborted request from wherever it is and free its blocks and pins; unregister
+        draining adapters it was the last user of."""
         self._release(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self._retire(req.needs)
+
+    def users(self, name: str) -> list[Request]:
+        """Requests in flight (running or waiting) that may route to adapter `name`."""
+        return [r for r in itertools.chain(self.running, self.waiting) if name in r.needs]
+
+    def _retire(self, names: Iterable[str]) -> None:
+        for n in dict.fromkeys(names):
+            if n in self.hotset.draining and not self.users(n):
+                self.hotset.unregister(n)
+                log.info("adapter %r unloaded: its last request left", n)
 
     def _release(self, req: Request) -> None:
         self.allocator.free(req.block_table)
@@ -134,7 +173,8 @@ class Scheduler:
             req.pinned = False
 
     def check(self) -> None:
-        """Assert that the block pool and the pins add up to exactly what the running requests hold."""
+        """Assert that the block pool and the pins add up to exactly what the running requests hold, that every
+        adapter a request in flight needs is registered, and that every draining adapter still has a user."""
         self.allocator.check(r.block_table for r in self.running)
         assert all(not r.block_table and not r.pinned for r in self.waiting)
         expected: dict[str, int] = {}
@@ -142,3 +182,6 @@ class Scheduler:
             for n in dict.fromkeys(r.needs):
                 expected[n] = expected.get(n, 0) + 1
         assert dict(self.hotset.pins) == expected, (dict(self.hotset.pins), expected)
+        in_flight = list(itertools.chain(self.running, self.waiting))
+        assert all(n in self.hotset.paths for r in in_flight for n in r.needs), "a request needs an unknown adapter"
+        assert all(self.users(n) for n in self.hotset.draining), "a draining adapter without users was not unloaded"

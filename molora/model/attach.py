@@ -13,6 +13,7 @@ the model's `RoutingContext`. This layer knows models and routers; it knows noth
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Mapping, Sequence
@@ -69,16 +70,17 @@ class MoLoRAModel(nn.Module):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def read(self, name: str, path: str | Path) -> LoRAAdapter:
-        """Read and validate a PEFT folder against this model's linears (does not load it)."""
+    def read(self, name: str, path: str | Path, *, roots: Sequence[str | Path] | None = None) -> LoRAAdapter:
+        """Read and validate a PEFT folder against this model's linears (does not load it); with `roots`, every
+        file must resolve inside one of them. Touches no model state: safe on a worker thread."""
         return read_adapter(path, linear_shapes(self.model), name=name,
-                            base_name=self.base_name if self.check_base else None)
+                            base_name=self.base_name if self.check_base else None, roots=roots)
 
     def load_adapter(self, name: str, path: str | Path | LoRAAdapter) -> int:
         """Load an adapter into a free slot at run time; on any error nothing changes. Returns the slot."""
         adapter = path if isinstance(path, LoRAAdapter) else self.read(name, path)
         if adapter.name != name:
-            adapter = LoRAAdapter(name=name, path=adapter.path, config=adapter.config, modules=adapter.modules)
+            adapter = dataclasses.replace(adapter, name=name)
         slot = self.bank.load(adapter)
         self.adapters[name] = adapter
         self._sync_slots()

@@ -23,6 +23,7 @@ the rows it owns. The runner knows slots and router indices, not adapter names, 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,13 @@ class PagedKVCache:
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+    def clear_blocks(self, blocks: Iterable[int]) -> None:
+        """Zero the K and V rows of `blocks` in every layer (after a fault that may have left NaN in them)."""
+        for b in blocks:
+            rows = slice(b * self.block_size, (b + 1) * self.block_size)
+            self.k[:, rows].zero_()
+            self.v[:, rows].zero_()
 
 
 @dataclass

@@ -3,11 +3,20 @@
     app = create_app(engine, model_name="molora-default", api_keys=("sk-...",), adapter_roots=("adapters",))
 
 Owns: the HTTP surface (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/v1/adapters`,
-`/health`, `/metrics`), Bearer-key checks (any key for the API, an admin key for loading and unloading
-adapters), adapter paths confined to the configured roots, OpenAI-style error JSON for every failure
-(never FastAPI's 422), the body-size limit, the 429/503 answers with Retry-After, and the drain flag that
-turns new requests away with 503 while in-flight ones finish. The engine thread starts with the app's
+`/health`, `/ready`, `/metrics`), Bearer-key checks (any key for the API, an admin key for loading and
+unloading adapters), adapter paths confined to the configured roots, OpenAI-style error JSON for every
+failure (never FastAPI's 422), the body-size limit, the 429/503 answers with Retry-After, and the drain flag
+that turns new requests away with 503 while in-flight ones finish. The engine thread starts with the app's
 lifespan and stops with it.
+
+Health: `/health` is liveness: 503 when the engine thread is gone, broken by repeated failures, or stalled
+(busy with no progress for `stall_s`: a hung step); 200 otherwise, also while draining. `/ready` is
+readiness: 503 also while the engine thread has not started or the server drains. Endpoints that need the
+engine thread (`/v1/adapters`) wait at most `engine_call_timeout_s`, then answer 503 (`engine_busy`);
+`/metrics` then answers without the engine's figures (`molora_engine_healthy` tells why). Adapter loads read and check the files on a worker thread (`Engine.read_adapter`); only
+the registration runs on the engine thread. `DELETE /v1/adapters/{name}` drains: new requests stop using
+the adapter at once and it unloads when the last request using it ends (202 "draining"); `?force=true`
+ends those requests with an error and unloads now.
 
 Knows nothing of how an engine is built or of uvicorn (that is `molora.server.launch`), nor of what the
 generation endpoints do inside (`molora.server.generation`).
@@ -15,6 +24,7 @@ generation endpoints do inside (`molora.server.generation`).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -31,19 +41,21 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from molora.bundle import stop_token_ids
-from molora.errors import BankFullError, MoLoRAError
-from molora.server.generation import Generation, ModelInfo
-from molora.server.metrics import ServerMetrics
+from molora.errors import AdapterDraining, BankFullError, MoLoRAError
+from molora.server.generation import Generation, Limits, ModelInfo
+from molora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from molora.server.protocol import (
     AdapterLoadRequest, APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, validation_error,
 )
-from molora.server.runner import EngineRunner, RunnerStopped, Saturated
+from molora.server.runner import EngineBusy, EngineRunner, RunnerStopped, Saturated
 
 log = logging.getLogger("molora.server")
 M = TypeVar("M", bound=BaseModel)
 
 MAX_BODY_BYTES = 4 << 20
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/adapters", "/health", "/metrics")
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/adapters", "/health", "/ready", "/metrics")
+_OPEN_WHILE_DRAINING = ("/health", "/ready", "/metrics")
+OFFLOAD_BODY_BYTES = 256 << 10   # bodies larger than this are parsed on a worker thread
 
 
 class ServerState:
@@ -51,7 +63,8 @@ class ServerState:
 
     def __init__(self, engine: Any, runner: EngineRunner, metrics: ServerMetrics, info: ModelInfo, *,
                  api_keys: Sequence[str], admin_keys: Sequence[str], adapter_roots: Sequence[Path],
-                 max_body_bytes: int, retry_after_s: int) -> None:
+                 max_body_bytes: int, retry_after_s: int, limits: Limits = Limits(),
+                 engine_call_timeout_s: float = 10.0) -> None:
         self.engine, self.runner, self.metrics, self.info = engine, runner, metrics, info
         self.api_keys = tuple(api_keys) + tuple(admin_keys)   # an admin key is also an API key
         self.admin_keys = tuple(admin_keys)
@@ -59,7 +72,39 @@ class ServerState:
         self.max_body_bytes = max_body_bytes
         self.retry_after_s = retry_after_s
         self.draining = False
-        self.generation = Generation(runner, metrics, info)
+        self.engine_call_timeout_s = engine_call_timeout_s
+        self.generation = Generation(runner, metrics, info, limits)
+
+    async def call(self, fn: Any) -> Any:
+        """fn() on the engine thread, or 503 engine_busy after engine_call_timeout_s."""
+        return await self.runner.call(fn, timeout=self.engine_call_timeout_s)
+
+    def health(self) -> tuple[bool, bool, dict]:
+        """(live, ready, details) for /health and /ready (module docstring)."""
+        h = self.runner.health()
+        live = h["alive"] and not h["stalled"] and h["broken"] is None
+        if h["broken"] is not None:
+            status = "broken"
+        elif h["stalled"]:
+            status = "stalled"
+        elif not h["alive"]:
+            status = "engine thread stopped" if self.runner.started else "starting"
+        else:
+            status = "draining" if self.draining else "ok"
+        ready = live and not self.draining
+        details = {"status": status, "in_flight": self.runner.in_flight, "broken": h["broken"],
+                   "last_progress_age_s": round(h["last_progress_age_s"], 3), "engine_failures": h["failures"]}
+        return live, ready, details
+
+    def on_event(self, kind: str, value: Any) -> None:
+        """Engine and runner events -> metrics (molora.server.runner: on_event)."""
+        m = self.metrics
+        if kind == "queue_wait":
+            m.observe_queue_wait(float(value))
+        elif kind == "deadline":
+            m.count_deadline(str(value))
+        elif kind in ("fault", "isolated", "restart"):
+            m.count_engine_failure({"fault": "step"}.get(kind, kind))
 
     def begin_drain(self) -> None:
         """From now on new requests get 503; the ones in flight go on to the end."""
@@ -69,12 +114,16 @@ class ServerState:
 def create_app(engine: Any, *, model_name: str | None = None, api_keys: Sequence[str] = (),
                admin_keys: Sequence[str] = (), adapter_roots: Sequence[str | Path] = (), max_queue: int = 256,
                max_model_len: int | None = None, default_max_tokens: int = 512,
-               max_body_bytes: int = MAX_BODY_BYTES, retry_after_s: int = 1) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, retry_after_s: int = 1, limits: Limits = Limits(),
+               stall_s: float = 30.0, engine_call_timeout_s: float = 10.0) -> FastAPI:
     """The OpenAI-compatible app over `engine` (see the module docstring).
 
     model_name: the served model id (default: the bundle's name, else "molora"); `model_name:adapter` pins
     an adapter. max_queue: engine requests in flight at most (each choice counts); more get 429.
-    max_model_len: context length (default: the engine's `max_model_len`).
+    max_model_len: context length (default: the engine's `max_model_len`). limits: request deadlines, queue
+    timeout and SSE keep-alive (molora.server.generation.Limits). stall_s: /health turns 503 when the engine
+    thread is busy this long without progress. engine_call_timeout_s: how long /metrics and /v1/adapters wait
+    for the engine thread.
     """
     mm = engine.mm
     bundle = getattr(mm, "bundle", None)
@@ -87,10 +136,11 @@ def create_app(engine: Any, *, model_name: str | None = None, api_keys: Sequence
         prompt_template=bundle.prompt_template if bundle is not None else None,
         adapters=[a["name"] for a in engine.list_adapters()], default_max_tokens=default_max_tokens)
     metrics = ServerMetrics()
-    runner = EngineRunner(engine, max_in_flight=max_queue, on_step=metrics.observe_step)
+    runner = EngineRunner(engine, max_in_flight=max_queue, on_step=metrics.observe_step, stall_s=stall_s)
     state = ServerState(engine, runner, metrics, info, api_keys=api_keys, admin_keys=admin_keys,
                         adapter_roots=[Path(r).resolve() for r in adapter_roots], max_body_bytes=max_body_bytes,
-                        retry_after_s=retry_after_s)
+                        retry_after_s=retry_after_s, limits=limits, engine_call_timeout_s=engine_call_timeout_s)
+    runner.on_event = state.on_event
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -134,20 +184,30 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = s.runner.alive and not s.draining
-        status = "ok" if ok else ("draining" if s.draining else "engine thread stopped")
-        return JSONResponse({"status": status, "in_flight": s.runner.in_flight}, status_code=200 if ok else 503)
+        live, _, details = s.health()
+        return JSONResponse(details, status_code=200 if live else 503)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        _, ok, details = s.health()
+        return JSONResponse(details, status_code=200 if ok else 503,
+                            headers=None if ok else {"Retry-After": str(s.retry_after_s)})
 
     @app.get("/metrics", dependencies=[api])
     async def metrics() -> PlainTextResponse:
-        stats = await s.runner.call(s.engine.stats)
+        live, ready, details = s.health()
+        try:
+            stats = await s.call(s.engine.stats)
+        except (EngineBusy, RunnerStopped):  # the server's own metrics matter most exactly then
+            stats = {}
         text = s.metrics.render(stats, in_flight=s.runner.in_flight, max_in_flight=s.runner.max_in_flight,
-                                draining=s.draining)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+                                draining=s.draining, ready=ready, engine_healthy=live,
+                                last_step_age_s=details["last_progress_age_s"])
+        return PlainTextResponse(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/adapters", dependencies=[api])
     async def list_adapters() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": jsonable_encoder(await s.runner.call(s.engine.list_adapters))})
+        return JSONResponse({"object": "list", "data": jsonable_encoder(await s.call(s.engine.list_adapters))})
 
     @app.post("/v1/adapters", dependencies=[admin], status_code=201)
     async def load_adapter(request: Request) -> JSONResponse:
@@ -156,27 +216,35 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
             raise APIError(409, f"adapter {req.name!r} is already loaded; DELETE /v1/adapters/{req.name} first",
                            param="name", code="adapter_exists")
         path = resolve_adapter_path(req.path, s.adapter_roots)
-        try:
-            await s.runner.call(lambda: s.engine.load_adapter(req.name, str(path)))
+        try:  # read and check the files off the engine thread (and off the event loop), confined to the roots
+            adapter = await asyncio.to_thread(s.engine.read_adapter, req.name, str(path), roots=s.adapter_roots)
+            await s.runner.call(lambda: s.engine.load_adapter(req.name, adapter, roots=s.adapter_roots))
         except BankFullError as e:
             raise APIError(409, str(e), param="name", code="no_free_slot") from e
+        except AdapterDraining as e:
+            raise APIError(409, str(e), param="name", code="adapter_draining") from e
         except MoLoRAError as e:
             raise APIError(400, str(e), param="path", code="invalid_adapter") from e
+        s.metrics.known_adapter(req.name)
         await _refresh_adapters(s)
         return JSONResponse({"object": "adapter", "name": req.name, "model": f"{s.info.name}:{req.name}",
                              "loaded": True}, status_code=201)
 
     @app.delete("/v1/adapters/{name}", dependencies=[admin])
-    async def unload_adapter(name: str) -> JSONResponse:
-        if name not in s.info.adapters:
+    async def unload_adapter(name: str, force: bool = False) -> JSONResponse:
+        known = [a["name"] for a in await s.call(s.engine.list_adapters)]
+        if name not in known:
             raise APIError(404, f"adapter {name!r} is not loaded; loaded: {s.info.adapters}", param="name",
                            code="adapter_not_found")
         try:
-            await s.runner.call(lambda: s.engine.unload_adapter(name))
+            state = await s.runner.call(lambda: s.engine.unload_adapter(name, force=force))
         except MoLoRAError as e:
             raise APIError(409, str(e), param="name", code="adapter_busy") from e
+        s.metrics.forget_adapter(name)
         await _refresh_adapters(s)
-        return JSONResponse({"object": "adapter", "name": name, "deleted": True})
+        done = state == "unloaded"
+        return JSONResponse({"object": "adapter", "name": name, "deleted": done, "state": state},
+                            status_code=200 if done else 202)
 
 
 def _model_list(s: ServerState) -> ModelList:
@@ -187,7 +255,9 @@ def _model_list(s: ServerState) -> ModelList:
 
 
 async def _refresh_adapters(s: ServerState) -> None:
-    s.info.adapters = [a["name"] for a in await s.runner.call(s.engine.list_adapters)]
+    """The adapters new requests may name: loaded ones that are not draining."""
+    listed = await s.call(s.engine.list_adapters)
+    s.info.adapters = [a["name"] for a in listed if a.get("state", "ready") != "draining"]
 
 
 def resolve_adapter_path(path: str, roots: Sequence[Path]) -> Path:
@@ -240,13 +310,15 @@ def _matches(token: str, keys: Sequence[str]) -> bool:
 
 async def _parse(request: Request, model: type[M], s: ServerState) -> M:
     """The body validated as `model`; 413 over the size limit, 400 for bad JSON or bad fields."""
-    raw = b""
+    raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
         if len(raw) > s.max_body_bytes:
             raise APIError(413, f"request body over {s.max_body_bytes} bytes", code="request_too_large")
     try:
-        return model.model_validate_json(raw)
+        if len(raw) > OFFLOAD_BODY_BYTES:  # a large body would freeze every stream while it parses
+            return await asyncio.to_thread(model.model_validate_json, bytes(raw))
+        return model.model_validate_json(bytes(raw))
     except ValidationError as e:
         raise validation_error(e) from None
 
@@ -269,6 +341,10 @@ def _add_error_handlers(app: FastAPI, s: ServerState) -> None:
     async def saturated(_: Request, e: Saturated) -> JSONResponse:
         return _error(429, f"the server is at capacity ({e}); retry after {s.retry_after_s} s",
                       type="rate_limit_error", code="server_busy", headers=retry)
+
+    @app.exception_handler(EngineBusy)
+    async def busy(_: Request, e: EngineBusy) -> JSONResponse:
+        return _error(503, str(e), type="server_error", code="engine_busy", headers=retry)
 
     @app.exception_handler(RunnerStopped)
     async def stopped(_: Request, e: RunnerStopped) -> JSONResponse:
@@ -319,14 +395,14 @@ class _Gate:
             if refusal is not None:
                 await refusal(scope, receive, counted)
                 return
-            if not self.s.runner.alive and not self.s.draining:
+            if not self.s.runner.started and not self.s.draining:
                 self.s.runner.start()  # served without a lifespan (some test clients): start on first use
             await self.app(scope, receive, counted)
         finally:
             self.s.metrics.observe_response(route, status)
 
     def _refusal(self, scope: Scope, path: str) -> Response | None:
-        if self.s.draining and path != "/health":
+        if self.s.draining and path not in _OPEN_WHILE_DRAINING:
             return _error(503, "the server is shutting down; retry on another replica", type="server_error",
                           code="draining", headers={"Retry-After": str(self.s.retry_after_s), "Connection": "close"})
         length = dict(scope["headers"]).get(b"content-length", b"0")

@@ -7,6 +7,15 @@ and vocabulary checks, `SamplingParams` per choice (n choices and batched prompt
 each), and the two ways back: one JSON response, or SSE chunks ending in `data: [DONE]`. A client that
 disconnects (mid-stream, or while waiting for a non-streamed answer) aborts its engine requests.
 
+Time: every request has a deadline (`molora.timeout`, else the server's default, at most its cap) and a
+queue timeout, both enforced by the engine at step boundaries (KV blocks and pins are freed at once); the
+handler also stops waiting at the deadline plus a grace period in case the engine itself is stuck. An expired
+request answers 504 (`code: "timeout"`), one that never left the queue 503 with Retry-After
+(`code: "queue_timeout"`); a stream gets the choice's `finish_reason: "timeout"` and then the error event.
+A request the engine ended alone on a fault of its own (finish_reason "error") answers 500 naming the cause.
+A stream that waits longer than `keepalive_s` for its next token gets an SSE comment (`: keep-alive`) so that
+proxies keep the connection. Tokenising a large prompt runs on a worker thread, not on the event loop.
+
 Knows nothing of the engine thread (it talks to `EngineRunner`), auth, adapters management or metrics
 rendering; it reports each finished choice to `ServerMetrics`.
 """
@@ -27,7 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from molora.config import SamplingParams
-from molora.errors import MoLoRAError
+from molora.errors import AdapterDraining, MoLoRAError
 from molora.server.metrics import ServerMetrics
 from molora.server.protocol import (
     APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
@@ -35,6 +44,39 @@ from molora.server.protocol import (
     CompletionResponse, Delta, Routed, TokenLogprob, TopLogprob, Usage, GenerationRequest,
 )
 from molora.server.runner import EngineFailure, EngineRunner, RequestSpec, Submission
+
+OFFLOAD_CHARS = 32 << 10   # prompts longer than this are tokenised on a worker thread
+DEADLINE_GRACE_S = 2.0     # the handler's own backstop past the engine-side deadline
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Time limits of the generation endpoints (seconds). request_timeout_s: the default deadline of a request;
+    max_request_timeout_s: the most a request may ask for (`molora.timeout`); queue_timeout_s: how long a
+    request may wait before it starts (None: no limit); keepalive_s: SSE comment interval while a stream waits."""
+
+    request_timeout_s: float = 600.0
+    max_request_timeout_s: float = 3600.0
+    queue_timeout_s: float | None = 300.0
+    keepalive_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout_s", "max_request_timeout_s", "keepalive_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
+            raise ValueError(f"queue_timeout_s={self.queue_timeout_s} must be > 0 (or None: no limit)")
+        if self.request_timeout_s > self.max_request_timeout_s:
+            raise ValueError(f"request_timeout_s={self.request_timeout_s} exceeds max_request_timeout_s="
+                             f"{self.max_request_timeout_s}")
+
+    def timeout(self, asked: float | None) -> float:
+        if asked is None:
+            return self.request_timeout_s
+        if asked > self.max_request_timeout_s:
+            raise APIError(400, f"molora.timeout={asked:g} s exceeds this server's cap of "
+                           f"{self.max_request_timeout_s:g} s; ask for less", param="molora.timeout")
+        return asked
 
 
 @dataclass
@@ -92,19 +134,22 @@ class ChoiceState:
 class Generation:
     """The two generation endpoints over one `EngineRunner`."""
 
-    def __init__(self, runner: EngineRunner, metrics: ServerMetrics, info: ModelInfo) -> None:
-        self.runner, self.metrics, self.info = runner, metrics, info
+    def __init__(self, runner: EngineRunner, metrics: ServerMetrics, info: ModelInfo,
+                 limits: Limits = Limits()) -> None:
+        self.runner, self.metrics, self.info, self.limits = runner, metrics, info, limits
 
     # ------------------------------------------------------------------------------------ endpoints
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         req.check_supported()
-        prompts = [self._encode_completion(p, i) for i, p in enumerate(req.prompt_list())]
+        items = req.prompt_list()
+        size = sum(len(p) for p in items if isinstance(p, str))
+        prompts = await _offload(size, lambda: [self._encode_completion(p, i) for i, p in enumerate(items)])
         fmt = _CompletionFormat(self.info, "cmpl-" + uuid.uuid4().hex, req)
         return await self._run(req, prompts, req.max_tokens, req.logprobs, fmt, request)
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         req.check_supported()
-        prompt = self._encode_chat(req)
+        prompt = await _offload(sum(len(m.text()) for m in req.messages), lambda: self._encode_chat(req))
         top = (req.top_logprobs or 0) if req.logprobs else None
         fmt = _ChatFormat(self.info, "chatcmpl-" + uuid.uuid4().hex, req)
         return await self._run(req, [prompt], req.token_limit, top, fmt, request)
@@ -149,6 +194,7 @@ class Generation:
             raise APIError(400, f"model {req.model!r} pins one adapter; molora.routing={opts.routing!r} needs "
                            f"model={info.name!r} (per-token routing)", param="molora.routing")
         stop = req.stop_strings()
+        timeout = self.limits.timeout(opts.timeout)
         specs = []
         for p, ids in enumerate(prompts):
             new_tokens = self._budget(ids, max_tokens)
@@ -160,7 +206,8 @@ class Generation:
                         stop=stop, logprobs=0 if logprobs is None else max(logprobs, 1))
                 except MoLoRAError as e:
                     raise APIError(400, str(e)) from e
-                specs.append(RequestSpec(p * req.n + j, ids, params, adapter, opts.adapters, opts.routing))
+                specs.append(RequestSpec(p * req.n + j, ids, params, adapter, opts.adapters, opts.routing,
+                                         timeout_s=timeout, queue_timeout_s=self.limits.queue_timeout_s))
         return specs
 
     def _budget(self, ids: list[int], max_tokens: int | None) -> int:
@@ -189,23 +236,40 @@ class Generation:
                            param="n")
         try:
             sub = await self.runner.submit(specs, fmt.id)
+        except AdapterDraining as e:  # unloaded between the model check and the engine: the model is gone
+            raise APIError(404, str(e), param="model", code="model_not_found") from e
         except MoLoRAError as e:
             raise APIError(400, str(e)) from e
         states = [ChoiceState(spec.index, len(spec.prompt_ids)) for spec in specs]
+        deadline = time.monotonic() + specs[0].timeout_s + DEADLINE_GRACE_S
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(self._stream(sub, states, fmt, include_usage, req.n), sub)
+            return SSEResponse(self._stream(sub, states, fmt, include_usage, req.n, deadline), sub)
         try:
-            await _until_done_or_gone(self._collect(sub, states), request)
+            await _until_done_or_gone(self._collect(sub, states, deadline), request)
         finally:
             sub.close()
         return JSONResponse(fmt.response(states, _usage(states, req.n)).model_dump(mode="json"))
 
-    async def _outputs(self, sub: Submission, states: list[ChoiceState]) -> AsyncIterator[tuple[ChoiceState, Any]]:
-        """Each output in arrival order, after updating its choice's state; raises on engine failure."""
+    async def _outputs(self, sub: Submission, states: list[ChoiceState], deadline: float,
+                       keepalive: float | None = None) -> AsyncIterator[tuple[ChoiceState, Any] | None]:
+        """Each output in arrival order, after updating its choice's state; None after `keepalive` seconds
+        without one. Raises APIError on an engine failure, a choice the engine ended on an error or a
+        deadline (after yielding that choice's last output), and at `deadline` (the handler's backstop)."""
         by_index = {s.index: s for s in states}
         while sub.unfinished:
-            item = await sub.queue.get()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.metrics.count_deadline("request")
+                raise APIError(504, "the request ran past its deadline and the engine did not end it in time "
+                               "(a stalled engine?)", type="server_error", code="timeout")
+            wait = left if keepalive is None else min(left, keepalive)
+            try:
+                item = await asyncio.wait_for(sub.queue.get(), wait)
+            except asyncio.TimeoutError:
+                if keepalive is not None and wait == keepalive:
+                    yield None
+                continue
             if isinstance(item, EngineFailure):
                 raise APIError(500, item.message, type="server_error", code="engine_error")
             index, out = item
@@ -215,19 +279,25 @@ class Generation:
                 sub.finished(out.request_id)
                 self._observe(sub, state)
             yield state, out
+            if out.finished and getattr(out, "error", None) is not None:
+                raise _ended_by_engine(out)
 
-    async def _collect(self, sub: Submission, states: list[ChoiceState]) -> None:
-        async for _ in self._outputs(sub, states):
+    async def _collect(self, sub: Submission, states: list[ChoiceState], deadline: float) -> None:
+        async for _ in self._outputs(sub, states, deadline):
             pass
 
     async def _stream(self, sub: Submission, states: list[ChoiceState], fmt: _Format, include_usage: bool,
-                      n: int) -> AsyncIterator[str]:
+                      n: int, deadline: float) -> AsyncIterator[str]:
         try:
             for state in states:
                 head = fmt.head(state)
                 if head is not None:
                     yield _sse(head)
-            async for state, out in self._outputs(sub, states):
+            async for item in self._outputs(sub, states, deadline, self.limits.keepalive_s):
+                if item is None:
+                    yield ": keep-alive\n\n"
+                    continue
+                state, out = item
                 chunk = fmt.chunk(state, out)
                 if chunk is not None:
                     yield _sse(chunk)
@@ -246,6 +316,21 @@ class Generation:
         tpot = (s.t_last - s.t_first) / (n - 1) if n > 1 and s.t_first is not None and s.t_last is not None else None
         self.metrics.observe_request(ttft=ttft, tpot=tpot, latency=now - sub.arrival, prompt_tokens=s.prompt_tokens,
                                      completion_tokens=n, finish_reason=s.finish_reason)
+
+
+def _ended_by_engine(out: Any) -> APIError:
+    """The error a choice the engine ended on its own (deadline, fault, forced unload) answers with."""
+    if out.finish_reason == "timeout":
+        if out.error.startswith("queue timeout"):  # the engine names which deadline (Engine._expire)
+            return APIError(503, out.error, type="server_error", code="queue_timeout", headers={"Retry-After": "1"})
+        return APIError(504, out.error, type="server_error", code="timeout")
+    return APIError(500, out.error, type="server_error",
+                    code="engine_error" if out.finish_reason == "error" else "request_aborted")
+
+
+async def _offload(size: int, fn: Any) -> Any:
+    """fn() on a worker thread when the input is large (keeps the event loop and other streams moving)."""
+    return await asyncio.to_thread(fn) if size > OFFLOAD_CHARS else fn()
 
 
 def _usage(states: list[ChoiceState], n: int) -> Usage:

@@ -57,19 +57,23 @@ def build_engine(bundle: str | Path | None = None, engine_config: Any = None, dt
 def serve(bundle: str | Path | None = None, *, host: str = "127.0.0.1", port: int = 8000,
           api_keys: Sequence[str] = (), admin_keys: Sequence[str] = (), adapter_roots: Sequence[str | Path] = (),
           engine_config: Any = None, max_queue: int = 256, model_name: str | None = None,
-          drain_timeout_s: float = 30.0, log_level: str = "info", engine: Any = None, dtype: str = "float32") -> None:
+          drain_timeout_s: float = 30.0, log_level: str = "info", engine: Any = None, dtype: str = "float32",
+          limits: Any = None, stall_s: float = 30.0) -> None:
     """Serve the OpenAI-compatible API until SIGTERM/SIGINT, then drain and return.
 
     bundle: a bundle folder (None: the embedded default); engine: an already built engine instead.
     api_keys / admin_keys: Bearer keys (none: an open server; admin keys also work as API keys).
     adapter_roots: folders that POST /v1/adapters may load from (none: run-time loading disabled).
+    limits: request deadlines, queue timeout, SSE keep-alive (molora.server.generation.Limits; None: defaults).
+    stall_s: /health turns 503 when the engine thread is busy this long without progress.
     """
     if not api_keys and not admin_keys and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without API keys: anyone who can reach this port can use it (--api-key)", host)
     if engine is None:
         engine = build_engine(bundle, engine_config, dtype)
+    extra = {"limits": limits} if limits is not None else {}
     app = create_app(engine, model_name=model_name, api_keys=api_keys, admin_keys=admin_keys,
-                     adapter_roots=adapter_roots, max_queue=max_queue)
+                     adapter_roots=adapter_roots, max_queue=max_queue, stall_s=stall_s, **extra)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s,
                             access_log=False)
     server = DrainingServer(config, app)

@@ -1,93 +1,147 @@
-"""Server metrics and their Prometheus text exposition (format 0.0.4), without a client library.
+"""Server metrics on the standard client library, `prometheus_client`, one registry per server.
 
-Owns: the latency histograms the server measures itself (time to first token, time per output token,
-request latency), counters of HTTP responses by route and status, of prompt and completion tokens, the
-tokens/s gauge over a sliding window, and `render()`, which writes all of them plus the engine's own
-counters (queue depth, running, KV blocks, hot-set hits/misses/evictions, tokens per adapter) from a
-`stats()` dict. Knows nothing of FastAPI or the engine object; every method is thread-safe.
+Owns two kinds of series and `render()`, which writes both as Prometheus text:
+
+- What the server measures itself, as `prometheus_client` instruments in `self.registry`, a
+  `CollectorRegistry` of this instance alone (never the process-global `REGISTRY`: several apps live in
+  one test process). Histograms: time to first token, time per output token, request latency, queue wait
+  (arrival to first token), engine step time. Counters: HTTP responses by route and status, prompt and
+  completion tokens, finish reasons, expired deadlines by kind, engine failures by kind. A gauge of
+  generated tokens/s over a sliding window, read when scraped.
+- What the engine and the server report at scrape time, passed to `render()`: the engine's `stats()` dict
+  (queue depth, running, KV blocks, steps, preemptions, hot-set slots/hits/misses/evictions/loads, tokens
+  per adapter) and the server's in-flight count, limit, draining, readiness and engine health. These are
+  built per scrape as metric families (`GaugeMetricFamily`, `CounterMetricFamily`) and exposed next to the
+  registry's; nothing of one scrape is kept for the next, so concurrent scrapes cannot mix.
+
+Adapter removal: `molora_adapter_tokens_total{adapter=...}` comes from the engine's `tokens_by_adapter`,
+which still carries an adapter after it is unloaded. `forget_adapter(name)` hides that label set from
+later scrapes; `known_adapter(name)` (call it when an adapter is loaded) shows it again, with whatever
+count the engine then reports.
+
+Names are those of the hand-written exposition this replaced; `prometheus_client` adds the `_total` of a
+counter itself (`Counter("molora_prompt_tokens")` is exposed as `molora_prompt_tokens_total`). What the
+library writes differently: values as floats (`3.0`), labels sorted by name (`code` before `route`),
+bucket bounds as floats (`le="1.0"`), and a `<name>_created` gauge beside every counter and histogram
+(the library's default; turning it off is process-global, so it stays on).
+
+Knows nothing of FastAPI or the engine object; every method is thread-safe.
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # the media type of what `render()` returns, for the /metrics response
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 RATE_WINDOW_S = 10.0
 
-
-class Histogram:
-    """Cumulative-bucket histogram (le upper bounds, plus +Inf), sum and count."""
-
-    def __init__(self, buckets: Sequence[float]) -> None:
-        self.bounds = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.bounds) + 1)  # last: above every bound
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def lines(self, name: str) -> list[str]:
-        out, running = [], 0
-        for bound, n in zip(self.bounds, self.counts):
-            running += n
-            out.append(f'{name}_bucket{{le="{bound:g}"}} {running}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        out += [f"{name}_sum {self.sum:.6f}", f"{name}_count {self.count}"]
-        return out
+DEADLINE_KINDS = ("request", "queue")            # whole-request deadline; time allowed in the queue
+FAILURE_KINDS = ("step", "isolated", "restart")  # a step raised; a request failed alone; the thread restarted
 
 
 class ServerMetrics:
-    """What the server measures; `render(stats, ...)` adds the engine's view."""
+    """What the server measures; `render(stats, ...)` adds the engine's view at scrape time."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.tpot = Histogram(TPOT_BUCKETS)
-        self.latency = Histogram(LATENCY_BUCKETS)
-        self.responses: dict[tuple[str, int], int] = {}
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.finish_reasons: dict[str, int] = {}
+        self._lock = threading.Lock()  # guards the tokens/s window, the last step time and the forgotten names
         self._window: deque[tuple[float, int]] = deque()  # (monotonic time, tokens of one step)
+        self._last_step = time.monotonic()
+        self._forgotten: set[str] = set()
         self.started = time.time()
+
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("molora_time_to_first_token_seconds", "Time from arrival to the first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("molora_time_per_output_token_seconds", "Mean time between output tokens.",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.latency = Histogram("molora_request_latency_seconds", "Time from arrival to the last token.",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("molora_queue_wait_seconds", "Time from arrival to the first scheduled token.",
+                                    buckets=QUEUE_WAIT_BUCKETS, registry=r)
+        self.step_time = Histogram("molora_engine_step_seconds", "Time of one engine step.",
+                                   buckets=STEP_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("molora_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.completion_tokens = Counter("molora_completion_tokens", "Completion tokens of finished requests.",
+                                         registry=r)
+        self.finish_reasons = Counter("molora_request_finish", "Finished engine requests by finish reason.",
+                                      ["reason"], registry=r)
+        self.responses = Counter("molora_http_responses", "HTTP responses by route and status code.",
+                                 ["route", "code"], registry=r)
+        self.deadlines = Counter("molora_deadline_expired", "Requests ended by a deadline, by kind "
+                                 "(request: the whole request; queue: waiting to be scheduled).", ["kind"], registry=r)
+        self.failures = Counter("molora_engine_failures", "Engine failures by kind (step: a step raised; isolated: "
+                                "a request failed alone after isolation; restart: the engine thread restarted).",
+                                ["kind"], registry=r)
+        for kind in DEADLINE_KINDS:  # every kind exposed from the start, at 0, so rate() sees the first one
+            self.deadlines.labels(kind=kind)
+        for kind in FAILURE_KINDS:
+            self.failures.labels(kind=kind)
+        Gauge("molora_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW_S:g} s.",
+              registry=r).set_function(lambda: round(self.tokens_per_second(), 3))
 
     # -------------------------------------------------------------------------------------- observe
     def observe_step(self, new_tokens: int, seconds: float) -> None:
-        """Called by the engine thread after every step."""
+        """Called by the engine thread after every step: the tokens/s window and the step-time histogram."""
         now = time.monotonic()
+        self.step_time.observe(seconds)
         with self._lock:
             self._window.append((now, new_tokens))
+            self._last_step = now
             self._trim(now)
 
     def observe_request(self, *, ttft: float | None, tpot: float | None, latency: float, prompt_tokens: int,
                         completion_tokens: int, finish_reason: str | None) -> None:
         """One finished engine request (one choice), as the handler saw it."""
-        with self._lock:
-            if ttft is not None:
-                self.ttft.observe(ttft)
-            if tpot is not None:
-                self.tpot.observe(tpot)
-            self.latency.observe(latency)
-            self.prompt_tokens += prompt_tokens
-            self.completion_tokens += completion_tokens
-            reason = finish_reason or "none"
-            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        self.latency.observe(latency)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(completion_tokens)
+        self.finish_reasons.labels(reason=finish_reason or "none").inc()
 
     def observe_response(self, route: str, status: int) -> None:
-        with self._lock:
-            key = (route, status)
-            self.responses[key] = self.responses.get(key, 0) + 1
+        self.responses.labels(route=route, code=str(status)).inc()
 
+    def observe_queue_wait(self, seconds: float) -> None:
+        """Time from a request's arrival to its first scheduled step (its first token)."""
+        self.queue_wait.observe(seconds)
+
+    def count_deadline(self, kind: str) -> None:
+        """A request ended because a deadline passed; `kind` is one of DEADLINE_KINDS."""
+        self.deadlines.labels(kind=_check_kind(kind, DEADLINE_KINDS, "deadline")).inc()
+
+    def count_engine_failure(self, kind: str = "step") -> None:
+        """An engine failure; `kind` is one of FAILURE_KINDS."""
+        self.failures.labels(kind=_check_kind(kind, FAILURE_KINDS, "engine failure")).inc()
+
+    # -------------------------------------------------------------------------------------- adapters
+    def forget_adapter(self, name: str) -> None:
+        """An adapter was removed: leave its label set out of `molora_adapter_tokens_total` from now on."""
+        with self._lock:
+            self._forgotten.add(name)
+
+    def known_adapter(self, name: str) -> None:
+        """An adapter was loaded: expose its label set again if it was forgotten (a no-op otherwise)."""
+        with self._lock:
+            self._forgotten.discard(name)
+
+    # -------------------------------------------------------------------------------------- read
     def tokens_per_second(self) -> float:
         now = time.monotonic()
         with self._lock:
@@ -98,82 +152,92 @@ class ServerMetrics:
         while self._window and self._window[0][0] < now - RATE_WINDOW_S:
             self._window.popleft()
 
-    # -------------------------------------------------------------------------------------- render
-    def render(self, stats: Mapping[str, Any], *, in_flight: int, max_in_flight: int, draining: bool) -> str:
-        """Prometheus text: server gauges and histograms, then the engine's `stats()` dict."""
-        rate = self.tokens_per_second()
-        out: list[str] = []
-        metric = _Writer(out)
-        metric("molora_requests_in_flight", "gauge", "Engine requests admitted by the server, not finished.",
-               [("", in_flight)])
-        metric("molora_requests_max_in_flight", "gauge", "Engine requests the server admits at once.",
-               [("", max_in_flight)])
-        metric("molora_draining", "gauge", "1 while the server drains before exiting.", [("", int(draining))])
-        metric("molora_requests_waiting", "gauge", "Requests queued in the engine (queue depth).",
-               [("", stats.get("num_waiting", 0))])
-        metric("molora_requests_running", "gauge", "Requests the engine is running.",
-               [("", stats.get("num_running", 0))])
-        metric("molora_kv_blocks_total", "gauge", "KV-cache blocks in the pool.",
-               [("", stats.get("kv_blocks_total", 0))])
-        metric("molora_kv_blocks_free", "gauge", "Free KV-cache blocks.", [("", stats.get("kv_blocks_free", 0))])
-        metric("molora_tokens_per_second", "gauge", f"Generated tokens per second over the last {RATE_WINDOW_S:g} s.",
-               [("", round(rate, 3))])
-        metric("molora_engine_steps_total", "counter", "Engine steps run.", [("", stats.get("steps", 0))])
-        metric("molora_generation_tokens_total", "counter", "Tokens the engine generated.",
-               [("", stats.get("tokens_generated", 0))])
-        hot = stats.get("hotset", {}) or {}
-        metric("molora_engine_preemptions_total", "counter", "Requests preempted for lack of KV blocks or slots.",
-               [("", stats.get("num_preemptions", 0))])
-        metric("molora_hotset_slots", "gauge", "Adapter slots in the hot set.", [("", hot.get("slots", 0))])
-        metric("molora_hotset_slots_used", "gauge", "Hot-set slots holding an adapter.",
-               [("", hot.get("slots_used", 0))])
-        metric("molora_hotset_hits_total", "counter", "Adapter lookups served from a hot-set slot.",
-               [("", hot.get("hits", 0))])
-        metric("molora_hotset_misses_total", "counter", "Adapter lookups that had to load into a slot.",
-               [("", hot.get("misses", 0))])
-        metric("molora_hotset_evictions_total", "counter", "Adapters evicted from a hot-set slot.",
-               [("", hot.get("evictions", 0))])
-        metric("molora_hotset_disk_reads_total", "counter", "Adapters read from disk (not in the CPU tier).",
-               [("", hot.get("disk_reads", 0))])
-        metric("molora_hotset_load_seconds_total", "counter", "Time spent loading adapters into slots.",
-               [("", hot.get("load_ms_total", 0) / 1000.0)])
-        per_adapter = stats.get("tokens_by_adapter", {}) or {}
-        metric("molora_adapter_tokens_total", "counter", "Tokens routed to each adapter ('base': none).",
-               [(_labels(adapter=name), n) for name, n in sorted(per_adapter.items(), key=lambda kv: str(kv[0]))])
+    def render(self, stats: Mapping[str, Any], *, in_flight: int, max_in_flight: int, draining: bool,
+               ready: bool | None = None, engine_healthy: bool = True, last_step_age_s: float | None = None) -> str:
+        """Prometheus text (media type CONTENT_TYPE): the engine's `stats()` and the server's state, then
+        everything this instance measured.
+
+        `ready` defaults to "not draining and the engine is healthy"; `last_step_age_s` to the time since
+        the last `observe_step` (since this object was built if there was none)."""
+        now = time.monotonic()
         with self._lock:
-            metric("molora_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-                   [("", self.prompt_tokens)])
-            metric("molora_completion_tokens_total", "counter", "Completion tokens of finished requests.",
-                   [("", self.completion_tokens)])
-            metric("molora_request_finish_total", "counter", "Finished engine requests by finish reason.",
-                   [(_labels(reason=r), n) for r, n in sorted(self.finish_reasons.items())])
-            metric("molora_http_responses_total", "counter", "HTTP responses by route and status code.",
-                   [(_labels(route=r, code=str(c)), n) for (r, c), n in sorted(self.responses.items())])
-            for name, hist, help_ in (
-                    ("molora_time_to_first_token_seconds", self.ttft, "Time from arrival to the first token."),
-                    ("molora_time_per_output_token_seconds", self.tpot, "Mean time between output tokens."),
-                    ("molora_request_latency_seconds", self.latency, "Time from arrival to the last token.")):
-                out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *hist.lines(name)]
-        return "\n".join(out) + "\n"
+            forgotten = frozenset(self._forgotten)
+            age = now - self._last_step if last_step_age_s is None else last_step_age_s
+        view = _Scrape(stats=stats, in_flight=in_flight, max_in_flight=max_in_flight, draining=draining,
+                       ready=(not draining and engine_healthy) if ready is None else ready,
+                       engine_healthy=engine_healthy, last_step_age_s=age, forgotten=forgotten)
+        return generate_latest(_Exposition(view, self.registry)).decode()
 
 
-class _Writer:
-    def __init__(self, out: list[str]) -> None:
-        self.out = out
-
-    def __call__(self, name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        self.out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
-        self.out += [f"{name}{labels} {_num(value)}" for labels, value in samples]
+def _check_kind(kind: str, allowed: tuple[str, ...], what: str) -> str:
+    if kind not in allowed:  # a free-form label value would grow a series per typo
+        raise ValueError(f"unknown {what} kind {kind!r}; expected one of {', '.join(allowed)}")
+    return kind
 
 
-def _labels(**kv: str | None) -> str:
-    parts = [f'{k}="{_escape(str(v))}"' for k, v in kv.items()]
-    return "{" + ",".join(parts) + "}"
+# ------------------------------------------------------------------------------------------ one scrape
+@dataclass(frozen=True)
+class _Scrape:
+    """What `render()` was told about the engine and the server, for one scrape."""
+    stats: Mapping[str, Any]
+    in_flight: int
+    max_in_flight: int
+    draining: bool
+    ready: bool
+    engine_healthy: bool
+    last_step_age_s: float
+    forgotten: frozenset[str]
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class _Exposition:
+    """A collector for one scrape: the families of `view`, then those of the server's own registry."""
+
+    def __init__(self, view: _Scrape, registry: CollectorRegistry) -> None:
+        self.view, self.registry = view, registry
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _scrape_families(self.view)
+        yield from self.registry.collect()
 
 
-def _num(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{float(value):.6g}"
+def _scrape_families(v: _Scrape) -> Iterator[Metric]:
+    stats = v.stats
+    hot = stats.get("hotset", {}) or {}
+    gauges = (
+        ("molora_requests_in_flight", "Engine requests admitted by the server, not finished.", v.in_flight),
+        ("molora_requests_max_in_flight", "Engine requests the server admits at once.", v.max_in_flight),
+        ("molora_draining", "1 while the server drains before exiting.", int(v.draining)),
+        ("molora_ready", "1 while the server accepts new requests.", int(v.ready)),
+        ("molora_engine_healthy", "1 while the engine thread is alive and its steps succeed.", int(v.engine_healthy)),
+        ("molora_engine_last_step_age_seconds", "Seconds since the engine last finished a step.", v.last_step_age_s),
+        ("molora_requests_waiting", "Requests queued in the engine (queue depth).", stats.get("num_waiting", 0)),
+        ("molora_requests_running", "Requests the engine is running.", stats.get("num_running", 0)),
+        ("molora_kv_blocks_total", "KV-cache blocks in the pool.", stats.get("kv_blocks_total", 0)),
+        ("molora_kv_blocks_free", "Free KV-cache blocks.", stats.get("kv_blocks_free", 0)),
+        ("molora_hotset_slots", "Adapter slots in the hot set.", hot.get("slots", 0)),
+        ("molora_hotset_slots_used", "Hot-set slots holding an adapter.", hot.get("slots_used", 0)),
+        ("molora_adapter_pins", "Adapter pins held by requests in flight (0 when idle).",
+         sum((hot.get("pinned") or {}).values())),
+    )
+    for name, help_, value in gauges:
+        yield GaugeMetricFamily(name, help_, value=value)
+    counters = (  # CounterMetricFamily strips the `_total` and the exposition puts it back
+        ("molora_engine_steps_total", "Engine steps run.", stats.get("steps", 0)),
+        ("molora_generation_tokens_total", "Tokens the engine generated.", stats.get("tokens_generated", 0)),
+        ("molora_engine_preemptions_total", "Requests preempted for lack of KV blocks or slots.",
+         stats.get("num_preemptions", 0)),
+        ("molora_hotset_hits_total", "Adapter lookups served from a hot-set slot.", hot.get("hits", 0)),
+        ("molora_hotset_misses_total", "Adapter lookups that had to load into a slot.", hot.get("misses", 0)),
+        ("molora_hotset_evictions_total", "Adapters evicted from a hot-set slot.", hot.get("evictions", 0)),
+        ("molora_hotset_disk_reads_total", "Adapters read from disk (not in the CPU tier).", hot.get("disk_reads", 0)),
+        ("molora_hotset_load_seconds_total", "Time spent loading adapters into slots.",
+         hot.get("load_ms_total", 0) / 1000.0),
+    )
+    for name, help_, value in counters:
+        yield CounterMetricFamily(name, help_, value=value)
+    per_adapter = CounterMetricFamily("molora_adapter_tokens_total", "Tokens routed to each adapter ('base': none).",
+                                      labels=["adapter"])
+    for name, n in sorted(((str(k), n) for k, n in (stats.get("tokens_by_adapter", {}) or {}).items())):
+        if name not in v.forgotten:
+            per_adapter.add_metric([name], n)
+    yield per_adapter

@@ -76,6 +76,7 @@ class MoloraOptions(_Strict):
     routing: Literal["auto", "learned", "vocab", "sequence"] = "auto"
     adapters: list[Name] | None = Field(None, max_length=256)
     return_routing: bool = False
+    timeout: float | None = Field(None, gt=0.0)   # seconds; None: the server's default (capped by the server)
 
 
 class StreamOptions(_Strict):

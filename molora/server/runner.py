@@ -7,8 +7,21 @@ single-threaded, so every engine call runs on this thread, between steps), admis
 per-call asyncio queue of the handler that asked for them (`loop.call_soon_threadsafe`).
 
 Knows nothing of HTTP, JSON or tokenizers: a `RequestSpec` is token ids plus sampling parameters, and a
-`Submission` hands back `(choice index, RequestOutput)` pairs in order. An engine step that raises fails
-the requests in flight (each handler gets an `EngineFailure`) and the thread keeps serving.
+`Submission` hands back `(choice index, RequestOutput)` pairs in order.
+
+Faults and time:
+- Heartbeat: the thread notes when it last made progress (a step or a command finished, or it went idle).
+  `health()` reports it stalled when it has been busy (work pending) for more than `stall_s` without
+  progress: a hung step. `call(fn, timeout=...)` gives up after `timeout` with `EngineBusy`; a command that
+  had not started by then never runs (nothing changed), one that had started finishes.
+- A request's own fault is isolated inside `Engine.step` (only that request ends, with finish_reason
+  "error"). An exception that escapes `step()` is an engine bug: every request in flight gets an
+  `EngineFailure`, the engine is reset (`Engine.reset`), and the next step waits an exponential back-off
+  (`backoff_s` doubling, at most 30 s). After `max_failures` such failures in a row with no good step
+  between them the runner is *broken*: new work is refused (`RunnerStopped`) and `health()` says why.
+- `on_event(kind, value)` receives the engine's events (`Engine.events`: queue waits, deadline expiries,
+  faults, requests failed alone) and the runner's own ("restart" when the step loop itself died and was
+  restarted under the same back-off).
 """
 
 from __future__ import annotations
@@ -38,6 +51,8 @@ class RequestSpec:
     adapter: str | None = None
     allowed_adapters: list[str] | None = None
     routing: str = "auto"
+    timeout_s: float | None = None         # engine-side deadlines (Engine.add_request)
+    queue_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +67,11 @@ class Saturated(Exception):
 
 
 class RunnerStopped(Exception):
-    """The engine thread is not running (shut down, or never started)."""
+    """The engine thread is not running (shut down, never started, or broken by repeated failures)."""
+
+
+class EngineBusy(Exception):
+    """The engine thread did not take up a command within its timeout (a long or hung step)."""
 
 
 class Submission:
@@ -86,12 +105,24 @@ class Submission:
 class EngineRunner:
     """Drives `engine` on a background thread; see the module docstring."""
 
-    def __init__(self, engine: Any, *, max_in_flight: int = 256, on_step: Callable[[int, float], None] | None = None):
+    def __init__(self, engine: Any, *, max_in_flight: int = 256, on_step: Callable[[int, float], None] | None = None,
+                 on_event: Callable[[str, Any], None] | None = None, stall_s: float = 30.0, max_failures: int = 5,
+                 backoff_s: float = 0.5):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight={max_in_flight} must be at least 1")
+        if not stall_s > 0 or max_failures < 1 or backoff_s < 0:
+            raise ValueError(f"stall_s={stall_s} must be > 0, max_failures={max_failures} >= 1, "
+                             f"backoff_s={backoff_s} >= 0")
         self.engine = engine
         self.max_in_flight = max_in_flight
         self.on_step = on_step                # (new tokens, step seconds): for the tokens/s gauge
+        self.on_event = on_event              # (kind, value): engine events and "restart" (module docstring)
+        self.stall_s, self.max_failures, self.backoff_s = stall_s, max_failures, backoff_s
+        self._beat = time.monotonic()         # last progress of the engine thread
+        self._busy = False                    # the engine thread is running commands or steps
+        self.failures = 0                     # step() exceptions and loop restarts since start
+        self._in_a_row = 0                    # ... since the last good step
+        self.broken: str | None = None        # why the runner gave up (crash loop), else None
         self._cv = threading.Condition()
         self._inbox: list[_Command] = []
         self._routes: dict[str, Submission] = {}   # engine-thread only: request_id -> its submission
@@ -119,19 +150,47 @@ class EngineRunner:
             self._thread.join(timeout)
 
     @property
+    def started(self) -> bool:
+        """start() was called once (the thread may have ended since: it is never restarted from outside)."""
+        return self._thread is not None
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def health(self) -> dict:
+        """alive, stalled (busy for more than stall_s without progress), broken (why), seconds since the last
+        progress, failures so far."""
+        age = time.monotonic() - self._beat
+        stalled = self.alive and self._busy and age > self.stall_s
+        return {"alive": self.alive, "stalled": stalled, "broken": self.broken, "last_progress_age_s": age,
+                "busy": self._busy, "failures": self.failures}
+
+    @property
+    def healthy(self) -> bool:
+        h = self.health()
+        return h["alive"] and not h["stalled"] and h["broken"] is None
 
     @property
     def in_flight(self) -> int:
         return self._in_flight
 
     # ------------------------------------------------------------------------------------ handler side
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run fn() on the engine thread between steps and return its result (or raise its error)."""
+    async def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run fn() on the engine thread between steps and return its result (or raise its error).
+
+        timeout: EngineBusy if fn has not finished by then; if it had not started, it never runs."""
         command = _Command(fn, asyncio.get_running_loop())
         self._post(command)
-        return await command.future
+        if timeout is None:
+            return await command.future
+        try:
+            return await asyncio.wait_for(asyncio.shield(command.future), timeout)
+        except asyncio.TimeoutError:
+            started = not command.cancel()
+            raise EngineBusy(f"the engine thread did not {'finish' if started else 'take up'} this within "
+                             f"{timeout:g} s (a long or hung step); "
+                             f"{'it may still take effect' if started else 'nothing was changed'}") from None
 
     async def submit(self, specs: Sequence[RequestSpec], prefix: str) -> Submission:
         """Add all of `specs` to the engine, or none (the engine's error is raised); Saturated when full."""
@@ -158,6 +217,8 @@ class EngineRunner:
 
     # ------------------------------------------------------------------------------------ admission
     def _reserve(self, n: int) -> None:
+        if self.broken is not None:
+            raise RunnerStopped(f"the engine is broken ({self.broken})")
         if not self.alive:
             raise RunnerStopped("the engine thread is not running")
         with self._admit:
@@ -183,7 +244,8 @@ class EngineRunner:
         try:
             for rid, spec in zip(sub.ids, specs):
                 self.engine.add_request(spec.prompt_ids, spec.params, request_id=rid, adapter=spec.adapter,
-                                        allowed_adapters=spec.allowed_adapters, routing=spec.routing)
+                                        allowed_adapters=spec.allowed_adapters, routing=spec.routing,
+                                        timeout_s=spec.timeout_s, queue_timeout_s=spec.queue_timeout_s)
                 added.append(rid)
                 self._routes[rid] = sub
         except BaseException:
@@ -200,8 +262,16 @@ class EngineRunner:
 
     def _loop(self) -> None:
         try:
-            self._serve()
-        except BaseException:  # a bug in the engine's bookkeeping: nobody may wait forever on this thread
+            while True:
+                try:
+                    self._serve()
+                    return
+                except Exception as e:  # a bug in this loop's bookkeeping: fail what runs, back off, restart
+                    log.exception("the engine loop died; restarting it")
+                    self._emit("restart", f"{type(e).__name__}: {e}")
+                    if not self._failed(f"the engine loop died ({type(e).__name__}: {e})"):
+                        return
+        except BaseException:  # nobody may wait forever on this thread
             log.exception("the engine thread died")
         finally:
             with self._cv:
@@ -216,24 +286,34 @@ class EngineRunner:
             busy = self.engine.has_unfinished()
             with self._cv:
                 while not self._inbox and not busy and not self._stopping:
+                    self._busy = False
+                    self._beat = time.monotonic()
                     self._cv.wait()
+                self._busy = True
+                self._beat = time.monotonic()
                 commands, self._inbox = self._inbox, []
                 stopping = self._stopping
             for command in commands:
                 command.run()
+                self._beat = time.monotonic()
             if stopping:
                 return
-            if self.engine.has_unfinished():
-                self._step()
+            if self.engine.has_unfinished() and not self._step():
+                return
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step and its delivery; False when the runner has given up (broken)."""
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:  # an engine bug must not take the server down: fail what was running
             log.exception("engine step failed; failing %d in-flight requests", len(self._routes))
-            self._fail_all(f"the engine failed during this request ({type(e).__name__}: {e})")
-            return
+            self._emit("fault", f"{type(e).__name__}: {e}")
+            return self._failed(f"the engine failed during this request ({type(e).__name__}: {e})")
+        self._beat = time.monotonic()
+        self._in_a_row = 0
+        for kind, value in _drain(self.engine):
+            self._emit(kind, value)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Submission, Any]]] = {}
         new_tokens = 0
         for out in outputs:
@@ -245,6 +325,35 @@ class EngineRunner:
             _call_soon(loop, _deliver, items)
         if self.on_step is not None:
             self.on_step(new_tokens, time.perf_counter() - t0)
+        return True
+
+    def _failed(self, message: str) -> bool:
+        """After an engine failure: fail what is in flight, reset the engine, back off. False: give up."""
+        self.failures += 1
+        self._in_a_row += 1
+        self._fail_all(message)
+        try:
+            self.engine.reset(message)
+        except Exception as e:
+            log.exception("the engine could not be reset")
+            self.broken = f"the engine could not be reset after a failure ({type(e).__name__}: {e})"
+            return False
+        if self._in_a_row >= self.max_failures:
+            self.broken = f"{self._in_a_row} engine failures in a row, the last: {message}"
+            log.error("giving up on the engine: %s", self.broken)
+            return False
+        delay = min(self.backoff_s * 2 ** (self._in_a_row - 1), 30.0)
+        with self._cv:
+            self._cv.wait_for(lambda: self._stopping, timeout=delay)
+        self._beat = time.monotonic()
+        return not self._stopping
+
+    def _emit(self, kind: str, value: Any) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(kind, value)
+            except Exception:  # metrics must never stop the engine
+                log.exception("on_event(%r) failed", kind)
 
     def _fail_all(self, message: str) -> None:
         routes, self._routes = self._routes, {}
@@ -255,6 +364,14 @@ class EngineRunner:
             except Exception:  # the engine is already broken; the request is failed either way
                 log.exception("abort of %s failed", rid)
             _call_soon(sub.loop, sub.queue.put_nowait, failure)
+
+
+def _drain(engine: Any) -> list[tuple[str, Any]]:
+    events = getattr(engine, "events", None)
+    out = []
+    while events:
+        out.append(events.popleft())
+    return out
 
 
 def _deliver(items: list[tuple[Submission, Any]]) -> None:
@@ -275,8 +392,22 @@ class _Command:
     def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.fn, self.loop = fn, loop
         self.future: asyncio.Future | None = loop.create_future() if loop is not None else None
+        self._lock = threading.Lock()
+        self._state = "pending"            # -> "running" (engine thread) or "cancelled" (caller timed out)
+
+    def cancel(self) -> bool:
+        """True if the command had not started: it will never run. False: it is running or done."""
+        with self._lock:
+            if self._state == "pending":
+                self._state = "cancelled"
+                return True
+            return False
 
     def run(self) -> None:
+        with self._lock:
+            if self._state == "cancelled":
+                return
+            self._state = "running"
         try:
             result = self.fn()
         except Exception as e:  # handed to the awaiting handler, which raises it
