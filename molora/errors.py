@@ -14,6 +14,10 @@ class AdapterError(MoLoRAError):
     """An adapter folder cannot be read or does not fit the base model."""
 
 
+class AdapterNotFound(AdapterError):
+    """No adapter of that name is registered."""
+
+
 class AdapterDraining(AdapterError):
     """The adapter is being unloaded (draining): new requests may not use it, it cannot be loaded again yet."""
 

@@ -372,6 +372,28 @@ def render(record: dict) -> str:
     ])
 
 
+BEGIN, END = "<!-- reliability:begin (scripts/fault_harness.py) -->", "<!-- reliability:end -->"
+
+
+def readme_block(record: dict) -> str:
+    lat, kv = record["latency_completed_s"], record["kv_blocks"]
+    return (f"- **Under faults** ([docs/reliability.md](docs/reliability.md), `scripts/fault_harness.py`): "
+            f"{record['requests']} requests from {record['concurrency']} concurrent clients against the default "
+            "bundle, with random disconnects, short deadlines, malformed bodies, an adapter loaded and unloaded "
+            f"(drain or force) during traffic and injected step faults: {record['completed']} completed, "
+            f"{record['failed_by_design']} failed by design, **{record['failed_otherwise']} failed otherwise, "
+            f"{record['hung']} hung**; KV blocks leaked {kv['leaked']:.0f}, adapter pins left "
+            f"{record['adapter_pins']['at_end']:.0f}; completed requests p50 {lat['p50']:.2f} s, p99 "
+            f"{lat['p99']:.2f} s on 2 CPU cores.")
+
+
+def replace_block(text: str, block: str) -> str:
+    head, sep, rest = text.partition(BEGIN)
+    if not sep or END not in rest:
+        raise SystemExit(f"README.md lacks the {BEGIN} ... {END} markers")
+    return head + BEGIN + "\n" + block + "\n" + END + rest.split(END, 1)[1]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=2000)
@@ -390,6 +412,8 @@ def main() -> int:
         out.write_text(json.dumps(record, indent=1) + "\n")
     record = json.loads(out.read_text())
     (ROOT / "docs" / "reliability.md").write_text(render(record))
+    readme = ROOT / "README.md"
+    readme.write_text(replace_block(readme.read_text(), readme_block(record)))
     print(json.dumps({k: record[k] for k in ("requests", "completed", "failed_by_design", "failed_otherwise",
                                              "hung", "kv_blocks", "adapter_pins", "latency_completed_s")}))
     return 0 if record["failed_otherwise"] == 0 and record["kv_blocks"]["leaked"] == 0 else 1

@@ -278,7 +278,7 @@ class Engine:
             outputs.append(req.output([], "", [], None))
         self.scheduler.failed.clear()
         if not scheduled:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if self.scheduler.waiting and not self.scheduler.running and not self.hotset.reads:
                 head = self.scheduler.waiting[0]
                 raise MoLoRAError(f"request {head.request_id!r} cannot be admitted on an idle engine "
                                   f"({self.allocator.num_free} free KV blocks, adapters {list(head.needs)})")
@@ -294,7 +294,7 @@ class Engine:
             self.check()   # a recovered fault must leave the scheduler, KV pool and pins consistent
         return outputs
 
-    def _run_isolating(self, scheduled: list[Scheduled]) -> list[RequestOutput]:
+    def _run_isolating(self, scheduled: list[Scheduled], top: bool = True) -> list[RequestOutput]:
         """_run(scheduled), bisecting on an exception to end only the request(s) that raise (see step)."""
         gens = {id(s.request): s.request.generator.get_state() for s in scheduled if s.request.generator is not None}
         try:
@@ -313,10 +313,11 @@ class Engine:
                                                       f"read again ({lost[gone[0]]}); it now adds nothing"))
                 else:
                     keep.append(s)
-            return outs + (self._run_isolating(keep) if keep else [])
+            return outs + (self._run_isolating(keep, top) if keep else [])
         except Exception as e:
             self.faults += 1
-            self._event("fault", f"{type(e).__name__}: {e}")
+            if top:  # one "fault" event per step that raised, however many re-runs isolate it
+                self._event("fault", f"{type(e).__name__}: {e}")
             for s in scheduled:                     # a sampled row may have drawn before the exception
                 if id(s.request) in gens:
                     s.request.generator.set_state(gens[id(s.request)])
@@ -328,7 +329,7 @@ class Engine:
             log.warning("a step over %d chunks raised %s: %s; running it again in halves to isolate the cause",
                         len(scheduled), type(e).__name__, e)
             mid = len(scheduled) // 2
-            return self._run_isolating(scheduled[:mid]) + self._run_isolating(scheduled[mid:])
+            return self._run_isolating(scheduled[:mid], False) + self._run_isolating(scheduled[mid:], False)
 
     def _mend(self, names: list[str]) -> dict[str, str]:
         """Rewrite the corrupt slots of `names` from a fresh read of their folders (validated, so finite).

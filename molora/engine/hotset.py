@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from molora.adapters.io import LoRAAdapter, resolve_roots
-from molora.errors import AdapterDraining, AdapterError
+from molora.errors import AdapterDraining, AdapterError, AdapterNotFound
 
 log = logging.getLogger("molora.engine")
 
@@ -89,8 +89,8 @@ class HotSet:
     def check_known(self, names: Iterable[str]) -> None:
         unknown = [n for n in names if n not in self.paths]
         if unknown:
-            raise AdapterError(f"unknown adapter(s) {unknown}; registered adapters: {self.names}. "
-                               "Load one with Engine.load_adapter(name, path)")
+            raise AdapterNotFound(f"unknown adapter(s) {unknown}; registered adapters: {self.names}. "
+                                  "Load one with Engine.load_adapter(name, path)")
 
     def reads_in_flight(self) -> int:
         return sum(not f.done() for f in self.reads.values())

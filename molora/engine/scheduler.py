@@ -40,6 +40,9 @@ from molora.errors import MoLoRAError
 log = logging.getLogger("molora.engine")
 
 
+READ_WAIT_S = 0.05  # longest a step waits for an adapter read when nothing else can run
+
+
 @dataclass
 class Scheduled:
     """A request's share of one step: `n` tokens starting at token index `start` (= its num_computed);
@@ -89,8 +92,9 @@ class Scheduler:
             n = min(req.remaining, budget)
             if self._make_room(req, req.num_computed + n, out):
                 out.append(Scheduled(req, req.num_computed, n, req.probing))
-        while self._admit(out) and not out:
-            self.hotset.wait_reads()         # nothing can run until an adapter read finishes
+        if self._admit(out) and not out:     # nothing can run until an adapter read finishes: wait a little,
+            self.hotset.wait_reads(READ_WAIT_S)  # bounded so that the engine thread stays responsive
+            self._admit(out)                 # (commands, deadlines, heartbeat); the next step waits again
         return out
 
     def _admit(self, out: list[Scheduled]) -> bool:

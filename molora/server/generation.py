@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from molora.config import SamplingParams
-from molora.errors import AdapterDraining, MoLoRAError
+from molora.errors import AdapterDraining, AdapterNotFound, MoLoRAError
 from molora.server.metrics import ServerMetrics
 from molora.server.protocol import (
     APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
@@ -236,8 +236,10 @@ class Generation:
                            param="n")
         try:
             sub = await self.runner.submit(specs, fmt.id)
-        except AdapterDraining as e:  # unloaded between the model check and the engine: the model is gone
-            raise APIError(404, str(e), param="model", code="model_not_found") from e
+        except (AdapterDraining, AdapterNotFound) as e:  # unloaded since the model check: it is gone
+            pinned = any(spec.adapter is not None for spec in specs)
+            raise APIError(404, str(e), param="model" if pinned else "molora.adapters",
+                           code="model_not_found" if pinned else "adapter_not_found") from e
         except MoLoRAError as e:
             raise APIError(400, str(e)) from e
         states = [ChoiceState(spec.index, len(spec.prompt_ids)) for spec in specs]
