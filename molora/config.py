@@ -79,7 +79,15 @@ class BankConfig:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next token. temperature 0 means greedy."""
+    """How to pick the next token and when to stop. temperature 0 means greedy.
+
+    ignore_eos and min_tokens follow vLLM: ignore_eos=True keeps generating past the model's eos token(s)
+    (the engine's `eos_ids`); `stop_token_ids` and `stop` still end the request. min_tokens=N: the first N
+    generated tokens can be neither an eos id nor a stop_token_id (their logits are set to -inf before
+    sampling, also with ignore_eos) and the text they make is not searched for stop strings, so the earliest
+    stop is token N+1; max_new_tokens still ends the request. Benchmarks use ignore_eos=True (or
+    min_tokens=max_new_tokens) to generate exactly max_new_tokens tokens.
+    """
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -89,6 +97,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     logprobs: int = 0
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -101,6 +111,11 @@ class SamplingParams:
             raise MoLoRAError(f"top_k={self.top_k} must be >= 0 (0 = off)")
         if not 0 <= self.logprobs <= 20:
             raise MoLoRAError(f"logprobs={self.logprobs} must lie in [0, 20]")
+        if self.min_tokens < 0:
+            raise MoLoRAError(f"min_tokens={self.min_tokens} must be >= 0 (0 = off)")
+        if self.min_tokens > self.max_new_tokens:
+            raise MoLoRAError(f"min_tokens={self.min_tokens} exceeds max_new_tokens={self.max_new_tokens}; "
+                              "lower min_tokens or raise max_new_tokens")
 
     @property
     def greedy(self) -> bool:

@@ -39,6 +39,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 POISON = 4242                    # a token id; a step holding it raises (injected in the server child)
+HANG = 4243                      # a token id; a step holding it sleeps HANG_S first (a hung kernel)
+HANG_S, STALL_S = 12.0, 4.0      # the injected hang; the server's --stall-timeout
 ADMIN = "harness-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}  # an admin key is also an API key
 KINDS = {"ok": 0.62, "disconnect": 0.08, "deadline": 0.08, "invalid": 0.10, "poison": 0.04, "extra": 0.08}
@@ -59,11 +61,15 @@ def serve_child(port: int) -> None:
     def faulty(scheduled):
         if any(POISON in s.request.prompt_ids for s in scheduled):
             raise RuntimeError("injected step fault (poison token)")
+        if not hung and any(HANG in s.request.prompt_ids for s in scheduled):
+            hung.append(True)  # once
+            time.sleep(HANG_S)
         return run(scheduled)
 
+    hung: list[bool] = []
     engine._run = faulty
     serve(engine=engine, port=port, admin_keys=[ADMIN], adapter_roots=[adapter_root()], log_level="warning",
-          limits=Limits(request_timeout_s=240, queue_timeout_s=120), stall_s=30)
+          limits=Limits(request_timeout_s=240, queue_timeout_s=120), stall_s=STALL_S)
 
 
 def adapter_root() -> Path:
@@ -249,12 +255,42 @@ async def drive(base: str, work: list[dict], concurrency: int, seed: int) -> tup
             while queue:
                 results.append(await one(client, queue.pop()))
 
+        probes: list[int] = []
+
+        async def prober() -> None:  # liveness during traffic: a false stall would show as a 503 here
+            while not stop.is_set():
+                probes.append((await client.get("/health")).status_code)
+                await asyncio.sleep(0.5)
+
         t0 = time.perf_counter()
+        probe = asyncio.create_task(prober())
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
         stop.set()
         await admin
-    return results, admin_log, wall
+        await probe
+    return results, admin_log, wall, probes
+
+
+async def hang_probe(base: str, model: str) -> dict:
+    """One request whose first step hangs HANG_S: how long until /health says 503, and until it is 200 again."""
+    async with httpx.AsyncClient(base_url=base, timeout=CLIENT_TIMEOUT_S, headers=AUTH) as client:
+        t0 = time.perf_counter()
+        req = asyncio.create_task(client.post("/v1/completions", json={"model": model,
+                                                                       "prompt": [17, HANG, 5], "max_tokens": 2}))
+        seen = back = None
+        while (not req.done() or (seen is not None and back is None)) and time.perf_counter() - t0 < 120:
+            status = (await client.get("/health")).status_code
+            now = time.perf_counter() - t0
+            if status == 503 and seen is None:
+                seen = now
+            if status == 200 and seen is not None and back is None:
+                back = now
+            await asyncio.sleep(0.05)
+        r = await req
+    return {"stall_timeout_s": STALL_S, "hang_s": HANG_S, "reported_after_s": seen, "healthy_again_after_s": back,
+            "request_status": r.status_code,
+            "within_2x_stall": seen is not None and seen <= 2 * STALL_S}
 
 
 def metric(base: str, name: str, labels: str = "") -> float:
@@ -294,7 +330,9 @@ def measure(args: argparse.Namespace) -> dict:
         start = {"kv_free": metric(base, "molora_kv_blocks_free"), "kv_total": metric(base, "molora_kv_blocks_total"),
                  "pins": metric(base, "molora_adapter_pins")}
         work = plan(args.requests, args.seed, adapters, model)
-        results, admin_log, wall = asyncio.run(drive(base, work, args.concurrency, args.seed))
+        results, admin_log, wall, probes = asyncio.run(drive(base, work, args.concurrency, args.seed))
+        settle(base)
+        hang = asyncio.run(hang_probe(base, model))
         settle(base)
         end = {"kv_free": metric(base, "molora_kv_blocks_free"), "pins": metric(base, "molora_adapter_pins")}
         health = httpx.get(base + "/health", timeout=30).json()
@@ -330,6 +368,8 @@ def measure(args: argparse.Namespace) -> dict:
         "adapter_pins": {"at_start": start["pins"], "at_end": end["pins"]},
         "admin_actions": {f"{a} {s}": sum(1 for x in admin_log if x == (a, s)) for a, s in sorted(set(admin_log))},
         "server_counters": server, "health_at_end": health,
+        "health_probes_during_traffic": {"count": len(probes), "not_200": sum(p != 200 for p in probes)},
+        "hung_step": hang,
     }
 
 
@@ -363,6 +403,13 @@ def render(record: dict) -> str:
         f"- Server counters: engine failures step {f['step']:.0f}, isolated {f['isolated']:.0f}, restarts "
         f"{f['restart']:.0f}; deadlines expired in the engine: request {d['request']:.0f}, queue {d['queue']:.0f}.",
         f"- Admin actions during traffic: {record['admin_actions']}.",
+        f"- Liveness: /health polled every 0.5 s during traffic answered {record['health_probes_during_traffic']['count']}"
+        f" times, {record['health_probes_during_traffic']['not_200']} not 200 (no false stall at --stall-timeout "
+        f"{record['hung_step']['stall_timeout_s']:g} s). Then one step hung {record['hung_step']['hang_s']:g} s "
+        f"(injected): /health answered 503 after {record['hung_step']['reported_after_s']:.2f} s (goal: within 2x "
+        f"the stall timeout, {2 * record['hung_step']['stall_timeout_s']:g} s) and 200 again "
+        f"{record['hung_step']['healthy_again_after_s']:.2f} s after the request was sent; the request itself "
+        f"answered {record['hung_step']['request_status']}.",
         "",
         "Kinds: `ok` plain requests (chat or completion, streamed or not, routed or pinned); `disconnect` streams",
         "dropped after 1-3 events; `deadline` requests with `molora.timeout` of 0.02-0.6 s (some finish in time);",

@@ -40,6 +40,13 @@ def test_interleaved_timing_resets_and_caps_repeats():
     assert t.ratios("a")["a"] == 1.0
 
 
+def test_interleaved_order_rotates_so_no_variant_always_runs_first():
+    order: list[str] = []
+    fns = {n: (lambda n=n: order.append(n)) for n in ("a", "b", "c")}
+    time_interleaved(fns, repeats=4, warmup=0)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+
+
 def test_paired_ratio_cancels_load_shared_by_a_repetition():
     # The machine slows down 3x for the last two repetitions: both variants pay it alike.
     base = [10.0, 10.0, 10.0, 30.0, 30.0]

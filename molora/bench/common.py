@@ -109,12 +109,19 @@ def timed_ms(fn: Callable[[], Any]) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def rotated(names: list[str], i: int) -> list[str]:
+    """`names` rotated left by i: repetition i of an interleaved run starts with variant i mod n."""
+    k = i % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
 def time_interleaved(fns: Mapping[str, Callable[[], Any]], repeats: int, *, warmup: int = 1,
                      reset: Mapping[str, Callable[[], Any]] | None = None,
                      max_repeats: Mapping[str, int] | None = None, log: Callable[[str], None] | None = None
                      ) -> Timing:
-    """Time every variant once per repetition, in a fixed order, `repeats` times (after `warmup` untimed
-    calls each).
+    """Time every variant once per repetition, `repeats` times (after `warmup` untimed calls each). The order
+    rotates by one variant per repetition (`rotated`), so no variant always runs first (cold caches) or
+    right after a given other one (warm caches from the same kernel, issue 19's `fused` vs `auto`).
 
     reset[name], when given, runs untimed after each call of `name` (e.g. crop a KV cache back). A variant
     in max_repeats is timed only in its first max_repeats[name] repetitions and gets no warm-up call (a
@@ -130,7 +137,8 @@ def time_interleaved(fns: Mapping[str, Callable[[], Any]], repeats: int, *, warm
                 reset[name]()
     timing = Timing({k: [] for k in fns})
     for i in range(repeats):
-        for name, fn in fns.items():
+        for name in rotated(list(fns), i):
+            fn = fns[name]
             if i >= max_repeats.get(name, repeats):
                 continue
             timing.samples[name].append(timed_ms(fn))

@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from molora.adapters import save_adapter
-from molora.bench.common import paired_ratio
+from molora.bench.common import paired_ratio, rotated
 from molora.config import LLAMA_PROJECTIONS, SamplingParams
 from molora.engine import Engine, EngineConfig
 from molora.engine.hotset import HotSet
@@ -129,9 +129,9 @@ def decode_steps(engines: dict[str, Engine], prompts: list[list[int]], routing: 
         while any(r.remaining > 1 or r.num_computed == 0 for r in eng.requests.values()):
             eng.step()                                   # finish every prefill first
     times: dict[str, list[float]] = {n: [] for n in engines}
-    for _ in range(steps):
-        for name, eng in engines.items():
-            times[name].append(_timed(eng.step) * 1e3)
+    for i in range(steps):
+        for name in rotated(list(engines), i):
+            times[name].append(_timed(engines[name].step) * 1e3)
     for eng in engines.values():
         for rid in list(eng.requests):
             eng.abort(rid)
@@ -177,9 +177,9 @@ def measure(mm: Any, cfg: EngineConfig, prompts: list[list[int]], news: list[int
         "hf_base": lambda: _hf_base(mm.model, prompts, news, hf_batch),
     }
     secs: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            secs[name].append(_timed(fn))
+    for i in range(repeats):
+        for name in rotated(list(variants), i):
+            secs[name].append(_timed(variants[name]))
             print(f"  {tag} {name}: {secs[name][-1]:.2f} s", file=sys.stderr, flush=True)
     med = {k: statistics.median(v) for k, v in secs.items()}
     gen = sum(news)

@@ -19,6 +19,11 @@ steps go on (the step only copies a read adapter into a slot); `read_adapter` re
 `load_adapter(name, adapter)` registers the result; `unload_adapter` drains an adapter that requests in
 flight still use (new requests leave it out) or, with force=True, aborts them. See molora.engine.hotset.
 
+Faults and time: a request may carry deadlines (`add_request(timeout_s=, queue_timeout_s=)`), checked at the
+start of every step: it ends with finish_reason "timeout" and `RequestOutput.error` saying which. A step
+that raises is run again in halves until the request(s) that make it raise are found; only they end
+(finish_reason "error"), see `step`. `events` reports queue waits, deadline expiries and faults to a server.
+
 The engine is single-threaded: a server drives `step()` from one thread and calls `add_request` /
 `abort` under its own lock. Precision follows the model: fp32 by default (exact against transformers);
 `mm.to(torch.bfloat16)` before building the engine runs weights, adapters and KV cache in bf16 (AMX on
@@ -264,8 +269,11 @@ class Engine:
         request(s) that make it raise are found; only those end (finish_reason "error", RequestOutput.error
         names the cause), the rest of the step completes as if nothing happened (recomputing a chunk writes
         the same KV rows again; sampler generators are restored first). A request whose logits are not
-        finite (a poisoned adapter) also ends alone. The scheduler, KV pool and pins are checked after every
-        recovered fault. An exception that escapes step() is an engine bug, not a request's fault.
+        finite also ends alone. Non-finite hidden states with non-finite adapter weights in the bank (memory
+        corruption after validation: the stacked dispatch spreads one bad slot to every row) make the engine
+        rewrite those slots from a fresh read of their folders and run the step again; an adapter that cannot
+        be read again is zeroed and only the requests that may use it end. The scheduler, KV pool and pins
+        are checked after every recovered fault. An exception that escapes step() is an engine bug.
         """
         outputs, self._pending = self._pending, []
         now = time.monotonic()
@@ -279,9 +287,13 @@ class Engine:
         self.scheduler.failed.clear()
         if not scheduled:
             if self.scheduler.waiting and not self.scheduler.running and not self.hotset.reads:
-                head = self.scheduler.waiting[0]
-                raise MoLoRAError(f"request {head.request_id!r} cannot be admitted on an idle engine "
-                                  f"({self.allocator.num_free} free KV blocks, adapters {list(head.needs)})")
+                head = self.scheduler.waiting[0]   # a bookkeeping bug, but this request's alone: end it
+                why = (f"request {head.request_id!r} cannot be admitted on an idle engine "
+                       f"({self.allocator.num_free} free KV blocks, adapters {list(head.needs)})")
+                log.error("%s; ending it", why)
+                self.failures += 1
+                self._event("isolated", why)
+                outputs.append(self._end(head, "error", why))
             return outputs
         self.steps += 1
         for s in scheduled:
@@ -433,12 +445,27 @@ class Engine:
         return torch.tensor(toks, device=dev), torch.tensor(pos, device=dev), meta
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, finite: list[bool]) -> torch.Tensor:
+        """Token ids [b] from logits [b, V]. A request short of its min_tokens picks from a copy of its own row
+        with its stop ids at -inf (`_without_stops`); other rows and `logits` itself are untouched, so
+        logprobs report the model's distribution (vLLM's default, raw logprobs)."""
         chosen = logits.argmax(-1)                                                # [b] greedy for all
         for j, req in enumerate(reqs):
             p = req.params
+            row = logits[j:j + 1]                                                 # [1, V]
+            if req.num_generated < p.min_tokens:
+                row = self._without_stops(row, p)
+                chosen[j] = row.argmax(-1)[0]
             if not p.greedy and finite[j]:
-                chosen[j] = sample_next(logits[j:j + 1], p.temperature, p.top_k, p.top_p, req.generator)[0]
+                chosen[j] = sample_next(row, p.temperature, p.top_k, p.top_p, req.generator)[0]
         return chosen
+
+    def _without_stops(self, row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """A copy of one row of logits [1, V] where the eos ids and p.stop_token_ids cannot be sampled (vLLM
+        masks eos for min_tokens also under ignore_eos); ids outside the vocabulary are left out."""
+        ids = sorted(t for t in self.eos_ids | set(p.stop_token_ids) if 0 <= t < row.shape[-1])
+        row = row.clone()
+        row[0, ids] = float("-inf")
+        return row
 
     @staticmethod
     def _logprobs(req: Request, logits: torch.Tensor, chosen: torch.Tensor) -> list[dict] | None:
@@ -456,14 +483,15 @@ class Engine:
         self.tokens_by_adapter[adapter or "base"] += 1
         p = req.params
         reason, cut = None, False
-        if token in self.eos_ids or token in p.stop_token_ids:
+        check = req.num_generated > p.min_tokens   # the first min_tokens tokens never stop (vLLM's min_tokens)
+        if check and ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids):
             reason = "stop"
-        elif req.text.append(req.detok.add(token) if req.detok is not None else ""):
+        elif req.text.append(req.detok.add(token) if req.detok is not None else "", check):
             reason, cut = "stop", True
         if reason is None and (req.num_generated >= p.max_new_tokens or len(req.tokens) >= self.max_model_len):
             reason = "length"
         if reason is not None and not cut and req.detok is not None:
-            if req.text.append(req.detok.flush()):  # bytes held back at the end may complete a stop string
+            if req.text.append(req.detok.flush(), check):  # bytes held back at the end may complete a stop string
                 reason = "stop"
         text = req.text.emit(final=reason is not None)
         if reason is not None:

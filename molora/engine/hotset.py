@@ -154,11 +154,12 @@ class HotSet:
                 del self.pins[n]
 
     def wait_reads(self, timeout: float | None = None) -> bool:
-        """Block until a background read finishes (or `timeout` seconds); False if none was in flight."""
+        """Block until a background read finishes (or `timeout` seconds); False if no read was in flight or
+        waiting to be taken (a read that finished just before this call counts: acquire takes it next)."""
         pending = [f for f in self.reads.values() if not f.done()]
         if pending:
             wait(pending, timeout, return_when=FIRST_COMPLETED)
-        return bool(pending)
+        return bool(self.reads)
 
     # ------------------------------------------------------------------------------------ run-time changes
     def read(self, name: str, path: str | Path, roots: Sequence[str | Path] | None = None) -> LoRAAdapter:

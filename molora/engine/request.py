@@ -82,9 +82,14 @@ class TextState:
         self.emitted = 0
         self._searched = 0
 
-    def append(self, piece: str) -> bool:
-        """Add text; True if a stop string now appears (the text is cut before it)."""
+    def append(self, piece: str, check: bool = True) -> bool:
+        """Add text; True if a stop string now appears (the text is cut before it). check=False adds it
+        unsearched (the first min_tokens tokens): a later search still finds a stop string that starts in it
+        and ends in later text, as vLLM's does."""
         self.text += piece
+        if not check:
+            self._searched = len(self.text)
+            return False
         if not self.stop or not piece:
             return False
         start = max(0, self._searched - self.hold)

@@ -196,14 +196,22 @@ class Generation:
         stop = req.stop_strings()
         timeout = self.limits.timeout(opts.timeout)
         specs = []
+        # ignore_eos drops the model's end ids (tokenizer eos, the bundle's end of turn): vLLM's generation-config
+        # eos ids; molora takes no stop_token_ids from the body, so nothing but stop strings and length ends it
+        stop_ids = () if req.ignore_eos else info.stop_token_ids
         for p, ids in enumerate(prompts):
             new_tokens = self._budget(ids, max_tokens)
+            if req.min_tokens > new_tokens:
+                raise APIError(400, f"min_tokens={req.min_tokens} exceeds this completion's token budget of "
+                               f"{new_tokens} (max_tokens, or what the context leaves); lower min_tokens or raise "
+                               "max_tokens", param="min_tokens")
             for j in range(req.n):
                 try:
                     params = SamplingParams(
                         max_new_tokens=new_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                        seed=None if req.seed is None else req.seed + j, stop_token_ids=info.stop_token_ids,
-                        stop=stop, logprobs=0 if logprobs is None else max(logprobs, 1))
+                        seed=None if req.seed is None else req.seed + j, stop_token_ids=stop_ids,
+                        stop=stop, logprobs=0 if logprobs is None else max(logprobs, 1),
+                        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
                 except MoLoRAError as e:
                     raise APIError(400, str(e)) from e
                 specs.append(RequestSpec(p * req.n + j, ids, params, adapter, opts.adapters, opts.routing,

@@ -98,6 +98,10 @@ class GenerationRequest(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's extensions (top-level body fields, as vLLM takes them; see SamplingParams for the semantics):
+    # ignore_eos generates past the model's end-of-sequence ids, min_tokens forbids stopping before that many
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, lt=INT64)
     molora: MoloraOptions | None = None
 
     @field_validator("temperature", "top_p", "top_k", "n", "stream", "presence_penalty", "frequency_penalty",
