@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +13,12 @@ from molora.ops import (
     BACKENDS,
     LoRABackendError,
     LoRADispatcher,
-    choose_backend,
     lora_delta,
     lora_delta_reference,
+    pick_backend,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 EAGER = ("sort_group", "stacked_mask", "auto")  # gather compiles; it has its own test below
 D_IN, D_OUT, R = 24, 20, 4
 
@@ -102,21 +104,167 @@ def test_compiled_gather_equals_reference() -> None:
                                atol=1e-5, rtol=1e-5)
 
 
+def eager(T: int, S: int, k: int, rank: int = 16, d: int = 2048) -> str:
+    """What "auto" picks where the fused kernel cannot run (CPU float32, so only the cost model decides)."""
+    return pick_backend("cpu", torch.float32, T, S, k, rank, d, fused_available=False, bf16_dot=False)
+
+
 @pytest.mark.parametrize("T", [0, 1, 8, 64, 512, 4096, 65536])
 @pytest.mark.parametrize("S", [1, 2, 4, 16, 64])
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("rank", [8, 64])
-def test_choose_backend_picks_an_eager_backend(T: int, S: int, k: int, rank: int) -> None:
+def test_the_cost_model_picks_an_eager_backend(T: int, S: int, k: int, rank: int) -> None:
     # never compiles, never loops over tokens
-    assert choose_backend(T, S, k, rank=rank) in ("sort_group", "stacked_mask")
+    assert eager(T, S, k, rank) in ("sort_group", "stacked_mask")
 
 
-def test_choose_backend_stacks_small_steps_and_sorts_large_ones() -> None:
-    assert choose_backend(8, 4, 1) == "stacked_mask"           # decode step, few adapters
-    assert choose_backend(4096, 16, 1) == "sort_group"         # long prefill, many adapters
-    assert choose_backend(64, 16, 1, rank=64) == "sort_group"  # stacking wastes 15/16 of r=64 work
+def test_the_cost_model_stacks_small_steps_and_sorts_large_ones() -> None:
+    assert eager(8, 4, 1) == "stacked_mask"           # decode step, few adapters
+    assert eager(4096, 16, 1) == "sort_group"         # long prefill, many adapters
+    assert eager(64, 16, 1, rank=64) == "sort_group"  # stacking wastes 15/16 of r=64 work
     for T in (1, 64, 4096):
-        assert choose_backend(T, 1, 1) == "stacked_mask"       # one slot: nothing to sort
+        assert eager(T, 1, 1) == "stacked_mask"       # one slot: nothing to sort
+
+
+# What "auto" chose before `pick_backend` was split out of `dispatch._resolve`, recorded by running the old
+# `LoRADispatcher("auto").backend_for` over this grid (no autograd, B slot-major, fused_cpu.available and
+# fused_cpu.bf16_dot patched to the key's values). Key: (device, dtype, fused_available, bf16_dot, k); value:
+# one word per PICK_SRD entry, one letter per PICK_TS entry: f fused, m stacked_mask, s sort_group.
+PICK_SRD = [(1, 16, 576, 1536), (2, 8, 1024, 1024), (4, 16, 576, 1536), (4, 64, 1536, 576), (16, 16, 576, 1536)]
+PICK_TS = [0, 1, 8, 47, 48, 95, 96, 191, 192, 383, 384, 767, 768, 1535, 1536, 4096, 6143, 6144]
+PICK_LETTER = {"fused": "f", "stacked_mask": "m", "sort_group": "s"}
+PICK_EXPECTED = {
+    ('cpu', 'float32', False, False, 1):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
+    ('cpu', 'float32', False, False, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    ('cpu', 'float32', True, False, 1):
+        'ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff',
+    ('cpu', 'float32', True, False, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    ('cpu', 'float32', True, True, 1):
+        'ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff',
+    ('cpu', 'float32', True, True, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    ('cpu', 'bfloat16', False, False, 1):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
+    ('cpu', 'bfloat16', False, False, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    ('cpu', 'bfloat16', True, False, 1):
+        'ffffmmmmmmmmmmmmmm ffffffmmmmmmmmmmmm ffffffffmmmmmmmmmm ffffffffssssssssss ffffffffffffssssss',
+    ('cpu', 'bfloat16', True, False, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    ('cpu', 'bfloat16', True, True, 1):
+        'ffffffffffmmmmmmmm ffffffffffffmmmmmm ffffffffffffffmmmm ffffffffffffffssss fffffffffffffffffs',
+    ('cpu', 'bfloat16', True, True, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    ('cpu', 'float16', False, False, 1):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
+    ('cpu', 'float16', False, False, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    ('cpu', 'float16', True, False, 1):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
+    ('cpu', 'float16', True, False, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    ('cpu', 'float16', True, True, 1):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
+    ('cpu', 'float16', True, True, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    ('meta', 'float32', False, False, 1):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
+    ('meta', 'float32', False, False, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    ('meta', 'float32', True, False, 1):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
+    ('meta', 'float32', True, False, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    ('meta', 'float32', True, True, 1):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
+    ('meta', 'float32', True, True, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    ('meta', 'bfloat16', False, False, 1):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
+    ('meta', 'bfloat16', False, False, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    ('meta', 'bfloat16', True, False, 1):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
+    ('meta', 'bfloat16', True, False, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    ('meta', 'bfloat16', True, True, 1):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
+    ('meta', 'bfloat16', True, True, 2):
+        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+}
+
+
+def _pick_table(pick) -> dict[tuple, str]:
+    """pick(device, dtype, T, S, k, r, d_in, d_out, fused_available, bf16_dot) -> backend, over the recorded grid."""
+    return {key: " ".join("".join(PICK_LETTER[pick(key[0], getattr(torch, key[1]), T, S, key[4], r, d_in, d_out,
+                                                   key[2], key[3])] for T in PICK_TS)
+                          for S, r, d_in, d_out in PICK_SRD)
+            for key in PICK_EXPECTED}
+
+
+def test_pick_backend_keeps_the_choices_of_the_old_resolve() -> None:
+    def pure(device, dtype, T, S, k, r, d_in, d_out, fused, dot):
+        return pick_backend(device, dtype, T, S, k, r, d_in + d_out, fused_available=fused, bf16_dot=dot)
+
+    assert _pick_table(pure) == PICK_EXPECTED
+    # the old code tested device.type == "cpu" only: any other device takes the rows recorded on "meta"
+    cuda = _pick_table(lambda _device, *rest: pure("cuda", *rest))
+    assert all(cuda[key] == want for key, want in PICK_EXPECTED.items() if key[0] == "meta")
+
+
+def test_the_dispatcher_resolves_auto_with_pick_backend(monkeypatch) -> None:
+    """The same grid through `backend_for` (validation, tensor signature -> pick_backend's arguments, cache)."""
+    from molora.ops import fused_cpu
+
+    dispatch = LoRADispatcher("auto")
+
+    def resolved(device, dtype, T, S, k, r, d_in, d_out, fused, dot):
+        monkeypatch.setattr(fused_cpu, "available", lambda: fused)
+        monkeypatch.setattr(fused_cpu, "bf16_dot", lambda: dot)
+        A = torch.empty(S, r, d_in, dtype=dtype, device=device)
+        B = torch.empty(S, r, d_out, dtype=dtype, device=device).transpose(1, 2)   # slot-major, as the bank
+        x = torch.empty(T, d_in, dtype=dtype, device=device)
+        plan = dispatch.plan(torch.zeros(T, k, dtype=torch.long), num_slots=S)
+        return dispatch.backend_for(plan, x, A, B, torch.ones(S, device=device))
+
+    with torch.no_grad():
+        assert _pick_table(resolved) == PICK_EXPECTED
+
+
+def test_pick_backend_is_pure(monkeypatch) -> None:
+    """No kernel build, no tensors: the choice is a function of its arguments alone."""
+    from molora.ops import fused_cpu
+
+    monkeypatch.setattr(fused_cpu, "_load", lambda: pytest.fail("pick_backend must not build or load the kernel"))
+    args = ("cpu", torch.bfloat16, 1000, 4, 1, 16, 2112)
+    first = [pick_backend(*args, fused_available=f, bf16_dot=b) for f in (False, True) for b in (False, True)]
+    assert first == [pick_backend(*args, fused_available=f, bf16_dot=b) for f in (False, True) for b in (False, True)]
+    assert first == ["stacked_mask", "stacked_mask", "stacked_mask", "fused"]
+
+
+def test_dispatch_doc_is_rendered_from_the_records() -> None:
+    """docs/dispatch.md's measured block is what scripts/make_dispatch_table.py renders from docs/benchmarks.json
+    and the constants of pick_backend today (rerun the script after changing either)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_dispatch_table", ROOT / "scripts" / "make_dispatch_table.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--check", "--docs", str(ROOT / "docs")]) == 0
+
+
+def test_the_kernel_source_ships_with_the_package() -> None:
+    import fnmatch
+    import tomllib
+
+    from molora.ops import fused_cpu
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["molora"]
+    rel = fused_cpu._SOURCE.relative_to(ROOT / "molora").as_posix()
+    assert fused_cpu._SOURCE.is_file() and any(fnmatch.fnmatch(rel, p) for p in patterns)
 
 
 def test_unknown_backend_names_the_valid_ones() -> None:
@@ -310,7 +458,7 @@ def test_auto_takes_fused_only_where_it_can_run() -> None:
         reps = -(-T // ids.shape[0])
         plan = dispatch.plan(ids.repeat(reps, k)[:T], num_slots=3)
         dispatch.apply(plan, x.repeat(reps, 1)[:T].to(dtype), A.to(dtype), b.to(dtype), scale)
-        return next(iter(plan._checked.values()))
+        return next(iter(plan.resolved.values()))
 
     with torch.no_grad():
         assert picked() == "fused"

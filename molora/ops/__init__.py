@@ -3,13 +3,14 @@
 `lora_delta(x, A, B, scale, slot_ids, weights)` computes, for every token, the LoRA delta of the
 adapter(s) in the slot(s) it is routed to, in one pass over all tokens. `lora_delta_reference` is the
 spec (a plain loop); `BACKENDS` are the implementations (eager PyTorch: sort_group, stacked_mask; compiled:
-gather; C++: fused, `molora.ops.fused_cpu`, built once per machine); `LoRADispatcher` picks one once
-("auto": fused where it can run (CPU, fp32 or bf16, top-1, inference), else a measured cost model), and its `plan` checks and sorts a step's
-routing once for all target linears (`apply`).
+gather; C++: fused, `molora.ops.fused_cpu` on `csrc/fused_lora.cpp`, built once per machine); `LoRADispatcher`
+holds one ("auto": `pick_backend`, a pure function of device, dtype, T, S, k, r, D: fused where it can run (CPU,
+fp32 or bf16, top-1, inference), else the eager backend a CPU cost model prefers; docs/dispatch.md), and its
+`plan` checks and sorts a step's routing once for all target linears (`apply`).
 This package knows nothing about adapter names, banks or models.
 """
 
-from molora.ops.dispatch import BACKENDS, LoRADispatcher, RoutingPlan, choose_backend, lora_delta
+from molora.ops.dispatch import BACKENDS, LoRADispatcher, RoutingPlan, lora_delta, pick_backend
 from molora.ops.gather import LoRABackendError
 from molora.ops.lora import LoRAInputError, lora_delta_reference
 
@@ -19,7 +20,7 @@ __all__ = [
     "LoRADispatcher",
     "LoRAInputError",
     "RoutingPlan",
-    "choose_backend",
     "lora_delta",
     "lora_delta_reference",
+    "pick_backend",
 ]

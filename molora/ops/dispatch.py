@@ -1,8 +1,11 @@
-"""Backend choice for per-token LoRA dispatch: `lora_delta`, `choose_backend`, `LoRADispatcher`,
-`RoutingPlan`.
+"""Backend choice for per-token LoRA dispatch: `lora_delta`, `pick_backend`, `LoRADispatcher`, `RoutingPlan`.
 
-Owns the table of backends, the measured rule behind "auto", the per-step routing plan (checked and
-sorted once, shared by all target linears) and the public boundary (argument checks, T = 0).
+Owns the table of backends, the rule behind "auto", the per-step routing plan (checked and sorted once,
+shared by all target linears) and the public boundary (argument checks, T = 0). Three steps, kept apart:
+validation (`_validate`: shapes, dtypes, what an explicit backend can run; clear LoRAInputErrors), the choice
+(`pick_backend`: a pure function of device, dtype, T, S, k, r, D and whether the fused kernel can run; the
+measurements behind its thresholds and which of them have a committed record: docs/dispatch.md), and the
+memory of both per tensor signature, which `_resolve` keeps on the step's `RoutingPlan` (`plan.resolved`).
 Knows nothing about adapter names or models: callers hand in stacked slot tensors and slot ids
 (semantics and shapes in `molora.ops.lora`).
 """
@@ -35,41 +38,17 @@ log = logging.getLogger("molora.ops")
 
 BACKENDS: tuple[str, ...] = ("reference", "sort_group", "stacked_mask", "gather", "fused")
 
-# "auto" takes "fused" (molora.ops.fused_cpu: one C++ pass, each token through its own slot only, no
-# gathers) wherever it can run: CPU, float32 or bfloat16, top-1, no autograd, slot-major B, kernel built.
-# In float32 it beat both eager backends at every measured shape (T 8..2048, d 576/1536, S=4, r=16; see
-# `molora bench ops`). In bfloat16 the eager GEMMs use the CPU's bf16 units (AMX here) while the kernel runs
-# on vector units, so stacked_mask (S times the LoRA work, in two GEMMs) catches up once the GEMMs are large:
-# with S = 4, r = 16, 2 threads, the kernel's bf16 path as of module v8 (dot-product shrink), fused against
-# stacked_mask in ms: T = 256 0.16/0.28, 0.16/0.26, 0.11/0.22; T = 1024 0.53/0.65, 0.50/0.52, 0.31/0.39;
-# T = 2048 1.00/1.12, 0.97/0.79, 0.61/0.60 (d 576 x 1536, 1536 x 576, 576 x 576). Hence fused in bf16 below
-# FUSED_BF16_TOKENS_PER_SLOT * S tokens. A build without the bf16 dot product (a CPU without AVX512_BF16)
-# widens in software, where the earlier measurement holds (1 thread: fused 78 vs 206 us at T = 64, 263 vs 373
-# at 128, 518 vs 532 at 256): FUSED_BF16_SOFT_TOKENS_PER_SLOT. Elsewhere the cost model below picks between
-# the two eager backends.
+# "auto" (`pick_backend`; docs/dispatch.md: the rule as a table, the measurements behind each threshold).
+# bfloat16 on the fused kernel: fused below this many tokens per slot (T < per_slot * S), the eager backends'
+# bf16 GEMMs from there on. The first where the kernel uses the CPU's bf16 dot product, the second where it
+# widens bf16 in software (a CPU without AVX512_BF16). float32 runs fused at any T.
 FUSED_BF16_TOKENS_PER_SLOT = 384
 FUSED_BF16_SOFT_TOKENS_PER_SLOT = 48
 
-# The "auto" rule is a cost model of the two eager backends, fitted (least squares on relative error,
-# non-negative terms, points > 60% off dropped as noise from other jobs on the shared CPU) to the minimum
-# over 5 interleaved repetitions of `molora.bench.ops` timings on the 2-core dev CPU (torch 2.13, fp32,
-# 2 threads; `molora.bench.ops.fit_cost_model` refits them), with B stored slot-major as `LoRASlots` keeps it
-# (stacked_mask's up-projection is one GEMM): r in {8, 16, 64}, S in {2, 4, 8, 16}, T in {1, 4, 16, 64, 256,
-# 1024, 2048}, d_in x d_out in {1024 x 1024, 576 x 1536} with top-1, and 1024 x 1024 with weighted top-2.
-# Terms in microseconds (M = 1e6, D = D_in + D_out):
-#   stacked_mask = fixed + per slot + per M weights read (S*R*D: all slots, any T)
-#                  + per M MACs (T*S*R*D: every token through every slot)
+# The CPU cost model of the two eager backends, in microseconds (docs/dispatch.md: its fit); D = D_in + D_out:
+#   stacked_mask = fixed + per slot + per M weights read (S*R*D) + per M MACs (T*S*R*D: every token, every slot)
 #   sort_group   = fixed (argsort, bincount, host read) + per used slot segment (two small mm)
 #                  + per M MACs (T*k*R*D) + per M activations moved (T*k*D) + top-k > 1 (sum of choices)
-# On those 252 points the pick costs on average 1.7% more than the faster backend (the previous fit, made
-# before the slot-major B, cost 18% more on the same points). sort_group / stacked_mask time at r=16
-# (d 576 x 1536): S=4: T=1 1.72, T=64 1.79, T=256 1.07, T=1024 2.12; S=16: T=256 0.59, T=1024 0.96.
-# stacked_mask wins wherever S*R is small; sort_group once S*R reaches ~128 at T >= 256 (its row gathers
-# and many skinny GEMMs are memory-bound on this CPU).
-# Costs are per call; a RoutingPlan shared by a step's linears removes most of either backend's fixed
-# cost (checks and the backend pick are remembered per tensor signature, sorting is done once).
-# Measured on CPU only: on CUDA sort_group's host read syncs and breaks graph capture, so a GPU engine
-# should ask for stacked_mask (or gather) explicitly until this rule is measured there.
 STACKED_US = (94.05, 1.99, 98.04, 11.05)             # fixed, per slot, per M weights, per M MACs
 SORTED_US = (151.22, 30.43, 14.76, 780.53, 104.82)   # fixed, per used slot, per M MACs, per M moved, top-k > 1
 
@@ -87,19 +66,31 @@ def estimate_us(backend: str, T: int, S: int, k: int, R: int, D: int) -> float:
     return sum(c * f for c, f in zip(coef, cost_features(backend, T, S, k, R, D)))
 
 
-def choose_backend(
-    num_tokens: int, num_slots_used: int, top_k: int, *, rank: int = 16, d_in: int = 1024, d_out: int = 1024
-) -> str:
-    """The "auto" rule: "stacked_mask" or "sort_group", whichever the CPU cost model says is faster.
+def pick_backend(device: str, dtype: torch.dtype, T: int, S: int, k: int, r: int, d: int, *,
+                 fused_available: bool, bf16_dot: bool) -> str:
+    """What "auto" runs: "fused", "stacked_mask" or "sort_group". A pure function (no tensors, no kernel build,
+    no cache): the same arguments always give the same backend. docs/dispatch.md draws it as a table.
 
-    num_slots_used: the slots the stacked form must touch. `LoRADispatcher` passes A.shape[0] (all S
-    slots of the bank), which needs no device sync; a caller that compacts the bank to the slots a
-    step uses may pass that count. rank, d_in, d_out: A.shape[1], A.shape[2], B.shape[1].
-    Never picks "gather" (compiled gather measured slower than the faster of the two at every T on
-    CPU: T=8 0.23 ms vs 0.11, T=4096 12-21 ms vs 10-14, d=1024, S=4, r=16) nor "reference".
+    device: a torch device type ("cpu", "cuda"); T tokens; S the slots the stacked form must touch
+    (`LoRADispatcher` passes A.shape[0], all slots of the bank, which needs no device sync); k choices per
+    token; r rank; d = D_in + D_out (the width the cost model charges per rank).
+    fused_available: the fused kernel is built here and takes this call's tensors as they are laid out (rows
+    of x with unit stride, B slot-major, autograd off: the rest of `fused_cpu.supports`).
+    bf16_dot: the kernel multiplies bfloat16 on the CPU's bf16 dot product (`fused_cpu.bf16_dot()`).
+
+        fused          fused_available, device "cpu", k = 1, and float32 at any T, or bfloat16 with
+                       T < FUSED_BF16_TOKENS_PER_SLOT * S (FUSED_BF16_SOFT_TOKENS_PER_SLOT * S without bf16_dot)
+        stacked_mask   otherwise, where the CPU cost model (`estimate_us`) says it costs no more than sort_group
+        sort_group     otherwise
+    Never "gather" nor "reference" (docs/dispatch.md: why). Measured on CPU only: on CUDA sort_group's host
+    read syncs and breaks graph capture, so a GPU engine should ask for stacked_mask (or gather) explicitly
+    until this rule is measured there.
     """
-    args = (num_tokens, num_slots_used, top_k, rank, d_in + d_out)
-    if estimate_us("stacked_mask", *args) <= estimate_us("sort_group", *args):
+    per_slot = FUSED_BF16_TOKENS_PER_SLOT if bf16_dot else FUSED_BF16_SOFT_TOKENS_PER_SLOT
+    if (fused_available and device == "cpu" and dtype in fused_cpu.DTYPES and k == 1
+            and (dtype != torch.bfloat16 or T < per_slot * S)):
+        return "fused"
+    if estimate_us("stacked_mask", T, S, k, r, d) <= estimate_us("sort_group", T, S, k, r, d):
         return "stacked_mask"
     return "sort_group"
 
@@ -125,7 +116,7 @@ class RoutingPlan:
         self.num_slots = num_slots
         self._groups: SlotGroups | None = None
         self._slot_weights: dict[torch.dtype, Tensor] = {}
-        self._checked: dict[tuple, str] = {}                     # tensor shapes/dtypes -> resolved backend
+        self.resolved: dict[tuple, str] = {}  # tensor signature -> backend, validated and "auto" resolved (_resolve)
 
     @property
     def num_tokens(self) -> int:
@@ -155,32 +146,40 @@ def _plan(slot_ids: Tensor, weights: Tensor | None, num_slots: int, check_ids: b
     return RoutingPlan(slot_ids, weights, num_slots)
 
 
+def _validate(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor,
+              out: Tensor | None) -> None:
+    """Check the tensors against the plan and each other, `out`, and that an explicit "fused" can run them.
+    Shapes, dtypes, layout and the autograd mode only: no data read, no kernel build."""
+    validate_tensors(x, A, B, scale, plan.num_tokens, plan.num_slots)
+    if out is not None and (out.shape != (x.shape[0], B.shape[1]) or out.dtype != x.dtype):
+        _fail("out", f"a {x.dtype} tensor [T={x.shape[0]}, D_out={B.shape[1]}]", f"{out.dtype} {tuple(out.shape)}")
+    if backend == "fused" and plan.num_tokens and not fused_cpu.supports(x, B, plan.top_k):
+        raise LoRAInputError("backend 'fused' runs on CPU float32 or bfloat16 tensors with top-1 routing, B stored "
+                             "slot-major (B.transpose(1, 2) contiguous) and autograd off; got "
+                             f"{x.device.type} {x.dtype}, top-{plan.top_k}, grad "
+                             f"{'on' if torch.is_grad_enabled() else 'off'}. Use backend='auto'.")
+
+
+def _pick(plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor) -> str:
+    """`pick_backend` for these tensors: x [T, D_in], A [S, R, D_in], B [S, D_out, R]. Loads the fused kernel
+    (`fused_cpu.available`: built once per machine) only where the tensors suit it."""
+    S, R, D_in = A.shape
+    fused = fused_cpu.supports(x, B, plan.top_k) and fused_cpu.available()
+    return pick_backend(x.device.type, x.dtype, plan.num_tokens, S, plan.top_k, R, D_in + B.shape[1],
+                        fused_available=fused, bf16_dot=fused and fused_cpu.bf16_dot())
+
+
 def _resolve(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor,
              out: Tensor | None) -> str:
-    """Check the tensors against the plan and resolve "auto". Both depend only on shapes and dtypes, so
-    a plan remembers the answer per signature: a step's 7 * L target linears have about 4 distinct ones."""
+    """Validate the tensors and resolve "auto". Both depend only on shapes, dtypes, layout and the autograd
+    mode, so the plan remembers the answer per signature: a step's 7 * L target linears have about 4."""
     key = (x.shape, x.dtype, x.device, x.stride(), A.shape, A.dtype, B.shape, B.dtype, B.stride(), scale.shape,
            scale.dtype, None if out is None else (out.shape, out.dtype), torch.is_grad_enabled())
-    resolved = plan._checked.get(key)
+    resolved = plan.resolved.get(key)
     if resolved is None:
-        validate_tensors(x, A, B, scale, plan.num_tokens, plan.num_slots)
-        if out is not None and (out.shape != (x.shape[0], B.shape[1]) or out.dtype != x.dtype):
-            _fail("out", f"a {x.dtype} tensor [T={x.shape[0]}, D_out={B.shape[1]}]", f"{out.dtype} {tuple(out.shape)}")
-        resolved = backend
-        if backend == "fused" and plan.num_tokens and not fused_cpu.supports(x, B, plan.top_k):
-            raise LoRAInputError("backend 'fused' runs on CPU float32 or bfloat16 tensors with top-1 routing, B stored "
-                                 "slot-major (B.transpose(1, 2) contiguous) and autograd off; got "
-                                 f"{x.device.type} {x.dtype}, top-{plan.top_k}, grad "
-                                 f"{'on' if torch.is_grad_enabled() else 'off'}. Use backend='auto'.")
-        if backend == "auto":
-            S, R, D_in = A.shape
-            per_slot = FUSED_BF16_TOKENS_PER_SLOT if fused_cpu.bf16_dot() else FUSED_BF16_SOFT_TOKENS_PER_SLOT
-            small = x.dtype != torch.bfloat16 or plan.num_tokens < per_slot * S
-            if small and fused_cpu.supports(x, B, plan.top_k) and fused_cpu.available():
-                resolved = "fused"
-            else:
-                resolved = choose_backend(plan.num_tokens, S, plan.top_k, rank=R, d_in=D_in, d_out=B.shape[1])
-        plan._checked[key] = resolved
+        _validate(backend, plan, x, A, B, scale, out)
+        resolved = _pick(plan, x, A, B) if backend == "auto" else backend
+        plan.resolved[key] = resolved
     return resolved
 
 
@@ -213,7 +212,7 @@ def lora_delta(
 
     x [T, D_in], A [S, R, D_in], B [S, D_out, R], scale [S], slot_ids [T] or [T, k] (-1: none),
     weights None (all 1) or [T, k]  ->  out [T, D_out], a new tensor in x's dtype.
-    backend: one of BACKENDS or "auto" (`choose_backend` per call). Bad shapes, dtypes or slot ids
+    backend: one of BACKENDS or "auto" (`pick_backend` per call). Bad shapes, dtypes or slot ids
     raise LoRAInputError (a ValueError). In a model, build one `LoRADispatcher` and one `RoutingPlan`
     per step instead, so the routing is checked and sorted once for all target linears.
     """
@@ -223,7 +222,7 @@ def lora_delta(
 
 class LoRADispatcher:
     """One backend, chosen once at construction and logged; "auto" resolves per call from (T, S, k, R, D)
-    with `choose_backend` (no device sync). "gather" compiles lazily at its first call, not here.
+    with `pick_backend` (no device sync). "gather" compiles lazily at its first call, not here.
 
         dispatch = LoRADispatcher("auto")
         plan = dispatch.plan(slot_ids, weights, num_slots=S)       # once per step
@@ -241,7 +240,7 @@ class LoRADispatcher:
         if backend == "auto":
             log.info("LoRA dispatch backend: auto (fused where it can run: CPU, fp32 or bf16, top-1, no autograd; "
                      "else stacked_mask or sort_group by a CPU cost model of T, S, k, R, D fitted to "
-                     "molora.bench.ops timings)")
+                     "molora.bench.ops timings; docs/dispatch.md)")
         else:
             log.info("LoRA dispatch backend: %s (requested explicitly)", backend)
 
@@ -269,4 +268,4 @@ class LoRADispatcher:
         return f"LoRADispatcher(backend={self.backend!r}, check_ids={self.check_ids})"
 
 
-__all__ = ["BACKENDS", "LoRADispatcher", "RoutingPlan", "choose_backend", "lora_delta"]
+__all__ = ["BACKENDS", "LoRADispatcher", "RoutingPlan", "lora_delta", "pick_backend"]
