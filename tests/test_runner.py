@@ -65,7 +65,7 @@ def test_one_step_prefill_of_ragged_batch_equals_transformers(mm, adapters):
     pager = _Pager(4)
     meta = BatchMeta(lens, lens, [pager.table(i, n) for i, n in enumerate(lens)])
     routing = StepRouting(torch.cat([_slots(mm, r) for r in routes])) if adapters else None
-    logits = runner(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), meta, routing, logits=True)
+    logits = runner(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), meta, routing, logits=True).logits
     for i, s in enumerate(seqs):
         assert (logits[i] - _reference(mm, s, routes[i])).abs().max() <= TOL
 
@@ -84,9 +84,9 @@ def test_fresh_prompts_of_one_length_share_a_batched_causal_call(mm, lens, sizes
     pager = _Pager(4)
     meta = BatchMeta(lens, lens, [pager.table(i, n) for i, n in enumerate(lens)])
     plan = runner.plan(torch.cat([torch.arange(n) for n in lens]), meta)
-    assert [P for _, P in plan.groups] == sizes   # a prompt alone is a call of one
+    assert [p.count for p in plan.prefill if p.mask is None] == sizes   # a prompt alone is a call of one
     logits = runner(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), meta,
-                    StepRouting(torch.cat([_slots(mm, r) for r in routes])), logits=True)
+                    StepRouting(torch.cat([_slots(mm, r) for r in routes])), logits=True).logits
     for i, s in enumerate(seqs):
         assert (logits[i] - _reference(mm, s, routes[i])).abs().max() <= TOL
 
@@ -111,7 +111,7 @@ def test_chunked_prefill_and_decode_over_paged_cache_equal_transformers(mm):
         meta = BatchMeta([na, nb], [done_a + na, done_b + nb],
                          [pager.table(0, done_a + na), pager.table(1, done_b + nb)])
         slots = torch.cat([_slots(mm, ra[pa]), _slots(mm, rb[pb])])
-        logits = runner(torch.cat([ta, tb]), torch.cat([pa, pb]), meta, StepRouting(slots), logits=True)
+        logits = runner(torch.cat([ta, tb]), torch.cat([pa, pb]), meta, StepRouting(slots), logits=True).logits
         done_a, done_b = done_a + na, done_b + nb
         assert (logits[0] - _reference(mm, a[:done_a], ra[:done_a])).abs().max() <= TOL, step
         assert (logits[1] - _reference(mm, b[:done_b], rb[:done_b])).abs().max() <= TOL, step
@@ -123,7 +123,7 @@ def test_top2_weighted_routing_equals_molora_forward(mm):
     route = torch.stack([torch.zeros(7, dtype=torch.long), torch.ones(7, dtype=torch.long)], -1)  # [T, 2]
     w = torch.softmax(torch.randn(7, 2, generator=torch.Generator().manual_seed(0)), -1)
     slots, ww = mm.slot_routing(molora.Routing(route[None], w[None]), torch.Size([1, 7]))
-    ours = runner(ids, torch.arange(7), BatchMeta([7], [7], [[0]]), StepRouting(slots, ww), logits=True)[0]
+    ours = runner(ids, torch.arange(7), BatchMeta([7], [7], [[0]]), StepRouting(slots, ww), logits=True).logits[0]
     with torch.no_grad():
         ref = mm(ids[None], adapter_ids=route[None], adapter_weights=w[None]).logits[0, -1]
     assert (ours - ref).abs().max() <= TOL
@@ -180,12 +180,13 @@ def test_in_network_router_decides_per_block_like_hooked_transformers(mm):
     fixed[6:] = mm.bank.slot_of("b")  # y's rows: pinned unless a group claims them
     routing = StepRouting(fixed, router=router, router_slots=slots,
                           groups=[RouterGroup(torch.arange(6), None), RouterGroup(torch.arange(6, 11), only_a)])
-    logits = runner(torch.cat([x, y]), torch.cat([torch.arange(6), torch.arange(5)]),
-                    BatchMeta([6, 5], [6, 5], [[0, 1], [2, 3]]), routing, logits=True)
+    out = runner(torch.cat([x, y]), torch.cat([torch.arange(6), torch.arange(5)]),
+                 BatchMeta([6, 5], [6, 5], [[0, 1], [2, 3]]), routing, logits=True)
+    logits = out.logits
     assert [b for b, _ in router.seen] == [0, 0, 1, 1]
     assert (logits[0] - _hooked_reference(mm, x, BlockRouter(), None)).abs().max() <= TOL
     assert (logits[1] - _hooked_reference(mm, y, BlockRouter(), only_a)).abs().max() <= TOL
-    assert set(runner.last_slot_ids[1].tolist()) <= {-1, mm.bank.slot_of("a")}
+    assert set(out.last_slot_ids[1].tolist()) <= {-1, mm.bank.slot_of("a")}
 
 
 @pytest.mark.parametrize("kind", ["mistral_window", "qwen2_bias"])
@@ -203,9 +204,9 @@ def test_mistral_sliding_window_and_qwen2_bias_equal_transformers(kind):
     runner = ModelRunner(mm, num_blocks=16, block_size=4, max_model_len=64)
     a, b = _seq(9, 1), _seq(4, 2)
     logits = runner(torch.cat([a, b]), torch.cat([torch.arange(9), torch.arange(4)]),
-                    BatchMeta([9, 4], [9, 4], [[0, 1, 2], [3]]), logits=True)
+                    BatchMeta([9, 4], [9, 4], [[0, 1, 2], [3]]), logits=True).logits
     nxt = logits.argmax(-1)
-    step = runner(nxt, torch.tensor([9, 4]), BatchMeta([1, 1], [10, 5], [[0, 1, 2], [3, 4]]), logits=True)
+    step = runner(nxt, torch.tensor([9, 4]), BatchMeta([1, 1], [10, 5], [[0, 1, 2], [3, 4]]), logits=True).logits
     with torch.no_grad():
         for i, s in enumerate((a, b)):
             assert (logits[i] - model(input_ids=s[None]).logits[0, -1]).abs().max() <= TOL
@@ -224,8 +225,8 @@ def test_sliding_window_in_a_batched_causal_call_equals_transformers():
     seqs = [_seq(150, 1), _seq(150, 2)]
     pager = _Pager(4)
     meta = BatchMeta([150, 150], [150, 150], [pager.table(i, 150) for i in range(2)])
-    assert [P for _, P in runner.plan(torch.arange(150).repeat(2), meta).groups] == [2]
-    logits = runner(torch.cat(seqs), torch.arange(150).repeat(2), meta, logits=True)
+    assert [p.count for p in runner.plan(torch.arange(150).repeat(2), meta).prefill] == [2]
+    logits = runner(torch.cat(seqs), torch.arange(150).repeat(2), meta, logits=True).logits
     with torch.no_grad():
         for i, s in enumerate(seqs):
             assert (logits[i] - model(input_ids=s[None]).logits[0, -1]).abs().max() <= TOL
@@ -236,7 +237,7 @@ def test_bf16_runner_stays_close_to_bf16_transformers(mm):
     runner = ModelRunner(mm, num_blocks=8, block_size=4, max_model_len=64)
     ids, route = _seq(10, 8), _route(10, 8)
     ours = runner(ids, torch.arange(10), BatchMeta([10], [10], [[0, 1, 2]]), StepRouting(_slots(mm, route)),
-                  logits=True)[0].float()
+                  logits=True).logits[0].float()
     ref = _reference(mm, ids, route).float()
     assert ours.dtype == torch.float32 and (ours - ref).abs().max() <= 0.05 * ref.abs().max()
 
@@ -261,7 +262,7 @@ def test_smollm2_runner_equals_transformers(tmp_path):
     g = torch.Generator().manual_seed(0)
     a, b = torch.randint(0, 49152, (21,), generator=g), torch.randint(0, 49152, (6,), generator=g)
     meta = BatchMeta([21, 6], [21, 6], [[0, 1], [2]])
-    logits = runner(torch.cat([a, b]), torch.cat([torch.arange(21), torch.arange(6)]), meta, logits=True)
+    logits = runner(torch.cat([a, b]), torch.cat([torch.arange(21), torch.arange(6)]), meta, logits=True).logits
     with torch.no_grad():
         for i, s in enumerate((a, b)):
             ref = mm.model(input_ids=s[None]).logits[0, -1]
@@ -269,6 +270,6 @@ def test_smollm2_runner_equals_transformers(tmp_path):
             assert (logits[i] - ref).abs().max() <= 2 * TOL
         nxt = logits.argmax(-1)
         meta = BatchMeta([1, 1], [22, 7], [[0, 1], [2]])
-        step = runner(nxt, torch.tensor([21, 6]), meta, logits=True)
+        step = runner(nxt, torch.tensor([21, 6]), meta, logits=True).logits
         ref = mm.model(input_ids=torch.cat([a, nxt[:1]])[None]).logits[0, -1]
         assert (step[0] - ref).abs().max() <= 2 * TOL

@@ -381,17 +381,16 @@ class Engine:
         each request's results on its own (an error there ends that request only)."""
         tokens, positions, meta = self._inputs(scheduled)
         routing = plan_routing(scheduled, self.hotset, self.runner.device)
-        hidden = self.runner(tokens, positions, meta, routing)                    # [B, D]
-        if not bool(torch.isfinite(hidden).all()):
+        rows = [i for i, s in enumerate(scheduled) if s.samples]
+        out = self.runner(tokens, positions, meta, routing, logits=rows)          # StepOutput, logits [b, V]
+        if not bool(torch.isfinite(out.hidden).all()):
             corrupt = self.mm.bank.nonfinite()
             if corrupt:
                 raise _CorruptSlots(corrupt)
-        runner = self.runner
-        last_slots, last_carry, carry_rows = runner.last_slot_ids, runner.last_carry, runner.carry_rows
-        rows = [i for i, s in enumerate(scheduled) if s.samples]
+        last_slots, last_carry, carry_rows = out.last_slot_ids, out.last_carry, out.carry_rows
         logits = chosen = finite = None
         if rows:
-            logits = runner.logits(hidden[rows])                                   # [b, V]
+            logits = out.logits
             finite = torch.isfinite(logits).all(-1).tolist()
             chosen = self._sample([scheduled[i].request for i in rows], logits, finite)
         self.tokens_computed += len(tokens)

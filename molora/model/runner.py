@@ -1,8 +1,12 @@
 """`ModelRunner`: a lean Llama-family forward over a flattened ragged batch and a paged KV cache.
 
     runner = ModelRunner(mm, num_blocks=256, block_size=16)
-    hidden = runner.forward(tokens, positions, meta, routing)     # [B, D]: last token of each sequence
-    logits = runner.logits(hidden)                                # [B, V]
+    out = runner.forward(tokens, positions, meta, routing, logits=rows)   # a StepOutput
+    out.hidden      # [B, D] last token of each sequence (normed); out.logits [len(rows), V]
+    out.last_slot_ids, out.last_carry, out.carry_rows               # what routing decided (None if nothing)
+
+The runner is a function of its inputs: everything a forward produces comes back in its `StepOutput`, and
+nothing of one forward is read by the next (only the KV cache carries state, by design).
 
 Legend: T tokens in the step (all sequences, concatenated, no padding), B sequences in the step,
 D hidden, H query heads, Hkv key/value heads, G = H / Hkv, hd head dim, L blocks, K router adapters,
@@ -19,6 +23,10 @@ Qwen2 (q/k/v bias lives in the linears) and Qwen3 (q_norm / k_norm on the head d
 Routing is explicit per step (`StepRouting`): fixed slot ids [T, k] written into `mm.context` once, and
 optionally an in-network router whose `decide(block, hidden, allowed)` is called before each block for
 the rows it owns. The runner knows slots and router indices, not adapter names, requests or sampling.
+
+Attention has two paths, planned once per step (`ModelRunner.plan` -> `_AttnPlan`): paged decode (every
+sequence with one new token, `Decode`) and ragged prefill (`Prefill` entries: P prompts of one length in one
+causal call, fresh prompts merged under a block-diagonal mask, or a chunk attending to its cached context).
 """
 
 from __future__ import annotations
@@ -106,16 +114,50 @@ class PagedKVCache:
 
 
 @dataclass
+class Decode:
+    """The decode tokens of a step (query length 1) and where their contexts lie in the paged cache."""
+
+    rows: Tensor                              # [Bd] rows in T
+    blocks: Tensor                            # [Bd * nb] cache blocks of their contexts (nb: longest, padded)
+    mask: Tensor                              # [Bd, 1, 1, nb * bs] bool, True = attend
+
+
+@dataclass
+class Prefill:
+    """One attention call over prompt tokens: `count` sequences of equal length whose rows in T are `rows`
+    (sequence after sequence). Keys come from this step's own tokens (`blocks` None) or from the cache blocks
+    of one sequence's whole context (a chunk continuing a prompt); `mask` [n, ctx] (True = attend) or None
+    for plain causal attention."""
+
+    rows: slice | Tensor
+    count: int = 1
+    blocks: Tensor | None = None
+    mask: Tensor | None = None
+
+
+@dataclass
 class _AttnPlan:
     """Index tensors of one step, shared by all layers (built once per step by `ModelRunner.plan`)."""
 
     write_rows: Tensor                        # [T] cache row of each new token
     last_rows: Tensor                         # [B] row in T of each sequence's last token
-    dec_tok: Tensor | None                    # [Bd] rows in T of the decode tokens (query_len 1)
-    dec_blocks: Tensor | None                 # [Bd * nb] cache blocks of their contexts (nb: longest, padded)
-    dec_mask: Tensor | None                   # [Bd, 1, 1, nb * bs] bool, True = attend
-    chunks: list[tuple[slice | Tensor, Tensor | None, Tensor | None]]  # (rows in T, cache blocks, mask [n, ctx])
-    groups: list[tuple[slice | Tensor, int]]  # (rows in T, P): P >= 1 fresh prompts of one length, one causal call
+    decode: Decode | None
+    prefill: list[Prefill]
+
+
+@dataclass
+class StepOutput:
+    """Everything one forward produced. hidden [B, D]: the normed hidden state of each sequence's last token;
+    logits [b, V] of the rows asked for (None if none); last_slot_ids / last_weights [B, k]: the routing of
+    each sequence's last token (what produced its logits); last_carry [B] and carry_rows [T]: decisions at a
+    carrying router's carry_source block (-2: not routed), None without such a router."""
+
+    hidden: Tensor
+    logits: Tensor | None = None
+    last_slot_ids: Tensor | None = None
+    last_weights: Tensor | None = None
+    last_carry: Tensor | None = None
+    carry_rows: Tensor | None = None
 
 
 class ModelRunner:
@@ -145,10 +187,6 @@ class ModelRunner:
         self.cache = PagedKVCache(len(self.blocks), num_blocks, block_size, self.num_kv_heads, self.head_dim,
                                   self.dtype, self.device)
         self.cos, self.sin = _rope_tables(inner.rotary_emb, max_model_len, self.dtype, self.device)  # [P, hd]
-        self.last_slot_ids: Tensor | None = None  # [B, k] routing of each sequence's last token, last forward
-        self.last_weights: Tensor | None = None
-        self.last_carry: Tensor | None = None     # [B] each sequence's last decision at the router's carry_source
-        self.carry_rows: Tensor | None = None     # [T] every row's decision there (-2: not routed), last forward
 
     @property
     def block_size(self) -> int:
@@ -157,8 +195,9 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, tokens: Tensor, positions: Tensor, meta: BatchMeta, routing: StepRouting | None = None,
-                *, logits: bool = False) -> Tensor:
-        """tokens [T], positions [T] -> hidden [B, D] (or logits [B, V]) of the last token of each sequence.
+                *, logits: bool | list[int] = False) -> StepOutput:
+        """tokens [T], positions [T] -> the `StepOutput` of the last token of each sequence; logits: True for
+        every sequence's, a list of sequence indices for those only, False for none.
 
         Writes the K/V of every token into the cache rows its sequence's block table names.
         """
@@ -181,21 +220,25 @@ class ModelRunner:
                     ctx.set(slot_ids, weights)  # rows changed in place: drop the step's cached plan
                 h = block(h, positions, plan, self.cache, self.cos, self.sin)
             h = self.norm(h[plan.last_rows])                                 # [B, D]
-            self.last_slot_ids = None if slot_ids is None else slot_ids[plan.last_rows]  # [B, k]
-            self.last_weights = None if weights is None else weights[plan.last_rows]
-            self.last_carry = None if carry_out is None else carry_out[plan.last_rows]  # [B], -2: not routed
-            self.carry_rows = carry_out
-            return self.logits(h) if logits else h
         finally:
             ctx.clear()
+        out = StepOutput(h, None, None if slot_ids is None else slot_ids[plan.last_rows],     # [B, k]
+                         None if weights is None else weights[plan.last_rows],
+                         None if carry_out is None else carry_out[plan.last_rows], carry_out)  # [B], [T]
+        if logits is not False:
+            rows = slice(None) if logits is True else logits
+            pick = (lambda t: None if t is None else t[rows])
+            out.logits = self.logits(h[rows], pick(out.last_slot_ids), pick(out.last_weights))
+        return out
 
     __call__ = forward
 
     @torch.no_grad()
-    def logits(self, hidden: Tensor) -> Tensor:
-        """hidden [B, D] (already normed) -> logits [B, V]. An adapted lm_head uses the last tokens' routing."""
-        if hasattr(self.lm_head, "lora") and self.last_slot_ids is not None:
-            self.context.set(self.last_slot_ids, self.last_weights)
+    def logits(self, hidden: Tensor, slot_ids: Tensor | None = None, weights: Tensor | None = None) -> Tensor:
+        """hidden [b, D] (already normed) -> logits [b, V]. An adapted lm_head routes row i by slot_ids [b, k]
+        (and weights), the routing of that row's token (StepOutput.last_slot_ids); None: the base lm_head."""
+        if hasattr(self.lm_head, "lora") and slot_ids is not None:
+            self.context.set(slot_ids, weights)
             try:
                 return self.lm_head(hidden)
             finally:
@@ -264,45 +307,42 @@ class ModelRunner:
         write_rows = table[seq_of, positions // bs] * bs + positions % bs    # [T]
         ends = torch.tensor(q_lens, device=dev).cumsum(0)
         dec = [b for b in range(B) if q_lens[b] == 1]
-        dec_tok = dec_blocks = dec_mask = None
+        decode = None
         if dec:
             d = torch.tensor(dec, device=dev)
             nb = -(-max(ctx_lens[b] for b in dec) // bs)                        # blocks of the longest context
-            dec_blocks = table[d][:, :nb].reshape(-1)                          # [Bd * nb] (short tables: padded)
             col = torch.arange(nb * bs, device=dev)                            # [C], C = nb * bs
             clen = torch.tensor([ctx_lens[b] for b in dec], device=dev)[:, None]
-            dec_mask = (col[None, :] < clen)[:, None, None, :]                 # [Bd, 1, 1, C]
-            dec_tok = ends[d] - 1
+            decode = Decode(ends[d] - 1, table[d][:, :nb].reshape(-1),         # [Bd * nb] (short tables: padded)
+                            (col[None, :] < clen)[:, None, None, :])           # [Bd, 1, 1, C]
         starts = [0]
         for n in q_lens[:-1]:
             starts.append(starts[-1] + n)
-        chunks: list[tuple[slice | Tensor, Tensor | None, Tensor | None]] = []
+        prefill: list[Prefill] = []
         fresh = [b for b in range(B) if q_lens[b] > 1 and ctx_lens[b] == q_lens[b]]  # whole context in this step
         if len(fresh) > 1 and sum(q_lens[b] for b in fresh) <= MERGE_PREFILL_TOKENS:
             # one attention call for all fresh prompts: block-diagonal causal mask over their tokens
             rows = torch.cat([torch.arange(starts[b], starts[b] + q_lens[b], device=dev) for b in fresh])  # [Tf]
             seg, pos = seq_of[rows], positions[rows]
-            mask = (seg[None, :] == seg[:, None]) & (pos[None, :] <= pos[:, None])  # [Tf, Tf]
-            chunks.append((rows, None, mask))
+            prefill.append(Prefill(rows, mask=(seg[None, :] == seg[:, None]) & (pos[None, :] <= pos[:, None])))
             fresh = []
         by_len: dict[int, list[int]] = {}  # fresh prompts by length: each length is one batched causal call
         for b in fresh:
             by_len.setdefault(q_lens[b], []).append(b)
-        groups: list[tuple[slice | Tensor, int]] = []
         for n, seqs in by_len.items():
             if all(starts[b2] == starts[b1] + n for b1, b2 in zip(seqs, seqs[1:])):   # adjacent in T (or alone)
-                groups.append((slice(starts[seqs[0]], starts[seqs[-1]] + n), len(seqs)))
+                prefill.append(Prefill(slice(starts[seqs[0]], starts[seqs[-1]] + n), len(seqs)))
             else:
-                groups.append((torch.cat([torch.arange(starts[b], starts[b] + n, device=dev) for b in seqs]),
-                               len(seqs)))
+                prefill.append(Prefill(torch.cat([torch.arange(starts[b], starts[b] + n, device=dev) for b in seqs]),
+                                       len(seqs)))
         for b in range(B):
             n, c = q_lens[b], ctx_lens[b]
             if n == 1 or c == n:
                 continue
             # earlier tokens are in the cache: gather the whole context, causal with offset
             mask = torch.arange(c, device=dev)[None, :] <= (c - n + torch.arange(n, device=dev))[:, None]
-            chunks.append((slice(starts[b], starts[b] + n), table[b, :-(-c // bs)], mask))  # blocks, mask [n, c]
-        return _AttnPlan(write_rows, ends - 1, dec_tok, dec_blocks, dec_mask, chunks, groups)
+            prefill.append(Prefill(slice(starts[b], starts[b] + n), 1, table[b, :-(-c // bs)], mask))  # [n, c]
+        return _AttnPlan(write_rows, ends - 1, decode, prefill)
 
 
 class _Block:
@@ -343,37 +383,35 @@ class _Block:
         kc.index_copy_(0, plan.write_rows, k)
         vc.index_copy_(0, plan.write_rows, v)
         out = x.new_empty(T, H, hd)
-        if plan.dec_tok is not None:
-            out[plan.dec_tok] = self._decode(q[plan.dec_tok], cache.blocks(kc), cache.blocks(vc), plan,
-                                             positions[plan.dec_tok])
-        for rows, P in plan.groups:  # P fresh prompts of one length n: [P, H, n, hd], plain causal attention
-            qq, kk, vv = (t[rows].view(P, -1, t.shape[1], hd).transpose(1, 2) for t in (q, k, v))
-            mask = None
-            if self.window is not None:
-                kpos = torch.arange(qq.shape[2], device=x.device)
-                mask = (kpos[None, :] > kpos[:, None] - self.window) & (kpos[None, :] <= kpos[:, None])
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=mask is None,
-                                               scale=self.scaling, enable_gqa=True)   # [P, H, n, hd]
-            out[rows] = o.transpose(1, 2).reshape(-1, H, hd)
-        for rows, blocks, mask in plan.chunks:
-            if blocks is None:  # the merged fresh prompts (block-diagonal mask): all keys are in this step
-                kk, vv, kpos = k[rows], v[rows], positions[rows]
-            else:  # gather whole blocks (contiguous copies), then cut to the context length
-                c = mask.shape[1]
-                kk = cache.blocks(kc).index_select(0, blocks).view(-1, Hkv, hd)[:c]   # [ctx, Hkv, hd]
-                vv = cache.blocks(vc).index_select(0, blocks).view(-1, Hkv, hd)[:c]
-                kpos = torch.arange(c, device=x.device)
-            if self.window is not None:
-                qpos = positions[rows]
-                win = (kpos[None, :] > qpos[:, None] - self.window) & (kpos[None, :] <= qpos[:, None])
-                mask = win if mask is None else mask & win
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
-                attn_mask=mask, is_causal=mask is None, scale=self.scaling, enable_gqa=True)  # [1, H, n, hd]
-            out[rows] = o[0].transpose(0, 1)
+        if plan.decode is not None:
+            rows = plan.decode.rows
+            out[rows] = self._decode(q[rows], cache.blocks(kc), cache.blocks(vc), plan.decode, positions[rows])
+        for p in plan.prefill:
+            out[p.rows] = self._prefill(q, k, v, p, positions, kc, vc, cache)
         return out.view(T, H * hd)
 
-    def _decode(self, q: Tensor, kb: Tensor, vb: Tensor, plan: _AttnPlan, qpos: Tensor) -> Tensor:
+    def _prefill(self, q: Tensor, k: Tensor, v: Tensor, p: Prefill, positions: Tensor, kc: Tensor, vc: Tensor,
+                 cache: PagedKVCache) -> Tensor:
+        """One `Prefill` entry: q [T, H, hd] rows p.rows against their keys -> [rows, H, hd]."""
+        P, Hkv, hd = p.count, self.num_kv_heads, self.head_dim
+        qpos = positions[p.rows].view(P, -1)[0]                              # [n] (equal for the P prompts)
+        if p.blocks is None:  # keys are this step's tokens (fresh prompts)
+            kk, vv, kpos = k[p.rows], v[p.rows], qpos
+        else:  # gather whole blocks (contiguous copies), then cut to the context length
+            c = p.mask.shape[1]
+            kk = cache.blocks(kc).index_select(0, p.blocks).view(-1, Hkv, hd)[:c]   # [ctx, Hkv, hd]
+            vv = cache.blocks(vc).index_select(0, p.blocks).view(-1, Hkv, hd)[:c]
+            kpos = torch.arange(c, device=q.device)
+        mask = p.mask
+        if self.window is not None:
+            win = (kpos[None, :] > qpos[:, None] - self.window) & (kpos[None, :] <= qpos[:, None])
+            mask = win if mask is None else mask & win
+        qq, kk, vv = (t.view(P, -1, t.shape[-2], hd).transpose(1, 2) for t in (q[p.rows], kk, vv))  # [P, h, n, hd]
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=mask is None, scale=self.scaling,
+                                           enable_gqa=True)                  # [P, H, n, hd]
+        return o.transpose(1, 2).reshape(-1, q.shape[1], hd)
+
+    def _decode(self, q: Tensor, kb: Tensor, vb: Tensor, d: Decode, qpos: Tensor) -> Tensor:
         """q [Bd, H, hd] of single-token sequences against their contexts -> [Bd, H, hd].
 
         kb, vb [NB, bs, Hkv, hd]: the layer's cache by block. Whole blocks are gathered (contiguous copies,
@@ -381,9 +419,9 @@ class _Block:
         """
         Bd, H, hd = q.shape
         Hkv = self.num_kv_heads
-        kk = kb.index_select(0, plan.dec_blocks).view(Bd, -1, Hkv, hd).transpose(1, 2)   # [Bd, Hkv, C, hd]
-        vv = vb.index_select(0, plan.dec_blocks).view(Bd, -1, Hkv, hd).transpose(1, 2)
-        mask = plan.dec_mask                                                 # [Bd, 1, 1, C]
+        kk = kb.index_select(0, d.blocks).view(Bd, -1, Hkv, hd).transpose(1, 2)   # [Bd, Hkv, C, hd]
+        vv = vb.index_select(0, d.blocks).view(Bd, -1, Hkv, hd).transpose(1, 2)
+        mask = d.mask                                                        # [Bd, 1, 1, C]
         if self.window is not None:
             col = torch.arange(kk.shape[2], device=q.device)
             mask = mask & (col[None, :] > qpos[:, None] - self.window)[:, None, None, :]
