@@ -28,16 +28,16 @@ from torch import Tensor
 from molora.engine.hotset import HotSet
 from molora.engine.scheduler import Scheduled
 from molora.model.runner import RouterGroup, StepRouting
+from molora.routing.base import to_slots
 
 MODES = ("none", "pinned", "tokens", "learned")
 
 
 def slot_lookup(hotset: HotSet, allowed: frozenset[str] | None = None) -> Tensor:
-    """[K + 1]: registered adapter index -> bank slot (-1 when not resident or not allowed); entry K
-    (index -1) -> -1."""
+    """[K]: registered adapter index -> bank slot (-1 when not resident or not allowed); see `to_slots`."""
     bank = hotset.mm.bank
-    slots = [bank.slot_of(n) if n in bank and (allowed is None or n in allowed) else -1 for n in hotset.names]
-    return torch.tensor(slots + [-1], dtype=torch.long)
+    return torch.tensor([bank.slot_of(n) if n in bank and (allowed is None or n in allowed) else -1
+                         for n in hotset.names], dtype=torch.long)
 
 
 def _token_routing(s: Scheduled, hotset: HotSet) -> tuple[Tensor, Tensor | None]:
@@ -46,7 +46,7 @@ def _token_routing(s: Scheduled, hotset: HotSet) -> tuple[Tensor, Tensor | None]
     ids = torch.tensor([req.tokens[s.start:s.start + s.n]], dtype=torch.long)          # [1, n]
     routing = req.router.route(ids, hotset.names, start=s.start)
     idx = routing.adapter_ids.reshape(s.n, -1).long()                                   # [n, k] indices
-    slots = slot_lookup(hotset, req.allowed)[idx]                                       # [n, k] slots
+    slots = to_slots(slot_lookup(hotset, req.allowed), idx)                             # [n, k] slots
     w = None if routing.weights is None else routing.weights.reshape(s.n, -1).float()
     return slots, w
 

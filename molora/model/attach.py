@@ -31,6 +31,7 @@ from molora.errors import AdapterError, MoLoRAError, RoutingError
 from molora.model.lora_linear import RoutedLoRALinear, RoutingContext, linear_shapes, swap_modules
 from molora.ops import LoRADispatcher, fused_cpu
 from molora.routing import Router, Routing, SequenceRouter
+from molora.routing.base import to_slots
 from molora.sampling import sample_next
 
 log = logging.getLogger("molora.model")
@@ -132,8 +133,7 @@ class MoLoRAModel(nn.Module):
             if weights.shape[:2] != shape or weights.reshape(ids.shape[0], -1).shape != ids.shape:
                 raise RoutingError(f"adapter_weights {tuple(weights.shape)} must match adapter_ids")
             weights = weights.reshape(ids.shape).to(self.device)
-        lookup = torch.cat([self._index_to_slot, self._index_to_slot.new_full((1,), -1)])  # index -1 -> -1
-        return lookup[ids], weights
+        return to_slots(self._index_to_slot, ids), weights
 
     @contextmanager
     def routed(self, input_ids: torch.Tensor, adapter_ids: AdapterSpec = None,

@@ -21,7 +21,7 @@ from torch import nn
 
 from molora.adapters.bank import LoRASlots
 from molora.ops import LoRADispatcher
-from molora.routing.base import in_network_decide
+from molora.routing.base import decide_slots
 
 
 class RoutingContext:
@@ -63,14 +63,14 @@ class RoutingContext:
         """Let the in-network router decide for `block` from its input hidden [T, D] (no-op without one)."""
         if self.router is None:
             return
-        decision = in_network_decide(self.router, block, hidden, self.allowed, self.carry_in, self.fixed_in)
+        decision = decide_slots(self.router, block, hidden, self.slot_map, self.allowed, self.carry_in,
+                                self.fixed_in)
         if decision is None:
             return  # keep the previous block's decision
-        ids, weights = decision  # [T, k] in router order, -1 = none
+        slots, weights, ids = decision  # [T, k]; ids in router order, -1 = none
         if getattr(self.router, "carry_blocks", 0) > 0 and block == self.router.carry_source:
             self.carry_out = ids[:, 0]
-        lookup = torch.cat([self.slot_map, self.slot_map.new_full((1,), -1)])
-        self.slot_ids, self.weights, self._plan = lookup[ids], weights, None
+        self.slot_ids, self.weights, self._plan = slots, weights, None
         if self.trace is not None and self.router.gate_index(block) is not None:
             self.trace.append((block, ids))  # only blocks whose own gate decided
 

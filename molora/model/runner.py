@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from molora.errors import MoLoRAError
-from molora.routing.base import in_network_decide
+from molora.routing.base import decide_slots
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MERGE_PREFILL_TOKENS = 256  # fresh prompts up to this many tokens in all share one masked attention call
@@ -268,18 +268,16 @@ class ModelRunner:
                 carry_out: Tensor | None = None) -> None:
         """Let the router choose, from the block's input h [T, D], the slots of its rows (in place);
         carry_out [T] (a router with carry_blocks) receives the decisions at its carry_source block."""
-        lookup = torch.cat([routing.router_slots, routing.router_slots.new_full((1,), -1)])  # index -1 -> -1
         for g in routing.groups:
             hidden = h if g.rows is None else h[g.rows]                      # [n, D]
             carry = routing.carry if routing.carry is None or g.rows is None else routing.carry[g.rows]
             fixed = routing.fixed if routing.fixed is None or g.rows is None else routing.fixed[g.rows]
-            out = in_network_decide(routing.router, block, hidden, g.allowed, carry, fixed)
+            out = decide_slots(routing.router, block, hidden, routing.router_slots, g.allowed, carry, fixed)
             if out is None:
                 continue                                                     # keep the previous decision
-            ids, w = out                                                     # [n, k'] router order
+            slots, w, ids = out                                              # [n, k'] slots (-1 = base), router order
             if carry_out is not None and block == routing.router.carry_source:
                 carry_out[slice(None) if g.rows is None else g.rows] = ids[:, 0]
-            slots = lookup[ids.long()]                                       # [n, k'] slots, -1 = base
             k2 = slots.shape[1]
             if k2 > slot_ids.shape[1]:
                 raise MoLoRAError(f"the router returned top-{k2} choices but declares top_k={slot_ids.shape[1]} "

@@ -56,6 +56,25 @@ def in_network_decide(router, block: int, hidden: torch.Tensor, allowed: torch.T
     return torch.where(known[:, None], fixed.long()[:, None], out[0]), None
 
 
+def to_slots(index_to_slot: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Adapter indices (-1: none) -> bank slots (-1: the base model) through index_to_slot [K] (-1 where an
+    adapter has no slot). The one index -> slot lookup of every routing path."""
+    return torch.cat([index_to_slot, index_to_slot.new_full((1,), -1)])[ids.long()]
+
+
+def decide_slots(router, block: int, hidden: torch.Tensor, index_to_slot: torch.Tensor,
+                 allowed: torch.Tensor | None = None, carry: torch.Tensor | None = None,
+                 fixed: torch.Tensor | None = None):
+    """One block's in-network decision as bank slots: (slots [n, k], weights [n, k] | None, router indices
+    [n, k]), or None when the block keeps the previous decision. Used by the transformers path
+    (`RoutingContext.route_block`) and the engine's runner (`ModelRunner._decide`) alike."""
+    out = in_network_decide(router, block, hidden, allowed, carry, fixed)
+    if out is None:
+        return None
+    ids, weights = out
+    return to_slots(index_to_slot, ids), weights, ids
+
+
 def adapter_index(names: Sequence[str], name: str | None) -> int:
     """Index of `name` in `names` (-1 for None), with a clear error when it is not loaded."""
     if name is None:
