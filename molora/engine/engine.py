@@ -411,8 +411,8 @@ class Engine:
             try:
                 if routing is not None and routing.carry is not None and last_carry is not None:
                     record_carry([s], last_carry[i:i + 1])
-                if s.probe:
-                    record_probe([s], carry_rows[off:off + s.n])
+                if s.probe:  # a probe chunk; its prompt is computed again from 0 once the probe ends
+                    req.num_computed = 0 if record_probe([s], carry_rows[off:off + s.n])[0] else s.start + s.n
                 else:
                     req.num_computed += s.n
                 if j is not None:

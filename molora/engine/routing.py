@@ -124,24 +124,28 @@ def _probed(s: Scheduled) -> tuple[int, list[int]]:
     return s.start, req.prompt_routes[s.start:min(s.start + s.n, len(req.prompt_ids))]
 
 
-def record_probe(scheduled: list[Scheduled], carry_rows: Tensor | None) -> None:
+def record_probe(scheduled: list[Scheduled], carry_rows: Tensor | None) -> list[bool]:
     """Keep the decisions (carry_rows [T] at the router's carry_source block) of each probe chunk's prompt
-    tokens in `Request.prompt_routes`, and send a request whose probe just ended back to position 0 for the
-    real pass. Call before the step's `num_computed` update (which skips probe chunks)."""
+    tokens in `Request.prompt_routes`; when a request's probe is complete, turn them into the prompt's
+    decisions (and a prompt the router keeps on the base model into mode "none"). Returns, per scheduled
+    chunk, whether its request's probe just ended: the engine then computes that prompt again from position 0
+    with these decisions. Changes routing state only; the KV bookkeeping is the engine's."""
+    ended = []
     offset = 0
     for s in scheduled:
+        done = False
         if s.probe:
             req = s.request
             req.prompt_routes[s.start:s.start + s.n] = carry_rows[offset:offset + s.n].tolist()
-            if req.probing:
-                req.num_computed = s.start + s.n
-            else:  # the probe is complete: the real pass starts over with the prompt's decisions
+            if not req.probing:  # the probe is complete: the real pass takes the prompt's decisions
                 routes = req.router.prompt_routes(torch.tensor([req.prompt_routes]))
                 req.prompt_routes = routes[0].tolist()
                 if bool(req.router.base_only(routes)[0]):  # the router keeps this request on the base model
                     req.mode = "none"                        # (molora.routing.learned: Base expert)
-                req.num_computed = 0
+                done = True
+        ended.append(done)
         offset += s.n
+    return ended
 
 
 def record_carry(scheduled: list[Scheduled], last_carry: Tensor | None) -> None:
