@@ -177,7 +177,7 @@ class ModelRunner:
         self.embed = inner.embed_tokens
         self.norm = inner.norm
         self.lm_head = mm.model.lm_head
-        # The blocks' own submodules, resolved once (a GatedBlock wrapper forwards attribute reads).
+        # The blocks' own submodules, resolved once.
         self.blocks = [_Block(layer, i, cfg) for i, layer in enumerate(inner.layers)]
         b0 = self.blocks[0]
         self.num_heads, self.num_kv_heads, self.head_dim = b0.num_heads, b0.num_kv_heads, b0.head_dim

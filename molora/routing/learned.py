@@ -326,28 +326,6 @@ class LearnedRouter(Router, nn.Module):
 
 # --------------------------------------------------------------------------------------------- gating
 
-class GatedBlockMixin:
-    """Mixed into a decoder block's own class: the in-network router decides from the block's input
-    before the block runs. Swapping the class (not wrapping the module) keeps every module path and
-    state_dict key unchanged, so adapters keep loading by their PEFT keys."""
-
-    molora_index: int
-    molora_context: Any
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        self.molora_context.route_block(self.molora_index, hidden_states.reshape(-1, hidden_states.shape[-1]))
-        return super().forward(hidden_states, *args, **kwargs)
-
-
-_GATED_CLASSES: dict[type, type] = {}
-
-
-def _gated_class(cls: type) -> type:
-    if cls not in _GATED_CLASSES:
-        _GATED_CLASSES[cls] = type(f"Gated{cls.__name__}", (GatedBlockMixin, cls), {})
-    return _GATED_CLASSES[cls]
-
-
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder blocks of a transformers causal LM (model.model.layers for the Llama family)."""
     inner = getattr(model, "model", None)
@@ -358,11 +336,21 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def install_gates(mm: Any) -> list[int]:
-    """Make each decoder block of mm.model a gated block (once); return the indices changed."""
+    """Let the in-network router decide before each decoder block of mm.model runs (once per model): a
+    forward pre-hook on every block calls `mm.context.route_block(index, block input)`. A standard PyTorch
+    hook, visible in `block._forward_pre_hooks`; the model's classes, module paths and state_dict keys are
+    unchanged, so adapters keep loading by their PEFT keys. Returns the indices hooked now."""
+    hooked = mm.__dict__.setdefault("_molora_gate_hooks", {})
     done = []
     for i, layer in enumerate(decoder_layers(mm.model)):
-        if not isinstance(layer, GatedBlockMixin):
-            layer.__class__ = _gated_class(type(layer))
-            layer.molora_index, layer.molora_context = i, mm.context
+        if i not in hooked:
+            hooked[i] = layer.register_forward_pre_hook(_gate_hook(i, mm.context), with_kwargs=True)
             done.append(i)
     return done
+
+
+def _gate_hook(index: int, context: Any) -> Any:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        context.route_block(index, hidden.reshape(-1, hidden.shape[-1]))
+    return hook
