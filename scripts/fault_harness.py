@@ -3,15 +3,16 @@
     python scripts/fault_harness.py [--requests 2000] [--concurrency 64] [--out docs/fault_harness.json]
     python scripts/fault_harness.py --render-only        # docs/reliability.md from the record
 
-Starts `molora serve` on the embedded default bundle in a child process (with one injected fault: a step
-whose batch holds a prompt with the poison token id raises, as a kernel bug on one request would), then
+Starts `molora serve` on the embedded default bundle in a child process (with injected faults: a step
+whose batch holds a prompt starting with the poison marker raises, as a kernel bug on one request would; one
+step hangs for the liveness check at the end), then
 sends `--requests` requests from `--concurrency` closed-loop clients, each of one kind (seeded draw):
 
     ok          a chat or completion request, streamed or not, per-token routing or a pinned adapter
     disconnect  a stream the client drops after its first events
     deadline    a request with a short `molora.timeout` (it may also finish in time)
     invalid     a malformed body: bad JSON, unknown field, out-of-range value, unknown model, wrong type
-    poison      a completion whose prompt holds the poison token id: its step raises
+    poison      a completion whose prompt starts with the poison marker: its step raises
     extra       a request pinned to an adapter an admin loads and unloads (drain or force) during traffic
 
 Each request ends as completed, failed by design (the failure its kind exists to cause: 4xx for invalid,
@@ -38,8 +39,9 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-POISON = 4242                    # a token id; a step holding it raises (injected in the server child)
-HANG = 4243                      # a token id; a step holding it sleeps HANG_S first (a hung kernel)
+# Fault markers: a prompt that starts with three of these token ids (text never tokenizes to that at position
+# 0, where chat prompts hold the template's tokens) makes its step raise (POISON) or sleep HANG_S (HANG).
+POISON, HANG = 49150, 49151
 HANG_S, STALL_S = 12.0, 4.0      # the injected hang; the server's --stall-timeout
 ADMIN = "harness-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}  # an admin key is also an API key
@@ -59,9 +61,9 @@ def serve_child(port: int) -> None:
     run = engine._run
 
     def faulty(scheduled):
-        if any(POISON in s.request.prompt_ids for s in scheduled):
-            raise RuntimeError("injected step fault (poison token)")
-        if not hung and any(HANG in s.request.prompt_ids for s in scheduled):
+        if any(s.request.prompt_ids[:3] == [POISON] * 3 for s in scheduled):
+            raise RuntimeError("injected step fault (poison prompt)")
+        if not hung and any(s.request.prompt_ids[:3] == [HANG] * 3 for s in scheduled):
             hung.append(True)  # once
             time.sleep(HANG_S)
         return run(scheduled)
@@ -128,7 +130,7 @@ def body(job: dict) -> tuple[str, Any]:
     """(path, JSON body or raw bytes) of a job."""
     opts = {"timeout": job["timeout"]} if "timeout" in job else None
     if job["kind"] == "poison":
-        return "/v1/completions", {"model": job["model"].split(":")[0], "prompt": [17, POISON, 23, 5],
+        return "/v1/completions", {"model": job["model"].split(":")[0], "prompt": [POISON] * 3 + [17, 23, 5],
                                    "max_tokens": job["max_tokens"], "stream": job["stream"]}
     if job["chat"]:
         b = {"model": job["model"], "messages": [{"role": "user", "content": job["prompt"]}],
@@ -277,7 +279,7 @@ async def hang_probe(base: str, model: str) -> dict:
     async with httpx.AsyncClient(base_url=base, timeout=CLIENT_TIMEOUT_S, headers=AUTH) as client:
         t0 = time.perf_counter()
         req = asyncio.create_task(client.post("/v1/completions", json={"model": model,
-                                                                       "prompt": [17, HANG, 5], "max_tokens": 2}))
+                                                                       "prompt": [HANG] * 3 + [17, 5], "max_tokens": 2}))
         seen = back = None
         while (not req.done() or (seen is not None and back is None)) and time.perf_counter() - t0 < 120:
             status = (await client.get("/health")).status_code
@@ -406,9 +408,9 @@ def render(record: dict) -> str:
         f"- Liveness: /health polled every 0.5 s during traffic answered {record['health_probes_during_traffic']['count']}"
         f" times, {record['health_probes_during_traffic']['not_200']} not 200 (no false stall at --stall-timeout "
         f"{record['hung_step']['stall_timeout_s']:g} s). Then one step hung {record['hung_step']['hang_s']:g} s "
-        f"(injected): /health answered 503 after {record['hung_step']['reported_after_s']:.2f} s (goal: within 2x "
+        f"(injected): /health answered 503 after {_s(record['hung_step']['reported_after_s'])} (goal: within 2x "
         f"the stall timeout, {2 * record['hung_step']['stall_timeout_s']:g} s) and 200 again "
-        f"{record['hung_step']['healthy_again_after_s']:.2f} s after the request was sent; the request itself "
+        f"{_s(record['hung_step']['healthy_again_after_s'])} after the request was sent; the request itself "
         f"answered {record['hung_step']['request_status']}.",
         "",
         "Kinds: `ok` plain requests (chat or completion, streamed or not, routed or pinned); `disconnect` streams",
@@ -417,6 +419,10 @@ def render(record: dict) -> str:
         "`extra` requests pinned to an adapter that an admin loads and unloads (drain or force) during traffic.",
         "",
     ])
+
+
+def _s(seconds: float | None) -> str:
+    return "never" if seconds is None else f"{seconds:.2f} s"
 
 
 BEGIN, END = "<!-- reliability:begin (scripts/fault_harness.py) -->", "<!-- reliability:end -->"
