@@ -383,7 +383,7 @@ class Engine:
         routing = plan_routing(scheduled, self.hotset, self.runner.device)
         rows = [i for i, s in enumerate(scheduled) if s.samples]
         out = self.runner(tokens, positions, meta, routing, logits=rows)          # StepOutput, logits [b, V]
-        if not bool(torch.isfinite(out.hidden).all()):
+        if not bool(torch.isfinite(out.hidden.sum())):       # one reduction: NaN and inf survive a sum
             corrupt = self.mm.bank.nonfinite()
             if corrupt:
                 raise _CorruptSlots(corrupt)
@@ -391,7 +391,7 @@ class Engine:
         logits = chosen = finite = None
         if rows:
             logits = out.logits
-            finite = torch.isfinite(logits).all(-1).tolist()
+            finite = torch.isfinite(logits.sum(-1)).tolist()     # [b]; a row's NaN or inf survives its sum
             chosen = self._sample([scheduled[i].request for i in rows], logits, finite)
         self.tokens_computed += len(tokens)
         # ---- commit, request by request
