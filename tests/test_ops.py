@@ -528,3 +528,28 @@ def test_backend_for_names_what_apply_runs() -> None:
     assert LoRADispatcher("stacked_mask").backend_for(plan, x, A, B, scale) == "stacked_mask"
     with pytest.raises(LoRAInputError):  # checked as apply checks: x's width must match A
         auto.backend_for(plan, torch.randn(6, 5), A, B, scale)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("H,Hkv,hd,window", [(9, 3, 64, None), (4, 2, 16, None), (4, 2, 16, 5), (8, 8, 24, None)])
+def test_paged_decode_reads_the_cache_in_place_like_gathered_attention(dtype, tol, H, Hkv, hd, window):
+    """The kernel's attention over blocks read where they lie equals softmax attention over the gathered
+    context (grouped heads, a sliding window keeping the last `window` keys, a context of one token, one
+    long enough for the 16-lane exp)."""
+    fused_cpu = _fused_or_skip()
+    g = torch.Generator().manual_seed(0)
+    bs, blocks = 8, 40
+    kc, vc = (torch.randn(blocks * bs, Hkv, hd, generator=g).to(dtype) for _ in range(2))
+    ctx, tables = torch.tensor([7, 1, 29]), torch.tensor([[5, 2, 9, 0], [11, 0, 0, 0], [1, 3, 4, 7]])
+    q = torch.randn(3, H, hd, generator=g).to(dtype)
+    with torch.no_grad():
+        out = fused_cpu.paged_decode(q, kc, vc, tables, ctx, bs, hd ** -0.5, window)
+    for b in range(3):
+        rows = torch.cat([torch.arange(t * bs, (t + 1) * bs) for t in tables[b].tolist()])[:int(ctx[b])]
+        rows = rows[0 if window is None else max(0, int(ctx[b]) - window):]
+        k, v = kc[rows].float(), vc[rows].float()                                   # [t, Hkv, hd]
+        qq = q[b].float().view(Hkv, H // Hkv, hd)
+        p = (torch.einsum("kgd,tkd->kgt", qq, k) * hd ** -0.5).softmax(-1)
+        want = torch.einsum("kgt,tkd->kgd", p, v).reshape(H, hd)
+        assert (out[b].float() - want).abs().max() <= tol
+    assert fused_cpu.paged_decode(q.to(torch.float16), kc.half(), vc.half(), tables, ctx, bs, 1.0, None) is None

@@ -17,7 +17,7 @@ Measured in one run, variants interleaved within each repetition, medians report
   decode step  Engine.step() with N sequences decoding under per-token routing vs. the same step with
                routing "none" (base only): the routing overhead ratio
   swap         promoting an adapter from the CPU tier into a slot vs. a plain copy of the same bytes
-  ceiling      one profiled engine run (torch.profiler): the time its GEMM and attention kernels take
+  ceiling      one profiled engine run (torch.profiler): the time its GEMM, attention and LoRA kernels take
                (`KERNEL_OPS`, self time). hf_routed_s / that time is the most any runner calling the same
                kernels could gain over hf_routed, even with zero cost outside them (scheduling, routing
                metadata, norms, sampling, KV writes). Profiling adds a little to each op, so the ceiling
@@ -64,7 +64,8 @@ KERNEL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", 
                         "aten::_scaled_dot_product_flash_attention_for_cpu",
                         "aten::_scaled_dot_product_attention_math",
                         "aten::_scaled_dot_product_efficient_attention",
-                        "aten::_scaled_dot_product_flash_attention"})
+                        "aten::_scaled_dot_product_flash_attention",
+                        "molora::lora_fused", "molora::paged_decode"})  # the C++ kernels (molora.ops.fused_cpu)
 
 
 def kernel_seconds(fn: Callable[[], Any]) -> tuple[float, float]:

@@ -25,7 +25,8 @@ optionally an in-network router whose `decide(block, hidden, allowed)` is called
 the rows it owns. The runner knows slots and router indices, not adapter names, requests or sampling.
 
 Attention has two paths, planned once per step (`ModelRunner.plan` -> `_AttnPlan`): paged decode (every
-sequence with one new token, `Decode`) and ragged prefill (`Prefill` entries: P prompts of one length in one
+sequence with one new token, `Decode`; on CPU the fused kernel `fused_cpu.paged_decode` reads each context
+where it lies in the cache, elsewhere its blocks are gathered for SDPA) and ragged prefill (`Prefill` entries: P prompts of one length in one
 causal call, fresh prompts merged under a block-diagonal mask, or a chunk attending to its cached context).
 """
 
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from molora.errors import MoLoRAError
+from molora.ops import fused_cpu
 from molora.routing.base import decide_slots
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -120,6 +122,8 @@ class Decode:
     rows: Tensor                              # [Bd] rows in T
     blocks: Tensor                            # [Bd * nb] cache blocks of their contexts (nb: longest, padded)
     mask: Tensor                              # [Bd, 1, 1, nb * bs] bool, True = attend
+    table: Tensor                             # [Bd, nb] the same blocks per sequence (the in-place kernel)
+    ctx: Tensor                               # [Bd] context lengths
 
 
 @dataclass
@@ -311,8 +315,9 @@ class ModelRunner:
             nb = -(-max(ctx_lens[b] for b in dec) // bs)                        # blocks of the longest context
             col = torch.arange(nb * bs, device=dev)                            # [C], C = nb * bs
             clen = torch.tensor([ctx_lens[b] for b in dec], device=dev)[:, None]
-            decode = Decode(ends[d] - 1, table[d][:, :nb].reshape(-1),         # [Bd * nb] (short tables: padded)
-                            (col[None, :] < clen)[:, None, None, :])           # [Bd, 1, 1, C]
+            dec_table = table[d][:, :nb].contiguous()                          # [Bd, nb] (short tables: padded)
+            decode = Decode(ends[d] - 1, dec_table.reshape(-1), (col[None, :] < clen)[:, None, None, :],
+                            dec_table, clen.reshape(-1).contiguous())          # mask [Bd, 1, 1, C]
         starts = [0]
         for n in q_lens[:-1]:
             starts.append(starts[-1] + n)
@@ -382,8 +387,10 @@ class _Block:
         vc.index_copy_(0, plan.write_rows, v)
         out = x.new_empty(T, H, hd)
         if plan.decode is not None:
-            rows = plan.decode.rows
-            out[rows] = self._decode(q[rows], cache.blocks(kc), cache.blocks(vc), plan.decode, positions[rows])
+            d = plan.decode
+            o = fused_cpu.paged_decode(q[d.rows], kc, vc, d.table, d.ctx, cache.block_size, self.scaling, self.window)
+            out[d.rows] = o if o is not None else self._decode(q[d.rows], cache.blocks(kc), cache.blocks(vc), d,
+                                                               positions[d.rows])
         for p in plan.prefill:
             out[p.rows] = self._prefill(q, k, v, p, positions, kc, vc, cache)
         return out.view(T, H * hd)

@@ -25,6 +25,9 @@ per thread rather than once per block, and rounds outputs with the CPU's convers
 and 0.69x the time of widening everything in software at T = 1024 (d_in x d_out 576 x 1536, 1536 x 576,
 1000 x 200; S = 4, r = 16, 2 threads).
 
+The same build holds `paged_decode`: attention of one new token per sequence over its context read in place
+from the paged KV cache (`ModelRunner` uses it for decode tokens; see `paged_decode` below).
+
 Limits (callers fall back to the eager backends): CPU, float32 or bfloat16, top-1 routing (k = 1), no autograd, B
 stored slot-major (B.transpose(1, 2) contiguous, as `LoRASlots` keeps it), x and out with unit column
 stride. `available()` says whether the extension built; MOLORA_FUSED=0 turns it off.
@@ -38,7 +41,9 @@ import os
 import platform
 import sys
 import threading
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -77,8 +82,8 @@ def _load():
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
             # loaded, serves this library too); without it the kernel silently runs on one thread.
-            _module = load_inline(name=f"molora_fused_lora_v8_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
-                                  functions=["lora_fused_", "bf16_dot"], verbose=False,
+            _module = load_inline(name=f"molora_fused_lora_v9_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
+                                  functions=["lora_fused_", "bf16_dot", "paged_decode"], verbose=False,
                                   extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"])
         except Exception as e:  # no compiler, no ninja, unsupported platform: the eager backends remain
@@ -138,6 +143,30 @@ def fused_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, o
     w = g.weight
     if w is not None and (w.dtype != torch.float32 or not w.is_contiguous()):
         w = w.float().contiguous()
-    mod.lora_fused_(out, x, A.contiguous(), B.transpose(1, 2), g.tok, scale, _NO_WEIGHTS if w is None else w,
-                    g.counts)
+    with _profiled("molora::lora_fused"):
+        mod.lora_fused_(out, x, A.contiguous(), B.transpose(1, 2), g.tok, scale, _NO_WEIGHTS if w is None else w,
+                        g.counts)
     return out
+
+
+def paged_decode(q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, ctx: Tensor, block_size: int, scale: float,
+                 window: int | None) -> Tensor | None:
+    """Decode attention over the paged cache without gathering it: q [Bd, H, hd] (one token per sequence),
+    kc / vc [N, Hkv, hd] (rows = block * block_size + offset), tables [Bd, nb] block ids, ctx [Bd] context
+    lengths (the new token's key already written) -> [Bd, H, hd]; a sliding `window` keeps the last `window`
+    keys. None when the kernel cannot run these (not built, not CPU, another dtype, autograd on): the caller
+    gathers and uses SDPA. Scores and sums in float32, one task per (sequence, kv head)."""
+    if (q.device.type != "cpu" or q.dtype not in DTYPES or kc.dtype != q.dtype or torch.is_grad_enabled()
+            or _load() is None):
+        return None
+    out = torch.empty_like(q)
+    with _profiled("molora::paged_decode"):
+        _module.paged_decode(out, q.contiguous(), kc, vc, tables, ctx, int(block_size), float(scale),
+                             0 if window is None else int(window))
+    return out
+
+
+def _profiled(name: str) -> Any:
+    """A torch.profiler range named `name` while a profiler runs (the kernels are not aten ops, so a profile
+    would not see them otherwise), else nothing."""
+    return torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled else nullcontext()

@@ -1,12 +1,15 @@
 // The `fused` per-token LoRA CPU kernel. molora/ops/fused_cpu.py reads this file and builds it with
 // torch.utils.cpp_extension.load_inline (once per machine and CPU type; -O3 -march=native -ffp-contract=fast
-// -fopenmp), which adds the Python bindings of lora_fused_ and bf16_dot. What it computes, its limits and why:
+// -fopenmp), which adds the Python bindings of lora_fused_, bf16_dot and paged_decode. What they compute, limits, why:
 // fused_cpu.py's docstring.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <algorithm>
+#include <cmath>
+#include <vector>
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
@@ -261,5 +264,123 @@ void lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Ten
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora_fused_: float32 or bfloat16 tensors");
     auto u = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
     run<uint16_t>(u(out), u(x), u(A), u(Bt), ldx, ldo, S, R, Din, Dout, tp, sp, wp, counts);
+  }
+}
+
+// ------------------------------------------------------------------------------------ paged decode attention
+// One new token per sequence against its cached context, read where it lies in the paged cache: no gathered
+// copy of the context (the eager path copies every context block per layer per step before attending).
+// q [Bd, H, hd]; kc, vc [N, Hkv, hd] (row = block * bs + offset); tables [Bd, nb] block ids; ctx [Bd] context
+// lengths (the new token's key is already written); window > 0 keeps keys at positions >= ctx - window.
+// Query head h uses kv head h / G (G = H / Hkv). Scores, softmax and sums run in float32 (as SDPA's do).
+// One task per (sequence, kv head): its G query heads share each key and value row read.
+template <typename T>
+static inline float dot_row(const float* q, const T* k, int64_t hd) {
+  int64_t d = 0;
+  v16 acc = {};
+  for (; d + 16 <= hd; d += 16) acc += load16(q + d) * load16(k + d);
+  float s = hsum(acc);
+  for (; d < hd; ++d) s += q[d] * load1(k + d);
+  return s;
+}
+
+template <typename T>
+static inline void axpy_row(float* acc, float p, const T* v, int64_t hd) {
+  int64_t d = 0;
+  for (; d + 16 <= hd; d += 16) store16(acc + d, load16(acc + d) + p * load16(v + d));
+  for (; d < hd; ++d) acc[d] += p * load1(v + d);
+}
+
+// exp(x) for x <= 0 on 16 lanes: 2^n * e^z with n = trunc(x / ln 2) and z = x - n ln 2 in (-ln 2, 0], e^z by
+// its Taylor series to z^8 (relative error below 2e-7 there); x below -87 gives exp(-87) (~1.6e-38, then
+// negligible beside the row's maximum, which is 1). A scalar std::exp per score cost more than the reads.
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+static inline v16 exp16(v16 x) {
+  const v16 lo = v16{} - 87.0f;
+  x = x < lo ? lo : x;
+  const i32x16 n = __builtin_convertvector(x * 1.44269504088896341f, i32x16);     // toward zero: n >= x / ln 2
+  const v16 z = x - __builtin_convertvector(n, v16) * 0.69314718055994531f;
+  v16 p = 1.0f + z * (1.0f / 8);
+  p = 1.0f + z * (1.0f / 7) * p;
+  p = 1.0f + z * (1.0f / 6) * p;
+  p = 1.0f + z * (1.0f / 5) * p;
+  p = 1.0f + z * (1.0f / 4) * p;
+  p = 1.0f + z * (1.0f / 3) * p;
+  p = 1.0f + z * (1.0f / 2) * p;
+  p = 1.0f + z * p;
+  i32x16 bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += n << 23;                                                                 // times 2^n
+  std::memcpy(&p, &bits, sizeof(p));
+  return p;
+}
+
+// softmax numerators in place over s[0, n) (max subtracted) and their sum
+static inline float exp_sum(float* s, int64_t n, float m) {
+  int64_t i = 0;
+  v16 acc = {};
+  for (; i + 16 <= n; i += 16) {
+    const v16 e = exp16(load16(s + i) - m);
+    store16(s + i, e);
+    acc += e;
+  }
+  float sum = hsum(acc);
+  for (; i < n; ++i) { const float e = std::exp(s[i] - m); s[i] = e; sum += e; }
+  return sum;
+}
+
+template <typename T>
+static void paged_decode_run(const T* Q, const T* K, const T* V, T* O, const int64_t* tab, const int64_t* cl,
+                             int64_t Bd, int64_t H, int64_t Hkv, int64_t hd, int64_t nb, int64_t bs, float scale,
+                             int64_t window) {
+  const int64_t G = H / Hkv, row = Hkv * hd;
+  at::parallel_for(0, Bd * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, sc, acc;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv, c = cl[b];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window) : 0, n = c - lo;
+      qf.assign(G * hd, 0.f);
+      sc.assign(n * G, 0.f);
+      acc.assign(G * hd, 0.f);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] = load1(Q + (b * H + h * G + g) * hd + d) * scale;
+      const int64_t* t_b = tab + b * nb;
+      for (int64_t t = lo; t < c; ++t) {           // scores, head-major: sc[g * n + i]
+        const T* k = K + (t_b[t / bs] * bs + t % bs) * row + h * hd;
+        for (int64_t g = 0; g < G; ++g) sc[g * n + (t - lo)] = dot_row(qf.data() + g * hd, k, hd);
+      }
+      std::vector<float> inv(G);
+      for (int64_t g = 0; g < G; ++g) {
+        float m = -INFINITY;
+        for (int64_t i = 0; i < n; ++i) m = std::max(m, sc[g * n + i]);
+        inv[g] = 1.f / exp_sum(sc.data() + g * n, n, m);
+      }
+      for (int64_t t = lo; t < c; ++t) {
+        const T* v = V + (t_b[t / bs] * bs + t % bs) * row + h * hd;
+        for (int64_t g = 0; g < G; ++g) axpy_row(acc.data() + g * hd, sc[g * n + (t - lo)], v, hd);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        T* o = O + (b * H + h * G + g) * hd;
+        for (int64_t d = 0; d < hd; ++d) store1(o + d, acc[g * hd + d] * inv[g]);
+      }
+    }
+  });
+}
+
+void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
+                  torch::Tensor ctx, int64_t block_size, double scale, int64_t window) {
+  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && out.is_contiguous() &&
+              tables.is_contiguous() && ctx.is_contiguous(), "paged_decode: contiguous tensors");
+  const int64_t Bd = q.size(0), H = q.size(1), hd = q.size(2), Hkv = kc.size(1), nb = tables.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* cp = ctx.data_ptr<int64_t>();
+  if (q.scalar_type() == at::kFloat) {
+    paged_decode_run<float>(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), out.data_ptr<float>(),
+                            tp, cp, Bd, H, Hkv, hd, nb, block_size, (float)scale, window);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_decode: float32 or bfloat16 tensors");
+    auto u = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    paged_decode_run<uint16_t>(u(q), u(kc), u(vc), u(out), tp, cp, Bd, H, Hkv, hd, nb, block_size, (float)scale,
+                               window);
   }
 }
