@@ -196,7 +196,7 @@ def test_unload_drains_under_learned_routing_until_the_last_user_finishes(paths)
         engine.load_adapter("a", paths["a"])
     new = engine.add_request(new_p, GREEDY)
     req = engine.requests[new]
-    assert "a" not in req.needs and "a" not in req.allowed
+    assert "a" not in req.needs and "a" not in req.route.allowed
     outs: dict[str, list] = {}
     while engine.has_unfinished():
         for out in engine.step():

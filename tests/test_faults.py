@@ -72,7 +72,7 @@ def test_a_request_whose_routing_raises_fails_alone(adapters):
     free = engine.allocator.num_free
 
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
-    engine.requests[ids[2]].router = RaisingRouter(engine.requests[ids[2]].router)
+    engine.requests[ids[2]].route.router = RaisingRouter(engine.requests[ids[2]].route.router)
     got = run(engine, ids)
     tokens, reason, error = got[ids[2]]
     assert reason == "error" and "injected routing fault" in error and tokens == []

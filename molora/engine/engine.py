@@ -50,7 +50,7 @@ from molora.config import SamplingParams
 from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
 from molora.engine.request import IncrementalDetokenizer, Request, RequestOutput, TextState
-from molora.engine.routing import plan_routing, record_carry, record_probe
+from molora.engine.routing import RouteState, plan_routing, record_carry, record_probe
 from molora.engine.scheduler import Scheduled, Scheduler
 from molora.errors import AdapterDraining, AdapterError, MoLoRAError, RoutingError
 from molora.model.runner import BatchMeta, ModelRunner
@@ -161,9 +161,9 @@ class Engine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
         detok = IncrementalDetokenizer(self.tokenizer, prompt) if self.tokenizer is not None else None
-        req = Request(rid, prompt, params, mode, adapter if mode == "pinned" else None, allowed, needs,
-                      router=router, generator=gen, detok=detok, text=TextState(tuple(params.stop)),
-                      prompt_routes=[] if mode == "learned" and getattr(router, "probe_prompt", False) else None)
+        route = RouteState(mode, len(prompt), router, adapter if mode == "pinned" else None, allowed, needs,
+                           prompt_routes=[] if mode == "learned" and getattr(router, "probe_prompt", False) else None)
+        req = Request(rid, prompt, params, route, generator=gen, detok=detok, text=TextState(tuple(params.stop)))
         req.arrival = time.monotonic()
         req.timeout_s, req.queue_timeout_s = timeout_s, queue_timeout_s
         self.requests[rid] = req
@@ -172,7 +172,7 @@ class Engine:
 
     def _resolve_routing(self, routing: str, adapter: str | None, allowed_adapters: list[str] | None
                          ) -> tuple[str, Any, frozenset[str] | None, tuple[str, ...]]:
-        """(mode, router, allowed, adapters to pin) for a request; see molora.engine.routing. A draining adapter
+        """(mode, router, allowed, adapters to pin) of a request's RouteState (molora.engine.routing). A draining adapter
         (unload_adapter) is refused to a pinned request and left out of a router's allowed set and pins."""
         if routing not in ROUTING_CHOICES:
             raise RoutingError(f"routing={routing!r}; choose one of {ROUTING_CHOICES}")

@@ -114,11 +114,8 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    mode: str                          # "none" | "pinned" | "tokens" (a token-id router) | "learned"
-    adapter: str | None                # the pinned adapter (mode "pinned")
-    allowed: frozenset[str] | None     # names the router may choose (None: all)
-    needs: tuple[str, ...]             # adapters pinned while in flight
-    router: Any = None                 # the router of modes "tokens" and "learned"
+    route: Any                         # its RouteState (molora.engine.routing): mode, router, allowed adapters,
+                                       # pins and the decisions it carries; the engine's routing layer owns it
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None
     text: TextState = field(default_factory=lambda: TextState(()))
@@ -132,13 +129,6 @@ class Request:
     timeout_s: float | None = None     # deadlines (Engine.add_request)
     queue_timeout_s: float | None = None
     started: bool = False              # scheduled at least once (the queue timeout no longer applies)
-    # mode "learned" with a carrying router: the decision at its carry_source block of the tokens at positions
-    # len(prompt_ids) - 1, len(prompt_ids), ...: what each next generated token carries (molora.routing.learned)
-    route_finals: list[int] = field(default_factory=list)
-    # mode "learned" with a probing router (molora.routing.learned: Probe): each prompt token's decision at the
-    # carry_source block in the probe pass, filled chunk by chunk while `probing`; afterwards every block of
-    # that prompt token takes it (also when the sequence is recomputed after a preemption). None: no probe
-    prompt_routes: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -147,11 +137,17 @@ class Request:
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.prompt_ids)
 
+    # What the scheduler sees of the routing: which adapters to pin, and whether a chunk is a probe pass.
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """Adapters pinned while the request is in flight (RouteState.needs)."""
+        return self.route.needs
+
     @property
     def probing(self) -> bool:
         """True while the probe pass over the prompt is unfinished: its chunks sample nothing and, once it
         ends, the prompt is computed again (num_computed goes back to 0) with the probe's decisions."""
-        return self.prompt_routes is not None and len(self.prompt_routes) < len(self.prompt_ids)
+        return self.route.probing
 
     @property
     def remaining(self) -> int:

@@ -7,11 +7,15 @@
     "learned"  the in-network router decides per block from hidden states (`StepRouting.groups`); requests
                with the same allowed set share one `decide` call per block. A router with `carry_blocks`
                also gets, for each generated token, the decision its predecessor got at the router's
-               `carry_source` block (`Request.route_finals`, kept by `record_carry` after each step, so a
+               `carry_source` block (`RouteState.route_finals`, kept by `record_carry` after each step, so a
                recomputed sequence routes exactly as before). A router with `probe_prompt` first runs each
                prompt on its gates (probe chunks; `record_probe` keeps every prompt token's decision in
-               `Request.prompt_routes`), then every block of each prompt token takes that decision (`fixed`);
+               `RouteState.prompt_routes`), then every block of each prompt token takes that decision (`fixed`);
                a prompt the probe keeps wholly on the base model turns the request to "none" (Base expert)
+
+Each request's routing lives in one `RouteState` (`Request.route`), owned by this module: `plan_routing` reads
+it and `record_carry` / `record_probe` update it from what a step decided; the scheduler only reads its
+`needs` (adapters to pin) and `probing` (a chunk of the probe pass).
 
 `plan_routing` turns the scheduled chunks of one step into a `StepRouting` for the runner: slot ids [T, k]
 (-1 = base) and weights [T, k] or None, plus the learned router's row groups and its adapter -> slot map.
@@ -22,6 +26,9 @@ Knows requests' routing modes, adapter names and slots; nothing about KV blocks,
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -31,6 +38,33 @@ from molora.model.runner import RouterGroup, StepRouting
 from molora.routing.base import to_slots
 
 MODES = ("none", "pinned", "tokens", "learned")
+
+
+@dataclass(eq=False)
+class RouteState:
+    """How one request routes, in one place (`Request.route`): its mode, router, pinned adapter, allowed
+    adapters, the adapters it pins while in flight, and the decisions it carries between steps. This module
+    reads it to plan a step and updates it from what the step decided (`record_carry`, `record_probe`); the
+    scheduler sees only `needs` and `probing`."""
+
+    mode: str                          # one of MODES
+    prompt_len: int
+    router: Any = None                 # the router of modes "tokens" and "learned"
+    adapter: str | None = None         # the pinned adapter (mode "pinned")
+    allowed: frozenset[str] | None = None  # names the router may choose (None: all)
+    needs: tuple[str, ...] = ()        # adapters pinned while in flight
+    # mode "learned" with a carrying router: the decision at its carry_source block of the tokens at positions
+    # prompt_len - 1, prompt_len, ...: what each next generated token carries (molora.routing.learned)
+    route_finals: list[int] = field(default_factory=list)
+    # mode "learned" with a probing router (molora.routing.learned: Probe): each prompt token's decision at the
+    # carry_source block in the probe pass, filled chunk by chunk while `probing`; afterwards every block of
+    # that prompt token takes it (also when the sequence is recomputed after a preemption). None: no probe
+    prompt_routes: list[int] | None = None
+
+    @property
+    def probing(self) -> bool:
+        """The probe pass over the prompt is unfinished (its chunks sample nothing)."""
+        return self.prompt_routes is not None and len(self.prompt_routes) < self.prompt_len
 
 
 def slot_lookup(hotset: HotSet, allowed: frozenset[str] | None = None) -> Tensor:
@@ -44,9 +78,9 @@ def _token_routing(s: Scheduled, hotset: HotSet) -> tuple[Tensor, Tensor | None]
     """Slot ids [n, k] (and weights [n, k] or None) from the request's token-id router."""
     req = s.request
     ids = torch.tensor([req.tokens[s.start:s.start + s.n]], dtype=torch.long)          # [1, n]
-    routing = req.router.route(ids, hotset.names, start=s.start)
+    routing = req.route.router.route(ids, hotset.names, start=s.start)
     idx = routing.adapter_ids.reshape(s.n, -1).long()                                   # [n, k] indices
-    slots = to_slots(slot_lookup(hotset, req.allowed), idx)                             # [n, k] slots
+    slots = to_slots(slot_lookup(hotset, req.route.allowed), idx)                             # [n, k] slots
     w = None if routing.weights is None else routing.weights.reshape(s.n, -1).float()
     return slots, w
 
@@ -59,17 +93,17 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
     offset = 0
     bank = hotset.mm.bank
     for s in scheduled:
-        req = s.request
-        if req.mode == "pinned":
-            pieces.append((torch.full((s.n, 1), bank.slot_of(req.adapter), dtype=torch.long), None))
-        elif req.mode == "tokens":
+        route = s.request.route
+        if route.mode == "pinned":
+            pieces.append((torch.full((s.n, 1), bank.slot_of(route.adapter), dtype=torch.long), None))
+        elif route.mode == "tokens":
             pieces.append(_token_routing(s, hotset))
         else:
             pieces.append((torch.full((s.n, 1), -1, dtype=torch.long), None))
-            if req.mode == "learned":
-                assert router is None or router is req.router, "one in-network router per engine"
-                router = req.router
-                groups.setdefault(req.allowed, []).append(torch.arange(offset, offset + s.n))
+            if route.mode == "learned":
+                assert router is None or router is route.router, "one in-network router per engine"
+                router = route.router
+                groups.setdefault(route.allowed, []).append(torch.arange(offset, offset + s.n))
         offset += s.n
     T = offset
     k = max(p[0].shape[1] for p in pieces)
@@ -101,7 +135,7 @@ def _token_rows(scheduled: list[Scheduled], T: int, device: torch.device, known)
     rows = torch.full((T,), -2, dtype=torch.long)
     offset = 0
     for s in scheduled:
-        if s.request.mode == "learned":
+        if s.request.route.mode == "learned":
             lo, values = known(s)
             if values:
                 rows[offset + lo - s.start:offset + lo - s.start + len(values)] = torch.tensor(values)
@@ -110,23 +144,23 @@ def _token_rows(scheduled: list[Scheduled], T: int, device: torch.device, known)
 
 
 def _carried(s: Scheduled) -> tuple[int, list[int]]:
-    """The chunk's generated tokens whose predecessor's decision is known (`Request.route_finals`)."""
-    req, P = s.request, len(s.request.prompt_ids)
-    lo, hi = max(s.start, P), min(s.start + s.n, P + len(req.route_finals))
-    return lo, req.route_finals[lo - P:hi - P] if lo < hi else []
+    """The chunk's generated tokens whose predecessor's decision is known (`RouteState.route_finals`)."""
+    route, P = s.request.route, len(s.request.prompt_ids)
+    lo, hi = max(s.start, P), min(s.start + s.n, P + len(route.route_finals))
+    return lo, route.route_finals[lo - P:hi - P] if lo < hi else []
 
 
 def _probed(s: Scheduled) -> tuple[int, list[int]]:
-    """The chunk's prompt tokens, with their probe decisions, once the probe is done (`Request.prompt_routes`)."""
-    req = s.request
-    if s.probe or req.prompt_routes is None:
+    """The chunk's prompt tokens, with their probe decisions, once the probe is done (`RouteState.prompt_routes`)."""
+    route = s.request.route
+    if s.probe or route.prompt_routes is None:
         return s.start, []
-    return s.start, req.prompt_routes[s.start:min(s.start + s.n, len(req.prompt_ids))]
+    return s.start, route.prompt_routes[s.start:min(s.start + s.n, route.prompt_len)]
 
 
 def record_probe(scheduled: list[Scheduled], carry_rows: Tensor | None) -> list[bool]:
     """Keep the decisions (carry_rows [T] at the router's carry_source block) of each probe chunk's prompt
-    tokens in `Request.prompt_routes`; when a request's probe is complete, turn them into the prompt's
+    tokens in `RouteState.prompt_routes`; when a request's probe is complete, turn them into the prompt's
     decisions (and a prompt the router keeps on the base model into mode "none"). Returns, per scheduled
     chunk, whether its request's probe just ended: the engine then computes that prompt again from position 0
     with these decisions. Changes routing state only; the KV bookkeeping is the engine's."""
@@ -135,13 +169,13 @@ def record_probe(scheduled: list[Scheduled], carry_rows: Tensor | None) -> list[
     for s in scheduled:
         done = False
         if s.probe:
-            req = s.request
-            req.prompt_routes[s.start:s.start + s.n] = carry_rows[offset:offset + s.n].tolist()
-            if not req.probing:  # the probe is complete: the real pass takes the prompt's decisions
-                routes = req.router.prompt_routes(torch.tensor([req.prompt_routes]))
-                req.prompt_routes = routes[0].tolist()
-                if bool(req.router.base_only(routes)[0]):  # the router keeps this request on the base model
-                    req.mode = "none"                        # (molora.routing.learned: Base expert)
+            route = s.request.route
+            route.prompt_routes[s.start:s.start + s.n] = carry_rows[offset:offset + s.n].tolist()
+            if not route.probing:  # the probe is complete: the real pass takes the prompt's decisions
+                routes = route.router.prompt_routes(torch.tensor([route.prompt_routes]))
+                route.prompt_routes = routes[0].tolist()
+                if bool(route.router.base_only(routes)[0]):  # the router keeps this request on the base model
+                    route.mode = "none"                          # (molora.routing.learned: Base expert)
                 done = True
         ended.append(done)
         offset += s.n
@@ -155,16 +189,16 @@ def record_carry(scheduled: list[Scheduled], last_carry: Tensor | None) -> None:
         return
     values = last_carry.tolist()
     for s, v in zip(scheduled, values):
-        req = s.request
+        route = s.request.route
         if s.probe:
             continue
-        i = s.start + s.n - len(req.prompt_ids)  # index of the last token's successor among generated tokens
-        if req.mode != "learned" or i < 0 or v < -1:
+        i = s.start + s.n - route.prompt_len  # index of the last token's successor among generated tokens
+        if route.mode != "learned" or i < 0 or v < -1:
             continue
-        if i < len(req.route_finals):
-            req.route_finals[i] = v  # recomputed after a preemption: the same decision again
-        elif i == len(req.route_finals):
-            req.route_finals.append(v)
+        if i < len(route.route_finals):
+            route.route_finals[i] = v  # recomputed after a preemption: the same decision again
+        elif i == len(route.route_finals):
+            route.route_finals.append(v)
 
 
 def _first_choice(ids: Tensor) -> Tensor:
