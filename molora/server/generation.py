@@ -63,11 +63,11 @@ class Limits:
     def __post_init__(self) -> None:
         for name in ("request_timeout_s", "max_request_timeout_s", "keepalive_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+                raise MoLoRAError(f"{name}={getattr(self, name)} must be > 0")
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
-            raise ValueError(f"queue_timeout_s={self.queue_timeout_s} must be > 0 (or None: no limit)")
+            raise MoLoRAError(f"queue_timeout_s={self.queue_timeout_s} must be > 0 (or None: no limit)")
         if self.request_timeout_s > self.max_request_timeout_s:
-            raise ValueError(f"request_timeout_s={self.request_timeout_s} exceeds max_request_timeout_s="
+            raise MoLoRAError(f"request_timeout_s={self.request_timeout_s} exceeds max_request_timeout_s="
                              f"{self.max_request_timeout_s}")
 
     def timeout(self, asked: float | None) -> float:

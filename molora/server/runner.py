@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from molora.config import SamplingParams
+from molora.errors import MoLoRAError
 
 log = logging.getLogger("molora.server")
 T = TypeVar("T")
@@ -111,7 +112,7 @@ class EngineRunner:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight={max_in_flight} must be at least 1")
         if not stall_s > 0 or max_failures < 1 or backoff_s < 0:
-            raise ValueError(f"stall_s={stall_s} must be > 0, max_failures={max_failures} >= 1, "
+            raise MoLoRAError(f"stall_s={stall_s} must be > 0, max_failures={max_failures} >= 1, "
                              f"backoff_s={backoff_s} >= 0")
         self.engine = engine
         self.max_in_flight = max_in_flight
