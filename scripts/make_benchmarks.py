@@ -431,6 +431,8 @@ def engine_section(records: dict[str, dict]) -> list[str]:
             f"{e['engine_base_vs_hf_base']:.2f}× transformers `generate`."] if "engine_base_s" in e else []) + ["",
             f"Engine decode step with every sequence decoding: routed {e['decode_step_routed_ms']:.1f} ms against "
             f"{e['decode_step_base_ms']:.1f} ms with routing off (**{e['decode_routing_overhead']:.2f}×**). "
+            + (f"Kernel share of a routed decode step: {e['decode_step_kernel_share'] * 100:.0f}%. "
+               if "decode_step_kernel_share" in e else "") +
             f"Promoting an adapter ({e['adapter_mib']:.1f} MiB) from the CPU tier into a slot: "
             f"{e['swap_ms']:.2f} ms against {e['memcpy_ms']:.2f} ms for a plain copy of its bytes.", ""] + ([
             f"In bfloat16 (`molora serve --dtype bfloat16`; the same run, every variant in bf16): engine "
@@ -623,7 +625,9 @@ def readme_engine(records: dict[str, dict]) -> list[str]:
             f"{e['hf_batch']}. {100 * e['engine_kernel_share']:.0f}% of the engine's time is inside its compute "
             "kernels (`KERNEL_OPS` in `molora/bench/engine.py`), so on these equal-length requests no runner calling "
             f"the same kernels could be more than {e['ceiling_vs_hf_routed']:.2f}× faster than transformers. A "
-            f"decode step with every sequence routed costs {e['decode_routing_overhead']:.2f}× one with routing off.")
+            f"decode step with every sequence routed costs {e['decode_routing_overhead']:.2f}× one with routing off"
+            + (f"; {e['decode_step_kernel_share'] * 100:.0f}% of a routed decode step's time is inside those kernels."
+               if "decode_step_kernel_share" in e else "."))
     if "bf16_engine_tok_s" in e:
         line += (f" In bfloat16 the engine makes {e['bf16_engine_tok_s']:.0f} tokens/s, "
                  f"{_iqr(e['bf16_speedup_vs_hf_routed_paired'])} transformers with the same routing in bf16.")

@@ -15,7 +15,8 @@ Measured in one run, variants interleaved within each repetition, medians report
   hf_base      transformers `model.generate` on the same static batches without adapters (no LoRA work at
                all: a lower bound for transformers' time)
   decode step  Engine.step() with N sequences decoding under per-token routing vs. the same step with
-               routing "none" (base only): the routing overhead ratio
+               routing "none" (base only): the routing overhead ratio; then a few routed decode steps under
+               torch.profiler: the share of their wall time inside KERNEL_OPS (decode_step_kernel_share)
   swap         promoting an adapter from the CPU tier into a slot vs. a plain copy of the same bytes
   ceiling      one profiled engine run (torch.profiler): the time its GEMM, attention and LoRA kernels take
                (`KERNEL_OPS`, self time). hf_routed_s / that time is the most any runner calling the same
@@ -133,11 +134,13 @@ def decode_steps(engines: dict[str, Engine], prompts: list[list[int]], routing: 
     for i in range(steps):
         for name in rotated(list(engines), i):
             times[name].append(_timed(engines[name].step) * 1e3)
+    first = next(iter(engines))          # the routed engine: its decode step's kernel share (issue 19's goal)
+    kernel_s, wall_s = kernel_seconds(lambda: [engines[first].step() for _ in range(max(steps // 2, 1))])
     for eng in engines.values():
         for rid in list(eng.requests):
             eng.abort(rid)
         eng.step()
-    return {n: statistics.median(v[2:]) for n, v in times.items()}
+    return {**{n: statistics.median(v[2:]) for n, v in times.items()}, "kernel_share": kernel_s / wall_s}
 
 
 def swap_cost(mm: Any, name: str, repeats: int = 5) -> dict[str, float]:
@@ -197,6 +200,7 @@ def measure(mm: Any, cfg: EngineConfig, prompts: list[list[int]], news: list[int
                engine_kernel_s=kernel_s, engine_kernel_share=kernel_s / profiled_s,
                ceiling_vs_hf_routed=med["hf_routed"] / kernel_s,
                decode_step_routed_ms=step["routed"], decode_step_base_ms=step["base"],
+               decode_step_kernel_share=step["kernel_share"],
                decode_routing_overhead=step["routed"] / step["base"])
     return out
 
