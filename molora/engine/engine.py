@@ -291,9 +291,7 @@ class Engine:
                 why = (f"request {head.request_id!r} cannot be admitted on an idle engine "
                        f"({self.allocator.num_free} free KV blocks, adapters {list(head.needs)})")
                 log.error("%s; ending it", why)
-                self.failures += 1
-                self._event("isolated", why)
-                outputs.append(self._end(head, "error", why))
+                outputs.append(self._fail(head, why))
             return outputs
         self.steps += 1
         for s in scheduled:
@@ -311,12 +309,14 @@ class Engine:
         gens = {id(s.request): s.request.generator.get_state() for s in scheduled if s.request.generator is not None}
         try:
             return self._run(scheduled)
-        except _CorruptSlots as e:  # every row of the step is spoiled: mend the slots, then run it again
+        except Exception as e:
             self.faults += 1
-            for s in scheduled:
+            for s in scheduled:                     # a sampled row may have drawn before the exception
                 if id(s.request) in gens:
                     s.request.generator.set_state(gens[id(s.request)])
-            lost = self._mend(e.names)
+            error = e
+        if isinstance(error, _CorruptSlots):        # every row of the step is spoiled: mend the slots, run again
+            lost = self._mend(error.names)
             outs, keep = [], []
             for s in scheduled:
                 gone = [n for n in lost if n in s.request.needs]
@@ -326,22 +326,17 @@ class Engine:
                 else:
                     keep.append(s)
             return outs + (self._run_isolating(keep, top) if keep else [])
-        except Exception as e:
-            self.faults += 1
-            if top:  # one "fault" event per step that raised, however many re-runs isolate it
-                self._event("fault", f"{type(e).__name__}: {e}")
-            for s in scheduled:                     # a sampled row may have drawn before the exception
-                if id(s.request) in gens:
-                    s.request.generator.set_state(gens[id(s.request)])
-            if len(scheduled) == 1:
-                req = scheduled[0].request
-                log.error("request %s failed alone (isolated): %s: %s", req.request_id, type(e).__name__, e,
-                          exc_info=True)
-                return [self._fail(req, f"the engine failed on this request ({type(e).__name__}: {e})")]
-            log.warning("a step over %d chunks raised %s: %s; running it again in halves to isolate the cause",
-                        len(scheduled), type(e).__name__, e)
-            mid = len(scheduled) // 2
-            return self._run_isolating(scheduled[:mid], False) + self._run_isolating(scheduled[mid:], False)
+        what = f"{type(error).__name__}: {error}"
+        if top:  # one "fault" event per step that raised, however many re-runs isolate it
+            self._event("fault", what)
+        if len(scheduled) == 1:
+            req = scheduled[0].request
+            log.error("request %s failed alone (isolated): %s", req.request_id, what, exc_info=error)
+            return [self._fail(req, f"the engine failed on this request ({what})")]
+        log.warning("a step over %d chunks raised %s; running it again in halves to isolate the cause",
+                    len(scheduled), what)
+        mid = len(scheduled) // 2
+        return self._run_isolating(scheduled[:mid], False) + self._run_isolating(scheduled[mid:], False)
 
     def _mend(self, names: list[str]) -> dict[str, str]:
         """Rewrite the corrupt slots of `names` from a fresh read of their folders (validated, so finite).
@@ -364,8 +359,7 @@ class Engine:
                 lost[name] = f"{type(e).__name__}: {e}"
                 log.error("adapter %r was corrupt in its slot and could not be read again (%s); zeroed it", name,
                           lost[name])
-            self.hotset.cpu.pop(name, None)  # the warm copy may be what was corrupted
-            self.hotset.cpu_used = sum(a.nbytes() for a in self.hotset.cpu.values())
+            self.hotset.forget_warm(name)  # the warm copy may be what was corrupted
         return lost
 
     def _fail(self, req: Request, why: str) -> RequestOutput:

@@ -166,9 +166,7 @@ class HotSet:
         """Read and validate a PEFT folder and check that it fits the bank. Changes nothing: safe on any
         thread (a server reads on a worker, then `register`s the adapter on the engine thread)."""
         self._check_free(name)
-        adapter = self.mm.read(name, Path(path), roots=resolve_roots(roots))
-        self.mm.bank.check(adapter)  # fits the bank (targets, rank): refuse now, not at first use
-        return adapter
+        return self._read(name, Path(path), resolve_roots(roots))
 
     def register(self, name: str, source: str | Path | LoRAAdapter,
                  roots: Sequence[str | Path] | None = None) -> None:
@@ -205,13 +203,17 @@ class HotSet:
             self.mm.unload_adapter(name)
             del self.slot_lru[name]
             self.version += 1
-        if name in self.cpu:
-            self.cpu_used -= self.cpu.pop(name).nbytes()
+        self.forget_warm(name)
         read = self.reads.pop(name, None)
         if read is not None:
             read.cancel()  # a running read finishes on the loader thread; its result is never looked at
         self.draining.discard(name)
         del self.paths[name], self.roots[name]
+
+    def forget_warm(self, name: str) -> None:
+        """Drop `name`'s copy from the CPU tier, if it has one (the next miss reads its folder again)."""
+        if name in self.cpu:
+            self.cpu_used -= self.cpu.pop(name).nbytes()
 
     def close(self) -> None:
         """Stop the loader thread (reads in flight are dropped). A later miss starts a new one."""
@@ -256,9 +258,10 @@ class HotSet:
                                f"({type(e).__name__}: {e})") from e
 
     def _read(self, name: str, path: Path, roots: Roots) -> LoRAAdapter:
-        """Runs on the loader thread: disk and validation only, no HotSet or model state."""
+        """Disk and validation only, no HotSet or model state (runs on the loader thread, or on any thread
+        for `read`)."""
         adapter = self.mm.read(name, path, roots=roots)
-        self.mm.bank.check(adapter)
+        self.mm.bank.check(adapter)  # fits the bank (targets, rank): refuse now, not at first use
         return adapter
 
     def _promote(self, adapter: LoRAAdapter, keep: list[str]) -> None:
