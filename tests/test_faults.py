@@ -175,7 +175,7 @@ def test_server_deadline_answers_504_and_streams_a_timeout_finish_reason(adapter
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         assert events[-2]["choices"][0]["finish_reason"] == "timeout", events[-3:]
         assert events[-1]["error"]["code"] == "timeout"
-        wait_for(lambda: app.state.molora.runner.in_flight == 0, timeout=10)
+        wait_for(lambda: app.state.molora.client.in_flight == 0, timeout=10)
         stats = engine.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and not stats["hotset"]["pinned"]
         metrics = httpx.get(url.removesuffix("/v1") + "/metrics").text
@@ -228,7 +228,7 @@ class CrashingEngine(FakeEngine):
 def test_a_crash_loop_makes_the_server_unready_and_refuse_work():
     engine = CrashingEngine()
     app = create_app(engine)
-    runner = app.state.molora.runner
+    runner = app.state.molora.client.runner
     runner.backoff_s = 0.01
     with ServerThread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         base = url.removesuffix("/v1")

@@ -445,7 +445,7 @@ def test_client_disconnect_aborts_stream_and_non_stream_requests():
         with pytest.raises(httpx.ReadTimeout):
             http.post("/completions", json=body, timeout=0.2)
         wait_for(lambda: len(engine.aborted) == 2)
-        wait_for(lambda: app.state.molora.runner.in_flight == 0 and not engine.running)
+        wait_for(lambda: app.state.molora.client.in_flight == 0 and not engine.running)
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
@@ -584,7 +584,7 @@ def test_real_engine_behind_the_server_and_disconnect_frees_kv_blocks(tmp_path):
             lines = s.iter_lines()
             next(lines)
             assert _metric(http, "molora_kv_blocks_free") < free_at_start  # the request holds blocks
-        wait_for(lambda: app.state.molora.runner.in_flight == 0, timeout=10)
+        wait_for(lambda: app.state.molora.client.in_flight == 0, timeout=10)
         wait_for(lambda: _metric(http, "molora_kv_blocks_free") == free_at_start, timeout=10)
         assert _metric(http, "molora_requests_running") == 0
 

@@ -1,6 +1,7 @@
 """The FastAPI application: routes, API keys, adapter management, errors, draining, metrics.
 
     app = create_app(engine, model_name="molora-default", api_keys=("sk-...",), adapter_roots=("adapters",))
+    app = build_app(client, catalog, ...)   # any EngineClient (molora.server.client), e.g. Ray Serve's
 
 Owns: the HTTP surface (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/v1/adapters`,
 `/health`, `/ready`, `/metrics`), Bearer-key checks (any key for the API, an admin key for loading and
@@ -18,6 +19,8 @@ the registration runs on the engine thread. `DELETE /v1/adapters/{name}` drains:
 the adapter at once and it unloads when the last request using it ends (202 "draining"); `?force=true`
 ends those requests with an error and unloads now.
 
+The app reaches engines only through an `EngineClient` (`molora.server.client`): `create_app(engine)` wraps
+one in-process engine in a `LocalClient`; `molora.server.ray_serve` builds the same app over engine replicas.
 Knows nothing of how an engine is built or of uvicorn (that is `molora.server.launch`), nor of what the
 generation endpoints do inside (`molora.server.generation`).
 """
@@ -42,7 +45,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from molora.bundle import stop_token_ids
 from molora.errors import AdapterDraining, BankFullError, MoLoRAError
-from molora.server.generation import Generation, Limits, ModelInfo
+from molora.server.client import EngineClient, LocalClient
+from molora.server.generation import Catalog, Generation, Limits, ModelInfo
 from molora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from molora.server.protocol import (
     AdapterLoadRequest, APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, validation_error,
@@ -61,38 +65,32 @@ OFFLOAD_BODY_BYTES = 256 << 10   # bodies larger than this are parsed on a worke
 class ServerState:
     """Everything the routes share; `app.state.molora`."""
 
-    def __init__(self, engine: Any, runner: EngineRunner, metrics: ServerMetrics, info: ModelInfo, *,
+    def __init__(self, client: EngineClient, metrics: ServerMetrics, catalog: Catalog, *,
                  api_keys: Sequence[str], admin_keys: Sequence[str], adapter_roots: Sequence[Path],
-                 max_body_bytes: int, retry_after_s: int, limits: Limits = Limits(),
-                 engine_call_timeout_s: float = 10.0) -> None:
-        self.engine, self.runner, self.metrics, self.info = engine, runner, metrics, info
+                 max_body_bytes: int, retry_after_s: int, limits: Limits = Limits()) -> None:
+        self.client, self.metrics, self.catalog = client, metrics, catalog
         self.api_keys = tuple(api_keys) + tuple(admin_keys)   # an admin key is also an API key
         self.admin_keys = tuple(admin_keys)
         self.adapter_roots = tuple(adapter_roots)
         self.max_body_bytes = max_body_bytes
         self.retry_after_s = retry_after_s
         self.draining = False
-        self.engine_call_timeout_s = engine_call_timeout_s
-        self.generation = Generation(runner, metrics, info, limits)
-
-    async def call(self, fn: Any) -> Any:
-        """fn() on the engine thread, or 503 engine_busy after engine_call_timeout_s."""
-        return await self.runner.call(fn, timeout=self.engine_call_timeout_s)
+        self.generation = Generation(client, metrics, catalog, limits)
 
     def health(self) -> tuple[bool, bool, dict]:
         """(live, ready, details) for /health and /ready (module docstring)."""
-        h = self.runner.health()
+        h = self.client.health()
         live = h["alive"] and not h["stalled"] and h["broken"] is None
         if h["broken"] is not None:
             status = "broken"
         elif h["stalled"]:
             status = "stalled"
         elif not h["alive"]:
-            status = "engine thread stopped" if self.runner.started else "starting"
+            status = "engine thread stopped" if self.client.started else "starting"
         else:
             status = "draining" if self.draining else "ok"
         ready = live and not self.draining
-        details = {"status": status, "in_flight": self.runner.in_flight, "broken": h["broken"],
+        details = {"status": status, "in_flight": self.client.in_flight, "broken": h["broken"],
                    "last_progress_age_s": round(h["last_progress_age_s"], 3), "engine_failures": h["failures"]}
         return live, ready, details
 
@@ -127,29 +125,43 @@ def create_app(engine: Any, *, model_name: str | None = None, api_keys: Sequence
     """
     mm = engine.mm
     bundle = getattr(mm, "bundle", None)
-    tok = engine.tokenizer
-    config = getattr(mm, "config", None)
-    info = ModelInfo(
-        name=model_name or (bundle.name if bundle is not None else "molora"), tokenizer=tok,
-        stop_token_ids=tuple(stop_token_ids(tok, bundle)), vocab_size=_vocab_size(tok, config),
-        max_model_len=max_model_len or engine.max_model_len,
-        prompt_template=bundle.prompt_template if bundle is not None else None,
-        adapters=[a["name"] for a in engine.list_adapters()], default_max_tokens=default_max_tokens)
+    info = model_info(model_name or (bundle.name if bundle is not None else "molora"), engine.tokenizer, bundle,
+                      config=getattr(mm, "config", None), max_model_len=max_model_len or engine.max_model_len,
+                      adapters=[a["name"] for a in engine.list_adapters()], default_max_tokens=default_max_tokens)
+    runner = EngineRunner(engine, max_in_flight=max_queue, stall_s=stall_s)
+    return build_app(LocalClient(engine, runner, call_timeout_s=engine_call_timeout_s), Catalog([info]),
+                     api_keys=api_keys, admin_keys=admin_keys, adapter_roots=adapter_roots,
+                     max_body_bytes=max_body_bytes, retry_after_s=retry_after_s, limits=limits)
+
+
+def model_info(name: str, tokenizer: Any, bundle: Any, *, config: Any = None, max_model_len: int | None,
+               adapters: Sequence[str], default_max_tokens: int = 512) -> ModelInfo:
+    """What the endpoints need to know of one served bundle (`bundle` may be None: a bare model)."""
+    return ModelInfo(name=name, tokenizer=tokenizer, stop_token_ids=tuple(stop_token_ids(tokenizer, bundle)),
+                     vocab_size=_vocab_size(tokenizer, config), max_model_len=max_model_len,
+                     prompt_template=bundle.prompt_template if bundle is not None else None,
+                     adapters=list(adapters), default_max_tokens=default_max_tokens)
+
+
+def build_app(client: EngineClient, catalog: Catalog, *, api_keys: Sequence[str] = (), admin_keys: Sequence[str] = (),
+              adapter_roots: Sequence[str | Path] = (), max_body_bytes: int = MAX_BODY_BYTES, retry_after_s: int = 1,
+              limits: Limits = Limits()) -> FastAPI:
+    """The OpenAI-compatible app over any `EngineClient` serving the bundles of `catalog` (create_app's
+    arguments of the same names)."""
     metrics = ServerMetrics()
-    runner = EngineRunner(engine, max_in_flight=max_queue, on_step=metrics.observe_step, stall_s=stall_s)
-    state = ServerState(engine, runner, metrics, info, api_keys=api_keys, admin_keys=admin_keys,
+    state = ServerState(client, metrics, catalog, api_keys=api_keys, admin_keys=admin_keys,
                         adapter_roots=[Path(r).resolve() for r in adapter_roots], max_body_bytes=max_body_bytes,
-                        retry_after_s=retry_after_s, limits=limits, engine_call_timeout_s=engine_call_timeout_s)
-    runner.on_event = state.on_event
+                        retry_after_s=retry_after_s, limits=limits)
+    client.attach(on_step=metrics.observe_step, on_event=state.on_event)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runner.start()
+        client.start()
         try:
             yield
         finally:
             state.begin_drain()
-            runner.stop()
+            client.stop()
 
     app = FastAPI(title="molora", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible serving of one base model with per-token LoRA routing.")
@@ -179,7 +191,7 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
 
     @app.get("/v1/models/{model_id:path}", dependencies=[api])
     async def model(model_id: str) -> ModelCard:
-        s.info.resolve(model_id)
+        s.catalog.resolve(model_id)
         return next(card for card in _model_list(s).data if card.id == model_id)
 
     @app.get("/health")
@@ -197,28 +209,30 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
     async def metrics() -> PlainTextResponse:
         live, ready, details = s.health()
         try:
-            stats = await s.call(s.engine.stats)
+            stats = await s.client.stats()
         except (EngineBusy, RunnerStopped):  # the server's own metrics matter most exactly then
             stats = {}
-        text = s.metrics.render(stats, in_flight=s.runner.in_flight, max_in_flight=s.runner.max_in_flight,
+        text = s.metrics.render(stats, in_flight=s.client.in_flight, max_in_flight=s.client.max_in_flight,
                                 draining=s.draining, ready=ready, engine_healthy=live,
                                 last_step_age_s=details["last_progress_age_s"])
         return PlainTextResponse(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/adapters", dependencies=[api])
-    async def list_adapters() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": jsonable_encoder(await s.call(s.engine.list_adapters))})
+    async def list_adapters(bundle: str | None = None) -> JSONResponse:
+        infos = [s.catalog.bundle(bundle)] if bundle is not None else list(s.catalog)
+        data = [{**a, "bundle": info.name} for info in infos for a in await s.client.list_adapters(info.name)]
+        return JSONResponse({"object": "list", "data": jsonable_encoder(data)})
 
     @app.post("/v1/adapters", dependencies=[admin], status_code=201)
     async def load_adapter(request: Request) -> JSONResponse:
         req = await _parse(request, AdapterLoadRequest, s)
-        if req.name in s.info.adapters:
+        info = s.catalog.bundle(req.bundle)
+        if req.name in info.adapters:
             raise APIError(409, f"adapter {req.name!r} is already loaded; DELETE /v1/adapters/{req.name} first",
                            param="name", code="adapter_exists")
         path = resolve_adapter_path(req.path, s.adapter_roots)
-        try:  # read and check the files off the engine thread (and off the event loop), confined to the roots
-            adapter = await asyncio.to_thread(s.engine.read_adapter, req.name, str(path), roots=s.adapter_roots)
-            await s.runner.call(lambda: s.engine.load_adapter(req.name, adapter, roots=s.adapter_roots))
+        try:  # the client reads and checks the files off the engine thread, confined to the roots
+            await s.client.load_adapter(info.name, req.name, path, s.adapter_roots)
         except BankFullError as e:
             raise APIError(409, str(e), param="name", code="no_free_slot") from e
         except AdapterDraining as e:
@@ -226,38 +240,41 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
         except MoLoRAError as e:
             raise APIError(400, str(e), param="path", code="invalid_adapter") from e
         s.metrics.known_adapter(req.name)
-        await _refresh_adapters(s)
-        return JSONResponse({"object": "adapter", "name": req.name, "model": f"{s.info.name}:{req.name}",
-                             "loaded": True}, status_code=201)
+        await _refresh_adapters(s, info)
+        return JSONResponse({"object": "adapter", "name": req.name, "model": f"{info.name}:{req.name}",
+                             "bundle": info.name, "loaded": True}, status_code=201)
 
     @app.delete("/v1/adapters/{name}", dependencies=[admin])
-    async def unload_adapter(name: str, force: bool = False) -> JSONResponse:
-        known = [a["name"] for a in await s.call(s.engine.list_adapters)]
+    async def unload_adapter(name: str, force: bool = False, bundle: str | None = None) -> JSONResponse:
+        info = s.catalog.bundle(bundle)
+        known = [a["name"] for a in await s.client.list_adapters(info.name)]
         if name not in known:
-            raise APIError(404, f"adapter {name!r} is not loaded; loaded: {s.info.adapters}", param="name",
+            raise APIError(404, f"adapter {name!r} is not loaded; loaded: {info.adapters}", param="name",
                            code="adapter_not_found")
         try:
-            state = await s.runner.call(lambda: s.engine.unload_adapter(name, force=force))
+            state = await s.client.unload_adapter(info.name, name, force)
         except MoLoRAError as e:
             raise APIError(409, str(e), param="name", code="adapter_busy") from e
         s.metrics.forget_adapter(name)
-        await _refresh_adapters(s)
+        await _refresh_adapters(s, info)
         done = state == "unloaded"
-        return JSONResponse({"object": "adapter", "name": name, "deleted": done, "state": state},
-                            status_code=200 if done else 202)
+        return JSONResponse({"object": "adapter", "name": name, "bundle": info.name, "deleted": done,
+                             "state": state}, status_code=200 if done else 202)
 
 
 def _model_list(s: ServerState) -> ModelList:
     created = int(s.metrics.started)
-    cards = [ModelCard(id=s.info.name, created=created)]
-    cards += [ModelCard(id=f"{s.info.name}:{a}", created=created, adapter=a) for a in s.info.adapters]
+    cards = []
+    for info in s.catalog:
+        cards.append(ModelCard(id=info.name, created=created))
+        cards += [ModelCard(id=f"{info.name}:{a}", created=created, adapter=a) for a in info.adapters]
     return ModelList(data=cards)
 
 
-async def _refresh_adapters(s: ServerState) -> None:
+async def _refresh_adapters(s: ServerState, info: ModelInfo) -> None:
     """The adapters new requests may name: loaded ones that are not draining."""
-    listed = await s.call(s.engine.list_adapters)
-    s.info.adapters = [a["name"] for a in listed if a.get("state", "ready") != "draining"]
+    listed = await s.client.list_adapters(info.name)
+    info.adapters = [a["name"] for a in listed if a.get("state", "ready") != "draining"]
 
 
 def resolve_adapter_path(path: str, roots: Sequence[Path]) -> Path:
@@ -395,8 +412,8 @@ class _Gate:
             if refusal is not None:
                 await refusal(scope, receive, counted)
                 return
-            if not self.s.runner.started and not self.s.draining:
-                self.s.runner.start()  # served without a lifespan (some test clients): start on first use
+            if not self.s.client.started and not self.s.draining:
+                self.s.client.start()  # served without a lifespan (some test clients): start on first use
             await self.app(scope, receive, counted)
         finally:
             self.s.metrics.observe_response(route, status)

@@ -16,8 +16,9 @@ A request the engine ended alone on a fault of its own (finish_reason "error") a
 A stream that waits longer than `keepalive_s` for its next token gets an SSE comment (`: keep-alive`) so that
 proxies keep the connection. Tokenising a large prompt runs on a worker thread, not on the event loop.
 
-Knows nothing of the engine thread (it talks to `EngineRunner`), auth, adapters management or metrics
-rendering; it reports each finished choice to `ServerMetrics`.
+Knows nothing of engines (it talks to an `EngineClient`: in process or through Ray Serve), auth, adapters
+management or metrics rendering; it reports each finished choice to `ServerMetrics`. A server may serve
+several bundles (`Catalog`); each request resolves its model to one bundle's `ModelInfo`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from molora.server.protocol import (
     ChatLogprobs, ChatMessageOut, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
     CompletionResponse, Delta, Routed, TokenLogprob, TopLogprob, Usage, GenerationRequest,
 )
-from molora.server.runner import EngineFailure, EngineRunner, RequestSpec, Submission
+from molora.server.client import EngineClient
+from molora.server.runner import EngineFailure, RequestSpec, Submission
 
 OFFLOAD_CHARS = 32 << 10   # prompts longer than this are tokenised on a worker thread
 DEADLINE_GRACE_S = 2.0     # the handler's own backstop past the engine-side deadline
@@ -92,15 +94,54 @@ class ModelInfo:
     adapters: list[str] = field(default_factory=list)
     default_max_tokens: int = 512           # chat without max_tokens (capped by the context left)
 
-    def resolve(self, model: str) -> str | None:
-        """The pinned adapter of `model` (None for per-token routing); 404 for anything else."""
-        if model == self.name:
-            return None
-        prefix = self.name + ":"
-        if model.startswith(prefix) and model[len(prefix):] in self.adapters:
-            return model[len(prefix):]
-        served = [self.name] + [f"{prefix}{a}" for a in self.adapters]
-        raise APIError(404, f"model {model!r} does not exist; this server serves {served}", param="model",
+    @property
+    def models(self) -> list[str]:
+        """The model ids this bundle answers to: itself (per-token routing) and `name:adapter` (pinned)."""
+        return [self.name] + [f"{self.name}:{a}" for a in self.adapters]
+
+    def pinned(self, model: str) -> str | None:
+        """The pinned adapter of `model`, one of `models` (None for per-token routing)."""
+        return None if model == self.name else model[len(self.name) + 1:]
+
+
+class Catalog:
+    """The bundles a server serves, by name; `resolve(model)` finds the bundle and adapter a request names."""
+
+    def __init__(self, infos: Sequence[ModelInfo]) -> None:
+        if not infos:
+            raise MoLoRAError("a server needs at least one bundle")
+        self.infos = {i.name: i for i in infos}
+        if len(self.infos) != len(infos):
+            raise MoLoRAError(f"two bundles share a name: {[i.name for i in infos]}; give each its own")
+
+    def __iter__(self) -> Any:
+        return iter(self.infos.values())
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+    @property
+    def models(self) -> list[str]:
+        return [m for info in self for m in info.models]
+
+    def bundle(self, name: str | None) -> ModelInfo:
+        """The bundle called `name` (None: the only one); 404 for anything else."""
+        if name is None:
+            if len(self.infos) == 1:
+                return next(iter(self))
+            raise APIError(400, f"this server serves several bundles {list(self.infos)}; name one",
+                           param="bundle")
+        if name not in self.infos:
+            raise APIError(404, f"bundle {name!r} is not served here; served: {list(self.infos)}", param="bundle",
+                           code="bundle_not_found")
+        return self.infos[name]
+
+    def resolve(self, model: str) -> tuple[ModelInfo, str | None]:
+        """(bundle, pinned adapter or None for per-token routing) of a model id; 404 for anything else."""
+        for info in self:
+            if model in info.models:
+                return info, info.pinned(model)
+        raise APIError(404, f"model {model!r} does not exist; this server serves {self.models}", param="model",
                        code="model_not_found")
 
 
@@ -132,57 +173,34 @@ class ChoiceState:
 
 
 class Generation:
-    """The two generation endpoints over one `EngineRunner`."""
+    """The two generation endpoints over one `EngineClient`."""
 
-    def __init__(self, runner: EngineRunner, metrics: ServerMetrics, info: ModelInfo,
+    def __init__(self, client: EngineClient, metrics: ServerMetrics, catalog: Catalog,
                  limits: Limits = Limits()) -> None:
-        self.runner, self.metrics, self.info, self.limits = runner, metrics, info, limits
+        self.client, self.metrics, self.catalog, self.limits = client, metrics, catalog, limits
 
     # ------------------------------------------------------------------------------------ endpoints
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         req.check_supported()
+        info, adapter = self.catalog.resolve(req.model)
         items = req.prompt_list()
         size = sum(len(p) for p in items if isinstance(p, str))
-        prompts = await _offload(size, lambda: [self._encode_completion(p, i) for i, p in enumerate(items)])
-        fmt = _CompletionFormat(self.info, "cmpl-" + uuid.uuid4().hex, req)
-        return await self._run(req, prompts, req.max_tokens, req.logprobs, fmt, request)
+        prompts = await _offload(size, lambda: [_encode_completion(info, p, i) for i, p in enumerate(items)])
+        fmt = _CompletionFormat(info, "cmpl-" + uuid.uuid4().hex, req)
+        return await self._run(req, info, adapter, prompts, req.max_tokens, req.logprobs, fmt, request)
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         req.check_supported()
-        prompt = await _offload(sum(len(m.text()) for m in req.messages), lambda: self._encode_chat(req))
+        info, adapter = self.catalog.resolve(req.model)
+        prompt = await _offload(sum(len(m.text()) for m in req.messages), lambda: _encode_chat(info, req))
         top = (req.top_logprobs or 0) if req.logprobs else None
-        fmt = _ChatFormat(self.info, "chatcmpl-" + uuid.uuid4().hex, req)
-        return await self._run(req, [prompt], req.token_limit, top, fmt, request)
+        fmt = _ChatFormat(info, "chatcmpl-" + uuid.uuid4().hex, req)
+        return await self._run(req, info, adapter, [prompt], req.token_limit, top, fmt, request)
 
-    # ------------------------------------------------------------------------------------ prompts
-    def _encode_completion(self, prompt: str | list[int], i: int) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.info.tokenizer.encode(prompt, add_special_tokens=True))
-        bad = [t for t in prompt if t >= self.info.vocab_size]
-        if bad:
-            raise APIError(400, f"prompt[{i}] holds token ids {bad[:5]} outside the vocabulary "
-                           f"[0, {self.info.vocab_size})", param="prompt")
-        return list(prompt)
-
-    def _encode_chat(self, req: ChatCompletionRequest) -> list[int]:
-        tok, msgs = self.info.tokenizer, req.messages
-        if self.info.prompt_template is not None and len(msgs) == 1 and msgs[0].role == "user":
-            text = self.info.prompt_template.replace("{prompt}", msgs[0].text())
-        elif getattr(tok, "chat_template", None):
-            conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in msgs]
-            try:
-                text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-            except Exception as e:  # jinja templates raise on conversations they do not accept
-                raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from e
-        else:
-            raise APIError(400, "this model has no chat template for system or multi-turn messages; send one "
-                           "user message, or use /v1/completions with your own prompt", param="messages")
-        return list(tok.encode(text, add_special_tokens=False))
-
-    def _specs(self, req: GenerationRequest, prompts: Sequence[list[int]], max_tokens: int | None,
-               logprobs: int | None) -> list[RequestSpec]:
-        opts, info = req.options, self.info
-        adapter = info.resolve(req.model)
+    # ------------------------------------------------------------------------------------ requests
+    def _specs(self, req: GenerationRequest, info: ModelInfo, adapter: str | None, prompts: Sequence[list[int]],
+               max_tokens: int | None, logprobs: int | None) -> list[RequestSpec]:
+        opts = req.options
         unknown = [a for a in opts.adapters or [] if a not in info.adapters]
         if unknown:
             raise APIError(404, f"unknown adapters {unknown} in molora.adapters; loaded: {info.adapters}",
@@ -200,7 +218,7 @@ class Generation:
         # eos ids; molora takes no stop_token_ids from the body, so nothing but stop strings and length ends it
         stop_ids = () if req.ignore_eos else info.stop_token_ids
         for p, ids in enumerate(prompts):
-            new_tokens = self._budget(ids, max_tokens)
+            new_tokens = _budget(info, ids, max_tokens)
             if req.min_tokens > new_tokens:
                 raise APIError(400, f"min_tokens={req.min_tokens} exceeds this completion's token budget of "
                                f"{new_tokens} (max_tokens, or what the context leaves); lower min_tokens or raise "
@@ -218,32 +236,16 @@ class Generation:
                                          timeout_s=timeout, queue_timeout_s=self.limits.queue_timeout_s))
         return specs
 
-    def _budget(self, ids: list[int], max_tokens: int | None) -> int:
-        """New tokens for a prompt: max_tokens, or the default capped by the context left."""
-        if not ids:
-            raise APIError(400, "the prompt is empty (0 tokens); send some text", param="prompt")
-        ctx = self.info.max_model_len
-        if ctx is None:
-            return max_tokens or self.info.default_max_tokens
-        if max_tokens is None:
-            max_tokens = min(self.info.default_max_tokens, ctx - len(ids))
-        if len(ids) + max(max_tokens, 1) > ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
-                           f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
-                           "completion). Please reduce the length of the prompt or the completion.",
-                           param="max_tokens" if len(ids) < ctx else "prompt", code="context_length_exceeded")
-        return max_tokens
-
     # ------------------------------------------------------------------------------------ running
-    async def _run(self, req: GenerationRequest, prompts: list[list[int]], max_tokens: int | None,
-                   logprobs: int | None, fmt: _Format, request: Request) -> Response:
-        specs = self._specs(req, prompts, max_tokens, logprobs)
-        if len(specs) > self.runner.max_in_flight:
+    async def _run(self, req: GenerationRequest, info: ModelInfo, adapter: str | None, prompts: list[list[int]],
+                   max_tokens: int | None, logprobs: int | None, fmt: _Format, request: Request) -> Response:
+        specs = self._specs(req, info, adapter, prompts, max_tokens, logprobs)
+        if len(specs) > self.client.max_in_flight:
             raise APIError(400, f"this request needs {len(specs)} engine requests (n x prompts), more than the "
-                           f"server admits at once ({self.runner.max_in_flight}); lower n or split the batch",
+                           f"server admits at once ({self.client.max_in_flight}); lower n or split the batch",
                            param="n")
         try:
-            sub = await self.runner.submit(specs, fmt.id)
+            sub = await self.client.submit(specs, fmt.id, info.name)
         except (AdapterDraining, AdapterNotFound) as e:  # unloaded since the model check: it is gone
             pinned = any(spec.adapter is not None for spec in specs)
             raise APIError(404, str(e), param="model" if pinned else "molora.adapters",
@@ -326,6 +328,49 @@ class Generation:
         tpot = (s.t_last - s.t_first) / (n - 1) if n > 1 and s.t_first is not None and s.t_last is not None else None
         self.metrics.observe_request(ttft=ttft, tpot=tpot, latency=now - sub.arrival, prompt_tokens=s.prompt_tokens,
                                      completion_tokens=n, finish_reason=s.finish_reason)
+
+
+def _encode_completion(info: ModelInfo, prompt: str | list[int], i: int) -> list[int]:
+    if isinstance(prompt, str):
+        return list(info.tokenizer.encode(prompt, add_special_tokens=True))
+    bad = [t for t in prompt if t >= info.vocab_size]
+    if bad:
+        raise APIError(400, f"prompt[{i}] holds token ids {bad[:5]} outside the vocabulary "
+                       f"[0, {info.vocab_size})", param="prompt")
+    return list(prompt)
+
+
+def _encode_chat(info: ModelInfo, req: ChatCompletionRequest) -> list[int]:
+    tok, msgs = info.tokenizer, req.messages
+    if info.prompt_template is not None and len(msgs) == 1 and msgs[0].role == "user":
+        text = info.prompt_template.replace("{prompt}", msgs[0].text())
+    elif getattr(tok, "chat_template", None):
+        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in msgs]
+        try:
+            text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja templates raise on conversations they do not accept
+            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from e
+    else:
+        raise APIError(400, "this model has no chat template for system or multi-turn messages; send one "
+                       "user message, or use /v1/completions with your own prompt", param="messages")
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def _budget(info: ModelInfo, ids: list[int], max_tokens: int | None) -> int:
+    """New tokens for a prompt: max_tokens, or the default capped by the context left."""
+    if not ids:
+        raise APIError(400, "the prompt is empty (0 tokens); send some text", param="prompt")
+    ctx = info.max_model_len
+    if ctx is None:
+        return max_tokens or info.default_max_tokens
+    if max_tokens is None:
+        max_tokens = min(info.default_max_tokens, ctx - len(ids))
+    if len(ids) + max(max_tokens, 1) > ctx:
+        raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                       f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+                       "completion). Please reduce the length of the prompt or the completion.",
+                       param="max_tokens" if len(ids) < ctx else "prompt", code="context_length_exceeded")
+    return max_tokens
 
 
 def _ended_by_engine(out: Any) -> APIError:

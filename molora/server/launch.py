@@ -36,7 +36,7 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.molora_app.state.molora.begin_drain()
         log.warning("signal %d: draining %d in-flight requests, then exiting", sig,
-                    self.molora_app.state.molora.runner.in_flight)
+                    self.molora_app.state.molora.client.in_flight)
         super().handle_exit(sig, frame)
 
 
@@ -77,7 +77,7 @@ def serve(bundle: str | Path | None = None, *, host: str = "127.0.0.1", port: in
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s,
                             access_log=False)
     server = DrainingServer(config, app)
-    log.info("serving %s on http://%s:%d/v1", app.state.molora.info.name, host, port)
+    log.info("serving %s on http://%s:%d/v1", ", ".join(app.state.molora.catalog.infos), host, port)
     server.run()
 
 

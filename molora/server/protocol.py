@@ -208,10 +208,12 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class AdapterLoadRequest(_Strict):
-    """POST /v1/adapters: load the PEFT folder at `path` (under a configured root) as `name`."""
+    """POST /v1/adapters: load the PEFT folder at `path` (under a configured root) as `name` into `bundle`
+    (may be left out where the server serves one bundle)."""
 
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}$")]
     path: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+    bundle: str | None = None
 
 
 # -------------------------------------------------------------------------------------------- responses
