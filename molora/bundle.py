@@ -180,6 +180,26 @@ def load(path: str | Path | None = None, *, base_only: bool = False, dtype: torc
     return mm
 
 
+def load_tokenizer(base: str) -> tuple[Any, Any]:
+    """(tokenizer, model config or None) of a bundle's base without loading its weights: what a front end
+    that only tokenises needs (the Ray ingress)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from molora.model.base import DEFAULT_BASE_NAME, cache_root, default_gguf_path
+
+    if base in ("default", DEFAULT_BASE_NAME):
+        cached = cache_root() / DEFAULT_BASE_NAME.rsplit("/", 1)[-1]
+        path = cached if (cached / "config.json").is_file() else default_gguf_path()
+    else:
+        path = Path(base)
+    try:
+        if path.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), None
+        return AutoTokenizer.from_pretrained(str(path)), AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise BundleError(f"cannot load the tokenizer of base {base!r} from {path}: {e}") from e
+
+
 # --------------------------------------------------------------------------------------------- prompts
 
 @dataclass

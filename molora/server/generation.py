@@ -49,6 +49,7 @@ from molora.server.runner import EngineFailure, RequestSpec, Submission
 
 OFFLOAD_CHARS = 32 << 10   # prompts longer than this are tokenised on a worker thread
 DEADLINE_GRACE_S = 2.0     # the handler's own backstop past the engine-side deadline
+REPLICA_HEADER = "X-Molora-Replica"   # which engine replica answered (molora serve --ray)
 
 
 @dataclass(frozen=True)
@@ -254,14 +255,15 @@ class Generation:
             raise APIError(400, str(e)) from e
         states = [ChoiceState(spec.index, len(spec.prompt_ids)) for spec in specs]
         deadline = time.monotonic() + specs[0].timeout_s + DEADLINE_GRACE_S
+        headers = {REPLICA_HEADER: sub.replica} if sub.replica is not None else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(self._stream(sub, states, fmt, include_usage, req.n, deadline), sub)
+            return SSEResponse(self._stream(sub, states, fmt, include_usage, req.n, deadline), sub, headers)
         try:
             await _until_done_or_gone(self._collect(sub, states, deadline), request)
         finally:
             sub.close()
-        return JSONResponse(fmt.response(states, _usage(states, req.n)).model_dump(mode="json"))
+        return JSONResponse(fmt.response(states, _usage(states, req.n)).model_dump(mode="json"), headers=headers)
 
     async def _outputs(self, sub: Submission, states: list[ChoiceState], deadline: float,
                        keepalive: float | None = None) -> AsyncIterator[tuple[ChoiceState, Any] | None]:
@@ -422,9 +424,9 @@ def _sse(chunk: BaseModel) -> str:
 class SSEResponse(StreamingResponse):
     """An event stream that aborts its engine requests however it ends (done, disconnect, cancellation)."""
 
-    def __init__(self, chunks: AsyncIterator[str], sub: Submission) -> None:
+    def __init__(self, chunks: AsyncIterator[str], sub: Submission, headers: dict[str, str] | None = None) -> None:
         super().__init__(chunks, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self.sub = sub
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -89,6 +89,7 @@ class Submission:
         self.ids = ids                        # request_id -> choice index
         self.unfinished = set(ids)
         self.arrival = arrival
+        self.replica: str | None = None       # which engine replica runs it (None: this process)
         self._closed = False
 
     def finished(self, request_id: str) -> None:

@@ -1,0 +1,290 @@
+"""molora.server.ray_serve without a Ray cluster: registry versions, bundle leases, the replica logic, and the
+app over `RayClient` with a fake deployment handle giving the same bytes as the in-process server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from molora.errors import MoLoRAError
+from molora.server.app import build_app, create_app, model_info
+from molora.server.generation import Catalog
+from molora.server.ray_serve import BundleSpec, EngineReplica, Leases, RayClient, Registry
+from molora.server.runner import Saturated
+from tests.test_server import FakeEngine, ToyTokenizer, expected_text
+
+
+# ------------------------------------------------------------------------------------------ fakes
+
+class FakeStream:
+    """The part of Ray's DeploymentResponseGenerator the client uses: async iteration and cancel()."""
+
+    def __init__(self, agen) -> None:
+        self.agen, self.cancelled = agen, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.agen.__anext__()
+
+    def cancel(self) -> None:  # Ray raises CancelledError in the replica's generator; closing it does the same
+        self.cancelled = True
+        asyncio.ensure_future(self.agen.aclose())
+
+
+class FakeHandle:
+    """A deployment handle over in-process `EngineReplica`s with Ray's multiplexing rules, simplified: a bundle
+    goes to the replica holding it, else to the replica with the fewest bundles; `evict` drops one."""
+
+    def __init__(self, replicas: list[EngineReplica], saturate: bool = False) -> None:
+        self.replicas, self.saturate = replicas, saturate
+        self.resident: list[dict] = [{} for _ in replicas]   # per replica: bundle id -> Resident
+        self.ids: list[str] = []                             # multiplexed ids asked for, in order
+        self.model_id, self.stream = "", False
+
+    def options(self, stream: bool = False, multiplexed_model_id: str = "") -> FakeHandle:
+        h = FakeHandle.__new__(FakeHandle)
+        h.__dict__.update(self.__dict__)
+        h.stream, h.model_id = stream, multiplexed_model_id
+        self.ids.append(multiplexed_model_id)
+        return h
+
+    async def _resident(self, spec: BundleSpec):
+        assert spec.name == self.model_id, "the multiplexed id is the bundle"
+        i = next((i for i, r in enumerate(self.resident) if self.model_id in r), None)
+        if i is None:
+            i = min(range(len(self.replicas)), key=lambda k: len(self.resident[k]))
+            self.resident[i][self.model_id] = await self.replicas[i].load(spec)
+        return self.replicas[i], self.resident[i][self.model_id]
+
+    def evict(self, bundle: str) -> None:
+        for r in self.resident:
+            if bundle in r:
+                r.pop(bundle).__del__()
+
+    @property
+    def generate(self):
+        async def gen(spec, specs, prefix):
+            if self.saturate:
+                raise Saturated("fake backpressure")
+            replica, resident = await self._resident(spec)
+            async for m in replica.generate(resident, spec, specs, prefix):
+                yield m
+        return SimpleNamespace(remote=lambda *a: FakeStream(gen(*a)))
+
+    @property
+    def command(self):
+        async def run(spec, op):
+            replica, resident = await self._resident(spec)
+            return await replica.command(resident, spec, op)
+        return SimpleNamespace(remote=lambda *a: run(*a))
+
+
+def toy_info(adapters=("math", "code")):
+    engine = FakeEngine()
+    return model_info("toy", ToyTokenizer(), engine.mm.bundle, config=engine.mm.config, max_model_len=128,
+                      adapters=list(adapters))
+
+
+def ray_app(n_replicas: int = 1, **kwargs):
+    engines: list[FakeEngine] = []
+
+    def build(path):
+        engines.append(FakeEngine())
+        return engines[-1]
+
+    replicas = [EngineReplica(build, max_in_flight=64, name=f"replica-{i}") for i in range(n_replicas)]
+    handle = FakeHandle(replicas)
+    registry = Registry([BundleSpec("toy", None, adapters={"math": None, "code": None})])
+    app = build_app(RayClient(handle, registry, max_in_flight=64), Catalog([toy_info()]), **kwargs)
+    return app, handle, registry, engines
+
+
+def normalized(text: str) -> str:
+    text = re.sub(r'"id":"[a-z]+-[0-9a-f]+"', '"id":"X"', text)
+    return re.sub(r'"created":\d+', '"created":0', text)
+
+
+# ------------------------------------------------------------------------------------------ registry and leases
+
+def test_registry_versions_and_conflicting_changes():
+    reg = Registry([BundleSpec("b", None, adapters={"a": None})])
+    v1 = reg.with_adapter("b", "x", "/r/x")
+    assert reg.spec("b").version == 0 and reg.adapters("b") == ["a"]   # nothing counts before commit
+    reg.commit(v1)
+    assert reg.spec("b").version == 1 and reg.adapters("b") == ["a", "x"]
+    v2 = reg.without_adapter("b", "a", force=True)
+    stale = reg.with_adapter("b", "y", "/r/y")     # made on version 1 too
+    reg.commit(v2)
+    assert reg.adapters("b") == ["x"] and reg.spec("b").forced == {"a"}
+    with pytest.raises(MoLoRAError, match="changed meanwhile"):
+        reg.commit(stale)
+
+
+class FakeRunner:
+    def stop(self) -> None:
+        pass
+
+
+def make_leases():
+    closed: list[str] = []
+
+    async def build(name):
+        return SimpleNamespace(name=name), FakeRunner()
+
+    return Leases(build, close=lambda lease: closed.append(lease.name)), closed
+
+
+def test_a_second_release_is_a_no_op():
+    async def main():
+        leases, closed = make_leases()
+        r = await leases.acquire("b")
+        r.release()
+        r.release()
+        r.__del__()   # Ray calls __del__, then the garbage collector does
+        return leases, closed
+    leases, closed = asyncio.run(main())
+    assert closed == ["b"] and leases.leases == {}
+
+
+def test_release_during_two_running_sequences_frees_after_the_last():
+    async def main():
+        leases, closed = make_leases()
+        r = await leases.acquire("b")
+        lease = r.lease
+        leases.begin(lease)
+        leases.begin(lease)
+        r.__del__()                       # evicted while two sequences run
+        assert closed == [] and not lease.closed
+        leases.end(lease)
+        assert closed == []
+        leases.end(lease)
+        assert closed == ["b"] and lease.closed
+        with pytest.raises(Exception, match="released"):
+            leases.begin(lease)
+    asyncio.run(main())
+
+
+def test_a_bundle_being_released_comes_back_without_a_reload():
+    async def main():
+        leases, closed = make_leases()
+        r1 = await leases.acquire("b")
+        leases.begin(r1.lease)
+        r1.release()                      # evicted mid-stream
+        r2 = await leases.acquire("b")    # a request for it arrives
+        assert r2.lease is r1.lease and leases.builds == 1
+        leases.end(r1.lease)              # the stream ends: still held by r2
+        assert closed == []
+        r2.release()
+        assert closed == ["b"]
+        r3 = await leases.acquire("b")    # freed: a new load
+        assert r3.lease is not r1.lease and leases.builds == 2
+    asyncio.run(main())
+
+
+def test_concurrent_loads_of_one_bundle_build_once():
+    async def main():
+        gate = asyncio.Event()
+        built = []
+
+        async def build(name):
+            built.append(name)
+            await gate.wait()
+            return SimpleNamespace(), FakeRunner()
+
+        leases = Leases(build, close=lambda lease: None)
+        tasks = [asyncio.ensure_future(leases.acquire("b")) for _ in range(3)]
+        await asyncio.sleep(0)
+        gate.set()
+        residents = await asyncio.gather(*tasks)
+        assert built == ["b"] and len({id(r.lease) for r in residents}) == 1 and residents[0].lease.holders == 3
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------------------------------ the app over RayClient
+
+CHAT = {"model": "toy", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 6, "stream": True,
+        "molora": {"return_routing": True}, "stream_options": {"include_usage": True}}
+ONE = {**CHAT, "stream": False, "stream_options": None}
+
+
+def test_ray_client_gives_the_same_sse_bytes_as_the_in_process_server():
+    app, handle, _, _ = ray_app()
+    with TestClient(create_app(FakeEngine(), max_queue=64)) as local, TestClient(app) as remote:
+        for body in (CHAT, {**CHAT, "model": "toy:math"}, {**CHAT, "n": 2, "stream": False, "stream_options": None}):
+            a, b = local.post("/v1/chat/completions", json=body), remote.post("/v1/chat/completions", json=body)
+            assert a.status_code == b.status_code == 200
+            assert normalized(a.text) == normalized(b.text)
+            assert b.headers["x-molora-replica"] == "replica-0" and "x-molora-replica" not in a.headers
+        completion = {"model": "toy", "prompt": "hi", "max_tokens": 5}
+        assert normalized(local.post("/v1/completions", json=completion).text) == \
+            normalized(remote.post("/v1/completions", json=completion).text)
+    assert set(handle.ids) == {"toy"}    # "toy:math" maps to the bundle's id
+
+
+def test_errors_cross_the_client_as_the_same_answers():
+    app, handle, _, engines = ray_app()
+    with TestClient(app) as c:
+        r = c.post("/v1/chat/completions", json={**CHAT, "model": "toy:nope"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        too_long = {**ONE, "max_tokens": 500}
+        assert c.post("/v1/chat/completions", json=too_long).status_code == 400
+        handle.saturate = True
+        r = c.post("/v1/chat/completions", json=ONE)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        handle.saturate = False
+        assert c.post("/v1/chat/completions", json=ONE).status_code == 200
+
+
+def test_a_stream_closed_early_aborts_its_engine_requests():
+    app, handle, _, engines = ray_app()
+    with TestClient(app) as c:
+        body = {**CHAT, "max_tokens": 100}
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            next(r.iter_lines())
+        deadline = __import__("time").monotonic() + 5
+        while engines[0].running and __import__("time").monotonic() < deadline:
+            __import__("time").sleep(0.01)
+        assert not engines[0].running and engines[0].aborted
+
+
+def test_run_time_adapters_reach_every_replica_through_the_registry(tmp_path):
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "adapter_config.json").write_text("{}")
+    app, handle, registry, engines = ray_app(n_replicas=2, adapter_roots=[tmp_path])
+    with TestClient(app) as c:
+        assert c.post("/v1/chat/completions", json=ONE).status_code == 200
+        bad = c.post("/v1/adapters", json={"name": "broken", "path": str(tmp_path)})
+        assert bad.status_code == 404 and registry.spec("toy").version == 0   # no adapter there: nothing changed
+        r = c.post("/v1/adapters", json={"name": "extra", "path": "extra"})
+        assert r.status_code == 201 and registry.spec("toy").version == 1
+        assert "extra" in engines[0].mm.adapter_names                       # the replica that checked it
+        ids = [m["id"] for m in c.get("/v1/models").json()["data"]]
+        assert ids == ["toy", "toy:math", "toy:code", "toy:extra"]
+        handle.evict("toy")                                                  # the next load is another engine
+        handle.resident[0]["other"] = object()                               # ...on the other replica
+        r = c.post("/v1/chat/completions", json={**ONE, "model": "toy:extra"})
+        assert r.status_code == 200 and r.headers["x-molora-replica"] == "replica-1"
+        assert "extra" in engines[1].mm.adapter_names                       # caught up before running
+        assert c.delete("/v1/adapters/extra").status_code == 200
+        assert "extra" not in engines[1].mm.adapter_names and registry.spec("toy").version == 2
+        r = c.post("/v1/chat/completions", json={**ONE, "model": "toy:extra"})
+        assert r.status_code == 404
+        listed = c.get("/v1/adapters").json()["data"]
+        assert [a["name"] for a in listed] == ["math", "code"]
+
+
+def test_greedy_text_through_the_client_matches_the_engine_contract():
+    app, _, _, _ = ray_app()
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"model": "toy", "prompt": "xyz", "max_tokens": 7})
+        assert r.json()["choices"][0]["text"] == expected_text(list(b"xyz"), 7)
+        events = [json.loads(line[6:]) for line in c.post("/v1/chat/completions", json=CHAT).text.splitlines()
+                  if line.startswith("data: {")]
+        assert events[-1]["usage"]["completion_tokens"] == 6
