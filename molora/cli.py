@@ -237,7 +237,8 @@ def _build_default(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------- serve
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
+    p.add_argument("--bundle", action="append", default=[], metavar="DIR",
+                   help="bundle folder (default: the embedded default bundle); with --ray, repeat it to serve several")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -263,6 +264,17 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="/health turns 503 when the engine is busy this long without a step (default 30)")
     p.add_argument("--keepalive", type=float, default=15.0, metavar="S",
                    help="SSE keep-alive comment interval while a stream waits (default 15)")
+    ray = p.add_argument_group("scale-out on Ray Serve (needs `pip install molora[ray]`)")
+    ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: an ingress and engine replicas")
+    ray.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1)")
+    ray.add_argument("--min-replicas", type=int, default=None, help="autoscale between this ...")
+    ray.add_argument("--max-replicas", type=int, default=None, help="... and this many replicas")
+    ray.add_argument("--ray-queue", type=int, default=None,
+                     help="calls that may wait for a replica before 429 (default: --max-queue)")
+    ray.add_argument("--bundles-per-replica", type=int, default=2,
+                     help="bundles a replica keeps resident; Ray evicts the least recently used (default 2)")
+    ray.add_argument("--threads-per-replica", type=int, default=None,
+                     help="torch threads per replica (default: cores / replicas)")
 
 
 @command("serve", _serve_args)
@@ -277,13 +289,35 @@ def _serve(args: argparse.Namespace) -> int:
     def env(name: str) -> list[str]:
         return [k for k in os.environ.get(name, "").split(",") if k]
 
-    serve(args.bundle, host=args.host, port=args.port, api_keys=args.api_key + env("MOLORA_API_KEYS"),
-          admin_keys=args.admin_key + env("MOLORA_ADMIN_KEYS"), adapter_roots=args.adapter_root,
+    limits = Limits(request_timeout_s=args.request_timeout, max_request_timeout_s=args.max_request_timeout,
+                    queue_timeout_s=args.queue_timeout or None, keepalive_s=args.keepalive)
+    keys = dict(api_keys=args.api_key + env("MOLORA_API_KEYS"), admin_keys=args.admin_key + env("MOLORA_ADMIN_KEYS"))
+    if args.ray:
+        return _serve_ray(args, limits, keys)
+    if len(args.bundle) > 1:
+        raise MoLoRAError(f"{len(args.bundle)} bundles given; one server process serves one bundle: add --ray to "
+                          "serve several")
+    serve(args.bundle[0] if args.bundle else None, host=args.host, port=args.port, adapter_roots=args.adapter_root,
           max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, dtype=args.dtype,
           engine_config=EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
-          limits=Limits(request_timeout_s=args.request_timeout, max_request_timeout_s=args.max_request_timeout,
-                        queue_timeout_s=args.queue_timeout or None, keepalive_s=args.keepalive),
-          stall_s=args.stall_timeout)
+          limits=limits, stall_s=args.stall_timeout, **keys)
+    return 0
+
+
+def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
+    try:
+        from molora.server import ray_serve
+        import ray  # noqa: F401
+    except ImportError as e:
+        raise MoLoRAError(f"--ray needs Ray Serve: pip install 'molora[ray]' ({e})") from None
+    cfg = ray_serve.RayConfig(
+        bundles=tuple(args.bundle) or (None,), replicas=args.replicas, min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas, max_queue=args.max_queue, ray_queue=args.ray_queue,
+        bundles_per_replica=args.bundles_per_replica, threads_per_replica=args.threads_per_replica,
+        engine_config={"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}, dtype=args.dtype,
+        stall_s=args.stall_timeout)
+    ray_serve.serve_ray(cfg, host=args.host, port=args.port, adapter_roots=args.adapter_root,
+                        server_kwargs={"limits": limits, **keys})
     return 0
 
 

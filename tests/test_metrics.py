@@ -1,5 +1,6 @@
 """ServerMetrics on prometheus_client: names kept from the hand-written exposition, histograms and counters
-count what was observed, removed adapters drop out, and two instances share nothing.
+count what was observed, removed adapters drop out, two instances share nothing, and the LoRA gauge an
+inference gateway reads (vLLM's lora_requests_info) follows an engine's running and waiting requests.
 
 Every check reads the text `render()` returns, parsed with prometheus_client's own parser: what a
 Prometheus server would see.
@@ -8,12 +9,15 @@ Prometheus server would see.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from molora.server.metrics import CONTENT_TYPE, DEADLINE_KINDS, FAILURE_KINDS, RATE_WINDOW_S, ServerMetrics
+from molora.server.metrics import (
+    CONTENT_TYPE, DEADLINE_KINDS, FAILURE_KINDS, LORA_INFO, LORA_INFO_LABELS, RATE_WINDOW_S, ServerMetrics,
+)
 
 # Every family the hand-written exposition wrote (name in the text, type), before prometheus_client.
 OLD_FAMILIES = {
@@ -33,11 +37,13 @@ NEW_FAMILIES = {
     "molora_ready": "gauge", "molora_engine_healthy": "gauge", "molora_engine_last_step_age_seconds": "gauge",
     "molora_queue_wait_seconds": "histogram", "molora_engine_step_seconds": "histogram",
     "molora_deadline_expired_total": "counter", "molora_engine_failures_total": "counter",
+    "molora_kv_cache_usage_ratio": "gauge", LORA_INFO: "gauge",
 }
 STATS = {"num_waiting": 2, "num_running": 1, "kv_blocks_total": 64, "kv_blocks_free": 60, "steps": 11,
          "tokens_generated": 30, "num_preemptions": 1, "tokens_by_adapter": {"base": 5, "math": 3, "code": 4},
          "hotset": {"slots": 4, "slots_used": 2, "hits": 7, "misses": 2, "evictions": 1, "disk_reads": 1,
-                    "load_ms_total": 250}}
+                    "load_ms_total": 250},
+         "lora_requests": {"running": ["math"], "waiting": ["code", "math"], "max_lora": 4}}
 
 
 def scrape(m: ServerMetrics, stats: dict | None = None, **kw) -> dict[str, object]:
@@ -70,7 +76,8 @@ def test_engine_stats_are_exposed_with_their_values():
                          ("molora_engine_preemptions_total", 1), ("molora_hotset_slots", 4),
                          ("molora_hotset_slots_used", 2), ("molora_hotset_hits_total", 7),
                          ("molora_hotset_misses_total", 2), ("molora_hotset_evictions_total", 1),
-                         ("molora_hotset_disk_reads_total", 1), ("molora_hotset_load_seconds_total", 0.25)):
+                         ("molora_hotset_disk_reads_total", 1), ("molora_hotset_load_seconds_total", 0.25),
+                         ("molora_kv_cache_usage_ratio", 4 / 64)):
         assert value(fams, sample) == want, sample
     assert {s.labels["adapter"]: s.value for s in fams["molora_adapter_tokens_total"].samples} == {
         "base": 5, "math": 3, "code": 4}
@@ -79,7 +86,9 @@ def test_engine_stats_are_exposed_with_their_values():
 def test_empty_stats_render_zeros_as_before():
     fams = scrape(ServerMetrics(), stats={})
     assert value(fams, "molora_kv_blocks_free") == 0 == value(fams, "molora_hotset_hits_total")
+    assert value(fams, "molora_kv_cache_usage_ratio") == 0  # no pool: nothing in use, not a division by zero
     assert fams["molora_adapter_tokens_total"].samples == []
+    assert LORA_INFO not in fams  # never read: no view to show
 
 
 def test_histograms_fill_cumulative_buckets_sum_and_count():
@@ -212,3 +221,95 @@ def test_concurrent_observations_all_count():
 
 def test_content_type_is_the_client_library_one():
     assert CONTENT_TYPE == CONTENT_TYPE_LATEST
+
+
+# ------------------------------------------------------------------------------------------ LoRA gauge
+
+def lora_info(fams: dict) -> tuple[dict[str, str], float]:
+    """(labels, value) of the one molora_lora_requests_info sample."""
+    (sample,) = fams[LORA_INFO].samples
+    assert sample.name == LORA_INFO and tuple(sorted(sample.labels)) == LORA_INFO_LABELS
+    return sample.labels, sample.value
+
+
+def test_lora_info_has_vllm_labels_and_the_time_it_was_read_as_value():
+    before = time.time()
+    labels, read_at = lora_info(scrape(ServerMetrics()))
+    assert labels == {"max_lora": "4", "running_lora_adapters": "math", "waiting_lora_adapters": "code,math"}
+    assert before <= read_at <= time.time()  # a Unix time in seconds, as vLLM's set_to_current_time
+    labels, _ = lora_info(scrape(ServerMetrics(), bundle="molora-default"))  # the model ids requests name
+    assert labels == {"max_lora": "4", "running_lora_adapters": "molora-default:math",
+                      "waiting_lora_adapters": "molora-default:code,molora-default:math"}
+
+
+def test_lora_info_keeps_the_last_view_and_its_time_when_the_engine_does_not_answer():
+    m = ServerMetrics()
+    first = lora_info(scrape(m))
+    assert lora_info(scrape(m, stats={})) == first  # engine busy: the same view, with its older time
+    idle = {**STATS, "lora_requests": {"running": [], "waiting": [], "max_lora": 4}}
+    labels, read_at = lora_info(scrape(m, stats=idle))
+    assert labels == {"max_lora": "4", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert read_at >= first[1]
+
+
+@pytest.fixture(scope="module")
+def adapter_paths(tmp_path_factory):
+    from tests.conftest import make_peft_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    return {n: make_peft_adapter(root / n, "qwen3", seed=i) for i, n in enumerate(("a", "b", "c"))}
+
+
+def engine_of(adapter_paths, *, slots: int, max_num_seqs: int):
+    """An engine on the tiny random Qwen3 with adapters a, b, c and a vocab router (a | b | default c)."""
+    import molora
+    from molora.config import LLAMA_PROJECTIONS
+    from molora.engine import Engine, EngineConfig
+    from molora.routing import VocabRouter
+    from tests.conftest import tiny_model
+
+    mm = molora.attach(tiny_model("qwen3"), adapter_paths, slots=slots, target_modules=LLAMA_PROJECTIONS,
+                       router=VocabRouter([(0, 50, "a"), (50, 90, "b")], default="c"))
+    return Engine(mm, EngineConfig(max_num_seqs=max_num_seqs, max_tokens_per_step=64, block_size=4,
+                                   kv_budget_tokens=512, max_model_len=64, stop_at_eos=False))
+
+
+def engine_scrape(m: ServerMetrics, engine, **kw) -> dict[str, object]:
+    return scrape(m, stats=engine.stats(), **kw)
+
+
+def test_pinned_requests_show_running_and_waiting_adapters_and_the_slot_count(adapter_paths):
+    from molora.config import SamplingParams
+
+    engine = engine_of(adapter_paths, slots=3, max_num_seqs=1)  # one runs, the others wait
+    m = ServerMetrics()
+    labels, _ = lora_info(engine_scrape(m, engine))
+    assert labels == {"max_lora": "3", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    long = SamplingParams(max_new_tokens=20)
+    engine.add_request([5, 6, 7], long, adapter="b")
+    engine.add_request([8, 9], long, adapter="a")
+    engine.add_request([10, 11], long, adapter="b")
+    labels, _ = lora_info(engine_scrape(m, engine))  # nothing scheduled yet: all three wait
+    assert labels == {"max_lora": "3", "running_lora_adapters": "", "waiting_lora_adapters": "a,b"}
+    engine.step()
+    assert engine.stats()["num_running"] == 1
+    labels, _ = lora_info(engine_scrape(m, engine, bundle="tiny"))
+    assert labels == {"max_lora": "3", "running_lora_adapters": "tiny:b", "waiting_lora_adapters": "tiny:a,tiny:b"}
+    while engine.has_unfinished():
+        engine.step()
+    labels, _ = lora_info(engine_scrape(m, engine))
+    assert labels == {"max_lora": "3", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+
+
+def test_per_token_request_shows_every_adapter_it_may_route_to(adapter_paths):
+    from molora.config import SamplingParams
+
+    engine = engine_of(adapter_paths, slots=3, max_num_seqs=4)
+    m = ServerMetrics()
+    engine.add_request([5, 60, 100], SamplingParams(max_new_tokens=20), routing="vocab",
+                       allowed_adapters=["a", "c"])       # its router may choose a, b or c; b is not allowed
+    engine.add_request([7, 8], SamplingParams(max_new_tokens=20), routing="none")  # base model: names none
+    engine.step()
+    assert engine.stats()["num_running"] == 2
+    labels, _ = lora_info(engine_scrape(m, engine))
+    assert labels == {"max_lora": "3", "running_lora_adapters": "a,c", "waiting_lora_adapters": ""}

@@ -581,13 +581,24 @@ class Engine:
         self.hotset.close()
 
     def stats(self) -> dict:
-        return {"num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
+        """Counters and the current state, read at every /metrics scrape (cheap: one pass over the requests).
+
+        `lora_requests` is what an inference gateway routes on (vLLM's `lora_requests_info`): the adapters the
+        running and the waiting requests route to, each sorted, and `max_lora`, the bank's slots (the most
+        adapters resident at once). A request's adapters are its pins (`Request.needs`): a pinned request's
+        one adapter; a per-token request's every adapter its router may choose within its allowed set (at most
+        the slots; all of them resident while it runs). A base-model request names none."""
+        sched = self.scheduler
+        lora = {"running": sorted({n for r in sched.running for n in r.needs}),
+                "waiting": sorted({n for r in sched.waiting for n in r.needs}),
+                "max_lora": self.mm.bank.num_slots}
+        return {"num_waiting": len(sched.waiting), "num_running": len(sched.running),
                 "kv_blocks_total": self.allocator.num_blocks, "kv_blocks_free": self.allocator.num_free,
                 "hotset": self.hotset.stats(), "tokens_by_adapter": dict(self.tokens_by_adapter),
                 "tokens_generated": self.tokens_generated, "tokens_computed": self.tokens_computed,
-                "steps": self.steps, "num_preemptions": self.scheduler.num_preemptions,
+                "steps": self.steps, "num_preemptions": sched.num_preemptions,
                 "faults": self.faults, "failed_requests": self.failures,
-                "deadlines_expired": dict(self.deadlines_expired)}
+                "deadlines_expired": dict(self.deadlines_expired), "lora_requests": lora}
 
 
 class _CorruptSlots(Exception):

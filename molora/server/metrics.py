@@ -12,7 +12,26 @@ Owns two kinds of series and `render()`, which writes both as Prometheus text:
   (queue depth, running, KV blocks, steps, preemptions, hot-set slots/hits/misses/evictions/loads, tokens
   per adapter) and the server's in-flight count, limit, draining, readiness and engine health. These are
   built per scrape as metric families (`GaugeMetricFamily`, `CounterMetricFamily`) and exposed next to the
-  registry's; nothing of one scrape is kept for the next, so concurrent scrapes cannot mix.
+  registry's; nothing of one scrape is kept for the next (but the LoRA view, below), so concurrent
+  scrapes cannot mix.
+
+For an inference gateway that routes by adapter affinity (the Kubernetes Gateway API Inference Extension's
+endpoint picker in front of N plain `molora serve` replicas): `molora_lora_requests_info`, vLLM's
+`vllm:lora_requests_info` under molora's prefix, built from the engine's `stats()["lora_requests"]`. One
+sample; its labels carry the state and its value is the Unix time the state was read (vLLM sets it with
+`set_to_current_time`, and the picker keeps the sample with the latest): `running_lora_adapters` and
+`waiting_lora_adapters`, the adapters the running and the waiting requests route to, comma-separated, and
+`max_lora`, the engine's slots. With `render(..., bundle=NAME)` the adapters are listed as the model ids
+requests name them by, `NAME:adapter`: the picker compares them with a request's `model`. This is the one
+thing kept from scrape to scrape: when the engine does not answer (busy, stopped) the last view is written
+again with its own, older time, as vLLM's stays at its last update. `molora_kv_cache_usage_ratio` (blocks in
+use, 0 to 1) is the KV figure the same picker reads.
+Why this name and not the vLLM one as well: the picker takes the metric's name from its configuration
+(`--lora-info-metric` in older releases, `engineConfigs[].loraSpec` of its `core-metrics-extractor` plugin
+in newer ones, which refuse that flag); only the default is the vLLM name, and a server that is not vLLM
+must configure its queue and KV metric names there anyway, so a vLLM-named alias of this one series would
+not make the defaults work and would add a vLLM series to molora's dashboards. The prefix is `molora_` like
+every series here (Prometheus keeps colons for recording rules). docs/serving.md shows the configuration.
 
 Adapter removal: `molora_adapter_tokens_total{adapter=...}` comes from the engine's `tokens_by_adapter`,
 which still carries an adapter after it is unloaded. `forget_adapter(name)` hides that label set from
@@ -49,6 +68,9 @@ QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 RATE_WINDOW_S = 10.0
 
+LORA_INFO = "molora_lora_requests_info"  # vLLM's vllm:lora_requests_info, labels and value alike
+LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+
 DEADLINE_KINDS = ("request", "queue")            # whole-request deadline; time allowed in the queue
 FAILURE_KINDS = ("step", "isolated", "restart")  # a step raised; a request failed alone; the thread restarted
 
@@ -57,10 +79,12 @@ class ServerMetrics:
     """What the server measures; `render(stats, ...)` adds the engine's view at scrape time."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # guards the tokens/s window, the last step time and the forgotten names
+        self._lock = threading.Lock()  # guards the tokens/s window, the last step time, the forgotten names and
+        #                                the last LoRA view
         self._window: deque[tuple[float, int]] = deque()  # (monotonic time, tokens of one step)
         self._last_step = time.monotonic()
         self._forgotten: set[str] = set()
+        self._lora: tuple[tuple[str, ...], float] | None = None  # the last LoRA view read: label values, time
         self.started = time.time()
 
         self.registry = r = CollectorRegistry()
@@ -153,20 +177,37 @@ class ServerMetrics:
             self._window.popleft()
 
     def render(self, stats: Mapping[str, Any], *, in_flight: int, max_in_flight: int, draining: bool,
-               ready: bool | None = None, engine_healthy: bool = True, last_step_age_s: float | None = None) -> str:
+               ready: bool | None = None, engine_healthy: bool = True, last_step_age_s: float | None = None,
+               bundle: str | None = None) -> str:
         """Prometheus text (media type CONTENT_TYPE): the engine's `stats()` and the server's state, then
         everything this instance measured.
 
         `ready` defaults to "not draining and the engine is healthy"; `last_step_age_s` to the time since
-        the last `observe_step` (since this object was built if there was none)."""
+        the last `observe_step` (since this object was built if there was none). `bundle`: the served bundle's
+        name, which makes `molora_lora_requests_info` list model ids (`bundle:adapter`) rather than bare
+        adapter names (module docstring)."""
         now = time.monotonic()
+        lora = _lora_labels(stats.get("lora_requests"), bundle)
         with self._lock:
             forgotten = frozenset(self._forgotten)
             age = now - self._last_step if last_step_age_s is None else last_step_age_s
+            if lora is not None:
+                self._lora = (lora, time.time())
+            lora_view = self._lora
         view = _Scrape(stats=stats, in_flight=in_flight, max_in_flight=max_in_flight, draining=draining,
                        ready=(not draining and engine_healthy) if ready is None else ready,
-                       engine_healthy=engine_healthy, last_step_age_s=age, forgotten=forgotten)
+                       engine_healthy=engine_healthy, last_step_age_s=age, forgotten=forgotten, lora=lora_view)
         return generate_latest(_Exposition(view, self.registry)).decode()
+
+
+def _lora_labels(lora: Mapping[str, Any] | None, bundle: str | None) -> tuple[str, ...] | None:
+    """The label values of `molora_lora_requests_info` (LORA_INFO_LABELS order) from `stats()["lora_requests"]`;
+    None when the engine did not report it."""
+    if not lora:
+        return None
+    prefix = f"{bundle}:" if bundle else ""
+    running, waiting = (",".join(prefix + str(n) for n in lora[key]) for key in ("running", "waiting"))
+    return str(int(lora["max_lora"])), running, waiting
 
 
 def _check_kind(kind: str, allowed: tuple[str, ...], what: str) -> str:
@@ -187,6 +228,7 @@ class _Scrape:
     engine_healthy: bool
     last_step_age_s: float
     forgotten: frozenset[str]
+    lora: tuple[tuple[str, ...], float] | None  # the LoRA view to write: label values and the time it was read
 
 
 class _Exposition:
@@ -214,6 +256,7 @@ def _scrape_families(v: _Scrape) -> Iterator[Metric]:
         ("molora_requests_running", "Requests the engine is running.", stats.get("num_running", 0)),
         ("molora_kv_blocks_total", "KV-cache blocks in the pool.", stats.get("kv_blocks_total", 0)),
         ("molora_kv_blocks_free", "Free KV-cache blocks.", stats.get("kv_blocks_free", 0)),
+        ("molora_kv_cache_usage_ratio", "Fraction of the KV-cache blocks in use (0 to 1).", _kv_usage(stats)),
         ("molora_hotset_slots", "Adapter slots in the hot set.", hot.get("slots", 0)),
         ("molora_hotset_slots_used", "Hot-set slots holding an adapter.", hot.get("slots_used", 0)),
         ("molora_adapter_pins", "Adapter pins held by requests in flight (0 when idle).",
@@ -221,6 +264,13 @@ def _scrape_families(v: _Scrape) -> Iterator[Metric]:
     )
     for name, help_, value in gauges:
         yield GaugeMetricFamily(name, help_, value=value)
+    if v.lora is not None:
+        labels, read_at = v.lora
+        info = GaugeMetricFamily(LORA_INFO, "Adapters of the running and the waiting requests (comma-separated) "
+                                 "and the slots (max_lora); the value is the Unix time this was read.",
+                                 labels=list(LORA_INFO_LABELS))
+        info.add_metric(list(labels), read_at)
+        yield info
     counters = (  # CounterMetricFamily strips the `_total` and the exposition puts it back
         ("molora_engine_steps_total", "Engine steps run.", stats.get("steps", 0)),
         ("molora_generation_tokens_total", "Tokens the engine generated.", stats.get("tokens_generated", 0)),
@@ -241,3 +291,8 @@ def _scrape_families(v: _Scrape) -> Iterator[Metric]:
         if name not in v.forgotten:
             per_adapter.add_metric([name], n)
     yield per_adapter
+
+
+def _kv_usage(stats: Mapping[str, Any]) -> float:
+    total = stats.get("kv_blocks_total", 0)
+    return (total - stats.get("kv_blocks_free", 0)) / total if total else 0.0
