@@ -1,0 +1,217 @@
+"""`molora serve --ray` end to end: a local Ray cluster on 127.0.0.1, tiny random bundles, two engine replicas.
+
+One module-scoped cluster (Ray and Serve start once, ~25 s on 2 cores); every test talks HTTP to the ingress
+or calls the engine deployment through a handle. Teardown checks that no Ray process is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.ray
+
+from molora.bundle import write_manifest  # noqa: E402
+from molora.config import SamplingParams  # noqa: E402
+from molora.server import ServerThread, build_engine, create_app  # noqa: E402
+from molora.server import ray_serve as rs  # noqa: E402
+from molora.server.launch import free_port  # noqa: E402
+from tests.conftest import make_peft_adapter, tiny_config, tiny_model, tiny_tokenizer  # noqa: E402
+
+MAX_LEN = 2048
+ENGINE = {"max_model_len": MAX_LEN, "kv_budget_tokens": 8192, "max_num_seqs": 16}
+
+
+def make_bundles(root: Path) -> dict[str, Path]:
+    """Bundles alpha, beta, gamma on one tiny Llama base (long context), two adapters each, no router."""
+    from transformers import AutoModelForCausalLM
+
+    base = root / "base"
+    config = tiny_config("llama")
+    config.max_position_embeddings = MAX_LEN
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(tiny_model("llama").state_dict())
+    model.save_pretrained(str(base))
+    tiny_tokenizer().save_pretrained(str(base))
+    out = {}
+    for k, name in enumerate(("alpha", "beta", "gamma")):
+        folder = root / name
+        adapters = []
+        for i in range(2):
+            a = f"{name[0]}{i}"
+            make_peft_adapter(folder / "adapters" / a, "llama", seed=10 * k + i)
+            adapters.append({"name": a, "path": f"adapters/{a}"})
+        write_manifest(folder, {"format": "molora-bundle/1", "name": name, "base": str(base),
+                                "prompt_template": "w3 {prompt} w4", "stop": ["<|im_end|>"],
+                                "adapters": adapters, "router": {"kind": "none"}, "slots": 4})
+        out[name] = folder
+    return out
+
+
+def _ray_processes() -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "raylet" in cmd or "gcs_server" in cmd or cmd.startswith("ray::"):
+            found.append(f"{pid}: {cmd[:80]}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray")
+    bundles = make_bundles(root / "bundles")
+    assert not _ray_processes(), "a Ray cluster is already running on this machine"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=str(root / "ray"))
+    port = free_port()
+    try:
+        cfg = rs.RayConfig(bundles=(str(bundles["alpha"]), str(bundles["beta"])), replicas=2, max_queue=4,
+                           ray_queue=2, threads_per_replica=1, cpus_per_replica=0.5, engine_config=ENGINE)
+        rs.serve_ray(cfg, port=port, block=False)
+        yield {"url": f"http://127.0.0.1:{port}/v1", "bundles": bundles, "root": root}
+    finally:
+        rs.shutdown()
+        deadline = time.monotonic() + 30
+        while _ray_processes() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = _ray_processes()
+        assert not left, f"Ray processes left after shutdown: {left}"
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    """The in-process server on bundle alpha: what --ray must reproduce token for token."""
+    from molora.engine import EngineConfig
+
+    engine = build_engine(cluster["bundles"]["alpha"], EngineConfig(**ENGINE))
+    with ServerThread(create_app(engine, max_queue=64)) as url:
+        yield url, engine
+
+
+def test_openai_client_through_ray_equals_the_in_process_server(cluster, reference):
+    import openai
+
+    ray_client = openai.OpenAI(base_url=cluster["url"], api_key="none", max_retries=0)
+    local_client = openai.OpenAI(base_url=reference[0], api_key="none", max_retries=0)
+    for model in ("alpha", "alpha:a1"):
+        kw = dict(model=model, max_tokens=24, temperature=0)
+        chat = [c.chat.completions.create(messages=[{"role": "user", "content": "w5 w6 w7"}], **kw)
+                for c in (ray_client, local_client)]
+        assert chat[0].choices[0].message.content == chat[1].choices[0].message.content
+        comp = [c.completions.create(prompt="w9 w10 w11 w12", **kw) for c in (ray_client, local_client)]
+        assert comp[0].choices[0].text == comp[1].choices[0].text and comp[0].usage == comp[1].usage
+        streams = ["".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            messages=[{"role": "user", "content": "w20 w21"}], stream=True, **kw) if ch.choices)
+            for c in (ray_client, local_client)]
+        assert streams[0] == streams[1] and streams[0]
+    assert {m.id for m in ray_client.models.list().data} == {"alpha", "alpha:a0", "alpha:a1", "beta", "beta:b0",
+                                                          "beta:b1"}
+
+
+def test_repeats_of_a_bundle_stay_on_one_replica(cluster):
+    with httpx.Client(base_url=cluster["url"], timeout=60) as c:
+        seen = {m: {c.post("/completions", json={"model": m, "prompt": "w5", "max_tokens": 2}
+                           ).headers["x-molora-replica"] for _ in range(6)} for m in ("beta", "beta:b0", "alpha")}
+    assert len(seen["beta"]) == 1 and seen["beta"] == seen["beta:b0"] and len(seen["alpha"]) == 1
+
+
+def _engine_stats(bundle_spec: rs.BundleSpec) -> dict:
+    from ray import serve
+
+    handle = serve.get_deployment_handle(rs.ENGINE_DEPLOYMENT, app_name=rs.APP_NAME)
+    kind, stats = handle.options(multiplexed_model_id=bundle_spec.name).command.remote(bundle_spec, "stats").result()
+    assert kind == "ok"
+    return stats
+
+
+def test_a_disconnect_frees_the_engine_kv_blocks(cluster):
+    spec = rs.bundle_specs([str(cluster["bundles"]["alpha"])])[0]
+    body = {"model": "alpha", "prompt": "w5 w6", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=cluster["url"], timeout=60) as c:
+        with c.stream("POST", "/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            busy = _engine_stats(spec)
+        assert busy["num_running"] == 1 and busy["kv_blocks_free"] < busy["kv_blocks_total"]
+    deadline = time.monotonic() + 20
+    while (s := _engine_stats(spec))["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert s["num_running"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
+
+
+def test_saturation_gives_429_and_the_server_keeps_serving(cluster):
+    body = {"model": "alpha", "prompt": "w5", "max_tokens": 300, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=cluster["url"], timeout=120) as c:
+            return await asyncio.gather(*[c.post("/completions", json=body) for _ in range(24)])
+
+    answers = asyncio.run(main())
+    codes = sorted(r.status_code for r in answers)
+    assert set(codes) == {200, 429}, codes                 # 2 replicas x 4 running + 2 queued, the rest refused
+    assert all(r.headers.get("retry-after") for r in answers if r.status_code == 429)
+    with httpx.Client(base_url=cluster["url"], timeout=60) as c:
+        assert c.post("/completions", json={**body, "max_tokens": 4}).status_code == 200
+
+
+def test_eviction_during_a_stream_leaves_its_output_unchanged(cluster):
+    """One replica that keeps one bundle: a request for beta evicts alpha while alpha streams."""
+    from ray import serve
+
+    bundles = cluster["bundles"]
+    cfg = rs.RayConfig(bundles=(str(bundles["alpha"]), str(bundles["beta"])), replicas=1, max_queue=4,
+                       bundles_per_replica=1, threads_per_replica=1, cpus_per_replica=0.5, engine_config=ENGINE)
+    specs = rs.bundle_specs(cfg.bundles)
+    serve.run(rs.make_app(cfg, specs, {}), name="evict", route_prefix=None)
+    handle = serve.get_deployment_handle(rs.ENGINE_DEPLOYMENT, app_name="evict")
+    prompt = [3, 5, 6, 7, 4]
+    params = SamplingParams(max_new_tokens=1200, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        client = rs.RayClient(handle, rs.Registry(specs))
+        spec = rs.RequestSpec(0, prompt, params)
+        sub = await client.submit([spec], "a", "alpha")
+        tokens = []
+        first = await sub.queue.get()
+        tokens += first[1].new_token_ids
+        short = await client.submit([rs.RequestSpec(0, prompt, SamplingParams(max_new_tokens=2))], "b", "beta")
+        while short.unfinished:
+            _, out = await short.queue.get()
+            if out.finished:
+                short.finished(out.request_id)
+        short.close()
+        during = await handle.info.remote()
+        while sub.unfinished:
+            _, out = await sub.queue.get()
+            tokens += out.new_token_ids
+            if out.finished:
+                sub.finished(out.request_id)
+        sub.close()
+        deadline = time.monotonic() + 10
+        while "alpha" in (after := await handle.info.remote())["leases"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return tokens, during, after
+
+    try:
+        tokens, during, after = asyncio.run(main())
+    finally:
+        serve.delete("evict")
+    from molora.engine import EngineConfig
+
+    engine = build_engine(bundles["alpha"], EngineConfig(**ENGINE))         # in process, same bundle
+    want = engine.generate([prompt], params)[0].new_token_ids
+    assert tokens == want and len(tokens) == 1200
+    assert during["builds"] == 2 and during["leases"]["alpha"] == {"holders": 0, "sequences": 1, "version": 0}
+    assert after["builds"] == 2 and "alpha" not in after["leases"]   # freed once its stream ended
