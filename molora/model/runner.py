@@ -115,15 +115,29 @@ class PagedKVCache:
             self.v[:, rows].zero_()
 
 
-@dataclass
 class Decode:
-    """The decode tokens of a step (query length 1) and where their contexts lie in the paged cache."""
+    """The decode tokens of a step (query length 1) and where their contexts lie in the paged cache.
 
-    rows: Tensor                              # [Bd] rows in T
-    blocks: Tensor                            # [Bd * nb] cache blocks of their contexts (nb: longest, padded)
-    mask: Tensor                              # [Bd, 1, 1, nb * bs] bool, True = attend
-    table: Tensor                             # [Bd, nb] the same blocks per sequence (the in-place kernel)
-    ctx: Tensor                               # [Bd] context lengths
+    rows [Bd] rows in T; table [Bd, nb] cache blocks of each context (nb: the longest, short tables padded with
+    block 0); ctx [Bd] context lengths. `blocks` and `mask` (the gathered-SDPA fallback's) are built on first use.
+    """
+
+    def __init__(self, rows: Tensor, table: Tensor, ctx: Tensor, block_size: int) -> None:
+        self.rows, self.table, self.ctx, self.block_size = rows, table, ctx, block_size
+        self._mask: Tensor | None = None
+
+    @property
+    def blocks(self) -> Tensor:
+        """[Bd * nb] the blocks of every context, sequence after sequence."""
+        return self.table.reshape(-1)
+
+    @property
+    def mask(self) -> Tensor:
+        """[Bd, 1, 1, nb * bs] bool, True = attend (rows before each context's end)."""
+        if self._mask is None:
+            col = torch.arange(self.table.shape[1] * self.block_size, device=self.table.device)
+            self._mask = (col[None, :] < self.ctx[:, None])[:, None, None, :]
+        return self._mask
 
 
 @dataclass
@@ -217,13 +231,17 @@ class ModelRunner:
                 carry_out = torch.full((tokens.shape[0],), -2, dtype=torch.long, device=slot_ids.device)
         ctx.set(slot_ids, weights)
         try:
-            h = self.embed(tokens)                                          # [T, D]
+            h = self.embed(tokens)                                          # [T, D] the residual stream
+            delta = None                                                    # what the last block adds to h
             for block in self.blocks:
                 if learned:
+                    if delta is not None:  # the router reads the block's whole input
+                        h, delta = h.add_(delta), None
                     self._decide(block.index, h, routing, slot_ids, weights, carry_out)
                     ctx.set(slot_ids, weights)  # rows changed in place: drop the step's cached plan
-                h = block(h, positions, plan, self.cache, self.cos, self.sin)
-            h = self.norm(h[plan.last_rows])                                 # [B, D]
+                h, delta = block(h, delta, positions, plan, self.cache, self.cos, self.sin)
+            last = plan.last_rows
+            h = _add_norm(self.norm, h[last], None if delta is None else delta[last])   # [B, D]
         finally:
             ctx.clear()
         out = StepOutput(h, None, None if slot_ids is None else slot_ids[plan.last_rows],     # [B, k]
@@ -303,21 +321,30 @@ class ModelRunner:
                               f"{positions.shape[0]} tokens")
         if max(ctx_lens) > self.max_model_len:
             raise MoLoRAError(f"context of {max(ctx_lens)} tokens exceeds max_model_len={self.max_model_len}")
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)  # [B, W]
-        seq_of = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(q_lens, device=dev))  # [T]
-        write_rows = table[seq_of, positions // bs] * bs + positions % bs    # [T]
-        ends = torch.tensor(q_lens, device=dev).cumsum(0)
+        # the per-token and decode indices in Python (a handful of tensors per step, not a chain of small ops)
+        pos = positions.tolist()
+        write, ends, t = [], [], 0
+        for b in range(B):
+            tb = tables[b]
+            for p in pos[t:t + q_lens[b]]:
+                write.append(tb[p // bs] * bs + p % bs)
+            t += q_lens[b]
+            ends.append(t)
+        write_rows = torch.tensor(write, dtype=torch.long, device=dev)       # [T] cache row of each new token
         dec = [b for b in range(B) if q_lens[b] == 1]
         decode = None
         if dec:
-            d = torch.tensor(dec, device=dev)
             nb = -(-max(ctx_lens[b] for b in dec) // bs)                        # blocks of the longest context
-            col = torch.arange(nb * bs, device=dev)                            # [C], C = nb * bs
-            clen = torch.tensor([ctx_lens[b] for b in dec], device=dev)[:, None]
-            dec_table = table[d][:, :nb].contiguous()                          # [Bd, nb] (short tables: padded)
-            decode = Decode(ends[d] - 1, dec_table.reshape(-1), (col[None, :] < clen)[:, None, None, :],
-                            dec_table, clen.reshape(-1).contiguous())          # mask [Bd, 1, 1, C]
+            dec_table = [tables[b][:nb] + [0] * (nb - min(len(tables[b]), nb)) for b in dec]
+            decode = Decode(torch.tensor([ends[b] - 1 for b in dec], dtype=torch.long, device=dev),
+                            torch.tensor(dec_table, dtype=torch.long, device=dev).view(len(dec), nb),  # [Bd, nb]
+                            torch.tensor([ctx_lens[b] for b in dec], dtype=torch.long, device=dev), bs)
+        last_rows = torch.tensor([e - 1 for e in ends], dtype=torch.long, device=dev)   # [B]
+        if all(q_lens[b] == 1 for b in range(B)):
+            return _AttnPlan(write_rows, last_rows, decode, [])
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)  # [B, W]
+        seq_of = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(q_lens, device=dev))  # [T]
         starts = [0]
         for n in q_lens[:-1]:
             starts.append(starts[-1] + n)
@@ -345,7 +372,7 @@ class ModelRunner:
             # earlier tokens are in the cache: gather the whole context, causal with offset
             mask = torch.arange(c, device=dev)[None, :] <= (c - n + torch.arange(n, device=dev))[:, None]
             prefill.append(Prefill(slice(starts[b], starts[b] + n), 1, table[b, :-(-c // bs)], mask))  # [n, c]
-        return _AttnPlan(write_rows, ends - 1, decode, prefill)
+        return _AttnPlan(write_rows, last_rows, decode, prefill)
 
 
 class _Block:
@@ -364,12 +391,27 @@ class _Block:
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.window = _sliding_window(cfg, index)
+        mlp = self.mlp  # gate, up, SiLU and down called here (one fused SiLU * up) where the MLP is Llama's
+        self.gated_silu = (getattr(cfg, "hidden_act", None) == "silu"
+                           and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")))
 
-    def __call__(self, h: Tensor, positions: Tensor, plan: _AttnPlan, cache: PagedKVCache,
-                 cos: Tensor, sin: Tensor) -> Tensor:
-        x = self.input_layernorm(h)                                          # [T, D]
-        h = h + self.o_proj(self.attention(x, positions, plan, cache, cos, sin))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def __call__(self, h: Tensor, delta: Tensor | None, positions: Tensor, plan: _AttnPlan, cache: PagedKVCache,
+                 cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """h [T, D] the residual stream and delta [T, D] (or None) what the previous block adds to it ->
+        (h, this block's delta). h is updated in place (each add fused with the RMSNorm that reads it)."""
+        x = _add_norm(self.input_layernorm, h, delta)                        # h += delta; x = norm(h)
+        x = _add_norm(self.post_attention_layernorm, h, self.o_proj(self.attention(x, positions, plan, cache,
+                                                                                     cos, sin)))
+        return h, self._mlp(x)
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        if not self.gated_silu:
+            return self.mlp(x)
+        m = self.mlp
+        g, u = m.gate_proj(x), m.up_proj(x)
+        if fused_cpu.silu_mul(g, u):
+            return m.down_proj(g)
+        return m.down_proj(m.act_fn(g) * u)
 
     def attention(self, x: Tensor, positions: Tensor, plan: _AttnPlan, cache: PagedKVCache,
                   cos: Tensor, sin: Tensor) -> Tensor:
@@ -379,18 +421,20 @@ class _Block:
         v = self.v_proj(x).view(T, Hkv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        c, s = cos[positions][:, None, :], sin[positions][:, None, :]        # [T, 1, hd]
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
         kc, vc = cache.k[self.index], cache.v[self.index]                    # [N, Hkv, hd]
-        kc.index_copy_(0, plan.write_rows, k)
-        vc.index_copy_(0, plan.write_rows, v)
+        # RoPE in place and K, V into the cache: one C++ call (equal bit for bit to the torch ops below)
+        if not fused_cpu.rope_write(q, k, v, cos, sin, positions, plan.write_rows, kc, vc):
+            c, s = cos[positions][:, None, :], sin[positions][:, None, :]    # [T, 1, hd]
+            q = q * c + _rotate_half(q) * s
+            k = k * c + _rotate_half(k) * s
+            kc.index_copy_(0, plan.write_rows, k)
+            vc.index_copy_(0, plan.write_rows, v)
         out = x.new_empty(T, H, hd)
         if plan.decode is not None:
             d = plan.decode
-            o = fused_cpu.paged_decode(q[d.rows], kc, vc, d.table, d.ctx, cache.block_size, self.scaling, self.window)
-            out[d.rows] = o if o is not None else self._decode(q[d.rows], cache.blocks(kc), cache.blocks(vc), d,
-                                                               positions[d.rows])
+            if not fused_cpu.paged_decode_rows(out, q, kc, vc, d.table, d.ctx, d.rows, cache.block_size,
+                                               self.scaling, self.window):
+                out[d.rows] = self._decode(q[d.rows], cache.blocks(kc), cache.blocks(vc), d, positions[d.rows])
         for p in plan.prefill:
             out[p.rows] = self._prefill(q, k, v, p, positions, kc, vc, cache)
         return out.view(T, H * hd)
@@ -433,6 +477,21 @@ class _Block:
         qg = q.view(Bd, Hkv, H // Hkv, hd)                                   # query head h = kv * G + g
         o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask, scale=self.scaling)  # [Bd, Hkv, G, hd]
         return o.reshape(Bd, H, hd)
+
+
+_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # one formula (add_rms_norm)
+
+
+def _add_norm(norm: nn.Module, h: Tensor, delta: Tensor | None) -> Tensor:
+    """h += delta (in place; None: nothing to add), then norm(h): one C++ call where the kernel runs and `norm`
+    is transformers' RMSNorm, else the torch ops."""
+    if type(norm).__name__ in _RMS_NORMS:
+        out = fused_cpu.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+        if out is not None:
+            return out
+    if delta is not None:
+        h.add_(delta)
+    return norm(h)
 
 
 def _rotate_half(x: Tensor) -> Tensor:

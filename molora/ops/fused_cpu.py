@@ -82,8 +82,9 @@ def _load():
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
             # loaded, serves this library too); without it the kernel silently runs on one thread.
-            _module = load_inline(name=f"molora_fused_lora_v9_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
-                                  functions=["lora_fused_", "bf16_dot", "paged_decode"], verbose=False,
+            _module = load_inline(name=f"molora_fused_lora_v10_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
+                                  functions=["lora_fused_", "bf16_dot", "paged_decode", "paged_decode_rows",
+                                             "add_rms_norm", "rope_write", "silu_mul"], verbose=False,
                                   extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"])
         except Exception as e:  # no compiler, no ninja, unsupported platform: the eager backends remain
@@ -164,6 +165,64 @@ def paged_decode(q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, ctx: Tensor,
         _module.paged_decode(out, q.contiguous(), kc, vc, tables, ctx, int(block_size), float(scale),
                              0 if window is None else int(window))
     return out
+
+
+def paged_decode_rows(out: Tensor, q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, ctx: Tensor, rows: Tensor,
+                      block_size: int, scale: float, window: int | None) -> bool:
+    """`paged_decode` on rows of a whole step, in place: q, out [T, H, hd] (heads contiguous, any row stride,
+    e.g. views into a wider projection output), sequence b's query and output at row rows[b]; the other rows of
+    `out` are left alone. False (nothing done) where the kernel cannot run these; the caller falls back."""
+    if not glue_supports(q) or kc.dtype != q.dtype:
+        return False
+    with _profiled("molora::paged_decode"):
+        _module.paged_decode_rows(out, q, kc, vc, tables, ctx, rows, int(block_size), float(scale),
+                                  0 if window is None else int(window))
+    return True
+
+
+# ------------------------------------------------------------------------------------ decode-layer glue
+# One C++ call each for the runner's small per-layer operations (module docstring of molora.model.runner):
+# float32 or bfloat16 CPU tensors, autograd off, rows with unit column stride. Each returns False (or None)
+# when it cannot run, and the caller does the same work in torch ops.
+
+def glue_supports(x: Tensor) -> bool:
+    """Whether the glue kernels can run on tensors like x (CPU, float32 or bfloat16, no autograd, built)."""
+    return (x.device.type == "cpu" and x.dtype in DTYPES and not torch.is_grad_enabled() and _load() is not None)
+
+
+def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> Tensor | None:
+    """h [T, D] += delta (in place, rounded as torch's add), then transformers' RMSNorm of h (mean of squares in
+    float32, x * rsqrt(mean + eps) rounded to h's dtype, times weight) -> a new [T, D]. None: cannot run."""
+    if not glue_supports(h) or weight.dtype != h.dtype or (delta is not None and delta.dtype != h.dtype):
+        return None
+    out = torch.empty(h.shape, dtype=h.dtype)
+    with _profiled("molora::add_rms_norm"):
+        _module.add_rms_norm(h, _EMPTY if delta is None else delta, weight, out, float(eps))
+    return out
+
+
+def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, rows: Tensor,
+               kc: Tensor, vc: Tensor) -> bool:
+    """RoPE on q [T, H, hd] and k [T, Hkv, hd] in place, bit for bit as x * cos + rotate_half(x) * sin in torch
+    (cos, sin [P, hd] tables, row = position), then k and v [T, Hkv, hd] into the cache rows `rows` [T] of
+    kc, vc [N, Hkv, hd]. False: cannot run (nothing done)."""
+    if not glue_supports(q) or not (k.dtype == v.dtype == cos.dtype == kc.dtype == q.dtype):
+        return False
+    with _profiled("molora::rope_write"):
+        _module.rope_write(q, k, v, cos, sin, positions, rows, kc, vc)
+    return True
+
+
+def silu_mul(g: Tensor, u: Tensor) -> bool:
+    """g [T, D] = silu(g) * u in place (each rounded to g's dtype, as torch's silu then mul). False: cannot run."""
+    if not glue_supports(g) or u.dtype != g.dtype:
+        return False
+    with _profiled("molora::silu_mul"):
+        _module.silu_mul(g, u)
+    return True
+
+
+_EMPTY = torch.empty(0)
 
 
 def _profiled(name: str) -> Any:

@@ -112,12 +112,27 @@ class VocabRouter(Router):
                 raise RoutingError(f"vocab ranges [{lo1}, {hi1}) for {n1!r} and [{lo2}, {hi2}) for {n2!r} overlap")
         self.ranges = spans
         self.default = default
+        self._lookups: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def route(self, input_ids: torch.Tensor, adapter_names: Sequence[str], *, start: int = 0) -> Routing:
-        out = torch.full_like(input_ids, adapter_index(adapter_names, self.default))
-        for lo, hi, name in self.ranges:
-            out = torch.where((input_ids >= lo) & (input_ids < hi), adapter_index(adapter_names, name), out)
-        return Routing(out)
+        # two ops per call (an engine routes every request of every step): the bucket of each id among the
+        # ranges' bounds, then that bucket's adapter index
+        bounds, table = self._lookup(tuple(adapter_names), input_ids.device, input_ids.dtype)
+        return Routing(table[torch.bucketize(input_ids, bounds, right=True)])
+
+    def _lookup(self, names: tuple[str, ...], device: torch.device, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """bounds [m] (every range's lo and hi, sorted) and table [m + 1]: the adapter index of the ids in
+        [bounds[i - 1], bounds[i]) at i (the default below bounds[0], between ranges and from bounds[-1] on)."""
+        key = (names, device, dtype)
+        if key not in self._lookups:
+            default = adapter_index(names, self.default)
+            index = {lo: adapter_index(names, name) for lo, _hi, name in self.ranges}
+            bounds = sorted({b for lo, hi, _ in self.ranges for b in (lo, hi)})
+            table = [default] + [index.get(b, default) for b in bounds]
+            self._lookups[key] = (torch.tensor(bounds, dtype=dtype, device=device),
+                                  torch.tensor(table, dtype=dtype, device=device))
+        return self._lookups[key]
 
     def to_json(self) -> dict:
         return {"ranges": [[lo, hi, n] for lo, hi, n in self.ranges], "default": self.default}

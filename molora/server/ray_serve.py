@@ -610,7 +610,12 @@ def make_app(cfg: RayConfig, specs: Sequence[BundleSpec], server_kwargs: dict) -
                       for n, x in self.replica.leases.leases.items()}
             return {"replica": self.replica.name, "builds": self.replica.leases.builds, "leases": leases}
 
-    @serve.deployment(name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0})
+    # the ingress only parses, tokenises and streams: it must take every call the engines could run or queue (Ray's
+    # default of 5 ongoing requests per replica would hold the rest at the proxy, unbounded and unrefused)
+    ingress_ongoing = max(1024, 2 * ((cfg.max_replicas or cfg.replicas) * max_queue + (cfg.ray_queue or max_queue)))
+
+    @serve.deployment(name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=ingress_ongoing,
+                      ray_actor_options={"num_cpus": 0})
     @serve.ingress()
     class MoloraIngress:
         def __init__(self, engine: Any) -> None:

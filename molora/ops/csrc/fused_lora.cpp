@@ -332,18 +332,22 @@ static inline float exp_sum(float* s, int64_t n, float m) {
 template <typename T>
 static void paged_decode_run(const T* Q, const T* K, const T* V, T* O, const int64_t* tab, const int64_t* cl,
                              int64_t Bd, int64_t H, int64_t Hkv, int64_t hd, int64_t nb, int64_t bs, float scale,
-                             int64_t window) {
+                             int64_t window, const int64_t* qrows = nullptr, int64_t ldq = 0, int64_t ldo = 0) {
+  // sequence b's query is row qrows[b] of Q (row stride ldq) and its output row qrows[b] of O (stride ldo);
+  // qrows null: row b of Q [Bd, H, hd] and O contiguous
+  if (!qrows) { ldq = H * hd; ldo = H * hd; }
   const int64_t G = H / Hkv, row = Hkv * hd;
   at::parallel_for(0, Bd * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, sc, acc;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv, c = cl[b];
+      const int64_t qr = qrows ? qrows[b] : b;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window) : 0, n = c - lo;
       qf.assign(G * hd, 0.f);
       sc.assign(n * G, 0.f);
       acc.assign(G * hd, 0.f);
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] = load1(Q + (b * H + h * G + g) * hd + d) * scale;
+        for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] = load1(Q + qr * ldq + (h * G + g) * hd + d) * scale;
       const int64_t* t_b = tab + b * nb;
       for (int64_t t = lo; t < c; ++t) {           // scores, head-major: sc[g * n + i]
         const T* k = K + (t_b[t / bs] * bs + t % bs) * row + h * hd;
@@ -360,7 +364,7 @@ static void paged_decode_run(const T* Q, const T* K, const T* V, T* O, const int
         for (int64_t g = 0; g < G; ++g) axpy_row(acc.data() + g * hd, sc[g * n + (t - lo)], v, hd);
       }
       for (int64_t g = 0; g < G; ++g) {
-        T* o = O + (b * H + h * G + g) * hd;
+        T* o = O + qr * ldo + (h * G + g) * hd;
         for (int64_t d = 0; d < hd; ++d) store1(o + d, acc[g * hd + d] * inv[g]);
       }
     }
@@ -382,5 +386,186 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::T
     auto u = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
     paged_decode_run<uint16_t>(u(q), u(kc), u(vc), u(out), tp, cp, Bd, H, Hkv, hd, nb, block_size, (float)scale,
                                window);
+  }
+}
+
+// paged_decode on rows of a step: q and out [T, H, hd] (heads contiguous, any row stride), sequence b's query
+// at row rows[b]; the output rows of the other tokens are left as they are (no gather, no scatter).
+void paged_decode_rows(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
+                       torch::Tensor ctx, torch::Tensor rows, int64_t block_size, double scale, int64_t window) {
+  const int64_t H = q.size(1), hd = q.size(2), Hkv = kc.size(1), Bd = rows.size(0), nb = tables.size(1);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == hd && out.stride(2) == 1 && out.stride(1) == hd &&
+              kc.is_contiguous() && vc.is_contiguous() && tables.is_contiguous() && ctx.is_contiguous() &&
+              rows.is_contiguous() && out.scalar_type() == q.scalar_type(), "paged_decode_rows: layout");
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* cp = ctx.data_ptr<int64_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  if (q.scalar_type() == at::kFloat) {
+    paged_decode_run<float>(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), out.data_ptr<float>(),
+                            tp, cp, Bd, H, Hkv, hd, nb, block_size, (float)scale, window, rp, q.stride(0),
+                            out.stride(0));
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_decode_rows: float32 or bfloat16 tensors");
+    auto u = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    paged_decode_run<uint16_t>(u(q), u(kc), u(vc), u(out), tp, cp, Bd, H, Hkv, hd, nb, block_size, (float)scale,
+                               window, rp, q.stride(0), out.stride(0));
+  }
+}
+
+// ------------------------------------------------------------------------------------ decode-layer glue
+// The small per-layer operations around the GEMMs and attention, one call each instead of 4-10 torch ops:
+// RMSNorm with the residual add before it, RoPE with the KV-cache write after it, SiLU(gate) * up. Rows may
+// be strided (views into a wider projection output). Row work is split over torch's threads in blocks of
+// about 16K values (what torch's own elementwise ops do), so a batch-32 decode step runs them on one thread.
+static inline int64_t glue_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+template <typename T> static inline float rnd(float f);
+template <> inline float rnd<float>(float f) { return f; }
+template <> inline float rnd<uint16_t>(float f) { uint16_t b; store1(&b, f); return load1(&b); }
+
+// h[t] += d[t] (rounded to T, as torch's add), then out[t] = w * rnd(h[t] * rsqrt(mean(h[t]^2) + eps)), the
+// mean in float32: transformers' LlamaRMSNorm (also Mistral's, Qwen2's, Qwen3's). d null: no add.
+template <typename T>
+static void add_rms_norm_run(T* h, int64_t ldh, const T* d, int64_t ldd, const T* w, T* out, int64_t ldo,
+                             int64_t rows, int64_t D, float eps) {
+  at::parallel_for(0, rows, glue_grain(D), [&](int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; ++t) {
+      T* hr = h + t * ldh;
+      T* orow = out + t * ldo;
+      v16 acc = {};
+      int64_t j = 0;
+      if (d) {
+        const T* dr = d + t * ldd;
+        for (; j + 16 <= D; j += 16) { const v16 s = load16(hr + j) + load16(dr + j); store16(hr + j, s); }
+        for (; j < D; ++j) store1(hr + j, load1(hr + j) + load1(dr + j));
+      }
+      for (j = 0; j + 16 <= D; j += 16) { const v16 x = load16(hr + j); acc += x * x; }
+      float ss = hsum(acc);
+      for (; j < D; ++j) { const float x = load1(hr + j); ss += x * x; }
+      const float inv = 1.f / std::sqrt(ss / (float)D + eps);
+      if constexpr (std::is_same<T, float>::value) {
+        for (j = 0; j + 16 <= D; j += 16) store16(orow + j, load16(w + j) * (load16(hr + j) * inv));
+      } else {  // bf16: the normed value rounds to bf16 before the weight multiplies it (x.to(input_dtype))
+        for (j = 0; j + 16 <= D; j += 16) {
+          u16x16 tmp; store16((uint16_t*)&tmp, load16(hr + j) * inv);
+          store16(orow + j, load16(w + j) * load16((const uint16_t*)&tmp));
+        }
+      }
+      for (; j < D; ++j) store1(orow + j, load1(w + j) * rnd<T>(load1(hr + j) * inv));
+    }
+  });
+}
+
+void add_rms_norm(torch::Tensor h, torch::Tensor d, torch::Tensor w, torch::Tensor out, double eps) {
+  const int64_t rows = h.size(0), D = h.size(1);
+  TORCH_CHECK(h.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous() && (d.numel() == 0 || d.stride(1) == 1),
+              "add_rms_norm: rows with unit stride");
+  const int64_t ldd = d.numel() ? d.stride(0) : 0;
+  if (h.scalar_type() == at::kFloat) {
+    add_rms_norm_run<float>(h.data_ptr<float>(), h.stride(0), d.numel() ? d.data_ptr<float>() : nullptr, ldd,
+                            w.data_ptr<float>(), out.data_ptr<float>(), out.stride(0), rows, D, (float)eps);
+  } else {
+    TORCH_CHECK(h.scalar_type() == at::kBFloat16, "add_rms_norm: float32 or bfloat16 tensors");
+    auto u = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    add_rms_norm_run<uint16_t>(u(h), h.stride(0), d.numel() ? u(d) : nullptr, ldd, u(w), u(out), out.stride(0),
+                               rows, D, (float)eps);
+  }
+}
+
+// RoPE as transformers computes it, x * cos + rotate_half(x) * sin, each product and the sum rounded to T
+// (no fused multiply-add: the results equal torch's bit for bit), on the Hq heads of q and the Hk heads of k
+// in place; then the rotated k and v rows go to the cache rows `wrows` (index_copy_). cos / sin [P, hd].
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <typename T>
+static void rope_heads(T* x, int64_t heads, int64_t hd, const T* c, const T* s) {
+  const int64_t half = hd / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* r = x + h * hd;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = load1(r + i), b = load1(r + i + half);
+      const float lo = rnd<T>(rnd<T>(a * load1(c + i)) + rnd<T>(-b * load1(s + i)));
+      const float hi = rnd<T>(rnd<T>(b * load1(c + i + half)) + rnd<T>(a * load1(s + i + half)));
+      store1(r + i, lo);
+      store1(r + i + half, hi);
+    }
+  }
+}
+
+template <typename T>
+static void rope_write_run(T* q, int64_t ldq, int64_t Hq, T* k, int64_t ldk, int64_t Hk, const T* v, int64_t ldv,
+                           const T* cs, const T* sn, int64_t hd, const int64_t* pos, const int64_t* wrows, T* kc,
+                           T* vc, int64_t rows) {
+  at::parallel_for(0, rows, glue_grain((Hq + 2 * Hk) * hd), [&](int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; ++t) {
+      const T* c = cs + pos[t] * hd;
+      const T* s = sn + pos[t] * hd;
+      rope_heads<T>(q + t * ldq, Hq, hd, c, s);
+      rope_heads<T>(k + t * ldk, Hk, hd, c, s);
+      std::memcpy(kc + wrows[t] * Hk * hd, k + t * ldk, Hk * hd * sizeof(T));
+      std::memcpy(vc + wrows[t] * Hk * hd, v + t * ldv, Hk * hd * sizeof(T));
+    }
+  });
+}
+#pragma GCC pop_options
+
+void rope_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                torch::Tensor pos, torch::Tensor wrows, torch::Tensor kc, torch::Tensor vc) {
+  // q [T, Hq, hd], k / v [T, Hk, hd] with contiguous heads (any row stride); kc / vc [N, Hk, hd] contiguous
+  const int64_t rows = q.size(0), Hq = q.size(1), hd = q.size(2), Hk = k.size(1);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == hd && k.stride(2) == 1 && k.stride(1) == hd && v.stride(2) == 1 &&
+              v.stride(1) == hd && kc.is_contiguous() && vc.is_contiguous() && cos.is_contiguous() &&
+              sin.is_contiguous() && pos.is_contiguous() && wrows.is_contiguous(), "rope_write: layout");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* wp = wrows.data_ptr<int64_t>();
+  if (q.scalar_type() == at::kFloat) {
+    rope_write_run<float>(q.data_ptr<float>(), q.stride(0), Hq, k.data_ptr<float>(), k.stride(0), Hk,
+                          v.data_ptr<float>(), v.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), hd, pp, wp,
+                          kc.data_ptr<float>(), vc.data_ptr<float>(), rows);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "rope_write: float32 or bfloat16 tensors");
+    auto u = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    rope_write_run<uint16_t>(u(q), q.stride(0), Hq, u(k), k.stride(0), Hk, u(v), v.stride(0), u(cos), u(sin), hd,
+                             pp, wp, u(kc), u(vc), rows);
+  }
+}
+
+// g = silu(g) * u in place (each rounded to T, as torch's silu then mul): silu(x) = x / (1 + e^-x), computed as
+// x * m / (1 + e) with e = e^-|x| and m = 1 (x >= 0) or e (x < 0), so exp16 only sees arguments <= 0.
+template <typename T>
+static void silu_mul_run(T* g, int64_t ldg, const T* u, int64_t ldu, int64_t rows, int64_t D) {
+  at::parallel_for(0, rows, glue_grain(D), [&](int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; ++t) {
+      T* gr = g + t * ldg;
+      const T* ur = u + t * ldu;
+      int64_t j = 0;
+      for (; j + 16 <= D; j += 16) {
+        const v16 x = load16(gr + j);
+        const v16 ax = x < 0 ? -x : x;
+        const v16 e = exp16(-ax);
+        const v16 m = x < 0 ? e : v16{} + 1.0f;
+        v16 sv = x * m / (1.0f + e);
+        if constexpr (!std::is_same<T, float>::value) {
+          u16x16 tmp; store16((uint16_t*)&tmp, sv); sv = load16((const uint16_t*)&tmp);
+        }
+        store16(gr + j, sv * load16(ur + j));
+      }
+      for (; j < D; ++j) {
+        const float x = load1(gr + j);
+        store1(gr + j, rnd<T>(x / (1.f + std::exp(-x))) * load1(ur + j));
+      }
+    }
+  });
+}
+
+void silu_mul(torch::Tensor g, torch::Tensor u) {
+  TORCH_CHECK(g.stride(1) == 1 && u.stride(1) == 1 && g.sizes() == u.sizes(), "silu_mul: rows with unit stride");
+  const int64_t rows = g.size(0), D = g.size(1);
+  if (g.scalar_type() == at::kFloat) {
+    silu_mul_run<float>(g.data_ptr<float>(), g.stride(0), u.data_ptr<float>(), u.stride(0), rows, D);
+  } else {
+    TORCH_CHECK(g.scalar_type() == at::kBFloat16, "silu_mul: float32 or bfloat16 tensors");
+    auto p = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    silu_mul_run<uint16_t>(p(g), g.stride(0), p(u), u.stride(0), rows, D);
   }
 }
