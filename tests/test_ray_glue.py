@@ -46,44 +46,37 @@ class FakeHandle:
         self.replicas, self.saturate = replicas, saturate
         self.resident: list[dict] = [{} for _ in replicas]   # per replica: bundle id -> Resident
         self.ids: list[str] = []                             # multiplexed ids asked for, in order
-        self.model_id, self.stream = "", False
 
-    def options(self, stream: bool = False, multiplexed_model_id: str = "") -> FakeHandle:
-        h = FakeHandle.__new__(FakeHandle)
-        h.__dict__.update(self.__dict__)
-        h.stream, h.model_id = stream, multiplexed_model_id
+    def options(self, stream: bool = False, multiplexed_model_id: str = "") -> SimpleNamespace:
         self.ids.append(multiplexed_model_id)
-        return h
+        model_id = multiplexed_model_id
 
-    async def _resident(self, spec: BundleSpec):
-        assert spec.name == self.model_id, "the multiplexed id is the bundle"
-        i = next((i for i, r in enumerate(self.resident) if self.model_id in r), None)
+        async def gen(spec, specs, prefix):
+            if self.saturate:
+                raise Saturated("fake backpressure")
+            replica, resident = await self._resident(spec, model_id)
+            async for m in replica.generate(resident, spec, specs, prefix):
+                yield m
+
+        async def run(spec, op):
+            replica, resident = await self._resident(spec, model_id)
+            return await replica.command(resident, spec, op)
+
+        return SimpleNamespace(generate=SimpleNamespace(remote=lambda *a: FakeStream(gen(*a))),
+                               command=SimpleNamespace(remote=lambda *a: run(*a)))
+
+    async def _resident(self, spec: BundleSpec, model_id: str):
+        assert spec.name == model_id, "the multiplexed id is the bundle"
+        i = next((i for i, r in enumerate(self.resident) if model_id in r), None)
         if i is None:
             i = min(range(len(self.replicas)), key=lambda k: len(self.resident[k]))
-            self.resident[i][self.model_id] = await self.replicas[i].load(spec)
-        return self.replicas[i], self.resident[i][self.model_id]
+            self.resident[i][model_id] = await self.replicas[i].load(spec)
+        return self.replicas[i], self.resident[i][model_id]
 
     def evict(self, bundle: str) -> None:
         for r in self.resident:
             if bundle in r:
                 r.pop(bundle).__del__()
-
-    @property
-    def generate(self):
-        async def gen(spec, specs, prefix):
-            if self.saturate:
-                raise Saturated("fake backpressure")
-            replica, resident = await self._resident(spec)
-            async for m in replica.generate(resident, spec, specs, prefix):
-                yield m
-        return SimpleNamespace(remote=lambda *a: FakeStream(gen(*a)))
-
-    @property
-    def command(self):
-        async def run(spec, op):
-            replica, resident = await self._resident(spec)
-            return await replica.command(resident, spec, op)
-        return SimpleNamespace(remote=lambda *a: run(*a))
 
 
 def toy_info(adapters=("math", "code")):

@@ -10,6 +10,9 @@ throughput, requests/s, and p50/p99 of time to first token (TTFT) and time per o
 Without `--url` it starts a server in a child process on the bundle (`--bundle`, default: the embedded one); then
 `--baseline` also serves the same requests with transformers `generate` (static padded batches of `c`
 requests, one model per batch) on a second copy of the model, for the comparison the docs quote.
+`--ray` runs the same closed-loop work against `molora serve` and `molora serve --ray --replicas N` (both
+started here, each in its own process), level by level with the order rotated per repetition: the cost of the
+extra hop (output tokens/s ratio, added p50 latency per request) and whether greedy outputs agree.
 Ends with one JSON line. Owns only load generation and reporting; knows the server through HTTP.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import subprocess
@@ -40,6 +44,7 @@ class Sample:
     tpot: float | None = None
     latency: float = 0.0
     error: str = ""
+    text: str = ""
 
 
 def make_prompts(n: int, seed: int = 0, mixed_share: float = 0.3) -> list[str]:
@@ -70,6 +75,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
+    text: list[str] = []
     try:
         async with client.stream("POST", "/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -86,26 +92,27 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
                     last = time.perf_counter()
                 if first is None and any(c["delta"].get("content") for c in chunk.get("choices", [])):
                     first = last
+                text += [c["delta"].get("content") or "" for c in chunk.get("choices", [])]
     except httpx.HTTPError as e:
         return Sample(False, error=f"{type(e).__name__}: {e}")
     end = time.perf_counter()
     tpot = (last - first) / (tokens - 1) if first is not None and last is not None and tokens > 1 else None
-    return Sample(True, tokens, None if first is None else first - t0, tpot, end - t0)
+    return Sample(True, tokens, None if first is None else first - t0, tpot, end - t0, text="".join(text))
 
 
 async def run_level(url: str, headers: dict[str, str], work: list[tuple[str, str]], concurrency: int,
                     max_tokens: int) -> tuple[list[Sample], float]:
     """All of `work` (model, prompt) through `concurrency` closed-loop clients; (samples, wall seconds)."""
-    queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
-    for item in work:
+    queue: asyncio.Queue[tuple[int, tuple[str, str]]] = asyncio.Queue()
+    for item in enumerate(work):
         queue.put_nowait(item)
-    samples: list[Sample] = []
+    samples: list[Sample] = [Sample(False, error="not run")] * len(work)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
         async def worker() -> None:
             while not queue.empty():
-                model, prompt = queue.get_nowait()
-                samples.append(await one_request(client, model, prompt, max_tokens))
+                i, (model, prompt) = queue.get_nowait()
+                samples[i] = await one_request(client, model, prompt, max_tokens)  # in work order
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -169,17 +176,19 @@ def hf_baseline(mm: Any, work: list[tuple[str, str]], batch: int, max_tokens: in
             "latency_p99_ms": round(pct(latencies, 99) * 1000, 2)}
 
 
-def start_server(bundle: str | None, max_concurrency: int, timeout_s: float = 600.0) -> tuple[subprocess.Popen, str]:
-    """`molora.server.serve` in a child process (so the load generator does not share its GIL) on a free port."""
+def start_server(bundle: str | None, max_concurrency: int, timeout_s: float = 600.0,
+                 ray_replicas: int | None = None) -> tuple[subprocess.Popen, str]:
+    """`molora serve` in a child process (so the load generator does not share its GIL) on a free port;
+    with ray_replicas, `molora serve --ray --replicas N` (Ray and every replica stop with it)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    code = ("import sys, json; from molora.engine import EngineConfig; from molora.server import serve; "
-            "a = json.loads(sys.argv[1]); serve(a['bundle'], port=a['port'], max_queue=a['max_queue'], "
-            "engine_config=EngineConfig(max_num_seqs=a['max_num_seqs']), log_level='warning')")
-    spec = {"bundle": bundle, "port": port, "max_queue": max(256, 2 * max_concurrency),
-            "max_num_seqs": max(64, max_concurrency)}
-    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(spec)])
+    cmd = [sys.executable, "-c", "import sys; from molora.cli import main; sys.exit(main(sys.argv[1:]))", "serve",
+           "--port", str(port), "--max-queue", str(max(64, 2 * max_concurrency)),
+           "--max-num-seqs", str(max(64, max_concurrency))] + (["--bundle", bundle] if bundle else [])
+    if ray_replicas is not None:
+        cmd += ["--ray", "--replicas", str(ray_replicas)]
+    proc = subprocess.Popen(cmd, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -211,6 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mixed-share", type=float, default=0.3, help="share of multi-skill prompts (default 0.3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baseline", action="store_true", help="also time transformers generate (local server only)")
+    ap.add_argument("--ray", action="store_true",
+                    help="compare molora serve with molora serve --ray side by side (servers started here)")
+    ap.add_argument("--replicas", type=int, default=1, help="engine replicas of the --ray server (default 1)")
+    ap.add_argument("--repeats", type=int, default=2, help="--ray: runs per level and server, order rotated")
     ap.add_argument("--json", metavar="OUT", help="also write the result JSON to this file")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -219,6 +232,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.baseline and args.url:
         ap.error("--baseline needs the model in this process: drop --url")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    if args.ray:
+        if args.url or args.baseline:
+            ap.error("--ray starts both servers here: drop --url and --baseline")
+        return compare_ray(args, levels)
 
     server = None
     url = args.url
@@ -259,6 +276,64 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump(out, f, indent=2)
     print(json.dumps(out))
     return 0 if all(r["errors"] == 0 for r in results) else 1
+
+
+def compare_ray(args: argparse.Namespace, levels: list[int]) -> int:
+    """`molora serve` vs `molora serve --ray --replicas N` on the same work, side by side (module docstring)."""
+    from molora.bench.common import rotated
+
+    servers = {}
+    try:
+        for name, replicas in (("plain", None), ("ray", args.replicas)):
+            servers[name] = start_server(args.bundle, max(levels), ray_replicas=replicas)
+        urls = {name: url for name, (_, url) in servers.items()}
+        models = [m["id"] for m in httpx.get(urls["plain"] + "/models", timeout=30).json()["data"]]
+        for url in urls.values():  # warm both: the Ray replica loads the bundle on its first request
+            asyncio.run(run_level(url, {}, [(m, "Warm up.") for m in models], 2, 8))
+        print(f"# plain {urls['plain']} vs ray --replicas {args.replicas} {urls['ray']}; models {models}", flush=True)
+        results = []
+        for c in levels:
+            n = args.requests or max(16, 2 * c)
+            work = list(zip(zipf_models(models, n, args.zipf, args.seed + c),
+                            make_prompts(n, args.seed + c, args.mixed_share)))
+            runs: dict[str, list[dict[str, Any]]] = {"plain": [], "ray": []}
+            texts: dict[str, list[str]] = {}
+            for rep in range(args.repeats):
+                for name in rotated(["plain", "ray"], rep):
+                    samples, wall = asyncio.run(run_level(urls[name], {}, work, c, args.max_tokens))
+                    runs[name].append(summarize(c, samples, wall))
+                    texts[name] = [smp.text if smp.ok else None for smp in samples]
+            same = sum(a is not None and a == b for a, b in zip(texts["plain"], texts["ray"]))
+            ratios = [r["output_tok_s"] / max(p["output_tok_s"], 1e-9) for p, r in zip(runs["plain"], runs["ray"])]
+            added = [r["latency_p50_ms"] - p["latency_p50_ms"] for p, r in zip(runs["plain"], runs["ray"])
+                     if r["latency_p50_ms"] is not None and p["latency_p50_ms"] is not None]
+            row = {"concurrency": c, "requests": n, "plain": runs["plain"], "ray": runs["ray"],
+                   "tok_s_ratio_median": round(_median(ratios), 3), "tok_s_ratios": [round(x, 3) for x in ratios],
+                   "added_latency_p50_ms_median": round(_median(added), 2) if added else None,
+                   "same_greedy_outputs": f"{same}/{n}",
+                   "errors": {k: sum(r["errors"] for r in v) for k, v in runs.items()}}
+            results.append(row)
+            print(f"conc {c:>3}: plain {_median([r['output_tok_s'] for r in runs['plain']]):.1f} tok/s, ray "
+                  f"{_median([r['output_tok_s'] for r in runs['ray']]):.1f} tok/s, ratio {row['tok_s_ratio_median']} "
+                  f"{row['tok_s_ratios']}, added p50 latency {row['added_latency_p50_ms_median']} ms, same outputs "
+                  f"{row['same_greedy_outputs']}, errors {row['errors']}", flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+        for proc, _ in servers.values():
+            proc.wait(120)
+    out = {"bench": "serve_ray", "replicas": args.replicas, "repeats": args.repeats, "models": models,
+           "max_tokens": args.max_tokens, "zipf": args.zipf, "threads": os.cpu_count(), "levels": results}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    print(json.dumps(out))
+    return 0 if all(sum(r["errors"].values()) == 0 for r in results) else 1
+
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    return (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2
 
 
 if __name__ == "__main__":

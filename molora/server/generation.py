@@ -302,11 +302,13 @@ class Generation:
 
     async def _stream(self, sub: Submission, states: list[ChoiceState], fmt: _Format, include_usage: bool,
                       n: int, deadline: float) -> AsyncIterator[str]:
+        pending: list[str] = []
         try:
             for state in states:
                 head = fmt.head(state)
                 if head is not None:
                     yield _sse(head)
+            pending: list[str] = []   # events of outputs that arrived together go out as one write
             async for item in self._outputs(sub, states, deadline, self.limits.keepalive_s):
                 if item is None:
                     yield ": keep-alive\n\n"
@@ -314,12 +316,15 @@ class Generation:
                 state, out = item
                 chunk = fmt.chunk(state, out)
                 if chunk is not None:
-                    yield _sse(chunk)
+                    pending.append(_sse(chunk))
+                if pending and sub.queue.empty():
+                    yield "".join(pending)
+                    pending = []
             if include_usage:
-                yield _sse(fmt.usage_chunk(_usage(states, n)))
-            yield "data: [DONE]\n\n"
+                pending.append(_sse(fmt.usage_chunk(_usage(states, n))))
+            yield "".join(pending) + "data: [DONE]\n\n"
         except APIError as e:  # the engine failed mid-stream: tell the client in-band, as OpenAI does
-            yield "data: " + json.dumps(e.body()) + "\n\n"
+            yield "".join(pending) + "data: " + json.dumps(e.body()) + "\n\n"
         finally:
             sub.close()
 

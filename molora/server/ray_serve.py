@@ -277,8 +277,9 @@ class EngineReplica:
 
     async def generate(self, resident: Resident, spec: BundleSpec, specs: Sequence[RequestSpec],
                        prefix: str) -> AsyncIterator[tuple]:
-        """Messages for the ingress: ("accepted", {request_id: index}, replica name), then ("out", index, RequestOutput) ...
-        or ("failure", message); ("error", kind, message) if the request never started."""
+        """Messages for the ingress: ("accepted", {request_id: index}, replica name), then ("outs", [(index,
+        RequestOutput), ...]) with every output ready at that moment, ... or ("failure", message); ("error", kind,
+        message) if the request never started."""
         lease = resident.lease
         try:
             self.leases.begin(lease)
@@ -295,14 +296,21 @@ class EngineReplica:
             try:
                 yield ("accepted", dict(sub.ids), self.name)
                 while sub.unfinished:
-                    item = await sub.queue.get()
-                    if isinstance(item, EngineFailure):
-                        yield ("failure", item.message)
+                    items = [await sub.queue.get()]
+                    while not sub.queue.empty():  # outputs that piled up while the last message was in transit:
+                        items.append(sub.queue.get_nowait())  # one message (Ray's per-item cost adapts to load)
+                    outs = []
+                    for item in items:
+                        if isinstance(item, EngineFailure):
+                            break
+                        if item[1].finished:
+                            sub.finished(item[1].request_id)
+                        outs.append(item)
+                    if outs:
+                        yield ("outs", outs)
+                    if len(outs) < len(items):
+                        yield ("failure", items[len(outs)].message)
                         return
-                    index, out = item
-                    if out.finished:
-                        sub.finished(out.request_id)
-                    yield ("out", index, out)
             finally:  # done, failed, or cancelled by the ingress (client gone): abort what still runs
                 sub.close()
         finally:
@@ -349,8 +357,9 @@ class RemoteSubmission:
     async def _read(self) -> None:
         try:
             async for message in self.stream:
-                if message[0] == "out":
-                    self.queue.put_nowait((message[1], message[2]))
+                if message[0] == "outs":
+                    for item in message[1]:
+                        self.queue.put_nowait(item)
                 elif message[0] == "failure":
                     self.queue.put_nowait(EngineFailure(message[1]))
                     return
@@ -390,6 +399,7 @@ class RayClient(EngineClient):
         self._started = False
         self._failures = 0
         self._admin = asyncio.Lock()
+        self._handles: dict[str, Any] = {}
 
     def start(self) -> None:
         self._started = True
@@ -413,10 +423,16 @@ class RayClient(EngineClient):
     def _release(self, n: int) -> None:
         self._in_flight -= n
 
+    def _streaming(self, bundle: str) -> Any:
+        """The handle's streaming options for `bundle`, made once per bundle (options() builds a new handle)."""
+        h = self._handles.get(bundle)
+        if h is None:
+            h = self._handles[bundle] = self.handle.options(stream=True, multiplexed_model_id=bundle)
+        return h
+
     async def submit(self, specs: Sequence[RequestSpec], prefix: str, bundle: str) -> RemoteSubmission:
         spec = self.registry.spec(bundle)
-        stream = self.handle.options(stream=True, multiplexed_model_id=bundle).generate.remote(
-            spec, list(specs), prefix)
+        stream = self._streaming(bundle).generate.remote(spec, list(specs), prefix)
         arrival = time.perf_counter()
         try:
             first = await stream.__anext__()
