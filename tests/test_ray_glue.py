@@ -281,3 +281,28 @@ def test_greedy_text_through_the_client_matches_the_engine_contract():
         events = [json.loads(line[6:]) for line in c.post("/v1/chat/completions", json=CHAT).text.splitlines()
                   if line.startswith("data: {")]
         assert events[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_bad_scale_out_settings_are_one_line_errors(capsys):
+    from molora.cli import main
+    from molora.server.ray_serve import RayConfig
+
+    assert main(["serve", "--bundle", "a", "--bundle", "b"]) == 2
+    assert capsys.readouterr().err.strip().endswith("add --ray to serve several")
+    with pytest.raises(MoLoRAError, match="both --min-replicas and --max-replicas"):
+        RayConfig(min_replicas=1)
+    with pytest.raises(MoLoRAError, match="min-replicas"):
+        RayConfig(min_replicas=3, max_replicas=2)
+    with pytest.raises(MoLoRAError, match="at least 1"):
+        RayConfig(replicas=0)
+    assert RayConfig(replicas=2, threads_per_replica=None).threads >= 1
+
+
+def test_core_molora_never_imports_ray():
+    import subprocess
+    import sys
+
+    code = ("import sys, molora, molora.server, molora.server.app, molora.engine, molora.cli; "
+            "print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
