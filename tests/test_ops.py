@@ -553,3 +553,68 @@ def test_paged_decode_reads_the_cache_in_place_like_gathered_attention(dtype, to
         want = torch.einsum("kgt,tkd->kgd", p, v).reshape(H, hd)
         assert (out[b].float() - want).abs().max() <= tol
     assert fused_cpu.paged_decode(q.to(torch.float16), kc.half(), vc.half(), tables, ctx, bs, 1.0, None) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_rows_reads_and_writes_rows_of_a_step_in_place(dtype):
+    """paged_decode_rows on strided rows of a wider step tensor equals paged_decode on the gathered rows, and
+    leaves every other output row alone."""
+    fused_cpu = _fused_or_skip()
+    g = torch.Generator().manual_seed(1)
+    H, Hkv, hd, bs = 4, 2, 16, 8
+    kc, vc = (torch.randn(40 * bs, Hkv, hd, generator=g).to(dtype) for _ in range(2))
+    ctx, tables = torch.tensor([7, 1, 29]), torch.tensor([[5, 2, 9, 0], [11, 0, 0, 0], [1, 3, 4, 7]])
+    wide = torch.randn(6, (H + 2 * Hkv) * hd, generator=g).to(dtype)             # q, k, v side by side
+    q = wide[:, :H * hd].view(6, H, hd)                                           # row stride (H + 2Hkv) hd
+    rows = torch.tensor([4, 0, 2])
+    out = torch.full((6, H, hd), 7.0, dtype=dtype)
+    with torch.no_grad():
+        assert fused_cpu.paged_decode_rows(out, q, kc, vc, tables, ctx, rows, bs, hd ** -0.5, None)
+        want = fused_cpu.paged_decode(q[rows].contiguous(), kc, vc, tables, ctx, bs, hd ** -0.5, None)
+    assert torch.equal(out[rows], want)
+    assert (out[[1, 3, 5]] == 7.0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_glue_kernels_equal_the_torch_ops(dtype):
+    """rope_write is transformers' RoPE bit for bit (and writes K, V to the cache rows), add_rms_norm adds
+    the residual bit for bit and normalises as LlamaRMSNorm does (bit for bit in bf16), silu_mul is
+    silu(g) * u (to rounding)."""
+    fused_cpu = _fused_or_skip()
+    from molora.model.runner import _rotate_half
+
+    g = torch.Generator().manual_seed(0)
+    T, H, Hkv, hd, P = 7, 9, 3, 64, 50
+    qkv = torch.randn(T, (H + 2 * Hkv) * hd, generator=g).to(dtype)
+    q, k, v = (t.view(T, -1, hd) for t in qkv.split([H * hd, Hkv * hd, Hkv * hd], 1))   # strided views
+    ang = torch.randn(P, hd, generator=g) * 3
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    pos, rows = torch.randint(0, P, (T,), generator=g), torch.randperm(40, generator=g)[:T]
+    kc, vc = torch.zeros(40, Hkv, hd, dtype=dtype), torch.zeros(40, Hkv, hd, dtype=dtype)
+    c, s = cos[pos][:, None], sin[pos][:, None]
+    want_q, want_k, want_v = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v.clone()
+    with torch.no_grad():
+        assert fused_cpu.rope_write(q, k, v, cos, sin, pos, rows, kc, vc)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(kc[rows], want_k) and torch.equal(vc[rows], want_v)
+
+    h, d = (torch.randn(T, 576, generator=g).to(dtype) for _ in range(2))
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    want_h = h + d
+    hf = want_h.float()
+    want = w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    with torch.no_grad():
+        out = fused_cpu.add_rms_norm(h, d, w, 1e-5)
+    assert torch.equal(h, want_h)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    if dtype == torch.bfloat16:  # the mean from torch's reduction: transformers' bf16 norm bit for bit
+        assert torch.equal(out, want)
+    assert ((out.float() - want.float()).abs() <= tol * want.float().abs().clamp(min=1)).all()
+
+    gate, up = (torch.randn(T, 1000, generator=g) * 4).to(dtype), torch.randn(T, 1000, generator=g).to(dtype)
+    want = torch.nn.functional.silu(gate) * up
+    with torch.no_grad():
+        assert fused_cpu.silu_mul(gate, up)
+    assert ((gate.float() - want.float()).abs() <= tol * want.float().abs().clamp(min=1)).all()
+    with torch.enable_grad():  # autograd on: the kernels decline, the caller runs the torch ops
+        assert fused_cpu.add_rms_norm(h, None, w, 1e-5) is None and not fused_cpu.silu_mul(gate, up)

@@ -273,3 +273,40 @@ def test_smollm2_runner_equals_transformers(tmp_path):
         step = runner(nxt, torch.tensor([21, 6]), meta, logits=True).logits
         ref = mm.model(input_ids=torch.cat([a, nxt[:1]])[None]).logits[0, -1]
         assert (step[0] - ref).abs().max() <= 2 * TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_linear_follows_swapped_weights_and_rewritten_scales(mm, dtype):
+    """The views a routed linear keeps between calls (weight.t(), B, a float32 copy of a bf16 scale) follow a
+    weight whose data is swapped (as model.to() does) and a scale rewritten in place (an adapter load)."""
+    mm.to(dtype)
+    lin = next(m for m in mm.model.modules() if hasattr(m, "lora") and m.lora.active)
+    slot = int(lin.lora.scale.float().argmax())                        # a slot whose adapter targets lin
+    x = torch.randn(5, lin.in_features).to(dtype)
+    with torch.no_grad():
+        mm.context.set(torch.full((5, 1), slot, dtype=torch.long))
+        try:
+            lin(x)
+            lin.weight.data = lin.weight.data * 2                      # new storage, same Parameter
+            y = lin(x).float()
+            lin.lora.scale.mul_(2)                                     # in place: same tensor, new version
+            y2 = lin(x).float()
+        finally:
+            mm.context.clear()
+        base = torch.nn.functional.linear(x, lin.weight).float()
+    delta, delta2 = y - base, y2 - base
+    tol = 1e-5 if dtype == torch.float32 else 0.05 * delta.abs().max()
+    assert delta.abs().max() > 10 * tol and (delta2 - 2 * delta).abs().max() <= 2 * tol
+
+
+def test_vocab_router_lookup_equals_the_range_rule():
+    """VocabRouter's bucket lookup gives the adapter of each id's range, the default between and outside them."""
+    from molora.routing import VocabRouter
+
+    r = VocabRouter([(5, 10, "b"), (10, 20, "a"), (30, 40, "c")], default="a")
+    ids = torch.tensor([[-1, 0, 4, 5, 9, 10, 19, 20, 29, 30, 39, 40, 99]])
+    want = [0, 0, 0, 1, 1, 0, 0, 0, 0, 2, 2, 0, 0]                     # names a, b, c -> 0, 1, 2
+    assert r.route(ids, ["a", "b", "c"]).adapter_ids.tolist() == [want]
+    assert r.route(ids, ["c", "b", "a"]).adapter_ids.tolist() == [[{0: 2, 1: 1, 2: 0}[i] for i in want]]
+    with pytest.raises(molora.RoutingError):
+        r.route(ids, ["a", "b"])

@@ -96,21 +96,40 @@ class RoutedLoRALinear(nn.Module):
         self.lora = slots
         self.context = context
         self.dispatcher = dispatcher
+        # kept between calls while the bank's tensors stay the same (an op or a cast less per call):
+        self._B: tuple[torch.Tensor, torch.Tensor] | None = None  # (lora.Bt, its view B)
+        self._scale: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (lora.scale, its version, float32 copy)
+        self._wt: torch.Tensor | None = None  # weight.t() (inference only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        if x.dim() == 2 and not torch.is_grad_enabled():  # what F.linear runs for 2-D x, minus three view ops
+            wt = self._wt
+            if wt is None or wt.data_ptr() != weight.data_ptr() or wt.dtype != weight.dtype:
+                wt = self._wt = weight.detach().t()     # (weight.data may be swapped, e.g. by model.to())
+            y = torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+        else:
+            y = F.linear(x, weight, bias)
         slot_ids = self.context.slot_ids
-        if slot_ids is None or self.lora.active == 0:
+        lora = self.lora
+        if slot_ids is None or lora.active == 0:
             return y
-        flat = x.reshape(-1, self.in_features)  # [T, d_in]
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [T, d_in]
         if flat.shape[0] != slot_ids.shape[0]:
             raise RuntimeError(f"routing covers {slot_ids.shape[0]} tokens but the layer got {flat.shape[0]}")
-        plan = self.context.plan(self.dispatcher, self.lora.A.shape[0])
-        lora = self.lora
+        plan = self.context.plan(self.dispatcher, lora.A.shape[0])
         if torch.is_grad_enabled():  # autograd keeps the sum out of place
             delta = self.dispatcher.apply(plan, flat, lora.A, lora.B, lora.scale)
             return y + delta.view(y.shape).to(y.dtype)
-        self.dispatcher.apply(plan, flat, lora.A, lora.B, lora.scale, out=y.view(-1, self.out_features))
+        Bt, scale = lora.Bt, lora.scale
+        if self._B is None or self._B[0] is not Bt:
+            self._B = (Bt, lora.B)
+        if scale.dtype != torch.float32:  # a bf16 model's bank: the kernels take scale in float32 (exact)
+            if self._scale is None or self._scale[0] is not scale or self._scale[1] != scale._version:
+                self._scale = (scale, scale._version, scale.float())
+            scale = self._scale[2]
+        self.dispatcher.apply(plan, flat, lora.A, self._B[1], scale,
+                              out=y if y.dim() == 2 else y.view(-1, self.out_features))
         return y
 
     def to_linear(self) -> nn.Linear:

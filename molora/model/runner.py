@@ -24,6 +24,12 @@ Routing is explicit per step (`StepRouting`): fixed slot ids [T, k] written into
 optionally an in-network router whose `decide(block, hidden, allowed)` is called before each block for
 the rows it owns. The runner knows slots and router indices, not adapter names, requests or sampling.
 
+Per block, the residual stream h is updated in place and each add is fused with the RMSNorm that reads it; RoPE
+is applied in place together with the K/V cache write; the MLP's SiLU(gate) * up is one call (the C++ glue of
+`molora.ops.fused_cpu`, with the same torch ops as the fallback where it cannot run). RoPE and the adds equal
+the torch ops bit for bit, and so does the norm in bf16; in float32 the norm's mean and SiLU's exp may differ
+from torch's in the last bit (greedy outputs of the engine bench unchanged in both dtypes, measured).
+
 Attention has two paths, planned once per step (`ModelRunner.plan` -> `_AttnPlan`): paged decode (every
 sequence with one new token, `Decode`; on CPU the fused kernel `fused_cpu.paged_decode` reads each context
 where it lies in the cache, elsewhere its blocks are gathered for SDPA) and ragged prefill (`Prefill` entries: P prompts of one length in one
@@ -205,6 +211,8 @@ class ModelRunner:
         self.cache = PagedKVCache(len(self.blocks), num_blocks, block_size, self.num_kv_heads, self.head_dim,
                                   self.dtype, self.device)
         self.cos, self.sin = _rope_tables(inner.rotary_emb, max_model_len, self.dtype, self.device)  # [P, hd]
+        for block in self.blocks:  # each block's [N, Hkv, hd] views of the cache, taken once
+            block.kc, block.vc = self.cache.k[block.index], self.cache.v[block.index]
 
     @property
     def block_size(self) -> int:
@@ -391,6 +399,8 @@ class _Block:
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.window = _sliding_window(cfg, index)
+        self.kc: Tensor | None = None  # this block's [N, Hkv, hd] K and V cache views (set by ModelRunner)
+        self.vc: Tensor | None = None
         mlp = self.mlp  # gate, up, SiLU and down called here (one fused SiLU * up) where the MLP is Llama's
         self.gated_silu = (getattr(cfg, "hidden_act", None) == "silu"
                            and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")))
@@ -421,7 +431,7 @@ class _Block:
         v = self.v_proj(x).view(T, Hkv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        kc, vc = cache.k[self.index], cache.v[self.index]                    # [N, Hkv, hd]
+        kc, vc = self.kc, self.vc                                            # [N, Hkv, hd] (cache's views)
         # RoPE in place and K, V into the cache: one C++ call (equal bit for bit to the torch ops below)
         if not fused_cpu.rope_write(q, k, v, cos, sin, positions, plan.write_rows, kc, vc):
             c, s = cos[positions][:, None, :], sin[positions][:, None, :]    # [T, 1, hd]

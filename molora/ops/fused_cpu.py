@@ -25,8 +25,13 @@ per thread rather than once per block, and rounds outputs with the CPU's convers
 and 0.69x the time of widening everything in software at T = 1024 (d_in x d_out 576 x 1536, 1536 x 576,
 1000 x 200; S = 4, r = 16, 2 threads).
 
-The same build holds `paged_decode`: attention of one new token per sequence over its context read in place
-from the paged KV cache (`ModelRunner` uses it for decode tokens; see `paged_decode` below).
+The same build holds `paged_decode` (and `paged_decode_rows`, the same on rows of a whole step): attention of one
+new token per sequence over its context read in place from the paged KV cache (`ModelRunner` uses it for decode
+tokens), and the runner's per-layer glue, one call each where torch needs 4-10 small ops: `add_rms_norm` (the
+residual add and transformers' RMSNorm), `rope_write` (RoPE, bit for bit as torch computes it, and the K/V cache
+write) and `silu_mul` (SiLU(gate) * up). Measured on the bench's routed batch-32 decode step (SmolLM2-135M, 2
+threads): with them (and the runner's and routed linears' other cuts) a step records about 2900 profiler events
+instead of about 5500 (6300 in bf16), and runs 5-7% faster (interleaved A/B in one process).
 
 Limits (callers fall back to the eager backends): CPU, float32 or bfloat16, top-1 routing (k = 1), no autograd, B
 stored slot-major (B.transpose(1, 2) contiguous, as `LoRASlots` keeps it), x and out with unit column
@@ -82,7 +87,7 @@ def _load():
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
             # loaded, serves this library too); without it the kernel silently runs on one thread.
-            _module = load_inline(name=f"molora_fused_lora_v10_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
+            _module = load_inline(name=f"molora_fused_lora_v13_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
                                   functions=["lora_fused_", "bf16_dot", "paged_decode", "paged_decode_rows",
                                              "add_rms_norm", "rope_write", "silu_mul"], verbose=False,
                                   extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
@@ -145,7 +150,7 @@ def fused_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, o
     if w is not None and (w.dtype != torch.float32 or not w.is_contiguous()):
         w = w.float().contiguous()
     with _profiled("molora::lora_fused"):
-        mod.lora_fused_(out, x, A.contiguous(), B.transpose(1, 2), g.tok, scale, _NO_WEIGHTS if w is None else w,
+        mod.lora_fused_(out, x, A.contiguous(), B, g.tok, scale, _NO_WEIGHTS if w is None else w,
                         g.counts)
     return out
 
@@ -172,7 +177,8 @@ def paged_decode_rows(out: Tensor, q: Tensor, kc: Tensor, vc: Tensor, tables: Te
     """`paged_decode` on rows of a whole step, in place: q, out [T, H, hd] (heads contiguous, any row stride,
     e.g. views into a wider projection output), sequence b's query and output at row rows[b]; the other rows of
     `out` are left alone. False (nothing done) where the kernel cannot run these; the caller falls back."""
-    if not glue_supports(q) or kc.dtype != q.dtype:
+    if (not glue_supports(q) or not (kc.dtype == vc.dtype == out.dtype == q.dtype)
+            or not (tables.dtype == ctx.dtype == rows.dtype == torch.long)):
         return False
     with _profiled("molora::paged_decode"):
         _module.paged_decode_rows(out, q, kc, vc, tables, ctx, rows, int(block_size), float(scale),
@@ -192,12 +198,23 @@ def glue_supports(x: Tensor) -> bool:
 
 def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> Tensor | None:
     """h [T, D] += delta (in place, rounded as torch's add), then transformers' RMSNorm of h (mean of squares in
-    float32, x * rsqrt(mean + eps) rounded to h's dtype, times weight) -> a new [T, D]. None: cannot run."""
+    float32, x * rsqrt(mean + eps) rounded to h's dtype, times weight) -> a new [T, D]. None: cannot run.
+
+    float32: one call (the mean's sum in another order than torch's: the output may differ in the last bit).
+    bfloat16: the mean of squares comes from torch's own reduction (two ops more), so that the output equals
+    transformers' bit for bit: a last-bit difference in float32 flips the bf16 rounding of about 1 value in
+    10^6, enough to change greedy outputs (11 of the engine bench's 32 requests, measured)."""
     if not glue_supports(h) or weight.dtype != h.dtype or (delta is not None and delta.dtype != h.dtype):
         return None
     out = torch.empty(h.shape, dtype=h.dtype)
+    var = _EMPTY
+    if h.dtype != torch.float32:
+        if delta is not None:
+            h.add_(delta)
+            delta = None
+        var = h.float().pow_(2).mean(-1)                   # [T] as LlamaRMSNorm computes it
     with _profiled("molora::add_rms_norm"):
-        _module.add_rms_norm(h, _EMPTY if delta is None else delta, weight, out, float(eps))
+        _module.add_rms_norm(h, _EMPTY if delta is None else delta, weight, out, float(eps), var)
     return out
 
 
@@ -206,7 +223,8 @@ def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positi
     """RoPE on q [T, H, hd] and k [T, Hkv, hd] in place, bit for bit as x * cos + rotate_half(x) * sin in torch
     (cos, sin [P, hd] tables, row = position), then k and v [T, Hkv, hd] into the cache rows `rows` [T] of
     kc, vc [N, Hkv, hd]. False: cannot run (nothing done)."""
-    if not glue_supports(q) or not (k.dtype == v.dtype == cos.dtype == kc.dtype == q.dtype):
+    if (not glue_supports(q) or not (k.dtype == v.dtype == cos.dtype == sin.dtype == kc.dtype == vc.dtype == q.dtype)
+            or positions.dtype != torch.long or rows.dtype != torch.long):
         return False
     with _profiled("molora::rope_write"):
         _module.rope_write(q, k, v, cos, sin, positions, rows, kc, vc)

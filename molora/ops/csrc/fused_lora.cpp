@@ -250,9 +250,13 @@ bool bf16_dot() {
 #endif
 }
 
-void lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Tensor Bt, torch::Tensor tok,
+void lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Tensor B, torch::Tensor tok,
                  torch::Tensor scale, torch::Tensor weight, std::vector<int64_t> counts) {
-  const int64_t S = A.size(0), R = A.size(1), Din = A.size(2), Dout = Bt.size(2);
+  // B [S, Dout, R] stored slot-major (its transpose Bt [S, R, Dout] contiguous): read through Bt's layout
+  const int64_t S = A.size(0), R = A.size(1), Din = A.size(2), Dout = B.size(1);
+  TORCH_CHECK((Dout == 1 || B.stride(1) == 1) && (R == 1 || B.stride(2) == Dout) && (S == 1 || B.stride(0) == R * Dout),
+              "lora_fused_: B slot-major");
+  const torch::Tensor& Bt = B;
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
   const int64_t* tp = tok.data_ptr<int64_t>();
   const float* sp = scale.data_ptr<float>();
@@ -416,8 +420,9 @@ void paged_decode_rows(torch::Tensor out, torch::Tensor q, torch::Tensor kc, tor
 // The small per-layer operations around the GEMMs and attention, one call each instead of 4-10 torch ops:
 // RMSNorm with the residual add before it, RoPE with the KV-cache write after it, SiLU(gate) * up. Rows may
 // be strided (views into a wider projection output). Row work is split over torch's threads in blocks of
-// about 16K values (what torch's own elementwise ops do), so a batch-32 decode step runs them on one thread.
-static inline int64_t glue_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+// about 64K values: a batch-32 decode step runs them on one thread (waking a second one for 18K-49K values
+// cost more than the work: 32-44 us per call against a few us, measured under torch.profiler).
+static inline int64_t glue_grain(int64_t width) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(width, 1)); }
 
 template <typename T> static inline float rnd(float f);
 template <> inline float rnd<float>(float f) { return f; }
@@ -425,9 +430,11 @@ template <> inline float rnd<uint16_t>(float f) { uint16_t b; store1(&b, f); ret
 
 // h[t] += d[t] (rounded to T, as torch's add), then out[t] = w * rnd(h[t] * rsqrt(mean(h[t]^2) + eps)), the
 // mean in float32: transformers' LlamaRMSNorm (also Mistral's, Qwen2's, Qwen3's). d null: no add.
+// var (optional, [rows] float32): the mean of squares as the caller computed it (torch's own reduction order,
+// so that bf16 outputs equal transformers' bit for bit); null: summed here.
 template <typename T>
 static void add_rms_norm_run(T* h, int64_t ldh, const T* d, int64_t ldd, const T* w, T* out, int64_t ldo,
-                             int64_t rows, int64_t D, float eps) {
+                             int64_t rows, int64_t D, float eps, const float* var) {
   at::parallel_for(0, rows, glue_grain(D), [&](int64_t r0, int64_t r1) {
     for (int64_t t = r0; t < r1; ++t) {
       T* hr = h + t * ldh;
@@ -439,10 +446,16 @@ static void add_rms_norm_run(T* h, int64_t ldh, const T* d, int64_t ldd, const T
         for (; j + 16 <= D; j += 16) { const v16 s = load16(hr + j) + load16(dr + j); store16(hr + j, s); }
         for (; j < D; ++j) store1(hr + j, load1(hr + j) + load1(dr + j));
       }
-      for (j = 0; j + 16 <= D; j += 16) { const v16 x = load16(hr + j); acc += x * x; }
-      float ss = hsum(acc);
-      for (; j < D; ++j) { const float x = load1(hr + j); ss += x * x; }
-      const float inv = 1.f / std::sqrt(ss / (float)D + eps);
+      float mean;
+      if (var) {
+        mean = var[t];
+      } else {
+        for (j = 0; j + 16 <= D; j += 16) { const v16 x = load16(hr + j); acc += x * x; }
+        float ss = hsum(acc);
+        for (; j < D; ++j) { const float x = load1(hr + j); ss += x * x; }
+        mean = ss / (float)D;
+      }
+      const float inv = 1.f / std::sqrt(mean + eps);
       if constexpr (std::is_same<T, float>::value) {
         for (j = 0; j + 16 <= D; j += 16) store16(orow + j, load16(w + j) * (load16(hr + j) * inv));
       } else {  // bf16: the normed value rounds to bf16 before the weight multiplies it (x.to(input_dtype))
@@ -456,19 +469,23 @@ static void add_rms_norm_run(T* h, int64_t ldh, const T* d, int64_t ldd, const T
   });
 }
 
-void add_rms_norm(torch::Tensor h, torch::Tensor d, torch::Tensor w, torch::Tensor out, double eps) {
+void add_rms_norm(torch::Tensor h, torch::Tensor d, torch::Tensor w, torch::Tensor out, double eps,
+                  torch::Tensor var) {
   const int64_t rows = h.size(0), D = h.size(1);
   TORCH_CHECK(h.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous() && (d.numel() == 0 || d.stride(1) == 1),
               "add_rms_norm: rows with unit stride");
+  TORCH_CHECK(var.numel() == 0 || (var.numel() == rows && var.scalar_type() == at::kFloat && var.is_contiguous()),
+              "add_rms_norm: var [rows] float32");
+  const float* vp = var.numel() ? var.data_ptr<float>() : nullptr;
   const int64_t ldd = d.numel() ? d.stride(0) : 0;
   if (h.scalar_type() == at::kFloat) {
     add_rms_norm_run<float>(h.data_ptr<float>(), h.stride(0), d.numel() ? d.data_ptr<float>() : nullptr, ldd,
-                            w.data_ptr<float>(), out.data_ptr<float>(), out.stride(0), rows, D, (float)eps);
+                            w.data_ptr<float>(), out.data_ptr<float>(), out.stride(0), rows, D, (float)eps, vp);
   } else {
     TORCH_CHECK(h.scalar_type() == at::kBFloat16, "add_rms_norm: float32 or bfloat16 tensors");
     auto u = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
     add_rms_norm_run<uint16_t>(u(h), h.stride(0), d.numel() ? u(d) : nullptr, ldd, u(w), u(out), out.stride(0),
-                               rows, D, (float)eps);
+                               rows, D, (float)eps, vp);
   }
 }
 
