@@ -82,6 +82,15 @@ def page_block(records: dict) -> str:
                      f"({', '.join(f'{x:.2f}' for x in row['tok_s_ratios'])}) | "
                      f"{row['added_latency_p50_ms_median']:.1f} ms | {row['same_greedy_outputs']} | "
                      f"{row['errors']['plain']} / {row['errors']['ray']} |")
+    c1, c16 = _level(one, 1), _level(one, 16)
+    per_token = c1["added_latency_p50_ms_median"] / one["result"]["max_tokens"]
+    verdict = lambda ok: "met" if ok else "**not met**"  # noqa: E731
+    lines += ["", f"Issue 16's goals: output tokens/s ≥ 0.9× at concurrency 16: {c16['tok_s_ratio_median']:.2f}×, "
+              f"{verdict(c16['tok_s_ratio_median'] >= 0.9)}; added latency ≤ 15 ms per request at concurrency 1: "
+              f"+{c1['added_latency_p50_ms_median']:.0f} ms, {verdict(c1['added_latency_p50_ms_median'] <= 15)} "
+              f"(about {per_token:.1f} ms per streamed token at up to {one['result']['max_tokens']} tokens: every "
+              "output crosses two Ray hops); greedy outputs equal: "
+              f"{verdict(all(r['same_greedy_outputs'].split('/')[0] == r['same_greedy_outputs'].split('/')[1] for r in one['result']['levels'] + two['result']['levels']))}."]
     t = _level(two, 32)
     ray = t["ray"][0]
     lines += ["", f"Two replicas (`--replicas 2`, one torch thread each): {ray['requests']} requests at concurrency 32, "

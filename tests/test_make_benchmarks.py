@@ -145,3 +145,16 @@ def test_a_run_that_would_mix_configurations_is_refused(mb, records) -> None:
     with pytest.raises(SystemExit, match="--threads=1"):
         mb.run_config(kept, 1, None)
     assert mb.merge_records({"serve": 1, "ops": 2}, {"model": 3, "ops": 4}) == {"ops": 4, "model": 3, "serve": 1}
+
+
+def test_scaleout_docs_render_from_their_record():
+    """docs/scaleout.md and the README's scale-out line are what scripts/make_scaleout.py renders from
+    docs/scaleout.json (no figure without its record)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "scripts" / "make_scaleout.py"), "--check"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
