@@ -274,16 +274,19 @@ class Generation:
         while sub.unfinished:
             left = deadline - time.monotonic()
             if left <= 0:
-                self.metrics.count_deadline("request")
-                raise APIError(504, "the request ran past its deadline and the engine did not end it in time "
-                               "(a stalled engine?)", type="server_error", code="timeout")
-            wait = left if keepalive is None else min(left, keepalive)
-            try:
-                item = await asyncio.wait_for(sub.queue.get(), wait)
-            except asyncio.TimeoutError:
-                if keepalive is not None and wait == keepalive:
-                    yield None
-                continue
+                if sub.queue.empty():
+                    self.metrics.count_deadline("request")
+                    raise APIError(504, "the request ran past its deadline and the engine did not end it in time "
+                                   "(a stalled engine?)", type="server_error", code="timeout")
+                item = sub.queue.get_nowait()  # what the engine already sent is delivered first
+            else:
+                wait = left if keepalive is None else min(left, keepalive)
+                try:
+                    item = await asyncio.wait_for(sub.queue.get(), wait)
+                except asyncio.TimeoutError:
+                    if keepalive is not None and wait == keepalive:
+                        yield None
+                    continue
             if isinstance(item, EngineFailure):
                 raise APIError(500, item.message, type="server_error", code="engine_error")
             index, out = item

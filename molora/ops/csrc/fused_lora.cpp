@@ -1,6 +1,7 @@
 // The `fused` per-token LoRA CPU kernel. molora/ops/fused_cpu.py reads this file and builds it with
 // torch.utils.cpp_extension.load_inline (once per machine and CPU type; -O3 -march=native -ffp-contract=fast
-// -fopenmp), which adds the Python bindings of lora_fused_, bf16_dot and paged_decode. What they compute, limits, why:
+// -fopenmp), which adds the Python bindings of the functions fused_cpu.py lists. Each releases the GIL while it
+// runs (as torch's own ops do), so a server's event loop is not stopped by a step. What they compute, limits, why:
 // fused_cpu.py's docstring.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -252,6 +253,7 @@ bool bf16_dot() {
 
 void lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Tensor B, torch::Tensor tok,
                  torch::Tensor scale, torch::Tensor weight, std::vector<int64_t> counts) {
+  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   // B [S, Dout, R] stored slot-major (its transpose Bt [S, R, Dout] contiguous): read through Bt's layout
   const int64_t S = A.size(0), R = A.size(1), Din = A.size(2), Dout = B.size(1);
   TORCH_CHECK((Dout == 1 || B.stride(1) == 1) && (R == 1 || B.stride(2) == Dout) && (S == 1 || B.stride(0) == R * Dout),
@@ -377,6 +379,7 @@ static void paged_decode_run(const T* Q, const T* K, const T* V, T* O, const int
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
                   torch::Tensor ctx, int64_t block_size, double scale, int64_t window) {
+  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && out.is_contiguous() &&
               tables.is_contiguous() && ctx.is_contiguous(), "paged_decode: contiguous tensors");
   const int64_t Bd = q.size(0), H = q.size(1), hd = q.size(2), Hkv = kc.size(1), nb = tables.size(1);
@@ -397,6 +400,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::T
 // at row rows[b]; the output rows of the other tokens are left as they are (no gather, no scatter).
 void paged_decode_rows(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
                        torch::Tensor ctx, torch::Tensor rows, int64_t block_size, double scale, int64_t window) {
+  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   const int64_t H = q.size(1), hd = q.size(2), Hkv = kc.size(1), Bd = rows.size(0), nb = tables.size(1);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == hd && out.stride(2) == 1 && out.stride(1) == hd &&
               kc.is_contiguous() && vc.is_contiguous() && tables.is_contiguous() && ctx.is_contiguous() &&
@@ -471,6 +475,7 @@ static void add_rms_norm_run(T* h, int64_t ldh, const T* d, int64_t ldd, const T
 
 void add_rms_norm(torch::Tensor h, torch::Tensor d, torch::Tensor w, torch::Tensor out, double eps,
                   torch::Tensor var) {
+  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   const int64_t rows = h.size(0), D = h.size(1);
   TORCH_CHECK(h.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous() && (d.numel() == 0 || d.stride(1) == 1),
               "add_rms_norm: rows with unit stride");
@@ -528,6 +533,7 @@ static void rope_write_run(T* q, int64_t ldq, int64_t Hq, T* k, int64_t ldk, int
 
 void rope_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                 torch::Tensor pos, torch::Tensor wrows, torch::Tensor kc, torch::Tensor vc) {
+  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   // q [T, Hq, hd], k / v [T, Hk, hd] with contiguous heads (any row stride); kc / vc [N, Hk, hd] contiguous
   const int64_t rows = q.size(0), Hq = q.size(1), hd = q.size(2), Hk = k.size(1);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == hd && k.stride(2) == 1 && k.stride(1) == hd && v.stride(2) == 1 &&
@@ -576,6 +582,7 @@ static void silu_mul_run(T* g, int64_t ldg, const T* u, int64_t ldu, int64_t row
 }
 
 void silu_mul(torch::Tensor g, torch::Tensor u) {
+  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   TORCH_CHECK(g.stride(1) == 1 && u.stride(1) == 1 && g.sizes() == u.sizes(), "silu_mul: rows with unit stride");
   const int64_t rows = g.size(0), D = g.size(1);
   if (g.scalar_type() == at::kFloat) {
