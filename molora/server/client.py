@@ -19,6 +19,7 @@ requests (unknown or draining adapters, invalid adapter files).
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -133,7 +134,5 @@ class LocalClient(EngineClient):
 async def load_into(engine: Any, runner: EngineRunner, name: str, path: Path, roots: Sequence[Path]) -> None:
     """Read and check the adapter files on a worker thread (never on the engine thread or the event loop),
     then register the adapter on the engine thread."""
-    import asyncio
-
     adapter = await asyncio.to_thread(engine.read_adapter, name, str(path), roots=roots)
     await runner.call(lambda: engine.load_adapter(name, adapter, roots=roots))

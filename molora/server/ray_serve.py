@@ -53,7 +53,9 @@ from typing import Any
 
 from molora.errors import AdapterDraining, AdapterNotFound, BankFullError, MoLoRAError
 from molora.server.client import EngineClient, load_into
-from molora.server.runner import EngineBusy, EngineFailure, EngineRunner, RequestSpec, RunnerStopped, Saturated
+from molora.server.runner import (
+    EngineBusy, EngineFailure, EngineRunner, RequestSpec, RunnerStopped, Saturated, Submission,
+)
 
 log = logging.getLogger("molora.server.ray")
 
@@ -340,18 +342,14 @@ class EngineReplica:
 
 # ------------------------------------------------------------------------------------------ ingress client
 
-class RemoteSubmission:
-    """`Submission`'s interface over a stream of replica messages (molora.server.runner.Submission)."""
+class RemoteSubmission(Submission):
+    """A submission whose outputs arrive as a stream of replica messages (`EngineReplica.generate`)."""
 
     def __init__(self, stream: Any, ids: dict[str, int], arrival: float, on_close: Callable[[], None],
                  replica: str | None = None) -> None:
-        self.stream, self.replica = stream, replica
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.ids = ids
-        self.unfinished = set(ids)
-        self.arrival = arrival
+        super().__init__(ids, arrival, replica)
+        self.stream = stream
         self._on_close = on_close
-        self._closed = False
         self._pump = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
@@ -369,19 +367,11 @@ class RemoteSubmission:
             log.warning("engine replica stream failed: %r", e)
             self.queue.put_nowait(EngineFailure(f"the engine replica failed ({type(e).__name__}: {e})"))
 
-    def finished(self, request_id: str) -> None:
-        self.unfinished.discard(request_id)
-
-    def close(self) -> None:
-        """Stop reading and cancel the replica's generator (it aborts its engine requests); idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _end(self) -> None:
+        """Stop reading and cancel the replica's generator (it aborts its engine requests)."""
         self._pump.cancel()
         if self.unfinished:
-            cancel = getattr(self.stream, "cancel", None)
-            if cancel is not None:
-                cancel()
+            _cancel(self.stream)
         self._on_close()
 
 
@@ -454,7 +444,7 @@ class RayClient(EngineClient):
     async def _command(self, bundle: str, spec: BundleSpec, op: str) -> Any:
         response = self.handle.options(multiplexed_model_id=bundle).command.remote(spec, op)
         try:
-            answer = await asyncio.wait_for(_await(response), self.call_timeout_s)
+            answer = await asyncio.wait_for(response, self.call_timeout_s)
         except asyncio.TimeoutError:
             raise EngineBusy(f"no engine replica answered {op} within {self.call_timeout_s:g} s") from None
         except self.backpressure as e:
@@ -486,10 +476,6 @@ class RayClient(EngineClient):
             except (EngineBusy, Saturated, RunnerStopped):  # replicas catch up before their next request
                 return "draining"
             return states.get(name, "unloaded")
-
-
-async def _await(response: Any) -> Any:
-    return await response
 
 
 def _cancel(stream: Any) -> None:

@@ -80,16 +80,17 @@ class Submission:
 
     queue items: (choice index, RequestOutput) in step order, or an `EngineFailure`. `close()` aborts what
     has not finished and frees the admission slots; call it exactly when the handler is done (idempotent).
+    How the aborting and freeing happen is the transport's (`_end`): the engine thread here
+    (`RunnerSubmission`), a replica's stream in `molora.server.ray_serve`.
     """
 
-    def __init__(self, runner: EngineRunner, ids: dict[str, int], arrival: float) -> None:
-        self.runner = runner
+    def __init__(self, ids: dict[str, int], arrival: float, replica: str | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Any] | EngineFailure] = asyncio.Queue()
         self.ids = ids                        # request_id -> choice index
         self.unfinished = set(ids)
         self.arrival = arrival
-        self.replica: str | None = None       # which engine replica runs it (None: this process)
+        self.replica = replica                # which engine replica runs it (None: this process)
         self._closed = False
 
     def finished(self, request_id: str) -> None:
@@ -99,6 +100,21 @@ class Submission:
         if self._closed:
             return
         self._closed = True
+        self._end()
+
+    def _end(self) -> None:
+        """Abort what is unfinished and free the admission slots (once, from close)."""
+        raise NotImplementedError
+
+
+class RunnerSubmission(Submission):
+    """A submission to the engine thread of an `EngineRunner` in this process."""
+
+    def __init__(self, runner: EngineRunner, ids: dict[str, int], arrival: float) -> None:
+        super().__init__(ids, arrival)
+        self.runner = runner
+
+    def _end(self) -> None:
         if self.unfinished:
             self.runner.abort(list(self.unfinished))
         self.runner._release(len(self.ids))
@@ -198,7 +214,7 @@ class EngineRunner:
         """Add all of `specs` to the engine, or none (the engine's error is raised); Saturated when full."""
         self._reserve(len(specs))
         ids = {f"{prefix}-{next(self._ids)}": spec.index for spec in specs}
-        sub = Submission(self, ids, time.perf_counter())
+        sub = RunnerSubmission(self, ids, time.perf_counter())
         try:
             await self.call(lambda: self._add_all(sub, specs))
         except asyncio.CancelledError:
