@@ -335,7 +335,27 @@ def render(res: dict, val: dict | None, cost: dict | None, images: list[str]) ->
             "most blocks took compared with the token's skill:", "",
             _table(["sequences", "token accuracy", "block accuracy", "tokens"],
                    [[k, r["token_accuracy"], r["block_accuracy"], r["tokens"]] for k, r in ra.items()]), ""]
-    return "\n".join(out)
+    return "\n".join(out + extra_sections())
+
+
+# Sections measured by other scripts, appended to the page when their record exists: (record under docs/, the
+# script beside this one that owns it; the script defines render_section(record) -> list of markdown lines).
+SECTIONS = [("arrow.json", "make_arrow.py"), ("multimodal.json", "make_multimodal.py")]
+
+
+def extra_sections(docs: Path = None) -> list[str]:
+    """The markdown of every SECTIONS record present, rendered by its own script's render_section."""
+    import importlib.util
+    docs = docs or DOCS
+    out: list[str] = []
+    for record, script in SECTIONS:
+        if not (docs / record).is_file():
+            continue
+        spec = importlib.util.spec_from_file_location(script[:-3], Path(__file__).with_name(script))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        out += mod.render_section(json.loads((docs / record).read_text()))
+    return out
 
 
 README_BEGIN, README_END = "<!-- results:begin (scripts/make_results.py) -->", "<!-- results:end -->"
