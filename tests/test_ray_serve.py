@@ -216,3 +216,31 @@ def test_eviction_during_a_stream_leaves_its_output_unchanged(cluster):
     assert tokens == want and len(tokens) == 1200
     assert during["builds"] == 2 and during["leases"]["alpha"] == {"holders": 0, "sequences": 1, "version": 0}
     assert after["builds"] == 2 and "alpha" not in after["leases"]   # freed once its stream ended
+
+
+def test_process_ingress_over_the_engine_handle_equals_the_in_process_server(cluster, reference):
+    """--ray-ingress process: the same app, run by uvicorn in this (driver) process, reaching the engine
+    replicas through a deployment handle with no Ray proxy in between."""
+    import openai
+    from ray import serve
+
+    from molora.server.generation import REPLICA_HEADER
+
+    specs = rs.bundle_specs([str(cluster["bundles"]["alpha"]), str(cluster["bundles"]["beta"])])
+    cfg = rs.RayConfig(bundles=tuple(s.path for s in specs), max_queue=4, engine_config=ENGINE, ingress="process")
+    handle = serve.get_deployment_handle(rs.ENGINE_DEPLOYMENT, rs.APP_NAME)
+    with ServerThread(rs.ingress_app(handle, cfg, specs, {})) as url:
+        clients = [openai.OpenAI(base_url=u, api_key="none", max_retries=0) for u in (url, reference[0])]
+        kw = dict(model="alpha:a0", max_tokens=24, temperature=0)
+        streams = ["".join(ch.choices[0].text for ch in c.completions.create(prompt="w30 w31 w32", stream=True, **kw)
+                           if ch.choices) for c in clients]
+        assert streams[0] == streams[1] and streams[0]
+        r = httpx.post(url + "/completions", json={"prompt": "w5", "model": "alpha", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.headers[REPLICA_HEADER]
+        bad = httpx.post(url + "/completions", json={"prompt": "w5", "model": "nope"}, timeout=30)
+        assert bad.status_code == 404
+
+
+def test_ray_config_rejects_an_unknown_ingress():
+    with pytest.raises(rs.MoLoRAError, match="--ray-ingress 'proxy'"):
+        rs.RayConfig(ingress="proxy")

@@ -177,9 +177,10 @@ def hf_baseline(mm: Any, work: list[tuple[str, str]], batch: int, max_tokens: in
 
 
 def start_server(bundle: str | None, max_concurrency: int, timeout_s: float = 600.0,
-                 ray_replicas: int | None = None) -> tuple[subprocess.Popen, str]:
+                 ray_replicas: int | None = None, ray_ingress: str = "serve") -> tuple[subprocess.Popen, str]:
     """`molora serve` in a child process (so the load generator does not share its GIL) on a free port;
-    with ray_replicas, `molora serve --ray --replicas N` (Ray and every replica stop with it)."""
+    with ray_replicas, `molora serve --ray --replicas N --ray-ingress KIND` (Ray and every replica stop with
+    it)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -187,7 +188,7 @@ def start_server(bundle: str | None, max_concurrency: int, timeout_s: float = 60
            "--port", str(port), "--max-queue", str(max(64, 2 * max_concurrency)),
            "--max-num-seqs", str(max(64, max_concurrency))] + (["--bundle", bundle] if bundle else [])
     if ray_replicas is not None:
-        cmd += ["--ray", "--replicas", str(ray_replicas)]
+        cmd += ["--ray", "--replicas", str(ray_replicas), "--ray-ingress", ray_ingress]
     proc = subprocess.Popen(cmd, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     deadline = time.monotonic() + timeout_s
     while True:
@@ -223,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ray", action="store_true",
                     help="compare molora serve with molora serve --ray side by side (servers started here)")
     ap.add_argument("--replicas", type=int, default=1, help="engine replicas of the --ray server (default 1)")
+    ap.add_argument("--ray-ingress", choices=("serve", "process"), default="serve",
+                    help="--ray: where the --ray server's HTTP app runs (molora serve --ray-ingress)")
     ap.add_argument("--repeats", type=int, default=2, help="--ray: runs per level and server, order rotated")
     ap.add_argument("--json", metavar="OUT", help="also write the result JSON to this file")
     args = ap.parse_args(argv)
@@ -285,12 +288,13 @@ def compare_ray(args: argparse.Namespace, levels: list[int]) -> int:
     servers = {}
     try:
         for name, replicas in (("plain", None), ("ray", args.replicas)):
-            servers[name] = start_server(args.bundle, max(levels), ray_replicas=replicas)
+            servers[name] = start_server(args.bundle, max(levels), ray_replicas=replicas, ray_ingress=args.ray_ingress)
         urls = {name: url for name, (_, url) in servers.items()}
         models = [m["id"] for m in httpx.get(urls["plain"] + "/models", timeout=30).json()["data"]]
         for url in urls.values():  # warm both: the Ray replica loads the bundle on its first request
             asyncio.run(run_level(url, {}, [(m, "Warm up.") for m in models], 2, 8))
-        print(f"# plain {urls['plain']} vs ray --replicas {args.replicas} {urls['ray']}; models {models}", flush=True)
+        print(f"# plain {urls['plain']} vs ray --replicas {args.replicas} --ray-ingress {args.ray_ingress} "
+              f"{urls['ray']}; models {models}", flush=True)
         results = []
         for c in levels:
             n = args.requests or max(16, 2 * c)
@@ -298,11 +302,16 @@ def compare_ray(args: argparse.Namespace, levels: list[int]) -> int:
                             make_prompts(n, args.seed + c, args.mixed_share)))
             runs: dict[str, list[dict[str, Any]]] = {"plain": [], "ray": []}
             texts: dict[str, list[str]] = {}
+            latencies: dict[str, list[list[float | None]]] = {"plain": [], "ray": []}
             for rep in range(args.repeats):
                 for name in rotated(["plain", "ray"], rep):
                     samples, wall = asyncio.run(run_level(urls[name], {}, work, c, args.max_tokens))
                     runs[name].append(summarize(c, samples, wall))
                     texts[name] = [smp.text if smp.ok else None for smp in samples]
+                    latencies[name].append([smp.latency if smp.ok else None for smp in samples])
+            # the same request in both servers, repetition by repetition: the median of its latency difference
+            paired = [1000 * (r - p) for rp, pp in zip(latencies["ray"], latencies["plain"])
+                      for r, p in zip(rp, pp) if r is not None and p is not None]
             same = sum(a is not None and a == b for a, b in zip(texts["plain"], texts["ray"]))
             ratios = [r["output_tok_s"] / max(p["output_tok_s"], 1e-9) for p, r in zip(runs["plain"], runs["ray"])]
             added = [r["latency_p50_ms"] - p["latency_p50_ms"] for p, r in zip(runs["plain"], runs["ray"])
@@ -310,19 +319,21 @@ def compare_ray(args: argparse.Namespace, levels: list[int]) -> int:
             row = {"concurrency": c, "requests": n, "plain": runs["plain"], "ray": runs["ray"],
                    "tok_s_ratio_median": round(_median(ratios), 3), "tok_s_ratios": [round(x, 3) for x in ratios],
                    "added_latency_p50_ms_median": round(_median(added), 2) if added else None,
+                   "added_latency_paired_ms_median": round(_median(paired), 2) if paired else None,
                    "same_greedy_outputs": f"{same}/{n}",
                    "errors": {k: sum(r["errors"] for r in v) for k, v in runs.items()}}
             results.append(row)
             print(f"conc {c:>3}: plain {_median([r['output_tok_s'] for r in runs['plain']]):.1f} tok/s, ray "
                   f"{_median([r['output_tok_s'] for r in runs['ray']]):.1f} tok/s, ratio {row['tok_s_ratio_median']} "
-                  f"{row['tok_s_ratios']}, added p50 latency {row['added_latency_p50_ms_median']} ms, same outputs "
+                  f"{row['tok_s_ratios']}, added p50 latency {row['added_latency_p50_ms_median']} ms (paired per request "
+                  f"{row['added_latency_paired_ms_median']} ms), same outputs "
                   f"{row['same_greedy_outputs']}, errors {row['errors']}", flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
         for proc, _ in servers.values():
             proc.wait(120)
-    out = {"bench": "serve_ray", "replicas": args.replicas, "repeats": args.repeats, "models": models,
+    out = {"bench": "serve_ray", "replicas": args.replicas, "ingress": args.ray_ingress, "repeats": args.repeats, "models": models,
            "max_tokens": args.max_tokens, "zipf": args.zipf, "threads": os.cpu_count(), "levels": results}
     if args.json:
         with open(args.json, "w") as f:

@@ -62,6 +62,7 @@ log = logging.getLogger("molora.server.ray")
 ENGINE_DEPLOYMENT = "MoloraEngine"
 INGRESS_DEPLOYMENT = "MoloraIngress"
 APP_NAME = "molora"
+INGRESS_KINDS = ("serve", "process")
 
 # errors that cross the process boundary as (kind, message): exceptions of molora's own classes may not unpickle
 _ERRORS: dict[str, type[Exception]] = {
@@ -510,8 +511,11 @@ class RayConfig:
     engine_config: dict = field(default_factory=dict)
     dtype: str = "float32"
     stall_s: float = 30.0
+    ingress: str = "serve"                         # "serve": a Serve deployment; "process": in this process
 
     def __post_init__(self) -> None:
+        if self.ingress not in INGRESS_KINDS:
+            raise MoLoRAError(f"--ray-ingress {self.ingress!r}: use one of {', '.join(INGRESS_KINDS)}")
         if self.replicas < 1 or self.max_queue < 1 or self.bundles_per_replica < 1:
             raise MoLoRAError(f"--replicas ({self.replicas}), --max-queue ({self.max_queue}) and bundles per "
                               f"replica ({self.bundles_per_replica}) must be at least 1")
@@ -558,8 +562,8 @@ def build_catalog(specs: Sequence[BundleSpec], *, max_model_len: int, default_ma
     return Catalog(infos)
 
 
-def make_app(cfg: RayConfig, specs: Sequence[BundleSpec], server_kwargs: dict) -> Any:
-    """The Ray Serve application: the ingress bound to the engine deployment (`serve.run` it)."""
+def engine_deployment(cfg: RayConfig, specs: Sequence[BundleSpec]) -> Any:
+    """The engine deployment, bound (its replicas each run one engine per resident bundle)."""
     from ray import serve
 
     threads, dtype, stall_s = cfg.threads, cfg.dtype, cfg.stall_s
@@ -612,6 +616,25 @@ def make_app(cfg: RayConfig, specs: Sequence[BundleSpec], server_kwargs: dict) -
                       for n, x in self.replica.leases.leases.items()}
             return {"replica": self.replica.name, "builds": self.replica.leases.builds, "leases": leases}
 
+    return MoloraEngine.bind()
+
+
+def ingress_app(handle: Any, cfg: RayConfig, specs: Sequence[BundleSpec], server_kwargs: dict) -> Any:
+    """The FastAPI app of `molora serve` over a `RayClient` on `handle` (the engine deployment)."""
+    from molora.server.app import build_app
+
+    catalog = build_catalog(specs, max_model_len=cfg.engine_config.get("max_model_len", 2048))
+    client = RayClient(handle, Registry(specs), max_in_flight=cfg.max_queue)
+    return build_app(client, catalog, **server_kwargs)
+
+
+def make_app(cfg: RayConfig, specs: Sequence[BundleSpec], server_kwargs: dict) -> Any:
+    """The Ray Serve application of `--ingress serve`: the ingress deployment bound to the engine deployment
+    (`serve.run` it)."""
+    from ray import serve
+
+    max_queue = cfg.max_queue
+
     # the ingress only parses, tokenises and streams: it must take every call the engines could run or queue (Ray's
     # default of 5 ongoing requests per replica would hold the rest at the proxy, unbounded and unrefused)
     ingress_ongoing = max(1024, 2 * ((cfg.max_replicas or cfg.replicas) * max_queue + (cfg.ray_queue or max_queue)))
@@ -624,19 +647,20 @@ def make_app(cfg: RayConfig, specs: Sequence[BundleSpec], server_kwargs: dict) -
             self.engine = engine
 
         def __serve_build_asgi_app__(self) -> Any:
-            from molora.server.app import build_app
+            return ingress_app(self.engine, cfg, specs, server_kwargs)
 
-            catalog = build_catalog(specs, max_model_len=engine_config.get("max_model_len", 2048))
-            client = RayClient(self.engine, Registry(specs), max_in_flight=max_queue)
-            return build_app(client, catalog, **server_kwargs)
-
-    return MoloraIngress.bind(MoloraEngine.bind())
+    return MoloraIngress.bind(engine_deployment(cfg, specs))
 
 
 def serve_ray(cfg: RayConfig, *, host: str = "127.0.0.1", port: int = 8000, adapter_roots: Sequence[str] = (),
               server_kwargs: dict | None = None, block: bool = True) -> Any:
-    """Start Ray (local), deploy the two tiers on host:port, and (block=True) serve until SIGTERM/Ctrl-C,
-    then shut Serve and Ray down. block=False returns the ingress handle (tests)."""
+    """Start Ray (local), deploy the engine replicas and the ingress on host:port, and (block=True) serve until
+    SIGTERM/Ctrl-C, then shut Serve and Ray down.
+
+    cfg.ingress "serve": the app is a Serve deployment behind Ray's HTTP proxy; block=False returns its handle.
+    cfg.ingress "process": the app runs under uvicorn in this process and calls the engine deployment through
+    a handle, with no proxy (one hop per streamed chunk instead of two); block=False returns the app (serve it
+    with `molora.server.launch.ServerThread`)."""
     import ray
     from ray import serve
 
@@ -644,8 +668,25 @@ def serve_ray(cfg: RayConfig, *, host: str = "127.0.0.1", port: int = 8000, adap
     specs = bundle_specs(cfg.bundles, adapter_roots)
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    serve.start(http_options={"host": host, "port": port})
     kwargs = {"adapter_roots": list(adapter_roots), **(server_kwargs or {})}
+    if cfg.ingress == "process":
+        serve.start(proxy_location="Disabled")
+        engine = serve.run(engine_deployment(cfg, specs), name=APP_NAME, route_prefix=None)
+        app = ingress_app(engine, cfg, specs, kwargs)
+        if not block:
+            return app
+        import uvicorn
+
+        from molora.server.launch import DrainingServer
+
+        config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False)
+        log.info("serving %s on http://%s:%d/v1 (engine replicas on Ray Serve)", [s.name for s in specs], host, port)
+        try:
+            DrainingServer(config, app).run()
+        finally:
+            shutdown()
+        return None
+    serve.start(http_options={"host": host, "port": port})
     handle = serve.run(make_app(cfg, specs, kwargs), name=APP_NAME, route_prefix="/")
     log.info("serving %s through Ray Serve on http://%s:%d/v1", [s.name for s in specs], host, port)
     if not block:
