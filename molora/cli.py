@@ -271,6 +271,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     ray.add_argument("--max-replicas", type=int, default=None, help="... and this many replicas")
     ray.add_argument("--ray-queue", type=int, default=None,
                      help="calls that may wait for a replica before 429 (default: --max-queue)")
+    ray.add_argument("--ray-ingress", choices=("serve", "process"), default="serve",
+                     help="where the HTTP app runs: a Serve deployment behind Ray's HTTP proxy (serve, default: Ray "
+                          "restarts and places it), or this process, calling the engine replicas through a handle "
+                          "(process: one Ray hop per token instead of two, no proxy)")
     ray.add_argument("--bundles-per-replica", type=int, default=2,
                      help="bundles a replica keeps resident; Ray evicts the least recently used (default 2)")
     ray.add_argument("--threads-per-replica", type=int, default=None,
@@ -315,7 +319,7 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
         max_replicas=args.max_replicas, max_queue=args.max_queue, ray_queue=args.ray_queue,
         bundles_per_replica=args.bundles_per_replica, threads_per_replica=args.threads_per_replica,
         engine_config={"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}, dtype=args.dtype,
-        stall_s=args.stall_timeout)
+        stall_s=args.stall_timeout, ingress=args.ray_ingress)
     ray_serve.serve_ray(cfg, host=args.host, port=args.port, adapter_roots=args.adapter_root,
                         server_kwargs={"limits": limits, **keys})
     return 0

@@ -30,6 +30,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ def bench_argv(what: str, args: argparse.Namespace) -> list[str]:
         return ["serve", "--ray", "--replicas", "1", "--ray-ingress", INGRESS[what], "--concurrency", "1,16",
                 "--requests", str(args.requests), "--max-tokens", str(args.max_tokens), "--repeats",
                 str(args.repeats)]
-    return ["serve", "--ray", "--replicas", "2", "--concurrency", "32", "--requests", "500",
+    return ["serve", "--ray", "--replicas", "2", "--ray-ingress", "serve", "--concurrency", "32", "--requests", "500",
             "--max-tokens", str(args.max_tokens // 2), "--repeats", "1"]
 
 
@@ -110,6 +111,20 @@ def ray_floor() -> dict[str, Any]:
     return asyncio.run(measure())
 
 
+def hold_priority(nice: int, stop: threading.Event) -> None:
+    """Until `stop`: give every Ray process (workers, raylet, GCS, agents) this process's priority. Ray starts
+    its workers at nice 0 whatever its parent runs at, which would bias a bench run under `--nice` against Ray."""
+    marks = (b"ray::", b"raylet", b"gcs_server", b"ray/_private", b"ray/dashboard")
+    while not stop.wait(1.0):
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if any(m in cmd for m in marks) and os.getpriority(os.PRIO_PROCESS, int(pid)) != nice:
+                    os.setpriority(os.PRIO_PROCESS, int(pid), nice)
+            except OSError:
+                continue
+
+
 def run(what: str, args: argparse.Namespace) -> dict[str, Any]:
     if what == "ray_floor":
         t0 = time.time()
@@ -154,6 +169,14 @@ def _ones(records: dict) -> list[tuple[str, dict]]:
     return [(INGRESS[k], records[k]) for k in INGRESS if k in records]
 
 
+def _priority(rec: dict) -> str:
+    nice = rec.get("nice")
+    if not nice:
+        return ""
+    return (f" Other jobs shared the machine during this run, so the bench, both servers and every Ray process "
+            f"ran at nice {nice} (`--nice`; Ray starts its workers at nice 0, so they are reniced as they appear).")
+
+
 def _verdict(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
@@ -167,7 +190,7 @@ def page_block(records: dict) -> str:
              f"adapters), greedy, at most {first['result']['max_tokens']} new tokens; both servers run at once "
              "in their own processes and take turns level by level, order rotated per repetition. Added latency: "
              "the same request's latency through Ray minus through `molora serve`, median over requests and "
-             "repetitions.", "",
+             f"repetitions.{_priority(first)}", "",
              "| `--ray-ingress` | concurrency | `molora serve` tok/s | `--ray --replicas 1` tok/s | ratio (median; each "
              "run) | added latency / request | same greedy outputs | errors (plain / ray) |",
              "|---|---:|---:|---:|---|---:|---:|---|"]
@@ -197,12 +220,15 @@ def page_block(records: dict) -> str:
                   f"**+{f['paced']['added_ms_per_stream']:.1f} ms per stream** "
                   f"({f['paced']['added_ms_per_item']:.2f} ms per item); unpaced, "
                   f"+{f['unpaced']['added_ms_per_stream']:.1f} ms ({f['unpaced']['added_ms_per_item']:.2f} ms "
-                  "per item). The hop alone fits the 15 ms goal; what the served path adds beyond it is the "
-                  "other processes' work (Ray's replica, raylet and controller, the ingress) taking turns with "
-                  "the engine's torch threads on this machine's two cores."]
+                  f"per item): Ray's own hop, with no engine behind it, is "
+                  f"{'inside' if f['paced']['added_ms_per_stream'] <= 15 else 'past'} the 15 ms goal by itself for "
+                  f"a {f['items']}-token stream. A served row can still come out lower, because with Ray the HTTP "
+                  "and SSE work runs in another process than the engine, on the other core; and on this shared "
+                  "machine repetitions differ by as much as the two ingress rows do."]
     t = _level(two, 32)
     ray = t["ray"][0]
-    lines += ["", f"Two replicas (`--replicas 2`, one torch thread each): {ray['requests']} requests at concurrency 32, "
+    lines += ["", f"Two replicas (`--replicas 2`, one torch thread each, `--ray-ingress "
+              f"{two['result'].get('ingress', 'serve')}`): {ray['requests']} requests at concurrency 32, "
               f"at most {two['result']['max_tokens']} new tokens: **{ray['errors']} failed** "
               f"({ray['output_tok_s']:.1f} output tok/s; `molora serve` on the same work: "
               f"{t['plain'][0]['output_tok_s']:.1f} tok/s, {t['plain'][0]['errors']} failed); greedy outputs "
@@ -259,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", choices=BENCHES, default=None)
     p.add_argument("--render-only", action="store_true")
     p.add_argument("--check", action="store_true", help="exit 1 if the docs differ from a render of the record")
+    p.add_argument("--nice", type=int, default=None,
+                   help="run the benches, their servers and every Ray process at this priority (e.g. -15 as root "
+                        "while other jobs share the machine; recorded with each bench)")
     p.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.floor_child:
@@ -267,12 +296,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only or args.check:
         return render(json.loads(RECORD.read_text()), check=args.check)
     records = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    stop = threading.Event()
+    if args.nice is not None:
+        os.nice(args.nice - os.nice(0))
+        threading.Thread(target=hold_priority, args=(args.nice, stop), daemon=True).start()
     for what in args.only or BENCHES:
         records[what] = run(what, args)
         records[what]["nice"] = os.nice(0)  # the priority the bench ran at (other work shared the machine)
         records["date"] = dt.date.today().isoformat()
         records["machine"] = f"{os.cpu_count()} CPU cores, no GPU"
         RECORD.write_text(json.dumps(records, indent=2) + "\n")
+    stop.set()
     return render(records)
 
 

@@ -78,7 +78,8 @@ def cluster(tmp_path_factory):
     port = free_port()
     try:
         cfg = rs.RayConfig(bundles=(str(bundles["alpha"]), str(bundles["beta"])), replicas=2, max_queue=4,
-                           ray_queue=2, threads_per_replica=1, cpus_per_replica=0.5, engine_config=ENGINE)
+                           ray_queue=2, threads_per_replica=1, cpus_per_replica=0.5, engine_config=ENGINE,
+                           ingress="serve")
         rs.serve_ray(cfg, port=port, block=False)
         yield {"url": f"http://127.0.0.1:{port}/v1", "bundles": bundles, "root": root}
     finally:

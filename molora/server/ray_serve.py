@@ -4,9 +4,12 @@
 
 Two tiers (../docs/scaleout.md says why, with what was measured):
 
-- **Ingress** (one replica): the same FastAPI app as `molora serve` (`build_app`), over a `RayClient`
-  instead of the in-process `LocalClient`, so validation, errors, SSE, `return_routing`, API keys and metrics
-  are one code path. It tokenises, checks and formats; it owns the adapter `Registry`.
+- **Ingress**: the same FastAPI app as `molora serve` (`build_app`), over a `RayClient` instead of the
+  in-process `LocalClient`, so validation, errors, SSE, `return_routing`, API keys and metrics are one code
+  path. It tokenises, checks and formats; it owns the adapter `Registry`. `--ray-ingress serve` (default) makes
+  it a Serve deployment (one replica) behind Ray's HTTP proxy, which Ray restarts and places. `--ray-ingress
+  process` runs it under uvicorn in the `molora serve --ray` process, calling the engine deployment through a
+  handle: one Ray hop per streamed chunk instead of two, no proxy or ingress actor.
 - **Engine replicas** (`--replicas N`, or autoscaled): each is one molora engine per resident bundle (one
   process, its own slot bank, KV cache and tiers) behind `@serve.multiplexed`. The multiplexed model id is the
   **bundle**, never the adapter: per-token routing may pick any adapter of the bundle at any token, so the whole
