@@ -8,10 +8,16 @@
       "stop": ["<|im_end|>"],
       "adapters": [{"name": "arith", "path": "adapters/arith", "description": "...",
                     "tasks": ["multistep_arithmetic_two"]}],
-      "router": {"kind": "learned", "path": "router"},     # or "vocab" / "sequence" / "none"
+      "router": {"kind": "learned", "path": "router"},     # or "arrow" / "vocab" / "sequence" / "none"
       "vocab_routes": {"ranges": [[lo, hi, "adapter"]], "default": null},
+                                              # or {"from_tokenizer": {"adapter": ["<token prefix>", ...]}}:
+                                              # ranges read from the tokenizer's vocabulary
       "slots": 8, "max_rank": 16
     }
+
+A router {"kind": "arrow", "top_k": 1, "temperature": 1.0, "granularity": "per_linear" | "per_block",
+"threshold": null} needs no folder and no training: it routes from the adapters' own weights
+(`molora.routing.arrow`).
 
 Relative paths resolve against the bundle folder. `load(path_or_None)` returns a `MoLoRAModel` with the
 router and tokenizer attached; None is the embedded default bundle shipped inside the package.
@@ -31,6 +37,7 @@ from molora.errors import BundleError, MoLoRAError
 from molora.routing import Router, SequenceRouter, VocabRouter
 
 MANIFEST = "molora.json"
+ROUTER_KINDS = ("learned", "arrow", "vocab", "sequence", "none")
 FORMAT = "molora-bundle/1"
 DEFAULT_BUNDLE_DIR = Path(__file__).parent / "default_bundle"
 CHATML_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
@@ -67,6 +74,7 @@ class Bundle:
     adapters: tuple[AdapterEntry, ...]
     router_kind: str = "none"
     router_path: Path | None = None
+    router_options: dict = field(default_factory=dict)  # the manifest's router object (kind "arrow": its settings)
     vocab_routes: dict | None = None
     prompt_template: str = CHATML_TEMPLATE
     stop: tuple[str, ...] = (END_OF_TURN,)
@@ -107,9 +115,20 @@ def read_bundle(folder: str | Path) -> Bundle:
     if len(set(names)) != len(names):
         raise BundleError(f"{path}: duplicate adapter names {names}")
     router = raw.get("router") or {"kind": "none"}
+    if not isinstance(router, dict):
+        raise BundleError(f"{path}: \"router\" must be an object such as {{\"kind\": \"learned\", \"path\": "
+                          f"\"router\"}}, got {router!r}")
     kind = router.get("kind", "none")
-    if kind not in ("learned", "vocab", "sequence", "none"):
-        raise BundleError(f"{path}: router kind {kind!r}: use learned, vocab, sequence or none")
+    if kind not in ROUTER_KINDS:
+        raise BundleError(f"{path}: router kind {kind!r}: use {', '.join(ROUTER_KINDS)}")
+    if kind == "arrow":
+        from molora.errors import RoutingError
+        from molora.routing.arrow import ArrowConfig
+
+        try:
+            ArrowConfig.from_json(router, where=f"router of {path}")
+        except (RoutingError, TypeError) as e:
+            raise BundleError(f"{path}: router: {e}") from e
     router_path = (folder / router["path"]).resolve() if router.get("path") else None
     if kind == "learned" and (router_path is None or not router_path.is_dir()):
         raise BundleError(f"{path}: learned router folder {router_path} is missing")
@@ -117,7 +136,8 @@ def read_bundle(folder: str | Path) -> Bundle:
     if base != "default" and not Path(base).is_absolute():
         base = str((folder / base).resolve())
     return Bundle(folder=folder, name=str(raw.get("name", folder.name)), base=base, adapters=tuple(adapters),
-                  router_kind=kind, router_path=router_path, vocab_routes=raw.get("vocab_routes"),
+                  router_kind=kind, router_path=router_path, router_options=dict(router),
+                  vocab_routes=raw.get("vocab_routes"),
                   prompt_template=raw.get("prompt_template", CHATML_TEMPLATE), stop=tuple(raw.get("stop", [])),
                   slots=raw.get("slots"), max_rank=raw.get("max_rank"), extra=raw.get("extra", {}))
 
@@ -136,9 +156,17 @@ def default_bundle_dir() -> Path:
     return DEFAULT_BUNDLE_DIR
 
 
-def make_router(bundle: Bundle, kind: str | None = None) -> Router | None:
-    """The bundle's router (or another kind it can provide: 'vocab' needs vocab_routes)."""
+def make_router(bundle: Bundle, kind: str | None = None, tokenizer: Any = None) -> Router | None:
+    """The bundle's router (or another kind it can provide: 'vocab' needs vocab_routes). A vocab router
+    `from_tokenizer` reads its ranges from `tokenizer` (default: the base's, loaded here)."""
     kind = kind or bundle.router_kind
+    if kind == "arrow":
+        from molora.routing.arrow import ArrowConfig, ArrowRouter
+
+        # the manifest's settings when its router is Arrow; Arrow's defaults when asked for over another kind
+        options = bundle.router_options if bundle.router_kind == "arrow" else {}
+        return ArrowRouter(ArrowConfig.from_json(options, where=f"bundle {bundle.name!r} router"),
+                           [a.name for a in bundle.adapters])
     if kind == "learned":
         from molora.routing.learned import LearnedRouter
 
@@ -153,7 +181,13 @@ def make_router(bundle: Bundle, kind: str | None = None) -> Router | None:
     if kind == "vocab":
         if not bundle.vocab_routes:
             raise BundleError(f"bundle {bundle.name!r} defines no vocab_routes")
-        return VocabRouter([tuple(r) for r in bundle.vocab_routes["ranges"]], bundle.vocab_routes.get("default"))
+        routes = bundle.vocab_routes
+        if "from_tokenizer" in routes:
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(bundle.base)[0]
+            return VocabRouter.from_vocab(tokenizer.get_vocab(), routes["from_tokenizer"], routes.get("default"))
+        if "ranges" not in routes:
+            raise BundleError(f"bundle {bundle.name!r}: vocab_routes needs 'ranges' or 'from_tokenizer'")
+        return VocabRouter([tuple(r) for r in routes["ranges"]], routes.get("default"))
     if kind == "sequence":
         first = bundle.adapters[0].name if bundle.adapters else None
         return SequenceRouter(first)
@@ -174,8 +208,10 @@ def load(path: str | Path | None = None, *, base_only: bool = False, dtype: torc
                     tokenizer=tokenizer, dispatch=dispatch)
     except MoLoRAError as e:
         raise BundleError(f"bundle {bundle.folder}: {e}") from e
-    router = None if base_only else make_router(bundle)
+    router = None if base_only else make_router(bundle, tokenizer=tokenizer)
     mm.router = router.to(mm.device) if isinstance(router, torch.nn.Module) else router
+    if hasattr(router, "bind"):  # Arrow: prototypes from the adapters' weights, once, before the first request
+        router.bind(mm)
     mm.bundle = bundle
     return mm
 

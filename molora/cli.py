@@ -2,7 +2,8 @@
 
     molora generate "prompt"            a completion on the default bundle (or --bundle DIR)
     molora route "prompt"               the answer with each token coloured by its adapter
-    molora demo                         what `make run` shows
+    molora demo                         what `make run` shows (--multimodal: the early-fusion digits bundle)
+    molora codes-png TEXT --out F.png   the image codes of a digits-bundle answer as a PNG
     molora train-adapter / train-router / build-default / eval / bench / serve
 """
 
@@ -55,8 +56,9 @@ def _generate(args: argparse.Namespace) -> int:
 def _route_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the user message")
     p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
-    p.add_argument("--routing", default=None, choices=["learned", "vocab", "sequence"],
-                   help="router to use (default: the bundle's)")
+    p.add_argument("--routing", "--router", dest="routing", default=None,
+                   choices=["learned", "arrow", "vocab", "sequence"],
+                   help="router to use (default: the bundle's); arrow routes from the adapters' weights, no training")
     p.add_argument("--adapter", default=None, help="pin one adapter instead of routing")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
     p.add_argument("--json", action="store_true", help='print {"tokens":[{"text","adapter"}...]} instead')
@@ -70,7 +72,7 @@ def _route(args: argparse.Namespace) -> int:
     from molora.view import render_json, to_ansi, to_html, to_plain
 
     mm = load(args.bundle)
-    router = make_router(mm.bundle, args.routing) if args.routing else None
+    router = make_router(mm.bundle, args.routing, mm.tokenizer) if args.routing else None
     view = routed_view(mm, args.prompt, adapter=args.adapter, router=router, max_new_tokens=args.max_tokens)
     if args.json:
         print(render_json(view))
@@ -100,6 +102,11 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=320,
                    help="answer budget per prompt (default 320: the adapters' worked solutions fit; most stop "
                         "well before)")
+    p.add_argument("--multimodal", action="store_true",
+                   help="the early-fusion digits bundle instead: a PNG grid of digits drawn per mode (base, each "
+                        "adapter on every token, both summed, vocab-routed) and the caption table")
+    p.add_argument("--png", default="multimodal_digits.png", metavar="FILE",
+                   help="with --multimodal: the grid to write (default multimodal_digits.png)")
 
 
 @command("demo", _demo_args)
@@ -107,6 +114,9 @@ def _demo(args: argparse.Namespace) -> int:
     """What `make run` shows: per-token routing on the default bundle, one prompt per skill, a mixed one, and a
     general request that no adapter fits (answered by the base model, as the base model alone answers it)."""
     from pathlib import Path
+
+    if args.multimodal:
+        return _demo_multimodal(args)
 
     from molora.bundle import load, run_prompt
     from molora.data.skills import EVAL_SEED_BASE, generate
@@ -136,6 +146,38 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_multimodal(args: argparse.Namespace) -> int:
+    from molora.bundle import load
+    from molora.multimodal.demo import run_demo
+    from molora.multimodal.recipe import shipped_bundle
+
+    mm = load(args.bundle or shipped_bundle())
+    png, table = run_demo(mm, args.png)
+    width = max(len(r[0]) for r in table)
+    print(f"{'mode':<{width}}  {'caption after its own drawn 7':<32}  caption of a real 7")
+    for mode, own, real in table:
+        print(f"{mode:<{width}}  {own:<32}  {real}")
+    print(f"wrote {png} (a row per mode, digits 0..9; the image adapter draws them inverted)")
+    return 0
+
+
+def _codes_png_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("text", help="generated text holding <img_0>..<img_15> codes (the first image is drawn), or - "
+                                "for stdin")
+    p.add_argument("--out", required=True, help="PNG file to write")
+    p.add_argument("--scale", type=int, default=16, help="pixels per code (default 16)")
+
+
+@command("codes-png", _codes_png_args)
+def _codes_png(args: argparse.Namespace) -> int:
+    """Turn the image codes of a digits-bundle answer (as `molora generate` or the server return it) into a PNG."""
+    from molora.multimodal.generate import levels_from_text, to_pixels, write_png
+
+    text = sys.stdin.read() if args.text == "-" else args.text
+    print(f"wrote {write_png(to_pixels(levels_from_text(text), args.scale), args.out)}")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------- training
 
 def _train_adapter_args(p: argparse.ArgumentParser) -> None:
@@ -151,6 +193,9 @@ def _train_adapter_args(p: argparse.ArgumentParser) -> None:
                                                   "up_proj", "down_proj")), help="comma-separated module names")
     p.add_argument("--seed", type=int, default=0, help="seed (same data + seed = same adapter)")
     p.add_argument("--fp32", action="store_true", help="keep the frozen base in fp32 (default bf16: faster)")
+    p.add_argument("--bundle", default=None, metavar="DIR",
+                   help="take the base, prompt template and end token (its first stop) from this bundle, e.g. "
+                        "molora/multimodal/bundle (default: the ChatML template and <|im_end|>)")
 
 
 @command("train-adapter", _train_adapter_args)
@@ -163,8 +208,16 @@ def _train_adapter(args: argparse.Namespace) -> int:
     cfg = AdapterTrainConfig(rank=args.rank, alpha=args.alpha, lr=args.lr, epochs=args.epochs,
                              batch_size=args.batch_size, seed=args.seed, bf16=not args.fp32,
                              target_modules=tuple(t for t in args.targets.split(",") if t))
-    model, tok = load_base(None if args.base == "default" else args.base)
-    stats = train_adapter(model, tok, pairs, args.out, cfg)
+    kw = {}
+    base = None if args.base == "default" else args.base
+    if args.bundle:
+        from molora.bundle import read_bundle
+
+        b = read_bundle(args.bundle)
+        base = b.base
+        kw = {"template": b.prompt_template, "end": (" " + b.stop[0]) if b.stop else ""}
+    model, tok = load_base(base)
+    stats = train_adapter(model, tok, pairs, args.out, cfg, **kw)
     print(f"wrote {args.out}: {stats['examples']} examples, {stats['tokens']} tokens in {stats['seconds']} s, "
           f"final loss {stats['final_loss']}")
     return 0
@@ -230,6 +283,27 @@ def _build_default(args: argparse.Namespace) -> int:
     from molora.train.default import DefaultRecipe, build_default
 
     out = build_default(args.out, DefaultRecipe(n_train=args.n_train, seed=args.seed), data_only=args.data_only)
+    print(f"wrote {out}")
+    return 0
+
+
+def _build_multimodal_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="folder for the digits bundle")
+    p.add_argument("--base-steps", type=int, default=650, help="base training steps (default 650)")
+    p.add_argument("--base-from", default=None, metavar="DIR", help="reuse a trained base folder instead")
+    p.add_argument("--seed", type=int, default=0)
+
+
+@command("build-multimodal", _build_multimodal_args)
+def _build_multimodal(args: argparse.Namespace) -> int:
+    """Rebuild the shipped early-fusion digits bundle (base, four adapters, vocab router) with one seeded command."""
+    import torch
+
+    from molora.multimodal.recipe import DigitsRecipe, build_bundle
+
+    torch.set_num_threads(1)  # the recipe's figures were taken single-threaded; the base is seeded either way
+    out = build_bundle(args.out, DigitsRecipe(base_steps=args.base_steps, seed=args.seed), base_from=args.base_from,
+                       progress=True)
     print(f"wrote {out}")
     return 0
 

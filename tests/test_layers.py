@@ -14,6 +14,7 @@ LAYER = {  # module prefix -> layer (the longest matching prefix wins)
     "molora.model": 3, "molora.bundle": 3,
     "molora.engine": 4,
     "molora.server": 5, "molora.train": 5, "molora.eval": 5, "molora.bench": 5,
+    "molora.multimodal": 5,  # an application over layers 0-5: its recipe trains through molora.train
     "molora.cli": 6, "molora": 6,
 }
 SIBLINGS_APART = ("molora.server", "molora.train", "molora.eval", "molora.bench")  # layer 5 must not mix

@@ -54,12 +54,12 @@ from molora.engine.routing import RouteState, plan_routing, record_carry, record
 from molora.engine.scheduler import Scheduled, Scheduler
 from molora.errors import AdapterDraining, AdapterError, MoLoRAError, RoutingError
 from molora.model.runner import BatchMeta, ModelRunner
-from molora.routing import SequenceRouter, VocabRouter
+from molora.routing import ArrowRouter, SequenceRouter, VocabRouter
 from molora.sampling import sample_next, top_logprobs
 
 log = logging.getLogger("molora.engine")
 
-ROUTING_CHOICES = ("auto", "learned", "vocab", "sequence", "none")
+ROUTING_CHOICES = ("auto", "learned", "arrow", "vocab", "sequence", "none")
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,9 @@ class Engine:
             raise RoutingError(f"routing={routing!r} needs a router, but the model has none attached")
         if routing == "learned" and not router.in_network:
             raise RoutingError(f"routing='learned' needs an in-network router; the model has {type(router).__name__}")
+        if routing == "arrow" and not isinstance(router, ArrowRouter):
+            raise RoutingError(f"routing='arrow' needs a bundle whose router is Arrow (molora.json router kind "
+                               f"\"arrow\"); the model has {type(router).__name__}")
         if routing == "vocab" and not isinstance(router, VocabRouter):
             raise RoutingError(f"routing='vocab' needs a VocabRouter; the model has {type(router).__name__}")
         if router.in_network:

@@ -11,7 +11,9 @@
                recomputed sequence routes exactly as before). A router with `probe_prompt` first runs each
                prompt on its gates (probe chunks; `record_probe` keeps every prompt token's decision in
                `RouteState.prompt_routes`), then every block of each prompt token takes that decision (`fixed`);
-               a prompt the probe keeps wholly on the base model turns the request to "none" (Base expert)
+               a prompt the probe keeps wholly on the base model turns the request to "none" (Base expert).
+               An Arrow router (molora.routing.arrow) runs in this mode too: per_block through `decide`, per_linear
+               through the runner's `LinearRouting` over the same row groups
 
 Each request's routing lives in one `RouteState` (`Request.route`), owned by this module: `plan_routing` reads
 it and `record_carry` / `record_probe` update it from what a step decided; the scheduler only reads its

@@ -258,7 +258,7 @@ def attach(model: nn.Module, adapters: Mapping[str, str | Path] | None = None, *
     if dispatch in ("auto", "fused") and param.device.type == "cpu":
         fused_cpu.available()  # build (once per machine) or load the CPU kernel now, not at the first request
     swap_modules(model, sorted(targets),
-                 lambda name, old: RoutedLoRALinear(old, bank.slots[name], context, dispatcher))
+                 lambda name, old: RoutedLoRALinear(old, bank.slots[name], context, dispatcher, name))
     mm = MoLoRAModel(model, bank, context, router=router, tokenizer=tokenizer, base_name=base_name,
                      check_base=check_base)
     for adapter in read:

@@ -36,10 +36,13 @@ class RoutingContext:
     `carry_blocks` (molora.routing.learned: Carry); `carry_out` [T] receives the decisions at the router's
     `carry_source` block. `fixed_in` [T] (or None) holds decisions that apply at every block (-2: the router
     decides), as a probe pass gives prompt tokens (molora.routing.learned: Probe).
+    `linear` (a `molora.routing.arrow.LinearRouting`, or None) routes each linear by its own input instead
+    (Arrow per_linear): every routed linear then asks it for its slots, with slot_ids as the fixed routing of
+    the rows the router does not own (None: base).
     """
 
     __slots__ = ("slot_ids", "weights", "router", "slot_map", "allowed", "trace", "carry_in", "carry_out", "fixed_in",
-                 "_plan")
+                 "linear", "_plan")
 
     def __init__(self) -> None:
         self.slot_ids: torch.Tensor | None = None
@@ -51,6 +54,7 @@ class RoutingContext:
         self.carry_in: torch.Tensor | None = None
         self.carry_out: torch.Tensor | None = None
         self.fixed_in: torch.Tensor | None = None
+        self.linear = None
         self._plan = None
 
     def plan(self, dispatcher: LoRADispatcher, num_slots: int):
@@ -58,6 +62,11 @@ class RoutingContext:
         if self._plan is None:
             self._plan = dispatcher.plan(self.slot_ids, self.weights, num_slots=num_slots)
         return self._plan
+
+    def linear_plan(self, name: str, x: torch.Tensor, dispatcher: LoRADispatcher, num_slots: int):
+        """Per-linear routing (`linear` set): the plan of linear `name` for its own input x [T, d_in]."""
+        slot_ids, weights = self.linear.slots(name, x, self.slot_ids, self.weights, self.trace)
+        return dispatcher.plan(slot_ids, weights, num_slots=num_slots)
 
     def route_block(self, block: int, hidden: torch.Tensor) -> None:
         """Let the in-network router decide for `block` from its input hidden [T, D] (no-op without one)."""
@@ -81,15 +90,16 @@ class RoutingContext:
 
     def clear(self) -> None:
         self.slot_ids = self.weights = self.router = self.slot_map = self.allowed = self._plan = None
-        self.carry_in = self.carry_out = self.fixed_in = None
+        self.carry_in = self.carry_out = self.fixed_in = self.linear = None
 
 
 class RoutedLoRALinear(nn.Module):
     """A linear whose output adds, for each token, the LoRA delta of the adapter its routing names."""
 
     def __init__(self, base: nn.Linear, slots: LoRASlots, context: RoutingContext,
-                 dispatcher: LoRADispatcher) -> None:
+                 dispatcher: LoRADispatcher, name: str = "") -> None:
         super().__init__()
+        self.name = name  # the module path (the bank's key): what a per-linear router knows this linear by
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.bias = base.bias
@@ -110,14 +120,18 @@ class RoutedLoRALinear(nn.Module):
             y = torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
         else:
             y = F.linear(x, weight, bias)
-        slot_ids = self.context.slot_ids
+        ctx = self.context
+        slot_ids = ctx.slot_ids
         lora = self.lora
-        if slot_ids is None or lora.active == 0:
+        if (slot_ids is None and ctx.linear is None) or lora.active == 0:
             return y
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [T, d_in]
-        if flat.shape[0] != slot_ids.shape[0]:
+        if slot_ids is not None and flat.shape[0] != slot_ids.shape[0]:
             raise RuntimeError(f"routing covers {slot_ids.shape[0]} tokens but the layer got {flat.shape[0]}")
-        plan = self.context.plan(self.dispatcher, lora.A.shape[0])
+        if ctx.linear is not None:  # per-linear routing: this linear's own decision from its input
+            plan = ctx.linear_plan(self.name, flat, self.dispatcher, lora.A.shape[0])
+        else:
+            plan = ctx.plan(self.dispatcher, lora.A.shape[0])
         if torch.is_grad_enabled():  # autograd keeps the sum out of place
             delta = self.dispatcher.apply(plan, flat, lora.A, lora.B, lora.scale)
             return y + delta.view(y.shape).to(y.dtype)

@@ -22,7 +22,9 @@ Qwen2 (q/k/v bias lives in the linears) and Qwen3 (q_norm / k_norm on the head d
 
 Routing is explicit per step (`StepRouting`): fixed slot ids [T, k] written into `mm.context` once, and
 optionally an in-network router whose `decide(block, hidden, allowed)` is called before each block for
-the rows it owns. The runner knows slots and router indices, not adapter names, requests or sampling.
+the rows it owns, or, for a per-linear router (Arrow per_linear, `router.per_linear`), a `LinearRouting` in
+the context through which each routed linear routes the router's rows by its own input. The runner knows
+slots and router indices, not adapter names, requests or sampling.
 
 Per block, the residual stream h is updated in place and each add is fused with the RMSNorm that reads it; RoPE
 is applied in place together with the K/V cache write; the MLP's SiLU(gate) * up is one call (the C++ glue of
@@ -48,6 +50,7 @@ from torch import Tensor, nn
 
 from molora.errors import MoLoRAError
 from molora.ops import fused_cpu
+from molora.routing.arrow import LinearRouting
 from molora.routing.base import decide_slots
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -232,12 +235,17 @@ class ModelRunner:
         slot_ids = None if routing is None else routing.slot_ids
         weights = None if routing is None else routing.weights
         learned = routing is not None and routing.router is not None and bool(routing.groups)
+        per_linear = learned and getattr(routing.router, "per_linear", False)
+        learned = learned and not per_linear
         carry_out = None
         if learned:  # the router overwrites its rows per block; keep the caller's tensors intact
             slot_ids, weights = self._routing_buffers(tokens.shape[0], routing)
             if getattr(routing.router, "carry_blocks", 0) > 0:
                 carry_out = torch.full((tokens.shape[0],), -2, dtype=torch.long, device=slot_ids.device)
         ctx.set(slot_ids, weights)
+        if per_linear:  # each routed linear decides from its own input (molora.routing.arrow: LinearRouting)
+            ctx.linear = LinearRouting(routing.router, routing.router_slots,
+                                       [(g.rows, g.allowed) for g in routing.groups])
         try:
             h = self.embed(tokens)                                          # [T, D] the residual stream
             delta = None                                                    # what the last block adds to h

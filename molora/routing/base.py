@@ -16,7 +16,7 @@ Routers whose decision is made inside the network from hidden states (the learne
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -114,6 +114,23 @@ class VocabRouter(Router):
         self.default = default
         self._lookups: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @classmethod
+    def from_vocab(cls, vocab: Mapping[str, int], prefixes: Mapping[str, Sequence[str]],
+                   default: str | None = None) -> VocabRouter:
+        """Ranges read from a vocabulary (token -> id): each adapter takes the ids of the tokens whose name
+        starts with one of its prefixes, merged into contiguous ranges. A tokenizer's `get_vocab()` or a
+        model's lookup table fits: Chameleon's `vocabulary_map` scatters its image tokens ("IMGIMG...")
+        through the vocabulary (several ranges), Emu3's visual tokens ("<|visual token") fill the top ids
+        (one range)."""
+        ranges = []
+        for adapter, starts in prefixes.items():
+            ids = sorted({int(i) for tok, i in vocab.items() if tok.startswith(tuple(starts))})
+            if not ids:
+                raise RoutingError(f"no token of the vocabulary ({len(vocab)} tokens) starts with {list(starts)} "
+                                   f"for adapter {adapter!r}")
+            ranges += [(lo, hi, adapter) for lo, hi in id_ranges(ids)]
+        return cls(ranges, default)
+
     def route(self, input_ids: torch.Tensor, adapter_names: Sequence[str], *, start: int = 0) -> Routing:
         # two ops per call (an engine routes every request of every step): the bucket of each id among the
         # ranges' bounds, then that bucket's adapter index
@@ -136,6 +153,17 @@ class VocabRouter(Router):
 
     def to_json(self) -> dict:
         return {"ranges": [[lo, hi, n] for lo, hi, n in self.ranges], "default": self.default}
+
+
+def id_ranges(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ids as contiguous [lo, hi) ranges: [3, 4, 5, 9] -> [(3, 6), (9, 10)]."""
+    out: list[tuple[int, int]] = []
+    for i in ids:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
 
 
 class SequenceRouter(Router):

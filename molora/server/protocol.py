@@ -73,7 +73,7 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 class MoloraOptions(_Strict):
     """molora's own request options: how to route, over which adapters, and whether to report it."""
 
-    routing: Literal["auto", "learned", "vocab", "sequence"] = "auto"
+    routing: Literal["auto", "learned", "arrow", "vocab", "sequence"] = "auto"
     adapters: list[Name] | None = Field(None, max_length=256)
     return_routing: bool = False
     timeout: float | None = Field(None, gt=0.0)   # seconds; None: the server's default (capped by the server)

@@ -5,16 +5,23 @@ completion). Each is rendered with the bundle's prompt template; the loss covers
 the end-of-turn token (the pad token is the EOS token, so masking is by labels and attention, never by pad
 id, or the model would never learn to stop). The adapter is trained with PEFT itself, so the folder is
 exactly what PEFT saves. Seeded: the same data, config and seed give the same adapter.
+
+`train_routed` trains several adapters at once under a router (each token's delta from the adapter its
+router picks, as at inference): the adapters sit in molora's own bank (`molora.attach`) with their slot
+tensors made trainable, and each is written back as a PEFT folder. Adapters that will be routed together
+couple through attention; training them under the same routing as inference lets them learn to read each
+other's keys and values (docs: the multimodal section).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -83,12 +90,12 @@ def _as_pair(row: dict) -> tuple[str, str]:
 
 
 def tokenize_pairs(tokenizer: Any, pairs: Sequence[tuple[str, str]], template: str = CHATML,
-                   max_len: int = 256) -> list[tuple[list[int], int]]:
-    """(ids, prompt_len) per example: template(prompt) + completion + END, truncated to max_len."""
+                   max_len: int = 256, end: str = END) -> list[tuple[list[int], int]]:
+    """(ids, prompt_len) per example: template(prompt) + completion + end, truncated to max_len."""
     out = []
     for prompt, completion in pairs:
         p = tokenizer(turn_text(template, prompt), add_special_tokens=False)["input_ids"]
-        c = tokenizer(completion + END, add_special_tokens=False)["input_ids"]
+        c = tokenizer(completion + end, add_special_tokens=False)["input_ids"]
         out.append(((p + c)[:max_len], len(p)))
     return out
 
@@ -126,48 +133,104 @@ def completion_loss(model: Any, ids: torch.Tensor, att: torch.Tensor, labels: to
 
 def train_adapter(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], out_dir: str | Path,
                   config: AdapterTrainConfig = AdapterTrainConfig(), *, template: str = CHATML,
-                  progress: bool = True) -> dict:
-    """Train a LoRA on `model` (modified in place by PEFT) and save a PEFT folder at out_dir."""
+                  end: str = END, progress: bool = True) -> dict:
+    """Train a LoRA on `model` (modified in place by PEFT) and save a PEFT folder at out_dir. `end` closes
+    every completion (the bundle's stop token; ChatML's end of turn by default)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(config.seed)
-    rng = random.Random(config.seed)
     lcfg = LoraConfig(r=config.rank, lora_alpha=config.alpha, target_modules=list(config.target_modules),
                       lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     if config.bf16:
         model = model.to(torch.bfloat16)  # base in bf16 (fast matmuls on avx512_bf16); LoRA weights stay fp32
     pm = get_peft_model(model, lcfg, autocast_adapter_dtype=True)
     pm.train()
-    encoded = tokenize_pairs(tokenizer, pairs, template, config.max_len)
+    base = pm.get_base_model()
+    stats = _fit(base, [p for p in pm.parameters() if p.requires_grad], tokenizer, pairs, config, template, end,
+                 Path(out_dir).name, progress)
+    pm.eval()
+    out_dir = Path(out_dir)
+    pm.save_pretrained(str(out_dir))
+    stats = {"examples": len(pairs), **stats, "config": asdict(config)}
+    (out_dir / "training_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    return stats
+
+
+def _fit(model: Any, params: list[torch.Tensor], tokenizer: Any, pairs: Sequence[tuple[str, str]],
+         config: AdapterTrainConfig, template: str, end: str, label: str, progress: bool,
+         routed: Any = None) -> dict:
+    """The training loop both paths share: seeded batches, AdamW with warmup and cosine decay, the completion
+    loss. `routed(ids)` (or None) is a context manager that routes one batch (train_routed)."""
+    rng = random.Random(config.seed)
+    encoded = tokenize_pairs(tokenizer, pairs, template, config.max_len, end)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     epochs = math.ceil(config.epochs)
     plan = [b for e in range(epochs) for b in batches(encoded, config.batch_size, rng, pad)]
     plan = plan[: max(1, round(len(plan) * config.epochs / epochs))]
-    params = [p for p in pm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     warm = max(1, int(config.warmup * len(plan)))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(1, len(plan) - warm))))))
     t0, tokens, losses = time.perf_counter(), 0, []
-    bar = tqdm(plan, desc=f"train {Path(out_dir).name}", disable=not progress, unit="batch")
-    base = pm.get_base_model()
-    dev = next(base.parameters()).device
+    bar = tqdm(plan, desc=f"train {label}", disable=not progress, unit="batch")
+    dev = next(model.parameters()).device
     for ids, att, lab in bar:
-        loss = completion_loss(base, ids.to(dev), att.to(dev), lab.to(dev))
+        ids, att, lab = ids.to(dev), att.to(dev), lab.to(dev)
+        with routed(ids) if routed is not None else contextlib.nullcontext():
+            loss = completion_loss(model, ids, att, lab)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         tokens += int(att.sum())
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}",
                         tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
-    pm.eval()
-    out_dir = Path(out_dir)
-    pm.save_pretrained(str(out_dir))
-    stats = {"examples": len(pairs), "steps": len(plan), "tokens": tokens,
-             "seconds": round(time.perf_counter() - t0, 1), "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4),
-             "config": asdict(config)}
-    (out_dir / "training_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    return {"steps": len(plan), "tokens": tokens, "seconds": round(time.perf_counter() - t0, 1),
+            "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4)}
+
+
+def train_routed(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], out_dirs: Mapping[str, str | Path],
+                 router: Any, config: AdapterTrainConfig = AdapterTrainConfig(bf16=False), *,
+                 template: str = CHATML, end: str = END, progress: bool = True) -> dict:
+    """Train the adapters named by `out_dirs` (name -> folder) together on `model` (modified in place: its
+    linears become routed), each token's delta from the adapter `router` picks, and save each as a PEFT
+    folder. The adapters start as PEFT starts a LoRA (A Kaiming-uniform, B zero) and train in the model's
+    dtype (keep it float32: the bank holds the LoRA weights in that dtype; config.bf16 is not used)."""
+    from molora.adapters.io import save_adapter
+    from molora.model.attach import attach
+
+    torch.manual_seed(config.seed)
+    model.requires_grad_(False)
+    shapes = {n: (m.out_features, m.in_features) for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in config.target_modules}
+    if not shapes:
+        raise MoLoRAError(f"no linear of the model matches target_modules={list(config.target_modules)}")
+    meta = getattr(model, "name_or_path", None) or None
+    for name, out in out_dirs.items():  # initial folders: what PEFT's get_peft_model would start from
+        init = {}
+        for m, (d_out, d_in) in sorted(shapes.items()):
+            a = torch.empty(config.rank, d_in)
+            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+            init[m] = (a, torch.zeros(d_out, config.rank))
+        save_adapter(out, init, r=config.rank, lora_alpha=config.alpha, base_model_name_or_path=meta)
+    mm = attach(model, {n: Path(p) for n, p in out_dirs.items()}, slots=len(out_dirs), max_rank=config.rank,
+                check_base=False)
+    params = []
+    for slots in mm.bank.slots.values():  # A [S, R, d_in] and Bt [S, R, d_out]: every slot is an adapter
+        params += [slots.A.requires_grad_(True), slots.Bt.requires_grad_(True)]
+    mm.train()
+    stats = _fit(mm.model, params, tokenizer, pairs, config, template, end, "+".join(out_dirs), progress,
+                 routed=lambda ids: mm.routed(ids, router))
+    mm.eval()
+    for slots in mm.bank.slots.values():
+        slots.A.requires_grad_(False)
+        slots.Bt.requires_grad_(False)
+    for name, out in out_dirs.items():
+        s = mm.bank.slot_of(name)
+        save_adapter(out, {m: (sl.A[s], sl.B[s]) for m, sl in mm.bank.slots.items()}, r=config.rank,
+                     lora_alpha=config.alpha, base_model_name_or_path=meta)
+        stats_out = {"examples": len(pairs), **stats, "trained_with": sorted(out_dirs), "config": asdict(config)}
+        (Path(out) / "training_stats.json").write_text(json.dumps(stats_out, indent=2) + "\n")
     return stats

@@ -1,0 +1,240 @@
+"""Arrow routing (molora.routing.arrow): prototypes from the adapters' weights, PEFT's routing on sparse dispatch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import molora
+from molora.bundle import read_bundle, write_manifest
+from molora.config import SamplingParams
+from molora.engine import Engine, EngineConfig
+from molora.errors import BundleError, RoutingError
+from molora.routing import ArrowConfig, ArrowRouter, VocabRouter
+from molora.routing.arrow import top_right_singular_vector
+from tests.conftest import VOCAB, make_peft_adapter, tiny_model, tiny_tokenizer
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Four same-shaped adapters per architecture (PEFT's Arrow needs equal ranks and targets)."""
+    root = tmp_path_factory.mktemp("arrow")
+    return {arch: [make_peft_adapter(root / arch / f"e{i}", arch, seed=i, targets=ALL) for i in range(4)]
+            for arch in ("qwen3", "llama")}
+
+
+def _mm(paths, arch="qwen3", n=4):
+    return molora.attach(tiny_model(arch), {f"e{i}": paths[arch][i] for i in range(n)})
+
+
+def _ids(seed=0, shape=(2, 11)):
+    return torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------ prototypes
+
+def test_prototype_is_the_top_right_singular_vector_of_BA():
+    g = torch.Generator().manual_seed(0)
+    A, B = torch.randn(4, 48, generator=g), torch.randn(32, 4, generator=g)
+    want = torch.linalg.svd(B @ A).Vh[0]
+    got = top_right_singular_vector(A, B)
+    assert torch.allclose(got.abs(), want.abs(), atol=1e-5) and abs(float(got @ want)) > 1 - 1e-6
+    power = top_right_singular_vector(A, B, method="power", iters=2000, seed=3)  # converged power iteration
+    assert abs(float(power @ want)) > 1 - 1e-5
+    few = top_right_singular_vector(A, B, method="power", iters=1, seed=3)
+    assert abs(float(few @ want)) < 1 - 1e-3  # one step is not the answer: the test can tell them apart
+
+
+def test_top_k_weights_are_a_softmax_of_the_top_similarities_over_temperature(adapters):
+    mm = _mm(adapters)
+    r = ArrowRouter(ArrowConfig(top_k=2, temperature=0.5)).bind(mm)
+    name = "model.layers.1.mlp.down_proj"
+    x = torch.randn(7, 96)
+    ids, w = r.decide_linear(name, x)
+    P, _, _ = r.prototypes(name, x.device)
+    sim = (x @ P.T).abs()
+    top, idx = sim.topk(2, dim=-1)
+    assert torch.equal(ids, idx)
+    assert torch.allclose(w, torch.softmax(top / 0.5, -1), atol=1e-6)
+    one, none = ArrowRouter(ArrowConfig(top_k=1)).bind(mm).decide_linear(name, x)
+    assert none is None and torch.equal(one[:, 0], sim.argmax(-1))
+
+
+# ------------------------------------------------------------------------------------------ PEFT
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("top_k,temperature", [(1, 1.0), (2, 1.0), (3, 0.5)])
+@torch.no_grad()
+def test_per_linear_logits_equal_peft_create_arrow_model(adapters, arch, top_k, temperature):
+    from peft import ArrowConfig as PeftArrowConfig
+    from peft import create_arrow_model
+
+    peft = create_arrow_model(tiny_model(arch), [str(p) for p in adapters[arch]],
+                              PeftArrowConfig(top_k=top_k, router_temperature=temperature, rng_seed=0)).eval()
+    ids = _ids(1)
+    want = peft(input_ids=ids).logits
+    mm = _mm(adapters, arch)
+    router = ArrowRouter(ArrowConfig(top_k=top_k, temperature=temperature, method="power", seed=0))
+    got = mm(ids, adapter_ids=router).logits
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5), float((got - want).abs().max())
+    assert not torch.allclose(tiny_model(arch)(ids).logits, want, atol=1e-2)  # the adapters change the logits
+
+
+# ------------------------------------------------------------------------------------------ behaviour
+
+@torch.no_grad()
+def test_threshold_keeps_unclaimed_tokens_on_the_base_model(adapters):
+    mm = _mm(adapters)
+    ids = _ids(2)
+    base = tiny_model("qwen3")(ids).logits
+    for gran in ("per_linear", "per_block"):
+        strict = ArrowRouter(ArrowConfig(granularity=gran, threshold=1.0))  # no |cos| reaches 1: all on base
+        assert torch.allclose(mm(ids, adapter_ids=strict).logits, base, atol=1e-5)
+        loose = ArrowRouter(ArrowConfig(granularity=gran, threshold=0.0))
+        assert not torch.allclose(mm(ids, adapter_ids=loose).logits, base, atol=1e-3)
+
+
+@torch.no_grad()
+def test_per_block_decides_once_per_block_from_the_projection_input(adapters):
+    mm = _mm(adapters)
+    ids = _ids(3, (1, 9))
+    router = ArrowRouter(ArrowConfig(granularity="per_block", top_k=1))
+    mm.context.trace = []
+    got = mm(ids, adapter_ids=router).logits
+    trace, mm.context.trace = mm.context.trace, None
+    assert [b for b, _ in trace] == [0, 1]  # one decision per block
+    # each equals Arrow on input_layernorm(block input) with q_proj's prototypes (block inputs read by hooks)
+    inputs = []
+    hooks = [layer.register_forward_pre_hook(lambda m, a, k: inputs.append(a[0] if a else k["hidden_states"]),
+                                             with_kwargs=True) for layer in mm.model.model.layers]
+    mm(ids, adapter_ids=router)
+    for h in hooks:
+        h.remove()
+    for b, (_, ids_b) in enumerate(trace):
+        x = mm.model.model.layers[b].input_layernorm(inputs[b].reshape(-1, 64))
+        want, _ = router.decide_linear(f"model.layers.{b}.self_attn.q_proj", x)
+        assert torch.equal(ids_b, want)
+    per_linear = mm(ids, adapter_ids=ArrowRouter(ArrowConfig(granularity="per_linear"))).logits
+    assert not torch.allclose(got, per_linear, atol=1e-4)  # two granularities, two routings
+
+
+@torch.no_grad()
+def test_one_adapter_is_every_token_on_it_in_both_granularities(adapters):
+    mm = _mm(adapters, n=1)
+    ids = _ids(4)
+    pinned = mm(ids, adapter_ids="e0").logits
+    for gran in ("per_linear", "per_block"):
+        assert torch.allclose(mm(ids, adapter_ids=ArrowRouter(ArrowConfig(granularity=gran))).logits, pinned,
+                              atol=1e-5)
+
+
+@torch.no_grad()
+def test_runtime_adapter_load_recomputes_prototypes(adapters):
+    mm = _mm(adapters, n=2)
+    router = ArrowRouter(ArrowConfig(top_k=2))  # follows the model's adapters
+    ids = _ids(5)
+    mm(ids, adapter_ids=router)
+    assert router.adapter_names == ["e0", "e1"]
+    mm.load_adapter("e2", adapters["qwen3"][2])
+    assert router.refresh() == ["e2"]  # the new adapter's prototypes, once
+    got = mm(ids, adapter_ids=router).logits
+    assert router.refresh() == []
+    assert router.adapter_names == ["e0", "e1", "e2"]
+    fresh = mm(ids, adapter_ids=ArrowRouter(ArrowConfig(top_k=2))).logits
+    assert torch.allclose(got, fresh, atol=1e-6)
+    # a new adapter under an old name: its prototypes are computed again
+    mm.unload_adapter("e0")
+    mm.load_adapter("e0", adapters["qwen3"][3])
+    assert sorted(router.refresh()) == ["e0"]
+    P, _, _ = router.prototypes("model.layers.0.self_attn.q_proj", torch.device("cpu"))
+    want = top_right_singular_vector(mm.adapters["e0"].modules["model.layers.0.self_attn.q_proj"].A,
+                                     mm.adapters["e0"].modules["model.layers.0.self_attn.q_proj"].B)
+    assert torch.allclose(P[router.adapter_names.index("e0")], want)
+
+
+# ------------------------------------------------------------------------------------------ bundle, errors
+
+@pytest.fixture
+def arrow_bundle(tmp_path, adapters):
+    base = tmp_path / "base"
+    tiny_model("llama").save_pretrained(str(base))
+    tiny_tokenizer().save_pretrained(str(base))
+    write_manifest(tmp_path, {"name": "arrow", "base": "base",
+                              "adapters": [{"name": f"e{i}", "path": str(adapters["llama"][i])} for i in range(3)],
+                              "router": {"kind": "arrow", "top_k": 2, "granularity": "per_block"}})
+    return tmp_path
+
+
+@torch.no_grad()
+def test_bundle_of_adapters_alone_routes_by_arrow_without_training(arrow_bundle):
+    from molora.bundle import run_prompt
+
+    mm = molora.load(arrow_bundle)
+    assert isinstance(mm.router, ArrowRouter)
+    assert mm.router.config.top_k == 2 and mm.router.granularity == "per_block"
+    assert mm.router.adapter_names == ["e0", "e1", "e2"]
+    res = run_prompt(mm, "w5 w9 w40 w77", max_new_tokens=4, trace=True)
+    assert len(res.answer_ids) >= 1 and set(res.adapters) <= {"e0", "e1", "e2", None}
+    ids = _ids(6)
+    pinned = mm(ids, adapter_ids="e0").logits
+    assert not torch.allclose(mm(ids).logits, pinned, atol=1e-4)
+
+
+@pytest.mark.parametrize("router,match", [
+    ({"kind": "arrow", "topk": 2}, r"unknown option\(s\) \['topk'\].*top_k"),
+    ({"kind": "arrow", "top_k": 0}, r"top_k=0: use an integer >= 1"),
+    ({"kind": "arrow", "granularity": "per_token"}, r"granularity='per_token': use one of per_linear, per_block"),
+    ({"kind": "arrow", "threshold": 2}, r"threshold=2: a \|cosine\| in \[0, 1\]"),
+    ({"kind": "arrows"}, r"router kind 'arrows': use learned, arrow"),
+])
+def test_bad_arrow_config_is_refused_naming_the_file_and_the_fix(arrow_bundle, router, match):
+    m = json.loads((arrow_bundle / "molora.json").read_text())
+    m["router"] = router
+    write_manifest(arrow_bundle, m)
+    with pytest.raises(BundleError, match=match) as e:
+        read_bundle(arrow_bundle)
+    assert "molora.json" in str(e.value)
+
+
+def test_per_block_without_an_adapted_attention_projection_is_refused(tmp_path):
+    path = make_peft_adapter(tmp_path / "mlp", "qwen3", targets=("up_proj", "down_proj"))
+    mm = molora.attach(tiny_model("qwen3"), {"mlp": path})
+    with pytest.raises(RoutingError, match="per_block.*q_proj, k_proj or v_proj.*granularity='per_linear'"):
+        ArrowRouter(ArrowConfig(granularity="per_block")).bind(mm)
+    with torch.no_grad():  # per-linear works with any targets
+        mm(_ids(7), adapter_ids=ArrowRouter(ArrowConfig()))
+
+
+# ------------------------------------------------------------------------------------------ engine
+
+@pytest.mark.parametrize("gran", ["per_linear", "per_block"])
+@torch.no_grad()
+def test_engine_equals_generate_and_respects_allowed_adapters(adapters, gran):
+    mm = _mm(adapters, n=3)
+    mm.router = ArrowRouter(ArrowConfig(granularity=gran, top_k=2), ["e0", "e1", "e2"]).bind(mm)
+    engine = Engine(mm, EngineConfig(max_num_seqs=4, max_tokens_per_step=32, block_size=4, kv_budget_tokens=512,
+                                     max_model_len=128, stop_at_eos=False))
+    p, q = _ids(8, (13,)).tolist(), _ids(9, (7,)).tolist()
+    params = SamplingParams(max_new_tokens=5)
+    outs = engine.generate([p, p, q], params, routing=["arrow", "arrow", "auto"], adapter=[None, None, "e2"],
+                           allowed_adapters=[None, ["e1"], None])
+    ref = mm.generate(torch.tensor([p]), adapter_ids=mm.router, max_new_tokens=5)[0, len(p):].tolist()
+    assert outs[0].new_token_ids == ref
+    only = ArrowRouter(ArrowConfig(granularity=gran, top_k=2), ["e1"])
+    ref1 = mm.generate(torch.tensor([p]), adapter_ids=only, max_new_tokens=5)[0, len(p):].tolist()
+    assert outs[1].new_token_ids == ref1
+    ref2 = mm.generate(torch.tensor([q]), adapter_ids="e2", max_new_tokens=5)[0, len(q):].tolist()
+    assert outs[2].new_token_ids == ref2
+    mm.router = VocabRouter([(0, 50, "e0")])
+    with pytest.raises(RoutingError, match="routing='arrow' needs"):
+        Engine(mm, EngineConfig(max_model_len=64)).add_request(p, params, routing="arrow")
+
+
+def test_server_accepts_the_arrow_routing_option():
+    from molora.server.protocol import MoloraOptions
+
+    assert MoloraOptions(routing="arrow").routing == "arrow"
