@@ -1,0 +1,363 @@
+"""`ArrowRouter`: routing with no training data, from the adapters' own weights (Arrow, arXiv 2405.11157).
+
+Each adapted linear l of each adapter e has a *prototype*: the top right singular vector v[l, e] of its delta
+B·A (a direction in the linear's input space, unit norm, sign arbitrary). A token whose input x at that linear
+points along v[l, e] is one the adapter changes most, so Arrow routes it there:
+
+    sim[t, e]  = |x[t] · v[l, e]|                       (abs: a singular vector's sign is arbitrary)
+    top-k of sim[t, :], then w = softmax(top values / temperature)     (the other adapters get weight 0)
+    delta[t]   = sum_j w[t, j] * scale[e_j] * B[e_j] @ (A[e_j] @ x[t])
+
+which is PEFT's `create_arrow_model` (peft.tuners.lora.arrow) without GenKnowSub. PEFT computes every
+adapter for every token and mixes them (work K·N); here only the k chosen adapters run, on molora's sparse
+dispatch (work k·N).
+
+Two granularities (`ArrowConfig.granularity`):
+
+- **per_linear** (PEFT's): every adapted linear routes its own input with its own prototypes. The routed
+  linears ask the model's `RoutingContext` for their routing (`RoutingContext.linear`, a `LinearRouting`),
+  which calls `ArrowRouter.decide_linear(name, x)`; no block-level decision exists.
+- **per_block**: one decision per decoder block, made before the block runs from the input of one chosen
+  attention projection (`projection`: q_proj, k_proj or v_proj, whose input is input_layernorm(block input))
+  with that projection's prototypes, and reused by every linear of the block. It plugs in like the learned
+  router: `decide(block, hidden, allowed)`, so the engine runs it too.
+
+`threshold` (off by default, as in PEFT): a token whose best |cos(x, v)| (the similarity divided by |x|, so
+a scale-free number in [0, 1]) is below it stays on the base model (-1) at that linear or block.
+
+Prototypes are computed from the adapters' weights once per adapter and recomputed when an adapter of the same
+name is loaded again (a new `LoRAAdapter` object in `mm.adapters`); `method` "svd" takes the exact vector
+(QR of B, then the SVD of the small R·A), "power" PEFT's estimator (power iteration on AᵀBᵀBA from a seeded
+random start, `iters` steps) for bit-level comparisons with PEFT. The router knows adapter names, module paths
+and hidden states; it answers in adapter indices (-1: none), never in slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from molora.errors import RoutingError
+from molora.routing.base import Router, Routing, to_slots
+
+log = logging.getLogger("molora.routing")
+
+GRANULARITIES = ("per_linear", "per_block")
+METHODS = ("svd", "power")
+BLOCK_PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # their input is input_layernorm(block input)
+
+
+@dataclass(frozen=True)
+class ArrowConfig:
+    """Arrow's settings. top_k and temperature as PEFT's ArrowConfig (top_k, router_temperature); threshold
+    None = off; projection (per_block) None = the first of q_proj, k_proj, v_proj that the adapters adapt."""
+
+    top_k: int = 1
+    temperature: float = 1.0
+    granularity: str = "per_linear"
+    threshold: float | None = None
+    projection: str | None = None
+    method: str = "svd"
+    iters: int = 15               # method "power": PEFT's default
+    seed: int | None = 0          # method "power": PEFT's rng_seed (None: the global RNG, not reproducible)
+
+    def __post_init__(self) -> None:
+        fix = " (in molora.json: router {\"kind\": \"arrow\", ...}; on the command line: --router arrow)"
+        if not (isinstance(self.top_k, int) and self.top_k >= 1):
+            raise RoutingError(f"arrow top_k={self.top_k!r}: use an integer >= 1 (1: one adapter per token){fix}")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise RoutingError(f"arrow temperature={self.temperature!r}: use a number > 0 (1.0 as PEFT){fix}")
+        if self.granularity not in GRANULARITIES:
+            raise RoutingError(f"arrow granularity={self.granularity!r}: use one of {', '.join(GRANULARITIES)}{fix}")
+        if self.threshold is not None and not (isinstance(self.threshold, (int, float)) and 0 <= self.threshold <= 1):
+            raise RoutingError(f"arrow threshold={self.threshold!r}: a |cosine| in [0, 1], or null for none{fix}")
+        if self.projection is not None and self.projection not in BLOCK_PROJECTIONS:
+            raise RoutingError(f"arrow projection={self.projection!r}: per_block decides from one of "
+                               f"{', '.join(BLOCK_PROJECTIONS)} (their input is the block's normed input){fix}")
+        if self.method not in METHODS:
+            raise RoutingError(f"arrow method={self.method!r}: use one of {', '.join(METHODS)}{fix}")
+        if not (isinstance(self.iters, int) and self.iters >= 1):
+            raise RoutingError(f"arrow iters={self.iters!r}: use an integer >= 1{fix}")
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any], where: str = "arrow router") -> "ArrowConfig":
+        """From a manifest's router object (its "kind" and "path" keys ignored); unknown keys are refused."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known - {"kind", "path"})
+        if unknown:
+            raise RoutingError(f"{where}: unknown option(s) {unknown}; known: {sorted(known)}")
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+# --------------------------------------------------------------------------------------------- prototypes
+
+@torch.no_grad()
+def top_right_singular_vector(A: torch.Tensor, B: torch.Tensor, *, method: str = "svd", iters: int = 15,
+                              seed: int | None = 0) -> torch.Tensor:
+    """The top right singular vector [d_in] (fp32, unit norm, sign arbitrary) of B @ A, A [r, d_in], B [d_out, r],
+    without forming B @ A. svd: B = QR, so B·A = Q(R·A) and the right singular vectors are R·A's ([r, d_in]).
+    power: PEFT's estimator, v <- AᵀBᵀB A v normalised, from randn(d_in) drawn with `seed`."""
+    A32, B32 = A.float(), B.float()
+    if method == "svd":
+        _, R = torch.linalg.qr(B32)                                          # R [r, r]
+        _, _, Vh = torch.linalg.svd(R @ A32, full_matrices=False)            # Vh [r, d_in]
+        return Vh[0]
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=A32.device.type)
+        gen.manual_seed(int(seed))
+    C = B32.T @ B32                                                          # [r, r]
+    v = torch.randn(A32.shape[1], dtype=A32.dtype, device=A32.device, generator=gen)
+    v = v / (v.norm() + 1e-8)
+    for _ in range(iters):
+        w = A32.T @ (C @ (A32 @ v))
+        v = w / (w.norm() + 1e-8)
+    return v
+
+
+# --------------------------------------------------------------------------------------------- router
+
+class ArrowRouter(Router):
+    """Arrow routing from the adapters' weights; see the module docstring.
+
+    adapter_names: the adapters it chooses between (router index order); None follows the model's loaded
+    adapters (`mm.adapter_names`) at every forward. Call `bind(mm)` once (molora.load and `prepare` do) so the
+    router finds the model's adapters, decoder blocks and linears.
+    """
+
+    in_network = True
+    carry_blocks = 0
+    probe_prompt = False
+
+    def __init__(self, config: ArrowConfig | None = None, adapter_names: Sequence[str] | None = None) -> None:
+        self.config = config or ArrowConfig()
+        self.fixed_names = None if adapter_names is None else list(adapter_names)
+        if self.fixed_names is not None and len(set(self.fixed_names)) != len(self.fixed_names):
+            raise RoutingError(f"arrow router: duplicate adapter names {self.fixed_names}")
+        self._mm: Any = None
+        self._protos: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}  # name -> (its LoRAAdapter, module -> v)
+        self._stacks: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}   # (module, key, device) -> (P, has)
+        self._block_linear: list[str] = []         # per_block: the projection decided from, per block
+        self._block_norm: list[nn.Module] = []
+        self._linear_block: dict[str, int] = {}    # module path -> its block (for traces)
+        self._trace_linear: set[str] = set()       # per_linear: the linear whose decision a trace records
+
+    # ------------------------------------------------------------------------------------ settings
+    @property
+    def top_k(self) -> int:
+        return self.config.top_k
+
+    @property
+    def granularity(self) -> str:
+        return self.config.granularity
+
+    @property
+    def per_linear(self) -> bool:
+        return self.config.granularity == "per_linear"
+
+    @property
+    def adapter_names(self) -> list[str]:
+        if self.fixed_names is not None:
+            return list(self.fixed_names)
+        return [] if self._mm is None else list(self._mm.adapter_names)
+
+    # ------------------------------------------------------------------------------------ binding
+    def bind(self, mm: Any) -> "ArrowRouter":
+        """Find mm's decoder blocks and routed linears and compute the prototypes of its adapters (once each)."""
+        from molora.routing.learned import decoder_layers  # the one place that knows where blocks live
+
+        if self._mm is mm:
+            self.refresh()
+            return self
+        layers = decoder_layers(mm.model)
+        targets = set(mm.bank.slots)
+        names = {id(m): n for n, m in mm.model.named_modules()}
+        self._linear_block = {}
+        self._block_linear, self._block_norm = [], []
+        self._trace_linear = set()
+        proj = self.config.projection
+        for i, layer in enumerate(layers):
+            lp = names[id(layer)]
+            mine = sorted(t for t in targets if t.startswith(lp + "."))
+            self._linear_block.update({t: i for t in mine})
+            attn = [f"{lp}.self_attn.{p}" for p in BLOCK_PROJECTIONS if f"{lp}.self_attn.{p}" in targets]
+            if mine:  # the trace records the block's first adapted attention projection, else its first linear
+                self._trace_linear.add(attn[0] if attn else mine[0])
+            if self.per_linear:
+                continue
+            pick = f"{lp}.self_attn.{proj}" if proj else (attn[0] if attn else None)
+            if pick is None or pick not in targets:
+                raise RoutingError(f"arrow granularity='per_block' decides block {i} from "
+                                   f"{proj or 'q_proj, k_proj or v_proj'}, which no loaded adapter adapts there "
+                                   f"(adapted: {[t.rsplit('.', 1)[-1] for t in mine]}); use granularity='per_linear'"
+                                   " or name an adapted projection")
+            self._block_linear.append(pick)
+            self._block_norm.append(layer.input_layernorm)
+        self._mm = mm
+        self.refresh()
+        return self
+
+    def refresh(self) -> list[str]:
+        """Compute prototypes for adapters loaded (or loaded again) since the last call; return their names."""
+        if self._mm is None:
+            raise RoutingError("the arrow router is not bound to a model: call router.bind(mm) (molora.load does)")
+        loaded = self._mm.adapters
+        done = []
+        for name in self.adapter_names:
+            adapter = loaded.get(name)
+            if adapter is None or (name in self._protos and self._protos[name][0] is adapter):
+                continue  # not resident (an engine's evicted adapter keeps its prototypes) or up to date
+            c = self.config
+            self._protos[name] = (adapter, {m: top_right_singular_vector(w.A, w.B, method=c.method, iters=c.iters,
+                                                                         seed=c.seed)
+                                            for m, w in adapter.modules.items()})
+            done.append(name)
+        if done:
+            self._stacks.clear()
+            log.info("arrow: prototypes of %s computed (%s)", done, self.config.method)
+        return done
+
+    def prepare(self, mm: Any, input_ids: torch.Tensor) -> None:
+        """Make mm route by this router for its next forward (transformers path; molora.model.attach)."""
+        from molora.routing.learned import install_gates
+
+        self.bind(mm)
+        missing = [n for n in self.adapter_names if n not in mm.bank]
+        if missing:
+            raise RoutingError(f"the arrow router chooses between adapters {missing} that are not loaded "
+                               f"(loaded: {mm.adapter_names})")
+        slot_map = torch.tensor([mm.bank.slot_of(n) for n in self.adapter_names], dtype=torch.long,
+                                device=input_ids.device)
+        ctx = mm.context
+        if self.per_linear:
+            ctx.linear = LinearRouting(self, slot_map)
+        else:
+            install_gates(mm)
+            ctx.router = self
+            ctx.slot_map = slot_map
+
+    def route(self, input_ids: torch.Tensor, adapter_names: Sequence[str], *, start: int = 0) -> Routing:
+        raise RoutingError("ArrowRouter decides inside the network; pass it as adapter_ids to a MoLoRAModel")
+
+    # ------------------------------------------------------------------------------------ deciding
+    def prototypes(self, module: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(P [K, d_in] fp32, has [K] bool, has.all()): the prototypes of `module` in router order; an adapter
+        without the module (or without prototypes yet) has a zero row and has=False."""
+        names = self.adapter_names
+        key = (module, tuple(id(self._protos[n][0]) if n in self._protos else None for n in names), device)
+        if key not in self._stacks:
+            vecs = [self._protos[n][1].get(module) if n in self._protos else None for n in names]
+            d_in = next((v.shape[0] for v in vecs if v is not None), None)
+            if d_in is None:
+                raise RoutingError(f"arrow: no adapter of {names} adapts {module}")
+            P = torch.stack([torch.zeros(d_in) if v is None else v.float().cpu() for v in vecs]).to(device)
+            has = torch.tensor([v is not None for v in vecs], device=device)
+            self._stacks[key] = (P, has, all(v is not None for v in vecs))
+        return self._stacks[key]
+
+    def choose(self, x: torch.Tensor, module: str, allowed: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(ids [T, k] router indices, -1 none; weights [T, k] or None for top-1) for inputs x [T, d_in] of
+        `module`: |x·v| similarity, top-k, softmax(top / temperature) (module docstring)."""
+        P, has, every = self.prototypes(module, x.device)
+        sim = (x.float() @ P.T).abs()                                        # [T, K]
+        masked = allowed is not None or not every
+        if masked:                                                           # adapters absent here or not allowed
+            ok = has if allowed is None else has & allowed.to(x.device)
+            sim = sim.masked_fill(~ok, float("-inf"))
+        c = self.config
+        top, ids = sim.topk(min(c.top_k, sim.shape[1]), dim=-1)              # [T, k]
+        off = torch.isinf(top) if masked else None                           # not an adapter for this token
+        if c.threshold is not None:
+            cos = top[:, :1] / x.float().norm(dim=-1, keepdim=True).clamp_min(1e-12)     # [T, 1] best |cos|
+            off = cos < c.threshold if off is None else off | (cos < c.threshold)
+        if off is not None:
+            ids = torch.where(off, -1, ids)
+        if c.top_k == 1:
+            return ids, None
+        w = torch.softmax((top if off is None else top.masked_fill(off, float("-inf"))) / c.temperature, dim=-1)
+        return ids, torch.nan_to_num(w, nan=0.0)                             # a row all off: weights 0
+
+    def traced_block(self, module: str) -> int | None:
+        """per_linear: the block whose decision a routing trace records from linear `module` (its block's first
+        adapted attention projection, else its first adapted linear), None for the other linears."""
+        return self._linear_block[module] if module in self._trace_linear else None
+
+    def gate_index(self, block: int) -> int | None:
+        return None if self.per_linear else block
+
+    def decide(self, block: int, hidden: torch.Tensor, allowed: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """per_block: block's decision from its input hidden [T, D] (the chosen projection's input is
+        input_layernorm(hidden)); per_linear: None (the linears decide, `decide_linear`)."""
+        if self.per_linear:
+            return None
+        if not self._block_linear:
+            raise RoutingError("the arrow router is not bound to a model: call router.bind(mm) (molora.load does)")
+        self.refresh()
+        with torch.no_grad():
+            x = self._block_norm[block](hidden)
+            return self.choose(x, self._block_linear[block], allowed)
+
+    def decide_linear(self, module: str, x: torch.Tensor, allowed: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """per_linear: the decision of linear `module` from its own input x [T, d_in]."""
+        with torch.no_grad():
+            return self.choose(x, module, allowed)
+
+
+# --------------------------------------------------------------------------------------------- per linear
+
+class LinearRouting:
+    """Per-linear in-network routing of one forward (Arrow per_linear), held by `RoutingContext.linear`.
+
+    router: an `ArrowRouter`; slot_map [K]: router index -> bank slot (-1: not resident); groups: (rows [n] or
+    None for all T, allowed bool [K] or None) of the rows the router owns, the other rows keep the step's fixed
+    routing (an engine step mixes routing modes). `slots(module, x, fixed, fixed_w)` is what each routed linear
+    calls: slot ids [T, k] and weights [T, k] or None for its input x [T, d_in].
+    """
+
+    def __init__(self, router: ArrowRouter, slot_map: torch.Tensor,
+                 groups: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] = ((None, None),)) -> None:
+        self.router = router
+        self.slot_map = slot_map
+        self.groups = list(groups)
+        router.refresh()
+
+    def slots(self, module: str, x: torch.Tensor, fixed: torch.Tensor | None, fixed_w: torch.Tensor | None,
+              trace: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        T, k = x.shape[0], self.router.top_k
+        if len(self.groups) == 1 and self.groups[0][0] is None:   # every row is the router's
+            ids, w = self.router.decide_linear(module, x, self.groups[0][1])
+            out, weights = to_slots(self.slot_map, ids), w
+        else:
+            kk = max(k, 1 if fixed is None else fixed.shape[1])
+            out = torch.full((T, kk), -1, dtype=torch.long, device=x.device)
+            weights = None if kk == 1 and fixed_w is None else torch.zeros(T, kk, device=x.device)
+            if fixed is not None:
+                out[:, :fixed.shape[1]] = fixed
+                if weights is not None:
+                    if fixed_w is not None:
+                        weights[:, :fixed_w.shape[1]] = fixed_w
+                    else:
+                        weights[:, 0] = 1.0
+            for rows, allowed in self.groups:
+                r = slice(None) if rows is None else rows
+                ids, w = self.router.decide_linear(module, x[r], allowed)
+                out[r] = F.pad(to_slots(self.slot_map, ids), (0, kk - ids.shape[1]), value=-1)
+                if weights is not None:
+                    ww = torch.ones_like(ids, dtype=weights.dtype) if w is None else w.to(weights.dtype)
+                    weights[r] = F.pad(ww, (0, kk - ids.shape[1]))
+            ids = None
+        block = None if trace is None else self.router.traced_block(module)
+        if block is not None:
+            if ids is None:
+                raise RoutingError("a routing trace needs every row on the arrow router")
+            trace.append((block, ids))
+        return out, weights
