@@ -283,3 +283,36 @@ def test_arithmetic_worked_solution_writes_each_operation_next_to_its_operands()
         "1 * 11 = 11. So the answer is 11.")
     with pytest.raises(ValueError):
         worked_solution("multistep_arithmetic_two", q, "12")  # a wrong target is caught, not trained on
+
+
+def test_counting_worked_solution_judges_every_listed_item():
+    from molora.data.solutions import worked_solution
+
+    q = "I have a chair, two potatoes, a banana, and a cabbage. How many vegetables do I have?"
+    assert worked_solution("object_counting", q, "3") == (
+        "a chair: not a vegetable; two potatoes: 2 (total 2); a banana: not a vegetable; a cabbage: 1 (total 3). "
+        "So the answer is 3.")
+    animals = "I have a fish, an apple, and two mice. How many animals do I have?"
+    assert worked_solution("object_counting", animals, "3").startswith("a fish: 1 (total 1); an apple: not an animal;")
+    with pytest.raises(ValueError, match="target"):
+        worked_solution("object_counting", q, "5")  # counting the distractors is caught, not trained on
+
+
+def test_counting_distractors_are_frequent_and_several():
+    """The distribution the generator declares (molora.data.skills.DISTRACTOR_SHARE / DISTRACTOR_KINDS), measured
+    on generated questions: a distractor is an item outside the asked category."""
+    from molora.data.skills import _CATEGORIES, DISTRACTOR_SHARE
+
+    with_distractors, kinds, questions = 0, collections.Counter(), 0
+    for it in generate("object_counting", 1000, seed=11):
+        cat = it.input.rsplit("How many ", 1)[1][:-len(" do I have?")]
+        if cat == "objects":
+            continue
+        questions += 1
+        names = {n for pair in _CATEGORIES[cat] for n in pair}
+        listing = it.input[len("I have "):it.input.index(". How many")]
+        other = [p for p in listing.replace(", and ", ", ").split(", ") if p.partition(" ")[2] not in names]
+        with_distractors += bool(other)
+        kinds[len(other)] += 1
+    assert abs(with_distractors / questions - DISTRACTOR_SHARE) < 0.06
+    assert all(kinds[k] > 0.05 * questions for k in (1, 2, 3, 4)) and max(kinds) == 4

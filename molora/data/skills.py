@@ -107,6 +107,16 @@ def _phrase(rng: random.Random, noun: tuple[str, str]) -> tuple[str, int]:
     return f"{_NUMBER_WORDS[count - 2]} {noun[1]}", count
 
 
+# Distractors: items of other categories in the list, which the question does not ask about ("How many
+# vegetables..." listing a chair and two tables). Real questions often have them, several at once, from any other
+# category, objects included (BBH's own worked example: 3 of 8 listed items are objects in a vegetables question).
+# Here: DISTRACTOR_SHARE of the questions about a category other than "objects" get 1-4 kinds of distractors
+# (weights DISTRACTOR_KINDS), drawn from every other category; an "objects" question lists objects only (a fruit
+# is also an object). `molora.data.solutions` judges every listed item, distractors included.
+DISTRACTOR_SHARE = 0.6
+DISTRACTOR_KINDS = ((1, 0.3), (2, 0.3), (3, 0.25), (4, 0.15))
+
+
 def _object_counting(rng: random.Random) -> tuple[str, str]:
     category = rng.choice(tuple(_CATEGORIES))
     vocab = _CATEGORIES[category]
@@ -115,9 +125,10 @@ def _object_counting(rng: random.Random) -> tuple[str, str]:
         n_kinds = min(len(vocab), rng.choice((2, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11)))
         phrases = [_phrase(rng, kind) for kind in rng.sample(vocab, n_kinds)]
         answer = sum(c for _, c in phrases)
-    if category != "objects" and rng.random() < 0.3:  # distractors from other categories
+    if category != "objects" and rng.random() < DISTRACTOR_SHARE:
         others = [k for cat, ks in _CATEGORIES.items() if cat != category for k in ks]
-        for kind in rng.sample(others, rng.choice((1, 1, 2, 3))):
+        kinds, weights = zip(*DISTRACTOR_KINDS)
+        for kind in rng.sample(others, rng.choices(kinds, weights)[0]):
             phrases.insert(rng.randrange(len(phrases) + 1), _phrase(rng, kind))
     texts = [p for p, _ in phrases]
     listing = ", ".join(texts[:-1]) + ", and " + texts[-1]

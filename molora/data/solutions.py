@@ -5,7 +5,8 @@ Measured: adapters trained on bare answers reached 2/20 (object_counting) and 0/
 locally (add one small count to a running total; apply one operation at a time), ending with BBH's
 chain-of-thought closing "So the answer is X." — the strict scorer reads the text after "answer is".
 
-    object_counting:          "a flute: 1 (total 1); two trumpets: 2 (total 3). So the answer is 3."
+    object_counting:          "a flute: 1 (total 1); a banana: not a musical instrument; two trumpets: 2 (total 3).
+                               So the answer is 3."
     multistep_arithmetic_two: "(-1 + 2 * 3 - 4): 2 * 3 = 6; -1 + 6 = 5; 5 - 4 = 1. (5 - -6): 5 - -6 = 5 + 6 = 11.
                                1 * 11 = 11. So the answer is 11."
     navigate:                 "Start at (0, 0) facing north. Take 3 steps north: y 0 + 3 = 3, now (0, 3).
@@ -52,16 +53,22 @@ def worked_solution(task: str, question: str, target: str) -> str:
 
 
 def _counting(question: str, target: str) -> str:
+    """Every listed item judged in turn: its count added to the running total, or "not a <category>" (a
+    distractor is written down and skipped, so the model sees the judgement, not a silent omission)."""
     m = _QUESTION.match(question)
     if not m:
         raise ValueError(f"not an object_counting question: {question!r}")
     names = {n for pair in _CATEGORIES[m["cat"]] for n in pair}
+    one = m["cat"][:-1]                                   # fruits -> fruit, musical instruments -> ... instrument
+    other = f"not {'an' if one[0] in 'aeiou' else 'a'} {one}"
     total, steps = 0, []
     for phrase in re.split(r", (?:and )?", m["items"]):
         word, _, noun = phrase.partition(" ")
         if noun in names:
             total += _COUNT_WORDS[word]
             steps.append(f"{phrase}: {_COUNT_WORDS[word]} (total {total})")
+        else:
+            steps.append(f"{phrase}: {other}")
     if str(total) != target:
         raise ValueError(f"worked count {total} != target {target} for {question!r}")
     return "; ".join(steps) + f". So the answer is {total}."
