@@ -155,7 +155,10 @@ def test_deadlines_end_requests_and_free_their_blocks(adapters):
 
 def test_server_deadline_answers_504_and_streams_a_timeout_finish_reason(adapters):
     engine = make_engine(adapters)
-    app = create_app(engine, model_name="tiny", limits=Limits(request_timeout_s=60, max_request_timeout_s=120))
+    # a long grace: the engine's own deadline path is under test, not the handler's backstop (a loaded CI
+    # machine can hold the engine thread past a 2 s grace)
+    app = create_app(engine, model_name="tiny", limits=Limits(request_timeout_s=60, max_request_timeout_s=120,
+                                                              deadline_grace_s=30))
     body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 250, "temperature": 0}
     with ServerThread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         assert_error(http.post("/completions", json={**body, "molora": {"timeout": 500}}), 400, "molora.timeout")
@@ -174,7 +177,7 @@ def test_server_deadline_answers_504_and_streams_a_timeout_finish_reason(adapter
         r = http.post("/completions", json={**body, "stream": True, "molora": {"timeout": 0.3}})
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         assert events[-2]["choices"][0]["finish_reason"] == "timeout", events[-3:]
-        assert events[-1]["error"]["code"] == "timeout"
+        assert events[-1]["error"]["code"] == "timeout" and "timeout of 0.3 s" in events[-1]["error"]["message"]
         wait_for(lambda: app.state.molora.client.in_flight == 0, timeout=10)
         stats = engine.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and not stats["hotset"]["pinned"]
@@ -218,6 +221,28 @@ def test_a_hung_step_turns_health_503_and_engine_calls_time_out():
             engine.hang.clear()
             engine.release.set()
         wait_for(lambda: httpx.get(base + "/health").status_code == 200, timeout=5)
+
+
+def test_the_handler_answers_504_past_the_grace_when_the_engine_is_stuck():
+    """The backstop: a step that never returns cannot end the request, so the handler does, at the deadline
+    plus `deadline_grace_s`, for a plain and a streamed request alike."""
+    engine = HangingEngine(step_delay=0.002)
+    app = create_app(engine, limits=Limits(deadline_grace_s=0.2))
+    body = {"model": "toy", "prompt": "a", "max_tokens": 50, "molora": {"timeout": 0.2}}
+    with ServerThread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        engine.hang.set()
+        err = assert_error(http.post("/completions", json=body), 504)
+        assert err["code"] == "timeout" and "stalled engine" in err["message"]
+        r = http.post("/completions", json={**body, "stream": True})
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "timeout" and "stalled engine" in events[-1]["error"]["message"]
+        engine.hang.clear()
+        engine.release.set()
+
+
+def test_limits_reject_a_grace_that_is_not_positive():
+    with pytest.raises(MoLoRAError, match="deadline_grace_s=0"):
+        Limits(deadline_grace_s=0)
 
 
 class CrashingEngine(FakeEngine):

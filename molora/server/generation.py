@@ -48,7 +48,6 @@ from molora.server.client import EngineClient
 from molora.server.runner import EngineFailure, RequestSpec, Submission
 
 OFFLOAD_CHARS = 32 << 10   # prompts longer than this are tokenised on a worker thread
-DEADLINE_GRACE_S = 2.0     # the handler's own backstop past the engine-side deadline
 REPLICA_HEADER = "X-Molora-Replica"   # which engine replica answered (molora serve --ray)
 
 
@@ -56,15 +55,18 @@ REPLICA_HEADER = "X-Molora-Replica"   # which engine replica answered (molora se
 class Limits:
     """Time limits of the generation endpoints (seconds). request_timeout_s: the default deadline of a request;
     max_request_timeout_s: the most a request may ask for (`molora.timeout`); queue_timeout_s: how long a
-    request may wait before it starts (None: no limit); keepalive_s: SSE comment interval while a stream waits."""
+    request may wait before it starts (None: no limit); keepalive_s: SSE comment interval while a stream waits;
+    deadline_grace_s: how long past a request's deadline the handler waits for the engine to end it before it
+    answers 504 on its own (the backstop for a stalled engine; the engine normally ends it at a step boundary)."""
 
     request_timeout_s: float = 600.0
     max_request_timeout_s: float = 3600.0
     queue_timeout_s: float | None = 300.0
     keepalive_s: float = 15.0
+    deadline_grace_s: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("request_timeout_s", "max_request_timeout_s", "keepalive_s"):
+        for name in ("request_timeout_s", "max_request_timeout_s", "keepalive_s", "deadline_grace_s"):
             if not getattr(self, name) > 0:
                 raise MoLoRAError(f"{name}={getattr(self, name)} must be > 0")
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
@@ -254,7 +256,7 @@ class Generation:
         except MoLoRAError as e:
             raise APIError(400, str(e)) from e
         states = [ChoiceState(spec.index, len(spec.prompt_ids)) for spec in specs]
-        deadline = time.monotonic() + specs[0].timeout_s + DEADLINE_GRACE_S
+        deadline = time.monotonic() + specs[0].timeout_s + self.limits.deadline_grace_s
         headers = {REPLICA_HEADER: sub.replica} if sub.replica is not None else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -274,6 +276,8 @@ class Generation:
         while sub.unfinished:
             left = deadline - time.monotonic()
             if left <= 0:
+                if sub.queue.empty():
+                    await asyncio.sleep(0)  # outputs the engine thread handed to the loop land first
                 if sub.queue.empty():
                     self.metrics.count_deadline("request")
                     raise APIError(504, "the request ran past its deadline and the engine did not end it in time "
