@@ -362,3 +362,16 @@ def test_carrying_learned_router_equals_generate_alone_busy_and_preempted(paths,
             got[out.request_id] += out.new_token_ids
     assert got[rid] == ref
     assert engine.stats()["num_preemptions"] > 0
+
+
+def test_greedy_picks_the_first_maximum_like_argmax():
+    from molora.sampling import greedy
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.zeros(3, 50, dtype=dtype)
+        x[:, 7] = x[:, 9] = 1.0          # ties: the first index wins, as in argmax
+        x[1, 40] = float("inf")
+        x[2, 30] = float("nan")          # a NaN row: argmax and max agree on the NaN's index
+        assert torch.equal(greedy(x), x.argmax(-1)) and greedy(x).tolist() == [7, 40, 30]
+        y = torch.randn(32, 4096).to(dtype)
+        assert torch.equal(greedy(y), y.argmax(-1))

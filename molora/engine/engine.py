@@ -55,7 +55,7 @@ from molora.engine.scheduler import Scheduled, Scheduler
 from molora.errors import AdapterDraining, AdapterError, MoLoRAError, RoutingError
 from molora.model.runner import BatchMeta, ModelRunner
 from molora.routing import ArrowRouter, SequenceRouter, VocabRouter
-from molora.sampling import sample_next, top_logprobs
+from molora.sampling import greedy, sample_next, top_logprobs
 
 log = logging.getLogger("molora.engine")
 
@@ -444,13 +444,13 @@ class Engine:
         """Token ids [b] from logits [b, V]. A request short of its min_tokens picks from a copy of its own row
         with its stop ids at -inf (`_without_stops`); other rows and `logits` itself are untouched, so
         logprobs report the model's distribution (vLLM's default, raw logprobs)."""
-        chosen = logits.argmax(-1)                                                # [b] greedy for all
+        chosen = greedy(logits)                                                   # [b] greedy for all
         for j, req in enumerate(reqs):
             p = req.params
             row = logits[j:j + 1]                                                 # [1, V]
             if req.num_generated < p.min_tokens:
                 row = self._without_stops(row, p)
-                chosen[j] = row.argmax(-1)[0]
+                chosen[j] = greedy(row)[0]
             if not p.greedy and finite[j]:
                 chosen[j] = sample_next(row, p.temperature, p.top_k, p.top_p, req.generator)[0]
         return chosen
