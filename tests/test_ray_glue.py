@@ -85,11 +85,11 @@ def toy_info(adapters=("math", "code")):
                       adapters=list(adapters))
 
 
-def ray_app(n_replicas: int = 1, **kwargs):
+def ray_app(n_replicas: int = 1, step_delay: float = 0.0, **kwargs):
     engines: list[FakeEngine] = []
 
     def build(path):
-        engines.append(FakeEngine())
+        engines.append(FakeEngine(step_delay=step_delay))
         return engines[-1]
 
     replicas = [EngineReplica(build, max_in_flight=64, name=f"replica-{i}") for i in range(n_replicas)]
@@ -236,7 +236,9 @@ def test_errors_cross_the_client_as_the_same_answers():
 
 
 def test_a_stream_closed_early_aborts_its_engine_requests():
-    app, handle, _, engines = ray_app()
+    # 100 steps of 20 ms: the request cannot end on its own before the client closes (without a delay a fast
+    # engine could finish all 100 tokens first, and there would be nothing left to abort)
+    app, handle, _, engines = ray_app(step_delay=0.02)
     with TestClient(app) as c:
         body = {**CHAT, "max_tokens": 100}
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
