@@ -125,28 +125,30 @@ def hold_priority(nice: int, stop: threading.Event) -> None:
                 continue
 
 
-def run(what: str, args: argparse.Namespace) -> dict[str, Any]:
-    if what == "ray_floor":
-        t0 = time.time()
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--floor-child"]
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode or not lines:
-            raise SystemExit(f"ray_floor failed (exit {proc.returncode})")
-        return {"command": "python scripts/make_scaleout.py --only ray_floor", "wall_s": round(time.time() - t0, 1),
-                "exit_code": 0, "result": json.loads(lines[-1])}
-    argv = bench_argv(what, args)
-    cmd = [sys.executable, "-m", "molora.bench.cli", *argv]
-    print("$ molora bench " + shlex.join(argv), flush=True)
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ,
-                                                                                 "RAY_USAGE_STATS_ENABLED": "0"})
+def _child_json(cmd: list[str], what: str) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
+    """Run cmd from the repository root (Ray's usage stats off) and parse the last JSON line it printed."""
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
-        raise SystemExit(f"{what}: the bench printed no JSON (exit {proc.returncode})")
-    return {"command": "molora bench " + shlex.join(argv), "wall_s": round(time.time() - t0, 1),
-            "exit_code": proc.returncode, "result": json.loads(lines[-1])}
+        raise SystemExit(f"{what}: printed no JSON (exit {proc.returncode})")
+    return proc, json.loads(lines[-1])
+
+
+def run(what: str, args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.time()
+    if what == "ray_floor":
+        proc, result = _child_json([sys.executable, str(Path(__file__).resolve()), "--floor-child"], what)
+        if proc.returncode:
+            raise SystemExit(f"ray_floor failed (exit {proc.returncode})")
+        command = "python scripts/make_scaleout.py --only ray_floor"
+    else:
+        argv = bench_argv(what, args)
+        print("$ molora bench " + shlex.join(argv), flush=True)
+        proc, result = _child_json([sys.executable, "-m", "molora.bench.cli", *argv], what)
+        command = "molora bench " + shlex.join(argv)
+    return {"command": command, "wall_s": round(time.time() - t0, 1), "exit_code": proc.returncode,
+            "result": result}
 
 
 def _level(rec: dict, c: int) -> dict:

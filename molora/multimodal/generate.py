@@ -31,6 +31,7 @@ import torch
 from molora.errors import MoLoRAError, RoutingError
 from molora.multimodal.vocab import BOI, PIXELS, WORDS, draw_prompt, image_span, image_token_ids
 from molora.routing import Router, Routing
+from molora.routing.base import adapter_index
 from molora.sampling import sample_next
 
 CAPTION_TOKENS = 6  # the longest caption (5 words) and <eos>
@@ -43,7 +44,7 @@ class EveryToken(Router):
         self.names = list(names)
 
     def route(self, input_ids: torch.Tensor, adapter_names: Sequence[str], *, start: int = 0) -> Routing:
-        idx = torch.tensor([list(adapter_names).index(n) for n in self.names], device=input_ids.device)
+        idx = torch.tensor([adapter_index(adapter_names, n) for n in self.names], device=input_ids.device)
         ids = idx.expand(*input_ids.shape, len(self.names)).clone()       # [B, L, k]
         return Routing(ids, torch.ones(ids.shape, device=input_ids.device))
 

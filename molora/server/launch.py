@@ -74,11 +74,17 @@ def serve(bundle: str | Path | None = None, *, host: str = "127.0.0.1", port: in
     extra = {"limits": limits} if limits is not None else {}
     app = create_app(engine, model_name=model_name, api_keys=api_keys, admin_keys=admin_keys,
                      adapter_roots=adapter_roots, max_queue=max_queue, stall_s=stall_s, **extra)
+    log.info("serving %s on http://%s:%d/v1", ", ".join(app.state.molora.catalog.infos), host, port)
+    run_app(app, host, port, drain_timeout_s=drain_timeout_s, log_level=log_level)
+
+
+def run_app(app: FastAPI, host: str, port: int, *, drain_timeout_s: float | None = 30.0,
+            log_level: str = "info") -> None:
+    """Run a molora app under uvicorn until SIGTERM/SIGINT, draining (`DrainingServer`); drain_timeout_s None:
+    wait for in-flight requests without a limit. `molora serve` and `molora serve --ray --ray-ingress process`."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s,
                             access_log=False)
-    server = DrainingServer(config, app)
-    log.info("serving %s on http://%s:%d/v1", ", ".join(app.state.molora.catalog.infos), host, port)
-    server.run()
+    DrainingServer(config, app).run()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -678,14 +678,11 @@ def serve_ray(cfg: RayConfig, *, host: str = "127.0.0.1", port: int = 8000, adap
         app = ingress_app(engine, cfg, specs, kwargs)
         if not block:
             return app
-        import uvicorn
+        from molora.server.launch import run_app
 
-        from molora.server.launch import DrainingServer
-
-        config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False)
         log.info("serving %s on http://%s:%d/v1 (engine replicas on Ray Serve)", [s.name for s in specs], host, port)
         try:
-            DrainingServer(config, app).run()
+            run_app(app, host, port, drain_timeout_s=None)
         finally:
             shutdown()
         return None
