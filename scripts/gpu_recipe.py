@@ -188,6 +188,11 @@ def make_data(work: Path, n: int, smoke: bool) -> None:
 # ------------------------------------------------------------------------------------------ train, router
 
 def bundle_manifest(base: str, adapters: list[str]) -> dict:
+    """The manifest of a bundle over `base` ("default" or a model folder). A folder is written as an absolute
+    path: `read_bundle` resolves a relative base against the bundle's own folder, not against the working
+    directory this script was started in."""
+    if base != "default":
+        base = str(Path(base).resolve())
     return {"name": "qwen3-molora" if adapters else "base", "base": base, "prompt_template": QWEN3_TEMPLATE,
             "stop": ["<|im_end|>"], "slots": max(1, len(adapters)), "max_rank": 16,
             "adapters": [{"name": a, "path": f"adapters/{a}", "tasks": TASKS_OF[a],
@@ -297,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="first N items of each eval set")
     p.add_argument("--smoke", action="store_true", help="tiny offline run on the embedded SmolLM2 (module doc)")
     a = p.parse_args(argv)
-    work = Path(a.work)
+    work = Path(a.work).resolve()
     n = min(a.n, 16) if a.smoke else a.n
     limit = a.limit if a.limit is not None else (2 if a.smoke else None)
     models = fetch(work, a.smoke) if a.step in ("all", "fetch", "train") else None

@@ -103,9 +103,19 @@ def paired_ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
     return statistics.median(r), q[0], q[2]
 
 
-def timed_ms(fn: Callable[[], Any]) -> float:
+def sync(device: torch.device | str | None) -> None:
+    """Wait for the work queued on `device` (CUDA runs asynchronously: without this a timer measures only the
+    launches). Nothing to wait for on the CPU or for None."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(fn: Callable[[], Any], device: torch.device | str | None = None) -> float:
+    """Wall milliseconds of one call of `fn`, the device's queue drained before and after (`sync`)."""
+    sync(device)
     t0 = time.perf_counter()
     fn()
+    sync(device)
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -117,8 +127,8 @@ def rotated(names: list[str], i: int) -> list[str]:
 
 def time_interleaved(fns: Mapping[str, Callable[[], Any]], repeats: int, *, warmup: int = 1,
                      reset: Mapping[str, Callable[[], Any]] | None = None,
-                     max_repeats: Mapping[str, int] | None = None, log: Callable[[str], None] | None = None
-                     ) -> Timing:
+                     max_repeats: Mapping[str, int] | None = None, log: Callable[[str], None] | None = None,
+                     device: torch.device | str | None = None) -> Timing:
     """Time every variant once per repetition, `repeats` times (after `warmup` untimed calls each). The order
     rotates by one variant per repetition (`rotated`), so no variant always runs first (cold caches) or
     right after a given other one (warm caches from the same kernel, issue 19's `fused` vs `auto`).
@@ -127,6 +137,7 @@ def time_interleaved(fns: Mapping[str, Callable[[], Any]], repeats: int, *, warm
     in max_repeats is timed only in its first max_repeats[name] repetitions and gets no warm-up call (a
     variant 100x slower than the rest need not take 100x the run time, and its first-call costs are small
     beside it; its median is over fewer samples, and `Timing.samples` says so).
+    device: where the variants run; on CUDA every sample is taken between two `sync`s.
     """
     reset = reset or {}
     max_repeats = max_repeats or {}
@@ -141,7 +152,7 @@ def time_interleaved(fns: Mapping[str, Callable[[], Any]], repeats: int, *, warm
             fn = fns[name]
             if i >= max_repeats.get(name, repeats):
                 continue
-            timing.samples[name].append(timed_ms(fn))
+            timing.samples[name].append(timed_ms(fn, device))
             if name in reset:
                 reset[name]()
         if log is not None:

@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from molora.adapters import save_adapter
-from molora.bench.common import paired_ratio, rotated
+from molora.bench.common import paired_ratio, rotated, sync
 from molora.config import LLAMA_PROJECTIONS, SamplingParams
 from molora.engine import Engine, EngineConfig
 from molora.engine.hotset import HotSet
@@ -69,30 +69,36 @@ KERNEL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", 
                         "molora::lora_fused", "molora::paged_decode"})  # the C++ kernels (molora.ops.fused_cpu)
 
 
-def kernel_seconds(fn: Callable[[], Any]) -> tuple[float, float]:
+def kernel_seconds(fn: Callable[[], Any], device: torch.device | None = None) -> tuple[float, float]:
     """(seconds in KERNEL_OPS, profiled wall seconds) of one run of `fn` under torch.profiler. The wall clock
     runs inside the profiling context: the profiler's own start and stop (about 0.1 s here, some 10% of ten
-    decode steps) are no part of `fn`'s time."""
+    decode steps) are no part of `fn`'s time. KERNEL_OPS are summed in CPU self time: on CUDA that is the
+    launch cost, not the kernels' device time (the share is a CPU-side figure there)."""
     from torch.profiler import profile
 
     with profile() as prof:
+        sync(device)
         t0 = time.perf_counter()
         fn()
+        sync(device)
         wall = time.perf_counter() - t0
     return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in KERNEL_OPS) / 1e6, wall
 
 
-def _timed(fn: Callable[[], Any]) -> float:
+def _timed(fn: Callable[[], Any], device: torch.device | None = None) -> float:
+    """Wall seconds of one call of `fn`, the device's queue drained before and after (`common.sync`)."""
+    sync(device)
     t0 = time.perf_counter()
     fn()
+    sync(device)
     return time.perf_counter() - t0
 
 
-def _padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ids [B, L] and attention mask [B, L] of a static batch."""
+def _padded(prompts: list[list[int]], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids [B, L] and attention mask [B, L] of a static batch, on `device`."""
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     return ids, mask
 
 
@@ -104,7 +110,7 @@ def _hf_routed(mm: Any, prompts: list[list[int]], news: list[int], batch: int) -
     from transformers import DynamicCache
 
     for i in range(0, len(prompts), batch):
-        ids, mask = _padded(prompts[i:i + batch])
+        ids, mask = _padded(prompts[i:i + batch], mm.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache, step_ids, start = DynamicCache(), ids, 0
         for _ in range(max(news[i:i + batch])):
@@ -118,7 +124,7 @@ def _hf_routed(mm: Any, prompts: list[list[int]], news: list[int], batch: int) -
 
 def _hf_base(model: Any, prompts: list[list[int]], news: list[int], batch: int) -> None:
     for i in range(0, len(prompts), batch):
-        ids, mask = _padded(prompts[i:i + batch])
+        ids, mask = _padded(prompts[i:i + batch], next(model.parameters()).device)
         new = max(news[i:i + batch])
         model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                        pad_token_id=0)
@@ -133,11 +139,13 @@ def decode_steps(engines: dict[str, Engine], prompts: list[list[int]], routing: 
         while any(r.remaining > 1 or r.num_computed == 0 for r in eng.requests.values()):
             eng.step()                                   # finish every prefill first
     times: dict[str, list[float]] = {n: [] for n in engines}
+    dev = {n: e.runner.device for n, e in engines.items()}
     for i in range(steps):
         for name in rotated(list(engines), i):
-            times[name].append(_timed(engines[name].step) * 1e3)
+            times[name].append(_timed(engines[name].step, dev[name]) * 1e3)
     first = next(iter(engines))          # the routed engine: its decode step's kernel share (issue 19's goal)
-    kernel_s, wall_s = kernel_seconds(lambda: [engines[first].step() for _ in range(max(steps // 2, 1))])
+    kernel_s, wall_s = kernel_seconds(lambda: [engines[first].step() for _ in range(max(steps // 2, 1))],
+                                      dev[first])
     for eng in engines.values():
         for rid in list(eng.requests):
             eng.abort(rid)
@@ -152,11 +160,11 @@ def swap_cost(mm: Any, name: str, repeats: int = 5) -> dict[str, float]:
     swap, copy = [], []
     for _ in range(repeats):
         hs._evict(name)
-        swap.append(_timed(lambda: hs.acquire([name])) * 1e3)           # CPU tier -> slot (no disk read)
+        swap.append(_timed(lambda: hs.acquire([name]), mm.device) * 1e3)  # CPU tier -> slot (no disk read)
         hs.release([name])
         srcs = [t for m in adapter.modules.values() for t in (m.A, m.B)]
         dsts = [torch.empty_like(t) for t in srcs]
-        copy.append(_timed(lambda: [d.copy_(s) for d, s in zip(dsts, srcs)]) * 1e3)
+        copy.append(_timed(lambda: [d.copy_(s) for d, s in zip(dsts, srcs)], mm.device) * 1e3)
     return {"swap_ms": statistics.median(swap), "memcpy_ms": statistics.median(copy),
             "adapter_mib": adapter.nbytes() / 2**20}
 
@@ -185,7 +193,7 @@ def measure(mm: Any, cfg: EngineConfig, prompts: list[list[int]], news: list[int
     secs: dict[str, list[float]] = {k: [] for k in variants}
     for i in range(repeats):
         for name in rotated(list(variants), i):
-            secs[name].append(_timed(variants[name]))
+            secs[name].append(_timed(variants[name], mm.device))
             print(f"  {tag} {name}: {secs[name][-1]:.2f} s", file=sys.stderr, flush=True)
     med = {k: statistics.median(v) for k, v in secs.items()}
     gen = sum(news)
@@ -193,7 +201,7 @@ def measure(mm: Any, cfg: EngineConfig, prompts: list[list[int]], news: list[int
                         decode_samples)
     out = {f"{k}_s": v for k, v in med.items()}
     out.update({f"{k}_tok_s": gen / v for k, v in med.items()})
-    kernel_s, profiled_s = kernel_seconds(variants["engine"])
+    kernel_s, profiled_s = kernel_seconds(variants["engine"], mm.device)
     out.update({f"{k}_samples_s": [float(f"{x:.6g}") for x in v] for k, v in secs.items()})  # 6 digits: a ratio
     # recomputed from the record agrees with the stored one (3 decimals lost most of a tiny run's milliseconds)
     out["speedup_vs_hf_routed_paired"] = list(paired_ratio(secs["hf_routed"], secs["engine"]))  # [median, q1, q3]
@@ -210,9 +218,9 @@ def measure(mm: Any, cfg: EngineConfig, prompts: list[list[int]], news: list[int
 def run(requests: int, prompt_len: int, new_tokens: int, repeats: int, hf_batch: int, decode_samples: int,
         bf16: bool, mixed: bool) -> dict:
     from molora import attach
-    from molora.model.base import load_default_base
+    from molora.model.base import load_base
 
-    model, _tok = load_default_base()
+    model, _tok = load_base()          # on molora.model.base.device() ($MOLORA_DEVICE)
     vocab = model.config.vocab_size
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_adapters(model, Path(tmp), 4, 16)

@@ -68,13 +68,18 @@ def tiny_llama(vocab: int = 1024, hidden: int = 128, layers: int = 4) -> nn.Modu
 
 
 def load_model(name: str) -> nn.Module:
-    if name == "tiny":
-        return tiny_llama()
-    if name == "smollm2":
-        from molora.model.base import load_default_base
+    """The bench's base model on `molora.model.base.device()` ($MOLORA_DEVICE); every input follows it."""
+    from molora.model.base import device, load_base
 
-        return load_default_base()[0]
+    if name == "tiny":
+        return tiny_llama().to(device())
+    if name == "smollm2":
+        return load_base()[0]
     raise ValueError(f"unknown model {name!r}; use tiny or smollm2")
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def make_adapters(model: nn.Module, folder: Path, k: int, rank: int, seed: int = 0) -> dict[str, Path]:
@@ -171,21 +176,21 @@ def _runner_meta(batch: int, q_len: int, ctx: int, blocks_per_seq: int) -> Any:
     return BatchMeta([q_len] * batch, [ctx] * batch, tables)
 
 
-def _random_routing(shape: tuple[int, ...], k: int, seed: int) -> Tensor:
-    return torch.randint(0, k, shape, generator=torch.Generator().manual_seed(seed))
+def _random_routing(shape: tuple[int, ...], k: int, seed: int, device: torch.device | str = "cpu") -> Tensor:
+    return torch.randint(0, k, shape, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def prefill_fns(st: Stack, batch: int, length: int, seed: int = 0) -> dict[str, Callable[[], Any]]:
     """One forward over [batch, length] tokens per variant, logits of the last position only."""
     from molora.model.runner import StepRouting
 
-    vocab, K = st.base.config.vocab_size, len(st.names)
-    ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
-    aid = _random_routing((batch, length), K, seed + 1)                       # [B, L] adapter indices
+    vocab, K, dev = st.base.config.vocab_size, len(st.names), _device(st.base)
+    ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed)).to(dev)
+    aid = _random_routing((batch, length), K, seed + 1, dev)                  # [B, L] adapter indices
     slots = st.mm.slot_routing(Routing(aid), aid.shape)[0]                  # [T, 1] bank slots
     per_req = [st.names[b % K] for b in range(batch)]
     tokens = ids.reshape(-1)                                                  # [T]
-    positions = torch.arange(length).repeat(batch)                            # [T]
+    positions = torch.arange(length, device=dev).repeat(batch)                # [T]
     meta = _runner_meta(batch, length, length, st.blocks_per_seq)
     kw = dict(logits_to_keep=1, use_cache=False)
     fns: dict[str, Callable[[], Any]] = {
@@ -215,7 +220,7 @@ def _kv_cache(model: nn.Module, batch: int, ctx: int, seed: int) -> Any:
     g = torch.Generator().manual_seed(seed)
     cache = DynamicCache(config=cfg)
     for layer in range(cfg.num_hidden_layers):
-        kv = torch.randn(2, batch, cfg.num_key_value_heads, ctx, hd, generator=g).to(dtype)
+        kv = torch.randn(2, batch, cfg.num_key_value_heads, ctx, hd, generator=g).to(_device(model), dtype)
         cache.update(kv[0], kv[1], layer)
     return cache
 
@@ -226,12 +231,12 @@ def decode_fns(st: Stack, batch: int, ctx: int, seed: int = 0, *, xlora: bool = 
     is cropped back to ctx after every call (untimed), so every sample decodes at the same length."""
     from molora.model.runner import StepRouting
 
-    vocab, K = st.base.config.vocab_size, len(st.names)
-    nxt = torch.randint(0, vocab, (batch, 1), generator=torch.Generator().manual_seed(seed))
-    aid = _random_routing((batch, 1), K, seed + 1)
+    vocab, K, dev = st.base.config.vocab_size, len(st.names), _device(st.base)
+    nxt = torch.randint(0, vocab, (batch, 1), generator=torch.Generator().manual_seed(seed)).to(dev)
+    aid = _random_routing((batch, 1), K, seed + 1, dev)
     slots = st.mm.slot_routing(Routing(aid), aid.shape)[0]                  # [B, 1]
     per_req = [st.names[b % K] for b in range(batch)]
-    positions = torch.full((batch,), ctx)
+    positions = torch.full((batch,), ctx, device=dev)
     meta = _runner_meta(batch, 1, ctx + 1, st.blocks_per_seq)
     caches = {n: _kv_cache(st.base, batch, ctx, seed)
               for n in ("base", "molora", "peft_mixed", "peft_single", "kpass")}
@@ -258,7 +263,7 @@ def decode_fns(st: Stack, batch: int, ctx: int, seed: int = 0, *, xlora: bool = 
         fns["base_bf16"] = lambda: st.base_bf16(input_ids=nxt, cache=caches["base_bf16"], **kw)
         fns["molora_bf16"] = lambda: st.mm_bf16(nxt, adapter_ids=aid, cache=caches["molora_bf16"], **kw)
     if xlora and st.xlora is not None:   # no KV cache in PEFT X-LoRA: one new token costs a forward over ctx + 1 tokens
-        full = torch.randint(0, vocab, (batch, ctx + 1), generator=torch.Generator().manual_seed(seed + 2))
+        full = torch.randint(0, vocab, (batch, ctx + 1), generator=torch.Generator().manual_seed(seed + 2)).to(dev)
         fns["xlora_recompute"] = lambda: st.xlora(input_ids=full, logits_to_keep=1)
     resets = {n: (lambda c=c: c.crop(-1)) for n, c in caches.items() if n != "kpass"}
     return fns, resets
@@ -277,7 +282,7 @@ def kmodality_fns(mm: Any, base: nn.Module, K: int, batch: int, length: int, seg
     g = torch.Generator().manual_seed(seed)
     pos = torch.arange(length)
     modality = (pos[None, :] // segment + torch.arange(batch)[:, None]) % K            # [B, L]
-    ids = modality * span + torch.randint(0, span, (batch, length), generator=g)       # [B, L]
+    ids = (modality * span + torch.randint(0, span, (batch, length), generator=g)).to(_device(base))  # [B, L]
     kw = dict(logits_to_keep=1, use_cache=False)
     return {
         "base": lambda: base(input_ids=ids, **kw),
@@ -307,9 +312,10 @@ class Plan:
 
 
 def _scenario(label: str, fns: dict, repeats: int, resets: dict | None = None,
-              max_repeats: dict | None = None) -> dict:
+              max_repeats: dict | None = None, device: torch.device | None = None) -> dict:
     stderr_log(f"# {label}: {', '.join(fns)}")
-    t: Timing = time_interleaved(fns, repeats, reset=resets, max_repeats=max_repeats, log=stderr_log)
+    t: Timing = time_interleaved(fns, repeats, reset=resets, max_repeats=max_repeats, log=stderr_log,
+                                 device=device)
     out = t.summary("base")
     if "base_bf16" in out["ms"]:
         out["vs_base_bf16"] = t.ratios("base_bf16")
@@ -330,13 +336,13 @@ def bench_model(name: str, plan: Plan, folder: Path) -> dict:
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res["prefill"] = {"batch": B, "length": L} | _scenario(f"{name} prefill {B}x{L}", prefill_fns(st, B, L),
-                                                                 plan.repeats)
+                                                                 plan.repeats, device=_device(base))
         for b in plan.decode_batches:
             # X-LoRA's recompute step costs a whole prefill: measured at the smallest batch only
             fns, resets = decode_fns(st, b, plan.ctx, xlora=b == min(plan.decode_batches))
             res[f"decode_b{b}"] = {"batch": b, "context": plan.ctx} | _scenario(
                 f"{name} decode b={b} ctx={plan.ctx}", fns, plan.repeats, resets,
-                {"xlora_recompute": plan.xlora_decode_repeats})
+                {"xlora_recompute": plan.xlora_decode_repeats}, _device(base))
         if name in plan.kmod_models and plan.kmod_Ks:
             res["kmodality"] = bench_kmodality(st, plan)
     return res
@@ -352,7 +358,7 @@ def bench_kmodality(st: Stack, plan: Plan) -> list[dict]:
     rows = []
     for K in plan.kmod_Ks:
         fns = kmodality_fns(mm, st.base, K, plan.kmod_batch, plan.prefill[1], plan.segment)
-        s = _scenario(f"{st.name} K-modality K={K}", fns, plan.repeats)
+        s = _scenario(f"{st.name} K-modality K={K}", fns, plan.repeats, device=_device(st.base))
         s.update(K=K, batch=plan.kmod_batch, length=plan.prefill[1], segment=plan.segment,
                  speedup_of_medians=round(s["ms"]["per_sequence"] / s["ms"]["per_token"], 3))
         s["speedup"] = round(scenario_ratio(s, "per_sequence", "per_token"), 3)

@@ -37,6 +37,7 @@ from torch import Tensor
 from molora.engine.hotset import HotSet
 from molora.engine.scheduler import Scheduled
 from molora.model.runner import RouterGroup, StepRouting
+from molora.ops.device import to_device
 from molora.routing.base import to_slots
 
 MODES = ("none", "pinned", "tokens", "learned")
@@ -116,18 +117,18 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
     if router is None:
         if bool((slot_ids < 0).all()):
             return None
-        return StepRouting(slot_ids.to(device), None if weights is None else weights.to(device))
+        return StepRouting(to_device(slot_ids, device), None if weights is None else to_device(weights, device))
     carry = _token_rows(scheduled, T, device, _carried) if getattr(router, "carry_blocks", 0) > 0 else None
     fixed = _token_rows(scheduled, T, device, _probed) if getattr(router, "probe_prompt", False) else None
     names = list(router.adapter_names)
-    router_slots = torch.tensor([bank.slot_of(n) if n in bank else -1 for n in names], device=device)
+    router_slots = to_device([bank.slot_of(n) if n in bank else -1 for n in names], device)
     out_groups = []
     for allowed, rows in groups.items():
-        mask = torch.tensor([n in bank and (allowed is None or n in allowed) for n in names], device=device)
+        mask = [n in bank and (allowed is None or n in allowed) for n in names]       # host list: no read
         r = torch.cat(rows)
-        out_groups.append(RouterGroup(None if r.shape[0] == T else r.to(device),
-                                      None if bool(mask.all()) else mask))
-    return StepRouting(slot_ids.to(device), None if weights is None else weights.to(device),
+        out_groups.append(RouterGroup(None if r.shape[0] == T else to_device(r, device),
+                                      None if all(mask) else to_device(mask, device, torch.bool)))
+    return StepRouting(to_device(slot_ids, device), None if weights is None else to_device(weights, device),
                        router=router, router_slots=router_slots, groups=out_groups, carry=carry, fixed=fixed)
 
 
@@ -142,7 +143,7 @@ def _token_rows(scheduled: list[Scheduled], T: int, device: torch.device, known)
             if values:
                 rows[offset + lo - s.start:offset + lo - s.start + len(values)] = torch.tensor(values)
         offset += s.n
-    return rows.to(device)
+    return to_device(rows, device)
 
 
 def _carried(s: Scheduled) -> tuple[int, list[int]]:

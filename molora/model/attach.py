@@ -54,7 +54,8 @@ class MoLoRAModel(nn.Module):
         self.base_name = base_name
         self.check_base = check_base
         self.adapters: dict[str, LoRAAdapter] = {}  # in load order: index i <-> adapter_names[i]
-        self._index_to_slot = torch.empty(0, dtype=torch.long)
+        # [K] adapter index -> bank slot; a buffer (not persistent: no state_dict key) so mm.to(device) moves it
+        self.register_buffer("_index_to_slot", torch.empty(0, dtype=torch.long), persistent=False)
         self.bundle: Any = None  # set by molora.load: the manifest this model came from
         self.last_carry: torch.Tensor | None = None  # [B, L] decisions at the router's carry_source block
 
@@ -118,16 +119,21 @@ class MoLoRAModel(nn.Module):
             return None
         return router.route(input_ids, self.adapter_names, start=start)
 
-    def slot_routing(self, routing: Routing, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Map adapter indices to bank slots, flattened: (slot_ids [T, k], weights [T, k] | None)."""
+    def slot_routing(self, routing: Routing, shape: torch.Size, *, check_values: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Map adapter indices to bank slots, flattened: (slot_ids [T, k], weights [T, k] | None).
+        check_values: read the ids to check -1 <= id < K (a device sync for ids off the CPU; `routed` skips it
+        for ids a library router made on the device)."""
         ids, weights = routing.adapter_ids, routing.weights
         if ids.dtype not in (torch.int64, torch.int32) or ids.shape[:2] != shape or ids.ndim not in (2, 3):
             raise RoutingError(f"adapter_ids must be an integer tensor shaped like input_ids {tuple(shape)} "
                                f"(or [B, L, k] for top-k), got {ids.dtype} {tuple(ids.shape)}")
         k = len(self.adapters)
-        if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= k):
-            raise RoutingError(f"adapter_ids hold values in [{int(ids.min())}, {int(ids.max())}], but only "
-                               f"-1 (base) and 0..{k - 1} (adapters {self.adapter_names}) are valid")
+        if check_values and ids.numel():
+            lo, hi = torch.stack([ids.min(), ids.max()]).tolist()   # one host read for both
+            if lo < -1 or hi >= k:
+                raise RoutingError(f"adapter_ids hold values in [{lo}, {hi}], but only "
+                                   f"-1 (base) and 0..{k - 1} (adapters {self.adapter_names}) are valid")
         ids = ids.reshape(-1, 1 if ids.ndim == 2 else ids.shape[-1]).long().to(self._index_to_slot.device)
         if weights is not None:
             if weights.shape[:2] != shape or weights.reshape(ids.shape[0], -1).shape != ids.shape:
@@ -147,7 +153,10 @@ class MoLoRAModel(nn.Module):
         every block (-2: the router decides), e.g. a probe pass's `last_carry` (molora.routing.learned: Probe)."""
         routing = self.resolve(input_ids, adapter_ids, adapter_weights, start=start)
         if routing is not None:
-            self.context.set(*self.slot_routing(routing, input_ids.shape))
+            # ids the caller gave are checked; ids a router made are trusted off the CPU (no device sync)
+            given = isinstance(adapter_ids, (torch.Tensor, Routing))
+            check = given or routing.adapter_ids.device.type == "cpu"
+            self.context.set(*self.slot_routing(routing, input_ids.shape, check_values=check))
         self.context.carry_in = None if carry is None else carry.reshape(-1)
         self.context.fixed_in = None if fixed is None else fixed.reshape(-1)
         self.last_carry = None

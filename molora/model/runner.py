@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from molora.errors import MoLoRAError
 from molora.ops import fused_cpu
+from molora.ops.device import to_device
 from molora.routing.arrow import LinearRouting
 from molora.routing.base import decide_slots
 
@@ -329,7 +330,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------ planning
     def plan(self, positions: Tensor, meta: BatchMeta) -> _AttnPlan:
-        """Cache rows to write, decode gathers and prefill chunks of one step (shared by all layers)."""
+        """Cache rows to write, decode gathers and prefill chunks of one step (shared by all layers).
+
+        Built from `meta` alone (host lists): sequence b's tokens sit at positions context_lens[b] - query_lens[b]
+        ... context_lens[b] - 1, so nothing reads `positions` back from the device (no sync). On the CPU, where
+        the read is free, `positions` is checked against that contract."""
         q_lens, ctx_lens, tables = meta.query_lens, meta.context_lens, meta.block_tables
         B, bs, dev = len(q_lens), self.cache.block_size, self.device
         if not (len(ctx_lens) == len(tables) == B) or sum(q_lens) != positions.shape[0]:
@@ -338,7 +343,10 @@ class ModelRunner:
         if max(ctx_lens) > self.max_model_len:
             raise MoLoRAError(f"context of {max(ctx_lens)} tokens exceeds max_model_len={self.max_model_len}")
         # the per-token and decode indices in Python (a handful of tensors per step, not a chain of small ops)
-        pos = positions.tolist()
+        pos = [p for n, c in zip(q_lens, ctx_lens) for p in range(c - n, c)]
+        if positions.device.type == "cpu" and positions.tolist() != pos:
+            raise MoLoRAError("positions disagree with the batch metadata: sequence b's tokens must sit at positions "
+                              "context_lens[b] - query_lens[b] ... context_lens[b] - 1")
         write, ends, t = [], [], 0
         for b in range(B):
             tb = tables[b]
@@ -346,21 +354,21 @@ class ModelRunner:
                 write.append(tb[p // bs] * bs + p % bs)
             t += q_lens[b]
             ends.append(t)
-        write_rows = torch.tensor(write, dtype=torch.long, device=dev)       # [T] cache row of each new token
+        write_rows = to_device(write, dev)                                  # [T] cache row of each new token
         dec = [b for b in range(B) if q_lens[b] == 1]
         decode = None
         if dec:
             nb = -(-max(ctx_lens[b] for b in dec) // bs)                        # blocks of the longest context
             dec_table = [tables[b][:nb] + [0] * (nb - min(len(tables[b]), nb)) for b in dec]
-            decode = Decode(torch.tensor([ends[b] - 1 for b in dec], dtype=torch.long, device=dev),
-                            torch.tensor(dec_table, dtype=torch.long, device=dev).view(len(dec), nb),  # [Bd, nb]
-                            torch.tensor([ctx_lens[b] for b in dec], dtype=torch.long, device=dev), bs)
-        last_rows = torch.tensor([e - 1 for e in ends], dtype=torch.long, device=dev)   # [B]
+            decode = Decode(to_device([ends[b] - 1 for b in dec], dev),
+                            to_device(dec_table, dev).view(len(dec), nb),                          # [Bd, nb]
+                            to_device([ctx_lens[b] for b in dec], dev), bs)
+        last_rows = to_device([e - 1 for e in ends], dev)                   # [B]
         if all(q_lens[b] == 1 for b in range(B)):
             return _AttnPlan(write_rows, last_rows, decode, [])
         width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)  # [B, W]
-        seq_of = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(q_lens, device=dev))  # [T]
+        table = to_device([t + [0] * (width - len(t)) for t in tables], dev)                 # [B, W]
+        seq_of = to_device(torch.repeat_interleave(torch.arange(B), torch.tensor(q_lens)), dev)  # [T] (host counts)
         starts = [0]
         for n in q_lens[:-1]:
             starts.append(starts[-1] + n)

@@ -3,8 +3,10 @@
 `lora_delta(x, A, B, scale, slot_ids, weights)` computes, for every token, the LoRA delta of the
 adapter(s) in the slot(s) it is routed to, in one pass over all tokens. `lora_delta_reference` is the
 spec (a plain loop); `BACKENDS` are the implementations (eager PyTorch: sort_group, stacked_mask; compiled:
-gather; C++: fused, `molora.ops.fused_cpu` on `csrc/fused_lora.cpp`, built once per machine); `LoRADispatcher`
-holds one ("auto": `pick_backend`, a pure function of device, dtype, T, S, k, r, D: fused where it can run (CPU,
+gather; C++: fused, `molora.ops.fused_cpu` on `csrc/fused_lora.cpp`, built once per machine; Triton: triton,
+`molora.ops.triton_lora`, CUDA only, imported on first use); `LoRADispatcher`
+holds one ("auto": `pick_backend`, a pure function of device, dtype, T, S, k, r, D: triton on CUDA where triton
+is installed, fused where it can run (CPU,
 fp32 or bf16, top-1, inference), else the eager backend a CPU cost model prefers; docs/dispatch.md), and its
 `plan` checks and sorts a step's routing once for all target linears (`apply`).
 This package knows nothing about adapter names, banks or models.

@@ -12,6 +12,8 @@ Knows nothing about adapter names or models: callers hand in stacked slot tensor
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
 
 import torch
@@ -36,7 +38,21 @@ from molora.ops.lora import (
 
 log = logging.getLogger("molora.ops")
 
-BACKENDS: tuple[str, ...] = ("reference", "sort_group", "stacked_mask", "gather", "fused")
+BACKENDS: tuple[str, ...] = ("reference", "sort_group", "stacked_mask", "gather", "fused", "triton")
+TRITON_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)  # molora.ops.triton_lora
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton is importable here (it is never imported by this check; `molora.ops.triton_lora` imports it
+    at the first "triton" call)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_lora():
+    from molora.ops import triton_lora  # imports triton: only where the backend runs
+
+    return triton_lora
 
 # "auto" (`pick_backend`; docs/dispatch.md: the rule as a table, the measurements behind each threshold).
 # bfloat16 on the fused kernel: fused below this many tokens per slot (T < per_slot * S), the eager backends'
@@ -67,9 +83,9 @@ def estimate_us(backend: str, T: int, S: int, k: int, R: int, D: int) -> float:
 
 
 def pick_backend(device: str, dtype: torch.dtype, T: int, S: int, k: int, r: int, d: int, *,
-                 fused_available: bool, bf16_dot: bool) -> str:
-    """What "auto" runs: "fused", "stacked_mask" or "sort_group". A pure function (no tensors, no kernel build,
-    no cache): the same arguments always give the same backend. docs/dispatch.md draws it as a table.
+                 fused_available: bool, bf16_dot: bool, triton_available: bool = False) -> str:
+    """What "auto" runs: "triton", "fused", "stacked_mask" or "sort_group". A pure function (no tensors, no kernel
+    build, no cache): the same arguments always give the same backend. docs/dispatch.md draws it as a table.
 
     device: a torch device type ("cpu", "cuda"); T tokens; S the slots the stacked form must touch
     (`LoRADispatcher` passes A.shape[0], all slots of the bank, which needs no device sync); k choices per
@@ -77,15 +93,21 @@ def pick_backend(device: str, dtype: torch.dtype, T: int, S: int, k: int, r: int
     fused_available: the fused kernel is built here and takes this call's tensors as they are laid out (rows
     of x with unit stride, B slot-major, autograd off: the rest of `fused_cpu.supports`).
     bf16_dot: the kernel multiplies bfloat16 on the CPU's bf16 dot product (`fused_cpu.bf16_dot()`).
+    triton_available: triton is importable (`triton_available()`) and autograd is off (the kernels have no
+    backward; `_pick` asks for torch.no_grad / inference mode, as the engine and generate run).
 
+        triton         device "cuda", triton_available and a float32/float16/bfloat16 dtype (sync-free: the
+                       per-slot counts stay on the device; molora.ops.triton_lora). Never on the CPU.
         fused          fused_available, device "cpu", k = 1, and float32 at any T, or bfloat16 with
                        T < FUSED_BF16_TOKENS_PER_SLOT * S (FUSED_BF16_SOFT_TOKENS_PER_SLOT * S without bf16_dot)
         stacked_mask   otherwise, where the CPU cost model (`estimate_us`) says it costs no more than sort_group
         sort_group     otherwise
-    Never "gather" nor "reference" (docs/dispatch.md: why). Measured on CPU only: on CUDA sort_group's host
-    read syncs and breaks graph capture, so a GPU engine should ask for stacked_mask (or gather) explicitly
-    until this rule is measured there.
+    Never "gather" nor "reference" (docs/dispatch.md: why). The cost model is measured on CPU only; on CUDA
+    without triton it still decides, and sort_group's host read of the per-slot counts then syncs once per step
+    (and breaks graph capture): ask for stacked_mask explicitly there.
     """
+    if device == "cuda" and triton_available and dtype in TRITON_DTYPES:
+        return "triton"
     per_slot = FUSED_BF16_TOKENS_PER_SLOT if bf16_dot else FUSED_BF16_SOFT_TOKENS_PER_SLOT
     if (fused_available and device == "cpu" and dtype in fused_cpu.DTYPES and k == 1
             and (dtype != torch.bfloat16 or T < per_slot * S)):
@@ -116,6 +138,7 @@ class RoutingPlan:
         self.num_slots = num_slots
         self._groups: SlotGroups | None = None
         self._slot_weights: dict[torch.dtype, Tensor] = {}
+        self._triton = None
         self.resolved: dict[tuple, str] = {}  # tensor signature -> backend, validated and "auto" resolved (_resolve)
 
     @property
@@ -132,6 +155,12 @@ class RoutingPlan:
             self._groups = group_by_slot(self.slot_ids, self.weights, self.num_slots)
         return self._groups
 
+    def triton_plan(self):
+        """The triton backend's device metadata (`triton_lora.build_plan`: no host read), built on first use."""
+        if self._triton is None:
+            self._triton = _triton_lora().build_plan(self.slot_ids, self.weights, self.num_slots)
+        return self._triton
+
     def slot_weights(self, dtype: torch.dtype) -> Tensor:
         """stacked_mask's [T, S] weight matrix in `dtype`, computed on first use."""
         if dtype not in self._slot_weights:
@@ -139,9 +168,9 @@ class RoutingPlan:
         return self._slot_weights[dtype]
 
 
-def _plan(slot_ids: Tensor, weights: Tensor | None, num_slots: int, check_ids: bool) -> RoutingPlan:
+def _plan(slot_ids: Tensor, weights: Tensor | None, num_slots: int, check_ids: bool | None) -> RoutingPlan:
     validate_routing(slot_ids, weights)
-    if check_ids:
+    if check_ids or (check_ids is None and slot_ids.device.type == "cpu"):
         validate_slot_range(slot_ids, num_slots)
     return RoutingPlan(slot_ids, weights, num_slots)
 
@@ -158,15 +187,34 @@ def _validate(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, 
                              "slot-major (B.transpose(1, 2) contiguous) and autograd off; got "
                              f"{x.device.type} {x.dtype}, top-{plan.top_k}, grad "
                              f"{'on' if torch.is_grad_enabled() else 'off'}. Use backend='auto'.")
+    if backend == "triton" and plan.num_tokens:
+        _check_triton(x, A, B, scale)
+
+
+def _check_triton(x: Tensor, A: Tensor, B: Tensor, scale: Tensor) -> None:
+    """An explicit "triton" needs triton, autograd off, a float32/float16/bfloat16 x, and CUDA tensors (or CPU
+    tensors under TRITON_INTERPRET=1, the interpreter the exactness tests use)."""
+    if not triton_available():
+        raise LoRAInputError("backend 'triton' needs the triton package (pip install triton); use backend='auto'")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, A, B, scale)):
+        raise LoRAInputError("backend 'triton' has no backward: run it under torch.no_grad() / inference_mode, or "
+                             "use backend='auto' (an eager backend while autograd is on)")
+    if x.dtype not in TRITON_DTYPES:
+        _fail("x for backend 'triton'", "float32, float16 or bfloat16", x.dtype)
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and _triton_lora().interpreting()):
+        raise LoRAInputError(f"backend 'triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); "
+                             f"got {x.device.type} tensors. Use backend='auto'.")
 
 
 def _pick(plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor) -> str:
     """`pick_backend` for these tensors: x [T, D_in], A [S, R, D_in], B [S, D_out, R]. Loads the fused kernel
     (`fused_cpu.available`: built once per machine) only where the tensors suit it."""
     S, R, D_in = A.shape
-    fused = fused_cpu.supports(x, B, plan.top_k) and fused_cpu.available()
+    fused = fused_cpu.supports(x, B, plan.top_k) and fused_cpu.available()   # supports() is False off the CPU
     return pick_backend(x.device.type, x.dtype, plan.num_tokens, S, plan.top_k, R, D_in + B.shape[1],
-                        fused_available=fused, bf16_dot=fused and fused_cpu.bf16_dot())
+                        fused_available=fused, bf16_dot=fused and fused_cpu.bf16_dot(),
+                        triton_available=(x.device.type == "cuda" and not torch.is_grad_enabled()
+                                          and triton_available()))
 
 
 def _resolve(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor,
@@ -174,7 +222,8 @@ def _resolve(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, s
     """Validate the tensors and resolve "auto". Both depend only on shapes, dtypes, layout and the autograd
     mode, so the plan remembers the answer per signature: a step's 7 * L target linears have about 4."""
     key = (x.shape, x.dtype, x.device, x.stride(), A.shape, A.dtype, B.shape, B.dtype, B.stride(), scale.shape,
-           scale.dtype, None if out is None else (out.shape, out.dtype), torch.is_grad_enabled())
+           scale.dtype, None if out is None else (out.shape, out.dtype), torch.is_grad_enabled(),
+           x.requires_grad or A.requires_grad or B.requires_grad or scale.requires_grad)
     resolved = plan.resolved.get(key)
     if resolved is None:
         _validate(backend, plan, x, A, B, scale, out)
@@ -190,6 +239,8 @@ def _apply(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, sca
     backend = _resolve(backend, plan, x, A, B, scale, out)
     if plan.num_tokens == 0:
         return x.new_zeros(0, B.shape[1]) if out is None else out  # [0, D_out]
+    if backend == "triton":
+        return _triton_lora().triton_apply(plan.triton_plan(), x, A, B, scale, out)
     if backend == "fused":  # _resolve checked fused_cpu.supports for this signature
         return fused_cpu.fused_apply(plan.groups(), x, A, B, scale, out)
     if backend == "sort_group":
@@ -229,17 +280,20 @@ class LoRADispatcher:
         delta = dispatch.apply(plan, x, A, B, scale)               # per target linear
         delta = dispatch(x, A, B, scale, slot_ids, weights)        # both at once (like lora_delta)
 
-    check_ids=True reads slot_ids to check -1 <= id < S when a plan is built (cheap on CPU; a sync on
-    GPU, so turn it off once the router upstream is trusted, and inside CUDA graphs).
+    check_ids reads slot_ids to check -1 <= id < S when a plan is built: None (the default) where slot_ids lie on
+    the CPU (no sync there), True everywhere (a device sync per plan on a GPU: for debugging), False never (inside
+    CUDA graphs). Off the CPU an id outside [-1, S) is then not caught here: the triton backend treats it as -1,
+    the eager backends may fail with a device-side index error.
     """
 
-    def __init__(self, backend: str = "auto", *, check_ids: bool = True) -> None:
+    def __init__(self, backend: str = "auto", *, check_ids: bool | None = None) -> None:
         _check_backend(backend)
         self.backend = backend
         self.check_ids = check_ids
         if backend == "auto":
-            log.info("LoRA dispatch backend: auto (fused where it can run: CPU, fp32 or bf16, top-1, no autograd; "
-                     "else stacked_mask or sort_group by a CPU cost model of T, S, k, R, D fitted to "
+            log.info("LoRA dispatch backend: auto (triton on CUDA where triton is installed, autograd off; fused "
+                     "where it can run: CPU, fp32 or bf16, top-1, no autograd; else stacked_mask or sort_group by a "
+                     "CPU cost model of T, S, k, R, D fitted to "
                      "molora.bench.ops timings; docs/dispatch.md)")
         else:
             log.info("LoRA dispatch backend: %s (requested explicitly)", backend)

@@ -78,10 +78,10 @@ def validate_tensors(x: Tensor, A: Tensor, B: Tensor, scale: Tensor, num_tokens:
 
 
 def validate_slot_range(slot_ids: Tensor, num_slots: int) -> None:
-    """Check -1 <= slot_ids < S. Reads the data (a device sync on GPU); skip it inside graphs."""
+    """Check -1 <= slot_ids < S. Reads the data (one device sync on GPU); skip it inside graphs."""
     if slot_ids.numel() == 0:
         return
-    lo, hi = int(slot_ids.min()), int(slot_ids.max())
+    lo, hi = torch.stack([slot_ids.min(), slot_ids.max()]).tolist()   # one host read for both
     if lo < -1 or hi >= num_slots:
         _fail("slot_ids values", f"in [-1, S-1] = [-1, {num_slots - 1}] (-1 means no adapter)",
               f"values in [{lo}, {hi}]")

@@ -39,18 +39,26 @@ def in_network_decide(router, block: int, hidden: torch.Tensor, allowed: torch.T
     `carry_blocks`; other in-network routers keep the three-argument `decide(block, hidden, allowed)`.
 
     fixed [T] (or None): a decision that holds at every block (router index, -1 none; -2 where the router
-    decides), as a probe pass gives the prompt tokens (molora.routing.learned: Probe). Top-1 routers only."""
+    decides), as a probe pass gives the prompt tokens (molora.routing.learned: Probe). Top-1 routers only.
+
+    On the CPU the all-known and none-known cases skip work (host reads of `fixed` are free there). Off the CPU
+    nothing reads `fixed` on the host: the router always decides and the fixed rows overwrite its choice (the
+    same result), and a block the router leaves undecided (None) keeps the previous decision for every row,
+    which for the fixed rows already is their fixed decision (the first block always decides)."""
     known = None
+    host = fixed is None or fixed.device.type == "cpu"
     if fixed is not None:
         known = fixed >= -1
-        if bool(known.all()):
+        if host and bool(known.all()):
             return fixed.long()[:, None], None
     if carry is not None and getattr(router, "carry_blocks", 0) > 0:
         out = router.decide(block, hidden, allowed, carry)
     else:
         out = router.decide(block, hidden, allowed)
-    if known is None or not bool(known.any()):
+    if known is None or (host and not bool(known.any())):
         return out
+    if out is None and not host:
+        return None
     if out is None or out[0].shape[1] != 1:
         raise RoutingError("fixed decisions need a per-block top-1 router")
     return torch.where(known[:, None], fixed.long()[:, None], out[0]), None
