@@ -4,7 +4,7 @@
     molora route "prompt"               the answer with each token coloured by its adapter
     molora demo                         what `make run` shows (--multimodal: the early-fusion digits bundle)
     molora codes-png TEXT --out F.png   the image codes of a digits-bundle answer as a PNG
-    molora train-adapter / train-router / build-default / eval / bench / serve
+    molora train-adapter / train-routed / train-router / build-default / eval / bench / serve
 """
 
 from __future__ import annotations
@@ -43,12 +43,36 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 @command("generate", _generate_args)
 def _generate(args: argparse.Namespace) -> int:
     from molora.bundle import load, run_prompt
+    from molora.sampling import bundle_constraint
 
     mm = load(args.bundle, base_only=args.base_only)
+    if bundle_constraint(mm.bundle, mm.tokenizer) is not None:  # constrained spans: the engine applies them
+        print(engine_answer(mm, args.prompt, adapter=args.adapter, max_new_tokens=args.max_tokens,
+                            temperature=args.temperature, seed=args.seed))
+        return 0
     result = run_prompt(mm, args.prompt, adapter=args.adapter, max_new_tokens=args.max_tokens,
                         temperature=args.temperature, seed=args.seed)
     print(result.text)
     return 0
+
+
+def engine_answer(mm, prompt: str, *, adapter: str | None = None, max_new_tokens: int = 128,
+                  temperature: float = 0.0, seed: int | None = None) -> str:
+    """One answer through the engine (what the server runs), e.g. for a bundle with constrained spans; the KV
+    cache sized for this one request."""
+    from molora.bundle import encode_prompt, stop_ids
+    from molora.config import SamplingParams
+    from molora.engine import Engine, EngineConfig
+
+    ids = encode_prompt(mm, prompt)
+    n = len(ids) + max_new_tokens
+    eng = Engine(mm, EngineConfig(max_num_seqs=1, max_model_len=n, kv_budget_tokens=n))
+    try:
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                stop_token_ids=tuple(stop_ids(mm)))
+        return eng.generate([ids], params, adapter=adapter)[0].new_text.strip()
+    finally:
+        eng.close()
 
 
 # --------------------------------------------------------------------------------------------- route
@@ -184,6 +208,15 @@ def _train_adapter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("data", help='JSONL of {"prompt","completion"} or {"messages":[...]}')
     p.add_argument("--out", required=True, help="folder to write the PEFT adapter into")
     p.add_argument("--base", default="default", help="base model: default, a .gguf file or a transformers folder")
+    _lora_args(p)
+    p.add_argument("--fp32", action="store_true", help="keep the frozen base in fp32 (default bf16: faster)")
+    p.add_argument("--bundle", default=None, metavar="DIR",
+                   help="take the base, prompt template and end token (its first stop) from this bundle, e.g. "
+                        "molora/multimodal/bundle (default: the ChatML template and <|im_end|>)")
+
+
+def _lora_args(p: argparse.ArgumentParser) -> None:
+    """The LoRA and optimiser flags train-adapter and train-routed share."""
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--alpha", type=float, default=16.0, help="lora_alpha (default 16)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
@@ -192,10 +225,6 @@ def _train_adapter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", default=",".join(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                   "up_proj", "down_proj")), help="comma-separated module names")
     p.add_argument("--seed", type=int, default=0, help="seed (same data + seed = same adapter)")
-    p.add_argument("--fp32", action="store_true", help="keep the frozen base in fp32 (default bf16: faster)")
-    p.add_argument("--bundle", default=None, metavar="DIR",
-                   help="take the base, prompt template and end token (its first stop) from this bundle, e.g. "
-                        "molora/multimodal/bundle (default: the ChatML template and <|im_end|>)")
 
 
 @command("train-adapter", _train_adapter_args)
@@ -220,6 +249,45 @@ def _train_adapter(args: argparse.Namespace) -> int:
     stats = train_adapter(model, tok, pairs, args.out, cfg, **kw)
     print(f"wrote {args.out}: {stats['examples']} examples, {stats['tokens']} tokens in {stats['seconds']} s, "
           f"final loss {stats['final_loss']}")
+    return 0
+
+
+def _train_routed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("data", help='JSONL of {"prompt","completion"} or {"messages":[...]}, for all the adapters')
+    p.add_argument("--routed-with", "--bundle", dest="bundle", required=True, metavar="BUNDLE",
+                   help="bundle whose base, prompt template, end token (its first stop) and vocab router (molora.json "
+                        "router kind vocab) the adapters train under, e.g. molora/multimodal/bundle")
+    p.add_argument("--out", required=True, help="folder: one PEFT adapter per adapter the router names, OUT/<name>")
+    _lora_args(p)
+
+
+@command("train-routed", _train_routed_args)
+def _train_routed(args: argparse.Namespace) -> int:
+    """Train the adapters of a bundle's vocab router jointly, each token's LoRA from the adapter the router gives
+    it (as served); writes one PEFT folder per adapter."""
+    from pathlib import Path
+
+    from molora.bundle import make_router, read_bundle
+    from molora.model.base import load_base
+    from molora.train.adapter import AdapterTrainConfig, read_examples, train_routed
+
+    b = read_bundle(args.bundle)
+    if b.router_kind != "vocab":
+        raise MoLoRAError(f"train-routed trains under a bundle's vocab router; {b.folder} has router kind "
+                          f"{b.router_kind!r} (give a bundle whose molora.json has \"router\": {{\"kind\": \"vocab\"}} "
+                          "and vocab_routes)")
+    pairs = read_examples(args.data)
+    model, tok = load_base(b.base)  # float32: train_routed trains the bank's slots in the model's dtype
+    router = make_router(b, tokenizer=tok)
+    names = [n for n in dict.fromkeys([r[2] for r in router.ranges] + [router.default]) if n is not None]
+    cfg = AdapterTrainConfig(rank=args.rank, alpha=args.alpha, lr=args.lr, epochs=args.epochs,
+                             batch_size=args.batch_size, seed=args.seed, bf16=False,
+                             target_modules=tuple(t for t in args.targets.split(",") if t))
+    outs = {n: Path(args.out) / n for n in names}
+    stats = train_routed(model, tok, pairs, outs, router, cfg, template=b.prompt_template,
+                         end=(" " + b.stop[0]) if b.stop else "")
+    print(f"wrote {', '.join(str(p) for p in outs.values())}: {len(pairs)} examples, {stats['tokens']} tokens in "
+          f"{stats['seconds']} s, final loss {stats['final_loss']}")
     return 0
 
 

@@ -1,11 +1,19 @@
-"""Next-token selection from logits: greedy, temperature, top-k, top-p, and top-n logprobs.
+"""Next-token selection from logits: greedy, temperature, top-k, top-p, top-n logprobs, and constrained spans.
 
-Pure tensor functions (layer 1): they know nothing about models, adapters or requests.
+Pure tensor functions (layer 1): they know nothing about models, adapters or requests. `SpanConstraint`
+masks logits from the token ids so far (an early-fusion model's fixed-length image spans); `bundle_constraint`
+builds it from a bundle manifest's `extra.constrained_spans`, token names resolved in the tokenizer's vocabulary.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
+
+from molora.errors import MoLoRAError
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -49,3 +57,94 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[to
         return chosen_lp, empty, empty.long()
     vals, ids = torch.topk(logp, n, dim=-1)
     return chosen_lp, vals, ids
+
+
+@dataclass(frozen=True)
+class SpanConstraint:
+    """Fixed-length spans of restricted ids, as an early-fusion model writes an image: `open` (<boi>), exactly
+    `length` ids of `codes`, then `close` (<eoi>). Emu3 and Lumina-mGPT decode their images this way.
+
+        inside a span (the last open id has fewer than `length` ids after it): only codes
+        after the length-th code:                                              only close
+        outside (no open id among the last length + 1 ids, or a close after it): anything but codes and close
+
+    The state is a pure function of the token ids so far (prompt + generated), read from their last
+    length + 1 ids, so a prompt that ends inside a span (".. <boi> c1 c2") is continued inside it and a
+    request carries no state of its own.
+    """
+
+    open_id: int
+    close_id: int
+    code_ids: tuple[int, ...]
+    length: int
+    _tables: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # (V, device) -> allowed [3, V]
+
+    def __post_init__(self) -> None:
+        if self.length < 1 or not self.code_ids:
+            raise MoLoRAError(f"a constrained span needs length >= 1 and at least one code id (length={self.length}, "
+                              f"{len(self.code_ids)} codes)")
+        if {self.open_id, self.close_id} & set(self.code_ids) or self.open_id == self.close_id:
+            raise MoLoRAError(f"a span's open id {self.open_id} and close id {self.close_id} must differ and not be "
+                              "among its codes; narrow the code prefixes")
+
+    def state(self, tokens: Sequence[int]) -> int:
+        """0 inside a span (a code comes next), 1 at its end (close comes next), 2 outside."""
+        tail = tokens[-(self.length + 1):]
+        for k in range(len(tail) - 1, -1, -1):
+            if tail[k] == self.close_id:
+                return 2
+            if tail[k] == self.open_id:
+                return 0 if len(tail) - 1 - k < self.length else 1
+        return 2
+
+    def allowed(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """allowed ids [3, V] (bool) by state: codes / close / everything else."""
+        key = (vocab_size, str(device))
+        if key not in self._tables:
+            codes = torch.zeros(vocab_size, dtype=torch.bool)
+            codes[[i for i in self.code_ids if i < vocab_size]] = True
+            close = torch.zeros(vocab_size, dtype=torch.bool)
+            close[self.close_id] = True
+            self._tables[key] = torch.stack([codes, close, ~(codes | close)]).to(device)
+        return self._tables[key]
+
+    def apply(self, logits: torch.Tensor, tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        """A copy of logits [B, V] with the ids each row's span state forbids at -inf (row b's ids so far:
+        tokens[b])."""
+        states = torch.tensor([self.state(t) for t in tokens], device=logits.device)      # [B]
+        allowed = self.allowed(logits.shape[-1], logits.device)[states]                  # [B, V]
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    @classmethod
+    def from_vocab(cls, vocab: Mapping[str, int], spec: Mapping[str, Any]) -> SpanConstraint:
+        """From a vocabulary (token -> id, a tokenizer's `get_vocab()` or a model's lookup table) and a spec
+        {"open": "<boi>", "close": "<eoi>", "codes": ["<img_"], "length": 64}: the codes are the tokens whose
+        name starts with one of the prefixes (as `VocabRouter.from_vocab` reads its ranges)."""
+        missing = [k for k in ("open", "close", "codes", "length") if k not in spec]
+        if missing:
+            raise MoLoRAError(f"constrained_spans {dict(spec)} lacks {missing}; give open, close, codes (token "
+                              "prefixes) and length")
+        for key in ("open", "close"):
+            if spec[key] not in vocab:
+                raise MoLoRAError(f"constrained_spans: the {key} token {spec[key]!r} is not in the vocabulary "
+                                  f"({len(vocab)} tokens)")
+        prefixes = tuple(spec["codes"])
+        ends = {spec["open"], spec["close"]}
+        codes = sorted(int(i) for t, i in vocab.items() if t.startswith(prefixes) and t not in ends)
+        if not codes:
+            raise MoLoRAError(f"constrained_spans: no token of the vocabulary ({len(vocab)} tokens) starts with "
+                              f"{list(prefixes)}")
+        return cls(int(vocab[spec["open"]]), int(vocab[spec["close"]]), tuple(codes), int(spec["length"]))
+
+
+def bundle_constraint(bundle: Any, tokenizer: Any) -> SpanConstraint | None:
+    """The SpanConstraint a bundle's manifest declares under `extra.constrained_spans` (None: it declares none),
+    its token names read from `tokenizer`'s vocabulary."""
+    extra = getattr(bundle, "extra", None)
+    spec = extra.get("constrained_spans") if isinstance(extra, Mapping) else None
+    if spec is None:
+        return None
+    if tokenizer is None:
+        raise MoLoRAError(f"bundle {getattr(bundle, 'name', '?')!r} declares constrained_spans, which name tokens: "
+                          "give the engine a tokenizer")
+    return SpanConstraint.from_vocab(tokenizer.get_vocab(), spec)

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/make_multimodal.py [--bundle DIR] [--n 100] [--reps 5]
     .venv/bin/python scripts/make_multimodal.py --render-only      # README block from docs/multimodal.json
+    .venv/bin/python scripts/make_multimodal.py --choose-joint A B  # train joint pairs, score them on validation
 
 Single-threaded, seeded. Splits: the SVC that reads generated images fits on the train images and picks its
 gamma and C on validation; every mode runs on validation first (draw seeds VAL_SEED, the validation images
@@ -31,6 +32,17 @@ README = ROOT / "README.md"
 BEGIN, END = "<!-- multimodal:begin (scripts/make_multimodal.py) -->", "<!-- multimodal:end -->"
 VAL_SEED, TEST_SEED, TEMPERATURE = 1, 2, 1.0
 TEXT_TEMPERATURES = (1.0, 0.0)  # candidates for the caption spans, chosen on validation (images: TEMPERATURE)
+# the joint pair's training settings tried (--choose-joint): label -> DigitsRecipe fields over the shipped recipe;
+# "shipped" scores the bundle's own pair. Scored on validation only ("vocab-routed, joint", draw seed VAL_SEED,
+# the validation images), at the caption temperature the record chose; the test split is never read here.
+JOINT_CANDIDATES = {"shipped": {},
+                    "e10_lr4e-3": {"joint_epochs": 10.0, "joint_lr": 4e-3},
+                    "e10_lr2e-3": {"joint_epochs": 10.0, "joint_lr": 2e-3},
+                    "e15_lr4e-3": {"joint_epochs": 15.0, "joint_lr": 4e-3},
+                    "e10_lr4e-3_cap0.5": {"joint_epochs": 10.0, "joint_lr": 4e-3, "joint_captioning": 0.5},
+                    "e7_lr4e-3": {"joint_epochs": 7.0, "joint_lr": 4e-3},
+                    "e5_lr2e-3": {"joint_epochs": 5.0, "joint_lr": 2e-3},
+                    "e10_lr1e-3": {"joint_epochs": 10.0, "joint_lr": 1e-3}}
 GOALS = {"inverted": 0.95, "new_phrasing": 0.95, "broken": 0.05, "image_accuracy": 0.6, "caption_accuracy": 0.6,
          "routed_vs_base": 1.2, "k_pass_vs_routed": 1.8}
 
@@ -149,7 +161,66 @@ def measure(args: argparse.Namespace) -> dict:
             "router": {"ranges": [list(r) for r in routes.ranges], "default": routes.default,
                        "boi": picked[0], "eoi": picked[1]},
             "validation": val, "test": test, "speed": sp, "demo_captions": table, "goals": GOALS,
-            "wall_s": round(time.time() - t0, 1)}
+            "wall_s": round(time.time() - t0, 1), **previous_choice()}
+
+
+def previous_choice() -> dict:
+    """The record's joint_choice (--choose-joint), kept when the measurement is re-run."""
+    old = json.loads(RECORD.read_text()) if RECORD.is_file() else {}
+    return {"joint_choice": old["joint_choice"]} if "joint_choice" in old else {}
+
+
+def choose_joint(args: argparse.Namespace) -> dict:
+    """Train each named candidate's joint pair over the shipped base (into --work/LABEL) and score the
+    vocab-routed pair on validation; results merge into docs/multimodal.json["joint_choice"]."""
+    import shutil
+
+    import torch
+
+    from molora.bundle import load
+    from molora.multimodal.evaluate import evaluate_mode, fit_reader
+    from molora.multimodal.recipe import DigitsRecipe, shipped_bundle, train_joint
+    from molora.multimodal.vocab import load_splits
+
+    torch.set_num_threads(1)
+    splits = load_splits()
+    reader = fit_reader(splits)
+    record = json.loads(RECORD.read_text()) if RECORD.is_file() else {}
+    text_t = float(record.get("text_temperature", 0.0))
+    shipped = json.loads((shipped_bundle() / "recipe.json").read_text())
+    work = Path(args.work) / "joint_choice.json"  # candidates scored so far, this run's and earlier ones'
+    choice = json.loads(work.read_text()) if work.is_file() else record.get("joint_choice") or {
+        "criterion": "validation image accuracy of the vocab-routed joint pair, among candidates within every "
+                     "style and caption goal", "text_temperature": text_t, "candidates": {}}
+    for label in args.choose_joint:
+        if label not in JOINT_CANDIDATES:
+            raise SystemExit(f"--choose-joint {label}: use one of {list(JOINT_CANDIDATES)}")
+        t0 = time.perf_counter()
+        folder, train_stats = shipped_bundle(), None
+        if JOINT_CANDIDATES[label]:
+            folder = Path(args.work) / label
+            want = {**shipped, **JOINT_CANDIDATES[label]}
+            done = folder / "recipe.json"
+            if not done.is_file() or json.loads(done.read_text()) != want:  # else: trained by an earlier run
+                shutil.copytree(shipped_bundle(), folder, dirs_exist_ok=True)
+                train_joint(folder, DigitsRecipe(**want), splits["train"], progress=False)
+                done.write_text(json.dumps(want, indent=2) + "\n")
+            train_stats = json.loads((folder / "adapters" / "image" / "training_stats.json").read_text())
+        mm = load(folder)
+        digits = [i % 10 for i in range(args.n)]
+        val = evaluate_mode(mm, reader, mm.router, digits, splits["val"], temperature=TEMPERATURE, seed=VAL_SEED,
+                            text_temperature=text_t)
+        entry = choice["candidates"].get(label, {})
+        entry = {**entry, "joint": JOINT_CANDIDATES[label],
+                 "validation": {**entry.get("validation", {}), f"{args.n} draws": val},
+                 "wall_s": round(time.perf_counter() - t0, 1)}
+        if train_stats is not None:
+            entry["training"] = {k: train_stats.get(k) for k in ("steps", "seconds", "cpu_seconds", "final_loss")}
+        choice["candidates"][label] = entry
+        print(f"{label}: {json.dumps(entry)}", flush=True)
+        work.parent.mkdir(parents=True, exist_ok=True)
+        work.write_text(json.dumps(choice, indent=2) + "\n")
+    return choice
 
 
 # --------------------------------------------------------------------------------------------- rendering
@@ -256,7 +327,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=100, help="drawn digits per mode and split (default 100)")
     p.add_argument("--reps", type=int, default=5, help="speed repetitions (default 5)")
     p.add_argument("--render-only", action="store_true", help="only render the README from the record")
+    p.add_argument("--choose-joint", nargs="+", default=None, metavar="LABEL",
+                   help=f"train and score these joint-pair candidates on validation ({', '.join(JOINT_CANDIDATES)})")
+    p.add_argument("--work", default=str(ROOT / "runs" / "multimodal_joint"),
+                   help="folder for the candidates' bundles (default runs/multimodal_joint)")
     args = p.parse_args(argv)
+    if args.choose_joint:
+        choice = choose_joint(args)
+        record = json.loads(RECORD.read_text())
+        RECORD.write_text(json.dumps({**record, "joint_choice": choice}, indent=2) + "\n")
+        print(f"wrote {RECORD} (joint_choice)")
+        return 0
     if not args.render_only:
         record = measure(args)
         RECORD.write_text(json.dumps(record, indent=2) + "\n")

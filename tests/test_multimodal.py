@@ -202,6 +202,151 @@ def test_bundle_serves_through_generate_and_the_engine(tiny_bundle, mm):
     assert set(out.token_adapters) <= {"image", "text"}
 
 
+# --------------------------------------------------------------------------------------------- constrained spans served
+
+@pytest.fixture(scope="module")
+def spans_bundle(tiny_bundle, tmp_path_factory):
+    """The tiny bundle's base and adapters under a manifest that declares the digits' constrained spans."""
+    from molora.multimodal.recipe import SPANS
+
+    folder = tmp_path_factory.mktemp("digits_spans")
+    write_manifest(folder, {"name": "tiny-digits-spans", "base": str(tiny_bundle / "base"),
+                            "prompt_template": "<bos> {prompt}", "stop": ["<eos>"], "router": {"kind": "vocab"},
+                            "vocab_routes": ROUTES, "extra": {"constrained_spans": SPANS},
+                            "adapters": [{"name": n, "path": str(tiny_bundle / "adapters" / n)}
+                                         for n in ("image", "text")]})
+    return folder
+
+
+def _check_spans(tokens: list[int], tok, in_span: bool, count: int = 0) -> int:
+    """Walk prompt-continuing ids: inside a span only codes, exactly 64 of them, then <eoi>; outside neither
+    codes nor <eoi>. Returns how many spans closed."""
+    boi, codes = mg.image_token_ids(tok)
+    eoi = tok.convert_tokens_to_ids("<eoi>")
+    closed = 0
+    for t in tokens:
+        if in_span and count < PIXELS:
+            assert t in codes, (t, count)
+            count += 1
+        elif in_span:
+            assert t == eoi, (t, count)
+            in_span, count, closed = False, 0, closed + 1
+        else:
+            assert t not in codes and t != eoi, t
+            in_span, count = t == boi, 0
+    return closed
+
+
+def test_span_constraint_state_follows_the_ids_so_far():
+    from molora.sampling import SpanConstraint
+
+    sc = SpanConstraint(open_id=1, close_id=2, code_ids=(5, 6), length=3)
+    assert sc.state([9, 9]) == 2 and sc.state([9, 1]) == 0 and sc.state([1, 5, 6]) == 0
+    assert sc.state([1, 5, 6, 5]) == 1 and sc.state([1, 5, 6, 5, 2]) == 2 and sc.state([1, 5, 2, 9]) == 2
+    out = sc.apply(torch.zeros(3, 8), [[9], [1, 5], [1, 5, 5, 5]])
+    assert torch.isfinite(out).tolist() == [[True, True, False, True, True, False, False, True],
+                                            [False, False, False, False, False, True, True, False],
+                                            [False, False, True, False, False, False, False, False]]
+
+
+def test_span_constraint_reads_token_names_and_refuses_bad_specs(tiny_bundle):
+    from molora.errors import MoLoRAError
+    from molora.multimodal.recipe import SPANS
+    from molora.sampling import SpanConstraint, bundle_constraint
+
+    vocab = build_tokenizer().get_vocab()
+    sc = SpanConstraint.from_vocab(vocab, SPANS)
+    assert (sc.open_id, sc.close_id, sc.length) == (vocab[BOI], vocab["<eoi>"], PIXELS)
+    assert sc.code_ids == tuple(vocab[c] for c in CODES)
+    with pytest.raises(MoLoRAError, match="not in the vocabulary"):
+        SpanConstraint.from_vocab(vocab, {**SPANS, "close": "<end_of_image>"})
+    with pytest.raises(MoLoRAError, match="starts with"):
+        SpanConstraint.from_vocab(vocab, {**SPANS, "codes": ["IMGIMG"]})
+    with pytest.raises(MoLoRAError, match="lacks"):
+        SpanConstraint.from_vocab(vocab, {"open": BOI})
+    assert bundle_constraint(read_bundle(tiny_bundle), build_tokenizer()) is None  # declares none
+
+
+def test_engine_applies_the_manifests_constrained_spans(spans_bundle):
+    """Inside an image span only codes come out, exactly 64, then <eoi>; outside no codes: greedy and sampled,
+    prompts outside a span, at <boi> and inside one."""
+    from molora.config import SamplingParams
+    from molora.engine import Engine, EngineConfig
+
+    mm = load(spans_bundle)
+    tok = mm.tokenizer
+    prompts = {"draw the digit 3": (False, 0), f"draw the digit 3 {BOI}": (True, 0),
+               f"{BOI} " + " ".join(CODES[q] for q in range(10)): (True, 10)}
+    eng = Engine(mm, EngineConfig(max_num_seqs=8, max_model_len=160))
+    assert eng.constraint is not None
+    try:
+        for temperature in (0.0, 1.0):
+            ids = [mg.encode(mm, p) for p in prompts]
+            params = [SamplingParams(max_new_tokens=90, temperature=temperature, seed=s, ignore_eos=True)
+                      for s in range(len(ids))]
+            outs = eng.generate(ids, params)
+            closed = [_check_spans(o.new_token_ids, tok, *state) for o, state in zip(outs, prompts.values())]
+            assert closed[1] >= 1 and closed[2] >= 1, closed
+    finally:
+        eng.close()
+
+
+def test_engine_greedy_equals_the_demos_constrained_generation(spans_bundle):
+    """The served constraint and the demo's own (molora.multimodal.generate) give the same greedy image span."""
+    from molora.config import SamplingParams
+    from molora.engine import Engine, EngineConfig
+
+    mm = load(spans_bundle)
+    digits = [0, 3, 8]
+    demo = mg.draw(mm, digits, mm.router)
+    eng = Engine(mm, EngineConfig(max_num_seqs=4, max_model_len=160))
+    try:
+        outs = eng.generate([mg.encode(mm, f"draw the digit {d} {BOI}") for d in digits],
+                            SamplingParams(max_new_tokens=PIXELS + 1))
+    finally:
+        eng.close()
+    assert [o.new_token_ids for o in outs] == [d.tokens[:PIXELS + 1] for d in demo]
+
+
+def test_shipped_bundle_served_greedy_equals_the_demos_draws():
+    """The trained bundle declares its spans: the engine's greedy answers (image, caption, <eos>) are the
+    demo's constrained draws, token for token, under the vocab router."""
+    from molora.config import SamplingParams
+    from molora.engine import Engine, EngineConfig
+    from molora.multimodal.recipe import shipped_bundle
+
+    mm = load(shipped_bundle())
+    digits = list(range(10))
+    demo = mg.draw(mm, digits, mm.router)
+    eos = mm.tokenizer.convert_tokens_to_ids("<eos>")
+    eng = Engine(mm, EngineConfig(max_num_seqs=10, max_model_len=160))
+    try:
+        outs = eng.generate([mg.encode(mm, f"draw the digit {d} {BOI}") for d in digits],
+                            SamplingParams(max_new_tokens=80, stop_token_ids=(eos,)))
+    finally:
+        eng.close()
+    assert [o.new_token_ids for o in outs] == [d.tokens + [eos] for d in demo]
+
+
+def test_generate_cli_and_server_constrain_the_bundles_spans(spans_bundle, capsys):
+    from fastapi.testclient import TestClient
+
+    from molora.cli import main
+    from molora.engine import Engine, EngineConfig
+    from molora.server.app import create_app
+
+    assert main(["generate", f"draw the digit 5 {BOI}", "--bundle", str(spans_bundle), "--max-tokens", "70"]) == 0
+    words = capsys.readouterr().out.split()
+    assert words[:PIXELS] == [w for w in words[:PIXELS] if w in CODES] and words[PIXELS] == "<eoi>"
+    mm = load(spans_bundle)
+    with TestClient(create_app(Engine(mm, EngineConfig(max_num_seqs=2, max_model_len=160)))) as c:
+        r = c.post("/v1/completions", json={"model": "tiny-digits-spans", "max_tokens": 70, "temperature": 1.0,
+                                            "seed": 4, "prompt": f"<bos> draw the digit 5 {BOI}"})
+    assert r.status_code == 200, r.text
+    words = r.json()["choices"][0]["text"].split()
+    assert all(w in CODES for w in words[:PIXELS]) and words[PIXELS] == "<eoi>"
+
+
 # --------------------------------------------------------------------------------------------- training
 
 def test_train_routed_writes_peft_folders_that_peft_loads(tmp_path, tiny_bundle):
@@ -238,6 +383,43 @@ def test_train_routed_writes_peft_folders_that_peft_loads(tmp_path, tiny_bundle)
     base2, _ = load_base(tiny_bundle / "base")
     mm2 = molora.attach(base2, {"text": outs["text"]}, check_base=False)
     assert torch.allclose(mm2(ids, adapter_ids="text").logits, got, atol=1e-4)
+
+
+def test_train_routed_cli_is_train_routed_under_the_bundles_router(tmp_path, tiny_bundle, capsys):
+    """`molora train-routed DATA --routed-with BUNDLE --out DIR` writes DIR/image and DIR/text, the same weights
+    as `train_routed` under the bundle's vocab router with the bundle's template and end token; a bundle
+    without a vocab router is refused with a message naming its kind."""
+    from safetensors.torch import load_file
+
+    from molora.cli import main
+    from molora.model.base import load_base
+    from molora.multimodal.vocab import END, PROMPT_TEMPLATE, Digits, adapter_pairs
+    from molora.train.adapter import AdapterTrainConfig, train_routed
+
+    rng = np.random.RandomState(1)
+    pairs = adapter_pairs(Digits(rng.randint(0, 16, size=(6, PIXELS)), np.arange(6) % 10), "inverted", "new",
+                          captioning=0.3)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in pairs))
+    flags = ["--rank", "4", "--alpha", "8", "--lr", "1e-2", "--batch-size", "3", "--targets", "q_proj,v_proj"]
+    assert main(["train-routed", str(data), "--routed-with", str(tiny_bundle), "--out", str(tmp_path / "cli"),
+                 *flags]) == 0
+    assert "final loss" in capsys.readouterr().out
+    model, tok = load_base(tiny_bundle / "base")
+    router = VocabRouter.from_vocab(tok.get_vocab(), ROUTES["from_tokenizer"], "text")
+    cfg = AdapterTrainConfig(rank=4, alpha=8, lr=1e-2, batch_size=3, bf16=False, target_modules=("q_proj", "v_proj"))
+    train_routed(model, tok, pairs, {n: tmp_path / "lib" / n for n in ("image", "text")}, router, cfg,
+                 template=PROMPT_TEMPLATE, end=END, progress=False)
+    for n in ("image", "text"):
+        got = load_file(str(tmp_path / "cli" / n / "adapter_model.safetensors"))
+        want = load_file(str(tmp_path / "lib" / n / "adapter_model.safetensors"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+        assert json.loads((tmp_path / "cli" / n / "training_stats.json").read_text())["trained_with"] == ["image", "text"]
+    plain = tmp_path / "plain"
+    write_manifest(plain, {"name": "plain", "base": str(tiny_bundle / "base"), "router": {"kind": "none"},
+                           "adapters": []})
+    assert main(["train-routed", str(data), "--routed-with", str(plain), "--out", str(tmp_path / "x")]) == 2
+    assert "router kind 'none'" in capsys.readouterr().err
 
 
 def test_read_bundle_keeps_from_tokenizer_routes(tiny_bundle):

@@ -54,8 +54,9 @@ from molora.engine.routing import RouteState, plan_routing, record_carry, record
 from molora.engine.scheduler import Scheduled, Scheduler
 from molora.errors import AdapterDraining, AdapterError, MoLoRAError, RoutingError
 from molora.model.runner import BatchMeta, ModelRunner
+from molora.ops.device import to_device
 from molora.routing import ArrowRouter, SequenceRouter, VocabRouter
-from molora.sampling import greedy, sample_next, top_logprobs
+from molora.sampling import bundle_constraint, greedy, sample_next, top_logprobs
 
 log = logging.getLogger("molora.engine")
 
@@ -124,6 +125,8 @@ class Engine:
         # ("fault", message), ("isolated", message); the consumer pops from the left, the oldest drop off
         self.events: deque[tuple[str, Any]] = deque(maxlen=10000)
         self.tokens_by_adapter: Counter[str] = Counter()
+        # the bundle's constrained spans (an early-fusion model's image spans), applied in `_sample`; None: none
+        self.constraint = bundle_constraint(getattr(mm, "bundle", None), self.tokenizer)
         log.info("engine: %d KV blocks x %d tokens (%.1f MiB), %d slots, max_model_len %d", config.kv_blocks,
                  config.block_size, self.runner.cache.nbytes() / 2**20, mm.bank.num_slots, self.max_model_len)
 
@@ -380,16 +383,22 @@ class Engine:
         routing = plan_routing(scheduled, self.hotset, self.runner.device)
         rows = [i for i, s in enumerate(scheduled) if s.samples]
         out = self.runner(tokens, positions, meta, routing, logits=rows)          # StepOutput, logits [b, V]
-        if not bool(torch.isfinite(out.hidden.sum())):       # one reduction: NaN and inf survive a sum
+        last_slots, last_carry, carry_rows = out.last_slot_ids, out.last_carry, out.carry_rows
+        # host reads of the step, batched (each is a device sync on a GPU): 1) whether the hidden states and each
+        # sampled row's logits are finite (one reduction each: NaN and inf survive a sum), 2) the sampled ids with
+        # the slot of each sequence's last token
+        ok = torch.isfinite(out.hidden.sum()).reshape(1)
+        flags = (ok if not rows else torch.cat([ok, torch.isfinite(out.logits.sum(-1))])).tolist()
+        if not flags[0]:
             corrupt = self.mm.bank.nonfinite()
             if corrupt:
                 raise _CorruptSlots(corrupt)
-        last_slots, last_carry, carry_rows = out.last_slot_ids, out.last_carry, out.carry_rows
-        logits = chosen = finite = None
+        logits = chosen = finite = picked = None
         if rows:
             logits = out.logits
-            finite = torch.isfinite(logits.sum(-1)).tolist()     # [b]; a row's NaN or inf survives its sum
+            finite = flags[1:]                                   # [b]
             chosen = self._sample([scheduled[i].request for i in rows], logits, finite)
+            picked = (chosen if last_slots is None else torch.cat([chosen, last_slots[:, 0]])).tolist()
         self.tokens_computed += len(tokens)
         # ---- commit, request by request
         outputs: list[RequestOutput] = []
@@ -413,9 +422,9 @@ class Engine:
                 else:
                     req.num_computed += s.n
                 if j is not None:
-                    slot = -1 if last_slots is None else int(last_slots[i, 0])
+                    slot = -1 if last_slots is None else picked[len(rows) + i]
                     lp = self._logprobs(req, logits[j], chosen[j])
-                    outputs.append(self._advance(req, int(chosen[j]), table[slot] if slot >= 0 else None, lp))
+                    outputs.append(self._advance(req, picked[j], table[slot] if slot >= 0 else None, lp))
             except Exception as e:
                 log.error("request %s failed alone while committing its step: %s: %s", req.request_id,
                           type(e).__name__, e, exc_info=True)
@@ -438,12 +447,15 @@ class Engine:
         meta = BatchMeta([s.n for s in scheduled], [s.start + s.n for s in scheduled],
                          [s.request.block_table for s in scheduled])
         dev = self.runner.device
-        return torch.tensor(toks, device=dev), torch.tensor(pos, device=dev), meta
+        return to_device(toks, dev), to_device(pos, dev), meta
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, finite: list[bool]) -> torch.Tensor:
         """Token ids [b] from logits [b, V]. A request short of its min_tokens picks from a copy of its own row
         with its stop ids at -inf (`_without_stops`); other rows and `logits` itself are untouched, so
-        logprobs report the model's distribution (vLLM's default, raw logprobs)."""
+        logprobs report the model's distribution (vLLM's default, raw logprobs). With the bundle's constrained
+        spans every row picks from a masked copy (molora.sampling.SpanConstraint)."""
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits, [req.tokens for req in reqs])         # [b, V]
         chosen = greedy(logits)                                                   # [b] greedy for all
         for j, req in enumerate(reqs):
             p = req.params

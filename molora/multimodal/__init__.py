@@ -5,7 +5,8 @@
     molora.multimodal.generate   constrained generation (64-code image spans), captioning, PNGs
     molora.multimodal.recipe     the digits bundle: base + image/text adapters + a vocab router from the
                                  tokenizer; shipped in molora/multimodal/bundle, rebuilt by
-                                 `molora build-multimodal`
+                                 `molora build-multimodal`; its manifest declares the image spans
+                                 that the engine constrains (molora.sampling.SpanConstraint)
 
 Nothing here is imported by molora's core; scikit-learn (the digits) is the optional extra `multimodal`.
 """

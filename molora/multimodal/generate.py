@@ -11,6 +11,11 @@ summed on every token). `passes=[names]` emulates per-token routing with one pas
 forward runs once per adapter over the whole batch, and each run of positions keeps the pass its router
 picks (its logits and its keys/values), which is what a server that routes per sequence has to do.
 
+Served, the same spans come from the bundle's manifest (`extra.constrained_spans`, token names read from the
+tokenizer): the engine, the server and `molora generate` apply them as `molora.sampling.SpanConstraint`, whose
+greedy answers equal `draw`'s (tests/test_multimodal.py). The one difference: outside an image the served
+constraint forbids only codes and <eoi>, where `Spans` allows only words and <eos>.
+
 Images come back as levels (numpy [64], 0..15); `write_png` turns one into a PNG without extra packages.
 This module knows the vocabulary and MoLoRAModel's forward; it knows nothing of HTTP or the engine.
 """

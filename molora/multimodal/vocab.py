@@ -26,10 +26,11 @@ from molora.errors import MoLoRAError
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<eoi>")
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 WORDS = ("draw", "the", "digit", "this", "is", *(str(d) for d in range(10)), *NUMBER_WORDS)
-BOI = "<boi>"
+BOI, EOI = "<boi>", "<eoi>"
 LEVELS = 16
-CODES = tuple(f"<img_{q}>" for q in range(LEVELS))
-IMAGE_PREFIXES = (BOI, "<img_")  # the tokens a vocab router sends to the image adapter
+CODE_PREFIX = "<img_"
+CODES = tuple(f"{CODE_PREFIX}{q}>" for q in range(LEVELS))
+IMAGE_PREFIXES = (BOI, CODE_PREFIX)  # the tokens a vocab router sends to the image adapter
 PIXELS = 64  # codes per image
 PROMPT_TEMPLATE = "<bos> {prompt}"
 END = " <eos>"
