@@ -28,7 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+# The BBH paper's per-task table (Suzgun et al. 2022, arXiv 2210.09261, 3-shot on the real benchmark items):
+# PaLM 540B answer-only, PaLM 540B with chain of thought, and the average human rater
 PALM_540B = {"object_counting": 51.2, "multistep_arithmetic_two": 1.6, "dyck_languages": 28.4, "navigate": 62.4}
+PALM_540B_COT = {"object_counting": 83.2, "multistep_arithmetic_two": 19.6, "dyck_languages": 28.0, "navigate": 79.6}
+HUMAN_AVG = {"object_counting": 86.1, "multistep_arithmetic_two": 9.7, "dyck_languages": 47.8, "navigate": 56.0}
 MIXED_MODES = ("learned", "sequence", "oracle")
 ROUTER_SEED = 9_000_000 + 200
 SYSTEM = "You are a helpful assistant."  # the general prompts again, after a system message many clients send
@@ -161,7 +165,44 @@ def measure(args: argparse.Namespace, command: str) -> dict:
             "test_seed": SPLIT_SEEDS["test"], "dropped": dropped, "training_inputs": len(banned),
             "tasks": tasks, "own_adapter": own, "skills": skills, "mixed": mixed, "general": general,
             "general_system": general_system, "system_message": SYSTEM,
-            "router_accuracy": json.loads(acc_path.read_text()), "router": _router_settings(bundle), "runs": runs}
+            "router_accuracy": json.loads(acc_path.read_text()), "router": _router_settings(bundle),
+            "training": training_cost(bundle), "runs": runs}
+
+
+def training_cost(bundle: Any) -> dict:
+    """Per adapter, what its training run recorded (training_stats.json as copied into the manifest): examples,
+    epochs, steps, wall seconds and, where recorded, the process's CPU seconds over all threads."""
+    out = {}
+    for name, st in bundle.extra.get("adapter_training", {}).items():
+        row = {"examples": st.get("examples"), "epochs": st.get("config", {}).get("epochs"), "steps": st.get("steps"),
+               "tokens": st.get("tokens"), "seconds": st.get("seconds")}
+        for k in ("cpu_seconds", "cpu_seconds_estimate", "cpu_seconds_note"):
+            if k in st:
+                row[k] = st[k]
+        out[name] = row
+    return out
+
+
+def render_training(training: dict) -> list[str]:
+    """The training-cost table: CPU-minutes per adapter where the run recorded its CPU time, else an estimate
+    (marked) or the wall time on the machine's cores."""
+    if not training:
+        return []
+    rows = []
+    for name, t in training.items():
+        if "cpu_seconds" in t:
+            cpu = f"{t['cpu_seconds'] / 60:.0f}"
+        elif "cpu_seconds_estimate" in t:
+            cpu = f"≈{t['cpu_seconds_estimate'] / 60:.0f} (estimated²)"
+        else:
+            cpu = "not recorded"
+        rows.append([name, t["examples"], t["epochs"], t["steps"], t["tokens"], f"{t['seconds'] / 60:.0f}", cpu])
+    notes = [f"² {name}: {t['cpu_seconds_note']}" for name, t in training.items() if "cpu_seconds_note" in t]
+    return ["## Training cost per adapter", "",
+            _table(["adapter", "examples", "epochs", "steps", "tokens", "wall minutes", "CPU-minutes"], rows), "",
+            "CPU-minutes: the training process's CPU time over all its threads (`cpu_seconds` in the adapter's "
+            "training_stats.json, recorded since issue 22); adapters trained before that record only wall time, "
+            "on 2 cores shared with other jobs. Goal: each adapter ≤ 60 CPU-minutes.", *notes, ""]
 
 
 def _router_settings(bundle: Any) -> dict:
@@ -282,15 +323,18 @@ def render(res: dict, val: dict | None, cost: dict | None, images: list[str]) ->
                                    [[g["goal"], g["measured"], "n/m" if g["met"] is None else
                                      "**met**" if g["met"] else "**not met**"] for g in gl]), ""]
     out += ["## Accuracy per skill (strict, %)", "",
-            _table(["skill", *modes, "PaLM 540B", "n"],
-                   [[t, *(skills[t][m]["accuracy"] for m in modes), PALM_540B.get(t, "-"), skills[t]["learned"]["n"]]
+            _table(["skill", *modes, "PaLM 540B AO", "PaLM 540B CoT", "human avg", "n"],
+                   [[t, *(skills[t][m]["accuracy"] for m in modes), PALM_540B.get(t, "-"), PALM_540B_COT.get(t, "-"),
+                     HUMAN_AVG.get(t, "-"), skills[t]["learned"]["n"]]
                     for t in tasks] + [["**mean**", *(sum(skills[t][m]["accuracy"] for t in tasks) / len(tasks)
-                                                     for m in modes), "", ""]]), "",
+                                                     for m in modes), "", "", "", ""]]), "",
             f"Modes: `base` no adapter; `sequence` one adapter per request, picked by the router's vote over the "
             f"question's tokens (what a per-request server can do); `learned` the router per token; `oracle` the "
             f"skill's own adapter on every token. `base` and `sequence` use the first {res['n_side']} items. "
-            "PaLM 540B is answer-only 3-shot on the real benchmark (arXiv 2210.09261): not like for like, our "
-            "adapters write a short worked solution and were trained on generated items of the same format.", ""]
+            "PaLM 540B answer-only (AO) and with chain of thought (CoT), and the average human rater, are the BBH "
+            "paper's 3-shot figures on the real benchmark (arXiv 2210.09261): not like for like, our adapters write "
+            "a short worked solution and were trained on generated items of the same format.", ""]
+    out += render_training(res.get("training", {}))
     if images:
         out += [f"![per-skill accuracy]({images[0]})", ""]
     if res["mixed"]:
@@ -368,13 +412,13 @@ def render_readme(res: dict, val: dict | None, cost: dict | None) -> str:
     label = {"base": "base¹", "sequence": "sequence¹", "oracle": "own adapter (= oracle)",
              "learned": "**learned per-token**"}
     rows = [[t, *(f"**{skills[t][m]['accuracy']:.1f}**" if m == "learned" else skills[t][m]["accuracy"]
-                  for m in modes), PALM_540B.get(t, "-")] for t in tasks]
+                  for m in modes), PALM_540B.get(t, "-"), PALM_540B_COT.get(t, "-")] for t in tasks]
     out = [README_BEGIN,
            f"**Quality** (rendered from [docs/results.json](docs/results.json) by `scripts/make_results.py`; "
            f"{res['base']} + four r=8 skill adapters; {res['n']} fresh *synthetic* test items per skill in the "
            "BIG-Bench-Hard format, generated with seeds never used for training, tuning or earlier reports; greedy; "
            "strict accuracy %; full tables in [docs/results.md](docs/results.md)):", "",
-           _table(["skill", *(label[m] for m in modes), "PaLM 540B answer-only"], rows), "",
+           _table(["skill", *(label[m] for m in modes), "PaLM 540B answer-only", "PaLM 540B CoT"], rows), "",
            f"¹ on the first {res['n_side']} items of each skill."]
     g = res["general"].get("learned")
     if g:

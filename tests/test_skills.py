@@ -279,8 +279,14 @@ def test_arithmetic_worked_solution_writes_each_operation_next_to_its_operands()
 
     q = "((-1 + 2 * 3 - 4) * (5 - -6)) ="
     assert worked_solution("multistep_arithmetic_two", q, "11") == (
-        "(-1 + 2 * 3 - 4): 2 * 3 = 6; -1 + 6 = 5; 5 - 4 = 1. (5 - -6): 5 - -6 = 5 + 6 = 11. "
+        "(-1 + 2 * 3 - 4): 2 * 3 = 6; -1 + 6 = 6-1 = 5; 5 - 4 = 1. (5 - -6): 5 - -6 = 5+6 = 11. "
         "1 * 11 = 11. So the answer is 11.")
+    # every sum or difference with a negative side is rewritten on sizes, the sign outside
+    q2 = "((3 - 8 + -7 - 2) - (-4 - 5 + 0 * 6)) ="
+    assert worked_solution("multistep_arithmetic_two", q2, "-5") == (
+        "(3 - 8 + -7 - 2): 3 - 8 = -(8-3) = -5; -5 + -7 = -(5+7) = -12; -12 - 2 = -(12+2) = -14. "
+        "(-4 - 5 + 0 * 6): 0 * 6 = 0; -4 - 5 = -(4+5) = -9; -9 + 0 = -9. -14 - -9 = -(14-9) = -5. "
+        "So the answer is -5.")
     with pytest.raises(ValueError):
         worked_solution("multistep_arithmetic_two", q, "12")  # a wrong target is caught, not trained on
 

@@ -7,7 +7,7 @@ chain-of-thought closing "So the answer is X." — the strict scorer reads the t
 
     object_counting:          "a flute: 1 (total 1); a banana: not a musical instrument; two trumpets: 2 (total 3).
                                So the answer is 3."
-    multistep_arithmetic_two: "(-1 + 2 * 3 - 4): 2 * 3 = 6; -1 + 6 = 5; 5 - 4 = 1. (5 - -6): 5 - -6 = 5 + 6 = 11.
+    multistep_arithmetic_two: "(-1 + 2 * 3 - 4): 2 * 3 = 6; -1 + 6 = 6-1 = 5; 5 - 4 = 1. (5 - -6): 5 - -6 = 5+6 = 11.
                                1 * 11 = 11. So the answer is 11."
     navigate:                 "Start at (0, 0) facing north. Take 3 steps north: y 0 + 3 = 3, now (0, 3).
                                Turn left: north -> west. Take 3 steps west: x 0 - 3 = -3, now (-3, 3).
@@ -18,6 +18,11 @@ needs: a turn names the heading before and after it (a lookup in a 4 x 3 table, 
 move writes the one coordinate it changes as a sum of the previous value and the step count, then the new
 position. Measured on the earlier format (position only): most wrong traces were heading lookups and two-digit
 sums done in the head.
+
+Arithmetic writes the sign handling of every sum or difference with a negative operand or a negative result
+as an operation on sizes with the sign outside ("-7 + 3 = -(7-3) = -4"), so no step adds across zero in one
+go (issue 22 saw single steps with a negative operand fail; scripts/arith_ops.py measures per-operation
+accuracy by operation, operand signs and digits).
 
 Pure Python; knows the surface formats of the generators in `molora.data.skills`, nothing else.
 """
@@ -75,11 +80,22 @@ def _counting(question: str, target: str) -> str:
 
 
 def _op(a: int, op: str, b: int) -> tuple[str, int]:
-    """One operation written out next to its operands: "a op b = c" ("a - -b = a + b = c")."""
+    """One operation written out next to its operands: "a op b = c", and for a sum or difference that involves
+    a negative number, its sign handling between them: the two signed terms rewritten as one operation on
+    their sizes with the sign outside ("5 - -6 = 5+6 = 11", "-7 + 3 = -(7-3) = -4", "3 - 8 = -(8-3) = -5",
+    "-7 - 3 = -(7+3) = -10"). Products stay "a * b = c"."""
     value = a * b if op == "*" else a + b if op == "+" else a - b
-    if op == "-" and b < 0:
-        return f"{a} - {b} = {a} + {-b} = {value}", value
-    return f"{a} {op} {b} = {value}", value
+    if op == "*" or a == 0 or b == 0 or (a > 0 and b > 0 and (op == "+" or a >= b)):
+        return f"{a} {op} {b} = {value}", value
+    x, y = a, b if op == "+" else -b                   # the signed terms: value == x + y
+    if x >= 0 and y >= 0:
+        sizes = f"{x}+{y}"
+    elif x < 0 and y < 0:
+        sizes = f"-({-x}+{-y})"
+    else:
+        p, n = (x, -y) if x >= 0 else (y, -x)          # the positive term, the size of the negative one
+        sizes = f"{p}-{n}" if p >= n else f"-({n}-{p})"
+    return f"{a} {op} {b} = {sizes} = {value}", value
 
 
 def _reduce(expr: str) -> tuple[list[str], int]:

@@ -171,7 +171,7 @@ def _fit(model: Any, params: list[torch.Tensor], tokenizer: Any, pairs: Sequence
     warm = max(1, int(config.warmup * len(plan)))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(1, len(plan) - warm))))))
-    t0, tokens, losses = time.perf_counter(), 0, []
+    t0, c0, tokens, losses = time.perf_counter(), time.process_time(), 0, []
     bar = tqdm(plan, desc=f"train {label}", disable=not progress, unit="batch")
     dev = next(model.parameters()).device
     for ids, att, lab in bar:
@@ -187,7 +187,10 @@ def _fit(model: Any, params: list[torch.Tensor], tokenizer: Any, pairs: Sequence
         losses.append(float(loss.detach()))
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}",
                         tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+    # cpu_seconds: this process's CPU time over all its threads (the CPU-minutes a CPU-only user pays; unlike
+    # the wall time it hardly moves when other jobs share the machine)
     return {"steps": len(plan), "tokens": tokens, "seconds": round(time.perf_counter() - t0, 1),
+            "cpu_seconds": round(time.process_time() - c0, 1),
             "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4)}
 
 
