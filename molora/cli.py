@@ -215,6 +215,20 @@ def _train_adapter_args(p: argparse.ArgumentParser) -> None:
                         "molora/multimodal/bundle (default: the ChatML template and <|im_end|>)")
 
 
+def _lora_config(args: argparse.Namespace, *, bf16: bool):
+    """The AdapterTrainConfig of the `_lora_args` flags."""
+    from molora.train.adapter import AdapterTrainConfig
+
+    return AdapterTrainConfig(rank=args.rank, alpha=args.alpha, lr=args.lr, epochs=args.epochs,
+                              batch_size=args.batch_size, seed=args.seed, bf16=bf16,
+                              target_modules=tuple(t for t in args.targets.split(",") if t))
+
+
+def _bundle_text(b) -> dict:
+    """A bundle's prompt template and end text (its first stop), as train_adapter and train_routed take them."""
+    return {"template": b.prompt_template, "end": (" " + b.stop[0]) if b.stop else ""}
+
+
 def _lora_args(p: argparse.ArgumentParser) -> None:
     """The LoRA and optimiser flags train-adapter and train-routed share."""
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
@@ -231,12 +245,10 @@ def _lora_args(p: argparse.ArgumentParser) -> None:
 def _train_adapter(args: argparse.Namespace) -> int:
     """Train one focused LoRA on a JSONL file; writes a standard PEFT folder."""
     from molora.model.base import load_base
-    from molora.train.adapter import AdapterTrainConfig, read_examples, train_adapter
+    from molora.train.adapter import read_examples, train_adapter
 
     pairs = read_examples(args.data)
-    cfg = AdapterTrainConfig(rank=args.rank, alpha=args.alpha, lr=args.lr, epochs=args.epochs,
-                             batch_size=args.batch_size, seed=args.seed, bf16=not args.fp32,
-                             target_modules=tuple(t for t in args.targets.split(",") if t))
+    cfg = _lora_config(args, bf16=not args.fp32)
     kw = {}
     base = None if args.base == "default" else args.base
     if args.bundle:
@@ -244,7 +256,7 @@ def _train_adapter(args: argparse.Namespace) -> int:
 
         b = read_bundle(args.bundle)
         base = b.base
-        kw = {"template": b.prompt_template, "end": (" " + b.stop[0]) if b.stop else ""}
+        kw = _bundle_text(b)
     model, tok = load_base(base)
     stats = train_adapter(model, tok, pairs, args.out, cfg, **kw)
     print(f"wrote {args.out}: {stats['examples']} examples, {stats['tokens']} tokens in {stats['seconds']} s, "
@@ -269,7 +281,7 @@ def _train_routed(args: argparse.Namespace) -> int:
 
     from molora.bundle import make_router, read_bundle
     from molora.model.base import load_base
-    from molora.train.adapter import AdapterTrainConfig, read_examples, train_routed
+    from molora.train.adapter import read_examples, train_routed
 
     b = read_bundle(args.bundle)
     if b.router_kind != "vocab":
@@ -280,12 +292,8 @@ def _train_routed(args: argparse.Namespace) -> int:
     model, tok = load_base(b.base)  # float32: train_routed trains the bank's slots in the model's dtype
     router = make_router(b, tokenizer=tok)
     names = [n for n in dict.fromkeys([r[2] for r in router.ranges] + [router.default]) if n is not None]
-    cfg = AdapterTrainConfig(rank=args.rank, alpha=args.alpha, lr=args.lr, epochs=args.epochs,
-                             batch_size=args.batch_size, seed=args.seed, bf16=False,
-                             target_modules=tuple(t for t in args.targets.split(",") if t))
     outs = {n: Path(args.out) / n for n in names}
-    stats = train_routed(model, tok, pairs, outs, router, cfg, template=b.prompt_template,
-                         end=(" " + b.stop[0]) if b.stop else "")
+    stats = train_routed(model, tok, pairs, outs, router, _lora_config(args, bf16=False), **_bundle_text(b))
     print(f"wrote {', '.join(str(p) for p in outs.values())}: {len(pairs)} examples, {stats['tokens']} tokens in "
           f"{stats['seconds']} s, final loss {stats['final_loss']}")
     return 0
