@@ -174,9 +174,14 @@ def test_server_deadline_answers_504_and_streams_a_timeout_finish_reason(adapter
         slow.set()
         err = assert_error(http.post("/completions", json={**body, "molora": {"timeout": 0.3}}), 504)
         assert err["code"] == "timeout" and "timeout of 0.3 s" in err["message"]
+        t0 = time.monotonic()
         r = http.post("/completions", json={**body, "stream": True, "molora": {"timeout": 0.3}})
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-        assert events[-2]["choices"][0]["finish_reason"] == "timeout", events[-3:]
+        # the whole story on failure (this assertion once failed on a loaded CI machine and its cut repr hid why)
+        story = (f"{len(events)} events in {time.monotonic() - t0:.2f} s; finish reasons "
+                 f"{[e['choices'][0]['finish_reason'] for e in events if e.get('choices')]}; "
+                 f"last {json.dumps(events[-1])[:300]}; stream tail {r.text[-400:]!r}")
+        assert events[-2]["choices"][0]["finish_reason"] == "timeout", story
         assert events[-1]["error"]["code"] == "timeout" and "timeout of 0.3 s" in events[-1]["error"]["message"]
         wait_for(lambda: app.state.molora.client.in_flight == 0, timeout=10)
         stats = engine.stats()
