@@ -262,8 +262,8 @@ def render_validation(val: dict) -> list[str]:
            f"validation seeds, {val['n_mixed']} two-skill items, {val['n_general']} general prompts of the "
            "validation split); no test item was read. Step 1 runs the probe alone (forwards, no generation): for "
            "each confidence, the share of each prompt's tokens it gives to adapters, and the prompt_share that "
-           "keeps all but 1% of the skill prompts routed while keeping as many general prompts as possible on the "
-           "base (halfway across the gap).", "",
+           "keeps all but 1% of each skill's prompts routed (per skill since issue 22; pooled over the skills "
+           "before) while keeping as many general prompts as possible on the base (halfway across the gap).", "",
            _table(["confidence", "prompt_share", "general kept on the base %", "skill prompts locked %",
                    f"separated by {r.get('margin', 0)} %", "lowest skill share"],
                   [[c, g["prompt_share"], g["general_on_base"], g.get("skill_locked", "-"),

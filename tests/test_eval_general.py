@@ -74,3 +74,10 @@ def test_probe_shares_and_the_prompt_share_that_separates_them(adapters):
     skill = [0.0] + [0.8] * 199                                                # one in 200 may be lost (1%)
     assert choose_prompt_share([0.1, 0.2], skill) == 0.5
     assert choose_prompt_share([0.1, 0.2], skill, max_skill_lost=0.0) == 0.0
+    # per skill, the bound holds for each: pooled, two low prompts of one skill are 1% of 200 and both are lost;
+    # per skill they are 2% of that skill's 100, so only the lowest may be lost (0.35 kept: halfway to 0.2)
+    per_skill = {"count": [0.3, 0.35] + [0.8] * 98, "nav": [0.9] * 100}
+    assert choose_prompt_share([0.1, 0.2], [x for v in per_skill.values() for x in v]) == 0.5
+    assert choose_prompt_share([0.1, 0.2], per_skill) == 0.275
+    with pytest.raises(ValueError, match="at least one"):
+        choose_prompt_share([0.1], {})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -195,12 +196,19 @@ def probe_shares(mm: Any, router: Any, prompts: list[str], *, batch_size: int = 
     return out
 
 
-def choose_prompt_share(general: list[float], skill: list[float], max_skill_lost: float = 0.01) -> float:
+def choose_prompt_share(general: list[float], skill: list[float] | Mapping[str, list[float]],
+                        max_skill_lost: float = 0.01) -> float:
     """The prompt_share that keeps all but at most `max_skill_lost` of the skill prompts routed (share >= it)
     and as many general prompts as possible on the base (share < it): halfway between the lowest skill share
-    it keeps and the highest general share below that; 0 when that skill share is 0."""
-    ranked = sorted(skill)
-    low = ranked[min(int(max_skill_lost * len(ranked)), len(ranked) - 1)]
+    it keeps and the highest general share below that; 0 when that skill share is 0.
+
+    skill: one pool of shares, or shares per skill: then the bound holds for every skill on its own (a pooled
+    bound lets the skill with the lowest shares lose many times its part; issue 22: 2 of 50 counting prompts
+    fell under a 1% bound pooled over 200)."""
+    pools = [list(skill)] if not isinstance(skill, Mapping) else [list(v) for v in skill.values() if v]
+    if not pools:
+        raise ValueError("choose_prompt_share needs at least one skill share")
+    low = min(sorted(p)[min(int(max_skill_lost * len(p)), len(p) - 1)] for p in pools)
     below = [g for g in general if g < low]
     if low <= 0:
         return 0.0

@@ -70,6 +70,10 @@ class DefaultRecipe:
     # per-adapter passes over the data where they differ from `epochs`, each chosen on validation items
     # (issue 22: the counting solution that judges every listed item needs more than one pass)
     adapter_epochs: tuple[tuple[str, float], ...] = (("counting", 2.0),)
+    # extra single-skill router sequences per skill, its shortest questions (the n shortest of 4n drawn): short
+    # counting questions ("I have a fridge, and an oven. How many objects do I have?") read like chat to a router
+    # trained on the usual lengths, which sent them to the base (issue 22)
+    router_short: tuple[tuple[str, int], ...] = (("counting", 60),)
     batch_size: int = 16
     seed: int = 0
 
@@ -143,8 +147,14 @@ def write_data(out: Path, recipe: DefaultRecipe, answers: dict[str, str]) -> dic
         for it in generate(task, recipe.n_router, seed=TRAIN_SEED_BASE + 10 * i + 1):
             rows.append({"segments": [{"prompt": it.input, "completion": worked_solution(task, it.input, it.target),
                                        "label": name}]})
-    rng = random.Random(recipe.seed)
     names = list(SKILL_ADAPTERS)
+    for name, n in recipe.router_short:
+        i, task = names.index(name), SKILL_ADAPTERS[name]
+        drawn = generate(task, 4 * n, seed=TRAIN_SEED_BASE + 10 * i + 4)
+        for it in sorted(drawn, key=lambda it: len(it.input))[:n]:
+            rows.append({"segments": [{"prompt": it.input, "completion": worked_solution(task, it.input, it.target),
+                                       "label": name}]})
+    rng = random.Random(recipe.seed)
     split = general_split()
     pools = {n: generate(SKILL_ADAPTERS[n], recipe.n_mixed, seed=TRAIN_SEED_BASE + 10 * k + 2)
              for k, n in enumerate(names)}
@@ -248,8 +258,13 @@ def build_default(out: str | Path, recipe: DefaultRecipe = DefaultRecipe(), *, d
     cut = int(0.85 * len(seqs))
     router_stats = {}
     variants = router_variants()
-    # ~1 GB for the default recipe, keyed by the router data: a rerun of the router step skips the forwards
-    cache = out / f"router_features-{hashlib.sha256(paths['router'].read_bytes()).hexdigest()[:12]}.pt"
+    # ~1 GB for the default recipe, keyed by the router data and the adapters' weights (the features are states of
+    # a forward through the label's adapter): a rerun of the router step skips the forwards; a new adapter does not
+    key = hashlib.sha256(paths["router"].read_bytes())
+    for name in names:
+        for f in sorted((out / "adapters" / name).glob("*.safetensors")):
+            key.update(f.read_bytes())
+    cache = out / f"router_features-{key.hexdigest()[:12]}.pt"
     if cache.is_file():
         features = torch.load(cache)
     else:
