@@ -234,6 +234,39 @@ def report(rows: list[dict]) -> dict:
     return out
 
 
+# the buckets the results page shows, before and after (the record holds every bucket)
+SHOWN = (("by_op", ("+", "-", "*")),
+         ("by_op_signs", ("pos + pos", "pos + neg", "neg + pos", "neg + neg", "pos - pos", "pos - neg", "neg - pos",
+                          "neg - neg")),
+         ("by_op_digits", ("1d * 1d", "2d * 1d", "2d * 2d")),
+         ("by_position", ("group +", "group -", "group *", "final +", "final -", "final *")))
+
+
+def _pct(rate: dict | None) -> str:
+    return "-" if not rate or rate.get("accuracy") is None else f"{100 * rate['accuracy']:.0f}% ({rate['n']})"
+
+
+def render_section(after: dict, docs: Path | None = None) -> list[str]:
+    """The results page's section (scripts/make_results.py SECTIONS): per-operation accuracy of the adapter in
+    `after` beside the record it names in "compared_with" (a file beside it under docs/)."""
+    docs = docs or Path(__file__).resolve().parent.parent / "docs"
+    before = json.loads((docs / after["compared_with"]).read_text()) if after.get("compared_with") else {}
+    rows = [["items right", _pct(before.get("items")), _pct(after["items"])],
+            ["steps right", _pct(before.get("steps")), _pct(after["steps"])],
+            ["operands copied right", _pct(before.get("operands_copied")), _pct(after["operands_copied"])]]
+    for group, keys in SHOWN:
+        rows += [[f"{group.removeprefix('by_').replace('_', ' ')}: {k}", _pct(before.get(group, {}).get(k)),
+                  _pct(after.get(group, {}).get(k))] for k in keys]
+    lines = ["| | before | after |", "|---|---|---|"] + ["| " + " | ".join(r) + " |" for r in rows]
+    return ["## Arithmetic, per operation (validation items)", "",
+            f"{after['items']['n']} validation items (`docs/arith_val_items.json`, held-out split \"val\"), answered "
+            "by the arithmetic adapter alone; `scripts/arith_ops.py` reads every written step \"a op b = c\" and "
+            "scores it against true arithmetic (how many steps, or items, in brackets). Before: the adapter shipped before "
+            f"issue 22 ({after.get('compared_with', '-')}). After: {after.get('adapter', '-')}. The choice was made "
+            "on these items, so they are not a test score; the test score is in the table above.", "",
+            *lines, ""]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("predictions", type=Path, help="predictions JSONL of `molora eval --predictions`")

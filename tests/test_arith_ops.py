@@ -75,3 +75,14 @@ def test_every_worked_solution_reads_back_with_every_step_and_rewrite_right(ops)
         steps, first = ops.check_item(it.input, worked_solution("multistep_arithmetic_two", it.input, it.target))
         assert first is None, it.input
         assert len(steps) == 7 and all(s.ok and s.rewrites_ok and s.operands_ok for s in steps), it.input
+
+
+def test_the_results_section_sets_each_bucket_beside_the_record_it_was_compared_with(ops, tmp_path):
+    rows = [{"input": Q, "prediction": RIGHT, "correct": True}]
+    before = ops.report([{"input": Q, "prediction": RIGHT.replace("5 - 4 = 1", "5 - 4 = 2"), "correct": False}])
+    (tmp_path / "before.json").write_text(__import__("json").dumps(before))
+    after = {"compared_with": "before.json", "adapter": "the new one", **ops.report(rows)}
+    text = "\n".join(ops.render_section(after, docs=tmp_path))
+    assert "| items right | 0% (1) | 100% (1) |" in text
+    assert "| position: group - | 50% (2) | 100% (2) |" in text
+    assert "| op signs: neg - neg | - | - |" in text          # a bucket neither answer has
