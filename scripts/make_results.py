@@ -398,6 +398,7 @@ def extra_sections(docs: Path = None) -> list[str]:
             continue
         spec = importlib.util.spec_from_file_location(script[:-3], Path(__file__).with_name(script))
         mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # a script's dataclasses look their module up there
         spec.loader.exec_module(mod)
         out += mod.render_section(json.loads((docs / record).read_text()))
     return out

@@ -86,3 +86,14 @@ def test_the_results_section_sets_each_bucket_beside_the_record_it_was_compared_
     assert "| items right | 0% (1) | 100% (1) |" in text
     assert "| position: group - | 50% (2) | 100% (2) |" in text
     assert "| op signs: neg - neg | - | - |" in text          # a bucket neither answer has
+
+
+def test_the_results_page_loads_the_section_from_its_record(ops, tmp_path):
+    spec = importlib.util.spec_from_file_location("make_results", ROOT / "scripts" / "make_results.py")
+    results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(results)
+    sys.modules.pop("arith_ops", None)     # as in a fresh process: the page must register the script itself
+    after = ops.report([{"input": Q, "prediction": RIGHT, "correct": True}])    # compared with nothing
+    (tmp_path / "arith_ops_val_after.json").write_text(__import__("json").dumps(after))
+    text = "\n".join(results.extra_sections(tmp_path))
+    assert "## Arithmetic, per operation" in text and "| items right | - | 100% (1) |" in text
