@@ -7,7 +7,8 @@ Validation items only (molora.eval.heldout split "val"; molora.data.general "val
 1. Probe shares (forwards only). For each confidence in a grid, the share of each validation prompt's tokens the
    probe gives to adapters: general prompts, each skill's questions, and the first questions of two-skill items.
    For each confidence, `choose_prompt_share` keeps every skill's prompts routed (its 1% loss bound holds per skill,
-   not pooled) and as many general prompts as possible on the base. The chosen confidence keeps the most general prompts on the base (ties: the lowest).
+   not pooled) and as many general prompts as possible on the base. The chosen confidence keeps the most general
+   prompts on the base (ties: the lowest).
 2. Generation (greedy) with the chosen settings: learned routing on every skill's validation items beside the
    skill's own adapter, on mixed items, and base retention on the general validation prompts; and the policy
    variants carry/probe re-examined on the skills: learned without the probe, without carry and probe.

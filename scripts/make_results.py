@@ -242,7 +242,8 @@ def goals(res: dict, cost: dict | None) -> list[dict]:
         estimated = any(est and sec for sec, est in cpu.values())
         measured = f"CPU-minutes{' (≈: estimated)' if estimated else ''}: " + ", ".join(
             f"{a} {'≈' if est else ''}{sec / 60:.0f}" for a, (sec, est) in cpu.items() if sec)
-        measured += f"; not recorded (trained before the record, wall time only): {', '.join(missing)}" if missing else ""
+        if missing:
+            measured += f"; not recorded (trained before the record, wall time only): {', '.join(missing)}"
         out.append({"goal": "training: each adapter <= 60 CPU-minutes", "measured": measured,
                     "met": None if missing else all(sec <= 3600 for sec, _ in cpu.values())})
     if cost:
