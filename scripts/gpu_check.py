@@ -113,12 +113,14 @@ class Timer:
 
 def interleaved(timer: Timer, fns: dict[str, Callable[[], Any]], repeats: int, inner: int) -> dict[str, float]:
     """Median ms per call of each variant; variants rotated every repetition, one warm-up round first."""
+    from molora.bench.common import rotated
+
     names = list(fns)
     for n in names:
         fns[n]()
     samples: dict[str, list[float]] = {n: [] for n in names}
     for i in range(repeats):
-        for n in names[i % len(names):] + names[:i % len(names)]:
+        for n in rotated(names, i):
             samples[n].append(timer.ms(fns[n], inner))
     return {n: statistics.median(v) for n, v in samples.items()}
 

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 VOCAB = 128
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module, registered in sys.modules under `name` (a script's dataclasses look their
+    module up there)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_config(arch: str):

@@ -3,11 +3,12 @@ question, so a wrong copy and a wrong sum are told apart. Hand-written answers; 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 Q = "((-1 + 2 * 3 - 4) * (5 - -6)) ="
@@ -17,11 +18,7 @@ RIGHT = ("(-1 + 2 * 3 - 4): 2 * 3 = 6; -1 + 6 = 5; 5 - 4 = 1. (5 - -6): 5 - -6 =
 
 @pytest.fixture(scope="module")
 def ops():
-    spec = importlib.util.spec_from_file_location("arith_ops", ROOT / "scripts" / "arith_ops.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["arith_ops"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("arith_ops")
 
 
 def test_a_right_answer_parses_into_every_step_all_right(ops):
@@ -89,9 +86,7 @@ def test_the_results_section_sets_each_bucket_beside_the_record_it_was_compared_
 
 
 def test_the_results_page_loads_the_section_from_its_record(ops, tmp_path):
-    spec = importlib.util.spec_from_file_location("make_results", ROOT / "scripts" / "make_results.py")
-    results = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(results)
+    results = load_script("make_results")
     sys.modules.pop("arith_ops", None)     # as in a fresh process: the page must register the script itself
     after = ops.report([{"input": Q, "prediction": RIGHT, "correct": True}])    # compared with nothing
     (tmp_path / "arith_ops_val_after.json").write_text(__import__("json").dumps(after))

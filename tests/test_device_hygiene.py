@@ -8,7 +8,6 @@ non-CPU side, as on CUDA."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -19,9 +18,8 @@ import molora
 from molora.model.runner import BatchMeta, ModelRunner, RouterGroup, StepRouting
 from molora.ops import LoRADispatcher, LoRAInputError, fused_cpu
 from molora.routing.learned import LearnedRouter, LearnedRouterConfig
-from tests.conftest import make_peft_adapter, tiny_model
+from tests.conftest import load_script, make_peft_adapter, tiny_model
 
-ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -136,10 +134,7 @@ def test_bench_models_load_onto_molora_device(monkeypatch) -> None:
 
 
 def _recipe():
-    spec = importlib.util.spec_from_file_location("gpu_recipe", ROOT / "scripts" / "gpu_recipe.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    return recipe
+    return load_script("gpu_recipe")
 
 
 def test_gpu_recipe_manifests_name_the_base_folder_read_bundle_finds(tmp_path, monkeypatch) -> None:

@@ -3,21 +3,17 @@ bundle, the router, every eval mode of both models, the report. Slow (a few minu
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import load_script
 
 
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_gpu_recipe_smoke_runs_every_step(tmp_path):
-    spec = importlib.util.spec_from_file_location("gpu_recipe", ROOT / "scripts" / "gpu_recipe.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = load_script("gpu_recipe")
     assert recipe.main(["all", "--smoke", "--work", str(tmp_path), "--n", "8"]) == 0
     manifest = json.loads((tmp_path / "bundle" / "molora.json").read_text())
     assert [a["name"] for a in manifest["adapters"]] == list(recipe.ADAPTERS)

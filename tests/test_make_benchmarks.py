@@ -4,12 +4,13 @@ record docs/benchmarks.json, and a run of some benches keeps the others' records
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "benchmarks.json"
@@ -17,10 +18,7 @@ RECORD = ROOT / "docs" / "benchmarks.json"
 
 @pytest.fixture(scope="module")
 def mb():
-    spec = importlib.util.spec_from_file_location("make_benchmarks", ROOT / "scripts" / "make_benchmarks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("make_benchmarks")
 
 
 @pytest.fixture(scope="module")

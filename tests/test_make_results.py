@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def mr():
-    spec = importlib.util.spec_from_file_location("make_results", ROOT / "scripts" / "make_results.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("make_results")
 
 
 def _res(learned: dict, training: dict) -> dict:

@@ -19,6 +19,7 @@ from molora.multimodal.recipe import ROUTES
 from molora.multimodal.vocab import BOI, CODES, PIXELS, build_tokenizer, caption, parse_caption, quantise
 from molora.routing import VocabRouter
 from molora.routing.base import id_ranges
+from tests.conftest import load_script
 
 pytest.importorskip("sklearn")
 
@@ -487,16 +488,13 @@ def test_shipped_digits_bundle_keeps_both_styles_in_one_sequence(tmp_path):
 
 def test_readme_block_and_results_section_render_from_the_record():
     """docs/multimodal.json is the only source of the README's multimodal block (scripts/make_multimodal.py)."""
-    import importlib.util
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     record = root / "docs" / "multimodal.json"
     if not record.is_file():
         pytest.skip("no docs/multimodal.json yet: run scripts/make_multimodal.py")
-    spec = importlib.util.spec_from_file_location("make_multimodal", root / "scripts" / "make_multimodal.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("make_multimodal")
     rec = json.loads(record.read_text())
     readme = (root / "README.md").read_text()
     assert f"{mod.BEGIN}\n{mod.readme_block(rec)}\n{mod.END}" in readme, "re-run scripts/make_multimodal.py --render-only"

@@ -17,6 +17,7 @@ from molora.ops import (
     lora_delta_reference,
     pick_backend,
 )
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 EAGER = ("sort_group", "stacked_mask", "auto")  # gather compiles; it has its own test below
@@ -248,11 +249,7 @@ def test_pick_backend_is_pure(monkeypatch) -> None:
 def test_dispatch_doc_is_rendered_from_the_records() -> None:
     """docs/dispatch.md's measured block is what scripts/make_dispatch_table.py renders from docs/benchmarks.json
     and the constants of pick_backend today (rerun the script after changing either)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("make_dispatch_table", ROOT / "scripts" / "make_dispatch_table.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("make_dispatch_table")
     assert script.main(["--check", "--docs", str(ROOT / "docs")]) == 0
 
 

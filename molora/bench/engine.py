@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from molora.adapters import save_adapter
-from molora.bench.common import paired_ratio, rotated, sync
+from molora.bench.common import paired_ratio, rotated, sync, timed_ms
 from molora.config import LLAMA_PROJECTIONS, SamplingParams
 from molora.engine import Engine, EngineConfig
 from molora.engine.hotset import HotSet
@@ -83,15 +83,6 @@ def kernel_seconds(fn: Callable[[], Any], device: torch.device | None = None) ->
         sync(device)
         wall = time.perf_counter() - t0
     return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in KERNEL_OPS) / 1e6, wall
-
-
-def _timed(fn: Callable[[], Any], device: torch.device | None = None) -> float:
-    """Wall seconds of one call of `fn`, the device's queue drained before and after (`common.sync`)."""
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
 
 
 def _padded(prompts: list[list[int]], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +133,7 @@ def decode_steps(engines: dict[str, Engine], prompts: list[list[int]], routing: 
     dev = {n: e.runner.device for n, e in engines.items()}
     for i in range(steps):
         for name in rotated(list(engines), i):
-            times[name].append(_timed(engines[name].step, dev[name]) * 1e3)
+            times[name].append(timed_ms(engines[name].step, dev[name]))
     first = next(iter(engines))          # the routed engine: its decode step's kernel share (issue 19's goal)
     kernel_s, wall_s = kernel_seconds(lambda: [engines[first].step() for _ in range(max(steps // 2, 1))],
                                       dev[first])
@@ -160,11 +151,11 @@ def swap_cost(mm: Any, name: str, repeats: int = 5) -> dict[str, float]:
     swap, copy = [], []
     for _ in range(repeats):
         hs._evict(name)
-        swap.append(_timed(lambda: hs.acquire([name]), mm.device) * 1e3)  # CPU tier -> slot (no disk read)
+        swap.append(timed_ms(lambda: hs.acquire([name]), mm.device))  # CPU tier -> slot (no disk read)
         hs.release([name])
         srcs = [t for m in adapter.modules.values() for t in (m.A, m.B)]
         dsts = [torch.empty_like(t) for t in srcs]
-        copy.append(_timed(lambda: [d.copy_(s) for d, s in zip(dsts, srcs)], mm.device) * 1e3)
+        copy.append(timed_ms(lambda: [d.copy_(s) for d, s in zip(dsts, srcs)], mm.device))
     return {"swap_ms": statistics.median(swap), "memcpy_ms": statistics.median(copy),
             "adapter_mib": adapter.nbytes() / 2**20}
 
@@ -193,7 +184,7 @@ def measure(mm: Any, cfg: EngineConfig, prompts: list[list[int]], news: list[int
     secs: dict[str, list[float]] = {k: [] for k in variants}
     for i in range(repeats):
         for name in rotated(list(variants), i):
-            secs[name].append(_timed(variants[name], mm.device))
+            secs[name].append(timed_ms(variants[name], mm.device) / 1e3)
             print(f"  {tag} {name}: {secs[name][-1]:.2f} s", file=sys.stderr, flush=True)
     med = {k: statistics.median(v) for k, v in secs.items()}
     gen = sum(news)

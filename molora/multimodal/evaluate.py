@@ -8,7 +8,6 @@ after inverting it back, so digit accuracy and style are measured apart. A capti
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -89,14 +88,9 @@ def evaluate_mode(mm: Any, reader: Reader, spec: Any, digits: Sequence[int], ima
 
 
 def interleaved_times(variants: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
-    """Seconds per call of each variant, the order rotated every repetition (one warm-up call each first)."""
-    names = list(variants)
-    for n in names:
-        variants[n]()
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(reps):
-        for n in names[r % len(names):] + names[: r % len(names)]:
-            t0 = time.perf_counter()
-            variants[n]()
-            times[n].append(time.perf_counter() - t0)
-    return times
+    """Seconds per call of each variant, the order rotated every repetition (one warm-up call each first):
+    `molora.bench.common.time_interleaved`, in seconds."""
+    from molora.bench.common import time_interleaved
+
+    timing = time_interleaved(variants, reps)
+    return {n: [ms / 1e3 for ms in v] for n, v in timing.samples.items()}
