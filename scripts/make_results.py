@@ -183,6 +183,13 @@ def training_cost(bundle: Any) -> dict:
     return out
 
 
+def _cpu_seconds(t: dict) -> tuple[float | None, bool]:
+    """(CPU seconds of one adapter's training, whether they are an estimate); None where nothing was recorded."""
+    if "cpu_seconds" in t:
+        return t["cpu_seconds"], False
+    return t.get("cpu_seconds_estimate"), "cpu_seconds_estimate" in t
+
+
 def render_training(training: dict) -> list[str]:
     """The training-cost table: CPU-minutes per adapter where the run recorded its CPU time, else an estimate
     (marked) or the wall time on the machine's cores."""
@@ -190,12 +197,8 @@ def render_training(training: dict) -> list[str]:
         return []
     rows = []
     for name, t in training.items():
-        if "cpu_seconds" in t:
-            cpu = f"{t['cpu_seconds'] / 60:.0f}"
-        elif "cpu_seconds_estimate" in t:
-            cpu = f"≈{t['cpu_seconds_estimate'] / 60:.0f} (estimated²)"
-        else:
-            cpu = "not recorded"
+        sec, est = _cpu_seconds(t)
+        cpu = "not recorded" if sec is None else f"≈{sec / 60:.0f} (estimated²)" if est else f"{sec / 60:.0f}"
         rows.append([name, t["examples"], t["epochs"], t["steps"], t["tokens"], f"{t['seconds'] / 60:.0f}", cpu])
     notes = [f"² {name}: {t['cpu_seconds_note']}" for name, t in training.items() if "cpu_seconds_note" in t]
     return ["## Training cost per adapter", "",
@@ -236,12 +239,11 @@ def goals(res: dict, cost: dict | None) -> list[dict]:
                     f"{t} {skills[t]['learned']['accuracy']:.1f} vs {PALM_540B_COT.get(t, '-')}" for t in tasks),
                 "met": len(above) >= 3})
     if res.get("training"):
-        cpu = {a: (t.get("cpu_seconds") or t.get("cpu_seconds_estimate"), "cpu_seconds" not in t)
-               for a, t in res["training"].items()}
-        missing = [a for a, (sec, _) in cpu.items() if not sec]
-        estimated = any(est and sec for sec, est in cpu.values())
+        cpu = {a: _cpu_seconds(t) for a, t in res["training"].items()}
+        missing = [a for a, (sec, _) in cpu.items() if sec is None]
+        estimated = any(est for _, est in cpu.values())
         measured = f"CPU-minutes{' (≈: estimated)' if estimated else ''}: " + ", ".join(
-            f"{a} {'≈' if est else ''}{sec / 60:.0f}" for a, (sec, est) in cpu.items() if sec)
+            f"{a} {'≈' if est else ''}{sec / 60:.0f}" for a, (sec, est) in cpu.items() if sec is not None)
         if missing:
             measured += f"; not recorded (trained before the record, wall time only): {', '.join(missing)}"
         out.append({"goal": "training: each adapter <= 60 CPU-minutes", "measured": measured,
