@@ -701,8 +701,9 @@ def render(records: dict[str, dict], out: Path, docs: Path, script_cmd: str, not
     lines += ["## Not covered here", "",
               "- PEFT X-LoRA has no KV cache, so there is no like-for-like X-LoRA decode step; the table shows "
               "what one new token costs in PEFT instead (a forward over the whole context).",
-              "- CPU only: the hot set's fixed slots are what CUDA-graph capture needs, but no GPU numbers are "
-              "measured here.", ""]
+              "- CPU only: on a CUDA device the engine replays decode steps from CUDA graphs captured over the "
+              "fixed slots (`molora.model.graphs`; `--enforce-eager` turns them off), and `scripts/gpu_check.py` "
+              "measures them against eager steps, but no GPU has run it yet: no GPU numbers here.", ""]
     return "\n".join(lines)
 
 

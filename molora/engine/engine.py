@@ -53,6 +53,7 @@ from molora.engine.request import IncrementalDetokenizer, Request, RequestOutput
 from molora.engine.routing import RouteState, plan_routing, record_carry, record_probe
 from molora.engine.scheduler import Scheduled, Scheduler
 from molora.errors import AdapterDraining, AdapterError, MoLoRAError, RoutingError
+from molora.model.graphs import DEFAULT_BUCKETS
 from molora.model.runner import BatchMeta, ModelRunner
 from molora.ops.device import to_device
 from molora.routing import ArrowRouter, SequenceRouter, VocabRouter
@@ -77,6 +78,7 @@ class EngineConfig:
     cpu_tier_bytes: int = 1 << 30
     stop_at_eos: bool = True           # finish a request at the model's eos token(s)
     seed: int = 0                      # seeds the generators of sampled requests that give no seed
+    enforce_eager: bool = False        # on CUDA, never replay decode steps from CUDA graphs (vLLM's name)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_tokens_per_step", "block_size", "kv_budget_tokens", "max_model_len"):
@@ -106,6 +108,10 @@ class Engine:
                               "max_model_len")
         self.runner = ModelRunner(mm, num_blocks=config.kv_blocks, block_size=config.block_size,
                                   max_model_len=self.max_model_len)
+        if self.runner.device.type == "cuda" and not config.enforce_eager:
+            # decode steps replayed from CUDA graphs, captured per batch bucket on first use (molora.model.graphs)
+            self.runner.enable_graphs(buckets=[b for b in DEFAULT_BUCKETS if b < config.max_num_seqs]
+                                      + [config.max_num_seqs])
         self.hotset = HotSet(mm, config.cpu_tier_bytes)
         self.allocator = BlockAllocator(config.kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.allocator, self.hotset, max_num_seqs=config.max_num_seqs,
@@ -603,7 +609,7 @@ class Engine:
         adapters resident at once). A request's adapters are its pins (`Request.needs`): a pinned request's
         one adapter; a per-token request's every adapter its router may choose within its allowed set (at most
         the slots; all of them resident while it runs). A base-model request names none."""
-        sched = self.scheduler
+        sched, g = self.scheduler, self.runner.graphs
         lora = {"running": sorted({n for r in sched.running for n in r.needs}),
                 "waiting": sorted({n for r in sched.waiting for n in r.needs}),
                 "max_lora": self.mm.bank.num_slots}
@@ -613,7 +619,9 @@ class Engine:
                 "tokens_generated": self.tokens_generated, "tokens_computed": self.tokens_computed,
                 "steps": self.steps, "num_preemptions": sched.num_preemptions,
                 "faults": self.faults, "failed_requests": self.failures,
-                "deadlines_expired": dict(self.deadlines_expired), "lora_requests": lora}
+                "deadlines_expired": dict(self.deadlines_expired), "lora_requests": lora,
+                "decode_graphs": None if g is None else {"captured": g.captures, "replays": g.replays,
+                                                          "failed": len(g.failed)}}
 
 
 class _CorruptSlots(Exception):

@@ -72,6 +72,11 @@ class MoLoRAModel(nn.Module):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def dispatcher(self) -> Any:
+        """The `LoRADispatcher` every routed linear shares (attach makes one), None if nothing is routed."""
+        return next((m.dispatcher for m in self.model.modules() if isinstance(m, RoutedLoRALinear)), None)
+
     def read(self, name: str, path: str | Path, *, roots: Sequence[str | Path] | None = None) -> LoRAAdapter:
         """Read and validate a PEFT folder against this model's linears (does not load it); with `roots`, every
         file must resolve inside one of them. Touches no model state: safe on a worker thread."""

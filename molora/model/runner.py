@@ -32,7 +32,11 @@ is applied in place together with the K/V cache write; the MLP's SiLU(gate) * up
 the torch ops bit for bit, and so does the norm in bf16; in float32 the norm's mean and SiLU's exp may differ
 from torch's in the last bit (greedy outputs of the engine bench unchanged in both dtypes, measured).
 
-Attention has two paths, planned once per step (`ModelRunner.plan` -> `_AttnPlan`): paged decode (every
+A decode step can instead be replayed from a captured graph (`enable_graphs`, molora.model.graphs: CUDA graphs,
+one per batch-size bucket, static buffers, padding rows writing into the cache's one spare block,
+`scratch_block`); `forward` hands such steps to it and `compute` is the step itself, on a plan built already.
+
+Attention has two paths, planned once per step (`ModelRunner.plan` -> `AttnPlan`): paged decode (every
 sequence with one new token, `Decode`; on CPU the fused kernel `fused_cpu.paged_decode` reads each context
 where it lies in the cache, elsewhere its blocks are gathered for SDPA) and ragged prefill (`Prefill` entries: P prompts of one length in one
 causal call, fresh prompts merged under a block-diagonal mask, or a chunk attending to its cached context).
@@ -129,11 +133,14 @@ class Decode:
     """The decode tokens of a step (query length 1) and where their contexts lie in the paged cache.
 
     rows [Bd] rows in T; table [Bd, nb] cache blocks of each context (nb: the longest, short tables padded with
-    block 0); ctx [Bd] context lengths. `blocks` and `mask` (the gathered-SDPA fallback's) are built on first use.
+    block 0); ctx [Bd] context lengths. `blocks` and `mask` (the gathered-SDPA fallback's) are built on first use
+    and the mask kept for the step's other layers (keep_mask False: computed at every use, as a recorded step
+    needs, whose ctx changes between replays; molora.model.graphs).
     """
 
-    def __init__(self, rows: Tensor, table: Tensor, ctx: Tensor, block_size: int) -> None:
+    def __init__(self, rows: Tensor, table: Tensor, ctx: Tensor, block_size: int, *, keep_mask: bool = True) -> None:
         self.rows, self.table, self.ctx, self.block_size = rows, table, ctx, block_size
+        self.keep_mask = keep_mask
         self._mask: Tensor | None = None
 
     @property
@@ -144,10 +151,13 @@ class Decode:
     @property
     def mask(self) -> Tensor:
         """[Bd, 1, 1, nb * bs] bool, True = attend (rows before each context's end)."""
-        if self._mask is None:
-            col = torch.arange(self.table.shape[1] * self.block_size, device=self.table.device)
-            self._mask = (col[None, :] < self.ctx[:, None])[:, None, None, :]
-        return self._mask
+        if self._mask is not None:
+            return self._mask
+        col = torch.arange(self.table.shape[1] * self.block_size, device=self.table.device)
+        mask = (col[None, :] < self.ctx[:, None])[:, None, None, :]
+        if self.keep_mask:
+            self._mask = mask
+        return mask
 
 
 @dataclass
@@ -164,7 +174,7 @@ class Prefill:
 
 
 @dataclass
-class _AttnPlan:
+class AttnPlan:
     """Index tensors of one step, shared by all layers (built once per step by `ModelRunner.plan`)."""
 
     write_rows: Tensor                        # [T] cache row of each new token
@@ -212,8 +222,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         param = next(mm.model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        self.cache = PagedKVCache(len(self.blocks), num_blocks, block_size, self.num_kv_heads, self.head_dim,
+        # one block more than asked for: the scratch block, which no sequence owns (`scratch_block`), where the
+        # padding rows of a captured decode step write their K/V
+        self.cache = PagedKVCache(len(self.blocks), num_blocks + 1, block_size, self.num_kv_heads, self.head_dim,
                                   self.dtype, self.device)
+        self.scratch_block = num_blocks
+        self.graphs: Any = None  # a molora.model.graphs.DecodeGraphs once `enable_graphs` is called
         self.cos, self.sin = _rope_tables(inner.rotary_emb, max_model_len, self.dtype, self.device)  # [P, hd]
         for block in self.blocks:  # each block's [N, Hkv, hd] views of the cache, taken once
             block.kc, block.vc = self.cache.k[block.index], self.cache.v[block.index]
@@ -222,6 +236,14 @@ class ModelRunner:
     def block_size(self) -> int:
         return self.cache.block_size
 
+    def enable_graphs(self, **kwargs: Any) -> Any:
+        """Replay decode steps from captured graphs (`molora.model.graphs.DecodeGraphs(self, **kwargs)`: CUDA
+        graphs on a CUDA device; elsewhere pass `capture=`). Returns the `DecodeGraphs`."""
+        from molora.model.graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, **kwargs)
+        return self.graphs
+
     # ------------------------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, tokens: Tensor, positions: Tensor, meta: BatchMeta, routing: StepRouting | None = None,
@@ -229,9 +251,20 @@ class ModelRunner:
         """tokens [T], positions [T] -> the `StepOutput` of the last token of each sequence; logits: True for
         every sequence's, a list of sequence indices for those only, False for none.
 
-        Writes the K/V of every token into the cache rows its sequence's block table names.
+        Writes the K/V of every token into the cache rows its sequence's block table names. A decode step the
+        runner's `graphs` accept (`enable_graphs`) is replayed from a captured graph instead.
         """
-        plan = self.plan(positions, meta)
+        if self.graphs is not None and self.graphs.accepts(meta, routing):
+            out = self.graphs.run(tokens, positions, meta, routing, logits)
+            if out is not None:
+                return out
+        return self.compute(tokens, positions, self.plan(positions, meta), routing, logits=logits)
+
+    __call__ = forward
+
+    def compute(self, tokens: Tensor, positions: Tensor, plan: AttnPlan, routing: StepRouting | None = None,
+                *, logits: bool | list[int] = False) -> StepOutput:
+        """`forward` on a plan built already (by `plan`, or by `DecodeGraphs` from its static buffers)."""
         ctx = self.context
         slot_ids = None if routing is None else routing.slot_ids
         weights = None if routing is None else routing.weights
@@ -269,8 +302,6 @@ class ModelRunner:
             pick = (lambda t: None if t is None else t[rows])
             out.logits = self.logits(h[rows], pick(out.last_slot_ids), pick(out.last_weights))
         return out
-
-    __call__ = forward
 
     @torch.no_grad()
     def logits(self, hidden: Tensor, slot_ids: Tensor | None = None, weights: Tensor | None = None) -> Tensor:
@@ -329,7 +360,7 @@ class ModelRunner:
                 weights[rows] = torch.cat([ww, pad], 1)
 
     # ------------------------------------------------------------------------------------ planning
-    def plan(self, positions: Tensor, meta: BatchMeta) -> _AttnPlan:
+    def plan(self, positions: Tensor, meta: BatchMeta) -> AttnPlan:
         """Cache rows to write, decode gathers and prefill chunks of one step (shared by all layers).
 
         Built from `meta` alone (host lists): sequence b's tokens sit at positions context_lens[b] - query_lens[b]
@@ -365,7 +396,7 @@ class ModelRunner:
                             to_device([ctx_lens[b] for b in dec], dev), bs)
         last_rows = to_device([e - 1 for e in ends], dev)                   # [B]
         if all(q_lens[b] == 1 for b in range(B)):
-            return _AttnPlan(write_rows, last_rows, decode, [])
+            return AttnPlan(write_rows, last_rows, decode, [])
         width = max(len(t) for t in tables)
         table = to_device([t + [0] * (width - len(t)) for t in tables], dev)                 # [B, W]
         seq_of = to_device(torch.repeat_interleave(torch.arange(B), torch.tensor(q_lens)), dev)  # [T] (host counts)
@@ -396,7 +427,7 @@ class ModelRunner:
             # earlier tokens are in the cache: gather the whole context, causal with offset
             mask = torch.arange(c, device=dev)[None, :] <= (c - n + torch.arange(n, device=dev))[:, None]
             prefill.append(Prefill(slice(starts[b], starts[b] + n), 1, table[b, :-(-c // bs)], mask))  # [n, c]
-        return _AttnPlan(write_rows, last_rows, decode, prefill)
+        return AttnPlan(write_rows, last_rows, decode, prefill)
 
 
 class _Block:
@@ -421,7 +452,7 @@ class _Block:
         self.gated_silu = (getattr(cfg, "hidden_act", None) == "silu"
                            and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")))
 
-    def __call__(self, h: Tensor, delta: Tensor | None, positions: Tensor, plan: _AttnPlan, cache: PagedKVCache,
+    def __call__(self, h: Tensor, delta: Tensor | None, positions: Tensor, plan: AttnPlan, cache: PagedKVCache,
                  cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """h [T, D] the residual stream and delta [T, D] (or None) what the previous block adds to it ->
         (h, this block's delta). h is updated in place (each add fused with the RMSNorm that reads it)."""
@@ -439,7 +470,7 @@ class _Block:
             return m.down_proj(g)
         return m.down_proj(m.act_fn(g) * u)
 
-    def attention(self, x: Tensor, positions: Tensor, plan: _AttnPlan, cache: PagedKVCache,
+    def attention(self, x: Tensor, positions: Tensor, plan: AttnPlan, cache: PagedKVCache,
                   cos: Tensor, sin: Tensor) -> Tensor:
         T, H, Hkv, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x).view(T, H, hd)

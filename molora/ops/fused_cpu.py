@@ -46,7 +46,7 @@ import os
 import platform
 import sys
 import threading
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -107,15 +107,35 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
+_off = threading.local()
+
+
+@contextmanager
+def suspended():
+    """Within this block (on this thread) every kernel of this module reports that it cannot run, so callers
+    take their torch fallbacks: a step recorded op by op (tests/graph_emulator.py) must run only torch ops."""
+    before = getattr(_off, "on", False)
+    _off.on = True
+    try:
+        yield
+    finally:
+        _off.on = before
+
+
+def _ready():
+    """The extension where it may run now (built and not `suspended`), else None."""
+    return None if getattr(_off, "on", False) else _load()
+
+
 def available() -> bool:
-    """Whether the fused CPU kernel is built (builds it on first call)."""
-    return _load() is not None
+    """Whether the fused CPU kernel is built (builds it on first call) and not `suspended`."""
+    return _ready() is not None
 
 
 def bf16_dot() -> bool:
     """Whether the built kernel runs bfloat16 on the CPU's bf16 dot-product instruction (AVX512_BF16);
     False where it widens to float32 in software, or where the kernel is not built."""
-    mod = _load()
+    mod = _ready()
     return mod is not None and bool(mod.bf16_dot())
 
 
@@ -134,7 +154,7 @@ def fused_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, o
                 ) -> Tensor:
     """The fused backend on sort_group's metadata (k = 1): out [T, D_out] += each token's own delta.
     out None: a new zero-initialised tensor is returned. Call only where `supports` and `available`."""
-    mod = _load()
+    mod = _ready()
     if mod is None:
         raise LoRABackendError(f"backend 'fused' needs its C++ kernel, which could not be built here ({_failed}). "
                                "Use backend='auto' (falls back to the eager backends) or install a C++ compiler.")
@@ -163,7 +183,7 @@ def paged_decode(q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, ctx: Tensor,
     keys. None when the kernel cannot run these (not built, not CPU, another dtype, autograd on): the caller
     gathers and uses SDPA. Scores and sums in float32, one task per (sequence, kv head)."""
     if (q.device.type != "cpu" or q.dtype not in DTYPES or kc.dtype != q.dtype or torch.is_grad_enabled()
-            or _load() is None):
+            or _ready() is None):
         return None
     out = torch.empty_like(q)
     with _profiled("molora::paged_decode"):
@@ -193,7 +213,7 @@ def paged_decode_rows(out: Tensor, q: Tensor, kc: Tensor, vc: Tensor, tables: Te
 
 def glue_supports(x: Tensor) -> bool:
     """Whether the glue kernels can run on tensors like x (CPU, float32 or bfloat16, no autograd, built)."""
-    return (x.device.type == "cpu" and x.dtype in DTYPES and not torch.is_grad_enabled() and _load() is not None)
+    return (x.device.type == "cpu" and x.dtype in DTYPES and not torch.is_grad_enabled() and _ready() is not None)
 
 
 def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> Tensor | None:

@@ -1,0 +1,218 @@
+"""`DecodeGraphs`: decode steps replayed from graphs captured over the fixed slot bank (CUDA graphs on a GPU).
+
+    graphs = runner.enable_graphs()                     # on CUDA; elsewhere pass capture= (tests)
+    out = runner.forward(tokens, positions, meta, routing, logits=rows)   # replayed where the step fits
+
+A step fits (`accepts`) when every sequence decodes one token, there are at most max(buckets) of them, and its
+routing is fixed per token (pinned, vocab-routed or base rows: `StepRouting.slot_ids` and `weights`, no
+in-network router) with top-k at most `max_top_k`. Prefill chunks and learned routing run eagerly.
+
+Each graph is keyed by (B_pad, nb, k, weighted): B_pad the smallest bucket holding the step's B sequences, nb
+the blocks of its longest context rounded up to a power of two (at most max_model_len / block_size), k and
+whether weights are given. Its static buffers, written before every replay:
+
+    tokens, positions   [B_pad]          the step's tokens (rows past B: token 0 at position 0)
+    index               [B_pad * (2+nb)] one host-to-device copy per step, viewed as
+                                         write_rows [B_pad] | ctx [B_pad] | table [B_pad, nb]
+    slot_ids, weights   [B_pad, k]       the routing (rows past B: -1, weight 0)
+
+Padding rows write their K/V into the runner's scratch block (`ModelRunner.scratch_block`, owned by no sequence)
+and attend over that one row, so they compute finite values that nobody reads. Outputs are the captured step's
+tensors, copied out (rows < B) after each replay.
+
+Nothing that can change between replays is a Python value inside the recorded step (the failure other servers
+shipped: a segment count baked in at capture dropped LoRA deltas on later replays). Slot ids and weights are
+tensors in the graph's buffers; the routed linears take no shortcut from `lora.active` and keep no cast from an
+earlier call while recording (`RoutingContext.static`); the decode mask is computed inside the graph from `ctx`;
+the dispatcher must not read slot ids back (`check_ids` not True; triton's plan is built on the device); the
+bank's tensors never move (`molora.adapters.bank`), so adapters loaded, unloaded or rewritten between replays
+are what the next replay reads. What a graph does hold fixed: the model's weights and the KV cache (do not
+`.to()` the model after capture) and every shape.
+
+Capture: `capture(step) -> (replay, out)` runs `step` (a no-argument function returning a `StepOutput`) and
+returns a function that runs it again and the outputs it writes. `cuda_capture` warms up on a side stream (triton
+compiles, cuBLAS allocates) and records into a CUDA graph in one memory pool shared by all graphs. A capture that
+fails (an op that syncs, an unsupported kernel) is logged once and its key runs eagerly from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from molora.errors import MoLoRAError
+from molora.model.runner import AttnPlan, Decode, StepOutput, StepRouting
+from molora.ops.device import to_device
+
+log = logging.getLogger("molora.graphs")
+
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+
+Capture = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]
+
+
+def cuda_capture() -> Capture:
+    """`capture` for CUDA graphs: warm up once on a side stream, then record one graph; every graph made by
+    this capture shares one memory pool (replays run one at a time)."""
+    pool = torch.cuda.graph_pool_handle()
+
+    def capture(step: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()                                  # compiles triton kernels, sizes cuBLAS workspaces
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = step()
+        return graph.replay, out
+
+    return capture
+
+
+@dataclass
+class _Graph:
+    replay: Callable[[], None]
+    out: Any                     # the StepOutput whose tensors each replay writes
+    tokens: Tensor               # [B_pad]
+    positions: Tensor            # [B_pad]
+    index: Tensor                # [B_pad * (2 + nb)]: write_rows | ctx | table
+    slot_ids: Tensor             # [B_pad, k]
+    weights: Tensor | None       # [B_pad, k]
+
+
+class DecodeGraphs:
+    """Captured decode steps of one `ModelRunner` (module docstring). Counters: `captures`, `replays`, and
+    `failed` (keys whose capture failed and that run eagerly)."""
+
+    def __init__(self, runner: Any, *, buckets: Sequence[int] = DEFAULT_BUCKETS, max_top_k: int = 1,
+                 max_graphs: int = 64, capture: Capture | None = None) -> None:
+        if capture is None:
+            if runner.device.type != "cuda":
+                raise MoLoRAError(f"decode graphs are captured on CUDA; the runner is on {runner.device.type} "
+                                  "(pass capture= to record steps another way)")
+            capture = cuda_capture()
+        check = getattr(runner.mm.dispatcher, "check_ids", False)
+        if check or (check is None and runner.device.type == "cpu"):
+            raise MoLoRAError("decode graphs need a dispatcher that does not read slot ids back each step "
+                              "(LoRADispatcher.check_ids=False on the CPU, not True anywhere)")
+        if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
+            raise MoLoRAError(f"buckets must be increasing batch sizes >= 1, got {list(buckets)}")
+        self.runner, self.capture = runner, capture
+        self.buckets, self.max_top_k, self.max_graphs = tuple(buckets), max_top_k, max_graphs
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        self.graphs: dict[tuple[int, int, int, bool], _Graph | None] = {}
+        self.captures = self.replays = 0
+        self.failed: list[tuple[int, int, int, bool]] = []
+
+    def accepts(self, meta: Any, routing: Any) -> bool:
+        """Whether a step of this layout and routing can be replayed (module docstring)."""
+        q = meta.query_lens
+        if not q or len(q) > self.buckets[-1] or any(n != 1 for n in q):
+            return False
+        return routing is None or (routing.router is None and routing.slot_ids is not None
+                                   and routing.slot_ids.shape[1] <= self.max_top_k)
+
+    def key(self, meta: Any, routing: Any) -> tuple[int, int, int, bool]:
+        B = len(meta.query_lens)
+        bp = next(b for b in self.buckets if b >= B)
+        need = -(-max(meta.context_lens) // self.runner.block_size)
+        nb = min(1 << (need - 1).bit_length(), self.max_blocks)
+        k = 1 if routing is None else routing.slot_ids.shape[1]
+        return bp, nb, k, routing is not None and routing.weights is not None
+
+    def run(self, tokens: Tensor, positions: Tensor, meta: Any, routing: Any, logits: bool | list[int]) -> Any:
+        """The `StepOutput` of an accepted step, replayed (captured first if its key is new); None where this key
+        cannot be captured (the caller runs the step eagerly)."""
+        key = self.key(meta, routing)
+        if key not in self.graphs:
+            if len(self.graphs) >= self.max_graphs:
+                return None
+            self.graphs[key] = self._capture(key)
+        g = self.graphs[key]
+        if g is None:
+            return None
+        self._fill(g, key, tokens, positions, meta, routing)
+        g.replay()
+        self.replays += 1
+        return self._outputs(g, len(meta.query_lens), routing, logits)
+
+    # ------------------------------------------------------------------------------------ internals
+    def _capture(self, key: tuple[int, int, int, bool]) -> _Graph | None:
+        bp, nb, k, weighted = key
+        r = self.runner
+        dev, bs = r.device, r.block_size
+        index = torch.empty(bp * (2 + nb), dtype=torch.long, device=dev)
+        write_rows, ctx, table = index[:bp], index[bp:2 * bp], index[2 * bp:].view(bp, nb)
+        write_rows.fill_(r.scratch_block * bs)       # every row a padding row while recording
+        ctx.fill_(1)
+        table.fill_(r.scratch_block)
+        tokens = torch.zeros(bp, dtype=torch.long, device=dev)
+        positions = torch.zeros(bp, dtype=torch.long, device=dev)
+        slot_ids = torch.full((bp, k), -1, dtype=torch.long, device=dev)
+        weights = torch.zeros(bp, k, dtype=torch.float32, device=dev) if weighted else None
+        rows = torch.arange(bp, device=dev)
+        plan = AttnPlan(write_rows, rows, Decode(rows, table, ctx, bs, keep_mask=False), [])
+        routing = StepRouting(slot_ids, weights)
+
+        def step() -> Any:
+            return r.compute(tokens, positions, plan, routing, logits=True)
+
+        r.context.static = True
+        try:
+            replay, out = self.capture(step)
+        except Exception as e:  # an op that syncs or cannot be recorded: this key runs eagerly
+            log.warning("decode graph %s could not be captured (%s: %s); that shape runs eagerly", key,
+                        type(e).__name__, e)
+            self.failed.append(key)
+            return None
+        finally:
+            r.context.static = False
+            r.context.clear()
+        self.captures += 1
+        log.info("captured a decode graph for %d sequences, %d context blocks, top-%d%s", bp, nb, k,
+                 ", weighted" if weighted else "")
+        return _Graph(replay, out, tokens, positions, index, slot_ids, weights)
+
+    def _fill(self, g: _Graph, key: tuple[int, int, int, bool], tokens: Tensor, positions: Tensor, meta: Any,
+              routing: Any) -> None:
+        bp, nb = key[0], key[1]
+        r = self.runner
+        bs, scratch = r.block_size, r.scratch_block
+        B = len(meta.query_lens)
+        write, ctx, table = [], [], []
+        for c, tb in zip(meta.context_lens, meta.block_tables):
+            write.append(tb[(c - 1) // bs] * bs + (c - 1) % bs)
+            ctx.append(c)
+            row = tb[:nb]
+            table += row + [0] * (nb - len(row))
+        pad = bp - B
+        g.index.copy_(to_device(write + [scratch * bs] * pad + ctx + [1] * pad + table + [scratch] * (pad * nb),
+                                r.device), non_blocking=True)
+        g.tokens[:B].copy_(tokens)
+        g.tokens[B:].zero_()
+        g.positions[:B].copy_(positions)
+        g.positions[B:].zero_()
+        if routing is None:
+            g.slot_ids.fill_(-1)
+        else:
+            g.slot_ids[:B].copy_(routing.slot_ids)
+            g.slot_ids[B:].fill_(-1)
+        if g.weights is not None:
+            g.weights[:B].copy_(routing.weights)
+            g.weights[B:].zero_()
+
+    @staticmethod
+    def _outputs(g: _Graph, B: int, routing: Any, logits: bool | list[int]) -> Any:
+        o = g.out
+        out = StepOutput(o.hidden[:B].clone(), None,
+                         None if routing is None else o.last_slot_ids[:B].clone(),
+                         None if routing is None or routing.weights is None else o.last_weights[:B].clone())
+        if logits is not False:
+            out.logits = o.logits[:B].clone() if logits is True else o.logits[:B][logits]
+        return out
