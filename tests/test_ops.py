@@ -553,6 +553,31 @@ def test_paged_decode_reads_the_cache_in_place_like_gathered_attention(dtype, to
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_decode_of_a_batch_equals_each_sequence_alone(dtype, window):
+    """A batch of many sequences (one task per sequence, all its kv heads) gives each sequence bit for bit what
+    it gets alone (one task per kv head), whatever the number of threads."""
+    fused_cpu = _fused_or_skip()
+    g = torch.Generator().manual_seed(2)
+    H, Hkv, hd, bs, B = 9, 3, 64, 4, 12
+    kc, vc = (torch.randn(80 * bs, Hkv, hd, generator=g).to(dtype) for _ in range(2))
+    tables = torch.randperm(80, generator=g)[:B * 6].view(B, 6)
+    ctx = torch.randint(1, 6 * bs + 1, (B,), generator=g)
+    q = torch.randn(B, H, hd, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                batch = fused_cpu.paged_decode(q, kc, vc, tables, ctx, bs, hd ** -0.5, window)
+                alone = torch.cat([fused_cpu.paged_decode(q[b:b + 1], kc, vc, tables[b:b + 1], ctx[b:b + 1], bs,
+                                                          hd ** -0.5, window) for b in range(B)])
+            assert torch.equal(batch, alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_rows_reads_and_writes_rows_of_a_step_in_place(dtype):
     """paged_decode_rows on strided rows of a wider step tensor equals paged_decode on the gathered rows, and
     leaves every other output row alone."""

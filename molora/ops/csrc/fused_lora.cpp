@@ -279,7 +279,10 @@ void lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Ten
 // q [Bd, H, hd]; kc, vc [N, Hkv, hd] (row = block * bs + offset); tables [Bd, nb] block ids; ctx [Bd] context
 // lengths (the new token's key is already written); window > 0 keeps keys at positions >= ctx - window.
 // Query head h uses kv head h / G (G = H / Hkv). Scores, softmax and sums run in float32 (as SDPA's do).
-// One task per (sequence, kv head): its G query heads share each key and value row read.
+// A kv head's G query heads share each key and value row read. Measured against the kernel before (one task per
+// (sequence, kv head), a division per row; in one process, alternating, 30 layers' caches): 1.3-1.5x faster in
+// float32 and 1.07-1.18x in bf16 at 32 sequences of 160 and 1000 tokens, outputs equal bit for bit; an engine
+// decode step (batch 32, SmolLM2) 1.11x in float32, 1.05x in bf16.
 template <typename T>
 static inline float dot_row(const float* q, const T* k, int64_t hd) {
   int64_t d = 0;
@@ -335,6 +338,27 @@ static inline float exp_sum(float* s, int64_t n, float m) {
   return sum;
 }
 
+// Row t of a context, where it lies in the cache: calls f(i, row pointer) for t = lo .. c-1 (i = t - lo), block by
+// block (one table read and no division per row).
+template <typename T, typename F>
+static inline void for_rows(const T* base, const int64_t* t_b, int64_t lo, int64_t c, int64_t bs, int64_t row, F f) {
+  for (int64_t t = lo; t < c;) {
+    const int64_t blk = t / bs, off = t - blk * bs, cnt = std::min(bs - off, c - t);
+    const T* r = base + (t_b[blk] * bs + off) * row;
+    for (int64_t i = 0; i < cnt; ++i, r += row) f(t + i - lo, r);
+    t += cnt;
+  }
+}
+
+// float32 view of one cache row of `width` values: the row itself (float32), or widened once into `buf` (bf16)
+static inline const float* widened(const float* r, int64_t, std::vector<float>&) { return r; }
+static inline const float* widened(const uint16_t* r, int64_t width, std::vector<float>& buf) {
+  int64_t d = 0;
+  for (; d + 16 <= width; d += 16) store16(buf.data() + d, load16(r + d));
+  for (; d < width; ++d) buf[d] = load1(r + d);
+  return buf.data();
+}
+
 template <typename T>
 static void paged_decode_run(const T* Q, const T* K, const T* V, T* O, const int64_t* tab, const int64_t* cl,
                              int64_t Bd, int64_t H, int64_t Hkv, int64_t hd, int64_t nb, int64_t bs, float scale,
@@ -343,35 +367,38 @@ static void paged_decode_run(const T* Q, const T* K, const T* V, T* O, const int
   // qrows null: row b of Q [Bd, H, hd] and O contiguous
   if (!qrows) { ldq = H * hd; ldo = H * hd; }
   const int64_t G = H / Hkv, row = Hkv * hd;
-  at::parallel_for(0, Bd * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, sc, acc;
+  // A task is one sequence's kv heads [h0, h0 + nh): all of them where there are sequences enough to keep every
+  // thread busy (each cache row then read whole, in order, block by block), else one (a few long contexts).
+  const int64_t nh = Bd >= 2 * at::get_num_threads() ? Hkv : 1, per = Hkv / nh;
+  at::parallel_for(0, Bd * per, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, sc, acc, inv, buf(row);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv, c = cl[b];
+      const int64_t b = task / per, h0 = (task % per) * nh, c = cl[b];
       const int64_t qr = qrows ? qrows[b] : b;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window) : 0, n = c - lo;
-      qf.assign(G * hd, 0.f);
-      sc.assign(n * G, 0.f);
-      acc.assign(G * hd, 0.f);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] = load1(Q + qr * ldq + (h * G + g) * hd + d) * scale;
+      const int64_t nq = nh * G;                   // query heads of this task: h0 * G ... (h0 + nh) * G - 1
+      qf.resize(nq * hd);
+      sc.resize(nq * n);
+      acc.assign(nq * hd, 0.f);
+      for (int64_t j = 0; j < nq * hd; ++j) qf[j] = load1(Q + qr * ldq + h0 * G * hd + j) * scale;
       const int64_t* t_b = tab + b * nb;
-      for (int64_t t = lo; t < c; ++t) {           // scores, head-major: sc[g * n + i]
-        const T* k = K + (t_b[t / bs] * bs + t % bs) * row + h * hd;
-        for (int64_t g = 0; g < G; ++g) sc[g * n + (t - lo)] = dot_row(qf.data() + g * hd, k, hd);
-      }
-      std::vector<float> inv(G);
-      for (int64_t g = 0; g < G; ++g) {
+      for_rows(K + h0 * hd, t_b, lo, c, bs, row, [&](int64_t i, const T* r) {   // scores, head-major: sc[j * n + i]
+        const float* k = widened(r, nh * hd, buf);
+        for (int64_t j = 0; j < nq; ++j) sc[j * n + i] = dot_row(qf.data() + j * hd, k + (j / G) * hd, hd);
+      });
+      inv.resize(nq);
+      for (int64_t j = 0; j < nq; ++j) {
         float m = -INFINITY;
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, sc[g * n + i]);
-        inv[g] = 1.f / exp_sum(sc.data() + g * n, n, m);
+        for (int64_t i = 0; i < n; ++i) m = std::max(m, sc[j * n + i]);
+        inv[j] = 1.f / exp_sum(sc.data() + j * n, n, m);
       }
-      for (int64_t t = lo; t < c; ++t) {
-        const T* v = V + (t_b[t / bs] * bs + t % bs) * row + h * hd;
-        for (int64_t g = 0; g < G; ++g) axpy_row(acc.data() + g * hd, sc[g * n + (t - lo)], v, hd);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        T* o = O + qr * ldo + (h * G + g) * hd;
-        for (int64_t d = 0; d < hd; ++d) store1(o + d, acc[g * hd + d] * inv[g]);
+      for_rows(V + h0 * hd, t_b, lo, c, bs, row, [&](int64_t i, const T* r) {
+        const float* v = widened(r, nh * hd, buf);
+        for (int64_t j = 0; j < nq; ++j) axpy_row(acc.data() + j * hd, sc[j * n + i], v + (j / G) * hd, hd);
+      });
+      for (int64_t j = 0; j < nq; ++j) {
+        T* o = O + qr * ldo + (h0 * G + j) * hd;
+        for (int64_t d = 0; d < hd; ++d) store1(o + d, acc[j * hd + d] * inv[j]);
       }
     }
   });
