@@ -168,9 +168,9 @@ def test_steps_graphs_do_not_accept_run_eagerly(paths):
     assert pair.graphs.captures == 0
     pair.decode([0, 1], [[0, 1], [1, 0]], [[0.5, 0.5], [0.5, 0.5]])  # top-2 above max_top_k=1: eager
     assert pair.graphs.captures == 0 and pair.graphs.replays == 0
-    learned = StepRouting(torch.full((2, 1), -1), router=object(), router_slots=torch.tensor([0, 1]),
-                          groups=[RouterGroup(None, None)])
-    assert not pair.graphs.accepts(BatchMeta([1, 1], [7, 8], [[0, 1], [2, 3]]), learned)
+    other = StepRouting(torch.full((2, 1), -1), router=object(), router_slots=torch.tensor([0, 1]),
+                        groups=[RouterGroup(None, None)])          # an in-network router, not a LearnedRouter
+    assert not pair.graphs.accepts(BatchMeta([1, 1], [7, 8], [[0, 1], [2, 3]]), other)
     assert not pair.graphs.accepts(BatchMeta([1] * 9, [5] * 9, [[0, 1]] * 9), None)   # past the largest bucket
 
 
@@ -186,7 +186,7 @@ def test_a_capture_that_fails_runs_that_shape_eagerly_and_is_not_retried(paths):
     pair.prefill({0: _prompt(5, 13)})
     pair.decode([0], [[0]])
     pair.decode([0], [[-1]])
-    assert len(calls) == 1 and pair.graphs.failed == [(1, 2, 1, False)] and pair.graphs.replays == 0
+    assert len(calls) == 1 and pair.graphs.failed == [(1, 2, 1, False, None)] and pair.graphs.replays == 0
 
 
 def test_graphs_need_a_capture_off_cuda_and_a_dispatcher_that_reads_no_ids(paths):
@@ -216,6 +216,82 @@ def test_the_emulator_catches_what_a_cuda_graph_would_bake_in():
     x.fill_(5)
     replay()
     assert out.tolist() == [7.0, 7.0, 7.0]        # 2 (kept) + 5: what a CUDA graph would give, not 15
+
+
+def _router(mm, names=("b", "a", "c"), seed=0, **kw):
+    from molora.routing.learned import LearnedRouter, LearnedRouterConfig, decoder_layers
+
+    cfg = LearnedRouterConfig(names, mm.config.hidden_size, len(decoder_layers(mm.model)), **kw)
+    router = LearnedRouter(cfg)
+    with torch.no_grad():
+        router.weight.normal_(generator=torch.Generator().manual_seed(seed))
+    return router
+
+
+def test_learned_routing_replays_follow_rows_allowed_sets_and_carried_decisions(paths):
+    """Per-block learned routing inside the recorded step: which rows the router owns, each group's allowed
+    adapters and the carried decisions change between replays (pinned rows keep their slot); replays equal the
+    eager runner, carry outputs included."""
+    mm = _mm(paths, ("a", "b", "c"))
+    router = _router(mm, carry_blocks=1)
+    pair = _Pair(mm)
+    pair.prefill({i: _prompt(6 + i, 40 + i) for i in range(4)})
+    slots = torch.tensor([mm.bank.slot_of(n) for n in router.adapter_names])
+
+    def step(fixed, groups, carry):
+        routing = StepRouting(torch.tensor(fixed)[:, None], router=router, router_slots=slots,
+                              groups=[RouterGroup(None if r is None else torch.tensor(r),
+                                                  None if a is None else torch.tensor(a)) for r, a in groups],
+                              carry=torch.tensor(carry))
+        seqs = list(range(len(fixed)))
+        for i in seqs:
+            pair.lens[i] += 1
+        meta = BatchMeta([1] * len(seqs), [pair.lens[i] for i in seqs],
+                         [pair._table(i, pair.lens[i]) for i in seqs])
+        tokens, positions = torch.tensor([pair.last[i] for i in seqs]), torch.tensor([pair.lens[i] - 1 for i in seqs])
+        with fused_cpu.suspended():
+            e = pair.eager(tokens, positions, meta, routing, logits=True)
+        g = pair.graphed(tokens, positions, meta, routing, logits=True)
+        assert (e.logits - g.logits).abs().max() <= TOL
+        assert torch.equal(e.last_slot_ids, g.last_slot_ids)
+        assert torch.equal(e.last_carry, g.last_carry) and torch.equal(e.carry_rows, g.carry_rows)
+        for j, i in enumerate(seqs):
+            pair.last[i] = int(e.logits[j].argmax())
+        return e
+
+    a_only, not_c = [False, True, False], [True, True, False]
+    step([-1, -1, -1, -1], [(None, None)], [0, 1, -1, 2])                        # captured: all learned
+    step([-1, 0, -1, -1], [([0, 2], a_only), ([3], not_c)], [1, -2, 2, -2])       # row 1 pinned to slot 0
+    e = step([1, -1, -1, 2], [([1, 2], None)], [-2, 0, -2, -2])                   # rows 0 and 3 pinned
+    assert e.last_slot_ids[:, 0].tolist()[0] == 1 and e.last_slot_ids[:, 0].tolist()[3] == 2
+    assert pair.graphs.captures == 1 and pair.graphs.replays == 3
+
+
+@pytest.mark.parametrize("probe_prompt", [False, True])
+def test_engine_with_a_learned_router_equals_eager_with_graphed_decode(paths, probe_prompt):
+    """The engine's learned-routing decode steps replayed from graphs (a carrying router, with and without a
+    probe pass), requests of learned routing and pinned adapters in one batch: greedy outputs and each token's
+    adapter equal the eager engine's."""
+    cfg = EngineConfig(max_num_seqs=8, max_tokens_per_step=32, block_size=BS, kv_budget_tokens=512,
+                       max_model_len=64, stop_at_eos=False)
+    prompts = [_prompt(n, 60 + n) for n in (5, 9, 3, 7)]
+    adapters = [None, "b", None, None]
+    params = [SamplingParams(max_new_tokens=n) for n in (7, 4, 9, 6)]
+    outs, stats = [], None
+    for graphed in (False, True):
+        mm = _mm(paths, ("a", "b", "c"))
+        mm.router = _router(mm, carry_blocks=1, probe_prompt=probe_prompt)
+        engine = Engine(mm, cfg)
+        if graphed:
+            engine.runner.enable_graphs(capture=emulated_capture, buckets=(1, 2, 4, 8))
+        res = engine.generate(prompts, params, adapter=adapters)
+        outs.append([(o.new_token_ids, o.token_adapters) for o in res])
+        stats = engine.stats()["decode_graphs"]
+        if graphed:
+            assert any(key[4] is not None for key in engine.runner.graphs.graphs)   # learned steps were recorded
+    assert outs[0] == outs[1]
+    assert stats["replays"] > 0 and stats["failed"] == 0
+    assert {a for _, ads in outs[1] for a in ads} - {None, "b"}        # the router chose some adapters
 
 
 def test_engine_greedy_outputs_equal_with_graphed_decode(paths):

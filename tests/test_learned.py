@@ -251,3 +251,20 @@ def test_generation_adapters_reads_the_generations_own_forwards():
     assert generation_adapters(probe + prompt + fed_back, probing, 4) == ["b", "b", None, None]
     plain = SimpleNamespace(adapter_names=["a", "b"], probe_prompt=False)
     assert generation_adapters(prompt + fed_back, plain, 3) == ["b", "b", None]
+
+
+@pytest.mark.parametrize("composable,confidence,top_k", [(False, 0.0, 1), (False, 0.4, 2), (True, 0.6, 1)])
+def test_choose_takes_one_allowed_set_per_token(composable, confidence, top_k):
+    """allowed [T, K] (each token its own adapters) chooses for each token what allowed [K] chooses for it alone."""
+    from molora.routing.learned import LearnedRouterConfig
+
+    router = LearnedRouter(LearnedRouterConfig(("a", "b", "c"), 8, 4, composable=composable, confidence=confidence,
+                                               top_k=top_k))
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 3 if composable else 4, generator=g) * 2
+    allowed = torch.rand(6, 3, generator=g) > 0.4
+    ids, w = router.choose(logits, allowed)
+    for t in range(6):
+        ids_t, w_t = router.choose(logits[t:t + 1], allowed[t])
+        assert torch.equal(ids[t:t + 1], ids_t)
+        assert (w is None) == (w_t is None) and (w is None or torch.allclose(w[t:t + 1], w_t))

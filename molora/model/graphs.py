@@ -3,18 +3,23 @@
     graphs = runner.enable_graphs()                     # on CUDA; elsewhere pass capture= (tests)
     out = runner.forward(tokens, positions, meta, routing, logits=rows)   # replayed where the step fits
 
-A step fits (`accepts`) when every sequence decodes one token, there are at most max(buckets) of them, and its
-routing is fixed per token (pinned, vocab-routed or base rows: `StepRouting.slot_ids` and `weights`, no
-in-network router) with top-k at most `max_top_k`. Prefill chunks and learned routing run eagerly.
+A step fits (`accepts`) when every sequence decodes one token, there are at most max(buckets) of them, its fixed
+routing (pinned, vocab-routed or base rows: `StepRouting.slot_ids` and `weights`) has top-k at most `max_top_k`,
+and an in-network router, if any, is a `LearnedRouter` (per-block gates; its rows and allowed adapters may change
+from step to step). Prefill chunks and per-linear routers (Arrow) run eagerly.
 
-Each graph is keyed by (B_pad, nb, k, weighted): B_pad the smallest bucket holding the step's B sequences, nb
-the blocks of its longest context rounded up to a power of two (at most max_model_len / block_size), k and
-whether weights are given. Its static buffers, written before every replay:
+Each graph is keyed by (B_pad, nb, k, weighted, learned): B_pad the smallest bucket holding the step's B
+sequences, nb the blocks of its longest context rounded up to a power of two (at most max_model_len /
+block_size), k and whether weights are given, and for learned routing the router with whether the step carries
+decisions and fixes some (None without). Its static buffers, written before every replay:
 
     tokens, positions   [B_pad]          the step's tokens (rows past B: token 0 at position 0)
     index               [B_pad * (2+nb)] one host-to-device copy per step, viewed as
                                          write_rows [B_pad] | ctx [B_pad] | table [B_pad, nb]
-    slot_ids, weights   [B_pad, k]       the routing (rows past B: -1, weight 0)
+    slot_ids, weights   [B_pad, k]       the fixed routing (rows past B: -1, weight 0)
+    learned routing:    router_slots [K], owned [B_pad] (the rows the router decides), allowed [B_pad, K]
+                        (each row's allowed adapters: the step's groups spread over their rows on the device),
+                        carry, fixed [B_pad] (-2 past B)
 
 Padding rows write their K/V into the runner's scratch block (`ModelRunner.scratch_block`, owned by no sequence)
 and attend over that one row, so they compute finite values that nobody reads. Outputs are the captured step's
@@ -46,8 +51,9 @@ import torch
 from torch import Tensor
 
 from molora.errors import MoLoRAError
-from molora.model.runner import AttnPlan, Decode, StepOutput, StepRouting
-from molora.ops.device import to_device
+from molora.model.runner import AttnPlan, Decode, RouterGroup, StepOutput, StepRouting
+from molora.ops.device import recording, to_device
+from molora.routing.learned import LearnedRouter
 
 log = logging.getLogger("molora.graphs")
 
@@ -75,6 +81,9 @@ def cuda_capture() -> Capture:
     return capture
 
 
+Key = tuple[int, int, int, bool, Any]
+
+
 @dataclass
 class _Graph:
     replay: Callable[[], None]
@@ -84,6 +93,7 @@ class _Graph:
     index: Tensor                # [B_pad * (2 + nb)]: write_rows | ctx | table
     slot_ids: Tensor             # [B_pad, k]
     weights: Tensor | None       # [B_pad, k]
+    routing: Any = None          # the recorded StepRouting (learned: router_slots, groups[0], carry, fixed)
 
 
 class DecodeGraphs:
@@ -106,25 +116,34 @@ class DecodeGraphs:
         self.runner, self.capture = runner, capture
         self.buckets, self.max_top_k, self.max_graphs = tuple(buckets), max_top_k, max_graphs
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
-        self.graphs: dict[tuple[int, int, int, bool], _Graph | None] = {}
+        self.graphs: dict[Key, _Graph | None] = {}
         self.captures = self.replays = 0
-        self.failed: list[tuple[int, int, int, bool]] = []
+        self.failed: list[Key] = []
 
     def accepts(self, meta: Any, routing: Any) -> bool:
         """Whether a step of this layout and routing can be replayed (module docstring)."""
         q = meta.query_lens
         if not q or len(q) > self.buckets[-1] or any(n != 1 for n in q):
             return False
-        return routing is None or (routing.router is None and routing.slot_ids is not None
-                                   and routing.slot_ids.shape[1] <= self.max_top_k)
+        if routing is None:
+            return True
+        if routing.slot_ids is None or routing.slot_ids.shape[1] > self.max_top_k:
+            return False
+        router = routing.router
+        return router is None or not routing.groups or (isinstance(router, LearnedRouter)
+                                                         and router.config.top_k <= self.max_top_k)
 
-    def key(self, meta: Any, routing: Any) -> tuple[int, int, int, bool]:
+    def key(self, meta: Any, routing: Any) -> Key:
         B = len(meta.query_lens)
         bp = next(b for b in self.buckets if b >= B)
         need = -(-max(meta.context_lens) // self.runner.block_size)
         nb = min(1 << (need - 1).bit_length(), self.max_blocks)
         k = 1 if routing is None else routing.slot_ids.shape[1]
-        return bp, nb, k, routing is not None and routing.weights is not None
+        learned = None
+        if routing is not None and routing.router is not None and routing.groups:
+            learned = (routing.router, routing.router_slots.shape[0], routing.carry is not None,
+                       routing.fixed is not None)
+        return bp, nb, k, routing is not None and routing.weights is not None, learned
 
     def run(self, tokens: Tensor, positions: Tensor, meta: Any, routing: Any, logits: bool | list[int]) -> Any:
         """The `StepOutput` of an accepted step, replayed (captured first if its key is new); None where this key
@@ -143,8 +162,8 @@ class DecodeGraphs:
         return self._outputs(g, len(meta.query_lens), routing, logits)
 
     # ------------------------------------------------------------------------------------ internals
-    def _capture(self, key: tuple[int, int, int, bool]) -> _Graph | None:
-        bp, nb, k, weighted = key
+    def _capture(self, key: Key) -> _Graph | None:
+        bp, nb, k, weighted, learned = key
         r = self.runner
         dev, bs = r.device, r.block_size
         index = torch.empty(bp * (2 + nb), dtype=torch.long, device=dev)
@@ -159,13 +178,22 @@ class DecodeGraphs:
         rows = torch.arange(bp, device=dev)
         plan = AttnPlan(write_rows, rows, Decode(rows, table, ctx, bs, keep_mask=False), [])
         routing = StepRouting(slot_ids, weights)
+        if learned is not None:
+            router, K, carried, fixed = learned
+            routing.router = router
+            routing.router_slots = torch.full((K,), -1, dtype=torch.long, device=dev)
+            routing.groups = [RouterGroup(None, torch.ones(bp, K, dtype=torch.bool, device=dev),
+                                          torch.zeros(bp, dtype=torch.bool, device=dev))]
+            routing.carry = torch.full((bp,), -2, dtype=torch.long, device=dev) if carried else None
+            routing.fixed = torch.full((bp,), -2, dtype=torch.long, device=dev) if fixed else None
 
         def step() -> Any:
             return r.compute(tokens, positions, plan, routing, logits=True)
 
         r.context.static = True
         try:
-            replay, out = self.capture(step)
+            with recording():
+                replay, out = self.capture(step)
         except Exception as e:  # an op that syncs or cannot be recorded: this key runs eagerly
             log.warning("decode graph %s could not be captured (%s: %s); that shape runs eagerly", key,
                         type(e).__name__, e)
@@ -177,10 +205,9 @@ class DecodeGraphs:
         self.captures += 1
         log.info("captured a decode graph for %d sequences, %d context blocks, top-%d%s", bp, nb, k,
                  ", weighted" if weighted else "")
-        return _Graph(replay, out, tokens, positions, index, slot_ids, weights)
+        return _Graph(replay, out, tokens, positions, index, slot_ids, weights, routing if learned else None)
 
-    def _fill(self, g: _Graph, key: tuple[int, int, int, bool], tokens: Tensor, positions: Tensor, meta: Any,
-              routing: Any) -> None:
+    def _fill(self, g: _Graph, key: Key, tokens: Tensor, positions: Tensor, meta: Any, routing: Any) -> None:
         bp, nb = key[0], key[1]
         r = self.runner
         bs, scratch = r.block_size, r.scratch_block
@@ -206,13 +233,29 @@ class DecodeGraphs:
         if g.weights is not None:
             g.weights[:B].copy_(routing.weights)
             g.weights[B:].zero_()
+        if g.routing is not None:       # learned: which rows the router owns and what each may choose, on the device
+            rec = g.routing
+            rec.router_slots.copy_(routing.router_slots)
+            group = rec.groups[0]
+            group.owned.zero_()
+            group.allowed.fill_(True)
+            for src in routing.groups:
+                rows = slice(0, B) if src.rows is None else src.rows
+                group.owned[rows] = True
+                if src.allowed is not None:
+                    group.allowed[rows] = src.allowed
+            for name in ("carry", "fixed"):
+                buf = getattr(rec, name)
+                if buf is not None:
+                    buf[:B].copy_(getattr(routing, name))
+                    buf[B:].fill_(-2)
 
     @staticmethod
     def _outputs(g: _Graph, B: int, routing: Any, logits: bool | list[int]) -> Any:
         o = g.out
-        out = StepOutput(o.hidden[:B].clone(), None,
-                         None if routing is None else o.last_slot_ids[:B].clone(),
-                         None if routing is None or routing.weights is None else o.last_weights[:B].clone())
+        cut = (lambda t: None if t is None else t[:B].clone())
+        out = StepOutput(o.hidden[:B].clone(), None, None if routing is None else cut(o.last_slot_ids),
+                         None if routing is None else cut(o.last_weights), cut(o.last_carry), cut(o.carry_rows))
         if logits is not False:
             out.logits = o.logits[:B].clone() if logits is True else o.logits[:B][logits]
         return out

@@ -80,10 +80,13 @@ class BatchMeta:
 @dataclass
 class RouterGroup:
     """Rows of the step routed by the in-network router, with one allowed mask: rows [n] (None = all T),
-    allowed bool [K] over the router's adapters (None = all)."""
+    allowed bool [K] over the router's adapters (None = all). A recorded step (molora.model.graphs) gives one
+    group of every row instead, with allowed [T, K] per row and `owned` [T] bool: the rows the router decides
+    (the others keep their fixed routing), so that which rows those are can change between replays."""
 
     rows: Tensor | None
     allowed: Tensor | None
+    owned: Tensor | None = None
 
 
 @dataclass
@@ -346,18 +349,29 @@ class ModelRunner:
             if out is None:
                 continue                                                     # keep the previous decision
             slots, w, ids = out                                              # [n, k'] slots (-1 = base), router order
+            rows = slice(None) if g.rows is None else g.rows
+            own = None if g.owned is None else g.owned[:, None]              # [T, 1] (a recorded step's group)
             if carry_out is not None and block == routing.router.carry_source:
-                carry_out[slice(None) if g.rows is None else g.rows] = ids[:, 0]
+                if own is None:
+                    carry_out[rows] = ids[:, 0]
+                else:
+                    carry_out.copy_(torch.where(own[:, 0], ids[:, 0], carry_out))
             k2 = slots.shape[1]
             if k2 > slot_ids.shape[1]:
                 raise MoLoRAError(f"the router returned top-{k2} choices but declares top_k={slot_ids.shape[1]} "
                                   "(set `top_k` or `config.top_k` on the router)")
-            rows = slice(None) if g.rows is None else g.rows
-            slot_ids[rows] = torch.cat([slots, slots.new_full((slots.shape[0], slot_ids.shape[1] - k2), -1)], 1)
+            new = torch.cat([slots, slots.new_full((slots.shape[0], slot_ids.shape[1] - k2), -1)], 1)
+            if own is None:
+                slot_ids[rows] = new
+            else:
+                slot_ids.copy_(torch.where(own, new, slot_ids))
             if weights is not None:
                 ww = torch.ones_like(slots, dtype=weights.dtype) if w is None else w.to(weights.dtype)
-                pad = ww.new_zeros(ww.shape[0], weights.shape[1] - k2)
-                weights[rows] = torch.cat([ww, pad], 1)
+                ww = torch.cat([ww, ww.new_zeros(ww.shape[0], weights.shape[1] - k2)], 1)
+                if own is None:
+                    weights[rows] = ww
+                else:
+                    weights.copy_(torch.where(own, ww, weights))
 
     # ------------------------------------------------------------------------------------ planning
     def plan(self, positions: Tensor, meta: BatchMeta) -> AttnPlan:

@@ -1,18 +1,41 @@
-"""Host-to-device copies of per-step metadata that do not block the host.
+"""Host-to-device copies of per-step metadata that do not block the host, and when a host read is free.
 
 A step builds its index tensors (cache rows, decode tables, routing slot ids) from Python lists on the host and
 hands them to the device. `torch.tensor(data, device="cuda")` copies from pageable memory, which the CUDA driver
 stages synchronously; `to_device` goes through pinned memory with `non_blocking=True` instead, so the host can
-keep queueing work. On the CPU (and any other device) it is the plain copy it always was. Knows nothing about
-models or routing.
+keep queueing work. On the CPU (and any other device) it is the plain copy it always was.
+
+`host_readable(t)`: whether reading t's values on the host costs nothing, so that a shortcut may branch on them:
+CPU tensors, except while a step is being recorded for replay (`recording()`, molora.model.graphs), where a
+branch taken on a value would be replayed whatever the value then is. Knows nothing about models or routing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
+
+_state = threading.local()
+
+
+@contextmanager
+def recording() -> Iterator[None]:
+    """Within this block (on this thread) no tensor counts as host-readable (`host_readable`)."""
+    before = getattr(_state, "recording", False)
+    _state.recording = True
+    try:
+        yield
+    finally:
+        _state.recording = before
+
+
+def host_readable(t: Tensor) -> bool:
+    """Whether branching on t's values is free and safe here: a CPU tensor, and no step being recorded."""
+    return t.device.type == "cpu" and not getattr(_state, "recording", False)
 
 
 def to_device(data: Sequence | Tensor, device: torch.device | str, dtype: torch.dtype = torch.long) -> Tensor:

@@ -14,7 +14,7 @@ And two placements:
 - **shared**: one gate at block `shared_block` decides once per token; blocks before it run the base
   model, later blocks reuse the decision.
 
-`decide(block, hidden [T, D], allowed [K] | None, carry [T] | None)` returns (adapter_ids [T, k] in router
+`decide(block, hidden [T, D], allowed [K] or [T, K] | None, carry [T] | None)` returns (adapter_ids [T, k] in router
 order, -1 = none; weights [T, k] or None) or None to keep the previous decision. Top-k (k <= 2)
 renormalizes the chosen probabilities. The router knows hidden states and adapter names; not slots, banks
 or requests.
@@ -75,6 +75,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from molora.errors import BundleError, RoutingError
+from molora.ops.device import host_readable
 from molora.routing.base import Router, Routing
 
 ROUTER_WEIGHTS = "router.safetensors"
@@ -183,7 +184,7 @@ class LearnedRouter(Router, nn.Module):
                 return self.choose(self.logits(gate, hidden), allowed)
             carry = carry.to(hidden.device).long()[:, None]                          # [T, 1]
             known = carry >= -1
-            if carry.device.type == "cpu" and bool(known.all()):  # a shortcut only: off the CPU the gate
+            if host_readable(carry) and bool(known.all()):  # a shortcut only: off the CPU the gate
                 return carry, None                                  # runs and `where` gives the same ids, no sync
             ids, _ = self.choose(self.logits(gate, hidden), allowed)
             return torch.where(known, carry, ids), None
@@ -231,8 +232,9 @@ class LearnedRouter(Router, nn.Module):
             if conf > 0:
                 none = max(none, math.log(conf / (1 - conf)) if conf < 1 else math.inf)
             logits = torch.cat([logits, logits.new_full((logits.shape[0], 1), none)], 1)
-        if allowed is not None:
-            block = torch.cat([~allowed.to(logits.device), allowed.new_zeros(1, device=logits.device)])
+        if allowed is not None:  # [K] for every token, or [T, K] per token; "none" is always allowed
+            allowed = allowed.to(logits.device)
+            block = torch.cat([~allowed, allowed.new_zeros(*allowed.shape[:-1], 1)], -1)
             logits = logits.masked_fill(block, float("-inf"))
         k = self.config.top_k
         if k == 1 and (conf == 0 or self.config.composable):
