@@ -250,44 +250,56 @@ def check_decode(device: Any, shape: dict, K: int, batch: int, ctx: int, repeats
             graphed = ModelRunner(mm, num_blocks=batch * per_seq, block_size=bs, max_model_len=per_seq * bs)
             graphed(prompt, torch.arange(ctx, device=device).repeat(batch),
                     BatchMeta([ctx] * batch, [ctx] * batch, tables), StepRouting(slots))
-            graphs = graphed.enable_graphs()
-            graph = check_graph(runner, graphed, graphs, mm, tok, pos, meta, step_slots, K)
+            graph = check_graph(runner, graphed, mm, tok, pos, meta, step_slots, K)
             if graph["status"] == "replayed":
                 fns["graph"] = lambda: graphed(tok, pos, meta, StepRouting(step_slots), logits=True)
         ms = interleaved(Timer(device), fns, repeats, 5)
     backend = resolved_backend(mm, step_slots)
-    del runner, mm, model
     if "graph" in ms:
         graph.update(graph_ms=ms["graph"], eager_over_graph=ms["eager"] / ms["graph"])
     return {"batch": batch, "context": ctx, "K": K, "dispatch": backend, "eager_ms": ms["eager"],
             "eager_base_ms": ms["eager_base"], "routing_overhead": ms["eager"] / ms["eager_base"], "graph": graph}
 
 
-def check_graph(eager: Any, graphed: Any, graphs: Any, mm: Any, tok: Any, pos: Any, meta: Any, slots: Any,
-                K: int) -> dict:
-    """Replays against the eager runner (same model, same cached context): two routings in turn, then the same
-    routing after one adapter is unloaded (the bank changes between replays); max |logit difference| of each."""
+def check_graph(eager: Any, graphed: Any, mm: Any, tok: Any, pos: Any, meta: Any, slots: Any, K: int,
+                capture: Any = None) -> dict:
+    """Replays (graphs enabled on `graphed`: CUDA graphs, or `capture`) against the eager runner, both over the
+    same model and cached context: two per-token routings in turn, the same routing after one adapter is
+    unloaded (the bank changes between replays), then a random per-block LearnedRouter (two allowed sets in
+    turn); max |logit difference| of each step."""
     import torch
 
-    from molora.model.runner import StepRouting
+    from molora.model.runner import RouterGroup, StepRouting
+    from molora.routing.learned import LearnedRouter, LearnedRouterConfig, decoder_layers
+
+    graphs = graphed.enable_graphs() if capture is None else graphed.enable_graphs(capture=capture)
+
+    def diff(routing: Any) -> float:
+        g = graphed(tok, pos, meta, routing, logits=True).logits
+        e = eager(tok, pos, meta, routing, logits=True).logits
+        return float((g.float() - e.float()).abs().max())
 
     other = (slots + 1) % K
-    diffs = []
-    for step_slots in (slots, other, slots):
-        g = graphed(tok, pos, meta, StepRouting(step_slots), logits=True).logits
-        e = eager(tok, pos, meta, StepRouting(step_slots), logits=True).logits
-        diffs.append(float((g.float() - e.float()).abs().max()))
+    fixed = [diff(StepRouting(s)) for s in (slots, other, slots)]
     name = mm.adapter_names[0]
     adapter = mm.adapters[name]
     mm.unload_adapter(name)
-    g = graphed(tok, pos, meta, StepRouting(other), logits=True).logits
-    e = eager(tok, pos, meta, StepRouting(other), logits=True).logits
-    diffs.append(float((g.float() - e.float()).abs().max()))
+    fixed.append(diff(StepRouting(other)))
     mm.load_adapter(name, adapter)
-    torch.cuda.synchronize()
-    return {"status": "replayed" if graphs.replays and not graphs.failed else "failed",
-            "captures": graphs.captures, "replays": graphs.replays, "failed": [list(k) for k in graphs.failed],
-            "max_abs_logit_diff_vs_eager": diffs}
+    dev = slots.device
+    router = LearnedRouter(LearnedRouterConfig(tuple(mm.adapter_names), mm.config.hidden_size,
+                                               len(decoder_layers(mm.model)))).to(dev)
+    with torch.no_grad():
+        router.weight.normal_(generator=torch.Generator(device=dev).manual_seed(0))
+    router_slots = torch.tensor([mm.bank.slot_of(n) for n in mm.adapter_names], device=dev)
+    learned = [diff(StepRouting(torch.full_like(slots, -1), router=router, router_slots=router_slots,
+                                groups=[RouterGroup(None, allowed)]))
+               for allowed in (None, torch.arange(K, device=dev) % 2 == 0)]
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return {"status": "replayed" if graphs.replays == 6 and not graphs.failed else "failed",
+            "captures": graphs.captures, "replays": graphs.replays, "failed": [repr(k) for k in graphs.failed],
+            "max_abs_logit_diff_vs_eager": fixed, "learned_max_abs_logit_diff_vs_eager": learned}
 
 
 def check_engine(device: Any, shape: dict, K: int, seqs: int, prompt_len: int, new: int, dtype: Any) -> dict:

@@ -46,6 +46,36 @@ def test_the_dry_run_goes_end_to_end(tmp_path) -> None:
     assert {r["T"] for r in out["dispatch"]} == {1, 8, 64} and {r["K"] for r in out["dispatch"]} == {4, 16}
     assert all(r["ms"]["single"] > 0 for r in out["dispatch"])
     decode = out["decode"]["tiny"]
-    assert decode["eager_ms"] > 0 and decode["graph"]["status"] == "not implemented"
+    assert decode["eager_ms"] > 0 and decode["graph"]["status"] == "not run"       # graphs: CUDA only
     assert out["engine"]["sequences"] == 8 and out["engine"]["seconds"]["engine"] > 0
     assert "not_judged" in out["goals"]
+
+
+def test_the_graph_check_replays_against_eager_on_the_cpu_emulator(tmp_path) -> None:
+    """check_graph, the decode section's graph part, run on the CPU through the test emulator (what a CUDA graph
+    would replay): every replay equals eager, per-token and learned routing, an adapter unloaded in between."""
+    import molora
+    from molora.bench.engine import make_adapters
+    from molora.model.runner import BatchMeta, ModelRunner, StepRouting
+    from tests.conftest import load_script
+    from tests.graph_emulator import emulated_capture
+
+    gc = load_script("gpu_check")
+    model = gc.qwen3(gc.TINY_SHAPE, torch.device("cpu"), torch.float32)
+    mm = molora.attach(model, make_adapters(model, tmp_path, 4, 4), slots=4, dispatch="stacked_mask")
+    mm.dispatcher.check_ids = False
+    batch, ctx, bs = 3, 10, 16
+    runners = [ModelRunner(mm, num_blocks=batch, block_size=bs, max_model_len=bs) for _ in range(2)]
+    tables = [[b] for b in range(batch)]
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 256, (batch * ctx,), generator=g)
+    slots = torch.randint(-1, 4, (batch * ctx, 1), generator=g)
+    with torch.no_grad():
+        for r in runners:
+            r(prompt, torch.arange(ctx).repeat(batch), BatchMeta([ctx] * batch, [ctx] * batch, tables),
+              StepRouting(slots))
+        out = gc.check_graph(runners[0], runners[1], mm, torch.randint(3, 256, (batch,), generator=g),
+                             torch.full((batch,), ctx), BatchMeta([1] * batch, [ctx + 1] * batch, tables),
+                             torch.randint(-1, 4, (batch, 1), generator=g), 4, capture=emulated_capture)
+    assert out["status"] == "replayed" and out["captures"] == 2, out
+    assert max(out["max_abs_logit_diff_vs_eager"] + out["learned_max_abs_logit_diff_vs_eager"]) < 1e-4, out
