@@ -265,6 +265,7 @@ class ModelRunner:
 
     __call__ = forward
 
+    @torch.no_grad()
     def compute(self, tokens: Tensor, positions: Tensor, plan: AttnPlan, routing: StepRouting | None = None,
                 *, logits: bool | list[int] = False) -> StepOutput:
         """`forward` on a plan built already (by `plan`, or by `DecodeGraphs` from its static buffers)."""

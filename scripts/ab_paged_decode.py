@@ -1,0 +1,81 @@
+"""A/B of the paged decode attention kernel: this tree's build against the one at a git revision, in one process.
+
+    python scripts/ab_paged_decode.py [--rev d32c869] [--batch 32] [--ctx 160 1000] [--layers 30] [--repeats 12]
+
+Builds `molora/ops/csrc/fused_lora.cpp` as it was at REV under another extension name (about a minute, once),
+then times `paged_decode_rows` of both builds alternating (order swapped every repetition) over `--layers`
+separate caches, as an engine step meets them (cold), at SmolLM2-135M's attention shape (9 query heads, 3 kv
+heads, head dim 64, blocks of 16 scattered at random). Prints one line per dtype and context length: the medians
+per layer call, their ratio, and whether the two outputs are equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rev", default="d32c869", help="git revision of the kernel to compare against")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--ctx", type=int, nargs="+", default=[160, 1000])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=12)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    sys.path.insert(0, str(ROOT))
+    from torch.utils.cpp_extension import load_inline
+
+    from molora.ops import fused_cpu
+
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    source = subprocess.run(["git", "show", f"{a.rev}:molora/ops/csrc/fused_lora.cpp"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout
+    old = load_inline(name=f"molora_ab_paged_{a.rev}", cpp_sources=source, functions=["paged_decode_rows"],
+                      extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                      extra_ldflags=["-fopenmp"])
+    new = fused_cpu._load()
+    if new is None:
+        print(f"this tree's kernel did not build: {fused_cpu.unavailable_reason()}", file=sys.stderr)
+        return 2
+    B, H, Hkv, hd, bs = a.batch, 9, 3, 64, 16
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for ctxlen in a.ctx:
+            nbk = -(-ctxlen // bs) + 1
+            kcs = [torch.randn(B * nbk * bs, Hkv, hd, generator=g).to(dtype) for _ in range(a.layers)]
+            vcs = [torch.randn(B * nbk * bs, Hkv, hd, generator=g).to(dtype) for _ in range(a.layers)]
+            table = torch.randperm(B * nbk, generator=g).view(B, nbk).contiguous()
+            ctx = torch.randint(max(1, ctxlen - 20), ctxlen, (B,), generator=g)
+            q = torch.randn(B, H, hd, generator=g).to(dtype)
+            rows = torch.arange(B)
+            mods = {"old": old, "new": new}
+            outs = {n: torch.empty_like(q) for n in mods}
+            ts: dict[str, list[float]] = {n: [] for n in mods}
+            with torch.no_grad():
+                for i in range(a.repeats):
+                    for name in (("old", "new") if i % 2 else ("new", "old")):
+                        t0 = time.perf_counter()
+                        for layer in range(a.layers):
+                            mods[name].paged_decode_rows(outs[name], q, kcs[layer], vcs[layer], table, ctx, rows, bs,
+                                                         hd ** -0.5, 0)
+                        ts[name].append((time.perf_counter() - t0) / a.layers)
+            mo, mn = (statistics.median(ts[n][2:]) * 1e6 for n in ("old", "new"))
+            print(f"{str(dtype)[6:]} batch {B} ctx {ctxlen}: {a.rev} {mo:.0f} us, this tree {mn:.0f} us per layer "
+                  f"call ({mo / mn:.2f}x); equal bit for bit: {torch.equal(outs['old'], outs['new'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
