@@ -110,8 +110,11 @@ class Engine:
                                   max_model_len=self.max_model_len)
         if self.runner.device.type == "cuda" and not config.enforce_eager:
             # decode steps replayed from CUDA graphs, captured per batch bucket on first use (molora.model.graphs)
-            self.runner.enable_graphs(buckets=[b for b in DEFAULT_BUCKETS if b < config.max_num_seqs]
-                                      + [config.max_num_seqs])
+            try:
+                self.runner.enable_graphs(buckets=[b for b in DEFAULT_BUCKETS if b < config.max_num_seqs]
+                                          + [config.max_num_seqs])
+            except MoLoRAError as e:
+                log.warning("decode steps run eagerly: %s", e)
         self.hotset = HotSet(mm, config.cpu_tier_bytes)
         self.allocator = BlockAllocator(config.kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.allocator, self.hotset, max_num_seqs=config.max_num_seqs,

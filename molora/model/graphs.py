@@ -74,7 +74,9 @@ def cuda_capture() -> Capture:
             step()                                  # compiles triton kernels, sizes cuBLAS workspaces
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: CUDA calls of the server's other threads (a file read, a metrics scrape) neither break
+        # the capture nor are recorded into it
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = step()
         return graph.replay, out
 
