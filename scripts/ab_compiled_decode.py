@@ -88,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             engines[name].step()
             times[name].append(time.perf_counter() - t0)
     med = {n: statistics.median(v[2:]) * 1e3 for n, v in times.items()}
+    graphs = engines["compiled"].stats()["decode_graphs"]
     print(f"{str(dtype)[6:]} batch-32 decode step: eager {med['eager']:.1f} ms, compiled {med['compiled']:.1f} ms "
-          f"(eager / compiled {med['eager'] / med['compiled']:.2f}x); graphs {engines['compiled'].stats()['decode_graphs']}")
+          f"(eager / compiled {med['eager'] / med['compiled']:.2f}x); graphs {graphs}")
     return 0
 
 
