@@ -4,6 +4,8 @@ eager runner whatever the routing, the batch size within a bucket and the adapte
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -265,6 +267,9 @@ def test_learned_routing_replays_follow_rows_allowed_sets_and_carried_decisions(
     e = step([1, -1, -1, 2], [([1, 2], None)], [-2, 0, -2, -2])                   # rows 0 and 3 pinned
     assert e.last_slot_ids[:, 0].tolist()[0] == 1 and e.last_slot_ids[:, 0].tolist()[3] == 2
     assert pair.graphs.captures == 1 and pair.graphs.replays == 3
+    router.config = dataclasses.replace(router.config, confidence=0.6)   # Python values of the recorded step
+    step([-1, -1, -1, -1], [(None, None)], [0, -2, 1, 2])
+    assert pair.graphs.captures == 2                                      # a new config: recorded anew
 
 
 @pytest.mark.parametrize("probe_prompt", [False, True])

@@ -11,7 +11,8 @@ from step to step). Prefill chunks and per-linear routers (Arrow) run eagerly.
 Each graph is keyed by (B_pad, nb, k, weighted, learned): B_pad the smallest bucket holding the step's B
 sequences, nb the blocks of its longest context rounded up to a power of two (at most max_model_len /
 block_size), k and whether weights are given, and for learned routing the router with whether the step carries
-decisions and fixes some (None without). Its static buffers, written before every replay:
+decisions and fixes some (None without; the router's config and gate tensors are part of the key, so a new
+confidence or an added gate records anew). Its static buffers, written before every replay:
 
     tokens, positions   [B_pad]          the step's tokens (rows past B: token 0 at position 0)
     index               [B_pad * (2+nb)] one host-to-device copy per step, viewed as
@@ -143,8 +144,10 @@ class DecodeGraphs:
         k = 1 if routing is None else routing.slot_ids.shape[1]
         learned = None
         if routing is not None and routing.router is not None and routing.groups:
-            learned = (routing.router, routing.router_slots.shape[0], routing.carry is not None,
-                       routing.fixed is not None)
+            router = routing.router   # its config and gate tensors are part of the recorded step: a new config
+            # (e.g. another confidence) or a gate added (new parameters) is a new key, captured anew
+            learned = (router, router.config, router.weight.data_ptr(), router.bias.data_ptr(),
+                       routing.router_slots.shape[0], routing.carry is not None, routing.fixed is not None)
         return bp, nb, k, routing is not None and routing.weights is not None, learned
 
     def run(self, tokens: Tensor, positions: Tensor, meta: Any, routing: Any, logits: bool | list[int]) -> Any:
@@ -181,7 +184,7 @@ class DecodeGraphs:
         plan = AttnPlan(write_rows, rows, Decode(rows, table, ctx, bs, keep_mask=False), [])
         routing = StepRouting(slot_ids, weights)
         if learned is not None:
-            router, K, carried, fixed = learned
+            router, _, _, _, K, carried, fixed = learned
             routing.router = router
             routing.router_slots = torch.full((K,), -1, dtype=torch.long, device=dev)
             routing.groups = [RouterGroup(None, torch.ones(bp, K, dtype=torch.bool, device=dev),
