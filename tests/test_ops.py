@@ -640,3 +640,27 @@ def test_decode_glue_kernels_equal_the_torch_ops(dtype):
     assert ((gate.float() - want.float()).abs() <= tol * want.float().abs().clamp(min=1)).all()
     with torch.enable_grad():  # autograd on: the kernels decline, the caller runs the torch ops
         assert fused_cpu.add_rms_norm(h, None, w, 1e-5) is None and not fused_cpu.silu_mul(gate, up)
+
+
+@pytest.mark.skipif(not __import__("molora.ops.packed", fromlist=["available"]).available(),
+                    reason="MKL's packed linear is not in this torch build")
+def test_packed_linear_equals_torch_bit_for_bit_and_follows_weight_changes():
+    """PackedLinear (molora.ops.packed) equals torch.mm / addmm bit for bit for every row count (one row goes to
+    torch itself), strided rows included; a weight changed in place or swapped is packed again."""
+    from molora.ops.packed import PackedLinear
+
+    g = torch.Generator().manual_seed(5)
+    for d_out, d_in, bias in ((96, 64, False), (200, 48, True), (64, 150, False)):
+        w = torch.randn(d_out, d_in, generator=g)
+        b = torch.randn(d_out, generator=g) if bias else None
+        lin = PackedLinear(w, b)
+        with torch.no_grad():
+            for T in (1, 2, 3, 31, 32, 33, 257):
+                x = torch.randn(T, d_in + 3, generator=g)[:, :d_in]             # rows with a wider stride
+                want = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
+                assert torch.equal(lin(x), want), (d_out, d_in, T)
+            x = torch.randn(8, d_in, generator=g)
+            w.mul_(0.5)                                                         # in place: version moves
+            assert torch.equal(lin(x), torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t()))
+    with pytest.raises(ValueError, match="float32 CPU"):
+        PackedLinear(torch.randn(4, 4, dtype=torch.bfloat16))

@@ -124,6 +124,12 @@ class RoutedLoRALinear(nn.Module):
             y = torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
         else:
             y = F.linear(x, weight, bias)
+        return self.add_delta(x, y)
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y, this linear's base output for x, plus each token's routed delta (added into y in place where
+        autograd is off; a new tensor where it is on). `forward` is base + add_delta; the engine's runner computes
+        the base its own way (packed weights, molora.ops.packed) and adds the delta here."""
         ctx = self.context
         slot_ids = ctx.slot_ids
         lora = self.lora

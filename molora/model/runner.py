@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from molora.errors import MoLoRAError
-from molora.ops import fused_cpu
+from molora.ops import fused_cpu, packed
 from molora.ops.device import to_device
 from molora.routing.arrow import LinearRouting
 from molora.routing.base import decide_slots
@@ -207,7 +207,8 @@ class ModelRunner:
     Not an nn.Module: it borrows the model's modules and owns only the cache and the RoPE tables.
     """
 
-    def __init__(self, mm: Any, *, num_blocks: int, block_size: int = 16, max_model_len: int = 2048) -> None:
+    def __init__(self, mm: Any, *, num_blocks: int, block_size: int = 16, max_model_len: int = 2048,
+                 pack_weights: bool | None = None) -> None:
         cfg = mm.model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise MoLoRAError(f"the runner supports model types {SUPPORTED_MODEL_TYPES}, got "
@@ -217,14 +218,18 @@ class ModelRunner:
         self.context = mm.context
         self.embed = inner.embed_tokens
         self.norm = inner.norm
-        self.lm_head = mm.model.lm_head
+        param = next(mm.model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        # base GEMMs on packed weights (molora.ops.packed): by default where they run (float32 on a CPU with MKL)
+        if pack_weights is None:
+            pack_weights = packed.supports(param)
+        self.pack_weights = bool(pack_weights) and packed.supports(param)
+        self.lm_head = _Linear(mm.model.lm_head, self.pack_weights)
         # The blocks' own submodules, resolved once.
-        self.blocks = [_Block(layer, i, cfg) for i, layer in enumerate(inner.layers)]
+        self.blocks = [_Block(layer, i, cfg, self.pack_weights) for i, layer in enumerate(inner.layers)]
         b0 = self.blocks[0]
         self.num_heads, self.num_kv_heads, self.head_dim = b0.num_heads, b0.num_kv_heads, b0.head_dim
         self.max_model_len = max_model_len
-        param = next(mm.model.parameters())
-        self.dtype, self.device = param.dtype, param.device
         # one block more than asked for: the scratch block, which no sequence owns (`scratch_block`), where the
         # padding rows of a captured decode step write their K/V
         self.cache = PagedKVCache(len(self.blocks), num_blocks + 1, block_size, self.num_kv_heads, self.head_dim,
@@ -311,7 +316,7 @@ class ModelRunner:
     def logits(self, hidden: Tensor, slot_ids: Tensor | None = None, weights: Tensor | None = None) -> Tensor:
         """hidden [b, D] (already normed) -> logits [b, V]. An adapted lm_head routes row i by slot_ids [b, k]
         (and weights), the routing of that row's token (StepOutput.last_slot_ids); None: the base lm_head."""
-        if hasattr(self.lm_head, "lora") and slot_ids is not None:
+        if hasattr(self.lm_head.mod, "lora") and slot_ids is not None:
             self.context.set(slot_ids, weights)
             try:
                 return self.lm_head(hidden)
@@ -445,15 +450,38 @@ class ModelRunner:
         return AttnPlan(write_rows, last_rows, decode, prefill)
 
 
+class _Linear:
+    """One linear of the model as the runner calls it: with `pack`, the base GEMM on the weight packed once
+    (molora.ops.packed, equal to torch's bit for bit) and then, for a routed linear, each token's delta
+    (`RoutedLoRALinear.add_delta`); without, or for a single row, the module itself. Module hooks of packed
+    linears are not called (the runner calls the computation, not the module)."""
+
+    __slots__ = ("mod", "packed", "routed")
+
+    def __init__(self, mod: nn.Module, pack: bool) -> None:
+        self.mod = mod
+        weight = getattr(mod, "weight", None)
+        self.packed = (packed.PackedLinear(weight, getattr(mod, "bias", None))
+                       if pack and isinstance(weight, Tensor) and packed.supports(weight) else None)
+        self.routed = hasattr(mod, "add_delta")
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.packed is None or x.shape[0] < 2:
+            return self.mod(x)
+        y = self.packed(x)
+        return self.mod.add_delta(x, y) if self.routed else y
+
+
 class _Block:
     """One decoder block's modules and our attention over the paged cache (not an nn.Module: it only
     borrows the model's modules)."""
 
-    def __init__(self, layer: nn.Module, index: int, cfg: Any) -> None:
+    def __init__(self, layer: nn.Module, index: int, cfg: Any, pack: bool = False) -> None:
         attn = layer.self_attn
         self.index = index
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (_Linear(m, pack) for m in
+                                                              (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.mlp = layer.mlp
         self.num_heads = cfg.num_attention_heads
@@ -466,6 +494,9 @@ class _Block:
         mlp = self.mlp  # gate, up, SiLU and down called here (one fused SiLU * up) where the MLP is Llama's
         self.gated_silu = (getattr(cfg, "hidden_act", None) == "silu"
                            and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")))
+        if self.gated_silu:
+            self.gate_proj, self.up_proj, self.down_proj = (_Linear(m, pack) for m in
+                                                            (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
 
     def __call__(self, h: Tensor, delta: Tensor | None, positions: Tensor, plan: AttnPlan, cache: PagedKVCache,
                  cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -479,11 +510,10 @@ class _Block:
     def _mlp(self, x: Tensor) -> Tensor:
         if not self.gated_silu:
             return self.mlp(x)
-        m = self.mlp
-        g, u = m.gate_proj(x), m.up_proj(x)
+        g, u = self.gate_proj(x), self.up_proj(x)
         if fused_cpu.silu_mul(g, u):
-            return m.down_proj(g)
-        return m.down_proj(m.act_fn(g) * u)
+            return self.down_proj(g)
+        return self.down_proj(self.mlp.act_fn(g) * u)
 
     def attention(self, x: Tensor, positions: Tensor, plan: AttnPlan, cache: PagedKVCache,
                   cos: Tensor, sin: Tensor) -> Tensor:
