@@ -645,8 +645,10 @@ def test_decode_glue_kernels_equal_the_torch_ops(dtype):
 @pytest.mark.skipif(not __import__("molora.ops.packed", fromlist=["available"]).available(),
                     reason="MKL's packed linear is not in this torch build")
 def test_packed_linear_equals_torch_bit_for_bit_and_follows_weight_changes():
-    """PackedLinear (molora.ops.packed) equals torch.mm / addmm bit for bit for every row count (one row goes to
-    torch itself), strided rows included; a weight changed in place or swapped is packed again."""
+    """PackedLinear (molora.ops.packed) runs MKL's packed GEMM for every row count above one (one packed copy) and
+    equals torch.mm / addmm up to float32 rounding (one row: torch itself, bit for bit), strided rows included; a
+    weight changed in place is packed again."""
+    from torch.profiler import profile
     from molora.ops.packed import PackedLinear
 
     g = torch.Generator().manual_seed(5)
@@ -658,9 +660,14 @@ def test_packed_linear_equals_torch_bit_for_bit_and_follows_weight_changes():
             for T in (1, 2, 3, 31, 32, 33, 257):
                 x = torch.randn(T, d_in + 3, generator=g)[:, :d_in]             # rows with a wider stride
                 want = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
-                assert torch.equal(lin(x), want), (d_out, d_in, T)
+                with profile() as prof:
+                    got = lin(x)
+                unpacked = any(e.key == "aten::mm" or e.key == "aten::addmm" for e in prof.key_averages())
+                assert unpacked == (T == 1), (T, "the packed kernel runs for every T > 1, torch for one row")
+                assert torch.equal(got, want) if T == 1 else (got - want).abs().max() <= 1e-4, (d_out, d_in, T)
             x = torch.randn(8, d_in, generator=g)
             w.mul_(0.5)                                                         # in place: version moves
-            assert torch.equal(lin(x), torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t()))
+            want = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
+            assert (lin(x) - want).abs().max() <= 1e-4
     with pytest.raises(ValueError, match="float32 CPU"):
         PackedLinear(torch.randn(4, 4, dtype=torch.bfloat16))

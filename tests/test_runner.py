@@ -314,9 +314,9 @@ def test_vocab_router_lookup_equals_the_range_rule():
 
 @pytest.mark.skipif(not __import__("molora.ops.packed", fromlist=["available"]).available(),
                     reason="MKL's packed linear is not in this torch build")
-def test_packed_weights_change_no_output_bit(mm):
-    """The runner's base GEMMs on packed weights (the float32 CPU default) give the same logits, bit for bit, as
-    the modules' own GEMMs: ragged prefill, decode of several sequences and of one, with per-token routing."""
+def test_packed_weights_give_the_logits_of_the_modules_gemms(mm):
+    """The runner's base GEMMs on packed weights (the float32 CPU default) give the modules' own logits up to
+    float32 rounding: ragged prefill, decode of several sequences and of one, with per-token routing."""
     runners = [ModelRunner(mm, num_blocks=32, block_size=4, max_model_len=64, pack_weights=p) for p in (False, True)]
     assert [r.pack_weights for r in runners] == [False, True]
     lens = [5, 9, 3]
@@ -326,11 +326,11 @@ def test_packed_weights_change_no_output_bit(mm):
     routing = StepRouting(torch.cat([_slots(mm, _route(n, 30 + i)) for i, n in enumerate(lens)]))
     outs = [r(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), BatchMeta(lens, lens, tables), routing,
               logits=True).logits for r in runners]
-    assert torch.equal(outs[0], outs[1])
+    assert (outs[0] - outs[1]).abs().max() <= TOL
     for step, batch in enumerate(([0, 1, 2], [2])):                    # three sequences, then one
         ctx = [lens[b] + 1 + step for b in batch]
         meta = BatchMeta([1] * len(batch), ctx, [tables[b] for b in batch])
         tok, pos = torch.tensor([7 + b for b in batch]), torch.tensor([c - 1 for c in ctx])
         slots = StepRouting(torch.tensor([[b % 2] for b in batch]))
         outs = [r(tok, pos, meta, slots, logits=True).logits for r in runners]
-        assert torch.equal(outs[0], outs[1])
+        assert (outs[0] - outs[1]).abs().max() <= TOL
