@@ -319,6 +319,10 @@ def test_packed_weights_give_the_logits_of_the_modules_gemms(mm):
     float32 rounding: ragged prefill, decode of several sequences and of one, with per-token routing."""
     runners = [ModelRunner(mm, num_blocks=32, block_size=4, max_model_len=64, pack_weights=p) for p in (False, True)]
     assert [r.pack_weights for r in runners] == [False, True]
+    from molora.engine import Engine, EngineConfig
+
+    assert Engine(mm, EngineConfig(max_model_len=64, kv_budget_tokens=128)).runner.pack_weights   # the default
+    assert not Engine(mm, EngineConfig(max_model_len=64, kv_budget_tokens=128, pack_weights=False)).runner.pack_weights
     lens = [5, 9, 3]
     pager = _Pager(4)
     tables = [pager.table(i, n + 3) for i, n in enumerate(lens)]

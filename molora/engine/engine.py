@@ -79,6 +79,7 @@ class EngineConfig:
     stop_at_eos: bool = True           # finish a request at the model's eos token(s)
     seed: int = 0                      # seeds the generators of sampled requests that give no seed
     enforce_eager: bool = False        # on CUDA, never replay decode steps from CUDA graphs (vLLM's name)
+    pack_weights: bool | None = None   # base GEMMs on packed weights (molora.ops.packed; None: float32 CPU, MKL)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_tokens_per_step", "block_size", "kv_budget_tokens", "max_model_len"):
@@ -107,7 +108,7 @@ class Engine:
                               f"sequence of max_model_len={self.max_model_len}; raise kv_budget_tokens or lower "
                               "max_model_len")
         self.runner = ModelRunner(mm, num_blocks=config.kv_blocks, block_size=config.block_size,
-                                  max_model_len=self.max_model_len)
+                                  max_model_len=self.max_model_len, pack_weights=config.pack_weights)
         if self.runner.device.type == "cuda" and not config.enforce_eager:
             # decode steps replayed from CUDA graphs, captured per batch bucket on first use (molora.model.graphs)
             try:
