@@ -29,7 +29,7 @@ tensors, copied out (rows < B) after each replay.
 Nothing that can change between replays is a Python value inside the recorded step (the failure other servers
 shipped: a segment count baked in at capture dropped LoRA deltas on later replays). Slot ids and weights are
 tensors in the graph's buffers; the routed linears take no shortcut from `lora.active` and keep no cast from an
-earlier call while recording (`RoutingContext.static`); the decode mask is computed inside the graph from `ctx`;
+earlier call while recording (`molora.ops.device.recording`); the decode mask is computed inside the graph from `ctx`;
 the dispatcher must not read slot ids back (`check_ids` not True; triton's plan is built on the device); the
 bank's tensors never move (`molora.adapters.bank`), so adapters loaded, unloaded or rewritten between replays
 are what the next replay reads. What a graph does hold fixed: the model's weights and the KV cache (do not
@@ -195,7 +195,6 @@ class DecodeGraphs:
         def step() -> Any:
             return r.compute(tokens, positions, plan, routing, logits=True)
 
-        r.context.static = True
         try:
             with recording():
                 replay, out = self.capture(step)
@@ -205,7 +204,6 @@ class DecodeGraphs:
             self.failed.append(key)
             return None
         finally:
-            r.context.static = False
             r.context.clear()
         self.captures += 1
         log.info("captured a decode graph for %d sequences, %d context blocks, top-%d%s", bp, nb, k,

@@ -21,6 +21,7 @@ from torch import nn
 
 from molora.adapters.bank import LoRASlots
 from molora.ops import LoRADispatcher
+from molora.ops.device import recording
 from molora.routing.base import decide_slots
 
 
@@ -39,13 +40,13 @@ class RoutingContext:
     `linear` (a `molora.routing.arrow.LinearRouting`, or None) routes each linear by its own input instead
     (Arrow per_linear): every routed linear then asks it for its slots, with slot_ids as the fixed routing of
     the rows the router does not own (None: base).
-    `static` is True while a step is recorded for replay (`molora.model.graphs`): the routed linears then
-    take no decision from Python state that could change between replays (no "no adapter loaded" shortcut,
-    no cast kept from an earlier call), so a replay sees the bank as it is then. `clear` leaves it alone.
+    While a step is recorded for replay (`molora.ops.device.recording`, molora.model.graphs) the routed linears
+    take no decision from Python state that could change between replays (no "no adapter loaded" shortcut, no
+    cast kept from an earlier call), so a replay sees the bank as it is then.
     """
 
     __slots__ = ("slot_ids", "weights", "router", "slot_map", "allowed", "trace", "carry_in", "carry_out", "fixed_in",
-                 "linear", "static", "_plan")
+                 "linear", "_plan")
 
     def __init__(self) -> None:
         self.slot_ids: torch.Tensor | None = None
@@ -58,7 +59,6 @@ class RoutingContext:
         self.carry_out: torch.Tensor | None = None
         self.fixed_in: torch.Tensor | None = None
         self.linear = None
-        self.static = False
         self._plan = None
 
     def plan(self, dispatcher: LoRADispatcher, num_slots: int):
@@ -133,7 +133,8 @@ class RoutedLoRALinear(nn.Module):
         ctx = self.context
         slot_ids = ctx.slot_ids
         lora = self.lora
-        if (slot_ids is None and ctx.linear is None) or (lora.active == 0 and not ctx.static):
+        static = recording.on
+        if (slot_ids is None and ctx.linear is None) or (lora.active == 0 and not static):
             return y
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [T, d_in]
         if slot_ids is not None and flat.shape[0] != slot_ids.shape[0]:
@@ -148,7 +149,7 @@ class RoutedLoRALinear(nn.Module):
         Bt, scale = lora.Bt, lora.scale
         if self._B is None or self._B[0] is not Bt:
             self._B = (Bt, lora.B)
-        if scale.dtype != torch.float32 and ctx.static:  # recorded: the cast runs again at every replay
+        if scale.dtype != torch.float32 and static:  # recorded: the cast runs again at every replay
             scale = scale.float()
         elif scale.dtype != torch.float32:  # a bf16 model's bank: the kernels take scale in float32 (exact)
             if self._scale is None or self._scale[0] is not scale or self._scale[1] != scale._version:

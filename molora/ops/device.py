@@ -19,23 +19,34 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-_state = threading.local()
+class ThreadFlag:
+    """A per-thread switch, on within `with flag():` (nested blocks restore the outer value); `flag.on` reads it."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @property
+    def on(self) -> bool:
+        return getattr(self._local, "on", False)
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        before = self.on
+        self._local.on = True
+        try:
+            yield
+        finally:
+            self._local.on = before
 
 
-@contextmanager
-def recording() -> Iterator[None]:
-    """Within this block (on this thread) no tensor counts as host-readable (`host_readable`)."""
-    before = getattr(_state, "recording", False)
-    _state.recording = True
-    try:
-        yield
-    finally:
-        _state.recording = before
+# On while a step is recorded for replay (molora.model.graphs): no tensor counts as host-readable, and the routed
+# linears take no shortcut from Python state (molora.model.lora_linear).
+recording = ThreadFlag()
 
 
 def host_readable(t: Tensor) -> bool:
     """Whether branching on t's values is free and safe here: a CPU tensor, and no step being recorded."""
-    return t.device.type == "cpu" and not getattr(_state, "recording", False)
+    return t.device.type == "cpu" and not recording.on
 
 
 def to_device(data: Sequence | Tensor, device: torch.device | str, dtype: torch.dtype = torch.long) -> Tensor:

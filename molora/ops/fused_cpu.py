@@ -46,13 +46,14 @@ import os
 import platform
 import sys
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from molora.ops.device import ThreadFlag
 from molora.ops.gather import LoRABackendError
 from molora.ops.lora import SlotGroups
 
@@ -107,24 +108,14 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
-_off = threading.local()
-
-
-@contextmanager
-def suspended():
-    """Within this block (on this thread) every kernel of this module reports that it cannot run, so callers
-    take their torch fallbacks: a step recorded op by op (tests/graph_emulator.py) must run only torch ops."""
-    before = getattr(_off, "on", False)
-    _off.on = True
-    try:
-        yield
-    finally:
-        _off.on = before
+# Within `with suspended():` (on this thread) every kernel of this module reports that it cannot run, so callers
+# take their torch fallbacks: a step recorded op by op (tests/graph_emulator.py) must run only torch ops.
+suspended = ThreadFlag()
 
 
 def _ready():
     """The extension where it may run now (built and not `suspended`), else None."""
-    return None if getattr(_off, "on", False) else _load()
+    return None if suspended.on else _load()
 
 
 def available() -> bool:
@@ -181,7 +172,8 @@ def paged_decode(q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, ctx: Tensor,
     kc / vc [N, Hkv, hd] (rows = block * block_size + offset), tables [Bd, nb] block ids, ctx [Bd] context
     lengths (the new token's key already written) -> [Bd, H, hd]; a sliding `window` keeps the last `window`
     keys. None when the kernel cannot run these (not built, not CPU, another dtype, autograd on): the caller
-    gathers and uses SDPA. Scores and sums in float32, one task per (sequence, kv head)."""
+    gathers and uses SDPA. Scores and sums in float32; one task per sequence (all its kv heads) where
+    sequences outnumber twice the threads, else per (sequence, kv head)."""
     if (q.device.type != "cpu" or q.dtype not in DTYPES or kc.dtype != q.dtype or torch.is_grad_enabled()
             or _ready() is None):
         return None
