@@ -220,10 +220,8 @@ class ModelRunner:
         self.norm = inner.norm
         param = next(mm.model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        # base GEMMs on packed weights (molora.ops.packed): by default where they run (float32 on a CPU with MKL)
-        if pack_weights is None:
-            pack_weights = packed.supports(param)
-        self.pack_weights = bool(pack_weights) and packed.supports(param)
+        # base GEMMs on packed weights (molora.ops.packed) where they run (float32 on a CPU with MKL), unless False
+        self.pack_weights = pack_weights is not False and packed.supports(param)
         self.lm_head = _Linear(mm.model.lm_head, self.pack_weights)
         # The blocks' own submodules, resolved once.
         self.blocks = [_Block(layer, i, cfg, self.pack_weights) for i, layer in enumerate(inner.layers)]
@@ -355,29 +353,23 @@ class ModelRunner:
             if out is None:
                 continue                                                     # keep the previous decision
             slots, w, ids = out                                              # [n, k'] slots (-1 = base), router order
-            rows = slice(None) if g.rows is None else g.rows
-            own = None if g.owned is None else g.owned[:, None]              # [T, 1] (a recorded step's group)
+
+            def put(dst: Tensor, value: Tensor, g: RouterGroup = g) -> None:  # the group's rows of dst <- value
+                if g.owned is None:
+                    dst[slice(None) if g.rows is None else g.rows] = value
+                else:  # a recorded step's group: every row, the router's own ones changed (RouterGroup.owned)
+                    dst.copy_(torch.where(g.owned.view(-1, *[1] * (dst.dim() - 1)), value, dst))
+
             if carry_out is not None and block == routing.router.carry_source:
-                if own is None:
-                    carry_out[rows] = ids[:, 0]
-                else:
-                    carry_out.copy_(torch.where(own[:, 0], ids[:, 0], carry_out))
+                put(carry_out, ids[:, 0])
             k2 = slots.shape[1]
             if k2 > slot_ids.shape[1]:
                 raise MoLoRAError(f"the router returned top-{k2} choices but declares top_k={slot_ids.shape[1]} "
                                   "(set `top_k` or `config.top_k` on the router)")
-            new = torch.cat([slots, slots.new_full((slots.shape[0], slot_ids.shape[1] - k2), -1)], 1)
-            if own is None:
-                slot_ids[rows] = new
-            else:
-                slot_ids.copy_(torch.where(own, new, slot_ids))
+            put(slot_ids, torch.cat([slots, slots.new_full((slots.shape[0], slot_ids.shape[1] - k2), -1)], 1))
             if weights is not None:
                 ww = torch.ones_like(slots, dtype=weights.dtype) if w is None else w.to(weights.dtype)
-                ww = torch.cat([ww, ww.new_zeros(ww.shape[0], weights.shape[1] - k2)], 1)
-                if own is None:
-                    weights[rows] = ww
-                else:
-                    weights.copy_(torch.where(own, ww, weights))
+                put(weights, torch.cat([ww, ww.new_zeros(ww.shape[0], weights.shape[1] - k2)], 1))
 
     # ------------------------------------------------------------------------------------ planning
     def plan(self, positions: Tensor, meta: BatchMeta) -> AttnPlan:
@@ -452,7 +444,7 @@ class ModelRunner:
 
 class _Linear:
     """One linear of the model as the runner calls it: with `pack`, the base GEMM on the weight packed once
-    (molora.ops.packed, equal to torch's bit for bit) and then, for a routed linear, each token's delta
+    (molora.ops.packed, torch's result up to float32 rounding) and then, for a routed linear, each token's delta
     (`RoutedLoRALinear.add_delta`); without, or for a single row, the module itself. Module hooks of packed
     linears are not called (the runner calls the computation, not the module)."""
 
