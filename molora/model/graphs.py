@@ -94,9 +94,8 @@ class _Graph:
     tokens: Tensor               # [B_pad]
     positions: Tensor            # [B_pad]
     index: Tensor                # [B_pad * (2 + nb)]: write_rows | ctx | table
-    slot_ids: Tensor             # [B_pad, k]
-    weights: Tensor | None       # [B_pad, k]
-    routing: Any = None          # the recorded StepRouting (learned: router_slots, groups[0], carry, fixed)
+    routing: Any                 # the recorded StepRouting: slot_ids, weights; learned: router_slots, groups[0],
+    #                              carry, fixed
 
 
 class DecodeGraphs:
@@ -208,7 +207,7 @@ class DecodeGraphs:
         self.captures += 1
         log.info("captured a decode graph for %d sequences, %d context blocks, top-%d%s", bp, nb, k,
                  ", weighted" if weighted else "")
-        return _Graph(replay, out, tokens, positions, index, slot_ids, weights, routing if learned else None)
+        return _Graph(replay, out, tokens, positions, index, routing)
 
     def _fill(self, g: _Graph, key: Key, tokens: Tensor, positions: Tensor, meta: Any, routing: Any) -> None:
         bp, nb = key[0], key[1]
@@ -224,20 +223,21 @@ class DecodeGraphs:
         pad = bp - B
         g.index.copy_(to_device(write + [scratch * bs] * pad + ctx + [1] * pad + table + [scratch] * (pad * nb),
                                 r.device), non_blocking=True)
-        g.tokens[:B].copy_(tokens)
-        g.tokens[B:].zero_()
-        g.positions[:B].copy_(positions)
-        g.positions[B:].zero_()
-        if routing is None:
-            g.slot_ids.fill_(-1)
-        else:
-            g.slot_ids[:B].copy_(routing.slot_ids)
-            g.slot_ids[B:].fill_(-1)
-        if g.weights is not None:
-            g.weights[:B].copy_(routing.weights)
-            g.weights[B:].zero_()
-        if g.routing is not None:       # learned: which rows the router owns and what each may choose, on the device
-            rec = g.routing
+        rec = g.routing
+
+        def put(buf: Tensor, value: Tensor | None, pad: float) -> None:   # rows < B from the step, the rest padding
+            if value is None:
+                buf.fill_(pad)
+            else:
+                buf[:B].copy_(value)
+                buf[B:].fill_(pad)
+
+        put(g.tokens, tokens, 0)
+        put(g.positions, positions, 0)
+        put(rec.slot_ids, None if routing is None else routing.slot_ids, -1)
+        if rec.weights is not None:
+            put(rec.weights, routing.weights, 0)
+        if rec.router is not None:      # learned: which rows the router owns and what each may choose, on the device
             rec.router_slots.copy_(routing.router_slots)
             group = rec.groups[0]
             group.owned.zero_()
@@ -248,10 +248,8 @@ class DecodeGraphs:
                 if src.allowed is not None:
                     group.allowed[rows] = src.allowed
             for name in ("carry", "fixed"):
-                buf = getattr(rec, name)
-                if buf is not None:
-                    buf[:B].copy_(getattr(routing, name))
-                    buf[B:].fill_(-2)
+                if getattr(rec, name) is not None:
+                    put(getattr(rec, name), getattr(routing, name), -2)
 
     @staticmethod
     def _outputs(g: _Graph, B: int, routing: Any, logits: bool | list[int]) -> Any:
