@@ -528,11 +528,14 @@ def test_backend_for_names_what_apply_runs() -> None:
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("H,Hkv,hd,window", [(9, 3, 64, None), (4, 2, 16, None), (4, 2, 16, 5), (8, 8, 24, None)])
+@pytest.mark.parametrize("H,Hkv,hd,window", [(9, 3, 64, None), (4, 2, 16, None), (4, 2, 16, 5), (8, 8, 24, None),
+                                             (10, 2, 64, 6), (16, 8, 128, None), (12, 2, 128, None)])
 def test_paged_decode_reads_the_cache_in_place_like_gathered_attention(dtype, tol, H, Hkv, hd, window):
     """The kernel's attention over blocks read where they lie equals softmax attention over the gathered
     context (grouped heads, a sliding window keeping the last `window` keys, a context of one token, one
-    long enough for the 16-lane exp)."""
+    long enough for the 16-lane exp), on the register-tiled path (head dims 64 and 128, with 2, 3, 5 and 6 query
+    heads per kv head: reductions four at a time, value groups of 4 or 2 heads, and their remainders) and the
+    generic one (other head dims)."""
     fused_cpu = _fused_or_skip()
     g = torch.Generator().manual_seed(0)
     bs, blocks = 8, 40

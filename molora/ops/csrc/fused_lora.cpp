@@ -359,6 +359,76 @@ static inline const float* widened(const uint16_t* r, int64_t width, std::vector
   return buf.data();
 }
 
+// {sum(a), sum(b), sum(c), sum(d)}, each by the same tree of halves as hsum (so each equals hsum of its vector bit
+// for bit), the four reductions sharing their shuffles: 8 shuffles and 5 vector adds where 4 hsums take 12 and 16.
+static inline v4 hsum4(v16 a, v16 b, v16 c, v16 d) {
+  const v16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const v16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // lanes 4u .. 4u + 3 hold vector u's four partial sums b[0..3] (hsum's names)
+  const v16 q = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const v16 r = q + __builtin_shufflevector(q, q, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  const v16 t = r + __builtin_shufflevector(r, r, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return __builtin_shufflevector(t, t, 0, 4, 8, 12);   // (b0 + b2) + (b1 + b3) in lane 0 of each group
+}
+
+// One task's attention with the head dim HD known at compile time: a key row's HD / 16 vectors stay in registers
+// for all G query heads of its kv head, whose dot products reduce four at a time (hsum4); the value pass runs per
+// kv head and per group of up to 16 / (HD / 16) query heads, their output rows held in registers across the
+// context (no load and store of an accumulator per row). The same sums in the same order as the generic path
+// (dot_row, axpy_row): outputs equal bit for bit.
+template <typename T, int HD>
+static void attend_tiled(const float* qf, const T* K, const T* V, const int64_t* t_b, int64_t lo, int64_t c,
+                         int64_t bs, int64_t row, int64_t nh, int64_t G, float* sc, float* inv, T* o) {
+  constexpr int C = HD / 16;
+  constexpr int GB = C >= 16 ? 1 : 16 / C;       // query heads whose output rows fit 16 registers
+  const int64_t n = c - lo;
+  for_rows(K, t_b, lo, c, bs, row, [&](int64_t i, const T* r) {     // scores, head-major: sc[j * n + i]
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      v16 kv[C];
+      for (int e = 0; e < C; ++e) kv[e] = load16(r + hh * HD + 16 * e);
+      const float* qh = qf + hh * G * HD;
+      float* sh = sc + hh * G * n;
+      for (int64_t j = 0; j < G; j += 4) {
+        v16 acc[4];
+        for (int u = 0; u < 4; ++u) {
+          acc[u] = v16{};
+          if (j + u < G)
+            for (int e = 0; e < C; ++e) acc[u] += load16(qh + (j + u) * HD + 16 * e) * kv[e];
+        }
+        const v4 s = hsum4(acc[0], acc[1], acc[2], acc[3]);
+        for (int u = 0; u < 4 && j + u < G; ++u) sh[(j + u) * n + i] = s[u];
+      }
+    }
+  });
+  const int64_t nq = nh * G;
+  for (int64_t j = 0; j < nq; ++j) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, sc[j * n + i]);
+    inv[j] = 1.f / exp_sum(sc + j * n, n, m);
+  }
+  for (int64_t hh = 0; hh < nh; ++hh)
+    for (int64_t j0 = hh * G; j0 < (hh + 1) * G; j0 += GB) {
+      const int64_t g = std::min<int64_t>(GB, (hh + 1) * G - j0);
+      v16 acc[GB][C];
+      for (int u = 0; u < GB; ++u)
+        for (int e = 0; e < C; ++e) acc[u][e] = v16{};
+      for_rows(V + hh * HD, t_b, lo, c, bs, row, [&](int64_t i, const T* r) {
+        v16 vv[C];
+        for (int e = 0; e < C; ++e) vv[e] = load16(r + 16 * e);
+        for (int u = 0; u < GB; ++u)
+          if (u < g) {
+            const float p = sc[(j0 + u) * n + i];
+            for (int e = 0; e < C; ++e) acc[u][e] += p * vv[e];
+          }
+      });
+      for (int u = 0; u < g; ++u)
+        for (int e = 0; e < C; ++e) store16(o + (j0 + u) * HD + 16 * e, acc[u][e] * inv[j0 + u]);
+    }
+}
+
 template <typename T>
 static void paged_decode_run(const T* Q, const T* K, const T* V, T* O, const int64_t* tab, const int64_t* cl,
                              int64_t Bd, int64_t H, int64_t Hkv, int64_t hd, int64_t nb, int64_t bs, float scale,
@@ -379,14 +449,24 @@ static void paged_decode_run(const T* Q, const T* K, const T* V, T* O, const int
       const int64_t nq = nh * G;                   // query heads of this task: h0 * G ... (h0 + nh) * G - 1
       qf.resize(nq * hd);
       sc.resize(nq * n);
-      acc.assign(nq * hd, 0.f);
+      inv.resize(nq);
       for (int64_t j = 0; j < nq * hd; ++j) qf[j] = load1(Q + qr * ldq + h0 * G * hd + j) * scale;
       const int64_t* t_b = tab + b * nb;
+      T* o = O + qr * ldo + h0 * G * hd;
+      if (hd == 64) {
+        attend_tiled<T, 64>(qf.data(), K + h0 * hd, V + h0 * hd, t_b, lo, c, bs, row, nh, G, sc.data(), inv.data(), o);
+        continue;
+      }
+      if (hd == 128) {
+        attend_tiled<T, 128>(qf.data(), K + h0 * hd, V + h0 * hd, t_b, lo, c, bs, row, nh, G, sc.data(), inv.data(),
+                             o);
+        continue;
+      }
+      acc.assign(nq * hd, 0.f);                    // any other head dim: one row at a time through a buffer
       for_rows(K + h0 * hd, t_b, lo, c, bs, row, [&](int64_t i, const T* r) {   // scores, head-major: sc[j * n + i]
         const float* k = widened(r, nh * hd, buf);
         for (int64_t j = 0; j < nq; ++j) sc[j * n + i] = dot_row(qf.data() + j * hd, k + (j / G) * hd, hd);
       });
-      inv.resize(nq);
       for (int64_t j = 0; j < nq; ++j) {
         float m = -INFINITY;
         for (int64_t i = 0; i < n; ++i) m = std::max(m, sc[j * n + i]);
@@ -396,10 +476,8 @@ static void paged_decode_run(const T* Q, const T* K, const T* V, T* O, const int
         const float* v = widened(r, nh * hd, buf);
         for (int64_t j = 0; j < nq; ++j) axpy_row(acc.data() + j * hd, sc[j * n + i], v + (j / G) * hd, hd);
       });
-      for (int64_t j = 0; j < nq; ++j) {
-        T* o = O + qr * ldo + (h0 * G + j) * hd;
-        for (int64_t d = 0; d < hd; ++d) store1(o + d, acc[j * hd + d] * inv[j]);
-      }
+      for (int64_t j = 0; j < nq; ++j)
+        for (int64_t d = 0; d < hd; ++d) store1(o + j * hd + d, acc[j * hd + d] * inv[j]);
     }
   });
 }
