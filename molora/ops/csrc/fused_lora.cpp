@@ -379,13 +379,24 @@ static inline v4 hsum4(v16 a, v16 b, v16 c, v16 d) {
 // kv head and per group of up to 16 / (HD / 16) query heads, their output rows held in registers across the
 // context (no load and store of an accumulator per row). The same sums in the same order as the generic path
 // (dot_row, axpy_row): outputs equal bit for bit.
+// Rows prefetched ahead in attend_tiled. Measured against no prefetch (scripts/ab_paged_decode.py, 16 repetitions):
+// 1.10x and 1.06x in float32 at contexts 160 and 1000, 0.99x and 1.00x in bf16 (half the lines per row).
+constexpr int64_t PF = 8;
 template <typename T, int HD>
 static void attend_tiled(const float* qf, const T* K, const T* V, const int64_t* t_b, int64_t lo, int64_t c,
                          int64_t bs, int64_t row, int64_t nh, int64_t G, float* sc, float* inv, T* o) {
   constexpr int C = HD / 16;
   constexpr int GB = C >= 16 ? 1 : 16 / C;       // query heads whose output rows fit 16 registers
   const int64_t n = c - lo;
+  const int64_t lines = (nh * HD * (int64_t)sizeof(T) + 63) / 64;
+  auto prefetch = [&](const T* base, int64_t i) {   // the row PF rows ahead (this task's heads): in flight meanwhile
+    const int64_t t = lo + i + PF;
+    if (t >= c) return;
+    const char* p = (const char*)(base + (t_b[t / bs] * bs + t % bs) * row);
+    for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(p + 64 * l, 0, 3);
+  };
   for_rows(K, t_b, lo, c, bs, row, [&](int64_t i, const T* r) {     // scores, head-major: sc[j * n + i]
+    prefetch(K, i);
     for (int64_t hh = 0; hh < nh; ++hh) {
       v16 kv[C];
       for (int e = 0; e < C; ++e) kv[e] = load16(r + hh * HD + 16 * e);
@@ -416,6 +427,7 @@ static void attend_tiled(const float* qf, const T* K, const T* V, const int64_t*
       for (int u = 0; u < GB; ++u)
         for (int e = 0; e < C; ++e) acc[u][e] = v16{};
       for_rows(V + hh * HD, t_b, lo, c, bs, row, [&](int64_t i, const T* r) {
+        if (hh == 0 && j0 == 0) prefetch(V, i);
         v16 vv[C];
         for (int e = 0; e < C; ++e) vv[e] = load16(r + 16 * e);
         for (int u = 0; u < GB; ++u)
