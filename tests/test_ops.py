@@ -601,11 +601,13 @@ def test_paged_decode_rows_reads_and_writes_rows_of_a_step_in_place(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_glue_kernels_equal_the_torch_ops(dtype):
+def test_decode_glue_kernels_equal_the_torch_ops(dtype, monkeypatch):
     """rope_write is transformers' RoPE bit for bit (and writes K, V to the cache rows), add_rms_norm adds
-    the residual bit for bit and normalises as LlamaRMSNorm does (bit for bit in bf16), silu_mul is
-    silu(g) * u (to rounding)."""
+    the residual bit for bit and normalises as LlamaRMSNorm does, bit for bit (at every width and row count tried),
+    silu_mul is silu(g) * u (to rounding)."""
     fused_cpu = _fused_or_skip()
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
     from molora.model.runner import _rotate_half
 
     g = torch.Generator().manual_seed(0)
@@ -632,9 +634,21 @@ def test_decode_glue_kernels_equal_the_torch_ops(dtype):
         out = fused_cpu.add_rms_norm(h, d, w, 1e-5)
     assert torch.equal(h, want_h)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    if dtype == torch.bfloat16:  # the mean from torch's reduction: transformers' bf16 norm bit for bit
-        assert torch.equal(out, want)
-    assert ((out.float() - want.float()).abs() <= tol * want.float().abs().clamp(min=1)).all()
+    assert torch.equal(out, want)   # the mean summed in torch's order: transformers' norm bit for bit
+
+    norm = LlamaRMSNorm(1, eps=1e-6)   # transformers' module, at widths that meet every branch of the reduction
+    lanes = fused_cpu._sum_lanes()      # the kernel's own sum in torch's order; 0: the mean taken from torch
+    for width in (1, 7, 15, 16, 63, 64, 100, 256, 576, 960, 1024, 1030, 2048, 4096, 5120, 16384, 20000):
+        for rows in (1, 3, 300):
+            x = (torch.randn(rows, width, generator=g) * torch.rand(rows, 1, generator=g) * 8).to(dtype)
+            norm.weight = torch.nn.Parameter((torch.rand(width, generator=g) + 0.5).to(dtype))
+            d = torch.randn(rows, width, generator=g).to(dtype)
+            for n in {lanes, 0}:
+                monkeypatch.setattr(fused_cpu, "_lanes", n)
+                with torch.no_grad():
+                    want = norm(x + d)
+                    got = fused_cpu.add_rms_norm(x.clone(), d, norm.weight, 1e-6)
+                assert torch.equal(got, want), (width, rows, n)
 
     gate, up = (torch.randn(T, 1000, generator=g) * 4).to(dtype), torch.randn(T, 1000, generator=g).to(dtype)
     want = torch.nn.functional.silu(gate) * up

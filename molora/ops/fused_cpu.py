@@ -88,7 +88,7 @@ def _load():
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
             # loaded, serves this library too); without it the kernel silently runs on one thread.
-            _module = load_inline(name=f"molora_fused_lora_v18_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
+            _module = load_inline(name=f"molora_fused_lora_v19_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
                                   functions=["lora_fused_", "bf16_dot", "paged_decode", "paged_decode_rows",
                                              "add_rms_norm", "rope_write", "silu_mul"], verbose=False,
                                   extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
@@ -212,22 +212,55 @@ def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
     """h [T, D] += delta (in place, rounded as torch's add), then transformers' RMSNorm of h (mean of squares in
     float32, x * rsqrt(mean + eps) rounded to h's dtype, times weight) -> a new [T, D]. None: cannot run.
 
-    float32: one call (the mean's sum in another order than torch's: the output may differ in the last bit).
-    bfloat16: the mean of squares comes from torch's own reduction (two ops more), so that the output equals
-    transformers' bit for bit: a last-bit difference in float32 flips the bf16 rounding of about 1 value in
-    10^6, enough to change greedy outputs (11 of the engine bench's 32 requests, measured)."""
+    Equal to transformers' bit for bit in both dtypes: the mean of squares is summed in the order of torch's own
+    reduction (csrc: torch_mean_sq, with the lane count `_sum_lanes` finds), in one call. It matters in bf16, where a
+    last-bit difference in the float32 mean flips the bf16 rounding of about 1 value in 10^6, enough to change
+    greedy outputs (11 of the engine bench's 32 requests, measured). Where no lane count reproduces torch's sum, the
+    mean comes from torch's reduction itself (the add and four more ops per call, as bf16 always did before)."""
     if not glue_supports(h) or weight.dtype != h.dtype or (delta is not None and delta.dtype != h.dtype):
         return None
     out = torch.empty(h.shape, dtype=h.dtype)
-    var = _EMPTY
-    if h.dtype != torch.float32:
+    lanes, var = _sum_lanes(), _EMPTY
+    if not lanes:
         if delta is not None:
             h.add_(delta)
             delta = None
-        var = h.float().pow_(2).mean(-1)                   # [T] as LlamaRMSNorm computes it
+        var = h.float().pow(2).mean(-1)                    # [T] as LlamaRMSNorm computes it (h stays)
     with _profiled("molora::add_rms_norm"):
-        _module.add_rms_norm(h, _EMPTY if delta is None else delta, weight, out, float(eps), var)
+        _module.add_rms_norm(h, _EMPTY if delta is None else delta, weight, out, float(eps), var, lanes)
     return out
+
+
+_lanes: int | None = None
+
+
+def _sum_lanes() -> int:
+    """The vector width (8 or 16 lanes) with which the kernel's mean of squares equals torch's
+    x.float().pow(2).mean(-1) on this machine, bit for bit, on test rows of both dtypes and widths that meet every
+    branch of its reduction; 0 if neither does (then add_rms_norm takes the mean from torch). Found once."""
+    global _lanes
+    if _lanes is None:
+        g = torch.Generator().manual_seed(0)
+        rows = [torch.randn(8, n, generator=g) * 3 for n in (7, 576, 1030, 4100, 20000)]
+        found = 0
+        for lanes in (16, 8):
+            ok = True
+            for x in rows:
+                for dtype in DTYPES:
+                    xd = x.to(dtype)
+                    one = torch.ones(x.shape[1], dtype=dtype)
+                    got = torch.empty_like(xd)
+                    _module.add_rms_norm(xd, _EMPTY, one, got, 1e-6, _EMPTY, lanes)
+                    xf = xd.float()
+                    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+                    ok = ok and torch.equal(got, want)
+            if ok:
+                found = lanes
+                break
+        if not found:
+            log.info("add_rms_norm: torch's sum order not reproduced here; the mean of squares comes from torch")
+        _lanes = found
+    return _lanes
 
 
 def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, rows: Tensor,
