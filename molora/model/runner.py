@@ -29,8 +29,8 @@ slots and router indices, not adapter names, requests or sampling.
 Per block, the residual stream h is updated in place and each add is fused with the RMSNorm that reads it; RoPE
 is applied in place together with the K/V cache write; the MLP's SiLU(gate) * up is one call (the C++ glue of
 `molora.ops.fused_cpu`, with the same torch ops as the fallback where it cannot run). RoPE and the adds equal
-the torch ops bit for bit, and so does the norm in bf16; in float32 the norm's mean and SiLU's exp may differ
-from torch's in the last bit (greedy outputs of the engine bench unchanged in both dtypes, measured).
+the torch ops bit for bit, and so does the norm in both dtypes (its mean summed in torch's order); SiLU's exp may
+differ from torch's in the last bit (greedy outputs of the engine bench unchanged in both dtypes, measured).
 
 A decode step can instead be replayed from a captured graph (`enable_graphs`, molora.model.graphs: CUDA graphs,
 one per batch-size bucket, static buffers, padding rows writing into the cache's one spare block,
