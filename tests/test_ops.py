@@ -662,29 +662,40 @@ def test_decode_glue_kernels_equal_the_torch_ops(dtype, monkeypatch):
 @pytest.mark.skipif(not __import__("molora.ops.packed", fromlist=["available"]).available(),
                     reason="MKL's packed linear is not in this torch build")
 def test_packed_linear_equals_torch_bit_for_bit_and_follows_weight_changes():
-    """PackedLinear (molora.ops.packed) runs MKL's packed GEMM for every row count above one (one packed copy) and
-    equals torch.mm / addmm up to float32 rounding (one row: torch itself, bit for bit), strided rows included; a
-    weight changed in place is packed again."""
+    """PackedLinear (molora.ops.packed) runs its packed GEMM (molora's panel kernel up to PANEL_MAX_ROWS rows, or
+    MKL's for a width that is not a multiple of 16) for every row count above one (one packed copy) and equals
+    torch.mm / addmm up to float32 rounding (one row, or panels past their limit: torch itself), strided rows
+    included; on panels a row's result does not depend on the other rows; a weight changed in place is packed
+    again."""
     from torch.profiler import profile
-    from molora.ops.packed import PackedLinear
+
+    from molora.ops import fused_cpu
+    from molora.ops.packed import PANEL_MAX_ROWS, PackedLinear
 
     g = torch.Generator().manual_seed(5)
-    for d_out, d_in, bias in ((96, 64, False), (200, 48, True), (64, 150, False)):
+    forms = set()
+    for d_out, d_in, bias in ((96, 64, False), (200, 48, True), (64, 150, False), (48, 40, True)):
         w = torch.randn(d_out, d_in, generator=g)
         b = torch.randn(d_out, generator=g) if bias else None
         lin = PackedLinear(w, b)
+        forms.add(lin.form)
         with torch.no_grad():
-            for T in (1, 2, 3, 31, 32, 33, 257):
+            for T in (1, 2, 3, 9, 31, 32, 33, 257):
                 x = torch.randn(T, d_in + 3, generator=g)[:, :d_in]             # rows with a wider stride
                 want = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
                 with profile() as prof:
                     got = lin(x)
                 unpacked = any(e.key == "aten::mm" or e.key == "aten::addmm" for e in prof.key_averages())
-                assert unpacked == (T == 1), (T, "the packed kernel runs for every T > 1, torch for one row")
+                torch_rows = T == 1 or (lin.form == "panels" and T > PANEL_MAX_ROWS)
+                assert unpacked == torch_rows, (T, "the packed kernel runs for T > 1 (panels: up to their limit)")
                 assert torch.equal(got, want) if T == 1 else (got - want).abs().max() <= 1e-4, (d_out, d_in, T)
+                if lin.form == "panels" and not torch_rows:   # each row's sum in k order: a row's result is its own
+                    assert torch.equal(lin(x[:2]), got[:2]) and torch.equal(lin(x[-2:]), got[-2:]), T
             x = torch.randn(8, d_in, generator=g)
             w.mul_(0.5)                                                         # in place: version moves
             want = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
             assert (lin(x) - want).abs().max() <= 1e-4
+    # molora's panel kernel packs widths that are multiples of 16, MKL the others (200), where each is built
+    assert forms == ({"panels"} if fused_cpu.available() else set()) | {"mkl"}
     with pytest.raises(ValueError, match="float32 CPU"):
         PackedLinear(torch.randn(4, 4, dtype=torch.bfloat16))

@@ -88,9 +88,10 @@ def _load():
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
             # loaded, serves this library too); without it the kernel silently runs on one thread.
-            _module = load_inline(name=f"molora_fused_lora_v19_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
+            _module = load_inline(name=f"molora_fused_lora_v20_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
                                   functions=["lora_fused_", "bf16_dot", "paged_decode", "paged_decode_rows",
-                                             "add_rms_norm", "rope_write", "silu_mul"], verbose=False,
+                                             "add_rms_norm", "rope_write", "silu_mul", "linear_panels"],
+                                  verbose=False,
                                   extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"])
         except Exception as e:  # no compiler, no ninja, unsupported platform: the eager backends remain
@@ -283,6 +284,19 @@ def silu_mul(g: Tensor, u: Tensor) -> bool:
     with _profiled("molora::silu_mul"):
         _module.silu_mul(g, u)
     return True
+
+
+def linear_panels(x: Tensor, panels: Tensor, bias: Tensor | None) -> Tensor | None:
+    """x [M, K] @ W.T (+ bias) -> a new [M, N], float32, with W packed as panels [N / 16, K, 16]
+    (molora.ops.packed.panels). None: cannot run (not built, not float32 CPU, autograd on)."""
+    if not glue_supports(x) or x.dtype != torch.float32 or x.dim() != 2:
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(x.shape[0], panels.shape[0] * 16)
+    with _profiled("molora::linear_panels"):
+        _module.linear_panels(y, x, panels, _EMPTY if bias is None else bias)
+    return y
 
 
 _EMPTY = torch.empty(0)
