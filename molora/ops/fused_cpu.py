@@ -33,6 +33,9 @@ write) and `silu_mul` (SiLU(gate) * up). Measured on the bench's routed batch-32
 threads): with them (and the runner's and routed linears' other cuts) a step records about 2900 profiler events
 instead of about 5500 (6300 in bf16), and runs 5-7% faster (interleaved A/B in one process).
 
+And `linear_panels`: the float32 GEMM for few rows on weights packed in panels of 16 columns, which the runner's
+linears run through molora.ops.packed (its docstring: the measurements).
+
 Limits (callers fall back to the eager backends): CPU, float32 or bfloat16, top-1 routing (k = 1), no autograd, B
 stored slot-major (B.transpose(1, 2) contiguous, as `LoRASlots` keeps it), x and out with unit column
 stride. `available()` says whether the extension built; MOLORA_FUSED=0 turns it off.
