@@ -296,7 +296,7 @@ def linear_panels(x: Tensor, panels: Tensor, bias: Tensor | None) -> Tensor | No
         return None
     if x.stride(1) != 1:
         x = x.contiguous()
-    y = torch.empty(x.shape[0], panels.shape[0] * 16)
+    y = torch.empty(x.shape[0], panels.shape[0] * 16, dtype=torch.float32)
     with _profiled("molora::linear_panels"):
         _module.linear_panels(y, x, panels, _EMPTY if bias is None else bias)
     return y
