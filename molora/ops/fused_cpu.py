@@ -91,7 +91,7 @@ def _load():
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
             # loaded, serves this library too); without it the kernel silently runs on one thread.
-            _module = load_inline(name=f"molora_fused_lora_v20_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
+            _module = load_inline(name=f"molora_fused_lora_v21_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
                                   functions=["lora_fused_", "bf16_dot", "paged_decode", "paged_decode_rows",
                                              "add_rms_norm", "rope_write", "silu_mul", "linear_panels"],
                                   verbose=False,
@@ -245,25 +245,17 @@ def _sum_lanes() -> int:
     global _lanes
     if _lanes is None:
         g = torch.Generator().manual_seed(0)
-        rows = [torch.randn(8, n, generator=g) * 3 for n in (7, 576, 1030, 4100, 20000)]
-        found = 0
-        for lanes in (16, 8):
-            ok = True
-            for x in rows:
-                for dtype in DTYPES:
-                    xd = x.to(dtype)
-                    one = torch.ones(x.shape[1], dtype=dtype)
-                    got = torch.empty_like(xd)
-                    _module.add_rms_norm(xd, _EMPTY, one, got, 1e-6, _EMPTY, lanes)
-                    xf = xd.float()
-                    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
-                    ok = ok and torch.equal(got, want)
-            if ok:
-                found = lanes
-                break
-        if not found:
+        rows = [(torch.randn(8, n, generator=g) * 3).to(dtype) for n in (7, 576, 1030, 4100, 20000) for dtype in DTYPES]
+
+        def matches(x: Tensor, lanes: int) -> bool:   # the kernel's norm (weight 1) equals torch's formula
+            got = torch.empty_like(x)
+            _module.add_rms_norm(x, _EMPTY, torch.ones(x.shape[1], dtype=x.dtype), got, 1e-6, _EMPTY, lanes)
+            xf = x.float()
+            return torch.equal(got, (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype))
+
+        _lanes = next((lanes for lanes in (16, 8) if all(matches(x, lanes) for x in rows)), 0)
+        if not _lanes:
             log.info("add_rms_norm: torch's sum order not reproduced here; the mean of squares comes from torch")
-        _lanes = found
     return _lanes
 
 

@@ -67,7 +67,8 @@ class PackedLinear:
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         if not supports(weight):
             raise ValueError(f"PackedLinear packs float32 CPU weights where molora's kernel or MKL is available; got "
-                             f"{weight.dtype} on {weight.device.type} (packing {'available' if available() else 'unavailable'})")
+                             f"{weight.dtype} on {weight.device.type} "
+                             f"(packing {'available' if available() else 'unavailable'})")
         self.weight, self.bias = weight, bias
         # "panels" (up to PANEL_MAX_ROWS rows; torch's GEMM above), else "mkl" (every T), else "torch" (nothing packs
         # this one here: torch's GEMM)

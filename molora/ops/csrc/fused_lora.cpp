@@ -374,14 +374,24 @@ static inline v4 hsum4(v16 a, v16 b, v16 c, v16 d) {
   return __builtin_shufflevector(t, t, 0, 4, 8, 12);   // (b0 + b2) + (b1 + b3) in lane 0 of each group
 }
 
+// softmax numerators in place over each of the nq score rows of sc [nq, n] (max subtracted), inv[j] = 1 / their sum
+static inline void softmax_rows(float* sc, int64_t nq, int64_t n, float* inv) {
+  for (int64_t j = 0; j < nq; ++j) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, sc[j * n + i]);
+    inv[j] = 1.f / exp_sum(sc + j * n, n, m);
+  }
+}
+
+// Rows prefetched ahead in attend_tiled. Measured against no prefetch (scripts/ab_paged_decode.py, 16 repetitions):
+// 1.10x and 1.06x in float32 at contexts 160 and 1000, 0.99x and 1.00x in bf16 (half the lines per row).
+constexpr int64_t PF = 8;
+
 // One task's attention with the head dim HD known at compile time: a key row's HD / 16 vectors stay in registers
 // for all G query heads of its kv head, whose dot products reduce four at a time (hsum4); the value pass runs per
 // kv head and per group of up to 16 / (HD / 16) query heads, their output rows held in registers across the
 // context (no load and store of an accumulator per row). The same sums in the same order as the generic path
 // (dot_row, axpy_row): outputs equal bit for bit.
-// Rows prefetched ahead in attend_tiled. Measured against no prefetch (scripts/ab_paged_decode.py, 16 repetitions):
-// 1.10x and 1.06x in float32 at contexts 160 and 1000, 0.99x and 1.00x in bf16 (half the lines per row).
-constexpr int64_t PF = 8;
 template <typename T, int HD>
 static void attend_tiled(const float* qf, const T* K, const T* V, const int64_t* t_b, int64_t lo, int64_t c,
                          int64_t bs, int64_t row, int64_t nh, int64_t G, float* sc, float* inv, T* o) {
@@ -414,12 +424,7 @@ static void attend_tiled(const float* qf, const T* K, const T* V, const int64_t*
       }
     }
   });
-  const int64_t nq = nh * G;
-  for (int64_t j = 0; j < nq; ++j) {
-    float m = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, sc[j * n + i]);
-    inv[j] = 1.f / exp_sum(sc + j * n, n, m);
-  }
+  softmax_rows(sc, nh * G, n, inv);
   for (int64_t hh = 0; hh < nh; ++hh)
     for (int64_t j0 = hh * G; j0 < (hh + 1) * G; j0 += GB) {
       const int64_t g = std::min<int64_t>(GB, (hh + 1) * G - j0);
@@ -479,11 +484,7 @@ static void paged_decode_run(const T* Q, const T* K, const T* V, T* O, const int
         const float* k = widened(r, nh * hd, buf);
         for (int64_t j = 0; j < nq; ++j) sc[j * n + i] = dot_row(qf.data() + j * hd, k + (j / G) * hd, hd);
       });
-      for (int64_t j = 0; j < nq; ++j) {
-        float m = -INFINITY;
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, sc[j * n + i]);
-        inv[j] = 1.f / exp_sum(sc.data() + j * n, n, m);
-      }
+      softmax_rows(sc.data(), nq, n, inv.data());
       for_rows(V + h0 * hd, t_b, lo, c, bs, row, [&](int64_t i, const T* r) {
         const float* v = widened(r, nh * hd, buf);
         for (int64_t j = 0; j < nq; ++j) axpy_row(acc.data() + j * hd, sc[j * n + i], v + (j / G) * hd, hd);
