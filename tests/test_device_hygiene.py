@@ -154,3 +154,21 @@ def test_gpu_recipe_manifests_name_the_base_folder_read_bundle_finds(tmp_path, m
     write_manifest(work / "big", recipe.bundle_manifest(models["big"], []))
     assert read_bundle(work / "big").base == str((tmp_path / "runs/gpu/models/Qwen3-8B").resolve())
     assert recipe.bundle_manifest("default", [])["base"] == "default"
+
+
+def test_a_thread_flag_is_off_in_every_thread_until_that_thread_sets_it() -> None:
+    import threading
+
+    from molora.ops.device import ThreadFlag
+
+    flag, seen = ThreadFlag(), []
+    assert not flag.on
+    with flag():
+        assert flag.on
+        with flag():
+            assert flag.on
+        assert flag.on                      # the inner block restores the outer value
+        other = threading.Thread(target=lambda: seen.append(flag.on))
+        other.start()
+        other.join()
+    assert seen == [False] and not flag.on

@@ -506,6 +506,67 @@ def test_fused_bf16_close_to_fp32_reference(T, d_in, d_out) -> None:
     assert err <= max(2 * err_stacked, 1e-2 * want.abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_add_into_equals_apply_bit_for_bit(dtype, weighted) -> None:
+    """The routed linears' path: the fused kernel on the plan's prepared arguments, no checks in Python."""
+    _fused_or_skip()
+    x, A, B, scale, ids, w = make(37, 5, dtype=dtype, weighted=weighted)
+    B = B.transpose(1, 2).contiguous().transpose(1, 2)
+    base = torch.randn(37, D_OUT, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for backend in ("auto", "fused"):
+        dispatch = LoRADispatcher(backend)
+        with torch.inference_mode():
+            plan = dispatch.plan(ids, w, num_slots=5)
+            assert plan.fused_step(backend, dtype) is not None
+            want = dispatch.apply(dispatch.plan(ids, w, num_slots=5), x, A, B, scale, out=base.clone())
+            got = base.clone()
+            assert dispatch.add_into(plan, x, A, B, scale, got) is got
+        assert torch.equal(got, want)
+
+
+def test_add_into_takes_the_checked_path_where_the_kernel_cannot_run() -> None:
+    _fused_or_skip()
+    x, A, B, scale, ids, _ = make(9, 3)
+    B_major = B.transpose(1, 2).contiguous().transpose(1, 2)
+    want = lora_delta_reference(x, A, B, scale, ids)
+    dispatch = LoRADispatcher("auto")
+    with torch.inference_mode():
+        plan = dispatch.plan(ids, num_slots=3)
+        wide = torch.zeros(9, 2 * D_IN)
+        wide[:, ::2] = x                                   # x with a column stride of 2: the kernel declines it
+        out = torch.zeros(9, D_OUT)
+        dispatch.add_into(plan, wide[:, ::2], A, B_major, scale, out)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        out = torch.zeros(9, D_OUT)
+        dispatch.add_into(plan, x, A, B, scale, out)        # B not slot-major: the eager backends
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        assert LoRADispatcher("sort_group").plan(ids, num_slots=3).fused_step("sort_group", torch.float32) is None
+    out = torch.zeros(9, D_OUT)
+    dispatch.add_into(dispatch.plan(ids, num_slots=3), x, A, B_major, scale, out)   # autograd on
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_fused_kernel_checks_shapes_itself_and_leaves_out_unchanged() -> None:
+    """add_into skips apply's checks in Python; the kernel refuses shapes that disagree, naming them."""
+    fused_cpu = _fused_or_skip()
+    x, A, B, scale, ids, _ = make(9, 3)
+    B = B.transpose(1, 2).contiguous().transpose(1, 2)
+    dispatch = LoRADispatcher("auto")
+    with torch.inference_mode():
+        plan = dispatch.plan(ids, num_slots=3)
+        out = torch.zeros(9, D_OUT)
+        with pytest.raises(RuntimeError, match="shapes disagree"):
+            dispatch.add_into(plan, torch.randn(9, D_IN + 1), A, B, scale, out)
+        with pytest.raises(RuntimeError, match="shapes disagree"):
+            dispatch.add_into(plan, x, A, B, scale, torch.zeros(9, D_OUT + 3))
+        with pytest.raises(RuntimeError, match="token"):   # a token outside x's rows
+            fused_cpu.lora_add(out[:2], x[:2], A, B, scale, torch.tensor([5]), None, [1, 0, 0])
+        with pytest.raises(RuntimeError, match="pairs"):   # counts naming more pairs than tok holds
+            fused_cpu.lora_add(out, x, A, B, scale, torch.tensor([0]), None, [2, 0, 0])
+        assert not out.any()
+
+
 def test_backend_for_names_what_apply_runs() -> None:
     from molora.ops import fused_cpu
     from molora.ops.lora import LoRAInputError

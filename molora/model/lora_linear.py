@@ -116,7 +116,8 @@ class RoutedLoRALinear(nn.Module):
         self._wt: torch.Tensor | None = None  # weight.t() (inference only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
+        params = self._parameters                              # (add_delta: why not self.weight)
+        weight, bias = params["weight"], params.get("bias")   # (a bias of None lives outside _parameters)
         if x.dim() == 2 and not torch.is_grad_enabled():  # what F.linear runs for 2-D x, minus three view ops
             wt = self._wt
             if wt is None or wt.data_ptr() != weight.data_ptr() or wt.dtype != weight.dtype:
@@ -130,33 +131,36 @@ class RoutedLoRALinear(nn.Module):
         """y, this linear's base output for x, plus each token's routed delta (added into y in place where
         autograd is off; a new tensor where it is on). `forward` is base + add_delta; the engine's runner computes
         the base its own way (packed weights, molora.ops.packed) and adds the delta here."""
+        # Runs 7 * L times a step: the slots and their tensors are read through the module dicts, as nn.Module's
+        # __getattr__ would find them (each lookup through it cost about 1.5 us here, five per call).
         ctx = self.context
         slot_ids = ctx.slot_ids
-        lora = self.lora
+        lora = self._modules["lora"]
         static = recording.on
         if (slot_ids is None and ctx.linear is None) or (lora.active == 0 and not static):
             return y
+        bufs = lora._buffers
+        A, Bt, scale = bufs["A"], bufs["Bt"], bufs["scale"]
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [T, d_in]
         if slot_ids is not None and flat.shape[0] != slot_ids.shape[0]:
             raise RuntimeError(f"routing covers {slot_ids.shape[0]} tokens but the layer got {flat.shape[0]}")
         if ctx.linear is not None:  # per-linear routing: this linear's own decision from its input
-            plan = ctx.linear_plan(self.name, flat, self.dispatcher, lora.A.shape[0])
+            plan = ctx.linear_plan(self.name, flat, self.dispatcher, A.shape[0])
         else:
-            plan = ctx.plan(self.dispatcher, lora.A.shape[0])
+            plan = ctx._plan or ctx.plan(self.dispatcher, A.shape[0])
         if torch.is_grad_enabled():  # autograd keeps the sum out of place
-            delta = self.dispatcher.apply(plan, flat, lora.A, lora.B, lora.scale)
+            delta = self.dispatcher.apply(plan, flat, A, lora.B, scale)
             return y + delta.view(y.shape).to(y.dtype)
-        Bt, scale = lora.Bt, lora.scale
         if self._B is None or self._B[0] is not Bt:
-            self._B = (Bt, lora.B)
+            self._B = (Bt, Bt.transpose(1, 2))                 # lora.B, kept while the bank's Bt stays the same
         if scale.dtype != torch.float32 and static:  # recorded: the cast runs again at every replay
             scale = scale.float()
         elif scale.dtype != torch.float32:  # a bf16 model's bank: the kernels take scale in float32 (exact)
             if self._scale is None or self._scale[0] is not scale or self._scale[1] != scale._version:
                 self._scale = (scale, scale._version, scale.float())
             scale = self._scale[2]
-        self.dispatcher.apply(plan, flat, lora.A, self._B[1], scale,
-                              out=y if y.dim() == 2 else y.view(-1, self.out_features))
+        self.dispatcher.add_into(plan, flat, A, self._B[1], scale,
+                                 y if y.dim() == 2 else y.view(-1, self.out_features))
         return y
 
     def to_linear(self) -> nn.Linear:

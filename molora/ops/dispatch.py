@@ -6,6 +6,8 @@ validation (`_validate`: shapes, dtypes, what an explicit backend can run; clear
 (`pick_backend`: a pure function of device, dtype, T, S, k, r, D and whether the fused kernel can run; the
 measurements behind its thresholds and which of them have a committed record: docs/dispatch.md), and the
 memory of both per tensor signature, which `_resolve` keeps on the step's `RoutingPlan` (`plan.resolved`).
+`LoRADispatcher.add_into`, the routed linears' call, skips all three where the fused kernel runs: the plan
+prepares the kernel's arguments once per step (`RoutingPlan.fused_step`) and the kernel checks the shapes.
 Knows nothing about adapter names or models: callers hand in stacked slot tensors and slot ids
 (semantics and shapes in `molora.ops.lora`).
 """
@@ -139,6 +141,7 @@ class RoutingPlan:
         self._groups: SlotGroups | None = None
         self._slot_weights: dict[torch.dtype, Tensor] = {}
         self._triton = None
+        self._fused: dict[tuple, tuple | None] = {}  # (backend, dtype) -> fused_step's answer
         self.resolved: dict[tuple, str] = {}  # tensor signature -> backend, validated and "auto" resolved (_resolve)
 
     @property
@@ -160,6 +163,23 @@ class RoutingPlan:
         if self._triton is None:
             self._triton = _triton_lora().build_plan(self.slot_ids, self.weights, self.num_slots)
         return self._triton
+
+    def fused_step(self, backend: str, dtype: torch.dtype) -> tuple | None:
+        """The per-step arguments of the fused kernel, (tok, weight float32 or None, counts), where `backend` ("auto"
+        or "fused") runs it on this plan for CPU tensors of `dtype` with autograd off; else None. Computed once per
+        plan, backend and dtype (the first call sorts the plan's groups): `LoRADispatcher.add_into`'s fast path."""
+        key = (backend, dtype)
+        if key not in self._fused:
+            step = None
+            if (self.slot_ids.device.type == "cpu" and dtype in fused_cpu.DTYPES and self.top_k == 1
+                    and fused_cpu.available()
+                    and (backend == "fused" or backend == "auto" and pick_backend(
+                        "cpu", dtype, self.num_tokens, self.num_slots, 1, 0, 0, fused_available=True,
+                        bf16_dot=fused_cpu.bf16_dot()) == "fused")):
+                g = self.groups()
+                step = (g.tok.contiguous(), None if g.weight is None else g.weight.float().contiguous(), g.counts)
+            self._fused[key] = step
+        return self._fused[key]
 
     def slot_weights(self, dtype: torch.dtype) -> Tensor:
         """stacked_mask's [T, S] weight matrix in `dtype`, computed on first use."""
@@ -306,6 +326,17 @@ class LoRADispatcher:
               out: Tensor | None = None) -> Tensor:
         """The delta [T, D_out] of one target linear (x [T, D_in], A [S, R, D_in], B [S, D_out, R], scale [S]);
         with out [T, D_out] (e.g. the base output) the delta is added into it in place, no new tensor."""
+        return _apply(self.backend, plan, x, A, B, scale, out)
+
+    def add_into(self, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor) -> Tensor:
+        """`apply(plan, x, A, B, scale, out)`: the delta added into out [T, D_out] in place, and out returned. Where
+        the fused kernel is what runs (`RoutingPlan.fused_step`), it is called directly on the plan's prepared
+        arguments and checks the shapes itself (a RuntimeError), without `apply`'s argument checks in Python; the
+        routed linears call this once per linear and step. Anything else (another backend, a layout the kernel
+        does not take, autograd on) goes through `apply`, checks included."""
+        step = None if torch.is_grad_enabled() else plan.fused_step(self.backend, x.dtype)
+        if step is not None and x.device.type == "cpu" and fused_cpu.lora_add(out, x, A, B, scale, *step):
+            return out
         return _apply(self.backend, plan, x, A, B, scale, out)
 
     def backend_for(self, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor,

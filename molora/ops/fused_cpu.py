@@ -91,7 +91,7 @@ def _load():
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
             # loaded, serves this library too); without it the kernel silently runs on one thread.
-            _module = load_inline(name=f"molora_fused_lora_v21_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
+            _module = load_inline(name=f"molora_fused_lora_v22_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
                                   functions=["lora_fused_", "bf16_dot", "paged_decode", "paged_decode_rows",
                                              "add_rms_norm", "rope_write", "silu_mul", "linear_panels"],
                                   verbose=False,
@@ -165,9 +165,26 @@ def fused_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, o
     if w is not None and (w.dtype != torch.float32 or not w.is_contiguous()):
         w = w.float().contiguous()
     with _profiled("molora::lora_fused"):
-        mod.lora_fused_(out, x, A.contiguous(), B, g.tok, scale, _NO_WEIGHTS if w is None else w,
-                        g.counts)
+        done = mod.lora_fused_(out, x, A.contiguous(), B, g.tok, scale, _NO_WEIGHTS if w is None else w, g.counts)
+    if not done:  # `supports` and the conversions above give the kernel its layout; this is a bug if reached
+        raise LoRABackendError(f"the fused kernel declined the layout of x {tuple(x.stride())}, out "
+                               f"{tuple(out.stride())}, B {tuple(B.stride())}")
     return out
+
+
+def lora_add(out: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, tok: Tensor, weight: Tensor | None,
+             counts: list[int]) -> bool:
+    """`fused_apply` into `out` on a step's prepared arguments (`molora.ops.dispatch.RoutingPlan.fused_step`:
+    tok, weight in float32 or None, counts), with no check in Python: the kernel checks the shapes (a
+    RuntimeError names the one that disagrees) and returns False, having done nothing, where the layout is not its
+    own (a column stride other than 1, B not slot-major, scale not contiguous float32) or where it cannot run now
+    (not built, `suspended`, autograd on); the caller then takes the checked path. The routed linears' path: about
+    a tenth of the Python time per call of the checked one."""
+    mod = _ready()
+    if mod is None or torch.is_grad_enabled():
+        return False
+    with _profiled("molora::lora_fused"):
+        return mod.lora_fused_(out, x, A, B, tok, scale, _NO_WEIGHTS if weight is None else weight, counts)
 
 
 def paged_decode(q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, ctx: Tensor, block_size: int, scale: float,

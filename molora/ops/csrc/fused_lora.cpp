@@ -251,26 +251,47 @@ bool bf16_dot() {
 #endif
 }
 
-void lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Tensor B, torch::Tensor tok,
+// Returns false, having done nothing, where the layout is not the kernel's (a row stride other than 1 in x or out,
+// B not slot-major, A not contiguous, scale or weight not contiguous float32): the caller takes another path. Shapes
+// that disagree raise (each call is checked here, so that callers may skip their own checks per call).
+bool lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Tensor B, torch::Tensor tok,
                  torch::Tensor scale, torch::Tensor weight, std::vector<int64_t> counts) {
-  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && A.dim() == 3 && B.dim() == 3 && tok.dim() == 1,
+              "lora_fused_: x [T, D_in], out [T, D_out], A [S, R, D_in], B [S, D_out, R] and tok [n] expected");
+  const int64_t S = A.size(0), R = A.size(1), Din = A.size(2), Dout = B.size(1), T = x.size(0);
+  TORCH_CHECK(x.size(1) == Din && out.size(0) == T && B.size(0) == S && B.size(2) == R && out.size(1) == Dout,
+              "lora_fused_: shapes disagree: x ", x.sizes(), ", out ", out.sizes(), ", A ", A.sizes(), ", B ", B.sizes());
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() && A.scalar_type() == x.scalar_type() &&
+              B.scalar_type() == x.scalar_type() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "lora_fused_: x, out, A and B must share one dtype, float32 or bfloat16");
+  TORCH_CHECK(tok.scalar_type() == at::kLong && (int64_t)counts.size() <= S && scale.numel() >= S,
+              "lora_fused_: tok int64, at most S counts, scale [S]");
+  int64_t pairs = 0;
+  for (int64_t c : counts) { TORCH_CHECK(c >= 0, "lora_fused_: negative count"); pairs += c; }
+  TORCH_CHECK(pairs <= tok.numel() && (weight.numel() == 0 || weight.numel() >= pairs),
+              "lora_fused_: counts name ", pairs, " pairs; tok has ", tok.numel(), ", weight ", weight.numel());
   // B [S, Dout, R] stored slot-major (its transpose Bt [S, R, Dout] contiguous): read through Bt's layout
-  const int64_t S = A.size(0), R = A.size(1), Din = A.size(2), Dout = B.size(1);
-  TORCH_CHECK((Dout == 1 || B.stride(1) == 1) && (R == 1 || B.stride(2) == Dout) && (S == 1 || B.stride(0) == R * Dout),
-              "lora_fused_: B slot-major");
+  const bool layout = (Dout == 1 || B.stride(1) == 1) && (R == 1 || B.stride(2) == Dout) &&
+                      (S == 1 || B.stride(0) == R * Dout) && A.is_contiguous() && tok.is_contiguous() &&
+                      (Din <= 1 || x.stride(1) == 1) && (Dout <= 1 || out.stride(1) == 1) &&
+                      scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                      (weight.numel() == 0 || (weight.scalar_type() == at::kFloat && weight.is_contiguous()));
+  if (!layout) return false;
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  for (int64_t p = 0; p < pairs; ++p) TORCH_CHECK(tp[p] >= 0 && tp[p] < T, "lora_fused_: token ", tp[p], " of ", T);
+  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   const torch::Tensor& Bt = B;
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
-  const int64_t* tp = tok.data_ptr<int64_t>();
   const float* sp = scale.data_ptr<float>();
   const float* wp = weight.numel() ? weight.data_ptr<float>() : nullptr;   // empty: every pair weighs 1
   if (x.scalar_type() == at::kFloat) {
     run<float>(out.data_ptr<float>(), x.data_ptr<float>(), A.data_ptr<float>(), Bt.data_ptr<float>(), ldx, ldo,
                S, R, Din, Dout, tp, sp, wp, counts);
   } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora_fused_: float32 or bfloat16 tensors");
     auto u = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
     run<uint16_t>(u(out), u(x), u(A), u(Bt), ldx, ldo, S, R, Din, Dout, tp, sp, wp, counts);
   }
+  return true;
 }
 
 // ------------------------------------------------------------------------------------ paged decode attention
