@@ -760,3 +760,38 @@ def test_packed_linear_equals_torch_bit_for_bit_and_follows_weight_changes():
     assert forms == ({"panels"} if fused_cpu.available() else set()) | {"mkl"}
     with pytest.raises(ValueError, match="float32 CPU"):
         PackedLinear(torch.randn(4, 4, dtype=torch.bfloat16))
+
+
+def test_amx_linear_equals_torch_bf16_and_each_row_is_its_own():
+    """bfloat16 on AMX tiles (molora.ops.packed form "amx"): torch's bf16 linear bit for bit up to 32 rows (torch's
+    oneDNN computes the same sums in the same order there; above, torch's blocking changes and a few outputs move by
+    a bf16 rounding), a row's result independent of the other rows at every T the kernel serves, strided rows, a bias
+    added before the one rounding, an odd panel count, a weight changed in place packed again."""
+    from molora.ops import fused_cpu
+    from molora.ops.packed import PANEL_MAX_ROWS, PackedLinear, form
+
+    if not fused_cpu.amx():
+        pytest.skip(f"no AMX-BF16 tile unit here (or no kernel build: {fused_cpu.unavailable_reason()})")
+    g = torch.Generator().manual_seed(6)
+    for d_out, d_in, bias in ((96, 64, False), (48, 160, True), (576, 576, False), (16, 32, True)):
+        w = (torch.randn(d_out, d_in, generator=g) * 0.1).bfloat16()
+        b = (torch.randn(d_out, generator=g)).bfloat16() if bias else None
+        lin = PackedLinear(w, b)
+        assert lin.form == "amx"
+        with torch.no_grad():
+            for T in (1, 2, 3, 16, 17, 31, 32, 33, 100, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1):
+                x = torch.randn(T, d_in + 8, generator=g).bfloat16()[:, :d_in]     # rows with a wider stride
+                got, want = lin(x), torch.nn.functional.linear(x, w, b)
+                assert got.dtype == torch.bfloat16 and got.shape == want.shape
+                if T <= 32 or T > PANEL_MAX_ROWS:
+                    assert torch.equal(got, want), (d_out, d_in, T)
+                else:
+                    assert (got != want).float().mean() < 1e-2
+                    assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+                if 2 <= T <= PANEL_MAX_ROWS:
+                    assert torch.equal(lin(x[:2]), got[:2]) and torch.equal(lin(x[-3:]), got[-3:]), T
+            w.mul_(0.5)                                                            # in place: packed again
+            x = torch.randn(8, d_in, generator=g).bfloat16()
+            assert torch.equal(lin(x), torch.nn.functional.linear(x, w, b))
+    assert form(torch.randn(48, 40).bfloat16()) == "torch"        # K not a multiple of 32: torch's GEMM
+    assert form(torch.randn(40, 64).bfloat16()) == "torch"        # N not a multiple of 16

@@ -69,7 +69,8 @@ KERNEL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", 
                         "aten::_scaled_dot_product_efficient_attention",
                         "aten::_scaled_dot_product_flash_attention",
                         "molora::lora_fused", "molora::paged_decode",   # the C++ kernels (molora.ops.fused_cpu)
-                        "mkl::_mkl_linear", "molora::linear_panels"})   # GEMMs on packed weights (molora.ops.packed)
+                        # GEMMs on packed weights (molora.ops.packed)
+                        "mkl::_mkl_linear", "molora::linear_panels", "molora::linear_amx"})
 
 
 def kernel_seconds(fn: Callable[[], Any], device: torch.device | None = None) -> tuple[float, float]:

@@ -79,7 +79,7 @@ class EngineConfig:
     stop_at_eos: bool = True           # finish a request at the model's eos token(s)
     seed: int = 0                      # seeds the generators of sampled requests that give no seed
     enforce_eager: bool = False        # on CUDA, never replay decode steps from CUDA graphs (vLLM's name)
-    pack_weights: bool | None = None   # base GEMMs on packed weights (molora.ops.packed; None: float32 CPU, MKL)
+    pack_weights: bool | None = None   # base GEMMs on packed weights (molora.ops.packed; None: where they run)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_tokens_per_step", "block_size", "kv_budget_tokens", "max_model_len"):

@@ -220,8 +220,9 @@ class ModelRunner:
         self.norm = inner.norm
         param = next(mm.model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        # base GEMMs on packed weights (molora.ops.packed) where they run (float32 on a CPU with MKL), unless False
-        self.pack_weights = pack_weights is not False and packed.supports(param)
+        # base GEMMs on packed weights (molora.ops.packed) where they run (`packed.form`: float32 on molora's kernel
+        # or MKL, bfloat16 on AMX; each linear is asked on its own), unless False
+        self.pack_weights = pack_weights is not False and param.device.type == "cpu"
         self.lm_head = _Linear(mm.model.lm_head, self.pack_weights)
         # The blocks' own submodules, resolved once.
         self.blocks = [_Block(layer, i, cfg, self.pack_weights) for i, layer in enumerate(inner.layers)]

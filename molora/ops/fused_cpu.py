@@ -33,8 +33,9 @@ write) and `silu_mul` (SiLU(gate) * up). Measured on the bench's routed batch-32
 threads): with them (and the runner's and routed linears' other cuts) a step records about 2900 profiler events
 instead of about 5500 (6300 in bf16), and runs 5-7% faster (interleaved A/B in one process).
 
-And `linear_panels`: the float32 GEMM for few rows on weights packed in panels of 16 columns, which the runner's
-linears run through molora.ops.packed (its docstring: the measurements).
+And two GEMMs for few rows on weights packed once, which the runner's linears run through molora.ops.packed (its
+docstring: the measurements): `linear_panels` in float32 (panels of 16 columns) and `linear_amx` in bfloat16 (on the
+CPU's AMX tile unit, where it has one; the weight in the layout of the tiles).
 
 Limits (callers fall back to the eager backends): CPU, float32 or bfloat16, top-1 routing (k = 1), no autograd, B
 stored slot-major (B.transpose(1, 2) contiguous, as `LoRASlots` keeps it), x and out with unit column
@@ -91,9 +92,10 @@ def _load():
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
             # loaded, serves this library too); without it the kernel silently runs on one thread.
-            _module = load_inline(name=f"molora_fused_lora_v22_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
+            _module = load_inline(name=f"molora_fused_lora_v23_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
                                   functions=["lora_fused_", "bf16_dot", "paged_decode", "paged_decode_rows",
-                                             "add_rms_norm", "rope_write", "silu_mul", "linear_panels"],
+                                             "add_rms_norm", "rope_write", "silu_mul", "linear_panels", "amx_ready",
+                                             "linear_amx"],
                                   verbose=False,
                                   extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"])
@@ -311,7 +313,29 @@ def linear_panels(x: Tensor, panels: Tensor, bias: Tensor | None) -> Tensor | No
     return y
 
 
+def amx() -> bool:
+    """Whether the built kernel runs bfloat16 GEMMs on the CPU's AMX tiles here (`linear_amx`): compiled for a CPU
+    with AMX-BF16 and granted the tile state by the OS; False where not built or `suspended`."""
+    mod = _ready()
+    return mod is not None and bool(mod.amx_ready())
+
+
+def linear_amx(x: Tensor, tiles: Tensor, bias: Tensor | None) -> Tensor | None:
+    """x [M, K] @ W.T (+ bias) -> a new [M, N], bfloat16, on AMX tiles, with W packed as tiles
+    [N / 16, K / 32, 16, 32] (molora.ops.packed.tiles). None: cannot run (not built with AMX, not bfloat16 CPU,
+    autograd on, `suspended`)."""
+    if not glue_supports(x) or x.dtype != torch.bfloat16 or x.dim() != 2 or not _module.amx_ready():
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(x.shape[0], tiles.shape[0] * 16, dtype=torch.bfloat16)
+    with _profiled("molora::linear_amx"):
+        _module.linear_amx(y, x, tiles, _EMPTY_BF16 if bias is None else bias)
+    return y
+
+
 _EMPTY = torch.empty(0)
+_EMPTY_BF16 = torch.empty(0, dtype=torch.bfloat16)
 
 
 def _profiled(name: str) -> Any:
