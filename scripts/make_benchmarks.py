@@ -420,8 +420,9 @@ def engine_section(records: dict[str, dict]) -> list[str]:
             f"**{e['speedup_vs_hf_routed_paired'][0]:.2f}×** [{e['speedup_vs_hf_routed_paired'][1]:.2f}–"
             f"{e['speedup_vs_hf_routed_paired'][2]:.2f}].", ""] if "speedup_vs_hf_routed_paired" in e else []) + [
 
-            f"The ceiling: in a profiled run the engine spends {e['engine_kernel_s']:.2f} s inside its compute "
-            f"kernels (`KERNEL_OPS` in `molora/bench/engine.py`), {_whole_run_share(e)}. Even if "
+            f"The ceiling: in a profiled run the engine spends {e['engine_kernel_s']:.2f} s "
+            f"({100 * e['engine_kernel_share']:.0f}% of it) inside its compute kernels (`KERNEL_OPS` in "
+            f"`molora/bench/engine.py`). Even if "
             f"everything else (scheduling, routing metadata, norms, sampling, KV writes) cost nothing, the engine "
             f"could be at most {1 / e['engine_kernel_share']:.2f}× faster than it is, about "
             f"**{e['speedup_vs_hf_routed_paired'][0] / e['engine_kernel_share']:.2f}×** transformers with the same "
@@ -625,15 +626,6 @@ def _profiled_share(e: dict) -> str:
     return (f" (kernel time measured under torch.profiler over the step's time without it; "
             f"{e['decode_step_kernel_share_profiled'] * 100:.0f}% of the profiled steps' wall time, which includes "
             "the profiler's own cost)")
-
-
-def _whole_run_share(e: dict) -> str:
-    """What the whole run's kernel share divides by: the engine's median time without the profiler, or (records
-    before engine_kernel_share_profiled) the profiled run's own wall time."""
-    if "engine_kernel_share_profiled" not in e:
-        return f"{100 * e['engine_kernel_share']:.0f}% of the profiled run's wall time, the profiler's cost included"
-    return (f"{100 * e['engine_kernel_share']:.0f}% of its median time without the profiler "
-            f"({100 * e['engine_kernel_share_profiled']:.0f}% of the profiled run's wall time, the profiler's included)")
 
 
 def readme_engine(records: dict[str, dict]) -> list[str]:
