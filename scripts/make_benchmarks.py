@@ -623,9 +623,12 @@ def _profiled_share(e: dict) -> str:
     """The decode step's kernel share over the profiled steps' own wall time, where the record has it."""
     if "decode_step_kernel_share_profiled" not in e:
         return ""
-    return (f" (kernel time measured under torch.profiler over the step's time without it; "
-            f"{e['decode_step_kernel_share_profiled'] * 100:.0f}% of the profiled steps' wall time, which includes "
-            "the profiler's own cost)")
+    if e.get("decode_step_kernel_share_clocked"):
+        how = "molora's kernels timed around each call, without the profiler, over the same steps' time"
+    else:
+        how = "kernel time measured under torch.profiler over the step's time without it"
+    return (f" ({how}; {e['decode_step_kernel_share_profiled'] * 100:.0f}% of the profiled steps' wall time, which "
+            "includes the profiler's own cost)")
 
 
 def readme_engine(records: dict[str, dict]) -> list[str]:

@@ -795,3 +795,18 @@ def test_amx_linear_equals_torch_bf16_and_each_row_is_its_own():
             assert torch.equal(lin(x), torch.nn.functional.linear(x, w, b))
     assert form(torch.randn(48, 40).bfloat16()) == "torch"        # K not a multiple of 32: torch's GEMM
     assert form(torch.randn(40, 64).bfloat16()) == "torch"        # N not a multiple of 16
+
+
+def test_kernel_clock_times_the_kernels_called_inside_its_block_only():
+    """fused_cpu.kernel_clock: the bench's decode-step kernel share without torch.profiler."""
+    fused_cpu = _fused_or_skip()
+    x, A, B, scale, ids, _ = make(9, 3)
+    B = B.transpose(1, 2).contiguous().transpose(1, 2)
+    dispatch = LoRADispatcher("fused")
+    with torch.inference_mode():
+        plan = dispatch.plan(ids, num_slots=3)
+        with fused_cpu.kernel_clock() as clock:
+            dispatch.apply(plan, x, A, B, scale)
+            seen = dict(clock)
+        dispatch.apply(plan, x, A, B, scale)                       # after the block: not counted
+    assert set(seen) == {"molora::lora_fused"} and seen["molora::lora_fused"] > 0 and clock == seen

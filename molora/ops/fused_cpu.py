@@ -50,7 +50,9 @@ import os
 import platform
 import sys
 import threading
-from contextlib import nullcontext
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -340,5 +342,38 @@ _EMPTY_BF16 = torch.empty(0, dtype=torch.bfloat16)
 
 def _profiled(name: str) -> Any:
     """A torch.profiler range named `name` while a profiler runs (the kernels are not aten ops, so a profile
-    would not see them otherwise), else nothing."""
-    return torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled else nullcontext()
+    would not see them otherwise), else the call's wall time into `kernel_clock`'s dict while one is open, else
+    nothing."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return nullcontext() if _clock is None else _Timed(name)
+
+
+_clock: dict[str, float] | None = None  # `kernel_clock`'s dict while its block runs
+
+
+class _Timed:
+    __slots__ = ("name", "t0")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        _clock[self.name] = _clock.get(self.name, 0.0) + time.perf_counter() - self.t0
+
+
+@contextmanager
+def kernel_clock() -> Iterator[dict[str, float]]:
+    """Within the block, the wall time of every call of this module's kernels is summed per name (the profiler
+    range names, e.g. "molora::linear_panels") into the dict it yields: their share of a step measured without
+    torch.profiler, whose own cost per event inflates both the kernels' self time and the step's wall time (the
+    bench's decode-step kernel share). Costs two clock reads per call."""
+    global _clock
+    before, _clock = _clock, {}
+    try:
+        yield _clock
+    finally:
+        _clock = before
