@@ -20,10 +20,11 @@ product. Packing once pays at every T up to a few hundred rows. The packed forms
 - **amx** (bfloat16, on a CPU with the AMX-BF16 tile unit, D_out a multiple of 16 and D_in of 32): the weight in
   the layout of the tile unit's B operand, [D_out / 16, D_in / 32, 16, 32], and `fused_cpu.linear_amx` (csrc:
   2 x 2 accumulator tiles of 16 x 16, the weight tiles prefetched), up to PANEL_MAX_ROWS rows. torch's bf16
-  linear (oneDNN) at decode sizes reached about a third of what the weights' bytes allow. Measured against it
-  (2 threads, the 7 shapes over 30 layers, weights cold, alternating): 2.1x at T = 8, 1.7-1.85x at T = 32, 1.1x at
-  T = 128; in the engine (SmolLM2-135M, bf16, batch-32 routed decode step, interleaved, one process) 65 against
-  96 ms, greedy outputs equal.
+  linear (oneDNN) read the weights of a batch-32 decode step at about 6 GB/s, where this machine reads 20 GB/s.
+  Measured against it (2 threads, the 7 shapes over 30 layers, weights cold, alternating; four runs): 2.0-2.1x at
+  T = 8, 1.6-2.5x at T = 32, 1.1-1.55x at T = 128, 0.9-1.0x at T = 512 (so torch's GEMM keeps the rows above
+  PANEL_MAX_ROWS); in the engine (SmolLM2-135M, bf16, batch-32 routed decode step, interleaved, one process) 65
+  against 96 ms, greedy outputs equal.
 
 Results are torch's up to float32 rounding in float32 (a few 1e-5 at these widths). In bfloat16 they are torch's bit
 for bit up to 32 rows (the same exact products and float32 sums in k order, the bias added before the one

@@ -865,7 +865,7 @@ void linear_panels(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Ten
 // its blocking and differs in about 1e-4 of the outputs), and a row's result depends neither on the other rows nor
 // on M. The weight tiles of the first row pass are prefetched AMX_PF steps ahead.
 // Measured against torch's bf16 linear (2 threads, SmolLM2-135M's 7 shapes over 30 layers, alternating, weights
-// cold): 2.1x at M = 8, 1.7-1.85x at M = 32, 1.1x at M = 128.
+// cold, four runs): 2.0-2.1x at M = 8, 1.6-2.5x at M = 32, 1.1-1.55x at M = 128, 0.9-1.0x at M = 512.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
