@@ -307,12 +307,7 @@ def linear_panels(x: Tensor, panels: Tensor, bias: Tensor | None) -> Tensor | No
     (molora.ops.packed.panels). None: cannot run (not built, not float32 CPU, autograd on)."""
     if not glue_supports(x) or x.dtype != torch.float32 or x.dim() != 2:
         return None
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty(x.shape[0], panels.shape[0] * 16, dtype=torch.float32)
-    with _profiled("molora::linear_panels"):
-        _module.linear_panels(y, x, panels, _EMPTY if bias is None else bias)
-    return y
+    return _packed_gemm("linear_panels", x, panels, bias, _EMPTY)
 
 
 def amx() -> bool:
@@ -328,11 +323,18 @@ def linear_amx(x: Tensor, tiles: Tensor, bias: Tensor | None) -> Tensor | None:
     autograd on, `suspended`)."""
     if not glue_supports(x) or x.dtype != torch.bfloat16 or x.dim() != 2 or not _module.amx_ready():
         return None
+    return _packed_gemm("linear_amx", x, tiles, bias, _EMPTY_BF16)
+
+
+def _packed_gemm(kernel: str, x: Tensor, packed: Tensor, bias: Tensor | None, no_bias: Tensor) -> Tensor:
+    """y [M, 16 * packed.shape[0]] in x's dtype = the extension's `kernel` (linear_panels, linear_amx) on x's rows
+    with unit column stride and a weight packed 16 output columns per leading index; `no_bias`: the empty tensor
+    of x's dtype that stands for no bias."""
     if x.stride(1) != 1:
         x = x.contiguous()
-    y = torch.empty(x.shape[0], tiles.shape[0] * 16, dtype=torch.bfloat16)
-    with _profiled("molora::linear_amx"):
-        _module.linear_amx(y, x, tiles, _EMPTY_BF16 if bias is None else bias)
+    y = torch.empty(x.shape[0], packed.shape[0] * 16, dtype=x.dtype)
+    with _profiled(f"molora::{kernel}"):
+        getattr(_module, kernel)(y, x, packed, no_bias if bias is None else bias)
     return y
 
 
