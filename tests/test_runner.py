@@ -338,3 +338,102 @@ def test_packed_weights_give_the_logits_of_the_modules_gemms(mm):
         slots = StepRouting(torch.tensor([[b % 2] for b in batch]))
         outs = [r(tok, pos, meta, slots, logits=True).logits for r in runners]
         assert (outs[0] - outs[1]).abs().max() <= TOL
+
+
+def _one_call_model(tmp_path, kind: str):
+    """(attached model, adapter names) for the one-call decode block tests: the tiny Llama with two adapters
+    (every linear routed), with adapter "a" alone (k, o, gate and up carry no adapter: no delta there), or a
+    Qwen2 with q/k/v biases and adapter-free."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    if kind == "qwen2_bias":
+        torch.manual_seed(0)
+        cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        return molora.attach(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()), []
+    names = ["a", "b"] if kind == "llama" else ["a"]
+    paths = {n: make_peft_adapter(tmp_path / n, "llama", seed=i, **SPECS[n]) for i, n in enumerate(names)}
+    return molora.attach(tiny_model("llama"), paths), names
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_some_linears", "qwen2_bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_block_in_one_call_equals_the_kernel_by_kernel_path(tmp_path, monkeypatch, kind, dtype):
+    """A decode step's block as one C++ call (fused_cpu.decode_block) gives the logits of the same kernels
+    called one by one from Python, bit for bit, over several decode steps with per-token routing; prefill steps
+    and the single-sequence step keep the kernel-by-kernel path."""
+    from molora.model import runner as runner_mod
+    from molora.ops import fused_cpu, packed
+
+    if not fused_cpu.available() or (dtype == torch.bfloat16 and not fused_cpu.amx()):
+        pytest.skip("molora's C++ kernels (and, for bfloat16, the AMX tiles) are needed")
+    mm, names = _one_call_model(tmp_path, kind)
+    mm.to(dtype)
+    runners = [ModelRunner(mm, num_blocks=32, block_size=4, max_model_len=64, pack_weights=True) for _ in range(2)]
+    assert all(len(b.linears) == 7 for b in runners[0].blocks)
+    assert packed.form(mm.model.model.layers[0].mlp.down_proj.weight) == ("panels" if dtype == torch.float32
+                                                                          else "amx")
+    calls = []
+    real_block, real_args = fused_cpu.decode_block, runner_mod._Block.decode_args
+    monkeypatch.setattr(fused_cpu, "decode_block", lambda *a: calls.append(1) or real_block(*a))
+    lens = [5, 9, 3]
+    pager = _Pager(4)
+    tables = [pager.table(i, n + 4) for i, n in enumerate(lens)]
+    slots = [mm.bank.slot_of(n) for n in names] + [-1]
+
+    def routing(rows: list[int]) -> StepRouting | None:
+        return StepRouting(torch.tensor([[slots[r % len(slots)]] for r in rows])) if names else None
+
+    outs = []
+    for one_call, runner in zip((True, False), runners):
+        monkeypatch.setattr(runner_mod._Block, "decode_args",
+                            real_args if one_call else (lambda *a: None))
+        seqs = [_seq(n, 20 + i) for i, n in enumerate(lens)]
+        got = [runner(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), BatchMeta(lens, lens, tables),
+                      routing(list(range(sum(lens)))), logits=True).logits]
+        for step, batch in enumerate(([0, 1, 2], [0, 1, 2], [2, 0], [1])):
+            ctx = [lens[b] + 1 + step for b in batch]
+            meta = BatchMeta([1] * len(batch), ctx, [tables[b] for b in batch])
+            tok = got[-1].argmax(-1)[:len(batch)] if step else torch.tensor([7, 8, 9])
+            got.append(runner(tok, torch.tensor([c - 1 for c in ctx]), meta, routing([step + b for b in batch]),
+                              logits=True).logits)
+        outs.append(got)
+        if one_call:
+            assert len(calls) == 3 * len(runner.blocks)      # the three steps of several sequences, every block
+    for a, b in zip(*outs):
+        assert a.dtype == dtype and torch.equal(a, b)
+
+
+@torch.no_grad()
+def test_decode_block_keeps_the_kernel_by_kernel_path_where_a_piece_is_not_its_own(tmp_path):
+    """Qwen3's q/k norms, weights left unpacked, a per-linear router, and an explicit non-fused dispatch backend
+    leave the block to the per-kernel path."""
+    from molora.ops import fused_cpu
+
+    if not fused_cpu.available():
+        pytest.skip("molora's C++ kernels are needed")
+    qwen3 = ModelRunner(molora.attach(tiny_model("qwen3")), num_blocks=8, block_size=4, max_model_len=32,
+                        pack_weights=True)
+    assert all(b.linears == () for b in qwen3.blocks)
+    mm, names = _one_call_model(tmp_path, "llama")
+    unpacked = ModelRunner(mm, num_blocks=8, block_size=4, max_model_len=32, pack_weights=False)
+    assert all(b.linears == () for b in unpacked.blocks)
+    runner = ModelRunner(mm, num_blocks=8, block_size=4, max_model_len=32, pack_weights=True)
+    block, meta = runner.blocks[0], BatchMeta([1, 1], [3, 2], [[0], [1]])
+    pos = torch.tensor([2, 1])
+    plan = runner.plan(pos, meta)
+    h = torch.zeros(2, 64)
+    mm.context.set(torch.tensor([[0], [1]]))
+    try:
+        assert block.decode_args(h, pos, plan, runner.cache, runner.cos, runner.sin) is not None
+        mm.context.linear = object()       # a per-linear router's decisions (molora.routing.arrow)
+        assert block.decode_args(h, pos, plan, runner.cache, runner.cos, runner.sin) is None
+        mm.context.linear = None
+        mm.dispatcher.backend = "sort_group"
+        assert block.decode_args(h, pos, plan, runner.cache, runner.cos, runner.sin) is None
+    finally:
+        mm.dispatcher.backend = "auto"
+        mm.context.clear()
+    prefill = runner.plan(torch.tensor([0, 1, 0]), BatchMeta([2, 1], [2, 1], [[0], [1]]))
+    assert block.decode_args(torch.zeros(3, 64), torch.tensor([0, 1, 0]), prefill, runner.cache, runner.cos,
+                             runner.sin) is None

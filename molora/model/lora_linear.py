@@ -151,6 +151,14 @@ class RoutedLoRALinear(nn.Module):
         if torch.is_grad_enabled():  # autograd keeps the sum out of place
             delta = self.dispatcher.apply(plan, flat, A, lora.B, scale)
             return y + delta.view(y.shape).to(y.dtype)
+        B, scale = self._kernel_operands(Bt, scale, static)
+        self.dispatcher.add_into(plan, flat, A, B, scale, y if y.dim() == 2 else y.view(-1, self.out_features))
+        return y
+
+    def _kernel_operands(self, Bt: torch.Tensor, scale: torch.Tensor, static: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B [S, D_out, R] as the slot-major view of the bank's Bt, scale in float32) as the kernels take them,
+        kept between calls while the bank's tensors stay the same."""
         if self._B is None or self._B[0] is not Bt:
             self._B = (Bt, Bt.transpose(1, 2))                 # lora.B, kept while the bank's Bt stays the same
         if scale.dtype != torch.float32 and static:  # recorded: the cast runs again at every replay
@@ -159,9 +167,28 @@ class RoutedLoRALinear(nn.Module):
             if self._scale is None or self._scale[0] is not scale or self._scale[1] != scale._version:
                 self._scale = (scale, scale._version, scale.float())
             scale = self._scale[2]
-        self.dispatcher.add_into(plan, flat, A, self._B[1], scale,
-                                 y if y.dim() == 2 else y.view(-1, self.out_features))
-        return y
+        return self._B[1], scale
+
+    def kernel_args(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """What `add_delta` would hand the fused kernel for `rows` tokens of `dtype` now: () where it adds nothing
+        (no routing, no adapter targets this linear), (A, B, scale, (tok, weight, counts)) where the fused kernel
+        adds the delta (`LoRADispatcher.add_into`'s fast path), None where add_delta would take another path
+        (per-linear routing, a recorded step, autograd, another backend). The runner's one-call decode block
+        (molora.ops.fused_cpu.decode_block) runs the kernel on these itself."""
+        ctx = self.context
+        if ctx.linear is not None or recording.on or torch.is_grad_enabled():
+            return None
+        lora = self._modules["lora"]
+        if ctx.slot_ids is None or lora.active == 0:
+            return ()
+        bufs = lora._buffers
+        A = bufs["A"]
+        if ctx.slot_ids.shape[0] != rows or not A.is_contiguous():
+            return None
+        step = (ctx._plan or ctx.plan(self.dispatcher, A.shape[0])).fused_step(self.dispatcher.backend, dtype)
+        if step is None:
+            return None
+        return (A, *self._kernel_operands(bufs["Bt"], bufs["scale"], False), step)
 
     def to_linear(self) -> nn.Linear:
         """A plain nn.Linear sharing this layer's base parameters (the delta is dropped)."""

@@ -33,6 +33,10 @@ write) and `silu_mul` (SiLU(gate) * up). Measured on the bench's routed batch-32
 threads): with them (and the runner's and routed linears' other cuts) a step records about 2900 profiler events
 instead of about 5500 (6300 in bf16), and runs 5-7% faster (interleaved A/B in one process).
 
+`decode_block` runs a whole Llama-shaped decoder block of a decode step (norms, packed GEMMs, LoRA, RoPE and
+cache write, attention, SiLU * up) as one call of the kernels below, in the order molora.model.runner calls them one
+by one (its docstring: when, and what it saved).
+
 And two GEMMs for few rows on weights packed once, which the runner's linears run through molora.ops.packed (its
 docstring: the measurements): `linear_panels` in float32 (panels of 16 columns) and `linear_amx` in bfloat16 (on the
 CPU's AMX tile unit, where it has one; the weight in the layout of the tiles).
@@ -94,10 +98,10 @@ def _load():
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
             # loaded, serves this library too); without it the kernel silently runs on one thread.
-            _module = load_inline(name=f"molora_fused_lora_v24_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
+            _module = load_inline(name=f"molora_fused_lora_v25_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
                                   functions=["lora_fused_", "bf16_dot", "paged_decode", "paged_decode_rows",
                                              "add_rms_norm", "rope_write", "silu_mul", "linear_panels", "amx_ready",
-                                             "linear_amx"],
+                                             "linear_amx", "decode_block"],
                                   verbose=False,
                                   extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"])
@@ -340,6 +344,55 @@ def _packed_gemm(kernel: str, x: Tensor, packed: Tensor, bias: Tensor | None, no
 
 _EMPTY = torch.empty(0)
 _EMPTY_BF16 = torch.empty(0, dtype=torch.bfloat16)
+_EMPTY_LONG = torch.empty(0, dtype=torch.long)
+_EMPTY_F64 = torch.empty(0, dtype=torch.float64)
+_BLOCK_KERNELS = (None, "molora::lora_fused", "molora::add_rms_norm", "molora::rope_write", "molora::paged_decode",
+                  "molora::silu_mul")   # csrc decode_block's clock slots (0: the GEMM kernel, named by its form)
+
+
+def norm_lanes() -> int:
+    """The lane count with which the kernel's RMSNorm reproduces torch's mean of squares here (`add_rms_norm`);
+    0 where none does or the kernel cannot run now."""
+    return 0 if _ready() is None else _sum_lanes()
+
+
+def decode_block(h: Tensor, delta: Tensor | None, norms: tuple[Tensor, Tensor], eps: float, lanes: int,
+                 linears: list[tuple], step: tuple | None, heads: tuple[int, int, int], rope: tuple,
+                 attention: tuple) -> Tensor:
+    """One Llama-shaped decoder block of a decode step as one C++ call (csrc decode_block: the kernels of this
+    module in the order and on the arguments molora.model.runner's per-kernel path gives them, equal to it bit for
+    bit): h [T, D] += delta, attention, h += its output, in place; returns the MLP output [T, D].
+
+    norms: the two RMSNorm weights (eps, and `norm_lanes()` nonzero); linears: for q, k, v, o, gate, up, down,
+    (packed weight as `PackedLinear.kernel_weight` gives it, bias or None, A, B, scale as
+    `RoutedLoRALinear.kernel_args` gives them, or three Nones for no delta); step: the fused kernel's (tok, weight,
+    counts) of the routed linears (None: none routed); heads (H, Hkv, head_dim); rope (cos, sin, positions, cache
+    rows); attention (kc, vc, Decode tables, context lengths, rows, block size, scaling, window or None). Call only
+    where the caller checked every piece can run on these kernels (`molora.model.runner._Block.decode_args`);
+    shapes that disagree raise a RuntimeError from the kernel."""
+    clock = _EMPTY_F64 if _clock is None else torch.zeros(6, dtype=torch.float64)
+    no_bias = _EMPTY_BF16 if h.dtype == torch.bfloat16 else _EMPTY
+    P, bias, A, B, scale = ([], [], [], [], [])
+    for w, b, a, bb, sc in linears:
+        P.append(w)
+        bias.append(no_bias if b is None else b)
+        A.append(_EMPTY if a is None else a)
+        B.append(_EMPTY if bb is None else bb)
+        scale.append(_EMPTY if sc is None else sc)
+    tok, weight, counts = step if step is not None else (_EMPTY_LONG, None, [])
+    H, Hkv, hd = heads
+    cos, sin, positions, write_rows = rope
+    kc, vc, tables, ctx, rows, block_size, scaling, window = attention
+    out = _module.decode_block(h, _EMPTY if delta is None else delta, norms[0], norms[1], float(eps), lanes, P, bias,
+                               A, B, scale, tok, _NO_WEIGHTS if weight is None else weight, counts, H, Hkv, hd,
+                               cos, sin, positions, write_rows, kc, vc, tables, ctx, rows, int(block_size),
+                               float(scaling), 0 if window is None else int(window), clock)
+    if _clock is not None:
+        gemm = "molora::linear_amx" if P[0].dim() == 4 else "molora::linear_panels"
+        for name, t in zip(_BLOCK_KERNELS, clock.tolist()):
+            name = name or gemm
+            _clock[name] = _clock.get(name, 0.0) + t
+    return out
 
 
 def _profiled(name: str) -> Any:

@@ -113,6 +113,15 @@ class PackedLinear:
             self._key = key
         return self.packed
 
+    def kernel_weight(self, rows: int, dtype: torch.dtype) -> Tensor | None:
+        """The packed weight where molora's panel or AMX kernel computes `rows` rows of `dtype` now, as `__call__`
+        would run them (the runner's one-call decode block passes it to the kernel itself); else None."""
+        if (self.form == "mkl" or not 2 <= rows <= PANEL_MAX_ROWS or dtype != self.dtype
+                or self.weight.dtype != self.dtype or torch.is_grad_enabled()
+                or not (fused_cpu.amx() if self.form == "amx" else fused_cpu.available())):
+            return None
+        return self._current()
+
     def __call__(self, x: Tensor) -> Tensor:
         w, b = self.weight, self.bias
         T = x.shape[0]

@@ -5,6 +5,8 @@
 // fused_cpu.py's docstring.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -971,4 +973,95 @@ void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor
 #else
   TORCH_CHECK(false, "linear_amx: built without AMX (amx_ready() is false here)");
 #endif
+}
+
+
+// ------------------------------------------------------------------------------------ one decoder block of a decode step
+// A Llama-shaped block (RMSNorm, q/k/v/o, RoPE, attention over the paged cache, RMSNorm, gate/up, SiLU * up, down)
+// on a step whose every row decodes (one new token per sequence), as one call: the kernels above in the order and on
+// the arguments the runner's Python path (molora.model.runner._Block) gives them, so its results are those of that
+// path bit for bit; what it saves is the Python between the kernels (about 20 calls a block). h [T, D] is updated in
+// place (h += delta before the first norm, h += attention output before the second); returns the block's MLP output
+// (the next block's delta). Linears in the order q, k, v, o, gate, up, down: P packed weights (panels [N/16, K, 16]
+// float32 or AMX tiles [N/16, K/32, 16, 32] bfloat16), bias or empty; a routed linear's A, B (slot-major), scale
+// (float32) run lora_fused_ on the step's tok / weight / counts, an empty A adds nothing. clock: empty, or float64
+// [6] to which each kernel kind's wall seconds are added (linear, lora, norm, rope, attention, silu_mul: the bench's
+// kernel share); each kernel is also a torch.profiler range named as the Python path names it.
+static const char* const BLOCK_KERNELS[6] = {"molora::linear_*", "molora::lora_fused", "molora::add_rms_norm",
+                                             "molora::rope_write", "molora::paged_decode", "molora::silu_mul"};
+
+struct BlockClock {
+  double* acc;
+  std::chrono::steady_clock::time_point t0;
+  int kind;
+  BlockClock(double* a, int k) : acc(a), kind(k) { if (acc) t0 = std::chrono::steady_clock::now(); }
+  ~BlockClock() {
+    if (acc) acc[kind] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
+
+torch::Tensor decode_block(torch::Tensor h, torch::Tensor delta, torch::Tensor ln1, torch::Tensor ln2, double eps,
+                           int64_t lanes, std::vector<torch::Tensor> P, std::vector<torch::Tensor> bias,
+                           std::vector<torch::Tensor> A, std::vector<torch::Tensor> B,
+                           std::vector<torch::Tensor> scale, torch::Tensor tok, torch::Tensor weight,
+                           std::vector<int64_t> counts, int64_t H, int64_t Hkv, int64_t hd, torch::Tensor cos,
+                           torch::Tensor sin, torch::Tensor pos, torch::Tensor wrows, torch::Tensor kc,
+                           torch::Tensor vc, torch::Tensor tables, torch::Tensor ctx, torch::Tensor rows,
+                           int64_t block_size, double scaling, int64_t window, torch::Tensor clock) {
+  TORCH_CHECK(P.size() == 7 && bias.size() == 7 && A.size() == 7 && B.size() == 7 && scale.size() == 7,
+              "decode_block: 7 linears (q, k, v, o, gate, up, down) expected");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decode_block: h [T, D] contiguous");
+  TORCH_CHECK(clock.numel() == 0 || (clock.numel() == 6 && clock.scalar_type() == at::kDouble &&
+                                     clock.is_contiguous()), "decode_block: clock empty or float64 [6]");
+  double* ck = clock.numel() ? clock.data_ptr<double>() : nullptr;
+  const int64_t T = h.size(0);
+  const auto opts = h.options();
+  const torch::Tensor no_var = torch::empty({0}, opts.dtype(at::kFloat));   // the mean of squares comes from lanes
+  auto norm = [&](const torch::Tensor& d, const torch::Tensor& w) {
+    torch::Tensor out = torch::empty(h.sizes(), opts);
+    RECORD_FUNCTION(BLOCK_KERNELS[2], std::vector<c10::IValue>());
+    BlockClock c(ck, 2);
+    add_rms_norm(h, d, w, out, eps, no_var, lanes);
+    return out;
+  };
+  auto linear = [&](int i, const torch::Tensor& x) {
+    const torch::Tensor& p = P[i];
+    torch::Tensor y = torch::empty({T, 16 * p.size(0)}, opts);
+    {
+      RECORD_FUNCTION(p.dim() == 4 ? "molora::linear_amx" : "molora::linear_panels", std::vector<c10::IValue>());
+      BlockClock c(ck, 0);
+      if (p.dim() == 4) linear_amx(y, x, p, bias[i]);
+      else linear_panels(y, x, p, bias[i]);
+    }
+    if (A[i].numel()) {
+      RECORD_FUNCTION(BLOCK_KERNELS[1], std::vector<c10::IValue>());
+      BlockClock c(ck, 1);
+      TORCH_CHECK(lora_fused_(y, x, A[i], B[i], tok, scale[i], weight, counts),
+                  "decode_block: the LoRA kernel declined the layout of linear ", i);
+    }
+    return y;
+  };
+  torch::Tensor x = norm(delta, ln1);
+  torch::Tensor q = linear(0, x), k = linear(1, x), v = linear(2, x);
+  torch::Tensor q3 = q.view({T, H, hd}), k3 = k.view({T, Hkv, hd}), v3 = v.view({T, Hkv, hd});
+  {
+    RECORD_FUNCTION(BLOCK_KERNELS[3], std::vector<c10::IValue>());
+    BlockClock c(ck, 3);
+    rope_write(q3, k3, v3, cos, sin, pos, wrows, kc, vc);
+  }
+  torch::Tensor att = torch::empty({T, H, hd}, opts);
+  {
+    RECORD_FUNCTION(BLOCK_KERNELS[4], std::vector<c10::IValue>());
+    BlockClock c(ck, 4);
+    paged_decode_rows(att, q3, kc, vc, tables, ctx, rows, block_size, scaling, window);
+  }
+  torch::Tensor o = linear(3, att.view({T, H * hd}));
+  x = norm(o, ln2);
+  torch::Tensor g = linear(4, x), u = linear(5, x);
+  {
+    RECORD_FUNCTION(BLOCK_KERNELS[5], std::vector<c10::IValue>());
+    BlockClock c(ck, 5);
+    silu_mul(g, u);
+  }
+  return linear(6, g);
 }
