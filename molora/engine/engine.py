@@ -55,6 +55,7 @@ from molora.engine.scheduler import Scheduled, Scheduler
 from molora.errors import AdapterDraining, AdapterError, MoLoRAError, RoutingError
 from molora.model.graphs import DEFAULT_BUCKETS
 from molora.model.runner import BatchMeta, ModelRunner
+from molora.ops import fused_cpu
 from molora.ops.device import to_device
 from molora.routing import ArrowRouter, SequenceRouter, VocabRouter
 from molora.sampling import bundle_constraint, greedy, sample_next, top_logprobs
@@ -398,7 +399,11 @@ class Engine:
         # sampled row's logits are finite (one reduction each: NaN and inf survive a sum), 2) the sampled ids with
         # the slot of each sequence's last token
         ok = torch.isfinite(out.hidden.sum()).reshape(1)
-        flags = (ok if not rows else torch.cat([ok, torch.isfinite(out.logits.sum(-1))])).tolist()
+        best = None                    # each sampled row's greedy pick, from the same pass as its check (CPU)
+        if rows:
+            best = fused_cpu.greedy_rows(out.logits)
+            best, rows_ok = best if best is not None else (None, torch.isfinite(out.logits.sum(-1)))
+        flags = (ok if not rows else torch.cat([ok, rows_ok])).tolist()
         if not flags[0]:
             corrupt = self.mm.bank.nonfinite()
             if corrupt:
@@ -407,7 +412,7 @@ class Engine:
         if rows:
             logits = out.logits
             finite = flags[1:]                                   # [b]
-            chosen = self._sample([scheduled[i].request for i in rows], logits, finite)
+            chosen = self._sample([scheduled[i].request for i in rows], logits, finite, best)
             picked = (chosen if last_slots is None else torch.cat([chosen, last_slots[:, 0]])).tolist()
         self.tokens_computed += len(tokens)
         # ---- commit, request by request
@@ -459,14 +464,15 @@ class Engine:
         dev = self.runner.device
         return to_device(toks, dev), to_device(pos, dev), meta
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor, finite: list[bool]) -> torch.Tensor:
-        """Token ids [b] from logits [b, V]. A request short of its min_tokens picks from a copy of its own row
-        with its stop ids at -inf (`_without_stops`); other rows and `logits` itself are untouched, so
-        logprobs report the model's distribution (vLLM's default, raw logprobs). With the bundle's constrained
-        spans every row picks from a masked copy (molora.sampling.SpanConstraint)."""
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, finite: list[bool],
+                best: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [b] from logits [b, V] (best: their greedy picks, if known). A request short of its min_tokens
+        picks from a copy of its own row with its stop ids at -inf (`_without_stops`); other rows and `logits`
+        itself are untouched, so logprobs report the model's distribution (vLLM's default, raw logprobs). With the
+        bundle's constrained spans every row picks from a masked copy (molora.sampling.SpanConstraint)."""
         if self.constraint is not None:
-            logits = self.constraint.apply(logits, [req.tokens for req in reqs])         # [b, V]
-        chosen = greedy(logits)                                                   # [b] greedy for all
+            logits, best = self.constraint.apply(logits, [req.tokens for req in reqs]), None   # [b, V]
+        chosen = greedy(logits) if best is None else best                         # [b] greedy for all
         for j, req in enumerate(reqs):
             p = req.params
             row = logits[j:j + 1]                                                 # [1, V]

@@ -169,26 +169,31 @@ class RoutedLoRALinear(nn.Module):
             scale = self._scale[2]
         return self._B[1], scale
 
-    def kernel_args(self, rows: int, dtype: torch.dtype) -> tuple | None:
-        """What `add_delta` would hand the fused kernel for `rows` tokens of `dtype` now: () where it adds nothing
-        (no routing, no adapter targets this linear), (A, B, scale, (tok, weight, counts)) where the fused kernel
-        adds the delta (`LoRADispatcher.add_into`'s fast path), None where add_delta would take another path
-        (per-linear routing, a recorded step, autograd, another backend). The runner's one-call decode block
-        (molora.ops.fused_cpu.decode_block) runs the kernel on these itself."""
+    def kernel_step(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """How `add_delta` would add the routed deltas of `rows` tokens of `dtype` now, for every routed linear that
+        shares this one's context and dispatcher: () where it adds none (no routing in the context), the fused
+        kernel's step arguments (tok, weight, counts) where the kernel adds them (`LoRADispatcher.add_into`'s fast
+        path), None where it would take another path (per-linear routing, a recorded step, autograd, another
+        backend). With `kernel_operands`, what the runner's one-call decode block (fused_cpu.decode_block) runs."""
         ctx = self.context
         if ctx.linear is not None or recording.on or torch.is_grad_enabled():
             return None
-        lora = self._modules["lora"]
-        if ctx.slot_ids is None or lora.active == 0:
+        if ctx.slot_ids is None:
             return ()
+        if ctx.slot_ids.shape[0] != rows:
+            return None
+        S = self._modules["lora"]._buffers["A"].shape[0]
+        return (ctx._plan or ctx.plan(self.dispatcher, S)).fused_step(self.dispatcher.backend, dtype)
+
+    def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(A, B, scale) of this linear's slots as the fused kernel takes them (`kernel_step`; A contiguous, as the
+        checked path hands it over); None where no loaded adapter targets this linear (add_delta adds nothing)."""
+        lora = self._modules["lora"]
+        if lora.active == 0:
+            return None
         bufs = lora._buffers
         A = bufs["A"]
-        if ctx.slot_ids.shape[0] != rows or not A.is_contiguous():
-            return None
-        step = (ctx._plan or ctx.plan(self.dispatcher, A.shape[0])).fused_step(self.dispatcher.backend, dtype)
-        if step is None:
-            return None
-        return (A, *self._kernel_operands(bufs["Bt"], bufs["scale"], False), step)
+        return (A if A.is_contiguous() else A.contiguous(), *self._kernel_operands(bufs["Bt"], bufs["scale"], False))
 
     def to_linear(self) -> nn.Linear:
         """A plain nn.Linear sharing this layer's base parameters (the delta is dropped)."""

@@ -472,19 +472,16 @@ class _Linear:
         y = self.packed(x)
         return self.mod.add_delta(x, y) if self.routed else y
 
-    def kernel_args(self, rows: int, dtype: torch.dtype) -> tuple[tuple, tuple | None] | None:
-        """((packed weight, bias, A, B, scale), the fused LoRA kernel's step arguments or None) where `__call__` on
-        `rows` rows of `dtype` would run molora's packed GEMM and, if routed, the fused LoRA kernel (A, B, scale
-        None: no delta), as `fused_cpu.decode_block` takes them; None where it would run anything else."""
+    def kernel_args(self, rows: int, dtype: torch.dtype, routed: bool) -> tuple | None:
+        """(packed weight, bias, A, B, scale) where `__call__` on `rows` rows of `dtype` would run molora's packed
+        GEMM and, if this linear is routed and the step adds deltas (`routed`), the fused LoRA kernel on these
+        (A, B, scale None: no delta), as `fused_cpu.decode_block` takes them; None where it would run anything else.
+        The caller checks the kernels can run now and the step's routing (`RoutedLoRALinear.kernel_step`)."""
         w = None if self.packed is None else self.packed.kernel_weight(rows, dtype)
         if w is None:
             return None
-        d = self.mod.kernel_args(rows, dtype) if self.routed else ()
-        if d is None:
-            return None
-        if not d:
-            return (w, self.packed.bias, None, None, None), None
-        return (w, self.packed.bias, *d[:3]), d[3]
+        lora = self.mod.kernel_operands() if routed and self.routed else None
+        return (w, self.packed.bias, None, None, None) if lora is None else (w, self.packed.bias, *lora)
 
 
 class _Block:
@@ -521,6 +518,10 @@ class _Block:
                         else ())
         if not all(lin.packed is not None and lin.packed.form in ("panels", "amx") for lin in self.linears):
             self.linears = ()
+        routed = [lin.mod for lin in self.linears if lin.routed]   # one context and dispatcher (one MoLoRAModel)
+        self.routed = routed[0] if routed else None
+        if any(m.context is not routed[0].context or m.dispatcher is not routed[0].dispatcher for m in routed):
+            self.linears = ()
 
     def __call__(self, h: Tensor, delta: Tensor | None, positions: Tensor, plan: AttnPlan, cache: PagedKVCache,
                  cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -550,14 +551,13 @@ class _Block:
                 or ln1.variance_epsilon != ln2.variance_epsilon
                 or kc.dtype != dtype or vc.dtype != dtype):
             return None
-        linears, step = [], None
-        for lin in self.linears:
-            got = lin.kernel_args(T, dtype)
-            if got is None or (got[1] is not None and step is not None and got[1] is not step):
-                return None
-            linears.append(got[0])
-            step = got[1] if got[1] is not None else step
-        return ((ln1.weight, ln2.weight), ln1.variance_epsilon, lanes, linears, step,
+        step = () if self.routed is None else self.routed.kernel_step(T, dtype)    # the block's routing, once
+        if step is None:
+            return None
+        linears = [lin.kernel_args(T, dtype, bool(step)) for lin in self.linears]
+        if None in linears:
+            return None
+        return ((ln1.weight, ln2.weight), ln1.variance_epsilon, lanes, linears, step or None,
                 (self.num_heads, self.num_kv_heads, self.head_dim), (cos, sin, positions, plan.write_rows),
                 (kc, vc, d.table, d.ctx, d.rows, cache.block_size, self.scaling, self.window))
 

@@ -98,10 +98,10 @@ def _load():
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
             # loaded, serves this library too); without it the kernel silently runs on one thread.
-            _module = load_inline(name=f"molora_fused_lora_v25_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
+            _module = load_inline(name=f"molora_fused_lora_v26_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
                                   functions=["lora_fused_", "bf16_dot", "paged_decode", "paged_decode_rows",
                                              "add_rms_norm", "rope_write", "silu_mul", "linear_panels", "amx_ready",
-                                             "linear_amx", "decode_block"],
+                                             "linear_amx", "decode_block", "greedy_rows"],
                                   verbose=False,
                                   extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"])
@@ -304,6 +304,18 @@ def silu_mul(g: Tensor, u: Tensor) -> bool:
     with _profiled("molora::silu_mul"):
         _module.silu_mul(g, u)
     return True
+
+
+def greedy_rows(logits: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(ids [B] int64, finite [B] bool) of logits [B, V]: each row's greedy pick, the index of its first maximum (as
+    torch's max(-1).indices gives it), and whether all its values are finite; one pass in C++ where torch needs a
+    max and a sum. None: cannot run (the caller uses torch)."""
+    if not glue_supports(logits) or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
+        return None
+    ids = torch.empty(logits.shape[0], dtype=torch.long)
+    finite = torch.empty(logits.shape[0], dtype=torch.bool)
+    _module.greedy_rows(logits, ids, finite)
+    return ids, finite
 
 
 def linear_panels(x: Tensor, panels: Tensor, bias: Tensor | None) -> Tensor | None:

@@ -114,11 +114,10 @@ class PackedLinear:
         return self.packed
 
     def kernel_weight(self, rows: int, dtype: torch.dtype) -> Tensor | None:
-        """The packed weight where molora's panel or AMX kernel computes `rows` rows of `dtype` now, as `__call__`
-        would run them (the runner's one-call decode block passes it to the kernel itself); else None."""
-        if (self.form == "mkl" or not 2 <= rows <= PANEL_MAX_ROWS or dtype != self.dtype
-                or self.weight.dtype != self.dtype or torch.is_grad_enabled()
-                or not (fused_cpu.amx() if self.form == "amx" else fused_cpu.available())):
+        """The packed weight where `__call__` would run molora's panel or AMX kernel on `rows` rows of `dtype`, given
+        that the kernel can run now (the caller checks `fused_cpu.available()` / `amx()` and autograd once per step:
+        the runner's one-call decode block passes the weight to the kernel itself); else None."""
+        if self.form == "mkl" or not 2 <= rows <= PANEL_MAX_ROWS or dtype != self.dtype or self.weight.dtype != dtype:
             return None
         return self._current()
 
