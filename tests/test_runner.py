@@ -356,13 +356,37 @@ def _one_call_model(tmp_path, kind: str):
     return molora.attach(tiny_model("llama"), paths), names
 
 
+def _decode_steps(runner, mm, names, lens, tables, steps=([0, 1, 2], [0, 1, 2], [2, 0], [1])):
+    """Logits of a ragged prefill, then of decode steps of the given sequences, with per-token routing over
+    `names` and the base model (None where there are no adapters)."""
+    slots = [mm.bank.slot_of(n) for n in names] + [-1]
+
+    def routing(rows: list[int]) -> StepRouting | None:
+        return StepRouting(torch.tensor([[slots[r % len(slots)]] for r in rows])) if names else None
+
+    seqs = [_seq(n, 20 + i) for i, n in enumerate(lens)]
+    got = [runner(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), BatchMeta(lens, lens, tables),
+                  routing(list(range(sum(lens)))), logits=True).logits]
+    for step, batch in enumerate(steps):
+        ctx = [lens[b] + 1 + step for b in batch]
+        meta = BatchMeta([1] * len(batch), ctx, [tables[b] for b in batch])
+        tok = got[-1].argmax(-1)[:len(batch)] if step else torch.tensor([7, 8, 9])
+        got.append(runner(tok, torch.tensor([c - 1 for c in ctx]), meta, routing([step + b for b in batch]),
+                          logits=True).logits)
+    return got
+
+
+def _one_call_off(monkeypatch, runner) -> None:
+    """This runner's blocks run kernel by kernel (the path the one-call block must equal)."""
+    monkeypatch.setattr(runner, "_one_call", lambda *a: None)
+
+
 @pytest.mark.parametrize("kind", ["llama", "llama_some_linears", "qwen2_bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_block_in_one_call_equals_the_kernel_by_kernel_path(tmp_path, monkeypatch, kind, dtype):
-    """A decode step's block as one C++ call (fused_cpu.decode_block) gives the logits of the same kernels
-    called one by one from Python, bit for bit, over several decode steps with per-token routing; prefill steps
-    and the single-sequence step keep the kernel-by-kernel path."""
-    from molora.model import runner as runner_mod
+    """A decode step's block as one C++ call (fused_cpu.run_block on its bound arguments) gives the logits of the
+    same kernels called one by one from Python, bit for bit, over several decode steps with per-token routing;
+    prefill steps and the single-sequence step keep the kernel-by-kernel path."""
     from molora.ops import fused_cpu, packed
 
     if not fused_cpu.available() or (dtype == torch.bfloat16 and not fused_cpu.amx()):
@@ -374,40 +398,56 @@ def test_decode_block_in_one_call_equals_the_kernel_by_kernel_path(tmp_path, mon
     assert packed.form(mm.model.model.layers[0].mlp.down_proj.weight) == ("panels" if dtype == torch.float32
                                                                           else "amx")
     calls = []
-    real_block, real_args = fused_cpu.decode_block, runner_mod._Block.decode_args
-    monkeypatch.setattr(fused_cpu, "decode_block", lambda *a: calls.append(1) or real_block(*a))
+    real = fused_cpu.run_block
+    monkeypatch.setattr(fused_cpu, "run_block", lambda *a: calls.append(1) or real(*a))
+    _one_call_off(monkeypatch, runners[1])
     lens = [5, 9, 3]
     pager = _Pager(4)
     tables = [pager.table(i, n + 4) for i, n in enumerate(lens)]
-    slots = [mm.bank.slot_of(n) for n in names] + [-1]
-
-    def routing(rows: list[int]) -> StepRouting | None:
-        return StepRouting(torch.tensor([[slots[r % len(slots)]] for r in rows])) if names else None
-
-    outs = []
-    for one_call, runner in zip((True, False), runners):
-        monkeypatch.setattr(runner_mod._Block, "decode_args",
-                            real_args if one_call else (lambda *a: None))
-        seqs = [_seq(n, 20 + i) for i, n in enumerate(lens)]
-        got = [runner(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), BatchMeta(lens, lens, tables),
-                      routing(list(range(sum(lens)))), logits=True).logits]
-        for step, batch in enumerate(([0, 1, 2], [0, 1, 2], [2, 0], [1])):
-            ctx = [lens[b] + 1 + step for b in batch]
-            meta = BatchMeta([1] * len(batch), ctx, [tables[b] for b in batch])
-            tok = got[-1].argmax(-1)[:len(batch)] if step else torch.tensor([7, 8, 9])
-            got.append(runner(tok, torch.tensor([c - 1 for c in ctx]), meta, routing([step + b for b in batch]),
-                              logits=True).logits)
-        outs.append(got)
-        if one_call:
-            assert len(calls) == 3 * len(runner.blocks)      # the three steps of several sequences, every block
-    for a, b in zip(*outs):
+    one, each = (_decode_steps(r, mm, names, lens, tables) for r in runners)
+    assert len(calls) == 3 * len(runners[0].blocks)      # the three steps of several sequences, every block
+    for a, b in zip(one, each):
         assert a.dtype == dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bound_decode_blocks_follow_adapter_loads_scales_and_weights(tmp_path, monkeypatch, dtype):
+    """The arguments a block binds once follow what changes under them: an adapter unloaded and loaded again
+    (which linears carry a delta), a scale rewritten in place, a base weight swapped (its packed copy) and a norm
+    written in place; each time the one-call runner equals the kernel-by-kernel one bit for bit."""
+    from molora.ops import fused_cpu
+
+    if not fused_cpu.available() or (dtype == torch.bfloat16 and not fused_cpu.amx()):
+        pytest.skip("molora's C++ kernels (and, for bfloat16, the AMX tiles) are needed")
+    mm, names = _one_call_model(tmp_path, "llama")
+    mm.to(dtype)
+    runners = [ModelRunner(mm, num_blocks=64, block_size=4, max_model_len=64, pack_weights=True) for _ in range(2)]
+    _one_call_off(monkeypatch, runners[1])
+    lens = [5, 9, 3]
+    pager = _Pager(4)
+    layer = mm.model.model.layers[1]
+
+    def check() -> None:
+        tables = [pager.table(len(pager.tables), n + 4) for n in lens]   # fresh cache blocks for each check
+        for a, b in zip(*(_decode_steps(r, mm, [n for n in names if n in mm.bank], lens, tables) for r in runners)):
+            assert torch.equal(a, b)
+
+    check()
+    mm.unload_adapter("b")                           # k, o, gate, up lose their only adapter: no delta there
+    check()
+    mm.load_adapter("b", tmp_path / "b")
+    check()
+    with torch.no_grad():
+        layer.self_attn.q_proj.lora.scale.mul_(3)                     # in place
+        layer.mlp.down_proj.weight.data = layer.mlp.down_proj.weight.data * 0.5   # new storage
+        layer.input_layernorm.weight.mul_(1.5)
+    check()
 
 
 @torch.no_grad()
 def test_decode_block_keeps_the_kernel_by_kernel_path_where_a_piece_is_not_its_own(tmp_path):
-    """Qwen3's q/k norms, weights left unpacked, a per-linear router, and an explicit non-fused dispatch backend
-    leave the block to the per-kernel path."""
+    """Qwen3's q/k norms and weights left unpacked leave no block to bind; a prefill step, a per-linear router
+    and an explicit non-fused dispatch backend leave the step kernel by kernel."""
     from molora.ops import fused_cpu
 
     if not fused_cpu.available():
@@ -419,21 +459,20 @@ def test_decode_block_keeps_the_kernel_by_kernel_path_where_a_piece_is_not_its_o
     unpacked = ModelRunner(mm, num_blocks=8, block_size=4, max_model_len=32, pack_weights=False)
     assert all(b.linears == () for b in unpacked.blocks)
     runner = ModelRunner(mm, num_blocks=8, block_size=4, max_model_len=32, pack_weights=True)
-    block, meta = runner.blocks[0], BatchMeta([1, 1], [3, 2], [[0], [1]])
     pos = torch.tensor([2, 1])
-    plan = runner.plan(pos, meta)
+    plan = runner.plan(pos, BatchMeta([1, 1], [3, 2], [[0], [1]]))
     h = torch.zeros(2, 64)
+    assert runner._one_call(h, plan, False) == ()                       # no routing: no deltas
     mm.context.set(torch.tensor([[0], [1]]))
     try:
-        assert block.decode_args(h, pos, plan, runner.cache, runner.cos, runner.sin) is not None
+        assert isinstance(runner._one_call(h, plan, False), tuple) and runner._one_call(h, plan, False)
         mm.context.linear = object()       # a per-linear router's decisions (molora.routing.arrow)
-        assert block.decode_args(h, pos, plan, runner.cache, runner.cos, runner.sin) is None
+        assert runner._one_call(h, plan, False) is None
         mm.context.linear = None
         mm.dispatcher.backend = "sort_group"
-        assert block.decode_args(h, pos, plan, runner.cache, runner.cos, runner.sin) is None
+        assert runner._one_call(h, plan, False) is None
     finally:
         mm.dispatcher.backend = "auto"
         mm.context.clear()
     prefill = runner.plan(torch.tensor([0, 1, 0]), BatchMeta([2, 1], [2, 1], [[0], [1]]))
-    assert block.decode_args(torch.zeros(3, 64), torch.tensor([0, 1, 0]), prefill, runner.cache, runner.cos,
-                             runner.sin) is None
+    assert runner._one_call(torch.zeros(3, 64), prefill, False) is None

@@ -48,6 +48,23 @@ class LoRASlots(nn.Module):
                              persistent=False)  # [S]
         self.active = 0  # how many loaded adapters target this linear; 0 lets forward skip the delta
 
+    # Bumped whenever any LoRASlots' `active` changes or its buffers are replaced (`_apply`: .to(), .cpu() ...): what
+    # a runner's bound decode blocks (molora.model.runner) compare to know that their view of the slots still holds.
+    generation = 0
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    @active.setter
+    def active(self, n: int) -> None:
+        self._active = n
+        LoRASlots.generation += 1
+
+    def _apply(self, fn, recurse=True):
+        LoRASlots.generation += 1
+        return super()._apply(fn, recurse)
+
     @property
     def B(self) -> torch.Tensor:
         """[S, d_out, R]: a view of Bt (writes through to the same storage)."""

@@ -174,7 +174,7 @@ class RoutedLoRALinear(nn.Module):
         shares this one's context and dispatcher: () where it adds none (no routing in the context), the fused
         kernel's step arguments (tok, weight, counts) where the kernel adds them (`LoRADispatcher.add_into`'s fast
         path), None where it would take another path (per-linear routing, a recorded step, autograd, another
-        backend). With `kernel_operands`, what the runner's one-call decode block (fused_cpu.decode_block) runs."""
+        backend). With `kernel_operands`, what the runner's one-call decode block (fused_cpu.run_block) runs."""
         ctx = self.context
         if ctx.linear is not None or recording.on or torch.is_grad_enabled():
             return None

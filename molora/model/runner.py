@@ -33,12 +33,16 @@ the torch ops bit for bit, and so does the norm in both dtypes (its mean summed 
 differ from torch's in the last bit (greedy outputs of the engine bench unchanged in both dtypes, measured).
 
 On the CPU, a decode step's Llama-shaped block whose every piece runs on those kernels (the linears on packed weights
-through molora's panel or AMX GEMM and, where routed, the fused LoRA kernel on one plan; RMSNorms; no q/k norm) runs
-as one C++ call, `fused_cpu.decode_block` (`_Block.decode_args` checks it and gathers the arguments): the same
-kernels in the same order, equal bit for bit (tested in both dtypes), without the Python between them (about 20
-calls a block). Measured on the engine bench's routed batch-32 decode step (SmolLM2-135M, 2 threads, one process,
-steps alternating): 0.89x the time in bfloat16 and 0.90x in float32, greedy outputs equal. Prefill and mixed steps,
-and anything else, take the kernel-by-kernel path.
+through molora's panel or AMX GEMM and, where routed, the fused LoRA kernel; RMSNorms; no q/k norm) runs as one C++
+call, `fused_cpu.run_block`: the same kernels in the same order, equal bit for bit (tested in both dtypes), without
+the Python between them (about 20 calls a block). What stays the same from step to step (packed weights, adapter
+slots, norms, RoPE tables, cache views) is bound once per block (`_Block.run_bound`, `fused_cpu.bind_block`) and
+bound again when it moves: another dtype, an adapter load or unload (`LoRASlots.generation`), a weight, norm, slot or
+scale written or swapped (checked in C++ by storage and version). `ModelRunner._one_call` decides per step (a
+decode-only step of 2 to PANEL_MAX_ROWS rows, the routing's fused-kernel arguments asked once, or per block for an
+in-network router). Measured on the engine bench's routed batch-32 decode step (SmolLM2-135M, 2 threads, one
+process, steps alternating with the kernel-by-kernel path): 0.81x the time in bfloat16 and 0.86x in float32, greedy
+outputs equal. Prefill and mixed steps, and anything else, take the kernel-by-kernel path.
 
 A decode step can instead be replayed from a captured graph (`enable_graphs`, molora.model.graphs: CUDA graphs,
 one per batch-size bucket, static buffers, padding rows writing into the cache's one spare block,
@@ -60,6 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from molora.adapters.bank import LoRASlots
 from molora.errors import MoLoRAError
 from molora.ops import fused_cpu, packed
 from molora.ops.device import to_device
@@ -246,6 +251,12 @@ class ModelRunner:
         self.cos, self.sin = _rope_tables(inner.rotary_emb, max_model_len, self.dtype, self.device)  # [P, hd]
         for block in self.blocks:  # each block's [N, Hkv, hd] views of the cache, taken once
             block.kc, block.vc = self.cache.k[block.index], self.cache.v[block.index]
+        # the routed linears' context and dispatcher, whose routing a one-call decode step asks once (`_one_call`)
+        self._routed = next((b.routed for b in self.blocks if b.routed is not None), None)
+        for block in self.blocks:
+            if block.routed is not None and (block.routed.context is not self._routed.context
+                                             or block.routed.dispatcher is not self._routed.dispatcher):
+                block.linears = ()
 
     @property
     def block_size(self) -> int:
@@ -299,13 +310,14 @@ class ModelRunner:
         try:
             h = self.embed(tokens)                                          # [T, D] the residual stream
             delta = None                                                    # what the last block adds to h
+            one_call = self._one_call(h, plan, learned)
             for block in self.blocks:
                 if learned:
                     if delta is not None:  # the router reads the block's whole input
                         h, delta = h.add_(delta), None
                     self._decide(block.index, h, routing, slot_ids, weights, carry_out)
                     ctx.set(slot_ids, weights)  # rows changed in place: drop the step's cached plan
-                h, delta = block(h, delta, positions, plan, self.cache, self.cos, self.sin)
+                h, delta = block(h, delta, positions, plan, self.cache, self.cos, self.sin, one_call)
             last = plan.last_rows
             h = _add_norm(self.norm, h[last], None if delta is None else delta[last])   # [B, D]
         finally:
@@ -318,6 +330,19 @@ class ModelRunner:
             pick = (lambda t: None if t is None else t[rows])
             out.logits = self.logits(h[rows], pick(out.last_slot_ids), pick(out.last_weights))
         return out
+
+    def _one_call(self, h: Tensor, plan: AttnPlan, learned: bool) -> Any:
+        """Whether this step's blocks may run as one C++ call each (`_Block.run_bound`): a decode-only step of 2 to
+        PANEL_MAX_ROWS rows where molora's kernels run and reproduce the norm's sum, and the routing's fused-kernel
+        arguments (`RoutedLoRALinear.kernel_step`: () without routing), or PER_BLOCK where a router decides per block;
+        None where not (every block then runs kernel by kernel)."""
+        T, d = h.shape[0], plan.decode
+        if (plan.prefill or d is None or d.rows.shape[0] != T or not 2 <= T <= packed.PANEL_MAX_ROWS
+                or not fused_cpu.glue_supports(h) or not fused_cpu.norm_lanes()):
+            return None
+        if learned:
+            return PER_BLOCK
+        return () if self._routed is None else self._routed.kernel_step(T, h.dtype)
 
     @torch.no_grad()
     def logits(self, hidden: Tensor, slot_ids: Tensor | None = None, weights: Tensor | None = None) -> Tensor:
@@ -472,16 +497,24 @@ class _Linear:
         y = self.packed(x)
         return self.mod.add_delta(x, y) if self.routed else y
 
-    def kernel_args(self, rows: int, dtype: torch.dtype, routed: bool) -> tuple | None:
-        """(packed weight, bias, A, B, scale) where `__call__` on `rows` rows of `dtype` would run molora's packed
-        GEMM and, if this linear is routed and the step adds deltas (`routed`), the fused LoRA kernel on these
-        (A, B, scale None: no delta), as `fused_cpu.decode_block` takes them; None where it would run anything else.
-        The caller checks the kernels can run now and the step's routing (`RoutedLoRALinear.kernel_step`)."""
-        w = None if self.packed is None else self.packed.kernel_weight(rows, dtype)
+    def kernel_args(self, dtype: torch.dtype) -> tuple | None:
+        """(packed weight, bias, A, B, scale) as `fused_cpu.bind_block` takes them, where `__call__` on 2 to
+        PANEL_MAX_ROWS rows of `dtype` runs molora's packed GEMM and, for a routed linear that an adapter targets,
+        the fused LoRA kernel (A, B, scale None: no delta); None where it would run anything else."""
+        w = None if self.packed is None else self.packed.kernel_weight(dtype)
         if w is None:
             return None
-        lora = self.mod.kernel_operands() if routed and self.routed else None
+        lora = self.mod.kernel_operands() if self.routed else None
         return (w, self.packed.bias, None, None, None) if lora is None else (w, self.packed.bias, *lora)
+
+    def watched(self) -> list[Tensor]:
+        """The tensors whose change means a bound block must be bound again: the base weight (its packed copy) and
+        bias, and a routed linear's slots and scales."""
+        out = [self.mod.weight] + ([] if self.packed.bias is None else [self.packed.bias])
+        if self.routed:
+            bufs = self.mod.lora._buffers
+            out += [bufs["A"], bufs["Bt"], bufs["scale"]]
+        return out
 
 
 class _Block:
@@ -510,7 +543,7 @@ class _Block:
             self.gate_proj, self.up_proj, self.down_proj = (_Linear(m, pack) for m in
                                                             (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         # Where every piece of the block runs on molora's kernels (packed GEMMs, RMSNorms, no q/k norm, SiLU MLP),
-        # a decode step's block may run as one C++ call (`decode_args`; fused_cpu.decode_block)
+        # a decode step's block may run as one C++ call (`run_bound`; fused_cpu.run_block)
         self.linears = ((self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj,
                          self.down_proj) if self.gated_silu and self.q_norm is None
                         and all(type(n).__name__ in _RMS_NORMS for n in (self.input_layernorm,
@@ -522,44 +555,59 @@ class _Block:
         self.routed = routed[0] if routed else None
         if any(m.context is not routed[0].context or m.dispatcher is not routed[0].dispatcher for m in routed):
             self.linears = ()
+        self._bound: Any = None        # the block bound for one-call decode steps (`run_bound`), and what it was for
+        self._bound_key: tuple | None = None
 
     def __call__(self, h: Tensor, delta: Tensor | None, positions: Tensor, plan: AttnPlan, cache: PagedKVCache,
-                 cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+                 cos: Tensor, sin: Tensor, one_call: Any = None) -> tuple[Tensor, Tensor]:
         """h [T, D] the residual stream and delta [T, D] (or None) what the previous block adds to it ->
-        (h, this block's delta). h is updated in place (each add fused with the RMSNorm that reads it)."""
-        args = self.decode_args(h, positions, plan, cache, cos, sin) if self.linears else None
-        if args is not None:                     # the whole block in one C++ call: the same kernels, the same order
-            return h, fused_cpu.decode_block(h, delta, *args)
+        (h, this block's delta). h is updated in place (each add fused with the RMSNorm that reads it).
+        one_call: where the runner found the step fit to run blocks as one C++ call (`ModelRunner._one_call`), the
+        routing's fused-kernel arguments (`RoutedLoRALinear.kernel_step`), or PER_BLOCK to ask them here."""
+        if one_call is not None and self.linears:
+            step = (one_call if one_call is not PER_BLOCK else () if self.routed is None
+                    else self.routed.kernel_step(h.shape[0], h.dtype))
+            out = None if step is None else self.run_bound(h, delta, positions, plan, cache, cos, sin, step)
+            if out is not None:                  # the whole block in one C++ call: the same kernels, the same order
+                return h, out
         x = _add_norm(self.input_layernorm, h, delta)                        # h += delta; x = norm(h)
         x = _add_norm(self.post_attention_layernorm, h, self.o_proj(self.attention(x, positions, plan, cache,
                                                                                      cos, sin)))
         return h, self._mlp(x)
 
-    def decode_args(self, h: Tensor, positions: Tensor, plan: AttnPlan, cache: PagedKVCache, cos: Tensor,
-                    sin: Tensor) -> tuple | None:
-        """`fused_cpu.decode_block`'s arguments after h and delta, where this step's block would run exactly those
-        kernels through `__call__` (a decode-only step, every linear on molora's packed GEMM and, if routed, the
-        fused LoRA kernel on one step's routing, the norms' mean from the kernel, the attention and RoPE kernels);
-        else None (then `__call__` runs the block kernel by kernel, or in torch ops)."""
-        T, dtype, d = h.shape[0], h.dtype, plan.decode
-        if plan.prefill or d is None or d.rows.shape[0] != T or not fused_cpu.glue_supports(h):
-            return None
-        lanes = fused_cpu.norm_lanes()
+    def run_bound(self, h: Tensor, delta: Tensor | None, positions: Tensor, plan: AttnPlan, cache: PagedKVCache,
+                  cos: Tensor, sin: Tensor, step: tuple) -> Tensor | None:
+        """The block on a decode step as one C++ call (`fused_cpu.run_block`) on its arguments bound once
+        (`fused_cpu.bind_block`: packed weights, slots, norms, tables, cache views) and bound again where they no
+        longer hold: another dtype, an adapter slot's `active` changed or slots moved (`LoRASlots.generation`), a
+        watched weight, bias, norm or slot written or moved (the C++ side checks). None: the block cannot run so
+        (a linear not on molora's kernels in this dtype), nothing done."""
+        key = (h.dtype, LoRASlots.generation)
+        for _ in range(2):
+            if self._bound_key != key:
+                self._bound, self._bound_key = self._bind(h.dtype, cache, cos, sin), key
+            if self._bound is None:
+                return None
+            d = plan.decode
+            out = fused_cpu.run_block(self._bound, h, delta, step, positions, plan.write_rows, d.table, d.ctx, d.rows)
+            if out is not None:
+                return out
+            self._bound_key = None                                          # something watched changed
+        return None
+
+    def _bind(self, dtype: torch.dtype, cache: PagedKVCache, cos: Tensor, sin: Tensor) -> Any:
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        kc, vc = self.kc, self.vc
+        lanes = fused_cpu.norm_lanes()
         if (not lanes or ln1.weight.dtype != dtype or ln2.weight.dtype != dtype or cos.dtype != dtype
-                or ln1.variance_epsilon != ln2.variance_epsilon
-                or kc.dtype != dtype or vc.dtype != dtype):
+                or ln1.variance_epsilon != ln2.variance_epsilon or self.kc.dtype != dtype or self.vc.dtype != dtype):
             return None
-        step = () if self.routed is None else self.routed.kernel_step(T, dtype)    # the block's routing, once
-        if step is None:
-            return None
-        linears = [lin.kernel_args(T, dtype, bool(step)) for lin in self.linears]
+        linears = [lin.kernel_args(dtype) for lin in self.linears]
         if None in linears:
             return None
-        return ((ln1.weight, ln2.weight), ln1.variance_epsilon, lanes, linears, step or None,
-                (self.num_heads, self.num_kv_heads, self.head_dim), (cos, sin, positions, plan.write_rows),
-                (kc, vc, d.table, d.ctx, d.rows, cache.block_size, self.scaling, self.window))
+        watched = [ln1.weight, ln2.weight] + [t for lin in self.linears for t in lin.watched()]
+        return fused_cpu.bind_block((ln1.weight, ln2.weight), ln1.variance_epsilon, lanes, linears,
+                                    (self.num_heads, self.num_kv_heads, self.head_dim), (cos, sin),
+                                    (self.kc, self.vc, cache.block_size, self.scaling, self.window), watched)
 
     def _mlp(self, x: Tensor) -> Tensor:
         if not self.gated_silu:
@@ -634,6 +682,8 @@ class _Block:
         o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask, scale=self.scaling)  # [Bd, Hkv, G, hd]
         return o.reshape(Bd, H, hd)
 
+
+PER_BLOCK = object()   # `ModelRunner._one_call`: the routing's kernel arguments are asked per block (in-network router)
 
 _RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # one formula (add_rms_norm)
 

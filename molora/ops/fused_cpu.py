@@ -33,7 +33,7 @@ write) and `silu_mul` (SiLU(gate) * up). Measured on the bench's routed batch-32
 threads): with them (and the runner's and routed linears' other cuts) a step records about 2900 profiler events
 instead of about 5500 (6300 in bf16), and runs 5-7% faster (interleaved A/B in one process).
 
-`decode_block` runs a whole Llama-shaped decoder block of a decode step (norms, packed GEMMs, LoRA, RoPE and
+`run_block` runs a whole Llama-shaped decoder block of a decode step (norms, packed GEMMs, LoRA, RoPE and
 cache write, attention, SiLU * up) as one call of the kernels below, in the order molora.model.runner calls them one
 by one (its docstring: when, and what it saved).
 
@@ -69,7 +69,7 @@ from molora.ops.lora import SlotGroups
 
 log = logging.getLogger("molora.ops")
 
-_SOURCE = Path(__file__).parent / "csrc" / "fused_lora.cpp"  # the kernel; load_inline adds its bindings
+_SOURCE = Path(__file__).parent / "csrc" / "fused_lora.cpp"  # the kernels and their Python bindings
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)  # what the kernel computes in
 
 _lock = threading.Lock()
@@ -98,11 +98,8 @@ def _load():
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
             # loaded, serves this library too); without it the kernel silently runs on one thread.
-            _module = load_inline(name=f"molora_fused_lora_v26_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
-                                  functions=["lora_fused_", "bf16_dot", "paged_decode", "paged_decode_rows",
-                                             "add_rms_norm", "rope_write", "silu_mul", "linear_panels", "amx_ready",
-                                             "linear_amx", "decode_block", "greedy_rows"],
-                                  verbose=False,
+            _module = load_inline(name=f"molora_fused_lora_v27_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
+                                  functions=None, verbose=False,   # the source binds its functions and BoundBlock
                                   extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"])
         except Exception as e:  # no compiler, no ninja, unsupported platform: the eager backends remain
@@ -368,22 +365,17 @@ def norm_lanes() -> int:
     return 0 if _ready() is None else _sum_lanes()
 
 
-def decode_block(h: Tensor, delta: Tensor | None, norms: tuple[Tensor, Tensor], eps: float, lanes: int,
-                 linears: list[tuple], step: tuple | None, heads: tuple[int, int, int], rope: tuple,
-                 attention: tuple) -> Tensor:
-    """One Llama-shaped decoder block of a decode step as one C++ call (csrc decode_block: the kernels of this
-    module in the order and on the arguments molora.model.runner's per-kernel path gives them, equal to it bit for
-    bit): h [T, D] += delta, attention, h += its output, in place; returns the MLP output [T, D].
+def bind_block(norms: tuple[Tensor, Tensor], eps: float, lanes: int, linears: list[tuple], heads: tuple[int, int, int],
+               rope: tuple[Tensor, Tensor], cache: tuple, watched: list[Tensor]) -> Any:
+    """One Llama-shaped decoder block's step-invariant arguments bound in C++ (csrc BoundBlock), for `run_block`.
 
-    norms: the two RMSNorm weights (eps, and `norm_lanes()` nonzero); linears: for q, k, v, o, gate, up, down,
-    (packed weight as `PackedLinear.kernel_weight` gives it, bias or None, A, B, scale as
-    `RoutedLoRALinear.kernel_args` gives them, or three Nones for no delta); step: the fused kernel's (tok, weight,
-    counts) of the routed linears (None: none routed); heads (H, Hkv, head_dim); rope (cos, sin, positions, cache
-    rows); attention (kc, vc, Decode tables, context lengths, rows, block size, scaling, window or None). Call only
-    where the caller checked every piece can run on these kernels (`molora.model.runner._Block.decode_args`);
-    shapes that disagree raise a RuntimeError from the kernel."""
-    clock = _EMPTY_F64 if _clock is None else torch.zeros(6, dtype=torch.float64)
-    no_bias = _EMPTY_BF16 if h.dtype == torch.bfloat16 else _EMPTY
+    norms: the two RMSNorm weights (one eps; lanes = `norm_lanes()`, nonzero); linears: for q, k, v, o, gate, up,
+    down, (packed weight as `PackedLinear.kernel_weight` gives it, bias or None, and A, B, scale as
+    `RoutedLoRALinear.kernel_operands` gives them, or three Nones where no adapter adds to it); heads (H, Hkv,
+    head_dim); rope: the cos, sin tables [P, hd]; cache (kc, vc [N, Hkv, hd], block size, scaling, window or None);
+    watched: the tensors whose storage or in-place writes mean the binding no longer holds (`run_block` then returns
+    None). Call only where the kernels can run (`available()`, and `amx()` for bfloat16 weights)."""
+    no_bias = _EMPTY_BF16 if norms[0].dtype == torch.bfloat16 else _EMPTY
     P, bias, A, B, scale = ([], [], [], [], [])
     for w, b, a, bb, sc in linears:
         P.append(w)
@@ -391,16 +383,26 @@ def decode_block(h: Tensor, delta: Tensor | None, norms: tuple[Tensor, Tensor], 
         A.append(_EMPTY if a is None else a)
         B.append(_EMPTY if bb is None else bb)
         scale.append(_EMPTY if sc is None else sc)
-    tok, weight, counts = step if step is not None else (_EMPTY_LONG, None, [])
-    H, Hkv, hd = heads
-    cos, sin, positions, write_rows = rope
-    kc, vc, tables, ctx, rows, block_size, scaling, window = attention
-    out = _module.decode_block(h, _EMPTY if delta is None else delta, norms[0], norms[1], float(eps), lanes, P, bias,
-                               A, B, scale, tok, _NO_WEIGHTS if weight is None else weight, counts, H, Hkv, hd,
-                               cos, sin, positions, write_rows, kc, vc, tables, ctx, rows, int(block_size),
-                               float(scaling), 0 if window is None else int(window), clock)
-    if _clock is not None:
-        gemm = "molora::linear_amx" if P[0].dim() == 4 else "molora::linear_panels"
+    kc, vc, block_size, scaling, window = cache
+    return _load().BoundBlock(P, bias, A, B, scale, norms[0], norms[1], float(eps), int(lanes), *heads, rope[0],
+                              rope[1], kc, vc, int(block_size), float(scaling), 0 if window is None else int(window),
+                              watched)
+
+
+def run_block(bound: Any, h: Tensor, delta: Tensor | None, step: tuple, positions: Tensor, write_rows: Tensor,
+              tables: Tensor, ctx: Tensor, rows: Tensor) -> Tensor | None:
+    """A bound block (`bind_block`) on one decode step as one C++ call (csrc decode_block: the kernels of this
+    module in the order and on the arguments molora.model.runner's per-kernel path gives them, equal to it bit for
+    bit): h [T, D] += delta, attention, h += its output, in place; returns the MLP output [T, D]. step: the fused LoRA
+    kernel's (tok, weight, counts) of the step's routing, or () for no deltas; positions, write_rows [T], and the
+    `Decode` tables, context lengths and rows of the step. None, nothing done: a watched tensor changed since the
+    bind (bind again). Shapes that disagree raise a RuntimeError from the kernels."""
+    clock = _EMPTY_F64 if _clock is None else torch.zeros(6, dtype=torch.float64)
+    tok, weight, counts = step if step else (_EMPTY_LONG, None, [])
+    out = bound.run(h, _EMPTY if delta is None else delta, bool(step), tok, _NO_WEIGHTS if weight is None else weight,
+                    counts, positions, write_rows, tables, ctx, rows, clock)
+    if _clock is not None and out is not None:
+        gemm = "molora::linear_amx" if h.dtype == torch.bfloat16 else "molora::linear_panels"
         for name, t in zip(_BLOCK_KERNELS, clock.tolist()):
             name = name or gemm
             _clock[name] = _clock.get(name, 0.0) + t

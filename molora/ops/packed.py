@@ -113,11 +113,11 @@ class PackedLinear:
             self._key = key
         return self.packed
 
-    def kernel_weight(self, rows: int, dtype: torch.dtype) -> Tensor | None:
-        """The packed weight where `__call__` would run molora's panel or AMX kernel on `rows` rows of `dtype`, given
-        that the kernel can run now (the caller checks `fused_cpu.available()` / `amx()` and autograd once per step:
-        the runner's one-call decode block passes the weight to the kernel itself); else None."""
-        if self.form == "mkl" or not 2 <= rows <= PANEL_MAX_ROWS or dtype != self.dtype or self.weight.dtype != dtype:
+    def kernel_weight(self, dtype: torch.dtype) -> Tensor | None:
+        """The packed weight that `__call__` hands molora's panel or AMX kernel for rows of `dtype` (2 to
+        PANEL_MAX_ROWS of them, the kernel able to run now: the caller checks both), repacked first if the weight
+        changed; None for the "mkl" form or another dtype. The runner's bound decode blocks keep it."""
+        if self.form == "mkl" or dtype != self.dtype or self.weight.dtype != dtype:
             return None
         return self._current()
 

@@ -1,6 +1,6 @@
 // The `fused` per-token LoRA CPU kernel. molora/ops/fused_cpu.py reads this file and builds it with
 // torch.utils.cpp_extension.load_inline (once per machine and CPU type; -O3 -march=native -ffp-contract=fast
-// -fopenmp), which adds the Python bindings of the functions fused_cpu.py lists. Each releases the GIL while it
+// -fopenmp), with the Python bindings at the end of this file. Each kernel releases the GIL while it
 // runs (as torch's own ops do), so a server's event loop is not stopped by a step. What they compute, limits, why:
 // fused_cpu.py's docstring.
 #include <torch/extension.h>
@@ -984,7 +984,8 @@ void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor
 // place (h += delta before the first norm, h += attention output before the second); returns the block's MLP output
 // (the next block's delta). Linears in the order q, k, v, o, gate, up, down: P packed weights (panels [N/16, K, 16]
 // float32 or AMX tiles [N/16, K/32, 16, 32] bfloat16), bias or empty; a routed linear's A, B (slot-major), scale
-// (float32) run lora_fused_ on the step's tok / weight / counts, an empty A adds nothing. clock: empty, or float64
+// (float32) run lora_fused_ on the step's tok / weight / counts (lora: the step has routing), an empty A adds
+// nothing. clock: empty, or float64
 // [6] to which each kernel kind's wall seconds are added (linear, lora, norm, rope, attention, silu_mul: the bench's
 // kernel share); each kernel is also a torch.profiler range named as the Python path names it.
 static const char* const BLOCK_KERNELS[6] = {"molora::linear_*", "molora::lora_fused", "molora::add_rms_norm",
@@ -1000,14 +1001,17 @@ struct BlockClock {
   }
 };
 
-torch::Tensor decode_block(torch::Tensor h, torch::Tensor delta, torch::Tensor ln1, torch::Tensor ln2, double eps,
-                           int64_t lanes, std::vector<torch::Tensor> P, std::vector<torch::Tensor> bias,
-                           std::vector<torch::Tensor> A, std::vector<torch::Tensor> B,
-                           std::vector<torch::Tensor> scale, torch::Tensor tok, torch::Tensor weight,
-                           std::vector<int64_t> counts, int64_t H, int64_t Hkv, int64_t hd, torch::Tensor cos,
-                           torch::Tensor sin, torch::Tensor pos, torch::Tensor wrows, torch::Tensor kc,
-                           torch::Tensor vc, torch::Tensor tables, torch::Tensor ctx, torch::Tensor rows,
-                           int64_t block_size, double scaling, int64_t window, torch::Tensor clock) {
+static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& delta, const torch::Tensor& ln1,
+                                  const torch::Tensor& ln2, double eps, int64_t lanes,
+                                  const std::vector<torch::Tensor>& P, const std::vector<torch::Tensor>& bias,
+                                  const std::vector<torch::Tensor>& A, const std::vector<torch::Tensor>& B,
+                                  const std::vector<torch::Tensor>& scale, bool lora, const torch::Tensor& tok,
+                                  const torch::Tensor& weight, const std::vector<int64_t>& counts, int64_t H,
+                                  int64_t Hkv, int64_t hd, const torch::Tensor& cos, const torch::Tensor& sin,
+                                  const torch::Tensor& pos, const torch::Tensor& wrows, const torch::Tensor& kc,
+                                  const torch::Tensor& vc, const torch::Tensor& tables, const torch::Tensor& ctx,
+                                  const torch::Tensor& rows, int64_t block_size, double scaling, int64_t window,
+                                  const torch::Tensor& clock) {
   TORCH_CHECK(P.size() == 7 && bias.size() == 7 && A.size() == 7 && B.size() == 7 && scale.size() == 7,
               "decode_block: 7 linears (q, k, v, o, gate, up, down) expected");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decode_block: h [T, D] contiguous");
@@ -1033,7 +1037,7 @@ torch::Tensor decode_block(torch::Tensor h, torch::Tensor delta, torch::Tensor l
       if (p.dim() == 4) linear_amx(y, x, p, bias[i]);
       else linear_panels(y, x, p, bias[i]);
     }
-    if (A[i].numel()) {
+    if (lora && A[i].numel()) {
       RECORD_FUNCTION(BLOCK_KERNELS[1], std::vector<c10::IValue>());
       BlockClock c(ck, 1);
       TORCH_CHECK(lora_fused_(y, x, A[i], B[i], tok, scale[i], weight, counts),
@@ -1066,6 +1070,49 @@ torch::Tensor decode_block(torch::Tensor h, torch::Tensor delta, torch::Tensor l
   return linear(6, g);
 }
 
+
+// A block's arguments that stay the same from step to step (weights packed, adapter slots, norms, RoPE tables, its
+// cache views, shapes), bound once in C++ (molora.model.runner._Block binds them: `fused_cpu.bind_block`), so that a
+// step passes only what changes (h, the routing, the positions and cache rows). `watched`: the tensors from which the
+// bound ones were derived or whose writes mean a rebind (base weights, from which the packed copies were made; the
+// adapter slots and their scales, written by a load or unload, which also changes which linears carry a delta;
+// the norms): `run` returns an undefined tensor (None in Python), having done nothing, once any of them has moved
+// to other storage or been written in place since the bind; the caller binds again.
+struct BoundBlock {
+  std::vector<torch::Tensor> P, bias, A, B, scale, watched;
+  torch::Tensor ln1, ln2, cos, sin, kc, vc;
+  double eps, scaling;
+  int64_t lanes, H, Hkv, hd, block_size, window;
+  std::vector<const void*> ptrs;
+  std::vector<int64_t> versions;
+
+  BoundBlock(std::vector<torch::Tensor> P_, std::vector<torch::Tensor> bias_, std::vector<torch::Tensor> A_,
+             std::vector<torch::Tensor> B_, std::vector<torch::Tensor> scale_, torch::Tensor ln1_, torch::Tensor ln2_,
+             double eps_, int64_t lanes_, int64_t H_, int64_t Hkv_, int64_t hd_, torch::Tensor cos_,
+             torch::Tensor sin_, torch::Tensor kc_, torch::Tensor vc_, int64_t block_size_, double scaling_,
+             int64_t window_, std::vector<torch::Tensor> watched_)
+      : P(P_), bias(bias_), A(A_), B(B_), scale(scale_), watched(watched_), ln1(ln1_), ln2(ln2_), cos(cos_),
+        sin(sin_), kc(kc_), vc(vc_), eps(eps_), scaling(scaling_), lanes(lanes_), H(H_), Hkv(Hkv_), hd(hd_),
+        block_size(block_size_), window(window_) {
+    TORCH_CHECK(P.size() == 7 && bias.size() == 7 && A.size() == 7 && B.size() == 7 && scale.size() == 7,
+                "bind_block: 7 linears (q, k, v, o, gate, up, down) expected");
+    for (const auto& t : watched) { ptrs.push_back(t.data_ptr()); versions.push_back(t._version()); }
+  }
+
+  bool current() const {
+    for (size_t i = 0; i < watched.size(); ++i)
+      if (watched[i].data_ptr() != ptrs[i] || watched[i]._version() != versions[i]) return false;
+    return true;
+  }
+
+  torch::Tensor run(torch::Tensor h, torch::Tensor delta, bool lora, torch::Tensor tok, torch::Tensor weight,
+                    std::vector<int64_t> counts, torch::Tensor pos, torch::Tensor wrows, torch::Tensor tables,
+                    torch::Tensor ctx, torch::Tensor rows, torch::Tensor clock) {
+    if (!current()) return torch::Tensor();
+    return decode_block(h, delta, ln1, ln2, eps, lanes, P, bias, A, B, scale, lora, tok, weight, counts, H, Hkv, hd,
+                        cos, sin, pos, wrows, kc, vc, tables, ctx, rows, block_size, scaling, window, clock);
+  }
+};
 
 // ------------------------------------------------------------------------------------ greedy pick of a step's logits
 // ids[b] = the index of the first maximum of row b of logits [B, V] (torch's max(-1).indices: the first NaN where a
@@ -1141,4 +1188,32 @@ void greedy_rows(torch::Tensor logits, torch::Tensor ids, torch::Tensor finite) 
     greedy_rows_run<uint16_t>(reinterpret_cast<const uint16_t*>(logits.data_ptr<at::BFloat16>()), ld, B, V,
                               ids.data_ptr<int64_t>(), finite.data_ptr<bool>());
   }
+}
+
+
+// ------------------------------------------------------------------------------------ Python bindings
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {   // each wrapped so that a failed check raises RuntimeError(its message)
+  m.def("lora_fused_", torch::wrap_pybind_function(lora_fused_));
+  m.def("bf16_dot", torch::wrap_pybind_function(bf16_dot));
+  m.def("paged_decode", torch::wrap_pybind_function(paged_decode));
+  m.def("paged_decode_rows", torch::wrap_pybind_function(paged_decode_rows));
+  m.def("add_rms_norm", torch::wrap_pybind_function(add_rms_norm));
+  m.def("rope_write", torch::wrap_pybind_function(rope_write));
+  m.def("silu_mul", torch::wrap_pybind_function(silu_mul));
+  m.def("linear_panels", torch::wrap_pybind_function(linear_panels));
+  m.def("amx_ready", torch::wrap_pybind_function(amx_ready));
+  m.def("linear_amx", torch::wrap_pybind_function(linear_amx));
+  m.def("greedy_rows", torch::wrap_pybind_function(greedy_rows));
+  pybind11::class_<BoundBlock>(m, "BoundBlock")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, double,
+                          int64_t, int64_t, int64_t, int64_t, torch::Tensor, torch::Tensor, torch::Tensor,
+                          torch::Tensor, int64_t, double, int64_t, std::vector<torch::Tensor>>())
+      .def("current", &BoundBlock::current)
+      .def("run", torch::wrap_pybind_function(
+          [](BoundBlock& b, torch::Tensor h, torch::Tensor delta, bool lora, torch::Tensor tok, torch::Tensor weight,
+             std::vector<int64_t> counts, torch::Tensor pos, torch::Tensor wrows, torch::Tensor tables,
+             torch::Tensor ctx, torch::Tensor rows, torch::Tensor clock) {
+            return b.run(h, delta, lora, tok, weight, counts, pos, wrows, tables, ctx, rows, clock);
+          }));
 }
