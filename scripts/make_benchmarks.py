@@ -440,7 +440,9 @@ def engine_section(records: dict[str, dict]) -> list[str]:
             f"In bfloat16 (`molora serve --dtype bfloat16`; the same run, every variant in bf16): engine "
             f"{e['bf16_engine_tok_s']:.1f} tokens/s, {e['bf16_speedup_vs_hf_routed']:.2f}× transformers with the "
             f"same routing in bf16 and {e['bf16_engine_vs_fp32_hf_routed']:.2f}× its fp32 run; decode step routed / "
-            f"base {e['bf16_decode_routing_overhead']:.2f}×.", ""] if "bf16_engine_tok_s" in e else [])
+            f"base {e['bf16_decode_routing_overhead']:.2f}×"
+            + (f"; kernel share of a routed decode step {e['bf16_decode_step_kernel_share'] * 100:.0f}% (measured as "
+               "above)" if "bf16_decode_step_kernel_share" in e else "") + ".", ""] if "bf16_engine_tok_s" in e else [])
 
 
 def engine_mixed_section(records: dict[str, dict]) -> list[str]:
@@ -646,7 +648,9 @@ def readme_engine(records: dict[str, dict]) -> list[str]:
                f"kernels{_profiled_share(e)}." if "decode_step_kernel_share" in e else "."))
     if "bf16_engine_tok_s" in e:
         line += (f" In bfloat16 the engine makes {e['bf16_engine_tok_s']:.0f} tokens/s, "
-                 f"{_iqr(e['bf16_speedup_vs_hf_routed_paired'])} transformers with the same routing in bf16.")
+                 f"{_iqr(e['bf16_speedup_vs_hf_routed_paired'])} transformers with the same routing in bf16"
+                 + (f", {e['bf16_decode_step_kernel_share'] * 100:.0f}% of its routed decode step inside the kernels"
+                    if "bf16_decode_step_kernel_share" in e else "") + ".")
     if "engine_mixed" in records:
         m = records["engine_mixed"]["result"]
         line += (f" With mixed lengths (`--mixed`: prompt and new-token lengths drawn up to {m['prompt_len']} and "
