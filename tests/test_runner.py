@@ -410,6 +410,45 @@ def test_decode_block_in_one_call_equals_the_kernel_by_kernel_path(tmp_path, mon
         assert a.dtype == dtype and torch.equal(a, b)
 
 
+def test_one_call_decode_steps_with_an_in_network_router_equal_the_kernel_by_kernel_path(tmp_path, monkeypatch):
+    """With a router that decides per block (its decisions change the routing between blocks), one-call decode
+    steps ask the routing's kernel arguments per block and give the kernel-by-kernel path's logits bit for bit."""
+    from molora.ops import fused_cpu
+
+    if not fused_cpu.available():
+        pytest.skip("molora's C++ kernels are needed")
+    mm, names = _one_call_model(tmp_path, "llama")
+    runners = [ModelRunner(mm, num_blocks=32, block_size=4, max_model_len=64, pack_weights=True) for _ in range(2)]
+    _one_call_off(monkeypatch, runners[1])
+    calls = []
+    real = fused_cpu.run_block
+    monkeypatch.setattr(fused_cpu, "run_block", lambda *a: calls.append(1) or real(*a))
+    slots = torch.tensor([mm.bank.slot_of(n) for n in BlockRouter.adapter_names])
+    lens = [5, 9, 3]
+    pager = _Pager(4)
+    tables = [pager.table(i, n + 4) for i, n in enumerate(lens)]
+    outs = []
+    for runner in runners:
+        router = BlockRouter()
+
+        def routing(T: int) -> StepRouting:
+            return StepRouting(torch.full((T, 1), -1), router=router, router_slots=slots,
+                               groups=[RouterGroup(torch.arange(T), None)])
+
+        seqs = [_seq(n, 20 + i) for i, n in enumerate(lens)]
+        got = [runner(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), BatchMeta(lens, lens, tables),
+                      routing(sum(lens)), logits=True).logits]
+        for step in range(3):
+            ctx = [n + 1 + step for n in lens]
+            tok = got[-1].argmax(-1)
+            got.append(runner(tok, torch.tensor([c - 1 for c in ctx]), BatchMeta([1, 1, 1], ctx, tables), routing(3),
+                              logits=True).logits)
+        outs.append(got)
+    assert len(calls) == 3 * len(runners[0].blocks)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bound_decode_blocks_follow_adapter_loads_scales_and_weights(tmp_path, monkeypatch, dtype):
     """The arguments a block binds once follow what changes under them: an adapter unloaded and loaded again
