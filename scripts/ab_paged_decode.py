@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     source = subprocess.run(["git", "show", f"{a.rev}:molora/ops/csrc/fused_lora.cpp"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
-    old = load_inline(name=f"molora_ab_paged_{a.rev}", cpp_sources=source, functions=["paged_decode_rows"],
+    binds = "PYBIND11_MODULE" in source   # from v27 the source carries its own bindings, BoundBlock among them:
+    if binds:                             # rename that class, which this process's own build registers too
+        source = source.replace("BoundBlock", "BoundBlockAB")
+    old = load_inline(name=f"molora_ab_paged_{a.rev}", cpp_sources=source,
+                      functions=None if binds else ["paged_decode_rows"],
                       extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                       extra_ldflags=["-fopenmp"])
     new = fused_cpu._load()
