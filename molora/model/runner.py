@@ -33,9 +33,9 @@ the torch ops bit for bit, and so does the norm in both dtypes (its mean summed 
 differ from torch's in the last bit (greedy outputs of the engine bench unchanged in both dtypes, measured).
 
 On the CPU, a decode step's Llama-shaped block whose every piece runs on those kernels (the linears on packed weights
-through molora's panel or AMX GEMM and, where routed, the fused LoRA kernel; RMSNorms, Qwen3's q/k norms included)
-runs as one C++ call, `fused_cpu.run_block`: the same kernels in the same order, equal bit for bit (tested in both
-dtypes), without the Python between them (about 20 calls a block). What stays the same from step to step (packed weights, adapter
+through molora's panel or AMX GEMM and, where routed, the fused LoRA kernel; RMSNorms; no q/k norm) runs as one C++
+call, `fused_cpu.run_block`: the same kernels in the same order, equal bit for bit (tested in both dtypes), without
+the Python between them (about 20 calls a block). What stays the same from step to step (packed weights, adapter
 slots, norms, RoPE tables, cache views) is bound once per block (`_Block.run_bound`, `fused_cpu.bind_block`) and
 bound again when it moves: another dtype, an adapter load or unload (`LoRASlots.generation`), a weight, norm, slot or
 scale written or swapped (checked in C++ by storage and version). `ModelRunner._one_call` decides per step (a
@@ -542,12 +542,12 @@ class _Block:
         if self.gated_silu:
             self.gate_proj, self.up_proj, self.down_proj = (_Linear(m, pack) for m in
                                                             (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-        # Where every piece of the block runs on molora's kernels (packed GEMMs, RMSNorms, SiLU MLP), a decode step's
-        # block may run as one C++ call (`run_bound`; fused_cpu.run_block)
-        norms = (self.input_layernorm, self.post_attention_layernorm) + (
-            () if self.q_norm is None else (self.q_norm, self.k_norm))
+        # Where every piece of the block runs on molora's kernels (packed GEMMs, RMSNorms, no q/k norm, SiLU MLP),
+        # a decode step's block may run as one C++ call (`run_bound`; fused_cpu.run_block)
         self.linears = ((self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj,
-                         self.down_proj) if self.gated_silu and all(type(n).__name__ in _RMS_NORMS for n in norms)
+                         self.down_proj) if self.gated_silu and self.q_norm is None
+                        and all(type(n).__name__ in _RMS_NORMS for n in (self.input_layernorm,
+                                                                       self.post_attention_layernorm))
                         else ())
         if not all(lin.packed is not None and lin.packed.form in ("panels", "amx") for lin in self.linears):
             self.linears = ()
@@ -601,19 +601,13 @@ class _Block:
         if (not lanes or ln1.weight.dtype != dtype or ln2.weight.dtype != dtype or cos.dtype != dtype
                 or ln1.variance_epsilon != ln2.variance_epsilon or self.kc.dtype != dtype or self.vc.dtype != dtype):
             return None
-        qn, kn = self.q_norm, self.k_norm
-        if qn is not None and (qn.weight.dtype != dtype or kn.weight.dtype != dtype
-                               or qn.variance_epsilon != kn.variance_epsilon):
-            return None
         linears = [lin.kernel_args(dtype) for lin in self.linears]
         if None in linears:
             return None
-        watched = ([ln1.weight, ln2.weight] + ([] if qn is None else [qn.weight, kn.weight])
-                   + [t for lin in self.linears for t in lin.watched()])
+        watched = [ln1.weight, ln2.weight] + [t for lin in self.linears for t in lin.watched()]
         return fused_cpu.bind_block((ln1.weight, ln2.weight), ln1.variance_epsilon, lanes, linears,
                                     (self.num_heads, self.num_kv_heads, self.head_dim), (cos, sin),
-                                    (self.kc, self.vc, cache.block_size, self.scaling, self.window), watched,
-                                    None if qn is None else (qn.weight, kn.weight, qn.variance_epsilon))
+                                    (self.kc, self.vc, cache.block_size, self.scaling, self.window), watched)
 
     def _mlp(self, x: Tensor) -> Tensor:
         if not self.gated_silu:
@@ -630,7 +624,7 @@ class _Block:
         k = self.k_proj(x).view(T, Hkv, hd)
         v = self.v_proj(x).view(T, Hkv, hd)
         if self.q_norm is not None:
-            q, k = _head_norm(self.q_norm, q), _head_norm(self.k_norm, k)
+            q, k = self.q_norm(q), self.k_norm(k)
         kc, vc = self.kc, self.vc                                            # [N, Hkv, hd] (cache's views)
         # RoPE in place and K, V into the cache: one C++ call (equal bit for bit to the torch ops below)
         if not fused_cpu.rope_write(q, k, v, cos, sin, positions, plan.write_rows, kc, vc):
@@ -704,16 +698,6 @@ def _add_norm(norm: nn.Module, h: Tensor, delta: Tensor | None) -> Tensor:
     if delta is not None:
         h.add_(delta)
     return norm(h)
-
-
-def _head_norm(norm: nn.Module, t: Tensor) -> Tensor:
-    """Qwen3's q_norm / k_norm over the last dim of t [T, n, hd]: one C++ call where the kernel runs and `norm` is
-    transformers' RMSNorm (its result bit for bit, as `_add_norm`), else the module."""
-    if type(norm).__name__ in _RMS_NORMS and t.is_contiguous():
-        out = fused_cpu.add_rms_norm(t.view(-1, t.shape[-1]), None, norm.weight, norm.variance_epsilon)
-        if out is not None:
-            return out.view(t.shape)
-    return norm(t)
 
 
 def _rotate_half(x: Tensor) -> Tensor:

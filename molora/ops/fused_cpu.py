@@ -366,8 +366,7 @@ def norm_lanes() -> int:
 
 
 def bind_block(norms: tuple[Tensor, Tensor], eps: float, lanes: int, linears: list[tuple], heads: tuple[int, int, int],
-               rope: tuple[Tensor, Tensor], cache: tuple, watched: list[Tensor],
-               head_norms: tuple[Tensor, Tensor, float] | None = None) -> Any:
+               rope: tuple[Tensor, Tensor], cache: tuple, watched: list[Tensor]) -> Any:
     """One Llama-shaped decoder block's step-invariant arguments bound in C++ (csrc BoundBlock), for `run_block`.
 
     norms: the two RMSNorm weights (one eps; lanes = `norm_lanes()`, nonzero); linears: for q, k, v, o, gate, up,
@@ -375,8 +374,7 @@ def bind_block(norms: tuple[Tensor, Tensor], eps: float, lanes: int, linears: li
     `RoutedLoRALinear.kernel_operands` gives them, or three Nones where no adapter adds to it); heads (H, Hkv,
     head_dim); rope: the cos, sin tables [P, hd]; cache (kc, vc [N, Hkv, hd], block size, scaling, window or None);
     watched: the tensors whose storage or in-place writes mean the binding no longer holds (`run_block` then returns
-    None); head_norms: Qwen3's (q_norm weight, k_norm weight, eps), RMSNorms of each head of q and k before RoPE.
-    Call only where the kernels can run (`available()`, and `amx()` for bfloat16 weights)."""
+    None). Call only where the kernels can run (`available()`, and `amx()` for bfloat16 weights)."""
     no_bias = _EMPTY_BF16 if norms[0].dtype == torch.bfloat16 else _EMPTY
     P, bias, A, B, scale = ([], [], [], [], [])
     for w, b, a, bb, sc in linears:
@@ -386,10 +384,9 @@ def bind_block(norms: tuple[Tensor, Tensor], eps: float, lanes: int, linears: li
         B.append(_EMPTY if bb is None else bb)
         scale.append(_EMPTY if sc is None else sc)
     kc, vc, block_size, scaling, window = cache
-    qn, kn, qk_eps = head_norms if head_norms is not None else (_EMPTY, _EMPTY, 0.0)
     return _load().BoundBlock(P, bias, A, B, scale, norms[0], norms[1], float(eps), int(lanes), *heads, rope[0],
                               rope[1], kc, vc, int(block_size), float(scaling), 0 if window is None else int(window),
-                              qn, kn, float(qk_eps), watched)
+                              watched)
 
 
 def run_block(bound: Any, h: Tensor, delta: Tensor | None, step: tuple, positions: Tensor, write_rows: Tensor,

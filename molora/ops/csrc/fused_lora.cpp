@@ -977,17 +977,17 @@ void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor
 
 
 // ------------------------------------------------------------------------------------ one decoder block of a decode step
-// A Llama-shaped block (RMSNorm, q/k/v/o, Qwen3's per-head RMSNorm of q and k where qn / kn are given, RoPE,
-// attention over the paged cache, RMSNorm, gate/up, SiLU * up, down) on a step whose every row decodes (one new token
-// per sequence), as one call: the kernels above in the order and on the arguments the runner's Python path
-// (molora.model.runner._Block) gives them, so its results are those of that path bit for bit; what it saves is the
-// Python between the kernels (about 20 calls a block). h [T, D] is updated in place (h += delta before the first
-// norm, h += attention output before the second); returns the block's MLP output (the next block's delta). Linears in
-// the order q, k, v, o, gate, up, down: P packed weights (panels [N/16, K, 16] float32 or AMX tiles [N/16, K/32, 16,
-// 32] bfloat16), bias or empty; a routed linear's A, B (slot-major), scale (float32) run lora_fused_ on the step's
-// tok / weight / counts (lora: the step has routing), an empty A adds nothing. clock: empty, or float64 [6] to which
-// each kernel kind's wall seconds are added (linear, lora, norm, rope, attention, silu_mul: the bench's kernel share);
-// each kernel is also a torch.profiler range named as the Python path names it.
+// A Llama-shaped block (RMSNorm, q/k/v/o, RoPE, attention over the paged cache, RMSNorm, gate/up, SiLU * up, down)
+// on a step whose every row decodes (one new token per sequence), as one call: the kernels above in the order and on
+// the arguments the runner's Python path (molora.model.runner._Block) gives them, so its results are those of that
+// path bit for bit; what it saves is the Python between the kernels (about 20 calls a block). h [T, D] is updated in
+// place (h += delta before the first norm, h += attention output before the second); returns the block's MLP output
+// (the next block's delta). Linears in the order q, k, v, o, gate, up, down: P packed weights (panels [N/16, K, 16]
+// float32 or AMX tiles [N/16, K/32, 16, 32] bfloat16), bias or empty; a routed linear's A, B (slot-major), scale
+// (float32) run lora_fused_ on the step's tok / weight / counts (lora: the step has routing), an empty A adds
+// nothing. clock: empty, or float64
+// [6] to which each kernel kind's wall seconds are added (linear, lora, norm, rope, attention, silu_mul: the bench's
+// kernel share); each kernel is also a torch.profiler range named as the Python path names it.
 static const char* const BLOCK_KERNELS[6] = {"molora::linear_*", "molora::lora_fused", "molora::add_rms_norm",
                                              "molora::rope_write", "molora::paged_decode", "molora::silu_mul"};
 
@@ -1011,7 +1011,6 @@ static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& d
                                   const torch::Tensor& pos, const torch::Tensor& wrows, const torch::Tensor& kc,
                                   const torch::Tensor& vc, const torch::Tensor& tables, const torch::Tensor& ctx,
                                   const torch::Tensor& rows, int64_t block_size, double scaling, int64_t window,
-                                  const torch::Tensor& qn, const torch::Tensor& kn, double qk_eps,
                                   const torch::Tensor& clock) {
   TORCH_CHECK(P.size() == 7 && bias.size() == 7 && A.size() == 7 && B.size() == 7 && scale.size() == 7,
               "decode_block: 7 linears (q, k, v, o, gate, up, down) expected");
@@ -1049,17 +1048,6 @@ static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& d
   torch::Tensor x = norm(delta, ln1);
   torch::Tensor q = linear(0, x), k = linear(1, x), v = linear(2, x);
   torch::Tensor q3 = q.view({T, H, hd}), k3 = k.view({T, Hkv, hd}), v3 = v.view({T, Hkv, hd});
-  if (qn.numel()) {   // Qwen3: an RMSNorm of each head of q and k (the weight [hd] shared by the heads)
-    auto heads = [&](const torch::Tensor& t, int64_t n, const torch::Tensor& w) {
-      torch::Tensor out = at::empty({T * n, hd}, opts);
-      RECORD_FUNCTION(BLOCK_KERNELS[2], std::vector<c10::IValue>());
-      BlockClock c(ck, 2);
-      add_rms_norm(t.view({T * n, hd}), no_var, w, out, qk_eps, no_var, lanes);   // no_var: empty, no residual
-      return out.view({T, n, hd});
-    };
-    q3 = heads(q, H, qn);
-    k3 = heads(k, Hkv, kn);
-  }
   {
     RECORD_FUNCTION(BLOCK_KERNELS[3], std::vector<c10::IValue>());
     BlockClock c(ck, 3);
@@ -1092,8 +1080,8 @@ static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& d
 // to other storage or been written in place since the bind; the caller binds again.
 struct BoundBlock {
   std::vector<torch::Tensor> P, bias, A, B, scale, watched;
-  torch::Tensor ln1, ln2, cos, sin, kc, vc, qn, kn;
-  double eps, scaling, qk_eps;
+  torch::Tensor ln1, ln2, cos, sin, kc, vc;
+  double eps, scaling;
   int64_t lanes, H, Hkv, hd, block_size, window;
   std::vector<const void*> ptrs;
   std::vector<int64_t> versions;
@@ -1102,10 +1090,10 @@ struct BoundBlock {
              std::vector<torch::Tensor> B_, std::vector<torch::Tensor> scale_, torch::Tensor ln1_, torch::Tensor ln2_,
              double eps_, int64_t lanes_, int64_t H_, int64_t Hkv_, int64_t hd_, torch::Tensor cos_,
              torch::Tensor sin_, torch::Tensor kc_, torch::Tensor vc_, int64_t block_size_, double scaling_,
-             int64_t window_, torch::Tensor qn_, torch::Tensor kn_, double qk_eps_, std::vector<torch::Tensor> watched_)
+             int64_t window_, std::vector<torch::Tensor> watched_)
       : P(P_), bias(bias_), A(A_), B(B_), scale(scale_), watched(watched_), ln1(ln1_), ln2(ln2_), cos(cos_),
-        sin(sin_), kc(kc_), vc(vc_), qn(qn_), kn(kn_), eps(eps_), scaling(scaling_), qk_eps(qk_eps_), lanes(lanes_),
-        H(H_), Hkv(Hkv_), hd(hd_), block_size(block_size_), window(window_) {
+        sin(sin_), kc(kc_), vc(vc_), eps(eps_), scaling(scaling_), lanes(lanes_), H(H_), Hkv(Hkv_), hd(hd_),
+        block_size(block_size_), window(window_) {
     TORCH_CHECK(P.size() == 7 && bias.size() == 7 && A.size() == 7 && B.size() == 7 && scale.size() == 7,
                 "bind_block: 7 linears (q, k, v, o, gate, up, down) expected");
     for (const auto& t : watched) { ptrs.push_back(t.data_ptr()); versions.push_back(t._version()); }
@@ -1122,8 +1110,7 @@ struct BoundBlock {
                     torch::Tensor ctx, torch::Tensor rows, torch::Tensor clock) {
     if (!current()) return torch::Tensor();
     return decode_block(h, delta, ln1, ln2, eps, lanes, P, bias, A, B, scale, lora, tok, weight, counts, H, Hkv, hd,
-                        cos, sin, pos, wrows, kc, vc, tables, ctx, rows, block_size, scaling, window, qn, kn, qk_eps,
-                        clock);
+                        cos, sin, pos, wrows, kc, vc, tables, ctx, rows, block_size, scaling, window, clock);
   }
 };
 
@@ -1221,8 +1208,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {   // each wrapped so that a failed ch
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, double,
                           int64_t, int64_t, int64_t, int64_t, torch::Tensor, torch::Tensor, torch::Tensor,
-                          torch::Tensor, int64_t, double, int64_t, torch::Tensor, torch::Tensor, double,
-                          std::vector<torch::Tensor>>())
+                          torch::Tensor, int64_t, double, int64_t, std::vector<torch::Tensor>>())
       .def("current", &BoundBlock::current)
       .def("run", torch::wrap_pybind_function(
           [](BoundBlock& b, torch::Tensor h, torch::Tensor delta, bool lora, torch::Tensor tok, torch::Tensor weight,
