@@ -401,8 +401,8 @@ class Engine:
         ok = torch.isfinite(out.hidden.sum()).reshape(1)
         best = None                    # each sampled row's greedy pick, from the same pass as its check (CPU)
         if rows:
-            best = fused_cpu.greedy_rows(out.logits)
-            best, rows_ok = best if best is not None else (None, torch.isfinite(out.logits.sum(-1)))
+            picked_ok = fused_cpu.greedy_rows(out.logits)
+            best, rows_ok = picked_ok if picked_ok is not None else (None, torch.isfinite(out.logits.sum(-1)))
         flags = (ok if not rows else torch.cat([ok, rows_ok])).tolist()
         if not flags[0]:
             corrupt = self.mm.bank.nonfinite()

@@ -251,11 +251,12 @@ class ModelRunner:
         self.cos, self.sin = _rope_tables(inner.rotary_emb, max_model_len, self.dtype, self.device)  # [P, hd]
         for block in self.blocks:  # each block's [N, Hkv, hd] views of the cache, taken once
             block.kc, block.vc = self.cache.k[block.index], self.cache.v[block.index]
-        # the routed linears' context and dispatcher, whose routing a one-call decode step asks once (`_one_call`)
+        # the routed linears' context and dispatcher, whose routing a one-call decode step asks once (`_one_call`);
+        # a block with a routed linear on another context or dispatcher runs kernel by kernel
         self._routed = next((b.routed for b in self.blocks if b.routed is not None), None)
         for block in self.blocks:
-            if block.routed is not None and (block.routed.context is not self._routed.context
-                                             or block.routed.dispatcher is not self._routed.dispatcher):
+            if any(lin.routed and (lin.mod.context is not self._routed.context
+                                   or lin.mod.dispatcher is not self._routed.dispatcher) for lin in block.linears):
                 block.linears = ()
 
     @property
@@ -551,10 +552,7 @@ class _Block:
                         else ())
         if not all(lin.packed is not None and lin.packed.form in ("panels", "amx") for lin in self.linears):
             self.linears = ()
-        routed = [lin.mod for lin in self.linears if lin.routed]   # one context and dispatcher (one MoLoRAModel)
-        self.routed = routed[0] if routed else None
-        if any(m.context is not routed[0].context or m.dispatcher is not routed[0].dispatcher for m in routed):
-            self.linears = ()
+        self.routed = next((lin.mod for lin in self.linears if lin.routed), None)   # its context and dispatcher
         self._bound: Any = None        # the block bound for one-call decode steps (`run_bound`), and what it was for
         self._bound_key: tuple | None = None
 

@@ -985,21 +985,9 @@ void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor
 // (the next block's delta). Linears in the order q, k, v, o, gate, up, down: P packed weights (panels [N/16, K, 16]
 // float32 or AMX tiles [N/16, K/32, 16, 32] bfloat16), bias or empty; a routed linear's A, B (slot-major), scale
 // (float32) run lora_fused_ on the step's tok / weight / counts (lora: the step has routing), an empty A adds
-// nothing. clock: empty, or float64
-// [6] to which each kernel kind's wall seconds are added (linear, lora, norm, rope, attention, silu_mul: the bench's
-// kernel share); each kernel is also a torch.profiler range named as the Python path names it.
-static const char* const BLOCK_KERNELS[6] = {"molora::linear_*", "molora::lora_fused", "molora::add_rms_norm",
-                                             "molora::rope_write", "molora::paged_decode", "molora::silu_mul"};
-
-struct BlockClock {
-  double* acc;
-  std::chrono::steady_clock::time_point t0;
-  int kind;
-  BlockClock(double* a, int k) : acc(a), kind(k) { if (acc) t0 = std::chrono::steady_clock::now(); }
-  ~BlockClock() {
-    if (acc) acc[kind] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-};
+// nothing. clock: empty, or float64 [6] to which each kernel kind's wall seconds are added (linear, lora, norm, rope,
+// attention, silu_mul: the bench's kernel share); each kernel is also a torch.profiler range named as the Python path
+// names it. Called by BoundBlock::run only, which checked the 7 linears when it was bound.
 
 static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& delta, const torch::Tensor& ln1,
                                   const torch::Tensor& ln2, double eps, int64_t lanes,
@@ -1012,8 +1000,6 @@ static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& d
                                   const torch::Tensor& vc, const torch::Tensor& tables, const torch::Tensor& ctx,
                                   const torch::Tensor& rows, int64_t block_size, double scaling, int64_t window,
                                   const torch::Tensor& clock) {
-  TORCH_CHECK(P.size() == 7 && bias.size() == 7 && A.size() == 7 && B.size() == 7 && scale.size() == 7,
-              "decode_block: 7 linears (q, k, v, o, gate, up, down) expected");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decode_block: h [T, D] contiguous");
   TORCH_CHECK(clock.numel() == 0 || (clock.numel() == 6 && clock.scalar_type() == at::kDouble &&
                                      clock.is_contiguous()), "decode_block: clock empty or float64 [6]");
@@ -1021,52 +1007,41 @@ static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& d
   const int64_t T = h.size(0);
   const auto opts = h.options();
   const torch::Tensor no_var = at::empty({0}, opts.dtype(at::kFloat));   // the mean of squares comes from lanes
+  // one kernel call as a profiler range named `name`, its wall time added to clock slot `kind` (if clocked)
+  auto timed = [&](int kind, const char* name, auto&& call) {
+    RECORD_FUNCTION(name, std::vector<c10::IValue>());
+    const auto t0 = std::chrono::steady_clock::now();
+    call();
+    if (ck) ck[kind] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
   auto norm = [&](const torch::Tensor& d, const torch::Tensor& w) {
     torch::Tensor out = at::empty(h.sizes(), opts);
-    RECORD_FUNCTION(BLOCK_KERNELS[2], std::vector<c10::IValue>());
-    BlockClock c(ck, 2);
-    add_rms_norm(h, d, w, out, eps, no_var, lanes);
+    timed(2, "molora::add_rms_norm", [&] { add_rms_norm(h, d, w, out, eps, no_var, lanes); });
     return out;
   };
   auto linear = [&](int i, const torch::Tensor& x) {
     const torch::Tensor& p = P[i];
     torch::Tensor y = at::empty({T, 16 * p.size(0)}, opts);
-    {
-      RECORD_FUNCTION(p.dim() == 4 ? "molora::linear_amx" : "molora::linear_panels", std::vector<c10::IValue>());
-      BlockClock c(ck, 0);
-      if (p.dim() == 4) linear_amx(y, x, p, bias[i]);
-      else linear_panels(y, x, p, bias[i]);
-    }
-    if (lora && A[i].numel()) {
-      RECORD_FUNCTION(BLOCK_KERNELS[1], std::vector<c10::IValue>());
-      BlockClock c(ck, 1);
-      TORCH_CHECK(lora_fused_(y, x, A[i], B[i], tok, scale[i], weight, counts),
-                  "decode_block: the LoRA kernel declined the layout of linear ", i);
-    }
+    if (p.dim() == 4) timed(0, "molora::linear_amx", [&] { linear_amx(y, x, p, bias[i]); });
+    else timed(0, "molora::linear_panels", [&] { linear_panels(y, x, p, bias[i]); });
+    if (lora && A[i].numel())
+      timed(1, "molora::lora_fused", [&] {
+        TORCH_CHECK(lora_fused_(y, x, A[i], B[i], tok, scale[i], weight, counts),
+                    "decode_block: the LoRA kernel declined the layout of linear ", i);
+      });
     return y;
   };
   torch::Tensor x = norm(delta, ln1);
   torch::Tensor q = linear(0, x), k = linear(1, x), v = linear(2, x);
   torch::Tensor q3 = q.view({T, H, hd}), k3 = k.view({T, Hkv, hd}), v3 = v.view({T, Hkv, hd});
-  {
-    RECORD_FUNCTION(BLOCK_KERNELS[3], std::vector<c10::IValue>());
-    BlockClock c(ck, 3);
-    rope_write(q3, k3, v3, cos, sin, pos, wrows, kc, vc);
-  }
+  timed(3, "molora::rope_write", [&] { rope_write(q3, k3, v3, cos, sin, pos, wrows, kc, vc); });
   torch::Tensor att = at::empty({T, H, hd}, opts);
-  {
-    RECORD_FUNCTION(BLOCK_KERNELS[4], std::vector<c10::IValue>());
-    BlockClock c(ck, 4);
-    paged_decode_rows(att, q3, kc, vc, tables, ctx, rows, block_size, scaling, window);
-  }
+  timed(4, "molora::paged_decode",
+        [&] { paged_decode_rows(att, q3, kc, vc, tables, ctx, rows, block_size, scaling, window); });
   torch::Tensor o = linear(3, att.view({T, H * hd}));
   x = norm(o, ln2);
   torch::Tensor g = linear(4, x), u = linear(5, x);
-  {
-    RECORD_FUNCTION(BLOCK_KERNELS[5], std::vector<c10::IValue>());
-    BlockClock c(ck, 5);
-    silu_mul(g, u);
-  }
+  timed(5, "molora::silu_mul", [&] { silu_mul(g, u); });
   return linear(6, g);
 }
 
