@@ -27,7 +27,7 @@ This module owns the manifest format and its validation; it knows nothing of req
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,17 +76,23 @@ class Bundle:
     router_path: Path | None = None
     router_options: dict = field(default_factory=dict)  # the manifest's router object (kind "arrow": its settings)
     vocab_routes: dict | None = None
-    prompt_template: str = CHATML_TEMPLATE
+    prompt_template: str | None = CHATML_TEMPLATE  # None: the tokenizer's chat template (filled in by `load`)
     stop: tuple[str, ...] = (END_OF_TURN,)
     slots: int | None = None
     max_rank: int | None = None
     extra: dict = field(default_factory=dict)
+    chat_template: str | None = None        # a Jinja chat template that replaces the tokenizer's own
+    target_modules: tuple[str, ...] | None = None  # linears made routable besides the adapters' own targets
+    check_base: bool = True                 # refuse adapters whose base_model_name_or_path names another base
 
     def adapter_for_task(self, task: str) -> str | None:
         """The adapter whose `tasks` lists `task` (oracle routing), or None."""
         return next((a.name for a in self.adapters if task in a.tasks), None)
 
     def format_prompt(self, prompt: str) -> str:
+        if self.prompt_template is None:
+            raise BundleError(f"bundle {self.name!r} takes its prompt template from the tokenizer's chat template; "
+                              "load it with molora.load() first")
         return self.prompt_template.replace("{prompt}", prompt)
 
 
@@ -98,9 +104,17 @@ def read_bundle(folder: str | Path) -> Bundle:
         raw = json.loads(path.read_text())
     except FileNotFoundError as e:
         raise BundleError(f"{path}: missing; a bundle folder holds {MANIFEST} (make one with "
-                          "`molora build-default --out DIR` or see docs)") from e
+                          "`molora bundle init --model M --lora-modules NAME=PATH --out DIR`)") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BundleError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise BundleError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return parse_manifest(raw, folder, where=str(path))
+
+
+def parse_manifest(raw: dict, folder: Path, where: str) -> Bundle:
+    """A manifest's fields checked and resolved (relative paths against `folder`); `where` names it in errors."""
+    path = where
     if raw.get("format", FORMAT) != FORMAT:
         raise BundleError(f"{path}: format {raw.get('format')!r} is not {FORMAT!r}")
     adapters = []
@@ -132,14 +146,27 @@ def read_bundle(folder: str | Path) -> Bundle:
     router_path = (folder / router["path"]).resolve() if router.get("path") else None
     if kind == "learned" and (router_path is None or not router_path.is_dir()):
         raise BundleError(f"{path}: learned router folder {router_path} is missing")
-    base = str(raw.get("base", "default"))
-    if base != "default" and not Path(base).is_absolute():
-        base = str((folder / base).resolve())
-    return Bundle(folder=folder, name=str(raw.get("name", folder.name)), base=base, adapters=tuple(adapters),
-                  router_kind=kind, router_path=router_path, router_options=dict(router),
+    for key, kind_ in (("slots", int), ("max_rank", int), ("target_modules", list), ("chat_template", str)):
+        if raw.get(key) is not None and not isinstance(raw[key], kind_):
+            raise BundleError(f"{path}: {key!r} must be a {kind_.__name__}, got {raw[key]!r}")
+    return Bundle(folder=folder, name=str(raw.get("name", folder.name)), base=_resolve_base(raw, folder),
+                  adapters=tuple(adapters), router_kind=kind, router_path=router_path, router_options=dict(router),
                   vocab_routes=raw.get("vocab_routes"),
                   prompt_template=raw.get("prompt_template", CHATML_TEMPLATE), stop=tuple(raw.get("stop", [])),
-                  slots=raw.get("slots"), max_rank=raw.get("max_rank"), extra=raw.get("extra", {}))
+                  slots=raw.get("slots"), max_rank=raw.get("max_rank"), extra=raw.get("extra", {}),
+                  chat_template=raw.get("chat_template"),
+                  target_modules=tuple(raw["target_modules"]) if raw.get("target_modules") else None,
+                  check_base=bool(raw.get("check_base", True)))
+
+
+def _resolve_base(raw: dict, folder: Path) -> str:
+    """The manifest's base: "default", an absolute path, a path relative to the bundle, or (when no such path
+    exists) a model id that transformers resolves from its local cache."""
+    base = str(raw.get("base", "default"))
+    if base == "default" or Path(base).is_absolute():
+        return base
+    local = (folder / base).resolve()
+    return str(local) if local.exists() or "/" not in base or base.startswith(".") else base
 
 
 def write_manifest(folder: str | Path, manifest: dict) -> Path:
@@ -194,18 +221,24 @@ def make_router(bundle: Bundle, kind: str | None = None, tokenizer: Any = None) 
     return None
 
 
-def load(path: str | Path | None = None, *, base_only: bool = False, dtype: torch.dtype = torch.float32,
+def load(path: str | Path | Bundle | None = None, *, base_only: bool = False, dtype: torch.dtype = torch.float32,
          dispatch: str = "auto") -> Any:
-    """A `MoLoRAModel` for the bundle at `path` (None: the embedded default), router and tokenizer attached."""
+    """A `MoLoRAModel` for the bundle at `path` (None: the embedded default; or a `Bundle` already parsed, e.g.
+    `molora.userbundle.bundle_from_flags`), router and tokenizer attached."""
     from molora.model.attach import attach
     from molora.model.base import load_base
 
-    bundle = read_bundle(default_bundle_dir() if path is None else path)
+    if isinstance(path, Bundle):
+        bundle = path
+    else:
+        bundle = read_bundle(default_bundle_dir() if path is None else path)
     model, tokenizer = load_base(bundle.base, dtype)
+    bundle = with_tokenizer(bundle, tokenizer, model)
     adapters = {} if base_only else {a.name: a.path for a in bundle.adapters}
     try:
         mm = attach(model, adapters, slots=bundle.slots if not base_only else None, max_rank=bundle.max_rank,
-                    tokenizer=tokenizer, dispatch=dispatch)
+                    tokenizer=tokenizer, dispatch=dispatch, target_modules=bundle.target_modules,
+                    check_base=bundle.check_base)
     except MoLoRAError as e:
         raise BundleError(f"bundle {bundle.folder}: {e}") from e
     router = None if base_only else make_router(bundle, tokenizer=tokenizer)
@@ -214,6 +247,46 @@ def load(path: str | Path | None = None, *, base_only: bool = False, dtype: torc
         router.bind(mm)
     mm.bundle = bundle
     return mm
+
+
+PLACEHOLDER = "{prompt}"
+
+
+def with_tokenizer(bundle: Bundle, tokenizer: Any, model: Any = None) -> Bundle:
+    """The bundle with what it leaves to the tokenizer filled in: its `chat_template` installed on the tokenizer,
+    and a prompt template of None rendered from the tokenizer's chat template (one user message whose content
+    is the placeholder, so single-message prompts equal `apply_chat_template`'s), with the model's generation
+    eos tokens added to `stop`."""
+    if bundle.chat_template is not None:
+        tokenizer.chat_template = bundle.chat_template
+    if bundle.prompt_template is not None:
+        return bundle
+    return replace(bundle, prompt_template=chat_prompt_template(tokenizer),
+                   stop=tuple(dict.fromkeys(bundle.stop + tuple(_generation_eos(tokenizer, model)))))
+
+
+def chat_prompt_template(tokenizer: Any) -> str:
+    """The tokenizer's chat template on one user message, with `{prompt}` where its content goes ("{prompt}"
+    alone when the tokenizer has no chat template: raw text, as a base model wants it)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return PLACEHOLDER
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": PLACEHOLDER}], add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception as e:  # a Jinja template raises what it likes
+        raise BundleError(f"the chat template cannot render one user message ({type(e).__name__}: {e}); give "
+                          "a working one with --chat-template FILE") from e
+    if not isinstance(text, str) or text.count(PLACEHOLDER) != 1:
+        raise BundleError("the chat template does not render a user message's content verbatim; give a "
+                          "prompt_template in molora.json (with {prompt}) or another --chat-template")
+    return text
+
+
+def _generation_eos(tokenizer: Any, model: Any) -> list[str]:
+    """The tokens the model's generation config ends on (e.g. Llama 3's <|eot_id|> beside <|end_of_text|>)."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return [t for t in tokenizer.convert_ids_to_tokens(ids) if isinstance(t, str)]
 
 
 def load_tokenizer(base: str) -> tuple[Any, Any]:
@@ -231,7 +304,9 @@ def load_tokenizer(base: str) -> tuple[Any, Any]:
     try:
         if path.suffix == ".gguf":
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), None
-        return AutoTokenizer.from_pretrained(str(path)), AutoConfig.from_pretrained(str(path))
+        local = {} if path.exists() else {"local_files_only": True}  # a cached hub id: never a download
+        return (AutoTokenizer.from_pretrained(str(path), **local),
+                AutoConfig.from_pretrained(str(path), **local))
     except (OSError, ValueError) as e:
         raise BundleError(f"cannot load the tokenizer of base {base!r} from {path}: {e}") from e
 

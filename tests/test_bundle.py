@@ -74,5 +74,5 @@ def test_adapter_for_another_base_is_refused(bundle):
 
 
 def test_missing_manifest_says_how_to_make_one(tmp_path):
-    with pytest.raises(BundleError, match="build-default"):
+    with pytest.raises(BundleError, match="molora bundle init"):
         read_bundle(tmp_path)

