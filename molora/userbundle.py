@@ -104,9 +104,9 @@ def router_entry(value: str | None) -> dict:
     p = Path(value).expanduser()
     if not p.is_dir():
         raise FlagError(f"--router {value!r}: give none, arrow, or the folder of a router trained by "
-                        "`molora train-router` (it holds router_config.json)")
-    if not (p / "router_config.json").is_file():
-        raise FlagError(f"--router {value!r}: {p.resolve()} holds no router_config.json; train one with "
+                        "`molora train-router` (it holds router.json)")
+    if not (p / "router.json").is_file():
+        raise FlagError(f"--router {value!r}: {p.resolve()} holds no router.json; train one with "
                         "`molora train-router --bundle DIR --data NAME=FILE ...`")
     return {"kind": "learned", "path": str(p.resolve())}
 
