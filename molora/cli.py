@@ -251,13 +251,17 @@ def _train_adapter(args: argparse.Namespace) -> int:
     cfg = _lora_config(args, bf16=not args.fp32)
     kw = {}
     base = None if args.base == "default" else args.base
+    b = None
     if args.bundle:
         from molora.bundle import read_bundle
 
         b = read_bundle(args.bundle)
         base = b.base
-        kw = _bundle_text(b)
     model, tok = load_base(base)
+    if b is not None:
+        from molora.bundle import with_tokenizer
+
+        kw = _bundle_text(with_tokenizer(b, tok, model))  # a template left to the tokenizer is rendered from it
     stats = train_adapter(model, tok, pairs, args.out, cfg, **kw)
     print(f"wrote {args.out}: {stats['examples']} examples, {stats['tokens']} tokens in {stats['seconds']} s, "
           f"final loss {stats['final_loss']}")

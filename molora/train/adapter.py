@@ -136,7 +136,10 @@ def train_adapter(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], 
                   end: str = END, progress: bool = True) -> dict:
     """Train a LoRA on `model` (modified in place by PEFT) and save a PEFT folder at out_dir. `end` closes
     every completion (the bundle's stop token; ChatML's end of turn by default)."""
-    from peft import LoraConfig, get_peft_model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise MoLoRAError("training an adapter needs PEFT: pip install 'molora[train]'") from e
 
     torch.manual_seed(config.seed)
     lcfg = LoraConfig(r=config.rank, lora_alpha=config.alpha, target_modules=list(config.target_modules),
