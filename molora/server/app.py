@@ -219,8 +219,8 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
             stats = {}
         text = s.metrics.render(stats, in_flight=s.client.in_flight, max_in_flight=s.client.max_in_flight,
                                 draining=s.draining, ready=ready, engine_healthy=live,
-                                last_step_age_s=details["last_progress_age_s"],
-                                bundle=next(iter(s.catalog)).name if len(s.catalog) == 1 else None)
+                                last_step_age_s=details["last_progress_age_s"])  # bare names: the model ids
+        # requests send for a pinned adapter, as vLLM's (Catalog.adapter_id)
         return PlainTextResponse(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/adapters", dependencies=[api])

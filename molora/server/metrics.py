@@ -183,9 +183,9 @@ class ServerMetrics:
         everything this instance measured.
 
         `ready` defaults to "not draining and the engine is healthy"; `last_step_age_s` to the time since
-        the last `observe_step` (since this object was built if there was none). `bundle`: the served bundle's
-        name, which makes `molora_lora_requests_info` list model ids (`bundle:adapter`) rather than bare
-        adapter names (module docstring)."""
+        the last `observe_step` (since this object was built if there was none). `bundle`: a prefix that makes
+        `molora_lora_requests_info` list `bundle:adapter` ids; the server passes none, since a request pins an
+        adapter by its bare name (vLLM's convention, module docstring)."""
         now = time.monotonic()
         lora = _lora_labels(stats.get("lora_requests"), bundle)
         with self._lock:
