@@ -27,6 +27,7 @@ This module owns the manifest format and its validation; it knows nothing of req
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,7 @@ class Bundle:
     chat_template: str | None = None        # a Jinja chat template that replaces the tokenizer's own
     target_modules: tuple[str, ...] | None = None  # linears made routable besides the adapters' own targets
     check_base: bool = True                 # refuse adapters whose base_model_name_or_path names another base
+    manifest: dict = field(default_factory=dict, repr=False, compare=False)  # the parsed JSON, as given
 
     def adapter_for_task(self, task: str) -> str | None:
         """The adapter whose `tasks` lists `task` (oracle routing), or None."""
@@ -156,7 +158,7 @@ def parse_manifest(raw: dict, folder: Path, where: str) -> Bundle:
                   slots=raw.get("slots"), max_rank=raw.get("max_rank"), extra=raw.get("extra", {}),
                   chat_template=raw.get("chat_template"),
                   target_modules=tuple(raw["target_modules"]) if raw.get("target_modules") else None,
-                  check_base=bool(raw.get("check_base", True)))
+                  check_base=bool(raw.get("check_base", True)), manifest=dict(raw))
 
 
 def _resolve_base(raw: dict, folder: Path) -> str:

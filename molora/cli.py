@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from molora.errors import MoLoRAError
 
@@ -103,8 +104,6 @@ def _route(args: argparse.Namespace) -> int:
     else:
         print(to_ansi(view) if sys.stdout.isatty() else to_plain(view))
     if args.html:
-        from pathlib import Path
-
         Path(args.html).write_text(to_html([(args.prompt, view)]))
         print(f"wrote {args.html}", file=sys.stderr)
     return 0
@@ -137,7 +136,6 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 def _demo(args: argparse.Namespace) -> int:
     """What `make run` shows: per-token routing on the default bundle, one prompt per skill, a mixed one, and a
     general request that no adapter fits (answered by the base model, as the base model alone answers it)."""
-    from pathlib import Path
 
     if args.multimodal:
         return _demo_multimodal(args)
@@ -281,7 +279,6 @@ def _train_routed_args(p: argparse.ArgumentParser) -> None:
 def _train_routed(args: argparse.Namespace) -> int:
     """Train the adapters of a bundle's vocab router jointly, each token's LoRA from the adapter the router gives
     it (as served); writes one PEFT folder per adapter."""
-    from pathlib import Path
 
     from molora.bundle import make_router, read_bundle
     from molora.model.base import load_base
@@ -511,9 +508,14 @@ def _serve(args: argparse.Namespace) -> int:
     keys = dict(api_keys=args.api_key + env("MOLORA_API_KEYS"), admin_keys=args.admin_key + env("MOLORA_ADMIN_KEYS"))
     bundle = own_bundle(args)
     if args.ray:
-        if bundle is not None:
-            raise MoLoRAError("--model with --ray is not supported yet; write the bundle with `molora bundle init "
-                              "--model ... --out DIR` and serve it with --ray --bundle DIR")
+        if bundle is not None:  # replicas load bundles from folders: the flags' manifest, written to a temp folder
+            import tempfile
+
+            from molora.userbundle import write_bundle
+
+            folder = Path(tempfile.mkdtemp(prefix="molora-bundle-"))
+            write_bundle(folder, bundle.manifest)
+            args.bundle = [str(folder)]
         return _serve_ray(args, limits, keys)
     if len(args.bundle) > 1:
         raise MoLoRAError(f"{len(args.bundle)} bundles given; one server process serves one bundle: add --ray to "

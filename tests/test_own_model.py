@@ -235,3 +235,35 @@ def test_bad_adapter_folders_stop_start_up_with_their_path(own, tmp_path, capsys
     assert "need --model" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path / "missing-model")]) == 2
     assert "missing-model" in capsys.readouterr().err
+
+
+def test_bundle_check_names_each_broken_file_and_the_flags_manifest_round_trips(own, tmp_path):
+    from molora.bundle import read_bundle
+    from molora.userbundle import check_bundle, write_bundle
+
+    flags = own_bundle(_serve_args("--model", str(own["base"]), "--lora-modules", f"a={own['a']}", f"b={own['b']}",
+                                   "--router", "arrow", "--max-loras", "5"))
+    written = read_bundle(write_bundle(tmp_path / "ok", flags.manifest).parent)   # what --ray serves from
+    assert (written.base, written.adapters, written.router_kind, written.slots) == \
+        (flags.base, flags.adapters, flags.router_kind, 5)
+    assert check_bundle(tmp_path / "ok") == []
+    with pytest.raises(FlagError, match="exists already"):
+        write_bundle(tmp_path / "ok", flags.manifest)
+
+    import shutil
+
+    broken = tmp_path / "broken"
+    for name in ("a", "b"):
+        shutil.copytree(own[name], broken / name)
+    (broken / "a" / "adapter_model.safetensors").unlink()
+    cfg = json.loads((broken / "b" / "adapter_config.json").read_text())
+    cfg["r"] = 32      # the weights say 4
+    (broken / "b" / "adapter_config.json").write_text(json.dumps(cfg))
+    manifest = {**flags.manifest, "router": {"kind": "none"},
+                "adapters": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}]}
+    (broken / "molora.json").write_text(json.dumps(manifest))
+    problems = check_bundle(broken)
+    assert len(problems) == 2
+    assert str(broken / "a") in problems[0] and "adapter_model.safetensors" in problems[0]
+    assert str(broken / "b") in problems[1] and "r=32" in problems[1]
+    assert main(["bundle", "check", str(broken)]) == 1
