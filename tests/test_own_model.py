@@ -267,3 +267,37 @@ def test_bundle_check_names_each_broken_file_and_the_flags_manifest_round_trips(
     assert str(broken / "a") in problems[0] and "adapter_model.safetensors" in problems[0]
     assert str(broken / "b") in problems[1] and "r=32" in problems[1]
     assert main(["bundle", "check", str(broken)]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_folder_with_a_default_adapter_equals_peft(tmp_path):
+    """SmolLM2-135M-Instruct as a plain transformers folder (the dequantized cache) with one of the default bundle's
+    PEFT adapters, served with vLLM's flags: the pinned answer equals PEFT's generate, token for token."""
+    import openai
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from molora.bundle import DEFAULT_BUNDLE_DIR
+    from molora.model.base import DEFAULT_BASE_NAME, cache_root, load_default_base
+
+    load_default_base()   # writes the cache folder on first use
+    folder = cache_root() / DEFAULT_BASE_NAME.rsplit("/", 1)[-1]
+    adapter = DEFAULT_BUNDLE_DIR / "adapters" / "arithmetic"
+    question = "((3 + -2) * (4 - 1)) ="
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=True)["input_ids"]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32),
+                                      str(adapter)).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=24, do_sample=False, eos_token_id=tok.eos_token_id)
+    expected = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    app = create_app(build_engine(own_bundle(_serve_args("--model", str(folder), "--lora-modules",
+                                                         f"arith={adapter}")), ENGINE.__class__(max_model_len=512)))
+    with ServerThread(app) as url:
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        chat = client.chat.completions.create(model="arith", messages=[{"role": "user", "content": question}],
+                                              max_tokens=24, temperature=0)
+    assert chat.choices[0].message.content == expected
