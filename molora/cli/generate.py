@@ -1,0 +1,181 @@
+"""`molora generate | route | demo | codes-png`: answers and routing views on a bundle."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from molora.cli.registry import command
+
+
+# --------------------------------------------------------------------------------------------- generate
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the user message (the bundle's prompt template wraps it)")
+    p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
+    p.add_argument("--base-only", action="store_true", help="ignore the bundle's adapters: the plain base model")
+    p.add_argument("--adapter", default=None, help="pin one adapter for every token instead of the router")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+
+
+@command("generate", _generate_args)
+def _generate(args: argparse.Namespace) -> int:
+    """One answer on a bundle (the default one unless --bundle), routed by its router or one pinned adapter."""
+    from molora.bundle import load, run_prompt
+    from molora.sampling import bundle_constraint
+
+    mm = load(args.bundle, base_only=args.base_only)
+    if bundle_constraint(mm.bundle, mm.tokenizer) is not None:  # constrained spans: the engine applies them
+        print(engine_answer(mm, args.prompt, adapter=args.adapter, max_new_tokens=args.max_tokens,
+                            temperature=args.temperature, seed=args.seed))
+        return 0
+    result = run_prompt(mm, args.prompt, adapter=args.adapter, max_new_tokens=args.max_tokens,
+                        temperature=args.temperature, seed=args.seed)
+    print(result.text)
+    return 0
+
+
+def engine_answer(mm, prompt: str, *, adapter: str | None = None, max_new_tokens: int = 128,
+                  temperature: float = 0.0, seed: int | None = None) -> str:
+    """One answer through the engine (what the server runs), e.g. for a bundle with constrained spans; the KV
+    cache sized for this one request."""
+    from molora.bundle import encode_prompt, stop_ids
+    from molora.config import SamplingParams
+    from molora.engine import Engine, EngineConfig
+
+    ids = encode_prompt(mm, prompt)
+    n = len(ids) + max_new_tokens
+    eng = Engine(mm, EngineConfig(max_num_seqs=1, max_model_len=n, kv_budget_tokens=n))
+    try:
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                stop_token_ids=tuple(stop_ids(mm)))
+        return eng.generate([ids], params, adapter=adapter)[0].new_text.strip()
+    finally:
+        eng.close()
+
+
+# --------------------------------------------------------------------------------------------- route
+
+def _route_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the user message")
+    p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
+    p.add_argument("--routing", "--router", dest="routing", default=None,
+                   choices=["learned", "arrow", "vocab", "sequence"],
+                   help="router to use (default: the bundle's); arrow routes from the adapters' weights, no training")
+    p.add_argument("--adapter", default=None, help="pin one adapter instead of routing")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
+    p.add_argument("--json", action="store_true", help='print {"tokens":[{"text","adapter"}...]} instead')
+    p.add_argument("--html", default=None, metavar="FILE", help="also write a coloured HTML page with a legend")
+
+
+@command("route", _route_args)
+def _route(args: argparse.Namespace) -> int:
+    """Generate and show each token of prompt and answer coloured by its adapter."""
+    from molora.bundle import load, make_router
+    from molora.view import render_json, to_ansi, to_html, to_plain
+
+    mm = load(args.bundle)
+    router = make_router(mm.bundle, args.routing, mm.tokenizer) if args.routing else None
+    view = routed_view(mm, args.prompt, adapter=args.adapter, router=router, max_new_tokens=args.max_tokens)
+    if args.json:
+        print(render_json(view))
+    else:
+        print(to_ansi(view) if sys.stdout.isatty() else to_plain(view))
+    if args.html:
+        Path(args.html).write_text(to_html([(args.prompt, view)]))
+        print(f"wrote {args.html}", file=sys.stderr)
+    return 0
+
+
+def routed_view(mm, prompt: str, **kwargs):
+    from molora.bundle import run_prompt
+    from molora.view import routed_text
+
+    r = run_prompt(mm, prompt, trace=True, **kwargs)
+    return routed_text(mm.tokenizer, r.prompt_ids + r.answer_ids, r.adapters, len(r.prompt_ids), mm.adapter_names)
+
+
+# --------------------------------------------------------------------------------------------- demo
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
+    p.add_argument("--html", default="routing.html", metavar="FILE", help="routing page to write (default routing.html)")
+    p.add_argument("--max-tokens", type=int, default=320,
+                   help="answer budget per prompt (default 320: the adapters' worked solutions fit; most stop "
+                        "well before)")
+    p.add_argument("--multimodal", action="store_true",
+                   help="the early-fusion digits bundle instead: a PNG grid of digits drawn per mode (base, each "
+                        "adapter on every token, both summed, vocab-routed) and the caption table")
+    p.add_argument("--png", default="multimodal_digits.png", metavar="FILE",
+                   help="with --multimodal: the grid to write (default multimodal_digits.png)")
+
+
+@command("demo", _demo_args)
+def _demo(args: argparse.Namespace) -> int:
+    """What `make run` shows: per-token routing on the default bundle, one prompt per skill, a mixed one, and a
+    general request that no adapter fits (answered by the base model, as the base model alone answers it)."""
+
+    if args.multimodal:
+        return _demo_multimodal(args)
+
+    from molora.bundle import load, run_prompt
+    from molora.data.skills import EVAL_SEED_BASE, generate
+    from molora.routing import SequenceRouter
+    from molora.view import to_ansi, to_html, to_plain
+
+    mm = load(args.bundle)
+    tasks = [t for a in mm.bundle.adapters for t in a.tasks]
+    prompts = [generate(t, 1, seed=EVAL_SEED_BASE + 77)[0] for t in tasks]
+    cases = [(f"{p.task} (expected: {p.target})", p.input) for p in prompts]
+    if len(prompts) >= 2:
+        cases.append(("two skills in one message", prompts[0].input + "\n" + prompts[1].input))
+    general = "Write a haiku about the sea."
+    cases.append(("a general request: no adapter fits, so the base model answers", general))
+    views = []
+    for heading, prompt in cases:
+        view = routed_view(mm, prompt, max_new_tokens=args.max_tokens)
+        views.append((heading, view))
+        print(f"== {heading}")
+        print((to_ansi(view) if sys.stdout.isatty() else to_plain(view)) + "\n")
+        if prompt == general:
+            alone = run_prompt(mm, prompt, router=SequenceRouter(None), max_new_tokens=args.max_tokens).text
+            routed = run_prompt(mm, prompt, max_new_tokens=args.max_tokens).text
+            print(f"   the base model alone answers the same: {alone == routed}\n")
+    Path(args.html).write_text(to_html(views, title=f"molora routing view: {mm.bundle.name}"))
+    print(f"wrote {args.html} (open it in a browser to see each token coloured by its adapter)")
+    return 0
+
+
+def _demo_multimodal(args: argparse.Namespace) -> int:
+    from molora.bundle import load
+    from molora.multimodal.demo import run_demo
+    from molora.multimodal.recipe import shipped_bundle
+
+    mm = load(args.bundle or shipped_bundle())
+    png, table = run_demo(mm, args.png)
+    width = max(len(r[0]) for r in table)
+    print(f"{'mode':<{width}}  {'caption after its own drawn 7':<32}  caption of a real 7")
+    for mode, own, real in table:
+        print(f"{mode:<{width}}  {own:<32}  {real}")
+    print(f"wrote {png} (a row per mode, digits 0..9; the image adapter draws them inverted)")
+    return 0
+
+
+def _codes_png_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("text", help="generated text holding <img_0>..<img_15> codes (the first image is drawn), or - "
+                                "for stdin")
+    p.add_argument("--out", required=True, help="PNG file to write")
+    p.add_argument("--scale", type=int, default=16, help="pixels per code (default 16)")
+
+
+@command("codes-png", _codes_png_args)
+def _codes_png(args: argparse.Namespace) -> int:
+    """Turn the image codes of a digits-bundle answer (as `molora generate` or the server return it) into a PNG."""
+    from molora.multimodal.generate import levels_from_text, to_pixels, write_png
+
+    text = sys.stdin.read() if args.text == "-" else args.text
+    print(f"wrote {write_png(to_pixels(levels_from_text(text), args.scale), args.out)}")
+    return 0
