@@ -14,7 +14,9 @@ from fastapi.testclient import TestClient
 from molora.errors import MoLoRAError
 from molora.server.app import build_app, create_app, model_info
 from molora.server.generation import Catalog
-from molora.server.ray_serve import BundleSpec, EngineReplica, Leases, RayClient, Registry
+from molora.server.ray_client import RayClient
+from molora.server.ray_replica import EngineReplica
+from molora.server.ray_state import BundleSpec, Leases, Registry
 from molora.server.runner import Saturated
 from tests.test_server import FakeEngine, ToyTokenizer, expected_text
 
