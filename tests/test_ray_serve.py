@@ -106,7 +106,7 @@ def test_openai_client_through_ray_equals_the_in_process_server(cluster, referen
 
     ray_client = openai.OpenAI(base_url=cluster["url"], api_key="none", max_retries=0)
     local_client = openai.OpenAI(base_url=reference[0], api_key="none", max_retries=0)
-    for model in ("alpha", "alpha:a1"):
+    for model in ("alpha", "alpha:a1", "a0"):
         kw = dict(model=model, max_tokens=24, temperature=0)
         chat = [c.chat.completions.create(messages=[{"role": "user", "content": "w5 w6 w7"}], **kw)
                 for c in (ray_client, local_client)]
@@ -117,8 +117,8 @@ def test_openai_client_through_ray_equals_the_in_process_server(cluster, referen
             messages=[{"role": "user", "content": "w20 w21"}], stream=True, **kw) if ch.choices)
             for c in (ray_client, local_client)]
         assert streams[0] == streams[1] and streams[0]
-    assert {m.id for m in ray_client.models.list().data} == {"alpha", "alpha:a0", "alpha:a1", "beta", "beta:b0",
-                                                          "beta:b1"}
+    listed = {m.id: m.model_extra.get("parent") for m in ray_client.models.list().data}
+    assert listed == {"alpha": None, "a0": "alpha", "a1": "alpha", "beta": None, "b0": "beta", "b1": "beta"}
 
 
 def test_repeats_of_a_bundle_stay_on_one_replica(cluster):
