@@ -26,6 +26,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from molora.data.jsonl import read_jsonl
+
 _QUESTION = re.compile(r"^\(\((?P<left>.+)\) (?P<op>[+\-*]) \((?P<right>.+)\)\) =$")
 _HEADER = re.compile(r"\((-?\d+(?: [+\-*] -?\d+)*)\):\s*")
 _BINARY = re.compile(r"^(-?\d+) ([+\-*]) (-?\d+)$")
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the summary here")
     args = p.parse_args(argv)
     try:
-        rows = [json.loads(line) for line in args.predictions.read_text().splitlines() if line.strip()]
+        rows = read_jsonl(args.predictions)
     except OSError as e:
         raise SystemExit(f"cannot read {args.predictions}: {e}") from e
     summary = {"predictions": str(args.predictions), **report(rows)}

@@ -30,7 +30,8 @@ import torch
 
 from molora.bundle import load
 from molora.data.general import general_split
-from molora.data.skills import write_bbh_file, write_jsonl
+from molora.data.jsonl import write_jsonl
+from molora.data.skills import write_bbh_file
 from molora.eval.general import choose_prompt_share, evaluate_general, probe_shares
 from molora.eval.heldout import fingerprint, held_out, held_out_mixed, training_inputs
 from molora.eval.runner import evaluate

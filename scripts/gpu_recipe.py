@@ -43,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 
+from molora.data.jsonl import read_jsonl
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 SMALL, BIG = "Qwen/Qwen3-1.7B", "Qwen/Qwen3-8B"
@@ -74,7 +76,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 # ----------------------------------------------------------------------------------------------- fetch

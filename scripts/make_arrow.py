@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from molora.data.jsonl import read_jsonl
+
 sys.path.insert(0, str(Path(__file__).parent))
 from make_results import cached  # noqa: E402  (the one cache of evaluation runs)
 
@@ -126,7 +128,8 @@ def quality(args: argparse.Namespace, work: Path) -> dict:
 
     from molora.bundle import load
     from molora.data.general import general_split
-    from molora.data.skills import write_bbh_file, write_jsonl
+    from molora.data.jsonl import write_jsonl
+    from molora.data.skills import write_bbh_file
     from molora.eval.general import evaluate_general
     from molora.eval.heldout import held_out, training_inputs
     from molora.eval.runner import evaluate
@@ -204,7 +207,7 @@ def quality(args: argparse.Namespace, work: Path) -> dict:
 
         s = cached(path, go)
         general[m] = {k: s[k] for k in ("n", "retention", "empty_where_base_answers", "adapter_token_share")}
-        base_ids = [json.loads(x)["base_ids"] for x in path.with_suffix(".jsonl").read_text().splitlines()]
+        base_ids = [r["base_ids"] for r in read_jsonl(path.with_suffix(".jsonl"))]
     return {"tasks": tasks, "own_adapter": own, "validation": val, "chosen_top_k": chosen, "skills": skills,
             "general": general, "n": args.n, "n_val": args.n_val, "n_general": len(rows)}
 

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from molora.data.jsonl import read_jsonl
+
 # The BBH paper's per-task table (Suzgun et al. 2022, arXiv 2210.09261, 3-shot on the real benchmark items):
 # PaLM 540B answer-only, PaLM 540B with chain of thought, and the average human rater
 PALM_540B = {"object_counting": 51.2, "multistep_arithmetic_two": 1.6, "dyck_languages": 28.4, "navigate": 62.4}
@@ -84,7 +86,8 @@ def measure(args: argparse.Namespace, command: str) -> dict:
 
     from molora.bundle import load
     from molora.data.general import general_split
-    from molora.data.skills import write_bbh_file, write_jsonl
+    from molora.data.jsonl import write_jsonl
+    from molora.data.skills import write_bbh_file
     from molora.eval.general import evaluate_general
     from molora.eval.heldout import SPLIT_SEEDS, fingerprint, held_out, held_out_mixed, training_inputs
     from molora.eval.runner import evaluate
@@ -153,7 +156,7 @@ def measure(args: argparse.Namespace, command: str) -> dict:
             return evaluate_general(mm, spec, mode, batch_size=args.batch_size, base_answers=base_ids)
 
         general[mode] = record("general", mode, cached(path, run))
-        base_ids = [json.loads(x)["base_ids"] for x in path.with_suffix(".jsonl").read_text().splitlines()]
+        base_ids = [r["base_ids"] for r in read_jsonl(path.with_suffix(".jsonl"))]
     acc_path = work / "router_accuracy.json"
     if not acc_path.is_file():
         log("router token accuracy")

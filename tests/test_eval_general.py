@@ -51,7 +51,7 @@ def test_general_files_are_checked(tmp_path):
     bad.write_text('{"prompt": "ok"}\n{"question": "no prompt"}\n')
     with pytest.raises(EvalError, match=r"bad.jsonl:2: each line needs a non-empty string \"prompt\""):
         load_general(f"general:{bad}")
-    with pytest.raises(EvalError, match="cannot read general prompts"):
+    with pytest.raises(EvalError, match="cannot read .*missing.jsonl"):
         load_general(f"general:{tmp_path / 'missing.jsonl'}")
     with pytest.raises(EvalError, match="general:FILE"):
         load_general("general:")

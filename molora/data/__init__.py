@@ -3,6 +3,7 @@
 Pure Python (no torch): used by both `molora.train` and `molora.eval`.
 """
 
+from molora.data.jsonl import iter_jsonl, read_jsonl, write_jsonl
 from molora.data.mixed import MixedText, render_mixed, split_answers
 from molora.data.skills import (
     EVAL_SEED_BASE,
@@ -12,9 +13,7 @@ from molora.data.skills import (
     dedupe_against,
     generate,
     generate_mixed,
-    read_jsonl,
     write_bbh_file,
-    write_jsonl,
 )
 
 __all__ = [
@@ -26,6 +25,7 @@ __all__ = [
     "dedupe_against",
     "generate",
     "generate_mixed",
+    "iter_jsonl",
     "read_jsonl",
     "render_mixed",
     "split_answers",

@@ -17,10 +17,10 @@ seed, so that no setting is ever chosen on an item that is reported:
 
 from __future__ import annotations
 
-import gzip
-import json
 import random
 from pathlib import Path
+
+from molora.data.jsonl import read_jsonl
 
 DATA = Path(__file__).resolve().parent
 SELF_INSTRUCT_FILE = DATA / "self_instruct.jsonl.gz"
@@ -54,15 +54,10 @@ TOPIC_TEMPLATES = (
 )
 
 
-def _read_jsonl_gz(path: Path) -> list[dict]:
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip() and not line.startswith("#")]
-
-
 def self_instruct_rows() -> list[dict]:
     """{"id", "prompt", "output"} per Self-Instruct task: the instruction, then its instance input if any."""
     rows = []
-    for task in _read_jsonl_gz(SELF_INSTRUCT_FILE):
+    for task in read_jsonl(SELF_INSTRUCT_FILE, comments=True):
         inst = task["instances"][0]
         prompt = task["instruction"].strip()
         if inst.get("input", "").strip():
@@ -74,7 +69,7 @@ def self_instruct_rows() -> list[dict]:
 def gsm8k_rows() -> list[dict]:
     """{"id", "prompt", "output"} per shipped GSM8K train problem, in the seed-0 shuffle the router always used
     (`molora.train.default.read_generic`)."""
-    rows = _read_jsonl_gz(GSM8K_FILE)
+    rows = read_jsonl(GSM8K_FILE, comments=True)
     random.Random(0).shuffle(rows)
     return [{"id": f"gsm8k_{i}", "source": "gsm8k", "prompt": r["prompt"], "output": r["completion"]}
             for i, r in enumerate(rows)]

@@ -40,8 +40,8 @@ from __future__ import annotations
 import gzip
 import json
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -382,36 +382,6 @@ def generate_mixed(tasks: Sequence[str], n: int, seed: int, parts: int = 2) -> l
             text, target = _GENERATORS[task](rng)
             row.append({"task": task, "input": text, "target": target})
         rows.append({"parts": row})
-    return rows
-
-
-def write_jsonl(path: str | Path, rows: Iterable[Mapping | Item]) -> None:
-    """One JSON object per line (Items are written as {"task", "input", "target"})."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(asdict(row) if isinstance(row, Item) else dict(row), ensure_ascii=False))
-                f.write("\n")
-    except OSError as e:
-        raise OSError(f"cannot write {path}: {e}") from e
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The JSON objects of a JSONL file (blank lines skipped)."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise OSError(f"cannot read {path}: {e}") from e
-    rows = []
-    for lineno, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from e
     return rows
 
 

@@ -18,7 +18,6 @@ Owns the general prompt file format and these figures. Prompts and generation ar
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,8 +26,16 @@ from typing import Any
 import torch
 
 from molora.bundle import generate_batch, left_pad, stop_ids, trace_forwards, turn_text
-from molora.eval.runner import EvalError, Mode, _ids, _spec, parse_mode, sequence_choice, template_of
-from molora.routing import SequenceRouter
+from molora.data.jsonl import iter_jsonl
+from molora.eval.runner import (
+    EvalError,
+    Mode,
+    _ids,
+    _spec,
+    parse_mode,
+    sequence_choice,
+    template_of,
+)
 
 DEFAULT_TOKENS = 64
 
@@ -39,18 +46,8 @@ def load_general(spec: str) -> tuple[str, list[dict]]:
     if kind != "general" or not sep or not file:
         raise EvalError(f"task {spec!r}: a general task is 'general:FILE' with FILE a JSONL of {{\"prompt\": ...}}")
     path = Path(file)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise EvalError(f"cannot read general prompts {path}: {e}") from e
     rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise EvalError(f"{path}:{n}: not JSON ({e})") from e
+    for n, row in iter_jsonl(path, error=EvalError):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise EvalError(f"{path}:{n}: each line needs a non-empty string \"prompt\"")
         if row.get("system") is not None and not isinstance(row["system"], str):

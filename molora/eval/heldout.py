@@ -15,9 +15,9 @@ Splits of the generated skill items (`molora.data.skills.generate`, seeds far fr
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
+from molora.data.jsonl import read_jsonl
 from molora.data.skills import EVAL_SEED_BASE, SKILLS, Item, generate, generate_mixed
 
 SPLIT_SEEDS = {"legacy": EVAL_SEED_BASE, "val": EVAL_SEED_BASE + 500, "test": EVAL_SEED_BASE + 300_000}
@@ -39,10 +39,7 @@ def training_inputs(bundle: Any) -> set[str]:
     """Every question text in the bundle's training files (data/*.jsonl): prompts, segments, parts."""
     seen: set[str] = set()
     for path in sorted((bundle.folder / "data").glob("*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if not line.strip():
-                continue
-            row = json.loads(line)
+        for row in read_jsonl(path):
             for seg in [row, *row.get("segments", []), *row.get("parts", [])]:
                 for key in ("prompt", "input"):
                     if isinstance(seg.get(key), str):

@@ -30,13 +30,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from molora.data.jsonl import read_jsonl
 from molora.data.mixed import render_mixed, split_answers
 from molora.errors import MoLoRAError
 from molora.eval.extract import (
     LABEL_SETS,
     canonical_target,
-    lenient_answer,
     last_boxed,
+    lenient_answer,
     normalize_math,
     strict_answer,
 )
@@ -101,7 +102,7 @@ def _json_rows(path: Path) -> list[dict]:
     text = _read_text(path)
     try:
         if path.suffix == ".jsonl":
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
+            return read_jsonl(path, error=TaskError)
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise TaskError(f"{path} is not valid JSON{' lines' if path.suffix == '.jsonl' else ''}: {e}") from e

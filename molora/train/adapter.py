@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from molora.bundle import CHATML_TEMPLATE, END_OF_TURN, turn_text
 from molora.config import LLAMA_PROJECTIONS
+from molora.data.jsonl import iter_jsonl
 from molora.errors import MoLoRAError
 
 log = logging.getLogger("molora.train")
@@ -61,17 +62,10 @@ def read_examples(path: str | Path) -> list[tuple[str, str]]:
     """(prompt, completion) pairs from a JSONL file; a bad line is an error naming the line."""
     out = []
     path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise MoLoRAError(f"cannot read training data {path}: {e}") from e
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for n, row in iter_jsonl(path, error=MoLoRAError):
         try:
-            row = json.loads(line)
             out.append(_as_pair(row))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise MoLoRAError(f"{path}:{n}: expected {{\"prompt\",\"completion\"}} or {{\"messages\":[...]}} "
                               f"({e})") from e
     if not out:

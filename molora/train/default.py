@@ -18,7 +18,6 @@ solutions ending "So the answer is X." (molora.data.solutions: bare answers trai
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import logging
@@ -30,7 +29,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from molora.data.general import general_split, split_record, topic_prompts
-from molora.data.skills import TRAIN_SEED_BASE, generate, read_jsonl, write_jsonl
+from molora.data.jsonl import read_jsonl, write_jsonl
+from molora.data.skills import TRAIN_SEED_BASE, generate
 from molora.bundle import turn_text
 from molora.data.solutions import worked_solution
 from molora.train.adapter import CHATML, END, AdapterTrainConfig, train_adapter
@@ -82,8 +82,7 @@ class DefaultRecipe:
 # ------------------------------------------------------------------------------------------------ data
 
 def read_generic(n: int, seed: int) -> list[dict]:
-    with gzip.open(GENERIC_FILE, "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip() and not line.startswith("#")]
+    rows = read_jsonl(GENERIC_FILE, comments=True)
     random.Random(seed).shuffle(rows)
     return rows[:n]
 
