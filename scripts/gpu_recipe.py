@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from molora.data.jsonl import read_jsonl
+from molora.data.jsonl import read_jsonl, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
@@ -66,17 +66,6 @@ SMALL_MODES = ("learned", "sequence", "oracle", "base")
 
 def log(msg: str) -> None:
     print(f"[gpu_recipe {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return read_jsonl(path)
 
 
 # ----------------------------------------------------------------------------------------------- fetch
