@@ -34,6 +34,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from molora.docblock import markers, replace_block, wrap
 from typing import Any
 
 import httpx
@@ -425,7 +427,7 @@ def _s(seconds: float | None) -> str:
     return "never" if seconds is None else f"{seconds:.2f} s"
 
 
-BEGIN, END = "<!-- reliability:begin (scripts/fault_harness.py) -->", "<!-- reliability:end -->"
+BEGIN, END = markers("reliability", "scripts/fault_harness.py")
 
 
 def readme_block(record: dict) -> str:
@@ -438,13 +440,6 @@ def readme_block(record: dict) -> str:
             f"{record['hung']} hung**; KV blocks leaked {kv['leaked']:.0f}, adapter pins left "
             f"{record['adapter_pins']['at_end']:.0f}; completed requests p50 {lat['p50']:.2f} s, p99 "
             f"{lat['p99']:.2f} s on 2 CPU cores.")
-
-
-def replace_block(text: str, block: str) -> str:
-    head, sep, rest = text.partition(BEGIN)
-    if not sep or END not in rest:
-        raise SystemExit(f"README.md lacks the {BEGIN} ... {END} markers")
-    return head + BEGIN + "\n" + block + "\n" + END + rest.split(END, 1)[1]
 
 
 def main() -> int:
@@ -466,7 +461,7 @@ def main() -> int:
     record = json.loads(out.read_text())
     (ROOT / "docs" / "reliability.md").write_text(render(record))
     readme = ROOT / "README.md"
-    readme.write_text(replace_block(readme.read_text(), readme_block(record)))
+    readme.write_text(replace_block(readme.read_text(), BEGIN, END, wrap(BEGIN, END, readme_block(record)), readme))
     print(json.dumps({k: record[k] for k in ("requests", "completed", "failed_by_design", "failed_otherwise",
                                              "hung", "kv_blocks", "adapter_pins", "latency_completed_s")}))
     return 0 if record["failed_otherwise"] == 0 and record["kv_blocks"]["leaked"] == 0 else 1

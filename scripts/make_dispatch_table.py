@@ -17,11 +17,13 @@ import json
 import sys
 from pathlib import Path
 
+from molora.docblock import markers, replace_block
+
 import torch
 
 from molora.ops import dispatch
 
-BEGIN, END = "<!-- dispatch-table:begin (scripts/make_dispatch_table.py) -->", "<!-- dispatch-table:end -->"
+BEGIN, END = markers("dispatch-table", "scripts/make_dispatch_table.py")
 EAGER = ("stacked_mask", "sort_group")
 
 
@@ -78,13 +80,6 @@ def render(records: dict) -> str:
     return "\n".join(out)
 
 
-def update(text: str, block: str) -> str:
-    a, b = text.find(BEGIN), text.find(END)
-    if a < 0 or b < a:
-        raise SystemExit(f"docs/dispatch.md has no {BEGIN} ... {END} block to render into")
-    return text[:a] + block + text[b + len(END):]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--docs", type=Path, default=Path("docs"), help="folder with benchmarks.json and dispatch.md")
@@ -92,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     page = a.docs / "dispatch.md"
     text = page.read_text(encoding="utf-8")
-    new = update(text, render(json.loads((a.docs / "benchmarks.json").read_text(encoding="utf-8"))))
+    new = replace_block(text, BEGIN, END, render(json.loads((a.docs / "benchmarks.json").read_text(encoding="utf-8"))))
     if a.check:
         if new != text:
             print(f"{page} is out of date: run scripts/make_dispatch_table.py", file=sys.stderr)

@@ -25,11 +25,13 @@ import sys
 import time
 from pathlib import Path
 
+from molora.docblock import markers, replace_block, wrap
+
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "multimodal.json"
 GRID = ROOT / "docs" / "multimodal_digits.png"
 README = ROOT / "README.md"
-BEGIN, END = "<!-- multimodal:begin (scripts/make_multimodal.py) -->", "<!-- multimodal:end -->"
+BEGIN, END = markers("multimodal", "scripts/make_multimodal.py")
 VAL_SEED, TEST_SEED, TEMPERATURE = 1, 2, 1.0
 TEXT_TEMPERATURES = (1.0, 0.0)  # candidates for the caption spans, chosen on validation (images: TEMPERATURE)
 # the joint pair's training settings tried (--choose-joint): label -> DigitsRecipe fields over the shipped recipe;
@@ -314,11 +316,7 @@ def readme_block(record: dict) -> str:
 
 def render(record: dict) -> None:
     text = README.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{README}: add the markers {BEGIN} and {END} where the block goes")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    README.write_text(head + BEGIN + "\n" + readme_block(record) + "\n" + END + tail)
+    README.write_text(replace_block(text, BEGIN, END, wrap(BEGIN, END, readme_block(record)), README))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from molora.docblock import markers, write_block
 from molora.data.jsonl import read_jsonl
 
 # The BBH paper's per-task table (Suzgun et al. 2022, arXiv 2210.09261, 3-shot on the real benchmark items):
@@ -426,7 +427,7 @@ def extra_sections(docs: Path = None) -> list[str]:
     return out
 
 
-README_BEGIN, README_END = "<!-- results:begin (scripts/make_results.py) -->", "<!-- results:end -->"
+README_BEGIN, README_END = markers("results", "scripts/make_results.py")
 
 
 def render_readme(res: dict, val: dict | None, cost: dict | None) -> str:
@@ -470,14 +471,6 @@ def render_readme(res: dict, val: dict | None, cost: dict | None) -> str:
                 "`scripts/probe_cost.py`, interleaved)."]
     out += [README_END]
     return "\n".join(out)
-
-
-def update_readme(block: str, path: Path = Path("README.md")) -> None:
-    text = path.read_text(encoding="utf-8")
-    a, b = text.find(README_BEGIN), text.find(README_END)
-    if a < 0 or b < a:
-        raise SystemExit(f"{path} has no {README_BEGIN} ... {README_END} block to render into")
-    path.write_text(text[:a] + block + text[b + len(README_END):], encoding="utf-8")
 
 
 def plots(res: dict, folder: Path) -> list[str]:
@@ -529,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     cost = json.loads((DOCS / "probe_cost.json").read_text()) if (DOCS / "probe_cost.json").is_file() else None
     images = plots(res, DOCS)
     (DOCS / "results.md").write_text(render(res, val, cost, images) + "\n", encoding="utf-8")
-    update_readme(render_readme(res, val, cost))
+    write_block(Path("README.md"), README_BEGIN, README_END, render_readme(res, val, cost))
     log("wrote docs/results.md from docs/results.json" + (", docs/validation.json" if val else "")
         + (", docs/probe_cost.json" if cost else ""))
     for g in goals(res, cost):

@@ -33,13 +33,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from molora.docblock import markers, replace_block
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "scaleout.json"
 PAGE = ROOT / "docs" / "scaleout.md"
 README = ROOT / "README.md"
-SCALE_BEGIN, SCALE_END = "<!-- scaleout:begin (scripts/make_scaleout.py) -->", "<!-- scaleout:end -->"
+SCALE_BEGIN, SCALE_END = markers("scaleout", "scripts/make_scaleout.py")
 
 
 BENCHES = ("one_replica", "one_replica_process", "two_replicas", "ray_floor")
@@ -257,18 +259,11 @@ def readme_line(records: dict) -> str:
         SCALE_END])
 
 
-def replace_block(text: str, block: str, where: Path) -> str:
-    if SCALE_BEGIN not in text or SCALE_END not in text:
-        raise SystemExit(f"{where}: no {SCALE_BEGIN} ... {SCALE_END} block to replace")
-    head, rest = text.split(SCALE_BEGIN, 1)
-    return head + block + rest.split(SCALE_END, 1)[1]
-
-
 def render(records: dict, check: bool = False) -> int:
     stale = []
     for path, block in ((PAGE, page_block(records)), (README, readme_line(records))):
         text = path.read_text()
-        new = replace_block(text, block, path)
+        new = replace_block(text, SCALE_BEGIN, SCALE_END, block, path)
         if new != text:
             stale.append(path)
             if not check:
