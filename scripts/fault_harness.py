@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from molora.bench.sse import SSEStream
 from molora.docblock import markers, replace_block, wrap
 from typing import Any
 
@@ -187,13 +188,8 @@ async def one(client: httpx.AsyncClient, job: dict) -> dict:
                     res["code"] = json.loads(await r.aread()).get("error", {}).get("code")
                 else:
                     events = 0
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: "):
-                            continue
-                        if line == "data: [DONE]":
-                            res["done"] = True
-                            break
-                        event = json.loads(line[6:])
+                    stream = SSEStream(r)
+                    async for event in stream:
                         if "error" in event:
                             res["code"] = event["error"]["code"]
                             break
@@ -204,6 +200,8 @@ async def one(client: httpx.AsyncClient, job: dict) -> dict:
                         if job["kind"] == "disconnect" and events >= job["drop_after"]:
                             res["dropped"] = True
                             break
+                    if stream.done:
+                        res["done"] = True
     except httpx.TimeoutException:
         res["hung"] = True
     except Exception as e:  # connection reset, bad JSON from the server: not by design

@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from molora.bench.sse import SSEStream
 from molora.data import SKILLS, generate, generate_mixed, render_mixed
 
 
@@ -80,10 +81,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
         async with client.stream("POST", "/chat/completions", json=body) as r:
             if r.status_code != 200:
                 return Sample(False, error=f"{r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in SSEStream(r):
                 if "error" in chunk:
                     return Sample(False, error=str(chunk["error"]))
                 if chunk.get("usage"):
