@@ -225,7 +225,7 @@ def meaning_section(records: dict[str, dict]) -> list[str]:
                   f"LoRA arithmetic is negligible and the ratio is almost all overhead).", ""]
     pre = r["prefill"]["ms"]
     if "peft_single" in pre:
-        from molora.bench.model import scenario_ratio
+        from molora.bench.model_report import scenario_ratio
 
         K = r["adapters"]
         lines += [f"The prefill floor measured rather than counted: `peft_single` (PEFT with one adapter active on "
@@ -249,7 +249,7 @@ def meaning_section(records: dict[str, dict]) -> list[str]:
 def model_section(records: dict[str, dict], out: Path, docs: Path) -> list[str]:
     if "model" not in records:
         return []
-    from molora.bench.model import scenario_ratio
+    from molora.bench.model_report import scenario_ratio
 
     res = records["model"]["result"]
     plan = res["plan"]
