@@ -261,8 +261,11 @@ def test_the_kernel_source_ships_with_the_package() -> None:
     from molora.ops import fused_cpu
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["molora"]
-    rel = fused_cpu._SOURCE.relative_to(ROOT / "molora").as_posix()
-    assert fused_cpu._SOURCE.is_file() and any(fnmatch.fnmatch(rel, p) for p in patterns)
+    files = sorted(fused_cpu._CSRC.iterdir())   # every file the build reads (sources and headers) ships
+    assert set(fused_cpu._SOURCES) <= set(files)
+    for path in files:
+        rel = path.relative_to(ROOT / "molora").as_posix()
+        assert any(fnmatch.fnmatch(rel, p) for p in patterns), rel
 
 
 def test_unknown_backend_names_the_valid_ones() -> None:
