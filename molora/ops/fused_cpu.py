@@ -46,6 +46,11 @@ CPU's AMX tile unit, where it has one; the weight in the layout of the tiles).
 Limits (callers fall back to the eager backends): CPU, float32 or bfloat16, top-1 routing (k = 1), no autograd, B
 stored slot-major (B.transpose(1, 2) contiguous, as `LoRASlots` keeps it), x and out with unit column
 stride. `available()` says whether the extension built; MOLORA_FUSED=0 turns it off.
+
+Every entry point of the extension checks its inputs before it reads or writes (csrc/checks.h: devices, dtypes, ranks,
+shapes, strides, and each index tensor's values in one pass before the kernel's loops: tokens, cache rows, positions,
+block ids, context lengths) and raises a RuntimeError naming the function, the argument and the value; a bug upstream
+cannot turn into a write past a buffer (tests/test_kernel_checks.py: one test per check).
 """
 
 from __future__ import annotations
