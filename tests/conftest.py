@@ -1,4 +1,10 @@
-"""Shared fixtures: tiny random Qwen3 / Llama models and PEFT adapters made by PEFT itself."""
+"""Shared fixtures: tiny random Qwen3 / Llama models and PEFT adapters made by PEFT itself.
+
+Every random tensor a fixture or helper makes is drawn from its own `torch.Generator(seed)` (`gen`), never from the
+process-wide RNG: a model's or an adapter's weights, and so every greedy output the tests compare, are the same
+whichever tests ran before (the suite also runs in a random order in CI, .ci/run). Constructors that draw their
+initial weights from the process RNG (transformers' `from_config`, PEFT's LoRA init) run inside `private_rng()`,
+which leaves the process RNG as it found it, and their weights are then overwritten from a generator."""
 
 from __future__ import annotations
 
@@ -37,34 +43,73 @@ def tiny_config(arch: str):
     raise ValueError(arch)
 
 
+def gen(seed: int = 0) -> torch.Generator:
+    """A CPU generator of its own, seeded: what every random draw in the tests takes (`generator=gen(...)`)."""
+    return torch.Generator().manual_seed(seed)
+
+
+def private_rng():
+    """A context in which code that draws from the process RNG may run without changing it for anyone else (the
+    state is restored on exit); what it draws there is not to be relied on: overwrite it from a generator."""
+    return torch.random.fork_rng(devices=[])
+
+
+def init_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Overwrite every parameter of a transformers model from `gen(seed)`, in `named_parameters` order, by
+    transformers' own init rule: linear and embedding weights N(0, initializer_range), biases 0, norm weights 1, an
+    embedding's padding row 0. Returns the model (eval mode)."""
+    g = gen(seed)
+    std = getattr(model.config, "initializer_range", None) or 0.02
+    with torch.no_grad():
+        for name, p in model.named_parameters():   # tied weights appear once
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:                       # RMSNorm / LayerNorm weights
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=g)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None:
+                m.weight[m.padding_idx].zero_()
+    return model.eval()
+
+
+def random_model(config, seed: int = 0, cls=None) -> torch.nn.Module:
+    """A float32 transformers model of `config` (`cls(config)`, or AutoModelForCausalLM) with weights from
+    `gen(seed)` (`init_weights`); the process RNG is left as it was."""
+    from transformers import AutoModelForCausalLM
+
+    with private_rng():
+        model = cls(config) if cls is not None else AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return init_weights(model.float(), seed)
+
+
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
 def tiny_model(arch: str = "qwen3") -> torch.nn.Module:
-    """A fresh fp32 copy of the tiny random model of `arch` (same weights every call)."""
-    from transformers import AutoModelForCausalLM
-
+    """A fresh fp32 copy of the tiny random model of `arch` (the same weights in every call and every process,
+    whatever ran before: `random_model(..., seed=0)`)."""
     if arch not in _MODELS:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
-        model.eval()
-        _MODELS[arch] = model
+        _MODELS[arch] = random_model(tiny_config(arch), seed=0)
     return copy.deepcopy(_MODELS[arch])
 
 
 def make_peft_adapter(path: Path, arch: str, *, r: int = 4, alpha: float = 8, targets=("q_proj", "v_proj"),
                       rslora: bool = False, seed: int = 0, **extra) -> Path:
-    """Save a PEFT LoRA folder with random (non-zero) A and B for the tiny model of `arch`."""
+    """Save a PEFT LoRA folder with random (non-zero) A and B for the tiny model of `arch`, drawn from `gen(seed)`
+    alone (the same adapter whatever ran before)."""
     from peft import LoraConfig, get_peft_model
 
-    torch.manual_seed(seed)
     cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora,
                      init_lora_weights=False, task_type="CAUSAL_LM", **extra)
-    peft_model = get_peft_model(tiny_model(arch), cfg)
+    with private_rng():  # PEFT's own (overwritten) init draws from the process RNG
+        peft_model = get_peft_model(tiny_model(arch), cfg)
+    g = gen(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
-                p.normal_(0, 0.2)
+                p.normal_(0, 0.2, generator=g)
     peft_model.save_pretrained(str(path))
     return path
 

@@ -171,8 +171,8 @@ def _learned_mm(paths):
     mm = _mm(paths, names=("a", "b", "c"))
     cfg = LearnedRouterConfig(("b", "a"), mm.config.hidden_size, len(decoder_layers(mm.model)))
     router = LearnedRouter(cfg)
-    with torch.no_grad():
-        router.weight.normal_(generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():   # seed 2: on the tiny model, this random router picks "a" for the tests' prompts (asserted)
+        router.weight.normal_(generator=torch.Generator().manual_seed(2))
     mm.router = router
     return mm
 

@@ -12,7 +12,7 @@ import molora
 from molora.adapters import read_adapter, save_adapter
 from molora.errors import AdapterError, BankFullError
 from molora.model.lora_linear import linear_shapes
-from tests.conftest import make_peft_adapter, tiny_model
+from tests.conftest import gen, make_peft_adapter, tiny_model
 
 
 @pytest.fixture
@@ -135,13 +135,14 @@ def test_unload_zeroes_the_slot_and_frees_it(good):
 def test_saved_adapter_round_trips_and_loads_in_peft(tmp_path):
     from peft import PeftModel
 
-    torch.manual_seed(0)
-    mods = {f"model.layers.{i}.self_attn.q_proj": (torch.randn(3, 64), torch.randn(64, 3)) for i in range(2)}
+    g = gen(0)
+    mods = {f"model.layers.{i}.self_attn.q_proj": (torch.randn(3, 64, generator=g), torch.randn(64, 3, generator=g))
+            for i in range(2)}
     path = save_adapter(tmp_path / "mine", mods, r=3, lora_alpha=6)
     back = read_adapter(path, SHAPES, name="mine")
     assert set(back.modules) == set(mods)
     assert back.modules["model.layers.0.self_attn.q_proj"].scale == 2.0
-    ids = torch.randint(3, 100, (1, 8))
+    ids = torch.randint(3, 100, (1, 8), generator=g)
     pm = PeftModel.from_pretrained(tiny_model("qwen3"), str(path)).eval()
     mm = molora.attach(tiny_model("qwen3"), {"mine": path})
     with torch.no_grad():

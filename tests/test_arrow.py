@@ -14,7 +14,7 @@ from molora.engine import Engine, EngineConfig
 from molora.errors import BundleError, RoutingError
 from molora.routing import ArrowConfig, ArrowRouter, VocabRouter
 from molora.routing.arrow import top_right_singular_vector
-from tests.conftest import VOCAB, make_peft_adapter, tiny_model, tiny_tokenizer
+from tests.conftest import VOCAB, gen, make_peft_adapter, tiny_model, tiny_tokenizer
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -53,7 +53,7 @@ def test_top_k_weights_are_a_softmax_of_the_top_similarities_over_temperature(ad
     mm = _mm(adapters)
     r = ArrowRouter(ArrowConfig(top_k=2, temperature=0.5)).bind(mm)
     name = "model.layers.1.mlp.down_proj"
-    x = torch.randn(7, 96)
+    x = torch.randn(7, 96, generator=gen(0))
     ids, w = r.decide_linear(name, x)
     P, _, _ = r.prototypes(name, x.device)
     sim = (x @ P.T).abs()

@@ -7,7 +7,7 @@ import torch
 
 import molora
 from molora import OracleRouter, RoutingError, SequenceRouter, VocabRouter
-from tests.conftest import VOCAB, make_peft_adapter, tiny_model
+from tests.conftest import VOCAB, gen, make_peft_adapter, tiny_model
 
 TOL = 1e-4
 
@@ -107,7 +107,7 @@ def test_top2_weighted_equals_weighted_sum_of_deltas(tmp_path):
     paths = {n: make_peft_adapter(tmp_path / n, arch, seed=i, targets=("o_proj",)) for i, n in enumerate("xy")}
     mm = molora.attach(tiny_model(arch), paths)
     layer = mm.model.model.layers[0].self_attn.o_proj
-    x = torch.randn(5, layer.in_features)
+    x = torch.randn(5, layer.in_features, generator=gen(0))
     ids = torch.tensor([[0, 1]] * 5)
     w = torch.tensor([[0.7, 0.3]] * 5)
     mm.context.set(mm.slot_routing(molora.Routing(ids[None], w[None]), torch.Size([1, 5]))[0], w)

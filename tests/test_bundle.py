@@ -11,7 +11,7 @@ import molora
 from molora.bundle import read_bundle, write_manifest
 from molora.errors import BundleError
 from molora.routing.learned import LearnedRouter, LearnedRouterConfig
-from tests.conftest import make_peft_adapter, tiny_model, tiny_tokenizer
+from tests.conftest import gen, make_peft_adapter, tiny_model, tiny_tokenizer
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def bundle(tmp_path):
     for i, name in enumerate(("x", "y")):
         make_peft_adapter(tmp_path / "adapters" / name, "llama", seed=i)
     router = LearnedRouter(LearnedRouterConfig(adapter_names=("x", "y"), hidden_size=64, num_blocks=2))
-    torch.nn.init.normal_(router.weight)
+    torch.nn.init.normal_(router.weight, generator=gen(0))
     router.save(tmp_path / "router")
     write_manifest(tmp_path, {
         "name": "tiny", "base": "base",
@@ -43,7 +43,7 @@ def test_bundle_loads_base_adapters_and_router(bundle):
     assert mm.adapter_names == ["x", "y"]
     assert isinstance(mm.router, LearnedRouter)
     assert mm.bundle.adapter_for_task("task_y") == "y"
-    ids = torch.randint(3, 100, (1, 9))
+    ids = torch.randint(3, 100, (1, 9), generator=gen(1))
     with torch.no_grad():
         assert mm(ids).logits.shape == (1, 9, 128)  # routed by the attached learned router
 

@@ -127,7 +127,9 @@ def test_deadlines_end_requests_and_free_their_blocks(adapters):
     free = engine.allocator.num_free
     with pytest.raises(MoLoRAError, match="timeout_s"):
         engine.add_request([5], GREEDY, timeout_s=0)
-    long = SamplingParams(max_new_tokens=200, temperature=0.0)
+    # ignore_eos: each request runs its 200 steps (>= 2 s at 10 ms a step) unless its deadline ends it; without it
+    # an EOS from the random model could end `a` first (a race between EOS and the clock, not the path under test)
+    long = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
     a = engine.add_request([5, 6, 7], long, timeout_s=0.2)
     b = engine.add_request([8, 9], long, queue_timeout_s=0.05)  # waits behind a (max_num_seqs=1)
 
@@ -159,7 +161,9 @@ def test_server_deadline_answers_504_and_streams_a_timeout_finish_reason(adapter
     # machine can hold the engine thread past a 2 s grace)
     app = create_app(engine, model_name="tiny", limits=Limits(request_timeout_s=60, max_request_timeout_s=120,
                                                               deadline_grace_s=30))
-    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 250, "temperature": 0}
+    # ignore_eos: 250 steps of >= 10 ms (>= 2.5 s) always outlast the 0.3 s deadline; without it an EOS from the
+    # random model could end the request first (a race between EOS and the deadline, not the path under test)
+    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 250, "temperature": 0, "ignore_eos": True}
     with ServerThread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         assert_error(http.post("/completions", json={**body, "molora": {"timeout": 500}}), 400, "molora.timeout")
         slow = threading.Event()

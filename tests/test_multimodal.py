@@ -19,7 +19,7 @@ from molora.multimodal.recipe import ROUTES
 from molora.multimodal.vocab import BOI, CODES, PIXELS, build_tokenizer, caption, parse_caption, quantise
 from molora.routing import VocabRouter
 from molora.routing.base import id_ranges
-from tests.conftest import load_script
+from tests.conftest import gen, load_script, random_model
 
 pytest.importorskip("sklearn")
 
@@ -37,8 +37,7 @@ def tiny_bundle(tmp_path_factory):
     from transformers import LlamaForCausalLM
 
     folder = tmp_path_factory.mktemp("digits")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_config(hidden=32, layers=2, heads=2, ffn=64))
+    model = random_model(tiny_config(hidden=32, layers=2, heads=2, ffn=64), seed=0, cls=LlamaForCausalLM)
     model.save_pretrained(str(folder / "base"))
     build_tokenizer().save_pretrained(str(folder / "base"))
     shapes = {n: (m.out_features, m.in_features) for n, m in model.named_modules()

@@ -17,7 +17,7 @@ from molora.ops import (
     lora_delta_reference,
     pick_backend,
 )
-from tests.conftest import load_script
+from tests.conftest import gen, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 EAGER = ("sort_group", "stacked_mask", "auto")  # gather compiles; it has its own test below
@@ -39,16 +39,17 @@ def make(T: int, S: int, k: int = 1, *, seed: int = 0, dtype=torch.float32, ids=
 
 def routing_cases() -> dict[str, list]:
     T, S = 37, 5
+    g = gen(0)  # the routings given explicitly; the same in every call (the tests call this again)
     return {
         "random_top1_with_unrouted": make(T, S, 1, seed=1),
-        "slot_nobody_uses": make(T, S, ids=torch.randint(0, 3, (T, 1)) * 2),  # slots 1, 3 empty
+        "slot_nobody_uses": make(T, S, ids=torch.randint(0, 3, (T, 1), generator=g) * 2),  # slots 1, 3 empty
         "all_tokens_one_adapter": make(T, S, ids=torch.full((T, 1), 3)),
         "no_token_routed": make(T, S, ids=torch.full((T, 1), -1)),
         "single_token": make(1, S, 1, seed=2),
-        "single_slot": make(T, 1, ids=torch.randint(-1, 1, (T, 1))),
-        "flat_slot_ids": make(T, S, ids=torch.randint(-1, S, (T,))),
+        "single_slot": make(T, 1, ids=torch.randint(-1, 1, (T, 1), generator=g)),
+        "flat_slot_ids": make(T, S, ids=torch.randint(-1, S, (T,), generator=g)),
         "top2_weighted": make(T, S, 2, seed=3, weighted=True),
-        "top2_same_slot_twice": make(T, S, ids=torch.randint(0, S, (T, 1)).repeat(1, 2), weighted=True),
+        "top2_same_slot_twice": make(T, S, ids=torch.randint(0, S, (T, 1), generator=g).repeat(1, 2), weighted=True),
         "top2_unweighted": make(T, S, 2, seed=4),
     }
 
@@ -260,8 +261,11 @@ def test_the_kernel_source_ships_with_the_package() -> None:
     from molora.ops import fused_cpu
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["molora"]
-    rel = fused_cpu._SOURCE.relative_to(ROOT / "molora").as_posix()
-    assert fused_cpu._SOURCE.is_file() and any(fnmatch.fnmatch(rel, p) for p in patterns)
+    files = sorted(fused_cpu._CSRC.iterdir())   # every file the build reads (sources and headers) ships
+    assert set(fused_cpu._SOURCES) <= set(files)
+    for path in files:
+        rel = path.relative_to(ROOT / "molora").as_posix()
+        assert any(fnmatch.fnmatch(rel, p) for p in patterns), rel
 
 
 def test_unknown_backend_names_the_valid_ones() -> None:
@@ -557,7 +561,7 @@ def test_the_fused_kernel_checks_shapes_itself_and_leaves_out_unchanged() -> Non
         plan = dispatch.plan(ids, num_slots=3)
         out = torch.zeros(9, D_OUT)
         with pytest.raises(RuntimeError, match="shapes disagree"):
-            dispatch.add_into(plan, torch.randn(9, D_IN + 1), A, B, scale, out)
+            dispatch.add_into(plan, torch.zeros(9, D_IN + 1), A, B, scale, out)
         with pytest.raises(RuntimeError, match="shapes disagree"):
             dispatch.add_into(plan, x, A, B, scale, torch.zeros(9, D_OUT + 3))
         with pytest.raises(RuntimeError, match="token"):   # a token outside x's rows
@@ -571,7 +575,9 @@ def test_backend_for_names_what_apply_runs() -> None:
     from molora.ops import fused_cpu
     from molora.ops.lora import LoRAInputError
 
-    x, A, B, scale = torch.randn(6, 8), torch.randn(3, 2, 8), torch.randn(3, 8, 2), torch.ones(3)
+    g = gen(0)
+    x, A, B, scale = (torch.randn(6, 8, generator=g), torch.randn(3, 2, 8, generator=g),
+                      torch.randn(3, 8, 2, generator=g), torch.ones(3))
     ids = torch.tensor([0, 1, 2, -1, 0, 1])
     auto = LoRADispatcher("auto")
     plan = auto.plan(ids, num_slots=3)
@@ -585,7 +591,7 @@ def test_backend_for_names_what_apply_runs() -> None:
             assert auto.backend_for(plan, x, A, major, scale) == "fused"
     assert LoRADispatcher("stacked_mask").backend_for(plan, x, A, B, scale) == "stacked_mask"
     with pytest.raises(LoRAInputError):  # checked as apply checks: x's width must match A
-        auto.backend_for(plan, torch.randn(6, 5), A, B, scale)
+        auto.backend_for(plan, torch.zeros(6, 5), A, B, scale)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -782,7 +788,7 @@ def test_packed_linear_equals_torch_bit_for_bit_and_follows_weight_changes():
     # molora's panel kernel packs widths that are multiples of 16, MKL the others (200), where each is built
     assert forms == ({"panels"} if fused_cpu.available() else set()) | {"mkl"}
     with pytest.raises(ValueError, match="float32 CPU"):
-        PackedLinear(torch.randn(4, 4, dtype=torch.bfloat16))
+        PackedLinear(torch.zeros(4, 4, dtype=torch.bfloat16))
 
 
 def test_amx_linear_equals_torch_bf16_and_each_row_is_its_own():
@@ -816,8 +822,8 @@ def test_amx_linear_equals_torch_bf16_and_each_row_is_its_own():
             w.mul_(0.5)                                                            # in place: packed again
             x = torch.randn(8, d_in, generator=g).bfloat16()
             assert torch.equal(lin(x), torch.nn.functional.linear(x, w, b))
-    assert form(torch.randn(48, 40).bfloat16()) == "torch"        # K not a multiple of 32: torch's GEMM
-    assert form(torch.randn(40, 64).bfloat16()) == "torch"        # N not a multiple of 16
+    assert form(torch.zeros(48, 40).bfloat16()) == "torch"        # K not a multiple of 32: torch's GEMM
+    assert form(torch.zeros(40, 64).bfloat16()) == "torch"        # N not a multiple of 16
 
 
 def test_kernel_clock_times_the_kernels_called_inside_its_block_only():

@@ -8,7 +8,7 @@ import torch
 
 import molora
 from molora.model.runner import BatchMeta, ModelRunner, RouterGroup, StepRouting
-from tests.conftest import VOCAB, make_peft_adapter, tiny_model
+from tests.conftest import VOCAB, gen, make_peft_adapter, random_model, tiny_model
 
 TOL = 1e-4
 SPECS = {
@@ -191,13 +191,12 @@ def test_in_network_router_decides_per_block_like_hooked_transformers(mm):
 
 @pytest.mark.parametrize("kind", ["mistral_window", "qwen2_bias"])
 def test_mistral_sliding_window_and_qwen2_bias_equal_transformers(kind):
-    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+    from transformers import MistralConfig, Qwen2Config
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     cfg = MistralConfig(sliding_window=5, **common) if kind == "mistral_window" else Qwen2Config(**common)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model = random_model(cfg, seed=0)
     if kind == "qwen2_bias":
         assert model.model.layers[0].self_attn.q_proj.bias is not None
     mm = molora.attach(model)
@@ -215,12 +214,11 @@ def test_mistral_sliding_window_and_qwen2_bias_equal_transformers(kind):
 
 
 def test_sliding_window_in_a_batched_causal_call_equals_transformers():
-    from transformers import AutoModelForCausalLM, MistralConfig
+    from transformers import MistralConfig
 
     cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, sliding_window=5)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model = random_model(cfg, seed=0)
     runner = ModelRunner(molora.attach(model), num_blocks=80, block_size=4, max_model_len=160)
     seqs = [_seq(150, 1), _seq(150, 2)]
     pager = _Pager(4)
@@ -282,7 +280,7 @@ def test_routed_linear_follows_swapped_weights_and_rewritten_scales(mm, dtype):
     mm.to(dtype)
     lin = next(m for m in mm.model.modules() if hasattr(m, "lora") and m.lora.active)
     slot = int(lin.lora.scale.float().argmax())                        # a slot whose adapter targets lin
-    x = torch.randn(5, lin.in_features).to(dtype)
+    x = torch.randn(5, lin.in_features, generator=gen(0)).to(dtype)
     with torch.no_grad():
         mm.context.set(torch.full((5, 1), slot, dtype=torch.long))
         try:
@@ -344,13 +342,12 @@ def _one_call_model(tmp_path, kind: str):
     """(attached model, adapter names) for the one-call decode block tests: the tiny Llama with two adapters
     (every linear routed), with adapter "a" alone (k, o, gate and up carry no adapter: no delta there), or a
     Qwen2 with q/k/v biases and adapter-free."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import Qwen2Config
 
     if kind == "qwen2_bias":
-        torch.manual_seed(0)
         cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-        return molora.attach(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()), []
+        return molora.attach(random_model(cfg, seed=0)), []
     names = ["a", "b"] if kind == "llama" else ["a"]
     paths = {n: make_peft_adapter(tmp_path / n, "llama", seed=i, **SPECS[n]) for i, n in enumerate(names)}
     return molora.attach(tiny_model("llama"), paths), names

@@ -579,7 +579,7 @@ def test_real_engine_behind_the_server_and_disconnect_frees_kv_blocks(tmp_path):
         assert r.text.rstrip().endswith("data: [DONE]")
 
         long = {"model": "tiny", "prompt": list(range(3, 60)), "max_tokens": 150, "stream": True,
-                "temperature": 0.8, "seed": 1}
+                "temperature": 0.8, "seed": 1, "ignore_eos": True}   # no early EOS: 150 steps of >= 10 ms
         step = engine.step
         engine.step = lambda: (time.sleep(0.01), step())[1]  # a tiny model could finish before the scrape
         with http.stream("POST", "/completions", json=long) as s:

@@ -10,9 +10,11 @@ Tokens are taken in sort_group's slot order (`SlotGroups`), in blocks of up to 4
 
 Blocks run in parallel on torch's intra-op threads (each token appears once when k = 1, so no two
 threads write one row). Written with GCC vector extensions (16-float vectors: AVX-512 where the CPU has
-it, split into narrower ones elsewhere) in `csrc/fused_lora.cpp` (package data, read at build time); compiled once
-per machine by `torch.utils.cpp_extension.load_inline` into torch's extension cache (about a minute;
-`-O3 -march=native`; again when the source text or the CPU's feature flags change).
+it, split into narrower ones elsewhere) in `csrc/` (package data); compiled on first use by
+`torch.utils.cpp_extension.load` into torch's extension cache (about a minute; `-O3 -march=native`) under a name
+keyed by `build_key()`: a hash of the sources, the flags, torch's and Python's versions and the CPU's feature flags,
+so an edited source builds anew and two checkouts never share a build. Without a C++ compiler molora says so once
+(a log warning) and runs the eager backends.
 
 Why: on the dev CPU the eager backends pay either S times the work (stacked_mask) or row gathers and
 scatters that are memory-bound (sort_group); `molora.bench.ops` measures this one against both and
@@ -44,6 +46,11 @@ CPU's AMX tile unit, where it has one; the weight in the layout of the tiles).
 Limits (callers fall back to the eager backends): CPU, float32 or bfloat16, top-1 routing (k = 1), no autograd, B
 stored slot-major (B.transpose(1, 2) contiguous, as `LoRASlots` keeps it), x and out with unit column
 stride. `available()` says whether the extension built; MOLORA_FUSED=0 turns it off.
+
+Every entry point of the extension checks its inputs before it reads or writes (csrc/checks.h: devices, dtypes, ranks,
+shapes, strides, and each index tensor's values in one pass before the kernel's loops: tokens, cache rows, positions,
+block ids, context lengths) and raises a RuntimeError naming the function, the argument and the value; a bug upstream
+cannot turn into a write past a buffer (tests/test_kernel_checks.py: one test per check).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -69,13 +77,32 @@ from molora.ops.lora import SlotGroups
 
 log = logging.getLogger("molora.ops")
 
-_SOURCE = Path(__file__).parent / "csrc" / "fused_lora.cpp"  # the kernels and their Python bindings
+_CSRC = Path(__file__).parent / "csrc"           # the kernels' sources (package data)
+_SOURCE = _CSRC / "fused_lora.cpp"               # the kernels and their Python bindings
+_SOURCES: tuple[Path, ...] = (_SOURCE,)          # what the compiler is given; headers in _CSRC are included
+# -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already loaded, serves this
+# library too); without it the kernel silently runs on one thread.
+_CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)  # what the kernel computes in
 
 _lock = threading.Lock()
 _NO_WEIGHTS = torch.empty(0)  # the kernel's "every pair weighs 1"
 _module = None
 _failed: str | None = None
+
+
+def build_key() -> str:
+    """The extension's build key: a hash of every file in csrc/ (names and contents), the compile and link flags,
+    torch's and Python's versions and this CPU's feature flags (-march=native). The build lives in torch's extension
+    cache under `molora_kernels_<key>`: editing a source builds anew, and two checkouts with different sources never
+    share (or overwrite) one build."""
+    h = hashlib.sha256()
+    for path in sorted(_CSRC.iterdir()):
+        if path.is_file():
+            h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(repr((_CFLAGS, _LDFLAGS, torch.__version__, sys.version_info[:2], _cpu_tag())).encode())
+    return h.hexdigest()[:16]
 
 
 def _load():
@@ -89,29 +116,35 @@ def _load():
         if os.environ.get("MOLORA_FUSED", "1") == "0":
             _failed = "turned off by MOLORA_FUSED=0"
             return None
+        compiler = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension compiles with
+        if shutil.which(compiler) is None:
+            _failed = f"no C++ compiler: {compiler!r} (CXX, else c++) is not on PATH"
+            log.warning("molora's C++ CPU kernels unavailable (%s); using the eager backends. Install a C++ compiler "
+                        "(g++) to build them, or set MOLORA_FUSED=0 to silence this", _failed)
+            return None
         try:
-            from torch.utils.cpp_extension import load_inline
+            from torch.utils.cpp_extension import load
 
-            log.info("building the fused LoRA CPU kernel (once per machine, about a minute)")
+            name = f"molora_kernels_{build_key()}"
+            log.info("loading molora's C++ CPU kernels (%s; the first time on a machine it builds: about a minute)",
+                     name)
             venv_bin = os.path.dirname(sys.executable)  # a venv's ninja, when the venv is not activated
             if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-            # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already
-            # loaded, serves this library too); without it the kernel silently runs on one thread.
-            _module = load_inline(name=f"molora_fused_lora_v27_{_cpu_tag()}", cpp_sources=_SOURCE.read_text(),
-                                  functions=None, verbose=False,   # the source binds its functions and BoundBlock
-                                  extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
-                                  extra_ldflags=["-fopenmp"])
+            _module = load(name=name, sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_CSRC)],
+                           extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
         except Exception as e:  # no compiler, no ninja, unsupported platform: the eager backends remain
             _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-            log.warning("fused LoRA CPU kernel unavailable (%s); using the eager backends", _failed)
+            log.warning("molora's C++ CPU kernels unavailable (%s); using the eager backends. Install a C++ compiler "
+                        "(g++) and ninja to build them, or set MOLORA_FUSED=0 to silence this", _failed)
         return _module
 
 
 def _cpu_tag() -> str:
     """A short hash of this CPU's feature flags: a build with -march=native is only reused on a like CPU."""
     try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor() or platform.machine()
     return hashlib.sha1(flags.encode()).hexdigest()[:8]

@@ -1,8 +1,8 @@
-// The `fused` per-token LoRA CPU kernel. molora/ops/fused_cpu.py reads this file and builds it with
-// torch.utils.cpp_extension.load_inline (once per machine and CPU type; -O3 -march=native -ffp-contract=fast
-// -fopenmp), with the Python bindings at the end of this file. Each kernel releases the GIL while it
-// runs (as torch's own ops do), so a server's event loop is not stopped by a step. What they compute, limits, why:
-// fused_cpu.py's docstring.
+// The `fused` per-token LoRA CPU kernel and its siblings. molora/ops/fused_cpu.py builds this file with
+// torch.utils.cpp_extension.load under a name keyed by a hash of csrc/ and the flags (-O3 -march=native
+// -ffp-contract=fast -fopenmp), with the Python bindings at the end of this file. Each kernel releases the GIL while
+// it runs (as torch's own ops do), so a server's event loop is not stopped by a step, and checks its inputs first
+// (checks.h). What they compute, limits, why: fused_cpu.py's docstring.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -16,6 +16,8 @@
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
+#include "checks.h"
+namespace chk = molora_checks;
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
@@ -258,16 +260,22 @@ bool bf16_dot() {
 // that disagree raise (each call is checked here, so that callers may skip their own checks per call).
 bool lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Tensor B, torch::Tensor tok,
                  torch::Tensor scale, torch::Tensor weight, std::vector<int64_t> counts) {
+  const char* fn = "lora_fused_";
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && A.dim() == 3 && B.dim() == 3 && tok.dim() == 1,
               "lora_fused_: x [T, D_in], out [T, D_out], A [S, R, D_in], B [S, D_out, R] and tok [n] expected");
+  for (auto [name, t] : {std::pair<const char*, const torch::Tensor*>{"out", &out}, {"x", &x}, {"A", &A}, {"B", &B},
+                         {"tok", &tok}, {"scale", &scale}, {"weight", &weight}})
+    chk::cpu(fn, name, *t);
   const int64_t S = A.size(0), R = A.size(1), Din = A.size(2), Dout = B.size(1), T = x.size(0);
   TORCH_CHECK(x.size(1) == Din && out.size(0) == T && B.size(0) == S && B.size(2) == R && out.size(1) == Dout,
               "lora_fused_: shapes disagree: x ", x.sizes(), ", out ", out.sizes(), ", A ", A.sizes(), ", B ", B.sizes());
   TORCH_CHECK(x.scalar_type() == out.scalar_type() && A.scalar_type() == x.scalar_type() &&
               B.scalar_type() == x.scalar_type() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "lora_fused_: x, out, A and B must share one dtype, float32 or bfloat16");
-  TORCH_CHECK(tok.scalar_type() == at::kLong && (int64_t)counts.size() <= S && scale.numel() >= S,
-              "lora_fused_: tok int64, at most S counts, scale [S]");
+  TORCH_CHECK(tok.scalar_type() == at::kLong && (int64_t)counts.size() <= S && scale.dim() == 1 && scale.numel() == S,
+              "lora_fused_: tok int64, at most S = ", S, " counts (got ", counts.size(), "), scale [S] (got ",
+              scale.sizes(), ")");
+  TORCH_CHECK(weight.numel() == 0 || weight.dim() == 1, "lora_fused_: weight [pairs] or empty, got ", weight.sizes());
   int64_t pairs = 0;
   for (int64_t c : counts) { TORCH_CHECK(c >= 0, "lora_fused_: negative count"); pairs += c; }
   TORCH_CHECK(pairs <= tok.numel() && (weight.numel() == 0 || weight.numel() >= pairs),
@@ -280,7 +288,14 @@ bool lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Ten
                       (weight.numel() == 0 || (weight.scalar_type() == at::kFloat && weight.is_contiguous()));
   if (!layout) return false;
   const int64_t* tp = tok.data_ptr<int64_t>();
-  for (int64_t p = 0; p < pairs; ++p) TORCH_CHECK(tp[p] >= 0 && tp[p] < T, "lora_fused_: token ", tp[p], " of ", T);
+  // each token once: blocks run in parallel and a token's row is read, then added to, by one block (top-1 routing)
+  std::vector<uint8_t> seen(T, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(tp[p] >= 0 && tp[p] < T, "lora_fused_: token ", tp[p], " of ", T, " (tok[", p, "] must be a row of x)");
+    TORCH_CHECK(!seen[tp[p]], "lora_fused_: token ", tp[p], " is listed twice in tok; the kernel adds one delta per "
+                "token (top-1 routing): use another backend for top-k > 1");
+    seen[tp[p]] = 1;
+  }
   pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   const torch::Tensor& Bt = B;
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
@@ -518,11 +533,54 @@ static void paged_decode_run(const T* Q, const T* K, const T* V, T* O, const int
   });
 }
 
+// The checks paged_decode and paged_decode_rows share, for Bd sequences: q, out [T, H, hd] (heads contiguous), kc, vc
+// [N, Hkv, hd] contiguous, one float dtype, H a multiple of Hkv; tables [Bd, nb] and ctx [Bd] int64; each context
+// 1 <= ctx[b] <= nb * block_size, and each block id a context reads (the first ctx[b] positions' blocks, less those
+// wholly outside the window) a block of the cache: 0 <= id < N / block_size. O(Bd * nb), before any read.
+static void check_paged(const char* fn, const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kc,
+                        const torch::Tensor& vc, const torch::Tensor& tables, const torch::Tensor& ctx, int64_t Bd,
+                        int64_t block_size, int64_t window) {
+  chk::rank(fn, "q", q, 3, "[T, H, head_dim]");
+  chk::float_cpu(fn, "q", q);
+  chk::rank(fn, "kc", kc, 3, "[N, Hkv, head_dim]");
+  for (auto [name, t] : {std::pair<const char*, const torch::Tensor*>{"out", &out}, {"kc", &kc}, {"vc", &vc}}) {
+    chk::cpu(fn, name, *t);
+    chk::same_dtype(fn, name, *t, "q", q);
+  }
+  TORCH_CHECK(out.sizes() == q.sizes(), fn, ": out ", out.sizes(), " must have q's shape ", q.sizes());
+  TORCH_CHECK(vc.sizes() == kc.sizes(), fn, ": vc ", vc.sizes(), " must have kc's shape ", kc.sizes());
+  const int64_t H = q.size(1), hd = q.size(2), Hkv = kc.size(1), N = kc.size(0);
+  TORCH_CHECK(kc.size(2) == hd, fn, ": kc's head_dim ", kc.size(2), " differs from q's ", hd);
+  TORCH_CHECK(Hkv >= 1 && H % Hkv == 0, fn, ": q's ", H, " heads must be a multiple of the cache's ", Hkv, " kv heads");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == hd && out.stride(2) == 1 && out.stride(1) == hd, fn,
+              ": q and out need contiguous heads (strides [*, ", hd, ", 1]), got ", q.strides(), " and ", out.strides());
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), fn, ": kc and vc must be contiguous");
+  TORCH_CHECK(block_size >= 1 && window >= 0, fn, ": block_size ", block_size, " must be >= 1 and window ", window,
+              " >= 0 (0: none)");
+  chk::rank(fn, "tables", tables, 2, "[Bd, blocks per sequence]");
+  chk::cpu(fn, "tables", tables);
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.size(0) == Bd, fn,
+              ": tables must be contiguous int64 [", Bd, ", nb], got ", tables.scalar_type(), " ", tables.sizes());
+  chk::index(fn, "ctx", ctx, Bd);
+  const int64_t nb = tables.size(1), blocks = N / block_size;
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* cp = ctx.data_ptr<int64_t>();
+  for (int64_t b = 0; b < Bd; ++b) {
+    const int64_t c = cp[b];
+    TORCH_CHECK(c >= 1 && c <= nb * block_size, fn, ": ctx[", b, "] = ", c, " is outside [1, ", nb * block_size,
+                "] (the sequence's table holds ", nb, " blocks of ", block_size, ")");
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window) : 0;
+    for (int64_t k = lo / block_size; k <= (c - 1) / block_size; ++k)
+      TORCH_CHECK(tp[b * nb + k] >= 0 && tp[b * nb + k] < blocks, fn, ": tables[", b, ", ", k, "] = ", tp[b * nb + k],
+                  " is not a block of the cache (", N, " rows hold ", blocks, " blocks of ", block_size, ")");
+  }
+}
+
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
                   torch::Tensor ctx, int64_t block_size, double scale, int64_t window) {
   pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
-  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && out.is_contiguous() &&
-              tables.is_contiguous() && ctx.is_contiguous(), "paged_decode: contiguous tensors");
+  check_paged("paged_decode", out, q, kc, vc, tables, ctx, q.dim() == 3 ? q.size(0) : 0, block_size, window);
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "paged_decode: q and out must be contiguous");
   const int64_t Bd = q.size(0), H = q.size(1), hd = q.size(2), Hkv = kc.size(1), nb = tables.size(1);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* cp = ctx.data_ptr<int64_t>();
@@ -542,10 +600,13 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::T
 void paged_decode_rows(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
                        torch::Tensor ctx, torch::Tensor rows, int64_t block_size, double scale, int64_t window) {
   pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
-  const int64_t H = q.size(1), hd = q.size(2), Hkv = kc.size(1), Bd = rows.size(0), nb = tables.size(1);
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == hd && out.stride(2) == 1 && out.stride(1) == hd &&
-              kc.is_contiguous() && vc.is_contiguous() && tables.is_contiguous() && ctx.is_contiguous() &&
-              rows.is_contiguous() && out.scalar_type() == q.scalar_type(), "paged_decode_rows: layout");
+  const char* fn = "paged_decode_rows";
+  chk::rank(fn, "rows", rows, 1, "[Bd]");
+  const int64_t Bd = rows.size(0);
+  check_paged(fn, out, q, kc, vc, tables, ctx, Bd, block_size, window);
+  chk::index(fn, "rows", rows, Bd);
+  chk::distinct(fn, "rows", rows.data_ptr<int64_t>(), Bd, q.size(0), "a sequence's query row of q and out");
+  const int64_t H = q.size(1), hd = q.size(2), Hkv = kc.size(1), nb = tables.size(1);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* cp = ctx.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
@@ -659,7 +720,19 @@ static void add_rms_norm_run(T* h, int64_t ldh, const T* d, int64_t ldd, const T
 void add_rms_norm(torch::Tensor h, torch::Tensor d, torch::Tensor w, torch::Tensor out, double eps,
                   torch::Tensor var, int64_t lanes) {
   pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
+  const char* fn = "add_rms_norm";
+  chk::rank(fn, "h", h, 2, "[T, D]");
+  chk::float_cpu(fn, "h", h);
+  for (auto [name, t] : {std::pair<const char*, const torch::Tensor*>{"out", &out}, {"weight", &w}, {"delta", &d},
+                         {"var", &var}}) chk::cpu(fn, name, *t);
+  chk::same_dtype(fn, "out", out, "h", h);
+  chk::same_dtype(fn, "weight", w, "h", h);
+  TORCH_CHECK(out.sizes() == h.sizes(), "add_rms_norm: out ", out.sizes(), " must have h's shape ", h.sizes());
+  TORCH_CHECK(d.numel() == 0 || d.sizes() == h.sizes(), "add_rms_norm: delta ", d.sizes(), " must have h's shape ",
+              h.sizes(), " (or be empty: no add)");
+  if (d.numel()) chk::same_dtype(fn, "delta", d, "h", h);
   const int64_t rows = h.size(0), D = h.size(1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == D, "add_rms_norm: weight ", w.sizes(), " must be [D] = [", D, "]");
   TORCH_CHECK(h.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous() && (d.numel() == 0 || d.stride(1) == 1),
               "add_rms_norm: rows with unit stride");
   TORCH_CHECK(var.numel() == 0 || (var.numel() == rows && var.scalar_type() == at::kFloat && var.is_contiguous()),
@@ -720,12 +793,34 @@ void rope_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor
                 torch::Tensor pos, torch::Tensor wrows, torch::Tensor kc, torch::Tensor vc) {
   pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   // q [T, Hq, hd], k / v [T, Hk, hd] with contiguous heads (any row stride); kc / vc [N, Hk, hd] contiguous
+  const char* fn = "rope_write";
+  chk::rank(fn, "q", q, 3, "[T, H, head_dim]");
+  chk::rank(fn, "k", k, 3, "[T, Hkv, head_dim]");
+  chk::rank(fn, "kc", kc, 3, "[N, Hkv, head_dim]");
+  chk::rank(fn, "cos", cos, 2, "[positions, head_dim]");
+  chk::float_cpu(fn, "q", q);
+  for (auto [name, t] : {std::pair<const char*, const torch::Tensor*>{"k", &k}, {"v", &v}, {"cos", &cos},
+                         {"sin", &sin}, {"kc", &kc}, {"vc", &vc}}) {
+    chk::cpu(fn, name, *t);
+    chk::same_dtype(fn, name, *t, "q", q);
+  }
   const int64_t rows = q.size(0), Hq = q.size(1), hd = q.size(2), Hk = k.size(1);
+  TORCH_CHECK(hd % 2 == 0, "rope_write: head_dim ", hd, " must be even (rotate_half)");
+  TORCH_CHECK(k.size(0) == rows && k.size(2) == hd && v.sizes() == k.sizes(), "rope_write: k ", k.sizes(), " and v ",
+              v.sizes(), " must both be [T, Hkv, head_dim] with q's T and head_dim (q ", q.sizes(), ")");
+  TORCH_CHECK(kc.size(1) == Hk && kc.size(2) == hd && vc.sizes() == kc.sizes(), "rope_write: kc ", kc.sizes(),
+              " and vc ", vc.sizes(), " must both be [N, ", Hk, ", ", hd, "]");
+  TORCH_CHECK(cos.size(1) == hd && sin.sizes() == cos.sizes(), "rope_write: cos ", cos.sizes(), " and sin ",
+              sin.sizes(), " must both be [positions, ", hd, "]");
+  chk::index(fn, "positions", pos, rows);
+  chk::index(fn, "write_rows", wrows, rows);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == hd && k.stride(2) == 1 && k.stride(1) == hd && v.stride(2) == 1 &&
               v.stride(1) == hd && kc.is_contiguous() && vc.is_contiguous() && cos.is_contiguous() &&
               sin.is_contiguous() && pos.is_contiguous() && wrows.is_contiguous(), "rope_write: layout");
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t* wp = wrows.data_ptr<int64_t>();
+  chk::in_range(fn, "positions", pp, rows, 0, cos.size(0), "a row of the cos / sin tables");
+  chk::in_range(fn, "write_rows", wp, rows, 0, kc.size(0), "a row of the cache");
   if (q.scalar_type() == at::kFloat) {
     rope_write_run<float>(q.data_ptr<float>(), q.stride(0), Hq, k.data_ptr<float>(), k.stride(0), Hk,
                           v.data_ptr<float>(), v.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), hd, pp, wp,
@@ -768,7 +863,13 @@ static void silu_mul_run(T* g, int64_t ldg, const T* u, int64_t ldu, int64_t row
 
 void silu_mul(torch::Tensor g, torch::Tensor u) {
   pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
-  TORCH_CHECK(g.stride(1) == 1 && u.stride(1) == 1 && g.sizes() == u.sizes(), "silu_mul: rows with unit stride");
+  const char* fn = "silu_mul";
+  chk::rank(fn, "gate", g, 2, "[T, D]");
+  chk::float_cpu(fn, "gate", g);
+  chk::cpu(fn, "up", u);
+  chk::same_dtype(fn, "up", u, "gate", g);
+  TORCH_CHECK(g.sizes() == u.sizes(), "silu_mul: up ", u.sizes(), " must have gate's shape ", g.sizes());
+  TORCH_CHECK(g.stride(1) == 1 && u.stride(1) == 1, "silu_mul: rows with unit stride");
   const int64_t rows = g.size(0), D = g.size(1);
   if (g.scalar_type() == at::kFloat) {
     silu_mul_run<float>(g.data_ptr<float>(), g.stride(0), u.data_ptr<float>(), u.stride(0), rows, D);
@@ -829,8 +930,10 @@ static void panel_rows(int64_t mb, const float* x, int64_t ldx, const float* P, 
 
 void linear_panels(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor bias) {
   pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
+  for (auto [name, t] : {std::pair<const char*, const torch::Tensor*>{"y", &y}, {"x", &x}, {"P", &P}, {"bias", &bias}})
+    chk::cpu("linear_panels", name, *t);
   TORCH_CHECK(x.scalar_type() == at::kFloat && P.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
-              x.dim() == 2 && P.dim() == 3 && P.size(2) == 16 && P.is_contiguous() && x.stride(1) == 1 &&
+              x.dim() == 2 && y.dim() == 2 && P.dim() == 3 && P.size(2) == 16 && P.is_contiguous() && x.stride(1) == 1 &&
               y.stride(1) == 1 && x.size(1) == P.size(1) && y.size(0) == x.size(0) && y.size(1) == 16 * P.size(0) &&
               (bias.numel() == 0 || (bias.numel() == y.size(1) && bias.is_contiguous() &&
                                      bias.scalar_type() == at::kFloat)),
@@ -923,8 +1026,10 @@ bool amx_ready() {
 }
 
 void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor bias) {
+  for (auto [name, t] : {std::pair<const char*, const torch::Tensor*>{"y", &y}, {"x", &x}, {"P", &P}, {"bias", &bias}})
+    chk::cpu("linear_amx", name, *t);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && P.scalar_type() == at::kBFloat16 &&
-              y.scalar_type() == at::kBFloat16 && x.dim() == 2 && P.dim() == 4 && P.size(2) == 16 &&
+              y.scalar_type() == at::kBFloat16 && x.dim() == 2 && y.dim() == 2 && P.dim() == 4 && P.size(2) == 16 &&
               P.size(3) == 32 && P.is_contiguous() && x.stride(1) == 1 && y.stride(1) == 1 &&
               x.size(1) == 32 * P.size(1) && y.size(0) == x.size(0) && y.size(1) == 16 * P.size(0) &&
               (bias.numel() == 0 || (bias.numel() == y.size(1) && bias.is_contiguous() &&
@@ -1071,6 +1176,14 @@ struct BoundBlock {
         block_size(block_size_), window(window_) {
     TORCH_CHECK(P.size() == 7 && bias.size() == 7 && A.size() == 7 && B.size() == 7 && scale.size() == 7,
                 "bind_block: 7 linears (q, k, v, o, gate, up, down) expected");
+    TORCH_CHECK(H >= 1 && Hkv >= 1 && hd >= 2 && H % Hkv == 0, "bind_block: heads (H ", H, ", Hkv ", Hkv,
+                ", head_dim ", hd, "): H must be a positive multiple of Hkv, head_dim >= 2");
+    TORCH_CHECK(lanes == 8 || lanes == 16, "bind_block: lanes ", lanes, " must be 8 or 16 (fused_cpu.norm_lanes())");
+    TORCH_CHECK(block_size >= 1 && window >= 0, "bind_block: block_size ", block_size, " must be >= 1 and window ",
+                window, " >= 0 (0: none)");
+    for (int i = 0; i < 7; ++i)
+      TORCH_CHECK(P[i].dim() == 3 || P[i].dim() == 4, "bind_block: linear ", i, "'s packed weight must be panels "
+                  "[N/16, K, 16] or AMX tiles [N/16, K/32, 16, 32], got ", P[i].sizes());
     for (const auto& t : watched) { ptrs.push_back(t.data_ptr()); versions.push_back(t._version()); }
   }
 
@@ -1150,6 +1263,10 @@ static void greedy_rows_run(const T* x, int64_t ld, int64_t B, int64_t V, int64_
 }
 
 void greedy_rows(torch::Tensor logits, torch::Tensor ids, torch::Tensor finite) {
+  for (auto [name, t] : {std::pair<const char*, const torch::Tensor*>{"logits", &logits}, {"ids", &ids},
+                         {"finite", &finite}}) chk::cpu("greedy_rows", name, *t);
+  TORCH_CHECK(logits.dim() != 2 || logits.size(1) >= 1, "greedy_rows: logits ", logits.sizes(),
+              " has an empty vocabulary; each row needs at least one value");
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous() &&
               finite.scalar_type() == at::kBool && finite.is_contiguous() && ids.numel() == logits.size(0) &&
               finite.numel() == logits.size(0), "greedy_rows: logits [B, V] (unit column stride), ids [B] int64, "
