@@ -6,6 +6,7 @@ Every model and adapter here draws its weights from its own `torch.Generator`, n
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -301,3 +302,26 @@ def test_real_model_folder_with_a_default_adapter_equals_peft(tmp_path):
         chat = client.chat.completions.create(model="arith", messages=[{"role": "user", "content": question}],
                                               max_tokens=24, temperature=0)
     assert chat.choices[0].message.content == expected
+
+
+def test_lora_resolver_dir_loads_an_adapter_on_first_use(own):
+    import openai
+
+    app = _app(own, "--lora-modules", f"a={own['a']}", lora_resolver_dirs=[own["root"]])
+    prompt = [50, 51, 52]
+    with ServerThread(app) as url:
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        assert {m.id for m in client.models.list()} == {str(own["base"]), "a"}   # nothing read before it is named
+        got = client.completions.create(model="c", prompt=_words(prompt), max_tokens=6, temperature=0)
+        assert got.choices[0].text.split() == _words(_peft_greedy(own, "c", prompt, 6)).split()
+        assert {m.id for m in client.models.list()} == {str(own["base"]), "a", "c"}
+        for unknown in ("nope", "..", "../adapters/b"):
+            with pytest.raises(openai.NotFoundError):
+                client.completions.create(model=unknown, prompt="w3", max_tokens=2)
+
+        async def many():   # four requests name b at once: one load, four answers
+            async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as c:
+                return await asyncio.gather(*(c.completions.create(model="b", prompt=_words(prompt), max_tokens=6,
+                                                                   temperature=0) for _ in range(4)))
+        texts = {r.choices[0].text for r in asyncio.run(many())}
+        assert [t.split() for t in texts] == [_words(_peft_greedy(own, "b", prompt, 6)).split()]

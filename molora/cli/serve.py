@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -82,6 +83,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                      help="adapters kept in CPU memory beyond the slots (default: up to 1 GiB of them)")
     own.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                      help="a Jinja chat template (a file or the text) instead of the tokenizer's")
+    own.add_argument("--lora-resolver-dir", action="append", default=[], metavar="DIR",
+                     help="a request naming an unknown model NAME loads the PEFT folder DIR/NAME on first use "
+                          "(vLLM's filesystem resolver; also $VLLM_LORA_RESOLVER_CACHE_DIR); repeatable")
     own.add_argument("--enable-lora", action="store_true",
                      help="accepted for vLLM compatibility; molora always serves adapters")
 
@@ -119,8 +123,6 @@ def own_bundle(args: argparse.Namespace) -> object | None:
 @command("serve", _serve_args)
 def _serve(args: argparse.Namespace) -> int:
     """Serve the OpenAI-compatible API (model=<base> runs the base or its router; model=ADAPTER pins one adapter)."""
-    import os
-
     from molora.engine import EngineConfig
     from molora.server import serve
     from molora.server.generation import Limits
@@ -151,7 +153,8 @@ def _serve(args: argparse.Namespace) -> int:
           max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, dtype=args.dtype,
           engine_config=EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                      enforce_eager=args.enforce_eager),
-          limits=limits, stall_s=args.stall_timeout, max_cpu_loras=args.max_cpu_loras, **keys)
+          limits=limits, stall_s=args.stall_timeout, max_cpu_loras=args.max_cpu_loras,
+          lora_resolver_dirs=args.lora_resolver_dir + env("VLLM_LORA_RESOLVER_CACHE_DIR"), **keys)
     return 0
 
 
@@ -169,7 +172,9 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
                        "enforce_eager": args.enforce_eager}, dtype=args.dtype,
         stall_s=args.stall_timeout, ingress=args.ray_ingress)
     ray_serve.serve_ray(cfg, host=args.host, port=args.port, adapter_roots=args.adapter_root,
-                        server_kwargs={"limits": limits, **keys})
+                        server_kwargs={"limits": limits, "lora_resolver_dirs": args.lora_resolver_dir
+                                       + [d for d in os.environ.get("VLLM_LORA_RESOLVER_CACHE_DIR", "").split(",") if d],
+                                       **keys})
     return 0
 
 

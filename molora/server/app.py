@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -62,6 +63,7 @@ _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/adapter
            "/v1/unload_lora_adapter", "/health", "/ready", "/metrics")
 _OPEN_WHILE_DRAINING = ("/health", "/ready", "/metrics")
 OFFLOAD_BODY_BYTES = 256 << 10   # bodies larger than this are parsed on a worker thread
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}")   # what an adapter may be called (AdapterLoadRequest)
 
 
 class ServerState:
@@ -69,7 +71,8 @@ class ServerState:
 
     def __init__(self, client: EngineClient, metrics: ServerMetrics, catalog: Catalog, *,
                  api_keys: Sequence[str], admin_keys: Sequence[str], adapter_roots: Sequence[Path],
-                 max_body_bytes: int, retry_after_s: int, limits: Limits = Limits()) -> None:
+                 max_body_bytes: int, retry_after_s: int, limits: Limits = Limits(),
+                 resolver_dirs: Sequence[Path] = ()) -> None:
         self.client, self.metrics, self.catalog = client, metrics, catalog
         self.api_keys = tuple(api_keys) + tuple(admin_keys)   # an admin key is also an API key
         self.admin_keys = tuple(admin_keys)
@@ -77,7 +80,28 @@ class ServerState:
         self.max_body_bytes = max_body_bytes
         self.retry_after_s = retry_after_s
         self.draining = False
-        self.generation = Generation(client, metrics, catalog, limits)
+        self.resolver_dirs = tuple(resolver_dirs)
+        self._resolving: dict[str, asyncio.Lock] = {}
+        self.generation = Generation(client, metrics, catalog, limits,
+                                     resolver=self.resolve_lora if self.resolver_dirs else None)
+
+    async def resolve_lora(self, name: str) -> bool:
+        """vLLM's filesystem LoRA resolver: a request naming an unknown model NAME loads the PEFT folder
+        DIR/NAME of a --lora-resolver-dir on first use (read off the engine thread; its weights are not read
+        before). False when no such folder exists; a folder that is not a valid adapter answers 400."""
+        if not ADAPTER_NAME.fullmatch(name):
+            return False
+        found = next((d / name for d in self.resolver_dirs
+                      if (d / name / "adapter_config.json").is_file() and (d / name).resolve().is_relative_to(d)),
+                     None)
+        if found is None:
+            return False
+        async with self._resolving.setdefault(name, asyncio.Lock()):   # one load when many ask at once
+            if any(name in info.adapters for info in self.catalog):
+                return True
+            await _load(self, None, name, str(found), param="model", roots=self.resolver_dirs)
+        log.info("adapter %r resolved from %s on first use", name, found)
+        return True
 
     def health(self) -> tuple[bool, bool, dict]:
         """(live, ready, details) for /health and /ready (module docstring)."""
@@ -115,7 +139,8 @@ def create_app(engine: Any, *, model_name: str | None = None, api_keys: Sequence
                admin_keys: Sequence[str] = (), adapter_roots: Sequence[str | Path] = (), max_queue: int = 256,
                max_model_len: int | None = None, default_max_tokens: int = 512,
                max_body_bytes: int = MAX_BODY_BYTES, retry_after_s: int = 1, limits: Limits = Limits(),
-               stall_s: float = 30.0, engine_call_timeout_s: float = 10.0) -> FastAPI:
+               stall_s: float = 30.0, engine_call_timeout_s: float = 10.0,
+               lora_resolver_dirs: Sequence[str | Path] = ()) -> FastAPI:
     """The OpenAI-compatible app over `engine` (see the module docstring).
 
     model_name: the served model id (default: the bundle's name, else "molora"); `model_name:adapter` pins
@@ -123,7 +148,8 @@ def create_app(engine: Any, *, model_name: str | None = None, api_keys: Sequence
     max_model_len: context length (default: the engine's `max_model_len`). limits: request deadlines, queue
     timeout and SSE keep-alive (molora.server.generation.Limits). stall_s: /health turns 503 when the engine
     thread is busy this long without progress. engine_call_timeout_s: how long /metrics and /v1/adapters wait
-    for the engine thread.
+    for the engine thread. lora_resolver_dirs: folders whose subfolder NAME loads as adapter NAME when a request
+    first names it (vLLM's filesystem resolver).
     """
     mm = engine.mm
     bundle = getattr(mm, "bundle", None)
@@ -135,7 +161,8 @@ def create_app(engine: Any, *, model_name: str | None = None, api_keys: Sequence
     runner = EngineRunner(engine, max_in_flight=max_queue, stall_s=stall_s)
     return build_app(LocalClient(engine, runner, call_timeout_s=engine_call_timeout_s), Catalog([info]),
                      api_keys=api_keys, admin_keys=admin_keys, adapter_roots=adapter_roots,
-                     max_body_bytes=max_body_bytes, retry_after_s=retry_after_s, limits=limits)
+                     max_body_bytes=max_body_bytes, retry_after_s=retry_after_s, limits=limits,
+                     lora_resolver_dirs=lora_resolver_dirs)
 
 
 def model_info(name: str, tokenizer: Any, bundle: Any, *, config: Any = None, max_model_len: int | None,
@@ -149,13 +176,14 @@ def model_info(name: str, tokenizer: Any, bundle: Any, *, config: Any = None, ma
 
 def build_app(client: EngineClient, catalog: Catalog, *, api_keys: Sequence[str] = (), admin_keys: Sequence[str] = (),
               adapter_roots: Sequence[str | Path] = (), max_body_bytes: int = MAX_BODY_BYTES, retry_after_s: int = 1,
-              limits: Limits = Limits()) -> FastAPI:
+              limits: Limits = Limits(), lora_resolver_dirs: Sequence[str | Path] = ()) -> FastAPI:
     """The OpenAI-compatible app over any `EngineClient` serving the bundles of `catalog` (create_app's
     arguments of the same names)."""
     metrics = ServerMetrics()
     state = ServerState(client, metrics, catalog, api_keys=api_keys, admin_keys=admin_keys,
                         adapter_roots=[Path(r).resolve() for r in adapter_roots], max_body_bytes=max_body_bytes,
-                        retry_after_s=retry_after_s, limits=limits)
+                        retry_after_s=retry_after_s, limits=limits,
+                        resolver_dirs=[Path(r).resolve() for r in lora_resolver_dirs])
     client.attach(on_step=metrics.observe_step, on_event=state.on_event)
 
     @asynccontextmanager
@@ -263,17 +291,20 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
                                  "it and it unloads when the requests using it end.")
 
 
-async def _load(s: ServerState, bundle: str | None, name: str, path: str, *, param: str) -> ModelInfo:
-    """Load the PEFT folder `path` (confined to the adapter roots) as adapter `name` of `bundle`; 4xx otherwise."""
+async def _load(s: ServerState, bundle: str | None, name: str, path: str, *, param: str,
+                roots: Sequence[Path] | None = None) -> ModelInfo:
+    """Load the PEFT folder `path` (confined to `roots`, default the adapter roots) as adapter `name` of `bundle`;
+    4xx otherwise."""
+    roots = s.adapter_roots if roots is None else tuple(roots)
     info = s.catalog.bundle(bundle)
     if name in info.adapters:
         raise APIError(409, f"adapter {name!r} is already loaded; unload it first", param=param,
                        code="adapter_exists")
     if name in s.catalog.infos:
         raise APIError(400, f"adapter name {name!r} is the served model's own name; choose another", param=param)
-    resolved = resolve_adapter_path(path, s.adapter_roots)
+    resolved = resolve_adapter_path(path, roots)
     try:  # the client reads and checks the files off the engine thread, confined to the roots
-        await s.client.load_adapter(info.name, name, resolved, s.adapter_roots)
+        await s.client.load_adapter(info.name, name, resolved, roots)
     except BankFullError as e:
         raise APIError(409, str(e), param=param, code="no_free_slot") from e
     except AdapterDraining as e:

@@ -27,7 +27,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,13 +196,23 @@ class Generation:
     """The two generation endpoints over one `EngineClient`."""
 
     def __init__(self, client: EngineClient, metrics: ServerMetrics, catalog: Catalog,
-                 limits: Limits = Limits()) -> None:
+                 limits: Limits = Limits(), resolver: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self.client, self.metrics, self.catalog, self.limits = client, metrics, catalog, limits
+        self.resolver = resolver   # loads an adapter a request names on first use (--lora-resolver-dir)
+
+    async def resolve(self, model: str) -> tuple[ModelInfo, str | None]:
+        """`Catalog.resolve`, after giving the resolver (if any) a chance to load an unknown adapter name."""
+        try:
+            return self.catalog.resolve(model)
+        except APIError as e:
+            if e.status != 404 or self.resolver is None or not await self.resolver(model):
+                raise
+        return self.catalog.resolve(model)
 
     # ------------------------------------------------------------------------------------ endpoints
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         req.check_supported()
-        info, adapter = self.catalog.resolve(req.model)
+        info, adapter = await self.resolve(req.model)
         items = req.prompt_list()
         size = sum(len(p) for p in items if isinstance(p, str))
         prompts = await _offload(size, lambda: [_encode_completion(info, p, i) for i, p in enumerate(items)])
@@ -211,7 +221,7 @@ class Generation:
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         req.check_supported()
-        info, adapter = self.catalog.resolve(req.model)
+        info, adapter = await self.resolve(req.model)
         prompt = await _offload(sum(len(m.text()) for m in req.messages), lambda: _encode_chat(info, req))
         top = (req.top_logprobs or 0) if req.logprobs else None
         fmt = _ChatFormat(info, "chatcmpl-" + uuid.uuid4().hex, req)

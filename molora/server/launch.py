@@ -69,11 +69,13 @@ def serve(bundle: Any = None, *, host: str = "127.0.0.1", port: int = 8000,
           api_keys: Sequence[str] = (), admin_keys: Sequence[str] = (), adapter_roots: Sequence[str | Path] = (),
           engine_config: Any = None, max_queue: int = 256, model_name: str | None = None,
           drain_timeout_s: float = 30.0, log_level: str = "info", engine: Any = None, dtype: str = "float32",
-          limits: Any = None, stall_s: float = 30.0, max_cpu_loras: int | None = None) -> None:
+          limits: Any = None, stall_s: float = 30.0, max_cpu_loras: int | None = None,
+          lora_resolver_dirs: Sequence[str | Path] = ()) -> None:
     """Serve the OpenAI-compatible API until SIGTERM/SIGINT, then drain and return.
 
     bundle: a bundle folder, a parsed `Bundle` (molora.userbundle.bundle_from_flags) or None (the embedded
     default); engine: an already built engine instead. max_cpu_loras: see `build_engine`.
+    lora_resolver_dirs: folders whose subfolder NAME loads as adapter NAME when a request first names it.
     api_keys / admin_keys: Bearer keys (none: an open server; admin keys also work as API keys).
     adapter_roots: folders that POST /v1/adapters may load from (none: run-time loading disabled).
     limits: request deadlines, queue timeout, SSE keep-alive (molora.server.generation.Limits; None: defaults).
@@ -85,7 +87,8 @@ def serve(bundle: Any = None, *, host: str = "127.0.0.1", port: int = 8000,
         engine = build_engine(bundle, engine_config, dtype, max_cpu_loras)
     extra = {"limits": limits} if limits is not None else {}
     app = create_app(engine, model_name=model_name, api_keys=api_keys, admin_keys=admin_keys,
-                     adapter_roots=adapter_roots, max_queue=max_queue, stall_s=stall_s, **extra)
+                     adapter_roots=adapter_roots, max_queue=max_queue, stall_s=stall_s,
+                     lora_resolver_dirs=lora_resolver_dirs, **extra)
     log.info("serving %s on http://%s:%d/v1", ", ".join(app.state.molora.catalog.infos), host, port)
     run_app(app, host, port, drain_timeout_s=drain_timeout_s, log_level=log_level)
 
