@@ -104,6 +104,23 @@ def test_shared_prefix_outputs_equal_cache_off_and_hits_are_counted(paths, routi
     assert stats["cached_blocks"] > 0 and off.stats()["prefix_cache"] == {"enabled": False}
 
 
+@torch.no_grad()
+def test_a_probe_cached_over_the_whole_prompt_skips_the_probe_pass(paths):
+    """A block-aligned prompt seen before: its probe decisions all come from the cache (no probe forward),
+    its real pass hits all but the last block; the output equals the cache-off engine's."""
+    prompt = _ids(3 * BS, 12)
+    on = Engine(_mm(paths, "learned_probe"), EngineConfig(**CFG))
+    off = Engine(_mm(paths, "learned_probe"), EngineConfig(**CFG, enable_prefix_caching=False))
+    first, = _run(on, [prompt])
+    computed = on.tokens_computed
+    second, = _run(on, [prompt])
+    want = off.generate([prompt, prompt], GREEDY)
+    assert [first[0], second[0]] == [w.new_token_ids for w in want]
+    stats = on.stats()["prefix_cache"]
+    assert stats["probe_hit_tokens"] == 3 * BS and second[1] == 2 * BS
+    assert on.tokens_computed - computed == BS + GREEDY.max_new_tokens - 1   # the last block, then decoding
+
+
 @pytest.mark.parametrize("arch", ["llama"])
 @torch.no_grad()
 def test_llama_pinned_and_vocab_outputs_equal_cache_off(paths, arch):
