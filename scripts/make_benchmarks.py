@@ -461,6 +461,36 @@ def engine_mixed_section(records: dict[str, dict]) -> list[str]:
             f"the longest and run until the longest request ends; continuous batching does neither.", ""]
 
 
+def prefix_cache_section(docs: Path) -> list[str]:
+    """The prefix-cache table, from its own record docs/prefix_cache.json (`molora bench engine --shared-prefix
+    --json docs/prefix_cache.json`; its own command, not run by this script). Nothing when there is none."""
+    path = docs / "prefix_cache.json"
+    if not path.is_file():
+        return []
+    r = json.loads(path.read_text(encoding="utf-8"))
+    m = r["machine"]
+    lines = ["## Prefix cache", "",
+             f"`molora bench engine --shared-prefix` (record `docs/prefix_cache.json`): the default bundle "
+             f"(SmolLM2-135M-Instruct, its learned router with probe pass, or pinned to `{r['pinned']}`), "
+             f"{r['dtype']}, {r['requests']} requests arriving at once, each a shared {r['system_tokens']}-token "
+             f"system prompt plus its own question (median {r['question_tokens_median']:g} tokens), "
+             f"{r['new_tokens']} new tokens each; chat: {r['chats']} conversations whose turn 2 resends turn 1 and "
+             f"its answer. Cache on vs off interleaved, order rotated, {r['repeats']} repetition(s); the cache is "
+             f"emptied before every run (a cold start). Ratios: median of the per-repetition ratios off / on. "
+             f"CPU: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, load {m['loadavg_1_5_15']}.", "",
+             "| workload | routing | output tok/s off | on | × | median TTFT off | on | × lower | turn 2 cached | "
+             "outputs equal |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for part in ("shared_prefix", "chat"):
+        for routing, w in r[part].items():
+            t, f = w["tok_s"], w["median_ttft_s"]
+            share = f"{100 * w['turn2_cached_share']:.0f}%" if "turn2_cached_share" in w else "–"
+            lines.append(f"| {part.replace('_', ' ')} | {routing} | {t['cache_off']:.1f} | {t['cache_on']:.1f} | "
+                         f"{w['tok_s_ratio_paired'][0]:.2f}× | {f['cache_off']:.2f} s | {f['cache_on']:.2f} s | "
+                         f"{w['ttft_ratio_paired'][0]:.2f}× | {share} | {'yes' if w['outputs_equal'] else 'NO'} |")
+    return lines + [""]
+
+
 def serve_section(records: dict[str, dict]) -> list[str]:
     if "serve" not in records:
         return []
@@ -708,6 +738,7 @@ def render(records: dict[str, dict], out: Path, docs: Path, script_cmd: str, not
     lines += engine_section(records)
     lines += engine_mixed_section(records)
     lines += serve_section(records)
+    lines += prefix_cache_section(docs)
     lines += commands_section(records, script_cmd)
     lines += ["## Not covered here", "",
               "- PEFT X-LoRA has no KV cache, so there is no like-for-like X-LoRA decode step; the table shows "

@@ -280,7 +280,8 @@ def test_n_seed_stop_logprobs_and_batched_prompts(client):
     assert r["choices"][0]["text"] == expected_text(list(b"ab"), 4, seed=3)
     assert r["choices"][1]["text"] == expected_text(list(b"ab"), 4, seed=4)   # choice j samples with seed + j
     assert r["choices"][2]["text"] == expected_text(list(b"cd"), 4, seed=3)
-    assert r["usage"] == {"prompt_tokens": 4, "completion_tokens": 16, "total_tokens": 20}
+    assert r["usage"] == {"prompt_tokens": 4, "completion_tokens": 16, "total_tokens": 20,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     assert "molora" not in r["choices"][0]  # routing is reported only on request
     lp = r["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 4 and len(lp["top_logprobs"][0]) == 2 and lp["text_offset"][:2] == [0, 1]

@@ -3,7 +3,7 @@
     molora bench ops     [--quick] ...     dispatch kernels vs single adapter, K-pass and the base matmul
     molora bench model   [--quick] ...     prefill / decode: base, molora, runner, PEFT, X-LoRA, K-pass
     molora bench hotset  [--quick] ...     adapter load latency per tier, LRU hit rate under Zipf
-    molora bench engine  [--quick] ...     continuous batching vs transformers static batches
+    molora bench engine  [--quick] ...     continuous batching vs transformers (--shared-prefix: prefix cache)
     molora bench serve   [...]             load generator against the OpenAI-compatible server
 
 Each module is imported only when chosen (they pull in different dependencies) and ends its stdout with

@@ -1,6 +1,7 @@
 """Engine benchmark: continuous batching with per-token routing against transformers with static batches.
 
     python -m molora.bench.engine [--quick] [--json OUT]
+    python -m molora.bench.engine --shared-prefix [...]   the prefix-cache benchmark (molora.bench.prefix)
 
 Setup: SmolLM2-135M (the embedded default), 4 random-weight adapters (r=16, all seven projections, written
 with `save_adapter` into a temp dir), a VocabRouter splitting the vocabulary into 4 ranges (per-token
@@ -264,6 +265,10 @@ def run(requests: int, prompt_len: int, new_tokens: int, repeats: int, hf_batch:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--shared-prefix" in argv:      # the prefix-cache benchmark (molora.bench.prefix): its own options
+        from molora.bench import prefix
+        return prefix.main(argv)
     ap = argparse.ArgumentParser(prog="molora bench engine", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=32, help="concurrent requests (default 32)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")

@@ -49,6 +49,7 @@ from molora.adapters.io import LoRAAdapter
 from molora.config import SamplingParams
 from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
+from molora.engine.prefix import PrefixCache
 from molora.engine.request import IncrementalDetokenizer, Request, RequestOutput, TextState
 from molora.engine.routing import RouteState, plan_routing, record_carry, record_probe
 from molora.engine.scheduler import Scheduled, Scheduler
@@ -81,6 +82,7 @@ class EngineConfig:
     seed: int = 0                      # seeds the generators of sampled requests that give no seed
     enforce_eager: bool = False        # on CUDA, never replay decode steps from CUDA graphs (vLLM's name)
     pack_weights: bool | None = None   # base GEMMs on packed weights (molora.ops.packed; None: where they run)
+    enable_prefix_caching: bool = True  # reuse full KV blocks of equal prefixes run on the same adapters (vLLM's name)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_tokens_per_step", "block_size", "kv_budget_tokens", "max_model_len"):
@@ -119,8 +121,10 @@ class Engine:
                 log.warning("decode steps run eagerly: %s", e)
         self.hotset = HotSet(mm, config.cpu_tier_bytes)
         self.allocator = BlockAllocator(config.kv_blocks, config.block_size)
+        self.prefix = PrefixCache(self.allocator, self.hotset, ("model", id(mm), str(self.runner.cache.k.dtype))) \
+            if config.enable_prefix_caching else None
         self.scheduler = Scheduler(self.allocator, self.hotset, max_num_seqs=config.max_num_seqs,
-                                   max_tokens_per_step=config.max_tokens_per_step)
+                                   max_tokens_per_step=config.max_tokens_per_step, prefix=self.prefix)
         self.vocab_size = int(mcfg.vocab_size)
         eos = getattr(getattr(mm.model, "generation_config", None), "eos_token_id", None)
         eos = eos if eos is not None else getattr(mcfg, "eos_token_id", None)
@@ -377,6 +381,9 @@ class Engine:
                 log.error("adapter %r was corrupt in its slot and could not be read again (%s); zeroed it", name,
                           lost[name])
             self.hotset.forget_warm(name)  # the warm copy may be what was corrupted
+            self.hotset.forget_version(name)
+        if self.prefix is not None:        # KV computed while the slot was corrupt must not be reused
+            self.prefix.invalidate()
         return lost
 
     def _fail(self, req: Request, why: str) -> RequestOutput:
@@ -384,7 +391,9 @@ class Engine:
         these blocks would read through masked attention), free them, report finish_reason "error"."""
         self.failures += 1
         self._event("isolated", why)
-        self.runner.cache.clear_blocks(req.block_table)
+        own = [b for b in req.block_table if self.allocator.refs(b) == 1]   # blocks shared with others stay
+        self.allocator.forget(own)
+        self.runner.cache.clear_blocks(own)
         return self._end(req, "error", why)
 
     def _run(self, scheduled: list[Scheduled]) -> list[RequestOutput]:
@@ -432,10 +441,15 @@ class Engine:
             try:
                 if routing is not None and routing.carry is not None and last_carry is not None:
                     record_carry([s], last_carry[i:i + 1])
-                if s.probe:  # a probe chunk; its prompt is computed again from 0 once the probe ends
-                    req.num_computed = 0 if record_probe([s], carry_rows[off:off + s.n])[0] else s.start + s.n
+                if s.probe:  # a probe chunk; its prompt is computed again once the probe ends
+                    ended = record_probe([s], carry_rows[off:off + s.n])[0]
+                    req.num_computed = s.start + s.n
+                    if ended:
+                        self.scheduler.restart(req)
                 else:
                     req.num_computed += s.n
+                if self.prefix is not None:
+                    self.prefix.publish(req)   # before _advance, which may free the table
                 if j is not None:
                     slot = -1 if last_slots is None else picked[len(rows) + i]
                     lp = self._logprobs(req, logits[j], chosen[j])
@@ -528,6 +542,8 @@ class Engine:
         """End every request in flight with finish_reason "error" and `why` (after an engine bug); their
         outputs are returned. The KV cache rows are zeroed."""
         outs = [self._end(req, "error", why) for req in list(self.requests.values())]
+        if self.prefix is not None:
+            self.prefix.invalidate()
         self.runner.cache.clear_blocks(range(self.allocator.num_blocks))
         return outs
 
@@ -561,6 +577,7 @@ class Engine:
                 if out.logprobs is not None:
                     a.logprobs = (a.logprobs or []) + out.logprobs
                 a.finished, a.finish_reason, a.completion_tokens = out.finished, out.finish_reason, out.completion_tokens
+                a.cached_tokens = out.cached_tokens
         return [agg[rid] for rid in ids]
 
     # ------------------------------------------------------------------------------------ adapters, stats
@@ -631,7 +648,8 @@ class Engine:
                 "faults": self.faults, "failed_requests": self.failures,
                 "deadlines_expired": dict(self.deadlines_expired), "lora_requests": lora,
                 "decode_graphs": None if g is None else {"captured": g.captures, "replays": g.replays,
-                                                          "failed": len(g.failed)}}
+                                                          "failed": len(g.failed)},
+                "prefix_cache": self.prefix.stats() if self.prefix is not None else {"enabled": False}}
 
 
 class _CorruptSlots(Exception):

@@ -30,8 +30,10 @@ decisions. All methods run on the engine thread except `read` (any thread) and t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -66,6 +68,9 @@ class HotSet:
         self.hits = self.misses = self.evictions = self.disk_reads = self.read_failures = 0
         self.load_ms_total = 0.0
         self.version = 0  # bumped whenever a slot changes hands (routing lookups depend on it)
+        # content versions (`content_version`): name -> (the resident LoRAAdapter object, weakly, its version)
+        self._versions: dict[str, tuple[weakref.ref, int]] = {}
+        self._version_ids = itertools.count(1)
 
     # ------------------------------------------------------------------------------------ queries
     @property
@@ -75,6 +80,24 @@ class HotSet:
 
     def resident(self, name: str) -> bool:
         return name in self.mm.bank
+
+    def content_version(self, name: str) -> int | None:
+        """An id of the weights in `name`'s slot (None: not resident): it stays the same while the same
+        validated `LoRAAdapter` object is what was copied in (an eviction and a reload from the CPU tier copy
+        the same bytes), and is new for every other load: a fresh read of the folder, a re-registration after
+        an unload, a repair (`forget_version`). The prefix cache keys KV by it (molora.engine.prefix)."""
+        adapter = self.mm.adapters.get(name)
+        if adapter is None or not self.resident(name):
+            return None
+        known = self._versions.get(name)
+        if known is None or known[0]() is not adapter:
+            known = (weakref.ref(adapter), next(self._version_ids))
+            self._versions[name] = known
+        return known[1]
+
+    def forget_version(self, name: str) -> None:
+        """`name`'s slot was rewritten in place: its next `content_version` is a new one."""
+        self._versions.pop(name, None)
 
     def tier(self, name: str) -> str:
         return "slot" if self.resident(name) else "cpu" if name in self.cpu else "disk"
@@ -208,6 +231,7 @@ class HotSet:
         if read is not None:
             read.cancel()  # a running read finishes on the loader thread; its result is never looked at
         self.draining.discard(name)
+        self.forget_version(name)
         del self.paths[name], self.roots[name]
 
     def forget_warm(self, name: str) -> None:

@@ -36,6 +36,7 @@ class RequestOutput:
     completion_tokens: int
     logprobs: list[dict] | None        # per new token {"token_id", "logprob", "top": [(id, logprob), ...]}
     error: str | None = None           # why the engine ended it ("abort" by an operator, "timeout", "error")
+    cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache (molora.engine.prefix)
 
 
 class IncrementalDetokenizer:
@@ -129,6 +130,8 @@ class Request:
     timeout_s: float | None = None     # deadlines (Engine.add_request)
     queue_timeout_s: float | None = None
     started: bool = False              # scheduled at least once (the queue timeout no longer applies)
+    prefix: Any = None                 # its key chain in the prefix cache (molora.engine.prefix.PrefixState)
+    cached_tokens: int | None = None   # tokens its first real pass took from the prefix cache (None: not looked up)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -157,4 +160,5 @@ class Request:
     def output(self, new_ids: list[int], new_text: str, adapters: list[str | None],
                logprobs: list[dict] | None) -> RequestOutput:
         return RequestOutput(self.request_id, new_ids, new_text, adapters, self.finish_reason is not None,
-                               self.finish_reason, len(self.prompt_ids), self.num_generated, logprobs, self.error)
+                               self.finish_reason, len(self.prompt_ids), self.num_generated, logprobs, self.error,
+                               self.cached_tokens or 0)

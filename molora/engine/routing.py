@@ -63,6 +63,9 @@ class RouteState:
     # carry_source block in the probe pass, filled chunk by chunk while `probing`; afterwards every block of
     # that prompt token takes it (also when the sequence is recomputed after a preemption). None: no probe
     prompt_routes: list[int] | None = None
+    # the probe pass's own decisions (before `prompt_routes` filled them), kept once the probe is complete:
+    # the prefix cache stores them beside the probe's KV blocks
+    probe_raw: list[int] | None = None
 
     @property
     def probing(self) -> bool:
@@ -175,14 +178,97 @@ def record_probe(scheduled: list[Scheduled], carry_rows: Tensor | None) -> list[
             route = s.request.route
             route.prompt_routes[s.start:s.start + s.n] = carry_rows[offset:offset + s.n].tolist()
             if not route.probing:  # the probe is complete: the real pass takes the prompt's decisions
-                routes = route.router.prompt_routes(torch.tensor([route.prompt_routes]))
-                route.prompt_routes = routes[0].tolist()
-                if bool(route.router.base_only(routes)[0]):  # the router keeps this request on the base model
-                    route.mode = "none"                          # (molora.routing.learned: Base expert)
+                finish_probe(route)
                 done = True
         ended.append(done)
         offset += s.n
     return ended
+
+
+def finish_probe(route: RouteState) -> None:
+    """The probe's decisions of every prompt token are known (`route.prompt_routes`, raw): keep them in
+    `probe_raw`, turn them into the prompt's decisions, and a prompt the router keeps on the base model into
+    mode "none" (molora.routing.learned: Base expert)."""
+    assert route.prompt_routes is not None and len(route.prompt_routes) == route.prompt_len
+    route.probe_raw = list(route.prompt_routes)
+    routes = route.router.prompt_routes(torch.tensor([route.prompt_routes]))
+    route.prompt_routes = routes[0].tolist()
+    if bool(route.router.base_only(routes)[0]):
+        route.mode = "none"
+
+
+def token_routes(req: Any, hotset: HotSet, lo: int, hi: int, probe: bool) -> list | None:
+    """What the KV of each of `req`'s tokens [lo, hi) depends on besides the tokens before it, as hashable
+    descriptors for the prefix cache (molora.engine.prefix); None when that cannot be proven (a miss).
+
+        v >= 1                       every block on the adapter whose content version is v (pinned, a top-1
+                                     token-id router, a probed prompt token's fixed decision); -1: the base
+        ((v, w), ...)                a weighted top-k choice, the same at every block
+        ("gate", salt)               the in-network router's own gates at every block (learned or Arrow, no
+                                     fixed decision; also the probe pass): a function of the tokens before it
+                                     and the router, with the adapters it may choose and their versions (salt)
+        ("carry", v, salt)           a generated token under a carrying router: blocks below carry_blocks on v
+                                     (the predecessor's decision), the gates above
+
+    probe: the descriptors of the probe pass (every prompt token on its gates) rather than the real pass.
+    Versions are read now: call it while `req` pins its adapters (they cannot change under a pin)."""
+    route, n = req.route, hi - lo
+    if route.mode == "none":
+        return [-1] * n
+    if route.mode == "pinned":
+        v = _version(hotset, route, route.adapter)
+        return None if v is None else [v] * n
+    if route.mode == "tokens":
+        return _token_descriptors(req, hotset, lo, hi)
+    names = route.router.adapter_names
+    salt = ("gate", id(route.router), tuple(hotset.content_version(x) if x in route.needs else None for x in names))
+    gate: tuple = ("gate", salt)
+    P, out = route.prompt_len, []
+    for i in range(lo, hi):
+        if i < P and (probe or route.prompt_routes is None):
+            out.append(gate)
+        elif i < P:
+            out.append(_index_version(hotset, route, route.prompt_routes[i]))
+        elif getattr(route.router, "carry_blocks", 0) > 0:
+            if i - P >= len(route.route_finals):
+                return None
+            out.append(("carry", _index_version(hotset, route, route.route_finals[i - P]), salt))
+        else:
+            out.append(gate)
+    return None if any(d is None or (isinstance(d, tuple) and d[0] == "carry" and d[1] is None) for d in out) else out
+
+
+def _version(hotset: HotSet, route: RouteState, name: str | None) -> int | None:
+    """The content version a token routed to `name` runs on: the adapter's if the request pins it, -1 (the base)
+    for no adapter or one not registered (no slot holds it), None (unprovable) otherwise."""
+    if name is None or name not in hotset.paths:
+        return -1
+    return hotset.content_version(name) if name in route.needs else None
+
+
+def _index_version(hotset: HotSet, route: RouteState, idx: int) -> int | None:
+    return _version(hotset, route, route.router.adapter_names[idx] if idx >= 0 else None)
+
+
+def _token_descriptors(req: Any, hotset: HotSet, lo: int, hi: int) -> list | None:
+    """`token_routes` of a token-id router: its choices as `_token_routing` makes them (an adapter it may not
+    use becomes the base)."""
+    route, names = req.route, hotset.names
+    ids = torch.tensor([req.tokens[lo:hi]], dtype=torch.long)                      # [1, n]
+    routing = route.router.route(ids, names, start=lo)
+    idx = routing.adapter_ids.reshape(hi - lo, -1).long().tolist()                 # [n][k] indices
+    versions = {}
+    for i in {i for row in idx for i in row}:
+        name = names[i] if 0 <= i < len(names) else None
+        versions[i] = -1 if name is not None and route.allowed is not None and name not in route.allowed \
+            else _version(hotset, route, name)
+    if any(v is None for v in versions.values()):
+        return None
+    if routing.weights is None and all(len(row) == 1 for row in idx):
+        return [versions[row[0]] for row in idx]
+    w = routing.weights.reshape(hi - lo, -1).float().tolist() if routing.weights is not None else \
+        [[1.0] + [0.0] * (len(row) - 1) for row in idx]
+    return [tuple((versions[i], x) for i, x in zip(row, ws)) for row, ws in zip(idx, w)]
 
 
 def record_carry(scheduled: list[Scheduled], last_carry: Tensor | None) -> None:

@@ -12,7 +12,13 @@ Each step packs, under a token budget (`max_tokens_per_step`) and in this order:
      A request whose adapter cannot be read fails alone (`failed`, with `Request.error`).
 When a running request needs a KV block and none is free, the most recently admitted request is
 preempted (recompute): its blocks and pins are released and it goes back to the front of the queue with
-all its tokens (prompt + generated so far) to prefill again. Finished or aborted requests free their
+all its tokens (prompt + generated so far) to prefill again.
+
+Prefix cache (molora.engine.prefix, when given): admission pins the adapters first, then looks up the
+cached blocks of the request's tokens; it holds them (shared, reference-counted) and starts its first
+chunk after them, at the cached length; the last token is always computed. Unreferenced cached blocks count
+as free (`BlockAllocator.num_free`) and are evicted when a table grows. A preempted request releases its
+blocks into the cache and usually finds them there again when it is readmitted. Finished or aborted requests free their
 blocks and pins at once (`finish`). A request whose prompt is being probed (`Request.probing`, a learned
 router's probe pass) is prefilled like any other; its chunks are marked `probe` and sample nothing.
 
@@ -31,11 +37,15 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
 from molora.engine.request import Request
 from molora.errors import MoLoRAError
+
+if TYPE_CHECKING:                    # molora.engine.prefix imports routing, which imports this module
+    from molora.engine.prefix import PrefixCache
 
 log = logging.getLogger("molora.engine")
 
@@ -63,8 +73,8 @@ class Scheduler:
     """FCFS continuous batching with chunked prefill and recompute preemption (module docstring)."""
 
     def __init__(self, allocator: BlockAllocator, hotset: HotSet, *, max_num_seqs: int,
-                 max_tokens_per_step: int) -> None:
-        self.allocator, self.hotset = allocator, hotset
+                 max_tokens_per_step: int, prefix: PrefixCache | None = None) -> None:
+        self.allocator, self.hotset, self.prefix = allocator, hotset, prefix
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_tokens_per_step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -109,7 +119,7 @@ class Scheduler:
                 if not self.hotset.fetch(req.needs):
                     reading, i = True, i + 1     # its adapters are being read: it keeps its place
                     continue
-                if not self.allocator.can_grow(req.block_table, n):
+                if self.prefix is None and not self.allocator.can_grow(req.block_table, n):
                     break                    # FCFS: later requests wait behind this one
                 if not self.hotset.acquire(req.needs):
                     break                    # every slot it could take is pinned by running requests
@@ -119,13 +129,35 @@ class Scheduler:
                 self.failed.append((req, str(e)))
                 self._retire(req.needs)
                 continue
+            hits: list[int] = []
+            if self.prefix is not None:      # looked up under the pins: the adapters' versions cannot change
+                hits = self.prefix.match(req)
+                n = min(len(req.tokens) - len(hits) * self.allocator.block_size, budget)
+                if not self.allocator.can_grow(req.block_table, len(hits) * self.allocator.block_size + n, hits):
+                    self.hotset.release(req.needs)
+                    break
+                self.allocator.share(req.block_table, hits)
+                self.prefix.take(req, hits)
             req.pinned = True
-            self.allocator.grow(req.block_table, n)
+            self.allocator.grow(req.block_table, req.num_computed + n)
             del self.waiting[i]
             self.running.append(req)
-            out.append(Scheduled(req, 0, n, req.probing))
+            out.append(Scheduled(req, req.num_computed, n, req.probing))
             budget -= n
         return reading
+
+    def restart(self, req: Request) -> None:
+        """req's probe pass just ended: its prompt is computed again from the start, with the probe's decisions.
+        With a prefix cache the probe's blocks are published and released, and the real pass starts after the
+        blocks the cache holds for it."""
+        if self.prefix is None:
+            req.num_computed = 0             # the probe's blocks stay in the table, rewritten by the real pass
+            return
+        self.prefix.publish(req)
+        self.allocator.free(req.block_table)
+        hits = self.prefix.match(req)
+        self.allocator.share(req.block_table, hits)
+        self.prefix.take(req, hits)
 
     def _make_room(self, req: Request, length: int, scheduled: list[Scheduled]) -> bool:
         """Grow req's table to `length` rows, preempting the newest running requests for blocks.

@@ -42,7 +42,7 @@ from molora.server.metrics import ServerMetrics
 from molora.server.protocol import (
     APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, ChatMessageOut, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, Delta, Routed, TokenLogprob, TopLogprob, Usage, GenerationRequest,
+    CompletionResponse, Delta, PromptTokensDetails, Routed, TokenLogprob, TopLogprob, Usage, GenerationRequest,
 )
 from molora.server.client import EngineClient
 from molora.server.runner import EngineFailure, RequestSpec, Submission
@@ -171,6 +171,7 @@ class ChoiceState:
 
     index: int
     prompt_tokens: int = 0
+    cached_tokens: int = 0             # of the prompt, from the prefix cache (reported when it finishes)
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     adapters: list[str | None] = field(default_factory=list)
@@ -181,6 +182,7 @@ class ChoiceState:
 
     def update(self, out: Any, now: float) -> None:
         self.prompt_tokens = out.prompt_tokens
+        self.cached_tokens = getattr(out, "cached_tokens", 0)
         self.text += out.new_text
         self.token_ids += out.new_token_ids
         self.adapters += out.token_adapters
@@ -432,8 +434,10 @@ async def _offload(size: int, fn: Any) -> Any:
 def _usage(states: list[ChoiceState], n: int) -> Usage:
     """Prompt tokens once per prompt (not per choice, as OpenAI counts n), completion tokens of all choices."""
     prompt = sum(s.prompt_tokens for s in states if s.index % n == 0)
+    cached = sum(s.cached_tokens for s in states if s.index % n == 0)
     completion = sum(len(s.token_ids) for s in states)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 async def _until_done_or_gone(work: Any, request: Request) -> None:

@@ -10,7 +10,8 @@ Owns two kinds of series and `render()`, which writes both as Prometheus text:
   generated tokens/s over a sliding window, read when scraped.
 - What the engine and the server report at scrape time, passed to `render()`: the engine's `stats()` dict
   (queue depth, running, KV blocks, steps, preemptions, hot-set slots/hits/misses/evictions/loads, tokens
-  per adapter) and the server's in-flight count, limit, draining, readiness and engine health. These are
+  per adapter, prefix-cache queried/hit tokens, hit rate, cached blocks and evictions) and the server's
+  in-flight count, limit, draining, readiness and engine health. These are
   built per scrape as metric families (`GaugeMetricFamily`, `CounterMetricFamily`) and exposed next to the
   registry's; nothing of one scrape is kept for the next (but the LoRA view, below), so concurrent
   scrapes cannot mix.
@@ -245,6 +246,7 @@ class _Exposition:
 def _scrape_families(v: _Scrape) -> Iterator[Metric]:
     stats = v.stats
     hot = stats.get("hotset", {}) or {}
+    prefix = stats.get("prefix_cache", {}) or {}
     gauges = (
         ("molora_requests_in_flight", "Engine requests admitted by the server, not finished.", v.in_flight),
         ("molora_requests_max_in_flight", "Engine requests the server admits at once.", v.max_in_flight),
@@ -261,6 +263,10 @@ def _scrape_families(v: _Scrape) -> Iterator[Metric]:
         ("molora_hotset_slots_used", "Hot-set slots holding an adapter.", hot.get("slots_used", 0)),
         ("molora_adapter_pins", "Adapter pins held by requests in flight (0 when idle).",
          sum((hot.get("pinned") or {}).values())),
+        ("molora_prefix_cache_blocks", "KV blocks holding reusable prefix content (held or cached).",
+         prefix.get("cached_blocks", 0)),
+        ("molora_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache over tokens looked up.",
+         prefix.get("hit_rate", 0.0)),
     )
     for name, help_, value in gauges:
         yield GaugeMetricFamily(name, help_, value=value)
@@ -282,6 +288,11 @@ def _scrape_families(v: _Scrape) -> Iterator[Metric]:
         ("molora_hotset_disk_reads_total", "Adapters read from disk (not in the CPU tier).", hot.get("disk_reads", 0)),
         ("molora_hotset_load_seconds_total", "Time spent loading adapters into slots.",
          hot.get("load_ms_total", 0) / 1000.0),
+        ("molora_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (vLLM's queries).",
+         prefix.get("queried_tokens", 0)),
+        ("molora_prefix_cache_hits_total", "Prompt tokens served from the prefix cache (vLLM's prefix_cache_hits).",
+         prefix.get("hit_tokens", 0)),
+        ("molora_prefix_cache_evictions_total", "Cached KV blocks evicted for new ones.", prefix.get("evictions", 0)),
     )
     for name, help_, value in counters:
         yield CounterMetricFamily(name, help_, value=value)

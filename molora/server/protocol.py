@@ -235,10 +235,15 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 # -------------------------------------------------------------------------------------------- responses
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0             # prompt tokens served from the engine's prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()   # OpenAI's field
 
 
 class Routed(BaseModel):

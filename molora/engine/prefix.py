@@ -1,0 +1,165 @@
+"""Prefix caching that knows per-token routing: a full KV block is reused only where every token ran on
+the same adapters.
+
+With LoRA on q/k/v, a token's KV depends on the tokens before it and on the adapters each of them ran on at
+every block. So a full block of KV is keyed by a chain (vLLM's hashed blocks, with routing in the key):
+
+    key(block j) = BlockKey(key(block j - 1), (its token ids, what each token ran on))    key(-1) = salt
+
+where "what each token ran on" is `molora.engine.routing.token_routes`: a per-token adapter content version
+(pinned, token-id routers, a probed prompt's fixed decisions, the base: -1), or, where decisions come from
+the in-network router's gates, the router and the content versions of the adapters it may choose (the gates
+are a function of the tokens before and of those: a hit on the same chain is the same computation). The
+salt holds the model and its dtype. Keys compare by content (their hash is cached), so two chains meet only
+if they are equal all the way down: a hash collision cannot serve wrong KV. An adapter reloaded, re-read or
+repaired gets a new content version (HotSet.content_version), so its old blocks can never match again; they
+age out of the LRU. Whatever `token_routes` cannot prove (an adapter the request does not pin, a carried
+decision not yet known) ends the chain there: a miss.
+
+A request's own pass over its tokens starts at the cached length (as chunked prefill does) and always
+computes at least its last token (its logits are needed). A learned router's probe pass (molora.routing.
+learned: Probe) is keyed the same way, with every token on its gates, and its blocks carry the probe's own
+decisions (`BlockAllocator.meta`): a probe that hits over the whole prompt is finished without a forward,
+otherwise it resumes after the cached blocks. When the probe ends the request drops its probe blocks and
+looks its real pass up by the probe's decisions (a prompt kept on the base model looks up base blocks).
+
+Owns the keys, the per-request key chains (`Request.prefix`) and the hit counters; the blocks, reference
+counts and LRU are the allocator's (molora.engine.kv). Knows nothing about tensors or HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from molora.engine.hotset import HotSet
+from molora.engine.kv import BlockAllocator
+from molora.engine.request import Request
+from molora.engine.routing import finish_probe, token_routes
+
+
+class BlockKey:
+    """One block's content key: its parent's key and (token ids, per-token descriptors). Hash cached, equality
+    by content down the chain (identical parents short-circuit)."""
+
+    __slots__ = ("_hash", "content", "parent")
+
+    def __init__(self, parent: BlockKey | tuple, content: tuple) -> None:
+        self.parent, self.content = parent, content
+        self._hash = hash((hash(parent), content))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, BlockKey) and self._hash == other._hash
+                                 and self.content == other.content and self.parent == other.parent)
+
+
+@dataclass(eq=False)
+class PrefixState:
+    """A request's key chain for its current pass (rebuilt at every admission: versions are read under pins)."""
+
+    probe: bool                        # the keys are the probe pass's
+    epoch: int                         # PrefixCache.epoch when built; another epoch: publish nothing more
+    keys: list[BlockKey] = field(default_factory=list)
+    published: int = 0                 # blocks of the table already keyed (shared hits or published)
+
+
+class PrefixCache:
+    """Content-addressed KV blocks over a `BlockAllocator` (module docstring)."""
+
+    def __init__(self, allocator: BlockAllocator, hotset: HotSet, salt: tuple) -> None:
+        self.allocator, self.hotset, self.salt = allocator, hotset, salt
+        self.bs = allocator.block_size
+        self.epoch = 0
+        self.queried_tokens = self.hit_tokens = 0          # the real pass's lookups (a preempted request's too)
+        self.probe_queried_tokens = self.probe_hit_tokens = 0
+
+    # ------------------------------------------------------------------------------------ lookups
+    def match(self, req: Request) -> list[int]:
+        """Cached blocks that `req` can take from its first token on (nothing is changed but, when a probe
+        is cached over the whole prompt, the request's routing state: its probe is then finished here).
+        Call it while req's adapters are pinned. `take` commits what the caller admitted."""
+        if req.probing:
+            req.prefix = PrefixState(True, self.epoch)
+            blocks = self._walk(req, req.route.prompt_len // self.bs, probe=True)
+            if len(blocks) * self.bs < req.route.prompt_len:
+                return blocks
+            req.route.prompt_routes = [d for b in blocks for d in self.allocator.meta(b)]
+            finish_probe(req.route)    # the whole probe came from the cache: no probe pass at all
+            self.probe_queried_tokens += req.route.prompt_len
+            self.probe_hit_tokens += req.route.prompt_len
+        req.prefix = PrefixState(False, self.epoch)
+        return self._walk(req, (len(req.tokens) - 1) // self.bs, probe=False)  # the last token is computed
+
+    def take(self, req: Request, blocks: list[int]) -> None:
+        """`req` was admitted holding `blocks` (from `match`, now in its table): it starts after them."""
+        st, n = req.prefix, len(blocks) * self.bs
+        st.published = len(blocks)
+        req.num_computed = n
+        if st.probe:
+            req.route.prompt_routes = [d for b in blocks for d in self.allocator.meta(b)]
+            self.probe_queried_tokens += req.route.prompt_len
+            self.probe_hit_tokens += n
+        else:
+            if req.cached_tokens is None:
+                req.cached_tokens = n
+            self.queried_tokens += len(req.tokens)
+            self.hit_tokens += n
+
+    def _walk(self, req: Request, limit: int, probe: bool) -> list[int]:
+        """The longest chain of cached blocks over req's first `limit` full blocks."""
+        out: list[int] = []
+        keys = self._keys(req, limit)
+        for i, key in enumerate(keys):
+            block = self.allocator.lookup(key)
+            if block is None or (probe and self.allocator.meta(block) is None):
+                break
+            keys[i] = self.allocator.key_of(block)   # the stored key object: later parents compare by identity
+            if i + 1 < len(keys):
+                keys[i + 1] = BlockKey(keys[i], keys[i + 1].content)
+            out.append(block)
+        return out
+
+    def _keys(self, req: Request, n: int) -> list[BlockKey]:
+        """req.prefix.keys extended to n blocks where `token_routes` can prove what their tokens ran on."""
+        st, bs = req.prefix, self.bs
+        while len(st.keys) < n:
+            j = len(st.keys)
+            routes = token_routes(req, self.hotset, j * bs, (j + 1) * bs, st.probe)
+            if routes is None:
+                break
+            parent = st.keys[-1] if st.keys else self.salt
+            st.keys.append(BlockKey(parent, (tuple(req.tokens[j * bs:(j + 1) * bs]), tuple(routes))))
+        return st.keys
+
+    # ------------------------------------------------------------------------------------ publishing
+    def publish(self, req: Request) -> None:
+        """Key every full block of req's table that it has computed since the last call."""
+        st = req.prefix
+        if st is None or st.epoch != self.epoch:
+            return
+        full = min(req.num_computed // self.bs, len(req.block_table))
+        if full <= st.published:
+            return
+        keys = self._keys(req, full)
+        raw = (req.route.probe_raw or req.route.prompt_routes) if st.probe else None
+        for j in range(st.published, min(full, len(keys))):
+            meta = raw[j * self.bs:(j + 1) * self.bs] if raw is not None else None
+            if st.probe and (meta is None or len(meta) < self.bs):
+                break
+            self.allocator.publish(req.block_table[j], keys[j], meta)
+            st.published = j + 1
+
+    def invalidate(self) -> None:
+        """Forget every cached block (an adapter slot was repaired in place, or the cache was cleared); requests
+        in flight publish nothing more."""
+        self.epoch += 1
+        self.allocator.forget_all()
+
+    def stats(self) -> dict[str, Any]:
+        q, h = self.queried_tokens, self.hit_tokens
+        return {"enabled": True, "queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else 0.0,
+                "probe_queried_tokens": self.probe_queried_tokens, "probe_hit_tokens": self.probe_hit_tokens,
+                "cached_blocks": self.allocator.num_cached, "evictions": self.allocator.evictions}
