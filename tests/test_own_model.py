@@ -325,3 +325,8 @@ def test_lora_resolver_dir_loads_an_adapter_on_first_use(own):
                                                                    temperature=0) for _ in range(4)))
         texts = {r.choices[0].text for r in asyncio.run(many())}
         assert [t.split() for t in texts] == [_words(_peft_greedy(own, "b", prompt, 6)).split()]
+
+
+def test_prefix_caching_flag_follows_vllm():
+    assert _serve_args().enable_prefix_caching is True
+    assert _serve_args("--no-enable-prefix-caching").enable_prefix_caching is False

@@ -28,6 +28,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="engine requests in flight at most; more get 429")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences the engine runs per step (default 64)")
     p.add_argument("--max-model-len", type=int, default=2048, help="context length in tokens (default 2048)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of a prompt prefix computed before on the same adapters (default on; "
+                        "--no-enable-prefix-caching turns it off, as in vLLM)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a CUDA device, run every decode step eagerly (default: replay CUDA graphs)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
@@ -152,7 +155,8 @@ def _serve(args: argparse.Namespace) -> int:
     serve(bundle, host=args.host, port=args.port, adapter_roots=args.adapter_root,
           max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, dtype=args.dtype,
           engine_config=EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                     enforce_eager=args.enforce_eager),
+                                     enforce_eager=args.enforce_eager,
+                                     enable_prefix_caching=args.enable_prefix_caching),
           limits=limits, stall_s=args.stall_timeout, max_cpu_loras=args.max_cpu_loras,
           lora_resolver_dirs=args.lora_resolver_dir + env("VLLM_LORA_RESOLVER_CACHE_DIR"), **keys)
     return 0
@@ -169,7 +173,8 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
         max_replicas=args.max_replicas, max_queue=args.max_queue, ray_queue=args.ray_queue,
         bundles_per_replica=args.bundles_per_replica, threads_per_replica=args.threads_per_replica,
         engine_config={"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
-                       "enforce_eager": args.enforce_eager}, dtype=args.dtype,
+                       "enforce_eager": args.enforce_eager, "enable_prefix_caching": args.enable_prefix_caching},
+        dtype=args.dtype,
         stall_s=args.stall_timeout, ingress=args.ray_ingress)
     ray_serve.serve_ray(cfg, host=args.host, port=args.port, adapter_roots=args.adapter_root,
                         server_kwargs={"limits": limits, "lora_resolver_dirs": args.lora_resolver_dir
