@@ -224,7 +224,8 @@ def check_decode(device: Any, shape: dict, K: int, batch: int, ctx: int, repeats
 
     import molora
     from molora.bench.engine import make_adapters
-    from molora.model.runner import BatchMeta, ModelRunner, StepRouting
+    from molora.model.batch import BatchMeta, StepRouting
+    from molora.model.runner import ModelRunner
 
     model = qwen3(shape, device, dtype)
     with tempfile.TemporaryDirectory() as tmp:
@@ -269,7 +270,7 @@ def check_graph(eager: Any, graphed: Any, mm: Any, tok: Any, pos: Any, meta: Any
     turn); max |logit difference| of each step."""
     import torch
 
-    from molora.model.runner import RouterGroup, StepRouting
+    from molora.model.batch import RouterGroup, StepRouting
     from molora.routing.learned import LearnedRouter, LearnedRouterConfig, decoder_layers
 
     graphs = graphed.enable_graphs() if capture is None else graphed.enable_graphs(capture=capture)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import molora
-from molora.model.runner import BatchMeta, ModelRunner, RouterGroup, StepRouting
+from molora.model.batch import BatchMeta, RouterGroup, StepRouting
+from molora.model.runner import ModelRunner
 from molora.ops import LoRADispatcher, LoRAInputError, fused_cpu
 from molora.routing.learned import LearnedRouter, LearnedRouterConfig
 from tests.conftest import load_script, make_peft_adapter, tiny_model

@@ -56,7 +56,8 @@ def test_the_graph_check_replays_against_eager_on_the_cpu_emulator(tmp_path) -> 
     would replay): every replay equals eager, per-token and learned routing, an adapter unloaded in between."""
     import molora
     from molora.bench.engine import make_adapters
-    from molora.model.runner import BatchMeta, ModelRunner, StepRouting
+    from molora.model.batch import BatchMeta, StepRouting
+    from molora.model.runner import ModelRunner
     from tests.conftest import load_script
     from tests.graph_emulator import emulated_capture
 

@@ -675,7 +675,7 @@ def test_decode_glue_kernels_equal_the_torch_ops(dtype, monkeypatch):
     fused_cpu = _fused_or_skip()
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from molora.model.runner import _rotate_half
+    from molora.model.block import rotate_half as _rotate_half
 
     g = torch.Generator().manual_seed(0)
     T, H, Hkv, hd, P = 7, 9, 3, 64, 50

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import molora
-from molora.model.runner import BatchMeta, ModelRunner, RouterGroup, StepRouting
+from molora.model.batch import BatchMeta, RouterGroup, StepRouting
+from molora.model.runner import ModelRunner
 from tests.conftest import VOCAB, gen, make_peft_adapter, random_model, tiny_model
 
 TOL = 1e-4
@@ -75,7 +76,7 @@ def test_fresh_prompts_of_one_length_share_a_batched_causal_call(mm, lens, sizes
     """Over MERGE_PREFILL_TOKENS in all, fresh prompts of one length run as one [P, H, n, hd] causal call:
     rows adjacent in the step (a slice) or not (an index: a 40-token prompt lies between); logits as
     transformers gives each sequence alone."""
-    from molora.model.runner import MERGE_PREFILL_TOKENS
+    from molora.model.batch import MERGE_PREFILL_TOKENS
 
     assert sum(lens) > MERGE_PREFILL_TOKENS
     runner = ModelRunner(mm, num_blocks=96, block_size=4, max_model_len=128)

@@ -171,7 +171,7 @@ def build_stack(name: str, base: nn.Module, folder: Path, k: int, rank: int, *, 
 # ---------------------------------------------------------------------------------------------- variants
 
 def _runner_meta(batch: int, q_len: int, ctx: int, blocks_per_seq: int) -> Any:
-    from molora.model.runner import BatchMeta
+    from molora.model.batch import BatchMeta
 
     tables = [list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)) for b in range(batch)]
     return BatchMeta([q_len] * batch, [ctx] * batch, tables)
@@ -183,7 +183,7 @@ def _random_routing(shape: tuple[int, ...], k: int, seed: int, device: torch.dev
 
 def prefill_fns(st: Stack, batch: int, length: int, seed: int = 0) -> dict[str, Callable[[], Any]]:
     """One forward over [batch, length] tokens per variant, logits of the last position only."""
-    from molora.model.runner import StepRouting
+    from molora.model.batch import StepRouting
 
     vocab, K, dev = st.base.config.vocab_size, len(st.names), _device(st.base)
     ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed)).to(dev)
@@ -230,7 +230,7 @@ def decode_fns(st: Stack, batch: int, ctx: int, seed: int = 0, *, xlora: bool = 
                ) -> tuple[dict[str, Callable[[], Any]], dict[str, Callable[[], Any]]]:
     """(fns, resets): one decode step of `batch` sequences holding `ctx` cached tokens each. Each HF cache
     is cropped back to ctx after every call (untimed), so every sample decodes at the same length."""
-    from molora.model.runner import StepRouting
+    from molora.model.batch import StepRouting
 
     vocab, K, dev = st.base.config.vocab_size, len(st.names), _device(st.base)
     nxt = torch.randint(0, vocab, (batch, 1), generator=torch.Generator().manual_seed(seed)).to(dev)

@@ -55,7 +55,8 @@ from molora.engine.routing import RouteState, plan_routing, record_carry, record
 from molora.engine.scheduler import Scheduled, Scheduler
 from molora.errors import AdapterDraining, AdapterError, MoLoRAError, RoutingError
 from molora.model.graphs import DEFAULT_BUCKETS
-from molora.model.runner import BatchMeta, ModelRunner
+from molora.model.batch import BatchMeta
+from molora.model.runner import ModelRunner
 from molora.ops import fused_cpu
 from molora.ops.device import to_device
 from molora.routing import ArrowRouter, SequenceRouter, VocabRouter

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from molora.engine.hotset import HotSet
 from molora.engine.scheduler import Scheduled
-from molora.model.runner import RouterGroup, StepRouting
+from molora.model.batch import RouterGroup, StepRouting
 from molora.ops.device import to_device
 from molora.routing.base import to_slots
 

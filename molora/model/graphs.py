@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from molora.errors import MoLoRAError
-from molora.model.runner import AttnPlan, Decode, RouterGroup, StepOutput, StepRouting
+from molora.model.batch import AttnPlan, Decode, RouterGroup, StepOutput, StepRouting
 from molora.ops.device import recording, to_device
 from molora.routing.learned import LearnedRouter
 

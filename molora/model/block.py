@@ -1,0 +1,267 @@
+"""One decoder block as the runner runs it (`Block`), its linears (`Linear`: the base GEMM on packed weights plus the
+routed LoRA delta) and the block's C++ decode path beside it (`Block.run_bound`: the whole block as one call on
+arguments bound once). Routing comes in as an argument of each call (the step's `StepRouting` and the runner's
+kernel arguments), never from module state. Norm, RoPE and attention helpers used by the runner live here too.
+Legend as in molora.model.runner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from molora.adapters.bank import LoRASlots
+from molora.ops import fused_cpu, packed
+
+from molora.model.batch import AttnPlan, Decode, PagedKVCache, Prefill
+
+
+class Linear:
+    """One linear of the model as the runner calls it: with `pack`, the base GEMM on the weight packed once
+    (molora.ops.packed, torch's result up to float32 rounding) and then, for a routed linear, each token's delta
+    (`RoutedLoRALinear.add_delta`); without, or for a single row, the module itself. Module hooks of packed
+    linears are not called (the runner calls the computation, not the module)."""
+
+    __slots__ = ("mod", "packed", "routed")
+
+    def __init__(self, mod: nn.Module, pack: bool) -> None:
+        self.mod = mod
+        weight = getattr(mod, "weight", None)
+        self.packed = (packed.PackedLinear(weight, getattr(mod, "bias", None))
+                       if pack and isinstance(weight, Tensor) and packed.supports(weight) else None)
+        self.routed = hasattr(mod, "add_delta")
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.packed is None or x.shape[0] < 2:
+            return self.mod(x)
+        y = self.packed(x)
+        return self.mod.add_delta(x, y) if self.routed else y
+
+    def kernel_args(self, dtype: torch.dtype) -> tuple | None:
+        """(packed weight, bias, A, B, scale) as `fused_cpu.bind_block` takes them, where `__call__` on 2 to
+        PANEL_MAX_ROWS rows of `dtype` runs molora's packed GEMM and, for a routed linear that an adapter targets,
+        the fused LoRA kernel (A, B, scale None: no delta); None where it would run anything else."""
+        w = None if self.packed is None else self.packed.kernel_weight(dtype)
+        if w is None:
+            return None
+        lora = self.mod.kernel_operands() if self.routed else None
+        return (w, self.packed.bias, None, None, None) if lora is None else (w, self.packed.bias, *lora)
+
+    def watched(self) -> list[Tensor]:
+        """The tensors whose change means a bound block must be bound again: the base weight (its packed copy) and
+        bias, and a routed linear's slots and scales."""
+        out = [self.mod.weight] + ([] if self.packed.bias is None else [self.packed.bias])
+        if self.routed:
+            bufs = self.mod.lora._buffers
+            out += [bufs["A"], bufs["Bt"], bufs["scale"]]
+        return out
+
+
+class Block:
+    """One decoder block's modules and our attention over the paged cache (not an nn.Module: it only
+    borrows the model's modules)."""
+
+    def __init__(self, layer: nn.Module, index: int, cfg: Any, pack: bool = False) -> None:
+        attn = layer.self_attn
+        self.index = index
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (Linear(m, pack) for m in
+                                                              (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.mlp = layer.mlp
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.window = sliding_window(cfg, index)
+        self.kc: Tensor | None = None  # this block's [N, Hkv, hd] K and V cache views (set by ModelRunner)
+        self.vc: Tensor | None = None
+        mlp = self.mlp  # gate, up, SiLU and down called here (one fused SiLU * up) where the MLP is Llama's
+        self.gated_silu = (getattr(cfg, "hidden_act", None) == "silu"
+                           and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")))
+        if self.gated_silu:
+            self.gate_proj, self.up_proj, self.down_proj = (Linear(m, pack) for m in
+                                                            (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        # Where every piece of the block runs on molora's kernels (packed GEMMs, RMSNorms, no q/k norm, SiLU MLP),
+        # a decode step's block may run as one C++ call (`run_bound`; fused_cpu.run_block)
+        self.linears = ((self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj,
+                         self.down_proj) if self.gated_silu and self.q_norm is None
+                        and all(type(n).__name__ in RMS_NORMS for n in (self.input_layernorm,
+                                                                       self.post_attention_layernorm))
+                        else ())
+        if not all(lin.packed is not None and lin.packed.form in ("panels", "amx") for lin in self.linears):
+            self.linears = ()
+        self.routed = next((lin.mod for lin in self.linears if lin.routed), None)   # its context and dispatcher
+        self._bound: Any = None        # the block bound for one-call decode steps (`run_bound`), and what it was for
+        self._bound_key: tuple | None = None
+
+    def __call__(self, h: Tensor, delta: Tensor | None, positions: Tensor, plan: AttnPlan, cache: PagedKVCache,
+                 cos: Tensor, sin: Tensor, one_call: Any = None) -> tuple[Tensor, Tensor]:
+        """h [T, D] the residual stream and delta [T, D] (or None) what the previous block adds to it ->
+        (h, this block's delta). h is updated in place (each add fused with the RMSNorm that reads it).
+        one_call: where the runner found the step fit to run blocks as one C++ call (`ModelRunner._one_call`), the
+        routing's fused-kernel arguments (`RoutedLoRALinear.kernel_step`), or PER_BLOCK to ask them here."""
+        if one_call is not None and self.linears:
+            step = (one_call if one_call is not PER_BLOCK else () if self.routed is None
+                    else self.routed.kernel_step(h.shape[0], h.dtype))
+            out = None if step is None else self.run_bound(h, delta, positions, plan, cache, cos, sin, step)
+            if out is not None:                  # the whole block in one C++ call: the same kernels, the same order
+                return h, out
+        x = add_norm(self.input_layernorm, h, delta)                        # h += delta; x = norm(h)
+        x = add_norm(self.post_attention_layernorm, h, self.o_proj(self.attention(x, positions, plan, cache,
+                                                                                     cos, sin)))
+        return h, self._mlp(x)
+
+    def run_bound(self, h: Tensor, delta: Tensor | None, positions: Tensor, plan: AttnPlan, cache: PagedKVCache,
+                  cos: Tensor, sin: Tensor, step: tuple) -> Tensor | None:
+        """The block on a decode step as one C++ call (`fused_cpu.run_block`) on its arguments bound once
+        (`fused_cpu.bind_block`: packed weights, slots, norms, tables, cache views) and bound again where they no
+        longer hold: another dtype, an adapter slot's `active` changed or slots moved (`LoRASlots.generation`), a
+        watched weight, bias, norm or slot written or moved (the C++ side checks). None: the block cannot run so
+        (a linear not on molora's kernels in this dtype), nothing done."""
+        key = (h.dtype, LoRASlots.generation)
+        for _ in range(2):
+            if self._bound_key != key:
+                self._bound, self._bound_key = self._bind(h.dtype, cache, cos, sin), key
+            if self._bound is None:
+                return None
+            d = plan.decode
+            out = fused_cpu.run_block(self._bound, h, delta, step, positions, plan.write_rows, d.table, d.ctx, d.rows)
+            if out is not None:
+                return out
+            self._bound_key = None                                          # something watched changed
+        return None
+
+    def _bind(self, dtype: torch.dtype, cache: PagedKVCache, cos: Tensor, sin: Tensor) -> Any:
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        lanes = fused_cpu.norm_lanes()
+        if (not lanes or ln1.weight.dtype != dtype or ln2.weight.dtype != dtype or cos.dtype != dtype
+                or ln1.variance_epsilon != ln2.variance_epsilon or self.kc.dtype != dtype or self.vc.dtype != dtype):
+            return None
+        linears = [lin.kernel_args(dtype) for lin in self.linears]
+        if None in linears:
+            return None
+        watched = [ln1.weight, ln2.weight] + [t for lin in self.linears for t in lin.watched()]
+        return fused_cpu.bind_block((ln1.weight, ln2.weight), ln1.variance_epsilon, lanes, linears,
+                                    (self.num_heads, self.num_kv_heads, self.head_dim), (cos, sin),
+                                    (self.kc, self.vc, cache.block_size, self.scaling, self.window), watched)
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        if not self.gated_silu:
+            return self.mlp(x)
+        g, u = self.gate_proj(x), self.up_proj(x)
+        if fused_cpu.silu_mul(g, u):
+            return self.down_proj(g)
+        return self.down_proj(self.mlp.act_fn(g) * u)
+
+    def attention(self, x: Tensor, positions: Tensor, plan: AttnPlan, cache: PagedKVCache,
+                  cos: Tensor, sin: Tensor) -> Tensor:
+        T, H, Hkv, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(T, H, hd)
+        k = self.k_proj(x).view(T, Hkv, hd)
+        v = self.v_proj(x).view(T, Hkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        kc, vc = self.kc, self.vc                                            # [N, Hkv, hd] (cache's views)
+        # RoPE in place and K, V into the cache: one C++ call (equal bit for bit to the torch ops below)
+        if not fused_cpu.rope_write(q, k, v, cos, sin, positions, plan.write_rows, kc, vc):
+            c, s = cos[positions][:, None, :], sin[positions][:, None, :]    # [T, 1, hd]
+            q = q * c + rotate_half(q) * s
+            k = k * c + rotate_half(k) * s
+            kc.index_copy_(0, plan.write_rows, k)
+            vc.index_copy_(0, plan.write_rows, v)
+        out = x.new_empty(T, H, hd)
+        if plan.decode is not None:
+            d = plan.decode
+            if not fused_cpu.paged_decode_rows(out, q, kc, vc, d.table, d.ctx, d.rows, cache.block_size,
+                                               self.scaling, self.window):
+                out[d.rows] = self._decode(q[d.rows], cache.blocks(kc), cache.blocks(vc), d, positions[d.rows])
+        for p in plan.prefill:
+            out[p.rows] = self._prefill(q, k, v, p, positions, kc, vc, cache)
+        return out.view(T, H * hd)
+
+    def _prefill(self, q: Tensor, k: Tensor, v: Tensor, p: Prefill, positions: Tensor, kc: Tensor, vc: Tensor,
+                 cache: PagedKVCache) -> Tensor:
+        """One `Prefill` entry: q [T, H, hd] rows p.rows against their keys -> [rows, H, hd]."""
+        P, Hkv, hd = p.count, self.num_kv_heads, self.head_dim
+        qpos = positions[p.rows].view(P, -1)[0]                              # [n] (equal for the P prompts)
+        if p.blocks is None:  # keys are this step's tokens (fresh prompts)
+            kk, vv, kpos = k[p.rows], v[p.rows], qpos
+        else:  # gather whole blocks (contiguous copies), then cut to the context length
+            c = p.mask.shape[1]
+            kk = cache.blocks(kc).index_select(0, p.blocks).view(-1, Hkv, hd)[:c]   # [ctx, Hkv, hd]
+            vv = cache.blocks(vc).index_select(0, p.blocks).view(-1, Hkv, hd)[:c]
+            kpos = torch.arange(c, device=q.device)
+        mask = p.mask
+        if self.window is not None:
+            win = (kpos[None, :] > qpos[:, None] - self.window) & (kpos[None, :] <= qpos[:, None])
+            mask = win if mask is None else mask & win
+        qq, kk, vv = (t.view(P, -1, t.shape[-2], hd).transpose(1, 2) for t in (q[p.rows], kk, vv))  # [P, h, n, hd]
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=mask is None, scale=self.scaling,
+                                           enable_gqa=True)                  # [P, H, n, hd]
+        return o.transpose(1, 2).reshape(-1, q.shape[1], hd)
+
+    def _decode(self, q: Tensor, kb: Tensor, vb: Tensor, d: Decode, qpos: Tensor) -> Tensor:
+        """q [Bd, H, hd] of single-token sequences against their contexts -> [Bd, H, hd].
+
+        kb, vb [NB, bs, Hkv, hd]: the layer's cache by block. Whole blocks are gathered (contiguous copies,
+        about twice as fast as gathering rows); the mask hides rows past each context's end.
+        """
+        Bd, H, hd = q.shape
+        Hkv = self.num_kv_heads
+        kk = kb.index_select(0, d.blocks).view(Bd, -1, Hkv, hd).transpose(1, 2)   # [Bd, Hkv, C, hd]
+        vv = vb.index_select(0, d.blocks).view(Bd, -1, Hkv, hd).transpose(1, 2)
+        mask = d.mask                                                        # [Bd, 1, 1, C]
+        if self.window is not None:
+            col = torch.arange(kk.shape[2], device=q.device)
+            mask = mask & (col[None, :] > qpos[:, None] - self.window)[:, None, None, :]
+        qg = q.view(Bd, Hkv, H // Hkv, hd)                                   # query head h = kv * G + g
+        o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask, scale=self.scaling)  # [Bd, Hkv, G, hd]
+        return o.reshape(Bd, H, hd)
+
+
+PER_BLOCK = object()   # `ModelRunner._one_call`: the routing's kernel arguments are asked per block (in-network router)
+
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # one formula (add_rms_norm)
+
+
+def add_norm(norm: nn.Module, h: Tensor, delta: Tensor | None) -> Tensor:
+    """h += delta (in place; None: nothing to add), then norm(h): one C++ call where the kernel runs and `norm`
+    is transformers' RMSNorm, else the torch ops."""
+    if type(norm).__name__ in RMS_NORMS:
+        out = fused_cpu.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+        if out is not None:
+            return out
+    if delta is not None:
+        h.add_(delta)
+    return norm(h)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_tables(rotary: nn.Module, max_len: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos, sin [max_len, hd] from the model's own rotary embedding (any rope_type the config names).
+
+    Dynamic rope types that rescale with the sequence length are evaluated once at max_len.
+    """
+    probe = torch.zeros(1, dtype=dtype, device=device)
+    pos = torch.arange(max_len, device=device)[None]                          # [1, P]
+    with torch.no_grad():
+        cos, sin = rotary(probe, pos)
+    return cos[0].to(dtype), sin[0].to(dtype)
+
+
+def sliding_window(cfg: Any, index: int) -> int | None:
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if window is None:
+        return None
+    if types is not None:
+        return window if types[index] == "sliding_attention" else None
+    return window  # Mistral: every layer
