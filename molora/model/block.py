@@ -1,8 +1,8 @@
 """One decoder block as the runner runs it (`Block`), its linears (`Linear`: the base GEMM on packed weights plus the
 routed LoRA delta) and the block's C++ decode path beside it (`Block.run_bound`: the whole block as one call on
-arguments bound once). Routing comes in as an argument of each call (the step's `StepRouting` and the runner's
-kernel arguments), never from module state. Norm, RoPE and attention helpers used by the runner live here too.
-Legend as in molora.model.runner.
+arguments bound once). The routed linears read the step's routing from the model's `RoutingContext`, which the
+runner writes once per step before the first block; the C++ path gets the routing's kernel arguments as an argument
+(`one_call`). Norm, RoPE and attention helpers used by the runner live here too. Legend as in molora.model.runner.
 """
 
 from __future__ import annotations

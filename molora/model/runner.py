@@ -36,7 +36,7 @@ On the CPU, a decode step's Llama-shaped block whose every piece runs on those k
 through molora's panel or AMX GEMM and, where routed, the fused LoRA kernel; RMSNorms; no q/k norm) runs as one C++
 call, `fused_cpu.run_block`: the same kernels in the same order, equal bit for bit (tested in both dtypes), without
 the Python between them (about 20 calls a block). What stays the same from step to step (packed weights, adapter
-slots, norms, RoPE tables, cache views) is bound once per block (`_Block.run_bound`, `fused_cpu.bind_block`) and
+slots, norms, RoPE tables, cache views) is bound once per block (`molora.model.block.Block.run_bound`, `fused_cpu.bind_block`) and
 bound again when it moves: another dtype, an adapter load or unload (`LoRASlots.generation`), a weight, norm, slot or
 scale written or swapped (checked in C++ by storage and version). `ModelRunner._one_call` decides per step (a
 decode-only step of 2 to PANEL_MAX_ROWS rows, the routing's fused-kernel arguments asked once, or per block for an
