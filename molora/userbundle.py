@@ -111,6 +111,28 @@ def router_entry(value: str | None) -> dict:
     return {"kind": "learned", "path": str(p.resolve())}
 
 
+def check_servable(model: str) -> None:
+    """Refuse, before any weight loads, a base whose architecture molora's engine does not run (read from its
+    config.json; a .gguf or an unreadable config is left to the loader, whose errors name the file)."""
+    from transformers import AutoConfig
+
+    from molora.model.batch import SUPPORTED_MODEL_TYPES
+
+    p = Path(model).expanduser()
+    if p.suffix == ".gguf":
+        return
+    try:
+        cfg = AutoConfig.from_pretrained(str(p) if p.exists() else model,
+                                         **({} if p.exists() else {"local_files_only": True}))
+    except (OSError, ValueError):
+        return
+    kind = getattr(cfg, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise FlagError(f"--model {model}: a {kind!r} model; molora's engine serves {', '.join(SUPPORTED_MODEL_TYPES)} "
+                        "models (Llama and SmolLM2 included). In Python, molora.attach(model, adapters) routes per "
+                        "token on other architectures whose target layers are nn.Linear (MoLoRAModel.generate)")
+
+
 def _base_spec(model: str) -> str:
     p = Path(model).expanduser()
     return str(p.resolve()) if p.exists() else model
@@ -129,6 +151,7 @@ def manifest_from_flags(model: str, lora_modules: list[str], *, router: str | No
     if max_loras is not None and max_loras < len(modules):
         raise FlagError(f"--max-loras {max_loras} is fewer than the {len(modules)} --lora-modules given; raise it "
                         f"to at least {len(modules)}")
+    check_servable(model)
     for m in modules:
         check_adapter_folder(m, max_lora_rank)
     manifest: dict[str, Any] = {

@@ -236,6 +236,11 @@ def test_bad_adapter_folders_stop_start_up_with_their_path(own, tmp_path, capsys
     assert "need --model" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path / "missing-model")]) == 2
     assert "missing-model" in capsys.readouterr().err
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2).save_pretrained(str(tmp_path / "gpt2"))
+    assert main(["serve", "--model", str(tmp_path / "gpt2")]) == 2
+    assert "a 'gpt2' model; molora's engine serves llama, mistral, qwen2, qwen3" in capsys.readouterr().err
 
 
 def test_bundle_check_names_each_broken_file_and_the_flags_manifest_round_trips(own, tmp_path):
