@@ -42,7 +42,7 @@ NEW_FAMILIES = {
 STATS = {"num_waiting": 2, "num_running": 1, "kv_blocks_total": 64, "kv_blocks_free": 60, "steps": 11,
          "tokens_generated": 30, "num_preemptions": 1, "tokens_by_adapter": {"base": 5, "math": 3, "code": 4},
          "hotset": {"slots": 4, "slots_used": 2, "hits": 7, "misses": 2, "evictions": 1, "disk_reads": 1,
-                    "load_ms_total": 250},
+                    "load_ms_total": 250, "cpu_tier_bytes": 3000, "cpu_tier_budget": 4096},
          "lora_requests": {"running": ["math"], "waiting": ["code", "math"], "max_lora": 4}}
 
 
@@ -77,7 +77,8 @@ def test_engine_stats_are_exposed_with_their_values():
                          ("molora_hotset_slots_used", 2), ("molora_hotset_hits_total", 7),
                          ("molora_hotset_misses_total", 2), ("molora_hotset_evictions_total", 1),
                          ("molora_hotset_disk_reads_total", 1), ("molora_hotset_load_seconds_total", 0.25),
-                         ("molora_kv_cache_usage_ratio", 4 / 64)):
+                         ("molora_kv_cache_usage_ratio", 4 / 64), ("molora_hotset_cpu_tier_bytes", 3000),
+                         ("molora_hotset_cpu_tier_budget_bytes", 4096)):
         assert value(fams, sample) == want, sample
     assert {s.labels["adapter"]: s.value for s in fams["molora_adapter_tokens_total"].samples} == {
         "base": 5, "math": 3, "code": 4}
