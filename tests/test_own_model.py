@@ -335,3 +335,17 @@ def test_lora_resolver_dir_loads_an_adapter_on_first_use(own):
 def test_prefix_caching_flag_follows_vllm():
     assert _serve_args().enable_prefix_caching is True
     assert _serve_args("--no-enable-prefix-caching").enable_prefix_caching is False
+
+
+def test_vllm_capacity_flags_size_the_slots_rank_and_cpu_tier(own):
+    bundle = own_bundle(_serve_args("--model", str(own["base"]), "--lora-modules", f"a={own['a']}",
+                                    "--max-loras", "3", "--max-lora-rank", "16"))
+    engine = build_engine(bundle, ENGINE, max_cpu_loras=2)
+    try:
+        bank = engine.mm.bank
+        assert (bank.num_slots, bank.config.max_rank) == (3, 16)
+        assert engine.hotset.cpu_budget == 2 * bank.slot_nbytes() > 0
+    finally:
+        engine.close()
+    with pytest.raises(FlagError, match="rank 4 is over --max-lora-rank 2"):
+        own_bundle(_serve_args("--model", str(own["base"]), "--lora-modules", f"a={own['a']}", "--max-lora-rank", "2"))
