@@ -264,7 +264,7 @@ def with_tokenizer(bundle: Bundle, tokenizer: Any, model: Any = None) -> Bundle:
     if bundle.prompt_template is not None:
         return bundle
     return replace(bundle, prompt_template=chat_prompt_template(tokenizer),
-                   stop=tuple(dict.fromkeys(bundle.stop + tuple(_generation_eos(tokenizer, model)))))
+                   stop=tuple(dict.fromkeys(bundle.stop + tuple(_generation_eos(tokenizer, model, bundle.base)))))
 
 
 def chat_prompt_template(tokenizer: Any) -> str:
@@ -284,9 +284,18 @@ def chat_prompt_template(tokenizer: Any) -> str:
     return text
 
 
-def _generation_eos(tokenizer: Any, model: Any) -> list[str]:
-    """The tokens the model's generation config ends on (e.g. Llama 3's <|eot_id|> beside <|end_of_text|>)."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+def _generation_eos(tokenizer: Any, model: Any, base: str) -> list[str]:
+    """The tokens the model's generation config ends on (e.g. Llama 3's <|eot_id|> beside <|end_of_text|>); without
+    the model (a front end that only tokenises), read from the base's generation_config.json where it has one."""
+    config = getattr(model, "generation_config", None)
+    if config is None and base != "default" and not base.endswith(".gguf"):
+        from transformers import GenerationConfig
+
+        try:
+            config = GenerationConfig.from_pretrained(base, local_files_only=True)
+        except (OSError, ValueError):
+            config = None
+    ids = getattr(config, "eos_token_id", None)
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     return [t for t in tokenizer.convert_ids_to_tokens(ids) if isinstance(t, str)]
 

@@ -121,7 +121,7 @@ def bundle_specs(bundles: Sequence[str | None], roots: Sequence[str | Path] = ()
 
 def build_catalog(specs: Sequence[BundleSpec], *, max_model_len: int, default_max_tokens: int = 512) -> Any:
     """The ingress's `Catalog`: each bundle's tokenizer and manifest, without loading any model weights."""
-    from molora.bundle import default_bundle_dir, load_tokenizer, read_bundle
+    from molora.bundle import default_bundle_dir, load_tokenizer, read_bundle, with_tokenizer
     from molora.server.app import model_info
     from molora.server.generation import Catalog
 
@@ -129,6 +129,7 @@ def build_catalog(specs: Sequence[BundleSpec], *, max_model_len: int, default_ma
     for s in specs:
         b = read_bundle(default_bundle_dir() if s.path is None else s.path)
         tok, config = load_tokenizer(b.base)
+        b = with_tokenizer(b, tok)   # what the replicas' `load` fills in: the chat template, the prompt template, stops
         infos.append(model_info(s.name, tok, b, config=config, max_model_len=max_model_len,
                                 adapters=list(s.adapters), default_max_tokens=default_max_tokens))
     return Catalog(infos)
