@@ -77,9 +77,17 @@ from molora.ops.lora import SlotGroups
 
 log = logging.getLogger("molora.ops")
 
-_CSRC = Path(__file__).parent / "csrc"           # the kernels' sources (package data)
-_SOURCE = _CSRC / "fused_lora.cpp"               # the kernels and their Python bindings
-_SOURCES: tuple[Path, ...] = (_SOURCE,)          # what the compiler is given; headers in _CSRC are included
+_CSRC = Path(__file__).parent / "csrc"           # the kernels' sources (package data), one file per kernel family
+# what the compiler is given, as one extension; common.h (shared types, entry points) and checks.h are included
+_SOURCES: tuple[Path, ...] = tuple(_CSRC / f for f in (
+    "lora_fused.cpp",      # the fused per-token LoRA kernel (lora_fused_, bf16_dot)
+    "paged_decode.cpp",    # decode attention over the paged KV cache (paged_decode, paged_decode_rows)
+    "glue.cpp",            # add_rms_norm, rope_write, silu_mul
+    "linear_panels.cpp",   # float32 GEMM on panels
+    "linear_amx.cpp",      # bfloat16 GEMM on AMX tiles (amx_ready, linear_amx)
+    "decode_block.cpp",    # a whole decoder block of a decode step (BoundBlock)
+    "greedy.cpp",          # greedy_rows
+    "bindings.cpp"))       # the Python module
 # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already loaded, serves this
 # library too); without it the kernel silently runs on one thread.
 _CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
