@@ -102,10 +102,11 @@ _failed: str | None = None
 
 def build_key() -> str:
     """The extension's build key: a hash of every file in csrc/ (names and contents), the compile and link flags,
-    torch's and Python's versions and this CPU's feature flags (-march=native). The build lives in torch's extension
-    cache under `molora_kernels_<key>`: editing a source builds anew, and two checkouts with different sources never
-    share (or overwrite) one build."""
-    h = hashlib.sha256()
+    torch's and Python's versions, this CPU's feature flags (-march=native) and where csrc/ lies. The build lives in
+    torch's extension cache under `molora_kernels_<key>`: editing a source builds anew, and two checkouts never share
+    (or overwrite) one build; even with equal sources they would only take turns rebuilding it, since torch's ninja
+    file names the sources by path."""
+    h = hashlib.sha256(str(_CSRC.resolve()).encode() + b"\0")
     for path in sorted(_CSRC.iterdir()):
         if path.is_file():
             h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
