@@ -2,7 +2,8 @@
 
     python scripts/ab_paged_decode.py [--rev d32c869] [--batch 32] [--ctx 160 1000] [--layers 30] [--repeats 12]
 
-Builds `molora/ops/csrc/fused_lora.cpp` as it was at REV under another extension name (about a minute, once),
+Builds the kernels of `molora/ops/csrc` as they were at REV (one fused_lora.cpp up to the split into one file per
+kernel family, the folder's sources after) under another extension name (about a minute, once),
 then times `paged_decode_rows` of both builds alternating (order swapped every repetition) over `--layers`
 separate caches, as an engine step meets them (cold), at SmolLM2-135M's attention shape (9 query heads, 3 kv
 heads, head dim 64, blocks of 16 scattered at random). Prints one line per dtype and context length: the medians
@@ -16,12 +17,36 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+
+
+def build_at(rev: str):
+    """The kernels as they were at `rev`, built under another extension name. BoundBlock, which this process's own
+    build registers too, is renamed (from v27 the sources carry their own bindings)."""
+    from torch.utils.cpp_extension import load, load_inline
+
+    flags = dict(extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    files = _git("ls-tree", "--name-only", f"{rev}:molora/ops/csrc").split()
+    if files == ["fused_lora.cpp"]:       # one file, up to the split
+        source = _git("show", f"{rev}:molora/ops/csrc/fused_lora.cpp")
+        binds = "PYBIND11_MODULE" in source
+        return load_inline(name=f"molora_ab_paged_{rev}", cpp_sources=source.replace("BoundBlock", "BoundBlockAB"),
+                           functions=None if binds else ["paged_decode_rows"], **flags)
+    folder = Path(tempfile.mkdtemp(prefix=f"molora_ab_{rev}_"))   # one file per kernel family
+    for name in files:
+        (folder / name).write_text(_git("show", f"{rev}:molora/ops/csrc/{name}").replace("BoundBlock", "BoundBlockAB"))
+    return load(name=f"molora_ab_paged_{rev}", sources=[str(folder / n) for n in files if n.endswith(".cpp")],
+                extra_include_paths=[str(folder)], **flags)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,20 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     sys.path.insert(0, str(ROOT))
-    from torch.utils.cpp_extension import load_inline
-
     from molora.ops import fused_cpu
 
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    source = subprocess.run(["git", "show", f"{a.rev}:molora/ops/csrc/fused_lora.cpp"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
-    binds = "PYBIND11_MODULE" in source   # from v27 the source carries its own bindings, BoundBlock among them:
-    if binds:                             # rename that class, which this process's own build registers too
-        source = source.replace("BoundBlock", "BoundBlockAB")
-    old = load_inline(name=f"molora_ab_paged_{a.rev}", cpp_sources=source,
-                      functions=None if binds else ["paged_decode_rows"],
-                      extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
-                      extra_ldflags=["-fopenmp"])
+    old = build_at(a.rev)
     new = fused_cpu._load()
     if new is None:
         print(f"this tree's kernel did not build: {fused_cpu.unavailable_reason()}", file=sys.stderr)

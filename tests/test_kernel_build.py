@@ -19,11 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_build_key_follows_every_source_file_and_the_flags(tmp_path, monkeypatch):
+    here = fused_cpu.build_key()
     csrc = tmp_path / "csrc"
     shutil.copytree(fused_cpu._CSRC, csrc)
     monkeypatch.setattr(fused_cpu, "_CSRC", csrc)
     key = fused_cpu.build_key()
-    assert key == fused_cpu.build_key() and len(key) == 16      # a pure function of the files and flags
+    assert key == fused_cpu.build_key() and len(key) == 16      # a pure function of the files, flags and place
+    assert key != here                                           # another checkout: a build of its own
     for path in sorted(p for p in csrc.iterdir() if p.is_file()):   # a header counts as a source does
         text = path.read_bytes()
         path.write_bytes(text + b"\n// edited\n")

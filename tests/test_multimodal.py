@@ -19,7 +19,7 @@ from molora.multimodal.recipe import ROUTES
 from molora.multimodal.vocab import BOI, CODES, PIXELS, build_tokenizer, caption, parse_caption, quantise
 from molora.routing import VocabRouter
 from molora.routing.base import id_ranges
-from tests.conftest import gen, load_script, random_model
+from tests.conftest import load_script, random_model
 
 pytest.importorskip("sklearn")
 

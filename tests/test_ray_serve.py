@@ -22,7 +22,7 @@ from molora.config import SamplingParams  # noqa: E402
 from molora.server import ServerThread, build_engine, create_app  # noqa: E402
 from molora.server import ray_serve as rs  # noqa: E402
 from molora.server.launch import free_port  # noqa: E402
-from tests.conftest import make_peft_adapter, tiny_config, tiny_model, tiny_tokenizer  # noqa: E402
+from tests.conftest import make_peft_adapter, private_rng, tiny_config, tiny_model, tiny_tokenizer  # noqa: E402
 
 MAX_LEN = 2048
 ENGINE = {"max_model_len": MAX_LEN, "kv_budget_tokens": 8192, "max_num_seqs": 16}
@@ -35,7 +35,8 @@ def make_bundles(root: Path) -> dict[str, Path]:
     base = root / "base"
     config = tiny_config("llama")
     config.max_position_embeddings = MAX_LEN
-    model = AutoModelForCausalLM.from_config(config)
+    with private_rng():   # its own init is overwritten below: leave the process RNG as it was
+        model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(tiny_model("llama").state_dict())
     model.save_pretrained(str(base))
     tiny_tokenizer().save_pretrained(str(base))
@@ -74,6 +75,13 @@ def cluster(tmp_path_factory):
     bundles = make_bundles(root / "bundles")
     assert not _ray_processes(), "a Ray cluster is already running on this machine"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Serve's router sends a repeat of a bundle to the replica that loaded it once it has heard so (replicas push
+    # their model ids through the controller); until then it waits for a match up to this timeout (default 1 s), then
+    # routes by fewest models loaded, and a second replica may load the bundle. On a loaded machine the news can take
+    # longer than 1 s: wait for it, so that the tests see Serve's routing policy and not its propagation delay (a
+    # random test order once ran test_repeats_of_a_bundle_stay_on_one_replica first and saw beta on both replicas).
+    # Read by Ray's worker processes, which inherit this environment from ray.init.
+    os.environ["RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S"] = "20"
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=str(root / "ray"))
     port = free_port()
     try:

@@ -77,9 +77,17 @@ from molora.ops.lora import SlotGroups
 
 log = logging.getLogger("molora.ops")
 
-_CSRC = Path(__file__).parent / "csrc"           # the kernels' sources (package data)
-_SOURCE = _CSRC / "fused_lora.cpp"               # the kernels and their Python bindings
-_SOURCES: tuple[Path, ...] = (_SOURCE,)          # what the compiler is given; headers in _CSRC are included
+_CSRC = Path(__file__).parent / "csrc"           # the kernels' sources (package data), one file per kernel family
+# what the compiler is given, as one extension; common.h (shared types, entry points) and checks.h are included
+_SOURCES: tuple[Path, ...] = tuple(_CSRC / f for f in (
+    "lora_fused.cpp",      # the fused per-token LoRA kernel (lora_fused_, bf16_dot)
+    "paged_decode.cpp",    # decode attention over the paged KV cache (paged_decode, paged_decode_rows)
+    "glue.cpp",            # add_rms_norm, rope_write, silu_mul
+    "linear_panels.cpp",   # float32 GEMM on panels
+    "linear_amx.cpp",      # bfloat16 GEMM on AMX tiles (amx_ready, linear_amx)
+    "decode_block.cpp",    # a whole decoder block of a decode step (BoundBlock)
+    "greedy.cpp",          # greedy_rows
+    "bindings.cpp"))       # the Python module
 # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already loaded, serves this
 # library too); without it the kernel silently runs on one thread.
 _CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
@@ -94,10 +102,11 @@ _failed: str | None = None
 
 def build_key() -> str:
     """The extension's build key: a hash of every file in csrc/ (names and contents), the compile and link flags,
-    torch's and Python's versions and this CPU's feature flags (-march=native). The build lives in torch's extension
-    cache under `molora_kernels_<key>`: editing a source builds anew, and two checkouts with different sources never
-    share (or overwrite) one build."""
-    h = hashlib.sha256()
+    torch's and Python's versions, this CPU's feature flags (-march=native) and where csrc/ lies. The build lives in
+    torch's extension cache under `molora_kernels_<key>`: editing a source builds anew, and two checkouts never share
+    (or overwrite) one build; even with equal sources they would only take turns rebuilding it, since torch's ninja
+    file names the sources by path."""
+    h = hashlib.sha256(str(_CSRC.resolve()).encode() + b"\0")
     for path in sorted(_CSRC.iterdir()):
         if path.is_file():
             h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
