@@ -75,13 +75,6 @@ def cluster(tmp_path_factory):
     bundles = make_bundles(root / "bundles")
     assert not _ray_processes(), "a Ray cluster is already running on this machine"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    # Serve's router sends a repeat of a bundle to the replica that loaded it once it has heard so (replicas push
-    # their model ids through the controller); until then it waits for a match up to this timeout (default 1 s), then
-    # routes by fewest models loaded, and a second replica may load the bundle. On a loaded machine the news can take
-    # longer than 1 s: wait for it, so that the tests see Serve's routing policy and not its propagation delay (a
-    # random test order once ran test_repeats_of_a_bundle_stay_on_one_replica first and saw beta on both replicas).
-    # Read by Ray's worker processes, which inherit this environment from ray.init.
-    os.environ["RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S"] = "20"
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=str(root / "ray"))
     port = free_port()
     try:
