@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-from molora.bench.common import emit, machine_info, paired_ratio, rotated, rounded, set_threads
+from molora.bench.common import (
+    emit,
+    machine_info,
+    paired_ratio,
+    rotated,
+    rounded,
+    set_threads,
+)
 from molora.config import SamplingParams
 from molora.engine import Engine, EngineConfig
 
