@@ -509,8 +509,10 @@ def prefix_cache_section(docs: Path) -> list[str]:
                   f"pass {c['hit_tokens']} of {c['queried_tokens']}; the shared {h['system_tokens']}-token system "
                   f"prompt ran under {h['distinct_system_prompt_routings']} different routings (requests per "
                   f"routing {h['requests_per_system_prompt_routing']}; {h['base_only_requests']} kept wholly on the "
-                  "base model): the probe's fill gives a token the prompt's most frequent adapter, which depends on "
-                  "the question, so the real pass reuses KV only between requests whose decisions agree."]
+                  f"base model); {sum(c == 0 for c in h['cached_tokens_per_request'])} requests found nothing "
+                  "cached for their real pass: their probes ended in the same step, before any real-pass block "
+                  "was published (blocks being computed are not shared: each computes its own). Where the probe's "
+                  "fill or base-expert verdict differs between questions, the real pass misses by design."]
     return lines + [""]
 
 
