@@ -463,7 +463,9 @@ def engine_mixed_section(records: dict[str, dict]) -> list[str]:
 
 def prefix_cache_section(docs: Path) -> list[str]:
     """The prefix-cache table, from its own record docs/prefix_cache.json (`molora bench engine --shared-prefix
-    --json docs/prefix_cache.json`; its own command, not run by this script). Nothing when there is none."""
+    --json docs/prefix_cache.json`; its own command, not run by this script), with the runs parsed from a
+    stopped run's log (`learned_from_log`, scripts/prefix_log_record.py) and the learned-routing hit counts
+    (docs/prefix_cache_learned_hits.json, scripts/prefix_learned_hits.py) when present. Nothing without it."""
     path = docs / "prefix_cache.json"
     if not path.is_file():
         return []
@@ -476,18 +478,43 @@ def prefix_cache_section(docs: Path) -> list[str]:
              f"system prompt plus its own question (median {r['question_tokens_median']:g} tokens), "
              f"{r['new_tokens']} new tokens each; chat: {r['chats']} conversations whose turn 2 resends turn 1 and "
              f"its answer. Cache on vs off interleaved, order rotated, {r['repeats']} repetition(s); the cache is "
-             f"emptied before every run (a cold start). Ratios: median of the per-repetition ratios off / on. "
-             f"CPU: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, load {m['loadavg_1_5_15']}.", "",
+             f"emptied before every run (a cold start). Ratios: off / on, per repetition, median. "
+             f"CPU: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, load average (1, 5, 15 min) "
+             f"{m['loadavg_1_5_15']} at the start: the machine was shared, absolute figures are slow and noisy.", "",
              "| workload | routing | output tok/s off | on | × | median TTFT off | on | × lower | turn 2 cached | "
              "outputs equal |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for part in ("shared_prefix", "chat"):
-        for routing, w in r[part].items():
+        for routing, w in r.get(part, {}).items():
             t, f = w["tok_s"], w["median_ttft_s"]
             share = f"{100 * w['turn2_cached_share']:.0f}%" if "turn2_cached_share" in w else "–"
             lines.append(f"| {part.replace('_', ' ')} | {routing} | {t['cache_off']:.1f} | {t['cache_on']:.1f} | "
                          f"{w['tok_s_ratio_paired'][0]:.2f}× | {f['cache_off']:.2f} s | {f['cache_on']:.2f} s | "
                          f"{w['ttft_ratio_paired'][0]:.2f}× | {share} | {'yes' if w['outputs_equal'] else 'NO'} |")
+    log = r.get("learned_from_log")
+    for routing, w in (log or {}).get("shared_prefix", {}).items():
+        t, f = w["tok_s"], w["median_ttft_s"]
+        lines.append(f"| shared prefix* | {routing} | {t['cache_off']:.1f} | {t['cache_on']:.1f} | "
+                     f"{w['tok_s_ratio']:.2f}× | {f['cache_off']:.2f} s | {f['cache_on']:.2f} s | "
+                     f"{w['ttft_ratio']:.2f}× | – | not recorded |")
+    if log:
+        lines += ["", f"\\* From the per-run lines of `docs/{log['log']}` (`{log['command']}`, the same workload: "
+                  f"{log['requests']} requests, {log['new_tokens']} new tokens), a run stopped before it wrote its "
+                  "record; wall time and median TTFT only."]
+    hits_path = docs / "prefix_cache_learned_hits.json"
+    if hits_path.is_file():
+        h = json.loads(hits_path.read_text(encoding="utf-8"))
+        c = h["prefix_cache"]
+        lines += ["", f"Learned routing, where its hits come from (`docs/prefix_cache_learned_hits.json`, "
+                  f"scripts/prefix_learned_hits.py, the same {h['requests']} prompts, cache on): the probe pass took "
+                  f"{c['probe_hit_tokens']} of {c['probe_queried_tokens']} prompt tokens from the cache, the real "
+                  f"pass {c['hit_tokens']} of {c['queried_tokens']}; the shared {h['system_tokens']}-token system "
+                  f"prompt ran under {h['distinct_system_prompt_routings']} different routings (requests per "
+                  f"routing {h['requests_per_system_prompt_routing']}; {h['base_only_requests']} kept wholly on the "
+                  f"base model); {sum(c == 0 for c in h['cached_tokens_per_request'])} requests found nothing "
+                  "cached for their real pass: their probes ended in the same step, before any real-pass block "
+                  "was published (blocks being computed are not shared: each computes its own). Where the probe's "
+                  "fill or base-expert verdict differs between questions, the real pass misses by design."]
     return lines + [""]
 
 

@@ -23,16 +23,25 @@ Owns only the workload, timing and reporting; knows the engine through its publi
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from molora.bench.common import emit, machine_info, paired_ratio, rotated, rounded, set_threads
+from molora.bench.common import (
+    emit,
+    machine_info,
+    paired_ratio,
+    rotated,
+    rounded,
+    set_threads,
+)
 from molora.config import SamplingParams
 from molora.engine import Engine, EngineConfig
 
@@ -141,7 +150,9 @@ def measure(engines: dict[str, Engine], workloads: dict[str, tuple[list[list[int
 
 
 def run(requests: int, system_len: int, new_tokens: int, repeats: int, chats: int, pinned: str,
-        dtype: str = "float32") -> dict:
+        dtype: str = "float32", routings: Sequence[str] = ("learned", "pinned"), json_path: str | None = None) -> dict:
+    """The whole benchmark; with json_path the record so far is written after every workload (a long run
+    stopped early keeps what it measured)."""
     from molora.bundle import load
 
     mm = load()
@@ -157,17 +168,22 @@ def run(requests: int, system_len: int, new_tokens: int, repeats: int, chats: in
                kv_budget_tokens=requests * (max(map(len, prompts)) + new_tokens + 32) * 2, stop_at_eos=False)
     engines = {"cache_on": Engine(mm, EngineConfig(**cfg)),
                "cache_off": Engine(mm, EngineConfig(**cfg, enable_prefix_caching=False))}
-    routings = {"learned": {"routing": "auto"}, "pinned": {"adapter": pinned}}
+    kws = {"learned": {"routing": "auto"}, "pinned": {"adapter": pinned}}
     res: dict[str, Any] = {"bench": "prefix_cache", "requests": requests, "system_tokens": len(system),
                            "question_tokens_median": statistics.median(len(p) - len(system) for p in prompts),
                            "new_tokens": new_tokens, "repeats": repeats, "chats": chats, "pinned": pinned,
                            "dtype": dtype, "machine": machine_info()}
-    shared = measure(engines, {k: (prompts, kw) for k, kw in routings.items()}, new_tokens, repeats)
-    res["shared_prefix"] = shared
-    chat_prompts = prompts[:chats]
-    follow = {k: [turn(tok, question(random.Random(100 + i))) for i in range(chats)] for k in routings}
-    res["chat"] = measure(engines, {k: (chat_prompts, kw) for k, kw in routings.items()}, new_tokens, repeats,
-                          chat_followups=follow)
+    res["shared_prefix"], res["chat"] = {}, {}
+    follow = [turn(tok, question(random.Random(100 + i))) for i in range(chats)]
+    for part in ("shared_prefix", "chat"):
+        for k in routings:
+            if part == "shared_prefix":
+                res[part].update(measure(engines, {k: (prompts, kws[k])}, new_tokens, repeats))
+            else:
+                res[part].update(measure(engines, {k: (prompts[:chats], kws[k])}, new_tokens, repeats,
+                                         chat_followups={k: follow}))
+            if json_path is not None:
+                Path(json_path).write_text(json.dumps(rounded(res), indent=1) + "\n")
     return res
 
 
@@ -180,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (default 3; --quick: 1)")
     ap.add_argument("--chats", type=int, default=8, help="two-turn conversations (default 8)")
     ap.add_argument("--pinned", default="arithmetic", help="the adapter of the pinned variant")
+    ap.add_argument("--routings", nargs="+", choices=("learned", "pinned"), default=["learned", "pinned"],
+                    help="which routings to run (default both)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights, adapters and KV cache (bfloat16: AMX on this CPU)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
@@ -189,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_threads(args.threads)
     requests, repeats, chats = (8, 1, 2) if args.quick else (args.requests, args.repeats, args.chats)
     with torch.no_grad():
-        res = run(requests, args.system_tokens, args.new_tokens, repeats, chats, args.pinned, args.dtype)
+        res = run(requests, args.system_tokens, args.new_tokens, repeats, chats, args.pinned, args.dtype,
+                  args.routings, args.json)
     for part in ("shared_prefix", "chat"):
         for routing, w in res[part].items():
             print(f"{part} {routing}: tok/s on {w['tok_s']['cache_on']:.1f} off {w['tok_s']['cache_off']:.1f} "

@@ -16,6 +16,21 @@ repaired gets a new content version (HotSet.content_version), so its old blocks 
 age out of the LRU. Whatever `token_routes` cannot prove (an adapter the request does not pin, a carried
 decision not yet known) ends the chain there: a miss.
 
+Which routing modes hit (any two requests whose chains are equal share, whatever their modes: a pinned
+request and a probed prompt whose fixed decisions all name the same adapter compute the same KV):
+  none, pinned, token-id routers (vocab)   hit on equal token prefixes under the same adapter versions
+  learned / Arrow without probe            hit on equal token prefixes under the same router and choosable
+                                           adapters (gates are causal); generated tokens of a carrying
+                                           router carry their predecessor's decision: they hit only a chain
+                                           with the same carried decisions (a recomputed request's own)
+  learned with probe                       the probe pass hits like the above; the real pass hits only where
+                                           the filled decisions (and the base-expert verdict) are equal: they
+                                           depend on the whole prompt (its most frequent adapter, its share of
+                                           claimed tokens), so a shared system prompt before different
+                                           questions may run on different adapters, and then it misses
+A top-k token-id router keys each token by its (version, weight) pairs. A token routed to a registered
+adapter the request does not pin (it could be resident or not) cannot be proven: the chain ends there.
+
 A request's own pass over its tokens starts at the cached length (as chunked prefill does) and always
 computes at least its last token (its logits are needed). A learned router's probe pass (molora.routing.
 learned: Probe) is keyed the same way, with every token on its gates, and its blocks carry the probe's own
