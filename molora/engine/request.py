@@ -129,6 +129,7 @@ class Request:
     timeout_s: float | None = None     # deadlines (Engine.add_request)
     queue_timeout_s: float | None = None
     started: bool = False              # scheduled at least once (the queue timeout no longer applies)
+    constraints: list = field(default_factory=list)  # ConstraintStates (molora.sampling) its next ids must obey
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
