@@ -35,6 +35,11 @@ Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
+# what xgrammar 0.2.9 accepts in a schema but does not enforce (probed: a violating instance passes the matcher):
+# an answer may break these. `strict` specs with any of them are refused instead (`unenforced`).
+UNENFORCED = ("uniqueItems", "if", "then", "else", "not", "dependentRequired", "dependentSchemas")
+
+
 class StructuredOutputError(MoLoRAError):
     """A structured-output spec that is too large, malformed, or that the grammar engine cannot compile."""
 
@@ -62,20 +67,20 @@ class StructuredSpec:
 
     kind: Kind
     text: str = ""
-
+    strict: bool = False      # json_schema: refuse a schema with keywords the engine does not enforce
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise MoLoRAError(f"structured output kind {self.kind!r} is not one of {list(KINDS)}")
 
     @classmethod
-    def json_schema(cls, schema: dict | str) -> StructuredSpec:
+    def json_schema(cls, schema: dict | str, strict: bool = False) -> StructuredSpec:
         """From a schema (dict or JSON text); the same schema gives the same spec (keys sorted)."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}") from e
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), strict)
 
     @classmethod
     def choice(cls, choices: Sequence[str]) -> StructuredSpec:
@@ -188,6 +193,10 @@ class StructuredCompiler:
             if not isinstance(schema, (dict, bool)):
                 raise StructuredOutputError(f"the JSON schema must be an object, not {type(schema).__name__}")
             _check_schema(schema)
+            loose = unenforced(schema) if spec.strict else []
+            if loose:
+                raise StructuredOutputError(f"strict: the grammar engine cannot enforce {'; '.join(loose[:5])}; drop "
+                                            "them or send strict=false (an answer may then break them)")
         if spec.kind == "choice":
             choices = json.loads(spec.text)
             if not choices or len(choices) > lim.max_choices or not all(isinstance(c, str) and c for c in choices):
@@ -208,6 +217,31 @@ class StructuredCompiler:
             alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in json.loads(spec.text))
             return c.compile_grammar(self.xgr.Grammar.from_ebnf(f"root ::= {alts}"))
         return c.compile_grammar(self.xgr.Grammar.from_ebnf(spec.text))
+
+
+def unenforced(schema: Any, path: str = "") -> list[str]:
+    """Where `schema` uses what the engine accepts but does not enforce ("path: keyword"), in document order:
+    the keywords of UNENFORCED, multipleOf on numbers that are not integers, pattern with minLength/maxLength."""
+    out: list[str] = []
+    if isinstance(schema, dict):
+        here = path or "(top level)"
+        out += [f"{here}: {k}" for k in UNENFORCED if k in schema and not (k == "uniqueItems" and not schema[k])]
+        if "multipleOf" in schema and schema.get("type") != "integer":
+            out.append(f"{here}: multipleOf on a number")
+        if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+            out.append(f"{here}: pattern with minLength/maxLength")
+        for k, v in schema.items():
+            if k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") \
+                    and isinstance(v, dict):
+                for name, sub in v.items():
+                    out += unenforced(sub, f"{path}/{k}/{name}")
+            elif k in ("items", "additionalProperties", "contains", "propertyNames") and isinstance(v, (dict, list)):
+                for i, sub in enumerate(v if isinstance(v, list) else [v]):
+                    out += unenforced(sub, f"{path}/{k}" + (f"/{i}" if isinstance(v, list) else ""))
+            elif k in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(v, list):
+                for i, sub in enumerate(v):
+                    out += unenforced(sub, f"{path}/{k}/{i}")
+    return out
 
 
 def _check_schema(schema: dict | bool) -> None:

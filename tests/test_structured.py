@@ -170,6 +170,22 @@ def test_bad_specs_raise_naming_the_problem_and_the_cache_hits(compiler):
     assert compiler.hits == hits + 1
 
 
+def test_unenforced_keywords_are_found_and_strict_refuses_them(compiler):
+    from molora.structured import unenforced
+
+    schema = {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True},
+                                               "r": {"type": "number", "multipleOf": 0.5},
+                                               "n": {"type": "integer", "multipleOf": 5},
+                                               "s": {"anyOf": [{"type": "string", "pattern": "^a", "maxLength": 3}]}},
+              "if": {"required": ["t"]}, "then": {"required": ["r"]}}
+    assert unenforced(schema) == ["(top level): if", "(top level): then", "/properties/t: uniqueItems",
+                                  "/properties/r: multipleOf on a number",
+                                  "/properties/s/anyOf/0: pattern with minLength/maxLength"]
+    assert compiler.compile(StructuredSpec.json_schema(schema)) is not None           # best effort
+    with pytest.raises(StructuredOutputError, match="strict: the grammar engine cannot enforce"):
+        compiler.compile(StructuredSpec.json_schema(schema, strict=True))
+
+
 def test_a_compiled_constraint_survives_pickling(compiler, tok):
     """The Ray path sends engine requests to another process: the constraint travels as xgrammar's own JSON."""
     c = compiler.compile(StructuredSpec.json_schema(SCHEMAS["weather"]))
@@ -273,6 +289,9 @@ def test_vllm_structured_outputs_and_guided_fields(server):
     ({"guided_json": {"enum": ["x" * 200] * 500}}, "guided_json", "limit"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one structured output"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True}}}},
+     "response_format.json_schema.schema", "cannot enforce (top level): uniqueItems"),
 ])
 def test_bad_specs_get_a_400_and_the_server_keeps_serving(server, body, param, words):
     r = server.post("/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 5, **body})

@@ -86,7 +86,8 @@ class StreamOptions(_Strict):
 
 
 class JsonSchemaFormat(_Strict):
-    """OpenAI's response_format.json_schema. `strict` is accepted either way: molora always constrains."""
+    """OpenAI's response_format.json_schema. molora always constrains; `strict: true` also refuses (400) a schema
+    with keywords the grammar engine accepts but does not enforce (molora.structured.unenforced)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
     name: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
@@ -182,7 +183,8 @@ class GenerationRequest(_Strict):
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise APIError(400, "response_format type json_schema needs json_schema.schema (and a name)",
                                param="response_format.json_schema")
-            asked.append(("response_format.json_schema.schema", "json_schema", rf.json_schema.schema_))
+            asked.append(("response_format.json_schema.schema", "json_schema",
+                          (rf.json_schema.schema_, bool(rf.json_schema.strict))))
         if rf is not None and rf.type == "text" and rf.json_schema is not None:
             raise APIError(400, "response_format type text takes no json_schema", param="response_format")
         so = self.structured_outputs
@@ -204,7 +206,8 @@ class GenerationRequest(_Strict):
         param, kind, value = asked[0]
         try:
             if kind == "json_schema":
-                return StructuredSpec.json_schema(value), param
+                schema, strict = value if isinstance(value, tuple) else (value, False)
+                return StructuredSpec.json_schema(schema, strict), param
             if kind == "choice":
                 return StructuredSpec.choice(value), param
             return StructuredSpec(kind, value or ""), param  # type: ignore[arg-type]
