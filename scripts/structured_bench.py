@@ -26,6 +26,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -126,11 +127,11 @@ def _decode_steps(engine: Any, prompts: list[list[int]], params: SamplingParams,
 
 
 def throughput(engine: Any, tok: Any, schemas: list[dict], constraints: dict, batch: int, reps: int,
-               max_new: int) -> dict:
+               max_new: int, short: bool = False) -> dict:
     names = [s["name"] for s in schemas if s["name"] in constraints]
     by_name = {s["name"]: s for s in schemas}
     rows = [names[i % len(names)] for i in range(batch)]
-    prompts = [_prompt(tok, by_name[n]) for n in rows]
+    prompts = [_prompt(tok, {**by_name[n], "schema": n} if short else by_name[n]) for n in rows]
     cons = [constraints[n] for n in rows]
     steps: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
     for r in range(reps):
@@ -142,7 +143,7 @@ def throughput(engine: Any, tok: Any, schemas: list[dict], constraints: dict, ba
                 t = _decode_steps(engine, prompts, SamplingParams(max_new_tokens=max_new), cons)
             steps[variant] += t
     med = {k: statistics.median(v) for k, v in steps.items()}
-    return {"batch": batch, "reps": reps, "steps": {k: len(v) for k, v in steps.items()},
+    return {"batch": batch, "reps": reps, "max_new_tokens": max_new, "short_prompts": short, "steps": {k: len(v) for k, v in steps.items()},
             "step_ms_median": {k: round(v * 1e3, 2) for k, v in med.items()},
             "tokens_per_s": {k: round(batch / v, 1) for k, v in med.items()},
             "constrained_over_unconstrained": round(med["unconstrained"] / med["constrained"], 3),
@@ -170,6 +171,9 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=256, help="new tokens per answer in the validity run")
     ap.add_argument("--tput-new", type=int, default=32, help="new tokens per request in the throughput runs")
     ap.add_argument("--rescore", action="store_true", help="only add the strict view to the record at --out")
+    ap.add_argument("--skip-validity", action="store_true", help="keep the record's validity, measure the rest")
+    ap.add_argument("--short-prompts", action="store_true",
+                    help="throughput prompts name the schema without spelling it (less prefill, same decode)")
     args = ap.parse_args()
     if args.rescore:
         record = json.loads(Path(args.out).read_text())
@@ -189,24 +193,38 @@ def main() -> None:
     constraints, _, comp = compile_all(tok, vocab, stops, schemas)
     print(json.dumps({k: v for k, v in comp.items() if k != "failures"}), flush=True)
     engine = Engine(mm, EngineConfig(max_num_seqs=32, max_model_len=2048, kv_budget_tokens=32 * 1024))
+    out = Path(args.out)
+    old = json.loads(out.read_text()) if out.exists() else {}
+    record = {"split": "test", "model": "SmolLM2-135M-Instruct (default bundle, learned routing)", "dtype": "fp32",
+              "grammar_engine": f"xgrammar {_version('xgrammar')}", "cpu": _cpu(), "threads": torch.get_num_threads(),
+              "torch": torch.__version__,
+              "command": " ".join(["PYTHONPATH=. python scripts/structured_bench.py"] + sys.argv[1:]),
+              "compile": comp}
     try:
-        valid = validity(engine, tok, schemas, constraints, args.max_new)
+        if args.skip_validity:
+            record["validity"] = old["validity"]
+        else:
+            record["validity"] = validity(engine, tok, schemas, constraints, args.max_new)
+            out.write_text(json.dumps(record, indent=1) + "\n")        # a later phase may be stopped
+        valid = record["validity"]
         print(json.dumps({k: v for k, v in valid.items() if k != "rows"}), flush=True)
-        tput = [throughput(engine, tok, schemas, constraints, b, args.reps, args.tput_new) for b in (1, 32)]
-        for t in tput:
-            print(json.dumps(t), flush=True)
+        record["strict"] = strict_view(schemas, comp, valid) if "rows" in valid else None
+        tput = []
+        for b in (1, 32):
+            tput.append(throughput(engine, tok, schemas, constraints, b, args.reps, args.tput_new, args.short_prompts))
+            print(json.dumps(tput[-1]), flush=True)
+            record["throughput"] = tput
+            out.write_text(json.dumps(record, indent=1) + "\n")
     finally:
         engine.close()
-    import xgrammar
-    record = {"split": "test", "model": "SmolLM2-135M-Instruct (default bundle, learned routing)", "dtype": "fp32",
-              "grammar_engine": f"xgrammar {xgrammar.__version__ if hasattr(xgrammar, '__version__') else ''}".strip(),
-              "cpu": _cpu(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "command": "PYTHONPATH=. python scripts/structured_bench.py", "compile": comp, "validity": valid,
-              "throughput": tput, "strict": strict_view(schemas, comp, valid)}
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({"coverage": comp["coverage"], "valid_share": valid["valid_share"],
                       "b1_overhead": tput[0]["per_token_overhead"],
                       "b32_ratio": tput[1]["constrained_over_unconstrained"]}))
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import version
+    return version(name)
 
 
 if __name__ == "__main__":
