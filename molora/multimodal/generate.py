@@ -11,10 +11,11 @@ summed on every token). `passes=[names]` emulates per-token routing with one pas
 forward runs once per adapter over the whole batch, and each run of positions keeps the pass its router
 picks (its logits and its keys/values), which is what a server that routes per sequence has to do.
 
-Served, the same spans come from the bundle's manifest (`extra.constrained_spans`, token names read from the
-tokenizer): the engine, the server and `molora generate` apply them as `molora.sampling.SpanConstraint`, whose
-greedy answers equal `draw`'s (tests/test_multimodal.py). The one difference: outside an image the served
-constraint forbids only codes and <eoi>, where `Spans` allows only words and <eos>.
+The spans are a `molora.sampling.SpanConstraint` applied through the sampler's one constraint mechanism (a
+packed bitmask per row). Served, the same spans come from the bundle's manifest (`extra.constrained_spans`,
+token names read from the tokenizer) and the engine applies them the same way; greedy answers equal `draw`'s
+(tests/test_multimodal.py). The one difference: outside an image the served constraint forbids only codes and
+<eoi>, where the demo's (`demo_spans`) allows only words and <eos>.
 
 Images come back as levels (numpy [64], 0..15); `write_png` turns one into a PNG without extra packages.
 This module knows the vocabulary and MoLoRAModel's forward; it knows nothing of HTTP or the engine.
@@ -34,10 +35,10 @@ import numpy as np
 import torch
 
 from molora.errors import MoLoRAError, RoutingError
-from molora.multimodal.vocab import BOI, PIXELS, WORDS, draw_prompt, image_span, image_token_ids
+from molora.multimodal.vocab import BOI, EOI, PIXELS, WORDS, draw_prompt, image_span, image_token_ids
 from molora.routing import Router, Routing
 from molora.routing.base import adapter_index
-from molora.sampling import sample_next
+from molora.sampling import SpanConstraint, apply_bitmask, constraint_bitmask, sample_next
 
 CAPTION_TOKENS = 6  # the longest caption (5 words) and <eos>
 
@@ -63,26 +64,12 @@ class Drawn:
     caption: str
 
 
-class Spans:
-    """Allowed next tokens per row from its span state (in an image: how many codes so far)."""
-
-    def __init__(self, tokenizer: Any, device: torch.device) -> None:
-        vocab = tokenizer.get_vocab()
-        self.boi, codes = image_token_ids(tokenizer)
-        self.eoi, self.eos, self.pad = vocab["<eoi>"], vocab["<eos>"], vocab["<pad>"]
-        V = len(vocab)
-        self.codes = torch.zeros(V, dtype=torch.bool, device=device)
-        self.codes[codes] = True
-        self.close = torch.zeros(V, dtype=torch.bool, device=device)
-        self.close[self.eoi] = True
-        self.text = torch.zeros(V, dtype=torch.bool, device=device)
-        self.text[[vocab[w] for w in WORDS] + [self.eos]] = True
-        self.code_level = {t: q for q, t in enumerate(codes)}
-
-    def allowed(self, in_image: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        """[B, V] bool from in_image [B] and count [B] (codes emitted in the open image)."""
-        img = torch.where((count < PIXELS)[:, None], self.codes, self.close)
-        return torch.where(in_image[:, None], img, self.text)
+def demo_spans(tokenizer: Any) -> SpanConstraint:
+    """The demo's spans: <boi>, exactly 64 codes, <eoi>; outside an image only the words and <eos>."""
+    vocab = tokenizer.get_vocab()
+    boi, codes = image_token_ids(tokenizer)
+    return SpanConstraint(boi, vocab[EOI], tuple(codes), PIXELS,
+                          outside=tuple(vocab[w] for w in WORDS) + (vocab["<eos>"],))
 
 
 def _forward(mm: Any, spec: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any,
@@ -133,13 +120,14 @@ def generate_constrained(mm: Any, prompts: Sequence[Sequence[int]], spec: Any = 
 
     if passes is not None and not isinstance(spec, Router):
         raise MoLoRAError("passes= emulates a router's routing: give the router as spec")
-    sp = Spans(mm.tokenizer, mm.device)
-    ids, mask = left_pad(prompts, sp.pad, mm.device)
+    sp = demo_spans(mm.tokenizer)
+    vocab = mm.tokenizer.get_vocab()
+    eos, pad = vocab["<eos>"], vocab["<pad>"]
+    ids, mask = left_pad(prompts, pad, mm.device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     gen = torch.Generator(device=mm.device).manual_seed(seed) if seed is not None else None
     B = ids.shape[0]
-    in_image = ids[:, -1] == sp.boi
-    count = torch.zeros(B, dtype=torch.long, device=mm.device)
+    so_far = [list(p) for p in prompts]                 # each row's ids (prompt + generated): the spans' state
     done = torch.zeros(B, dtype=torch.bool, device=mm.device)
     cache, step, start, out = DynamicCache(), ids, 0, []
     for _ in range(max_new):
@@ -147,33 +135,35 @@ def generate_constrained(mm: Any, prompts: Sequence[Sequence[int]], spec: Any = 
             logits = _forward(mm, spec, step, mask, pos, cache, start)
         else:
             logits = _k_pass_forward(mm, spec, passes, step, mask, pos, cache, start)
-        logits = logits.float().masked_fill(~sp.allowed(in_image, count), float("-inf"))
+        logits = apply_bitmask(logits.float(), constraint_bitmask([[sp]] * B, so_far, logits.shape[-1]))
         nxt = sample_next(logits, temperature, 0, 1.0, gen)
         if text_temperature is not None and text_temperature != temperature:  # rows in text take their own
+            in_image = torch.tensor([sp.state(t) != 2 for t in so_far], device=mm.device)
             nxt = torch.where(in_image, nxt, sample_next(logits, text_temperature, 0, 1.0, gen))
-        nxt = torch.where(done, torch.full_like(nxt, sp.pad), nxt)
+        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
         out.append(nxt)
-        count = torch.where(in_image, count + 1, count)
-        in_image = (in_image & (nxt != sp.eoi)) | (nxt == sp.boi)
-        done |= nxt == sp.eos
+        for row, t in zip(so_far, nxt.tolist()):
+            row.append(t)
+        done |= nxt == eos
         if bool(done.all()):
             break
         start += step.shape[1]
         step, pos = nxt[:, None], pos[:, -1:] + 1
         mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
     rows = torch.stack(out, 1).tolist() if out else [[] for _ in range(B)]
-    return [r[: r.index(sp.eos)] if sp.eos in r else r for r in rows]
+    return [r[: r.index(eos)] if eos in r else r for r in rows]
 
 
 def parse(tokenizer: Any, tokens: Sequence[int]) -> Drawn:
     """Split generated ids into the image (the codes up to <eoi>) and the caption after it."""
-    sp = Spans(tokenizer, torch.device("cpu"))
+    eoi = tokenizer.get_vocab()[EOI]
+    code_level = {t: q for q, t in enumerate(image_token_ids(tokenizer)[1])}
     tokens = list(tokens)
     image = None
     rest = tokens
-    if sp.eoi in tokens:
-        cut = tokens.index(sp.eoi)
-        levels = [sp.code_level[t] for t in tokens[:cut] if t in sp.code_level]
+    if eoi in tokens:
+        cut = tokens.index(eoi)
+        levels = [code_level[t] for t in tokens[:cut] if t in code_level]
         image = np.array(levels, dtype=np.int64) if len(levels) == PIXELS else None
         rest = tokens[cut + 1:]
     return Drawn(tokens, image, tokenizer.decode(rest, skip_special_tokens=True).strip())

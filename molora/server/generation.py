@@ -16,6 +16,12 @@ A request the engine ended alone on a fault of its own (finish_reason "error") a
 A stream that waits longer than `keepalive_s` for its next token gets an SSE comment (`: keep-alive`) so that
 proxies keep the connection. Tokenising a large prompt runs on a worker thread, not on the event loop.
 
+Structured output (`response_format` json_object / json_schema, vLLM's `structured_outputs` and `guided_*`): the
+spec is compiled for the bundle's tokenizer on a worker thread (`molora.structured.StructuredCompiler`, one per
+bundle, cached by spec) before anything is queued; a spec too large or that does not compile answers 400 naming
+the problem. The compiled constraint rides along with each engine request; a choice whose grammar dead-ends
+ends alone with finish_reason "error" and the constraint's message.
+
 Knows nothing of engines (it talks to an `EngineClient`: in process or through Ray Serve), auth, adapters
 management or metrics rendering; it reports each finished choice to `ServerMetrics`. A server may serve
 several bundles (`Catalog`); each request resolves its model to one bundle's `ModelInfo`.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -46,6 +53,7 @@ from molora.server.protocol import (
 )
 from molora.server.client import EngineClient
 from molora.server.runner import EngineFailure, RequestSpec, Submission
+from molora.structured import GrammarConstraint, StructuredCompiler, StructuredOutputError, StructuredSpec
 
 OFFLOAD_CHARS = 32 << 10   # prompts longer than this are tokenised on a worker thread
 REPLICA_HEADER = "X-Molora-Replica"   # which engine replica answered (molora serve --ray)
@@ -200,6 +208,8 @@ class Generation:
     def __init__(self, client: EngineClient, metrics: ServerMetrics, catalog: Catalog,
                  limits: Limits = Limits(), resolver: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self.client, self.metrics, self.catalog, self.limits = client, metrics, catalog, limits
+        self._compilers: dict[str, StructuredCompiler] = {}     # bundle name -> its tokenizer's compiler
+        self._compilers_lock = threading.Lock()
         self.resolver = resolver   # loads an adapter a request names on first use (--lora-resolver-dir)
 
     async def resolve(self, model: str) -> tuple[ModelInfo, str | None]:
@@ -231,7 +241,8 @@ class Generation:
 
     # ------------------------------------------------------------------------------------ requests
     def _specs(self, req: GenerationRequest, info: ModelInfo, adapter: str | None, prompts: Sequence[list[int]],
-               max_tokens: int | None, logprobs: int | None) -> list[RequestSpec]:
+               max_tokens: int | None, logprobs: int | None,
+               constraint: GrammarConstraint | None = None) -> list[RequestSpec]:
         opts = req.options
         unknown = [a for a in opts.adapters or [] if a not in info.adapters]
         if unknown:
@@ -265,13 +276,15 @@ class Generation:
                 except MoLoRAError as e:
                     raise APIError(400, str(e)) from e
                 specs.append(RequestSpec(p * req.n + j, ids, params, adapter, opts.adapters, opts.routing,
-                                         timeout_s=timeout, queue_timeout_s=self.limits.queue_timeout_s))
+                                         timeout_s=timeout, queue_timeout_s=self.limits.queue_timeout_s,
+                                         constraint=constraint))
         return specs
 
     # ------------------------------------------------------------------------------------ running
     async def _run(self, req: GenerationRequest, info: ModelInfo, adapter: str | None, prompts: list[list[int]],
                    max_tokens: int | None, logprobs: int | None, fmt: _Format, request: Request) -> Response:
-        specs = self._specs(req, info, adapter, prompts, max_tokens, logprobs)
+        constraint = await self._constraint(req, info)
+        specs = self._specs(req, info, adapter, prompts, max_tokens, logprobs, constraint)
         if len(specs) > self.client.max_in_flight:
             raise APIError(400, f"this request needs {len(specs)} engine requests (n x prompts), more than the "
                            f"server admits at once ({self.client.max_in_flight}); lower n or split the batch",
@@ -295,6 +308,30 @@ class Generation:
         finally:
             sub.close()
         return JSONResponse(fmt.response(states, _usage(states, req.n)).model_dump(mode="json"), headers=headers)
+
+    async def _constraint(self, req: GenerationRequest, info: ModelInfo) -> GrammarConstraint | None:
+        """The request's compiled structured-output constraint (None: none asked); 400 if it cannot be had."""
+        asked = req.structured_spec()
+        if asked is None:
+            return None
+        spec, param = asked
+        try:
+            return await asyncio.to_thread(self._compile, info, spec)
+        except StructuredOutputError as e:
+            raise APIError(400, str(e), param=param, code="invalid_structured_output") from e
+
+    def _compile(self, info: ModelInfo, spec: StructuredSpec) -> GrammarConstraint:
+        with self._compilers_lock:   # one compiler per bundle, built once (reading the tokenizer takes ~0.1 s)
+            compiler = self._compilers.get(info.name)
+            if compiler is None:
+                try:
+                    compiler = StructuredCompiler(info.tokenizer, vocab_size=info.vocab_size,
+                                                  stop_token_ids=info.stop_token_ids)
+                except Exception as e:
+                    raise StructuredOutputError(f"model {info.name!r} cannot do structured output: its tokenizer "
+                                                f"is not one the grammar engine reads ({type(e).__name__}: {e})") from e
+                self._compilers[info.name] = compiler
+        return compiler.compile(spec)
 
     async def _outputs(self, sub: Submission, states: list[ChoiceState], deadline: float,
                        keepalive: float | None = None) -> AsyncIterator[tuple[ChoiceState, Any] | None]:

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_validator
 
+from molora.structured import StructuredOutputError, StructuredSpec
+
 MAX_N = 16            # choices per request (each one is an engine request)
 MAX_STOP = 4          # stop strings, as OpenAI
 MAX_BATCH = 64        # prompts in one /v1/completions call
@@ -83,6 +85,37 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema. molora always constrains; `strict: true` also refuses (400) a schema
+    with keywords the grammar engine accepts but does not enforce (molora.structured.unenforced)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object), json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extension: exactly one of json (a schema), regex, choice, grammar (EBNF),
+    json_object. `disable_any_whitespace` is accepted (molora's JSON never has free whitespace)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+
 class GenerationRequest(_Strict):
     model: Name
     max_tokens: int | None = Field(None, ge=1, lt=INT64)
@@ -103,6 +136,13 @@ class GenerationRequest(_Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, lt=INT64)
     molora: MoloraOptions | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("temperature", "top_p", "top_k", "n", "stream", "presence_penalty", "frequency_penalty",
                      mode="before")
@@ -131,6 +171,48 @@ class GenerationRequest(_Strict):
     @property
     def options(self) -> MoloraOptions:
         return self.molora or MoloraOptions()
+
+    def structured_spec(self) -> tuple[StructuredSpec, str] | None:
+        """(what the output must match, the parameter that asked) or None; 400 when more than one asks or one
+        is malformed. Compiling (and its 400s) is the caller's, off the event loop."""
+        asked: list[tuple[str, str, Any]] = []        # (param, kind, value)
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", "json_object", None))
+        if rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(400, "response_format type json_schema needs json_schema.schema (and a name)",
+                               param="response_format.json_schema")
+            asked.append(("response_format.json_schema.schema", "json_schema",
+                          (rf.json_schema.schema_, bool(rf.json_schema.strict))))
+        if rf is not None and rf.type == "text" and rf.json_schema is not None:
+            raise APIError(400, "response_format type text takes no json_schema", param="response_format")
+        so = self.structured_outputs
+        if so is not None:
+            for name, kind, value in (("json", "json_schema", so.json_), ("regex", "regex", so.regex),
+                                      ("choice", "choice", so.choice), ("grammar", "grammar", so.grammar),
+                                      ("json_object", "json_object", True if so.json_object else None)):
+                if value is not None:
+                    asked.append((f"structured_outputs.{name}", kind, value))
+        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, kind, getattr(self, name)))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise APIError(400, f"ask for one structured output, not {len(asked)}: {[a[0] for a in asked]}",
+                           param=asked[1][0])
+        param, kind, value = asked[0]
+        try:
+            if kind == "json_schema":
+                schema, strict = value if isinstance(value, tuple) else (value, False)
+                return StructuredSpec.json_schema(schema, strict), param
+            if kind == "choice":
+                return StructuredSpec.choice(value), param
+            return StructuredSpec(kind, value or ""), param  # type: ignore[arg-type]
+        except StructuredOutputError as e:
+            raise APIError(400, str(e), param=param) from e
 
 
 class CompletionRequest(GenerationRequest):
@@ -182,10 +264,6 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions."""
 
@@ -193,7 +271,6 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, lt=INT64)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -54,6 +54,7 @@ class RequestSpec:
     routing: str = "auto"
     timeout_s: float | None = None         # engine-side deadlines (Engine.add_request)
     queue_timeout_s: float | None = None
+    constraint: Any = None                 # a compiled molora.sampling.Constraint (structured output) or None
 
 
 @dataclass(frozen=True)
@@ -261,9 +262,10 @@ class EngineRunner:
         added: list[str] = []
         try:
             for rid, spec in zip(sub.ids, specs):
+                extra = {"constraint": spec.constraint} if spec.constraint is not None else {}
                 self.engine.add_request(spec.prompt_ids, spec.params, request_id=rid, adapter=spec.adapter,
                                         allowed_adapters=spec.allowed_adapters, routing=spec.routing,
-                                        timeout_s=spec.timeout_s, queue_timeout_s=spec.queue_timeout_s)
+                                        timeout_s=spec.timeout_s, queue_timeout_s=spec.queue_timeout_s, **extra)
                 added.append(rid)
                 self._routes[rid] = sub
         except BaseException:

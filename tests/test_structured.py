@@ -1,0 +1,316 @@
+"""Structured output: one constraint mechanism (packed bitmasks) in the engine's sampling step, grammars on
+xgrammar, and the server's response_format / structured_outputs / guided_* fields.
+
+Tiny random Qwen3 models with a character-level tokenizer that can spell JSON (tests/structured_fixtures.py);
+every randomness is a seeded generator. The invariants: every answer that ends parses and validates; a bad spec is
+a 400 before any compute; a dead end ends only its own request; routing is the same with and without a mask.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+
+import httpx
+import jsonschema
+import pytest
+import torch
+
+import molora
+from molora.config import SamplingParams
+from molora.engine import Engine, EngineConfig
+from molora.routing import VocabRouter
+from molora.sampling import (Constraint, ConstraintState, apply_bitmask, constraint_bitmask, is_allowed, pack_bitmask,
+                             unpack_bitmask)
+from molora.server import ServerThread, create_app
+from molora.structured import GrammarConstraint, StructuredCompiler, StructuredOutputError, StructuredSpec
+from tests.conftest import make_peft_adapter, tiny_model
+from tests.structured_fixtures import char_tokenizer
+
+ARCH = "qwen3"
+CFG = EngineConfig(max_num_seqs=8, max_model_len=256, kv_budget_tokens=4096)
+# schemas whose every instance is short (enums, bounded strings, ranges, bounded arrays): a random model must end them
+SCHEMAS = {
+    "weather": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                                 "unit": {"enum": ["c", "f"]}},
+                "required": ["city", "unit"], "additionalProperties": False},
+    "flags": {"type": "object", "properties": {"on": {"type": "boolean"}, "level": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 9}},
+              "required": ["on", "level"], "additionalProperties": False},
+    "tags": {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "x"]},
+                                                       "minItems": 1, "maxItems": 3}},
+             "required": ["tags"], "additionalProperties": False},
+    "shape": {"type": "object", "properties": {"s": {"anyOf": [{"const": "dot"}, {"type": "object", "properties": {
+        "r": {"type": "integer", "minimum": 1, "maximum": 5}}, "required": ["r"], "additionalProperties": False}]}},
+              "required": ["s"], "additionalProperties": False},
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def compiler(tok):
+    return StructuredCompiler(tok, vocab_size=128, stop_token_ids=[1])
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {n: make_peft_adapter(root / n, ARCH, seed=i) for i, n in enumerate(("a", "b"))}
+
+
+def _mm(paths, tok):
+    return molora.attach(tiny_model(ARCH), paths, router=VocabRouter([(0, 64, "a")], default="b"), tokenizer=tok,
+                         check_base=False)
+
+
+def _text(tok, ids):
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+# ------------------------------------------------------------------------------------------ the mechanism
+
+def test_bitmask_pack_unpack_and_apply_agree_with_a_bool_mask():
+    g = torch.Generator().manual_seed(0)
+    allowed = torch.rand(5, 77, generator=g) < 0.3                                 # V not a multiple of 32
+    bits = pack_bitmask(allowed)
+    assert bits.shape == (5, 3) and bits.dtype == torch.int32
+    assert torch.equal(unpack_bitmask(bits, 77), allowed)
+    logits = torch.randn(5, 77, generator=g)
+    assert torch.equal(apply_bitmask(logits, bits), logits.masked_fill(~allowed, float("-inf")))
+    ids = torch.randint(0, 77, (5,), generator=g)
+    assert is_allowed(bits, ids).tolist() == allowed[torch.arange(5), ids].tolist()
+
+
+class _AllowOnly(Constraint, ConstraintState):
+    """Allows one id after k generated tokens, then nothing (a dead end): a stand-in for a grammar."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids, self.start = ids, 0
+
+    def begin(self, prompt):
+        state = _AllowOnly(self.ids)
+        state.start = len(prompt)
+        return state
+
+    def fill(self, tokens, bitmask, row):
+        k = len(tokens) - self.start
+        allowed = torch.zeros(1, bitmask.shape[-1] * 32, dtype=torch.bool)
+        if k < len(self.ids):
+            allowed[0, self.ids[k]] = True
+        bitmask[row] = pack_bitmask(allowed)[0]
+
+
+def test_constraint_bitmask_ands_several_states():
+    a, b = _AllowOnly([5]).begin([1]), _AllowOnly([6]).begin([1])
+    both = constraint_bitmask([[a], [a, b], []], [[1], [1], [1]], 64)
+    assert unpack_bitmask(both, 64).sum(-1).tolist() == [1, 0, 64]
+
+
+def test_dead_end_ends_that_request_alone_and_the_batch_goes_on(paths, tok):
+    engine = Engine(_mm(paths, tok), CFG)
+    p, q = [5, 6, 7], [9, 10, 11]
+    alone = engine.generate([q], SamplingParams(max_new_tokens=8))[0]
+    outs = engine.generate([p, q], [SamplingParams(max_new_tokens=8, temperature=0.7, seed=1),
+                                    SamplingParams(max_new_tokens=8)], constraint=[_AllowOnly([40, 41, 42]), None])
+    assert outs[0].new_token_ids == [40, 41, 42]
+    assert outs[0].finish_reason == "error" and "constraint dead end" in outs[0].error
+    assert outs[1].new_token_ids == alone.new_token_ids and outs[1].finish_reason == alone.finish_reason
+    engine.check()
+    assert not engine.requests and engine.allocator.num_free == CFG.kv_blocks
+
+
+# ------------------------------------------------------------------------------------------ grammars
+
+def test_every_constrained_answer_parses_and_validates(paths, tok, compiler):
+    engine = Engine(_mm(paths, tok), CFG)
+    prompts = [[5 + i, 20, 30 + i] for i in range(4)]
+    for name, schema in SCHEMAS.items():
+        c = compiler.compile(StructuredSpec.json_schema(schema))
+        params = [SamplingParams(max_new_tokens=120)] + [
+            SamplingParams(max_new_tokens=120, temperature=1.0, seed=s) for s in range(3)]
+        for out in engine.generate(prompts, params, constraint=c):
+            assert out.finish_reason == "stop", (name, out.finish_reason, _text(tok, out.new_token_ids))
+            jsonschema.validate(json.loads(_text(tok, out.new_token_ids)), schema)
+
+
+def test_json_object_regex_and_choice(paths, tok, compiler):
+    engine = Engine(_mm(paths, tok), CFG)
+    prompts = [[5, 6], [7, 8, 9], [40, 41]]
+    params = [SamplingParams(max_new_tokens=60, temperature=1.0, seed=s) for s in range(3)]
+    regex = compiler.compile(StructuredSpec("regex", r"[a-c]{3}-[0-9]{2}"))
+    choice = compiler.compile(StructuredSpec.choice(["yes", "no", "maybe so"]))
+    for out in engine.generate(prompts, params, constraint=regex):
+        assert out.finish_reason == "stop" and re.fullmatch(r"[a-c]{3}-[0-9]{2}", _text(tok, out.new_token_ids))
+    for out in engine.generate(prompts, params, constraint=choice):
+        assert out.finish_reason == "stop" and _text(tok, out.new_token_ids) in ("yes", "no", "maybe so")
+    obj = compiler.compile(StructuredSpec("json_object"))
+    ended = [o for o in engine.generate(prompts, SamplingParams(max_new_tokens=200), constraint=obj)
+             if o.finish_reason == "stop"]
+    for out in ended:
+        assert isinstance(json.loads(_text(tok, out.new_token_ids)), dict)
+
+
+def test_bad_specs_raise_naming_the_problem_and_the_cache_hits(compiler):
+    with pytest.raises(StructuredOutputError, match="invalid at properties/a/type"):
+        compiler.compile(StructuredSpec.json_schema({"type": "object", "properties": {"a": {"type": "nonsense"}}}))
+    with pytest.raises(StructuredOutputError, match="cannot be compiled"):
+        compiler.compile(StructuredSpec("regex", "(unclosed"))
+    with pytest.raises(StructuredOutputError, match="over this server's limit"):
+        compiler.compile(StructuredSpec.json_schema({"enum": ["x" * 100] * 1000}))
+    with pytest.raises(StructuredOutputError, match="not valid JSON"):
+        StructuredSpec.json_schema("{nope")
+    spec = StructuredSpec.json_schema(SCHEMAS["flags"])
+    first, hits = compiler.compile(spec), compiler.hits
+    assert compiler.compile(StructuredSpec.json_schema(dict(reversed(SCHEMAS["flags"].items())))) is first
+    assert compiler.hits == hits + 1
+
+
+def test_unenforced_keywords_are_found_and_strict_refuses_them(compiler):
+    from molora.structured import unenforced
+
+    schema = {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True},
+                                               "r": {"type": "number", "multipleOf": 0.5},
+                                               "n": {"type": "integer", "multipleOf": 5},
+                                               "s": {"anyOf": [{"type": "string", "pattern": "^a", "maxLength": 3}]}},
+              "if": {"required": ["t"]}, "then": {"required": ["r"]}}
+    assert unenforced(schema) == ["(top level): if", "(top level): then", "/properties/t: uniqueItems",
+                                  "/properties/r: multipleOf on a number",
+                                  "/properties/s/anyOf/0: pattern with minLength/maxLength"]
+    assert compiler.compile(StructuredSpec.json_schema(schema)) is not None           # best effort
+    with pytest.raises(StructuredOutputError, match="strict: the grammar engine cannot enforce"):
+        compiler.compile(StructuredSpec.json_schema(schema, strict=True))
+
+
+def test_a_compiled_constraint_survives_pickling(compiler, tok):
+    """The Ray path sends engine requests to another process: the constraint travels as xgrammar's own JSON."""
+    c = compiler.compile(StructuredSpec.json_schema(SCHEMAS["weather"]))
+    back = pickle.loads(pickle.dumps(c))
+    assert isinstance(back, GrammarConstraint) and back.spec == c.spec
+    a, b = c.begin([5]), back.begin([5])
+    ids = tok.encode('{"city":"x')
+    masks = [constraint_bitmask([[s]], [[5] + ids], 128) for s in (a, b)]
+    assert torch.equal(masks[0], masks[1])
+
+
+@pytest.mark.parametrize("mode", ["vocab", "pinned", "learned"])
+def test_routing_is_the_same_under_a_constraint(paths, tok, compiler, mode):
+    """A constraint that admits exactly the unconstrained greedy answer gives the same ids and the same adapter
+    per token in every routing mode: the mask never touches routing."""
+    from tests.test_engine import StandInRouter
+
+    mm = _mm(paths, tok)
+    kw = {"adapter": "a"} if mode == "pinned" else {"routing": mode}
+    if mode == "learned":
+        mm.router = StandInRouter()
+        mm.router.adapter_names = ["b", "a"]
+    engine = Engine(mm, CFG)
+    prompt = tok.encode('{"k": "ab')
+    free = engine.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True), **kw)[0]
+    text = _text(tok, free.new_token_ids)
+    exact = compiler.compile(StructuredSpec("regex", re.escape(text) + ".*"))
+    held = engine.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True), constraint=exact, **kw)[0]
+    assert held.new_token_ids == free.new_token_ids
+    assert held.token_adapters == free.token_adapters and set(free.token_adapters) <= {"a", "b", None}
+
+
+# ------------------------------------------------------------------------------------------ the server
+
+@pytest.fixture(scope="module")
+def server(paths, tok):
+    engine = Engine(_mm(paths, tok), CFG)
+    app = create_app(engine, model_name="tiny")
+    with ServerThread(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        yield http
+
+
+SCHEMA = SCHEMAS["weather"]
+
+
+def _chat(**extra):
+    return {"model": "tiny", "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 100, **extra}
+
+
+def test_response_format_json_schema_chat_and_completions(server):
+    rf = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+    r = server.post("/chat/completions", json=_chat(response_format=rf, n=3, temperature=1.0, seed=4))
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    r = server.post("/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 100,
+                                          "response_format": rf, "molora": {"return_routing": True}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    jsonschema.validate(json.loads(choice["text"]), SCHEMA)
+    assert set(choice["molora"]["adapters"]) <= {"a", "b"} and choice["molora"]["token_ids"]
+
+
+def test_streamed_json_schema_and_json_object(server):
+    rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}
+    with server.stream("POST", "/chat/completions", json=_chat(response_format=rf, stream=True)) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(text), SCHEMA)
+    r = server.post("/completions", json={"model": "tiny", "prompt": [9, 9], "max_tokens": 200, "seed": 0,
+                                          "temperature": 0.5, "response_format": {"type": "json_object"}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] in ("stop", "length")
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["text"]), dict)
+
+
+def test_vllm_structured_outputs_and_guided_fields(server):
+    base = {"model": "tiny", "prompt": [5, 6], "max_tokens": 20, "temperature": 1.0, "seed": 2}
+    r = server.post("/completions", json={**base, "structured_outputs": {"regex": "[a-c]{3}-[0-9]{2}"}})
+    assert r.status_code == 200, r.text and re.fullmatch("[a-c]{3}-[0-9]{2}", r.json()["choices"][0]["text"])
+    r = server.post("/completions", json={**base, "structured_outputs": {"choice": ["red", "green"]}})
+    assert r.json()["choices"][0]["text"] in ("red", "green")
+    r = server.post("/completions", json={**base, "guided_choice": ["up", "down"]})
+    assert r.json()["choices"][0]["text"] in ("up", "down")
+    r = server.post("/completions", json={**base, "max_tokens": 100, "structured_outputs": {"json": SCHEMA}})
+    jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), SCHEMA)
+    r = server.post("/completions", json={**base, "structured_outputs": {"grammar": 'root ::= "a" ("b" | "c")'}})
+    assert r.json()["choices"][0]["text"] in ("ab", "ac")
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema", "invalid"),
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}},
+     "structured_outputs.json", "cannot be compiled"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex", "cannot be compiled"),
+    ({"guided_json": {"enum": ["x" * 200] * 500}}, "guided_json", "limit"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one structured output"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True}}}},
+     "response_format.json_schema.schema", "cannot enforce (top level): uniqueItems"),
+])
+def test_bad_specs_get_a_400_and_the_server_keeps_serving(server, body, param, words):
+    r = server.post("/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    ok = server.post("/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 5,
+                                           "guided_choice": ["fine"]})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "fine"
+
+
+def test_a_dead_end_answers_with_its_reason(server):
+    """ignore_eos after a complete choice: the grammar allows nothing more; the request ends with an error
+    naming the dead end (streamed: finish_reason "error" then the error event)."""
+    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 20, "ignore_eos": True, "guided_choice": ["ok"]}
+    r = server.post("/completions", json=body)
+    assert r.status_code == 500 and "constraint dead end" in r.json()["error"]["message"]
+    with server.stream("POST", "/completions", json={**body, "stream": True}) as s:
+        lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "error"
+    assert "constraint dead end" in json.loads(lines[-1][6:])["error"]["message"]
+    assert server.post("/completions", json={**body, "ignore_eos": False}).json()["choices"][0]["text"] == "ok"
