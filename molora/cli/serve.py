@@ -33,6 +33,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=_dtype, default="float32", metavar="float32|bfloat16",
                    help="weights, adapters and KV cache (default float32; bfloat16 is faster on CPUs with "
                         "avx512_bf16/AMX and on GPUs, outputs differ slightly; vLLM's auto and float mean float32)")
+    p.add_argument("--quantization", "-q", choices=("int8", "int4"), default=None,
+                   help="quantize the base model's linears on load, weight only, on the CPU (vLLM's flag): int8 per "
+                        "output channel or int4 in groups of 32; adapters stay in --dtype (default: the bundle's "
+                        "\"quantization\", else none)")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="default deadline of a request in seconds (default 600); molora.timeout overrides it")
     p.add_argument("--max-request-timeout", type=float, default=3600.0, metavar="S",
@@ -141,6 +145,9 @@ def _serve(args: argparse.Namespace) -> int:
             folder = Path(tempfile.mkdtemp(prefix="molora-bundle-"))
             write_bundle(folder, bundle.manifest)
             args.bundle = [str(folder)]
+        if args.quantization:
+            raise MoLoRAError("--quantization is not passed to Ray replicas yet: set \"quantization\" in the "
+                              "bundle's molora.json instead")
         return _serve_ray(args, limits, keys)
     if len(args.bundle) > 1:
         raise MoLoRAError(f"{len(args.bundle)} bundles given; one server process serves one bundle: add --ray to "
@@ -151,7 +158,8 @@ def _serve(args: argparse.Namespace) -> int:
           max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, dtype=args.dtype,
           engine_config=EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                      enforce_eager=args.enforce_eager),
-          limits=limits, stall_s=args.stall_timeout, max_cpu_loras=args.max_cpu_loras, **keys)
+          limits=limits, stall_s=args.stall_timeout, max_cpu_loras=args.max_cpu_loras,
+          quantization=args.quantization, **keys)
     return 0
 
 
