@@ -1,10 +1,11 @@
 """Weight-only int8 / int4 base linears: the schemes' bounds, the kernels against the dequantize-then-matmul
 reference, and per-token routing over a quantized base against the same routing over the dequantized weights.
 
-Tolerances: float32 outputs within 1e-5 of the output's largest magnitude (both compute the same products of the
-same dequantized values, in float32, only the order of the sums differs); bfloat16 within one rounding of the output
-(2^-8 relative, plus 1e-2 of the largest magnitude where a sum cancels). Logits of the whole model in float32 within
-1e-4 (test_runner's TOL).
+int8 runs W8A8 (the activations rounded to 8 bits per token, molora.ops.quant), int4 weight only; the reference
+rounds the same values the same way and multiplies in float32. Tolerances: float32 outputs within 1e-5 of the
+output's largest magnitude (the same products of the same values, only the order of the float32 sums differs);
+bfloat16 within one rounding of the output (2^-8 relative, plus 1e-2 of the largest magnitude where a sum cancels).
+Logits of the whole model in float32 within 1e-4 (test_runner's TOL).
 """
 
 from __future__ import annotations
@@ -73,6 +74,20 @@ def test_quantized_kernel_equals_dequantize_then_matmul(scheme, dtype, T):
         _assert_kernel_matches(layer(x3), layer.reference(x3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_do_not_depend_on_the_rest_of_the_batch(dtype):
+    g = torch.Generator().manual_seed(3)
+    base = nn.Linear(96, 64, bias=False)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(64, 96, generator=g))
+    layer = QuantizedLinear(base.to(dtype), "int8")
+    x = (torch.randn(9, 96, generator=g) * torch.logspace(-2, 2, 9)[:, None]).to(dtype)   # rows of unlike ranges
+    with torch.no_grad():
+        whole = layer(x)
+        for i in range(9):
+            assert torch.equal(layer(x[i:i + 1]), whole[i:i + 1]), i
+
+
 def test_quantizing_a_model_drops_its_float_weights_and_keeps_its_linear_shapes():
     model = tiny_model("llama")
     shapes, before = linear_shapes(model), weight_bytes(model)
@@ -84,6 +99,15 @@ def test_quantizing_a_model_drops_its_float_weights_and_keeps_its_linear_shapes(
     assert after["quantized"] > 0 and after["float"] + after["quantized"] < before["float"]
     with pytest.raises(ValueError, match="int8"):
         quantize_linears(tiny_model("llama"), "int3")
+
+
+def _reference_twin(mq: molora.MoLoRAModel) -> molora.MoLoRAModel:
+    """A copy of `mq` whose quantized linears run the reference (dequantize, multiply in float32) for the kernel."""
+    twin = copy.deepcopy(mq)
+    for m in twin.modules():
+        if isinstance(m, QuantizedLinear):
+            m._kernel = m._reference_kernel
+    return twin
 
 
 def _dequantized_twin(mq: molora.MoLoRAModel, arch: str) -> nn.Module:
@@ -104,7 +128,9 @@ def test_per_token_routing_over_a_quantized_base_equals_routing_over_the_dequant
     paths = {n: make_peft_adapter(tmp_path / n, arch, seed=i, **s) for i, (n, s) in enumerate(SPECS.items())}
     mq = molora.attach(tiny_model(arch), paths, quantization=scheme)
     assert sum(isinstance(m, QuantizedLinear) for m in mq.modules()) == 7 * mq.config.num_hidden_layers
-    mf = molora.attach(_dequantized_twin(mq, arch), paths)
+    # int4 is weight only: the float model on the dequantized weights; int8 also rounds its activations: the
+    # quantized model on the reference kernel
+    mf = molora.attach(_dequantized_twin(mq, arch), paths) if scheme == "int4" else _reference_twin(mq)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, VOCAB, (2, 11), generator=g)
     route = torch.randint(-1, 2, (2, 11), generator=g)                      # per token: base, a or b

@@ -6,8 +6,10 @@
 The weight is quantized once, on load (molora.ops.quant: int8 symmetric per output channel, int4 asymmetric groups
 of 32 along d_in), and the float weight is dropped: the module holds `qweight` (int8 [d_out, d_in], or torch's
 packed int4 bytes) and `scales` (float, the model's dtype: `model.to(torch.bfloat16)` casts them with the rest) as
-buffers. The LM head (tied to the embeddings in small models) stays in float. A `RoutedLoRALinear` wraps a
-`QuantizedLinear` as it wraps an `nn.Linear`: the LoRA delta stays in the activation dtype.
+buffers; int8 also keeps FBGEMM's packed copy of qweight (made at the first call, again when qweight or scales
+change), on which it runs with the activations quantized per token (W8A8, molora.ops.quant). The LM head (tied to the
+embeddings in small models) stays in float. A `RoutedLoRALinear` wraps a `QuantizedLinear` as it wraps an
+`nn.Linear`: the LoRA delta stays in the activation dtype, unquantized.
 
 With autograd on (training adapters over a quantized base) the product runs on the dequantized weight, which
 autograd differentiates with respect to x; the weight itself is frozen.
@@ -34,7 +36,11 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales.to(base.weight.dtype))
         self.bias = base.bias
-        self._kernel = quant.KERNELS[scheme]     # chosen once: forward never branches on the scheme
+        self._packed: tuple | None = None        # int8: (key, FBGEMM's packed weight)
+        self._kernel = self._int8 if scheme == "int8" else self._int4   # chosen once: forward never branches on it
+
+    def __getstate__(self) -> dict:   # copies and pickles drop FBGEMM's packed weight (made again at the next call)
+        return {**self.__dict__, "_packed": None}
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -44,10 +50,24 @@ class QuantizedLinear(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:    # autograd: the dequantized weight (module docstring)
             return F.linear(x, self.dequantized().to(x.dtype), self.bias)
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)                   # [T, d_in]
-        y = self._kernel(flat.contiguous(), self.qweight, self.scales, self.group)      # [T, d_out]
+        y = self._kernel(flat.contiguous())                                             # [T, d_out]
         if self.bias is not None:
             y.add_(self.bias)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def _int8(self, x: Tensor) -> Tensor:
+        q, s = self.qweight, self.scales
+        key = (q.data_ptr(), q._version, s.data_ptr(), s._version)
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, quant.prepack_int8(q, s.float()))
+        return quant.linear_int8(x, self._packed[1])
+
+    def _int4(self, x: Tensor) -> Tensor:
+        return quant.linear_int4(x, self.qweight, self.scales, self.group)
+
+    def _reference_kernel(self, x: Tensor) -> Tensor:
+        """`reference` without the bias: what a test puts in place of the kernel (`_kernel`) to run a model on it."""
+        return quant.linear_reference(x, self.qweight, self.scales, self.scheme, self.group, self.shape)
 
     def reference(self, x: Tensor) -> Tensor:
         """The slow spec of forward: the dequantized float32 weight's product, in x's dtype."""

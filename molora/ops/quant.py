@@ -1,27 +1,41 @@
-"""Weight-only int8 and int4 base linears on the CPU: the quantization schemes, torch's kernels, a reference.
+"""Int8 and int4 base linears on the CPU: the quantization schemes, the kernels torch ships, a reference beside them.
 
-    q, scales = quantize(weight, "int8")           # weight [N, K] float -> int8 [N, K], float32 scales [N]
-    y = KERNELS["int8"](x, q, scales.to(x.dtype), 0)  # x [T, K] float32 / bfloat16 -> [T, N] in x's dtype
-    y_ref = linear_reference(x, q, scales.to(x.dtype), "int8", 0, (N, K))   # the dequantized weight's product
+    q, scales = quantize(weight, "int8")            # weight [N, K] float -> int8 [N, K], float32 scales [N]
+    y = linear_int8(x, prepack_int8(q, scales))     # x [T, K] float32 / bfloat16 -> [T, N] in x's dtype
+    y_ref = linear_reference(x, q, scales, "int8", 0, (N, K))   # the same rounding, dequantized, in float32
 
-Schemes (chosen on SmolLM2-135M's shapes, scripts/ab_quant_linear.py; the numbers in docs/quant_linear.json):
+Weights (quantized once, on load):
 
 - **int8**: symmetric, one scale per output channel: scale[n] = max_k |w[n, k]| / 127, q = round(w / scale)
-  in [-127, 127]; w ~ q * scale. Kernel: `torch._weight_int8pack_mm` (ATen's CPU weight-only int8 GEMM: the
-  int8 weight converted to the activation dtype in registers, float32 accumulation, the scale applied per column).
-- **int4**: asymmetric groups of G (default INT4_GROUP) along K, one scale and one zero per group and output
-  channel, in torch's int4 layout: q in [0, 15], w ~ (q - 8) * scale + zero with scale = (max - min) / 15 and
-  zero = min + 8 * scale over the group. Kernel: `torch._weight_int4pack_mm_for_cpu` on the weight packed once by
-  `torch._convert_weight_to_int4pack_for_cpu` (two values a byte).
+  in [-127, 127]; w ~ q * scale.
+- **int4**: asymmetric groups of G (INT4_GROUP = 32; 64 also divides SmolLM2's K = 576, 128 does not) along K, one
+  scale and one zero per group and output channel, in torch's int4 layout: q in [0, 15], w ~ (q - 8) * scale + zero
+  with scale = (max - min) / 15 and zero = min + 8 * scale over the group.
 
-The scales (and zeros) are kept in the activation dtype (the kernels take them so); the reference dequantizes with
-those same stored values, so the kernel and the reference compute the same mathematical product and differ only
-by the order of float32 sums (float32: a few 1e-6 relative; bfloat16: a rounding of the output, tests/test_quant.py).
+Kernels, chosen from scripts/ab_quant_linear.py (SmolLM2-135M's seven shapes, cold weights, interleaved; the record
+in docs/quant_linear.json): torch's weight-only CPU kernels ran far behind the float32 GEMM molora packs
+(molora.ops.packed) at every T above 1: `torch._weight_int8pack_mm` 0.03-0.06x at T = 8-32, the int4 one
+(`torch._weight_int4pack_mm_for_cpu`) 0.01-0.02x, and torchao 0.18 brings no CPU kernel of its own. FBGEMM's dynamic
+int8 linear (`torch.ops.quantized.linear_dynamic`: int8 weights, the activations quantized to 8 bits at each call,
+exact int32 sums on AVX512-VNNI) ran 1.2-3.4x as fast as the packed float32 GEMM. So:
+
+- **int8** runs on FBGEMM (`linear_int8`), weights *and* activations in 8 bits (W8A8). Its activation quantization is
+  per tensor; `linear_int8` makes it per token and batch invariant by scaling each row to [-1, 1] and appending a
+  guard row that pins the tensor's range (`_per_token`), so a token's output depends on its own row alone, as with
+  the float kernels. bfloat16 activations go through float32 (FBGEMM takes float32).
+- **int4** runs on torch's weight-only int4 kernel (`linear_int4`, activations in their own dtype): it saves memory
+  (half a byte a weight) and is slower than float (module docstring numbers); no faster int4 CPU kernel was found.
+
+The reference (`linear_reference`) computes the same rounding of the same values in float32: the kernels equal it up
+to the order of float32 sums (float32: about 1e-6 relative; bfloat16: one rounding of the output; tests/test_quant.py).
 
 Knows nothing about modules, adapters or models.
 """
 
 from __future__ import annotations
+
+import warnings
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -94,17 +108,41 @@ def dequantize(q: Tensor, scales: Tensor, scheme: str, group: int, shape: tuple[
     return dequantize_int4(unpack_int4(q, shape), scales, group)
 
 
-def linear_int8(x: Tensor, q: Tensor, scales: Tensor, group: int) -> Tensor:
-    """x [T, K] @ (q * scales[:, None]).T -> [T, N] in x's dtype (scales in x's dtype; group unused)."""
-    return torch._weight_int8pack_mm(x, q, scales)
+def prepack_int8(q: Tensor, scales: Tensor) -> Any:
+    """(q int8 [N, K], scales [N]) -> FBGEMM's packed weight for `linear_int8` (made once per weight)."""
+    with warnings.catch_warnings():   # torch warns that quantized tensors are deprecated; FBGEMM's op is what runs
+        warnings.simplefilter("ignore")
+        qt = torch._make_per_channel_quantized_tensor(q, scales.double(), torch.zeros(q.shape[0], dtype=torch.long),
+                                                      0)
+    return torch.ops.quantized.linear_prepack(qt, None)
+
+
+def _per_token(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [T, K] -> (x_pad [T + 1, K] float32: each row divided by its largest magnitude, then the guard row
+    [1, -1, 0, ...]; amax [T, 1]). The guard row fixes the tensor's range at [-1, 1], so FBGEMM's per-tensor
+    activation quantization (its range taken over the whole tensor) is the same for every row and every batch:
+    a row's result depends on that row alone."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)      # [T, 1]
+    x_pad = torch.empty(x.shape[0] + 1, x.shape[1])
+    torch.div(xf, amax, out=x_pad[:-1])
+    x_pad[-1].zero_()
+    x_pad[-1, 0], x_pad[-1, 1] = 1.0, -1.0
+    return x_pad, amax
+
+
+def linear_int8(x: Tensor, packed: Any) -> Tensor:
+    """x [T, K] (float32 or bfloat16) @ W.T -> [T, N] in x's dtype, W the int8 weight of `packed` (`prepack_int8`),
+    the activations quantized per token at each call (`_per_token`: 8 bits over [-amax, amax]) and the integer
+    products summed exactly in int32 by FBGEMM (AVX512-VNNI here), then scaled in float32."""
+    x_pad, amax = _per_token(x)
+    y = torch.ops.quantized.linear_dynamic(x_pad, packed, False)[:-1].mul_(amax)                  # [T, N]
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def linear_int4(x: Tensor, q: Tensor, scales: Tensor, group: int) -> Tensor:
     """x [T, K] @ dequantize_int4(q, scales, group).T -> [T, N] in x's dtype (q packed, scales in x's dtype)."""
     return torch._weight_int4pack_mm_for_cpu(x, q, group, scales)
-
-
-KERNELS = {"int8": linear_int8, "int4": linear_int4}   # scheme -> the kernel, chosen once per layer
 
 
 def unpack_int4(packed: Tensor, shape: tuple[int, int]) -> Tensor:
@@ -118,8 +156,14 @@ def unpack_int4(packed: Tensor, shape: tuple[int, int]) -> Tensor:
 
 def linear_reference(x: Tensor, q: Tensor, scales: Tensor, scheme: str, group: int, shape: tuple[int, int],
                      bias: Tensor | None = None) -> Tensor:
-    """The slow spec of KERNELS[scheme] (+ bias): dequantize to float32, multiply in float32, cast to x's dtype."""
-    y = x.float() @ dequantize(q, scales, scheme, group, shape).t()
+    """The slow spec of `linear_int8` / `linear_int4` (+ bias), in float32, cast to x's dtype: int4 multiplies x by
+    the dequantized weight; int8 first rounds x as `linear_int8` does (each row scaled to [-1, 1], quantized with the
+    qparams torch picks for the guarded tensor, dequantized, scaled back)."""
+    xf = x.float()
+    if scheme == "int8":
+        x_pad, amax = _per_token(x)
+        xf = torch.quantize_per_tensor_dynamic(x_pad, torch.quint8, False).dequantize()[:-1] * amax
+    y = xf @ dequantize(q, scales, scheme, group, shape).t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
