@@ -10,7 +10,10 @@ repetition:
 - `packed`: what the engine runs today (`molora.ops.packed.PackedLinear`: panel GEMM in float32, AMX in bfloat16,
   torch's GEMV for one row);
 - `torch`: torch's own linear on the plain weight;
-- `int8`: `torch._weight_int8pack_mm` (int8 weight [N, K], one scale per output channel);
+- `int8`: what `--quantization int8` runs (`molora.ops.quant.linear_int8`: FBGEMM's dynamic int8 linear with the
+  activations quantized per token);
+- `int8-wo`: torch's weight-only int8 kernel `torch._weight_int8pack_mm` (int8 weight [N, K], one scale per output
+  channel, activations in their own dtype);
 - `int4/gG`: `torch._weight_int4pack_mm_for_cpu` on `torch._convert_weight_to_int4pack_for_cpu` (groups of G along
   K, a scale and a zero per group and output channel; 128 does not divide K = 576);
 - `fbgemm-a8w8` (float32 only; not weight-only, a candidate measured for the record): FBGEMM's dynamic quantized
@@ -58,7 +61,9 @@ def variants(ws: list[torch.Tensor], dtype: torch.dtype, groups: list[int]) -> d
     out = {"packed": [packed.PackedLinear(w) for w in wd],
            "torch": [(lambda x, w=w: torch.nn.functional.linear(x, w)) for w in wd]}
     q8 = [quant.quantize_int8(w) for w in ws]
-    out["int8"] = [(lambda x, q=q: torch._weight_int8pack_mm(x, q[0], q[1].to(x.dtype))) for q in q8]
+    packs8 = [quant.prepack_int8(*q) for q in q8]
+    out["int8"] = [(lambda x, p=p: quant.linear_int8(x, p)) for p in packs8]
+    out["int8-wo"] = [(lambda x, q=q: torch._weight_int8pack_mm(x, q[0], q[1].to(x.dtype))) for q in q8]
     if dtype == torch.float32:   # FBGEMM's dynamic int8 linear (module docstring); float32 activations only
         warnings.filterwarnings("ignore", message=".*quantize_per_channel.*")
         packs = [torch.ops.quantized.linear_prepack(
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--groups", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--groups", type=int, nargs="+", default=[32])
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)

@@ -34,9 +34,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="weights, adapters and KV cache (default float32; bfloat16 is faster on CPUs with "
                         "avx512_bf16/AMX and on GPUs, outputs differ slightly; vLLM's auto and float mean float32)")
     p.add_argument("--quantization", "-q", choices=("int8", "int4"), default=None,
-                   help="quantize the base model's linears on load, weight only, on the CPU (vLLM's flag): int8 per "
-                        "output channel or int4 in groups of 32; adapters stay in --dtype (default: the bundle's "
-                        "\"quantization\", else none)")
+                   help="quantize the base model's linears on load, on the CPU (vLLM's flag): int8 weights per output "
+                        "channel with activations quantized per token (FBGEMM), or int4 weights in groups of 32 "
+                        "(weight only, slower); adapters stay in --dtype (default: the bundle's \"quantization\", "
+                        "else none)")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="default deadline of a request in seconds (default 600); molora.timeout overrides it")
     p.add_argument("--max-request-timeout", type=float, default=3600.0, metavar="S",

@@ -248,8 +248,8 @@ def attach(model: nn.Module, adapters: Mapping[str, str | Path] | None = None, *
     slots: bank size S (default max(4, number of adapters)); max_rank: R (default the largest rank given,
     at least 8); target_modules: module-name suffixes to make routable besides the adapters' own targets
     (default, when no adapter is given: the seven Llama projections). quantization: "int8" or "int4" quantizes
-    every linear but the LM head first, weight only, on the CPU (molora.model.quant_linear); the adapters stay in
-    the model's dtype.
+    every linear but the LM head first, on the CPU (molora.model.quant_linear: int8 runs W8A8, int4 weight only);
+    the adapters stay in the model's dtype.
     """
     if any(isinstance(m, RoutedLoRALinear) for m in model.modules()):
         raise MoLoRAError("this model is already attached; attach once and use load_adapter for more")
@@ -258,7 +258,7 @@ def attach(model: nn.Module, adapters: Mapping[str, str | Path] | None = None, *
             names = quantize_linears(model, quantization)
         except ValueError as e:
             raise MoLoRAError(f"cannot quantize the base model: {e}") from e
-        log.info("quantized %d linears to %s (weight only)", len(names), quantization)
+        log.info("quantized %d linears to %s", len(names), quantization)
     adapters = dict(adapters or {})
     base_name = base_name if base_name is not None else (getattr(model, "name_or_path", None) or None)
     shapes = linear_shapes(model)

@@ -8,9 +8,10 @@ holds a reference to the same context. Nothing here reads globals or hooks, and 
 on adapter names or file formats.
 
 The layer keeps the base linear's own `weight` / `bias` parameters under the same names, so the model's
-state_dict keys (`...q_proj.weight`) do not change when it is swapped in. Over a weight-only quantized base
-(molora.model.quant_linear: `QuantizedLinear`) it keeps that module as `qbase` and has no float `weight` (None): the
-base product runs on the quantized kernel and the delta is added in the activation dtype as over a float base.
+state_dict keys (`...q_proj.weight`) do not change when it is swapped in. Over a quantized base
+(molora.model.quant_linear: `QuantizedLinear`, int8 or int4) it keeps that module as `qbase` and has no float `weight`
+(None): the base product runs on the quantized kernel and the delta is added in the activation dtype as over a float
+base.
 """
 
 from __future__ import annotations
@@ -48,19 +49,8 @@ class RoutingContext:
     cast kept from an earlier call), so a replay sees the bank as it is then.
     """
 
-    __slots__ = (
-        "_plan",
-        "allowed",
-        "carry_in",
-        "carry_out",
-        "fixed_in",
-        "linear",
-        "router",
-        "slot_ids",
-        "slot_map",
-        "trace",
-        "weights",
-    )
+    __slots__ = ("slot_ids", "weights", "router", "slot_map", "allowed", "trace", "carry_in", "carry_out", "fixed_in",
+                 "linear", "_plan")
 
     def __init__(self) -> None:
         self.slot_ids: torch.Tensor | None = None
