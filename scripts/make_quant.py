@@ -1,10 +1,11 @@
-"""Render the quantized-base block of docs/benchmarks.md from its records (docs/quant.json, docs/quant_linear.json).
+"""The quantized-base section of docs/benchmarks.md from its records (docs/quant.json, docs/quant_linear.json).
 
-    python scripts/make_quant.py [--check]
+    python scripts/make_quant.py [--check]       # = scripts/make_benchmarks.py --render-only (or --check)
 
 docs/quant_linear.json comes from `scripts/ab_quant_linear.py --json docs/quant_linear.json` (the kernels on
 SmolLM2-135M's linear shapes), docs/quant.json from `scripts/bench_quant.py --json docs/quant.json` (the engine on
-the real model). This script measures nothing; --check says whether the page is stale.
+the real model). `section` renders the lines; scripts/make_benchmarks.py, which renders the whole page, places them.
+This script measures nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGE = ROOT / "docs" / "benchmarks.md"
 
 
 def kernel_table(rec: dict) -> list[str]:
@@ -45,33 +45,32 @@ def engine_table(rec: dict) -> list[str]:
     return out
 
 
-def render() -> str:
-    from molora.docblock import markers, wrap
-
-    lin = json.loads((ROOT / "docs" / "quant_linear.json").read_text())
-    eng = json.loads((ROOT / "docs" / "quant.json").read_text())
+def section(docs: Path) -> list[str]:
+    """The "Quantized base" section of docs/benchmarks.md from docs/quant.json and docs/quant_linear.json (no lines
+    while either record is missing). scripts/make_benchmarks.py places it on the page it renders."""
+    if not ((docs / "quant.json").is_file() and (docs / "quant_linear.json").is_file()):
+        return []
+    lin = json.loads((docs / "quant_linear.json").read_text())
+    eng = json.loads((docs / "quant.json").read_text())
     m = eng["machine"]
     head = (f"Measured on {m['cpu']} ({', '.join(m['cpu_flags'] + m['int8_flags'])}), {m['cores']} cores shared "
-            f"with other work (load average {m['loadavg_1_5_15']} at the engine run): read the ratios, not the "
-            "absolute figures. int8 is W8A8 on FBGEMM (activations quantized per token); int4 is weight only on "
-            "torch's kernel (molora.ops.quant).")
-    body = [head, ""]
-    body += engine_table(eng) + [""] + kernel_table(lin)
-    begin, end = markers("quant", "scripts/make_quant.py")
-    return wrap(begin, end, "\n".join(body))
+            f"with other work (load average {m['loadavg_1_5_15']} at the engine run), {m['threads']} thread(s): read "
+            "the ratios, not the absolute figures. int8 is W8A8 on FBGEMM (weights per output channel, activations "
+            "quantized per token); int4 is weight only on torch's kernel, groups of 32 (molora.ops.quant). Records: "
+            "`scripts/bench_quant.py --json docs/quant.json`, `scripts/ab_quant_linear.py --json "
+            "docs/quant_linear.json`; rendered by `scripts/make_quant.py`.")
+    return ["## Quantized base (`--quantization int8|int4`)", "", head, "", *engine_table(eng), "",
+            *kernel_table(lin), ""]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="only say whether docs/benchmarks.md is stale")
     a = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
-    from molora.docblock import markers, write_block
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_benchmarks
 
-    begin, end = markers("quant", "scripts/make_quant.py")
-    changed = write_block(PAGE, begin, end, render(), check=a.check)
-    print(f"{PAGE.relative_to(ROOT)}: {'stale' if a.check and changed else 'changed' if changed else 'up to date'}")
-    return 1 if a.check and changed else 0
+    return make_benchmarks.main(["--check"] if a.check else ["--render-only"])
 
 
 if __name__ == "__main__":
