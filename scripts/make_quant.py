@@ -60,7 +60,21 @@ def section(docs: Path) -> list[str]:
             "`scripts/bench_quant.py --json docs/quant.json`, `scripts/ab_quant_linear.py --json "
             "docs/quant_linear.json`; rendered by `scripts/make_quant.py`.")
     return ["## Quantized base (`--quantization int8|int4`)", "", head, "", *engine_table(eng), "",
-            *kernel_table(lin), ""]
+            *kernel_table(lin), "", *quality_lines(docs)]
+
+
+def quality_lines(docs: Path) -> list[str]:
+    """One paragraph from docs/quant_quality.json (scripts/quant_quality.py), when it exists."""
+    path = docs / "quant_quality.json"
+    if not path.is_file():
+        return []
+    q = json.loads(path.read_text())
+    parts = [f"{name}: {v['same_answer_as_fp32']:.0%} the same answer as fp32, {v['correct']} correct"
+             for name, v in q["schemes"].items()]
+    return [f"Quality spot check (`scripts/quant_quality.py --json docs/quant_quality.json`): the default bundle, "
+            f"its own routing, greedy, on {q['items']} validation items ({q['per_skill']} per skill of "
+            f"{', '.join(q['tasks'])}); fp32 {q['fp32_correct']} correct; " + "; ".join(parts) + ". Not the skill "
+            "and general-retention re-measurement issue 38 asks for (validation, then test once).", ""]
 
 
 def main(argv: list[str] | None = None) -> int:
