@@ -148,6 +148,9 @@ def parse_manifest(raw: dict, folder: Path, where: str) -> Bundle:
     router_path = (folder / router["path"]).resolve() if router.get("path") else None
     if kind == "learned" and (router_path is None or not router_path.is_dir()):
         raise BundleError(f"{path}: learned router folder {router_path} is missing")
+    if raw.get("quantization") not in (None, "int8", "int4"):   # molora.ops.quant.SCHEMES
+        raise BundleError(f"{path}: \"quantization\" must be \"int8\" or \"int4\" (or absent), got "
+                          f"{raw['quantization']!r}")
     for key, kind_ in (("slots", int), ("max_rank", int), ("target_modules", list), ("chat_template", str)):
         if raw.get(key) is not None and not isinstance(raw[key], kind_):
             raise BundleError(f"{path}: {key!r} must be a {kind_.__name__}, got {raw[key]!r}")
@@ -224,9 +227,10 @@ def make_router(bundle: Bundle, kind: str | None = None, tokenizer: Any = None) 
 
 
 def load(path: str | Path | Bundle | None = None, *, base_only: bool = False, dtype: torch.dtype = torch.float32,
-         dispatch: str = "auto") -> Any:
+         dispatch: str = "auto", quantization: str | None = None) -> Any:
     """A `MoLoRAModel` for the bundle at `path` (None: the embedded default; or a `Bundle` already parsed, e.g.
-    `molora.userbundle.bundle_from_flags`), router and tokenizer attached."""
+    `molora.userbundle.bundle_from_flags`), router and tokenizer attached. quantization ("int8", "int4"; default the
+    manifest's "quantization", else none): the base's linears quantized on load (molora.model.attach)."""
     from molora.model.attach import attach
     from molora.model.base import load_base
 
@@ -240,7 +244,7 @@ def load(path: str | Path | Bundle | None = None, *, base_only: bool = False, dt
     try:
         mm = attach(model, adapters, slots=bundle.slots if not base_only else None, max_rank=bundle.max_rank,
                     tokenizer=tokenizer, dispatch=dispatch, target_modules=bundle.target_modules,
-                    check_base=bundle.check_base)
+                    check_base=bundle.check_base, quantization=quantization or bundle.manifest.get("quantization"))
     except MoLoRAError as e:
         raise BundleError(f"bundle {bundle.folder}: {e}") from e
     router = None if base_only else make_router(bundle, tokenizer=tokenizer)

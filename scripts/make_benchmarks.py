@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import os
 import shlex
@@ -766,6 +767,7 @@ def render(records: dict[str, dict], out: Path, docs: Path, script_cmd: str, not
     lines += engine_mixed_section(records)
     lines += serve_section(records)
     lines += prefix_cache_section(docs)
+    lines += quant_section(docs)
     lines += commands_section(records, script_cmd)
     lines += ["## Not covered here", "",
               "- PEFT X-LoRA has no KV cache, so there is no like-for-like X-LoRA decode step; the table shows "
@@ -774,6 +776,14 @@ def render(records: dict[str, dict], out: Path, docs: Path, script_cmd: str, not
               "fixed slots (`molora.model.graphs`; `--enforce-eager` turns them off), and `scripts/gpu_check.py` "
               "measures them against eager steps, but no GPU has run it yet: no GPU numbers here.", ""]
     return "\n".join(lines)
+
+
+def quant_section(docs: Path) -> list[str]:
+    """The quantized-base section (scripts/make_quant.py renders it from docs/quant.json and docs/quant_linear.json)."""
+    spec = importlib.util.spec_from_file_location("make_quant", Path(__file__).with_name("make_quant.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.section(docs)
 
 
 def script_command(records: dict[str, dict]) -> str:

@@ -37,6 +37,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=_dtype, default="float32", metavar="float32|bfloat16",
                    help="weights, adapters and KV cache (default float32; bfloat16 is faster on CPUs with "
                         "avx512_bf16/AMX and on GPUs, outputs differ slightly; vLLM's auto and float mean float32)")
+    p.add_argument("--quantization", "-q", choices=("int8", "int4"), default=None,
+                   help="quantize the base model's linears on load, on the CPU (vLLM's flag): int8 weights per output "
+                        "channel with activations quantized per token (FBGEMM), or int4 weights in groups of 32 "
+                        "(weight only, slower); adapters stay in --dtype (default: the bundle's \"quantization\", "
+                        "else none)")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="default deadline of a request in seconds (default 600); molora.timeout overrides it")
     p.add_argument("--max-request-timeout", type=float, default=3600.0, metavar="S",
@@ -146,6 +151,9 @@ def _serve(args: argparse.Namespace) -> int:
             folder = Path(tempfile.mkdtemp(prefix="molora-bundle-"))
             write_bundle(folder, bundle.manifest)
             args.bundle = [str(folder)]
+        if args.quantization:
+            raise MoLoRAError("--quantization is not passed to Ray replicas yet: set \"quantization\" in the "
+                              "bundle's molora.json instead")
         return _serve_ray(args, limits, keys)
     if len(args.bundle) > 1:
         raise MoLoRAError(f"{len(args.bundle)} bundles given; one server process serves one bundle: add --ray to "
@@ -158,7 +166,7 @@ def _serve(args: argparse.Namespace) -> int:
                                      enforce_eager=args.enforce_eager,
                                      enable_prefix_caching=args.enable_prefix_caching),
           limits=limits, stall_s=args.stall_timeout, max_cpu_loras=args.max_cpu_loras,
-          lora_resolver_dirs=args.lora_resolver_dir + env("VLLM_LORA_RESOLVER_CACHE_DIR"), **keys)
+          lora_resolver_dirs=args.lora_resolver_dir + env("VLLM_LORA_RESOLVER_CACHE_DIR"), quantization=args.quantization, **keys)
     return 0
 
 

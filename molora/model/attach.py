@@ -29,6 +29,7 @@ from molora.adapters.io import LoRAAdapter, read_adapter
 from molora.config import LLAMA_PROJECTIONS, BankConfig
 from molora.errors import AdapterError, MoLoRAError, RoutingError
 from molora.model.lora_linear import RoutedLoRALinear, RoutingContext, linear_shapes, swap_modules
+from molora.model.quant_linear import quantize_linears
 from molora.ops import LoRADispatcher, fused_cpu
 from molora.routing import Router, Routing, SequenceRouter
 from molora.routing.base import to_slots
@@ -241,15 +242,23 @@ class MoLoRAModel(nn.Module):
 def attach(model: nn.Module, adapters: Mapping[str, str | Path] | None = None, *, slots: int | None = None,
            max_rank: int | None = None, target_modules: Sequence[str] | None = None,
            router: Router | None = None, tokenizer: Any = None, dispatch: str = "auto",
-           base_name: str | None = None, check_base: bool = True) -> MoLoRAModel:
+           base_name: str | None = None, check_base: bool = True, quantization: str | None = None) -> MoLoRAModel:
     """Swap the target linears of `model` for routed layers and load `adapters` (name -> PEFT folder).
 
     slots: bank size S (default max(4, number of adapters)); max_rank: R (default the largest rank given,
     at least 8); target_modules: module-name suffixes to make routable besides the adapters' own targets
-    (default, when no adapter is given: the seven Llama projections).
+    (default, when no adapter is given: the seven Llama projections). quantization: "int8" or "int4" quantizes
+    every linear but the LM head first, on the CPU (molora.model.quant_linear: int8 runs W8A8, int4 weight only);
+    the adapters stay in the model's dtype.
     """
     if any(isinstance(m, RoutedLoRALinear) for m in model.modules()):
         raise MoLoRAError("this model is already attached; attach once and use load_adapter for more")
+    if quantization is not None:
+        try:
+            names = quantize_linears(model, quantization)
+        except ValueError as e:
+            raise MoLoRAError(f"cannot quantize the base model: {e}") from e
+        log.info("quantized %d linears to %s", len(names), quantization)
     adapters = dict(adapters or {})
     base_name = base_name if base_name is not None else (getattr(model, "name_or_path", None) or None)
     shapes = linear_shapes(model)

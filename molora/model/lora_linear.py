@@ -8,7 +8,10 @@ holds a reference to the same context. Nothing here reads globals or hooks, and 
 on adapter names or file formats.
 
 The layer keeps the base linear's own `weight` / `bias` parameters under the same names, so the model's
-state_dict keys (`...q_proj.weight`) do not change when it is swapped in.
+state_dict keys (`...q_proj.weight`) do not change when it is swapped in. Over a quantized base
+(molora.model.quant_linear: `QuantizedLinear`, int8 or int4) it keeps that module as `qbase` and has no float `weight`
+(None): the base product runs on the quantized kernel and the delta is added in the activation dtype as over a float
+base.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from molora.adapters.bank import LoRASlots
+from molora.model.quant_linear import QuantizedLinear
 from molora.ops import LoRADispatcher
 from molora.ops.device import recording
 from molora.routing.base import decide_slots
@@ -105,7 +109,11 @@ class RoutedLoRALinear(nn.Module):
         super().__init__()
         self.name = name  # the module path (the bank's key): what a per-linear router knows this linear by
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
+        if isinstance(base, QuantizedLinear):
+            self.qbase = base                           # the quantized base computes x @ W.T + b (module docstring)
+            self.weight = None
+        else:
+            self.weight = base.weight
         self.bias = base.bias
         self.lora = slots
         self.context = context
@@ -116,6 +124,9 @@ class RoutedLoRALinear(nn.Module):
         self._wt: torch.Tensor | None = None  # weight.t() (inference only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qbase = self._modules.get("qbase")
+        if qbase is not None:
+            return self.add_delta(x, qbase.forward(x))
         params = self._parameters                              # (add_delta: why not self.weight)
         weight, bias = params["weight"], params.get("bias")   # (a bias of None lives outside _parameters)
         if x.dim() == 2 and not torch.is_grad_enabled():  # what F.linear runs for 2-D x, minus three view ops
@@ -196,7 +207,10 @@ class RoutedLoRALinear(nn.Module):
         return (A if A.is_contiguous() else A.contiguous(), *self._kernel_operands(bufs["Bt"], bufs["scale"], False))
 
     def to_linear(self) -> nn.Linear:
-        """A plain nn.Linear sharing this layer's base parameters (the delta is dropped)."""
+        """A plain nn.Linear sharing this layer's base parameters (the delta is dropped); over a quantized base, the
+        QuantizedLinear itself."""
+        if self.weight is None:
+            return self._modules["qbase"]
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
                         device=self.weight.device, dtype=self.weight.dtype)
         lin.weight = self.weight
@@ -209,9 +223,11 @@ class RoutedLoRALinear(nn.Module):
 
 
 def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Module path -> (d_out, d_in) for every linear of `model` (plain or already routed)."""
+    """Module path -> (d_out, d_in) for every linear of `model` (plain, quantized or already routed; a routed
+    linear's quantized base is not listed apart)."""
+    wrapped = {id(m._modules.get("qbase")) for m in model.modules() if isinstance(m, RoutedLoRALinear)}
     return {name: (m.out_features, m.in_features) for name, m in model.named_modules()
-            if isinstance(m, (nn.Linear, RoutedLoRALinear))}
+            if isinstance(m, (nn.Linear, RoutedLoRALinear, QuantizedLinear)) and id(m) not in wrapped}
 
 
 def swap_modules(model: nn.Module, names: Iterable[str],

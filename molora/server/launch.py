@@ -42,11 +42,12 @@ class DrainingServer(uvicorn.Server):
 
 
 def build_engine(bundle: Any = None, engine_config: Any = None, dtype: str = "float32",
-                 max_cpu_loras: int | None = None) -> Any:
+                 max_cpu_loras: int | None = None, quantization: str | None = None) -> Any:
     """An `Engine` over the bundle at `bundle` (a folder, a parsed `Bundle` such as `molora serve --model` makes,
     or None: the embedded default bundle); dtype "bfloat16" runs weights, adapters and KV cache in bf16 (AMX /
     avx512_bf16 on CPU; the router's gates stay fp32). max_cpu_loras (vLLM's flag): the CPU tier holds that
-    many adapters of the slots' size beyond the slots (instead of EngineConfig.cpu_tier_bytes)."""
+    many adapters of the slots' size beyond the slots (instead of EngineConfig.cpu_tier_bytes). quantization
+    ("int8", "int4", vLLM's --quantization): the base's linears quantized on load (molora.bundle.load)."""
     import dataclasses
 
     import torch
@@ -54,7 +55,7 @@ def build_engine(bundle: Any = None, engine_config: Any = None, dtype: str = "fl
     from molora.bundle import load
     from molora.engine import Engine, EngineConfig
 
-    mm = load(bundle)
+    mm = load(bundle, quantization=quantization)
     if dtype != "float32":
         mm.to(getattr(torch, dtype))
     cfg = engine_config if engine_config is not None else EngineConfig()
@@ -70,11 +71,11 @@ def serve(bundle: Any = None, *, host: str = "127.0.0.1", port: int = 8000,
           engine_config: Any = None, max_queue: int = 256, model_name: str | None = None,
           drain_timeout_s: float = 30.0, log_level: str = "info", engine: Any = None, dtype: str = "float32",
           limits: Any = None, stall_s: float = 30.0, max_cpu_loras: int | None = None,
-          lora_resolver_dirs: Sequence[str | Path] = ()) -> None:
+          lora_resolver_dirs: Sequence[str | Path] = (), quantization: str | None = None) -> None:
     """Serve the OpenAI-compatible API until SIGTERM/SIGINT, then drain and return.
 
     bundle: a bundle folder, a parsed `Bundle` (molora.userbundle.bundle_from_flags) or None (the embedded
-    default); engine: an already built engine instead. max_cpu_loras: see `build_engine`.
+    default); engine: an already built engine instead. max_cpu_loras, quantization: see `build_engine`.
     lora_resolver_dirs: folders whose subfolder NAME loads as adapter NAME when a request first names it.
     api_keys / admin_keys: Bearer keys (none: an open server; admin keys also work as API keys).
     adapter_roots: folders that POST /v1/adapters may load from (none: run-time loading disabled).
@@ -84,7 +85,7 @@ def serve(bundle: Any = None, *, host: str = "127.0.0.1", port: int = 8000,
     if not api_keys and not admin_keys and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without API keys: anyone who can reach this port can use it (--api-key)", host)
     if engine is None:
-        engine = build_engine(bundle, engine_config, dtype, max_cpu_loras)
+        engine = build_engine(bundle, engine_config, dtype, max_cpu_loras, quantization)
     extra = {"limits": limits} if limits is not None else {}
     app = create_app(engine, model_name=model_name, api_keys=api_keys, admin_keys=admin_keys,
                      adapter_roots=adapter_roots, max_queue=max_queue, stall_s=stall_s,

@@ -1,0 +1,118 @@
+"""`QuantizedLinear`: a weight-only int8 or int4 base linear, and the walk-and-swap that quantizes a model.
+
+    names = quantize_linears(model, "int8")     # every nn.Linear of the decoder blocks -> QuantizedLinear
+    y = layer(x)                                 # x [..., d_in] float32 / bfloat16 -> [..., d_out], x's dtype
+
+The weight is quantized once, on load (molora.ops.quant: int8 symmetric per output channel, int4 asymmetric groups
+of 32 along d_in), and the float weight is dropped: the module holds `qweight` (int8 [d_out, d_in], or torch's
+packed int4 bytes) and `scales` (float, the model's dtype: `model.to(torch.bfloat16)` casts them with the rest) as
+buffers; int8 also keeps FBGEMM's packed copy of qweight (made at the first call, again when qweight or scales
+change), on which it runs with the activations quantized per token (W8A8, molora.ops.quant). The LM head (tied to the
+embeddings in small models) stays in float. A `RoutedLoRALinear` wraps a `QuantizedLinear` as it wraps an
+`nn.Linear`: the LoRA delta stays in the activation dtype, unquantized.
+
+With autograd on (training adapters over a quantized base) the product runs on the dequantized weight, which
+autograd differentiates with respect to x; the weight itself is frozen.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from molora.ops import quant
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ dequantize(qweight, scales).T + bias on torch's weight-only CPU kernel (module docstring)."""
+
+    def __init__(self, base: nn.Linear, scheme: str, group: int = quant.INT4_GROUP) -> None:
+        super().__init__()
+        quant.check_scheme(scheme)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.scheme, self.group = scheme, group if scheme == "int4" else 0
+        q, scales = quant.quantize(base.weight, scheme, group)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scales.to(base.weight.dtype))
+        self.bias = base.bias
+        self._packed: tuple | None = None        # int8: (key, FBGEMM's packed weight)
+        self._kernel = self._int8 if scheme == "int8" else self._int4   # chosen once: forward never branches on it
+
+    def __getstate__(self) -> dict:   # copies and pickles drop FBGEMM's packed weight (made again at the next call)
+        return {**self.__dict__, "_packed": None}
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:    # autograd: the dequantized weight (module docstring)
+            return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)                   # [T, d_in]
+        y = self._kernel(flat.contiguous())                                             # [T, d_out]
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def _int8(self, x: Tensor) -> Tensor:
+        q, s = self.qweight, self.scales
+        key = (q.data_ptr(), q._version, s.data_ptr(), s._version)
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, quant.prepack_int8(q, s.float()))
+        return quant.linear_int8(x, self._packed[1])
+
+    def _int4(self, x: Tensor) -> Tensor:
+        return quant.linear_int4(x, self.qweight, self.scales, self.group)
+
+    def _reference_kernel(self, x: Tensor) -> Tensor:
+        """`reference` without the bias: what a test puts in place of the kernel (`_kernel`) to run a model on it."""
+        return quant.linear_reference(x, self.qweight, self.scales, self.scheme, self.group, self.shape)
+
+    def reference(self, x: Tensor) -> Tensor:
+        """The slow spec of forward: the dequantized float32 weight's product, in x's dtype."""
+        flat = x.reshape(-1, self.in_features)
+        y = quant.linear_reference(flat, self.qweight, self.scales, self.scheme, self.group, self.shape, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> Tensor:
+        """The float32 weight [d_out, d_in] this layer multiplies by."""
+        return quant.dequantize(self.qweight, self.scales, self.scheme, self.group, self.shape)
+
+    def nbytes(self) -> int:
+        """Bytes of the quantized weight and its scales (not the bias)."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
+
+    def extra_repr(self) -> str:
+        group = f", group={self.group}" if self.scheme == "int4" else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, scheme={self.scheme}{group}")
+
+
+def quantize_linears(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
+    """Swap every `nn.Linear` of `model` (but those whose last name is in `skip`) for a `QuantizedLinear` of
+    `scheme`; return the names replaced. Linears already wrapped by a `RoutedLoRALinear` are not touched: quantize
+    before attaching (molora.attach does)."""
+    from molora.model.lora_linear import swap_modules
+
+    quant.check_scheme(scheme)
+    names = [n for n, m in model.named_modules()
+             if type(m) is nn.Linear and n.rsplit(".", 1)[-1] not in skip]
+    with torch.no_grad():
+        return swap_modules(model, names, lambda name, old: QuantizedLinear(old, scheme))
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes the model's weights take, by kind: "quantized" (QuantizedLinear weights and scales), "float" (the
+    parameters: embeddings, norms, LM head, each shared tensor counted once). Adapter slots are buffers: not counted."""
+    seen: set[int] = set()
+    out = {"quantized": 0, "float": 0}
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            out["quantized"] += m.nbytes()
+            seen.update((m.qweight.data_ptr(), m.scales.data_ptr()))
+    for t in model.parameters():
+        if t.data_ptr() not in seen and t.numel():
+            seen.add(t.data_ptr())
+            out["float"] += t.numel() * t.element_size()
+    return out

@@ -1,0 +1,169 @@
+"""Int8 and int4 base linears on the CPU: the quantization schemes, the kernels torch ships, a reference beside them.
+
+    q, scales = quantize(weight, "int8")            # weight [N, K] float -> int8 [N, K], float32 scales [N]
+    y = linear_int8(x, prepack_int8(q, scales))     # x [T, K] float32 / bfloat16 -> [T, N] in x's dtype
+    y_ref = linear_reference(x, q, scales, "int8", 0, (N, K))   # the same rounding, dequantized, in float32
+
+Weights (quantized once, on load):
+
+- **int8**: symmetric, one scale per output channel: scale[n] = max_k |w[n, k]| / 127, q = round(w / scale)
+  in [-127, 127]; w ~ q * scale.
+- **int4**: asymmetric groups of G (INT4_GROUP = 32; 64 also divides SmolLM2's K = 576, 128 does not) along K, one
+  scale and one zero per group and output channel, in torch's int4 layout: q in [0, 15], w ~ (q - 8) * scale + zero
+  with scale = (max - min) / 15 and zero = min + 8 * scale over the group.
+
+Kernels, chosen from scripts/ab_quant_linear.py (SmolLM2-135M's seven shapes, cold weights, interleaved; the record
+in docs/quant_linear.json): torch's weight-only CPU kernels ran far behind the float32 GEMM molora packs
+(molora.ops.packed) at every T above 1: `torch._weight_int8pack_mm` 0.03-0.06x at T = 8-32, the int4 one
+(`torch._weight_int4pack_mm_for_cpu`) 0.01-0.02x, and torchao 0.18 brings no CPU kernel of its own. FBGEMM's dynamic
+int8 linear (`torch.ops.quantized.linear_dynamic`: int8 weights, the activations quantized to 8 bits at each call,
+exact int32 sums on AVX512-VNNI) ran 1.2-3.4x as fast as the packed float32 GEMM. So:
+
+- **int8** runs on FBGEMM (`linear_int8`), weights *and* activations in 8 bits (W8A8). Its activation quantization is
+  per tensor; `linear_int8` makes it per token and batch invariant by scaling each row to [-1, 1] and appending a
+  guard row that pins the tensor's range (`_per_token`), so a token's output depends on its own row alone, as with
+  the float kernels. bfloat16 activations go through float32 (FBGEMM takes float32).
+- **int4** runs on torch's weight-only int4 kernel (`linear_int4`, activations in their own dtype): it saves memory
+  (half a byte a weight) and is slower than float (module docstring numbers); no faster int4 CPU kernel was found.
+
+The reference (`linear_reference`) computes the same rounding of the same values in float32: the kernels equal it up
+to the order of float32 sums (float32: about 1e-6 relative; bfloat16: one rounding of the output; tests/test_quant.py).
+
+Knows nothing about modules, adapters or models.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+SCHEMES = ("int8", "int4")
+INT4_GROUP = 32   # group size along K for int4 (module docstring; measured in docs/quant_linear.json)
+_INNER_K_TILES = 1  # argument of torch's int4 packing on the CPU (its layout does not depend on it there)
+
+
+def check_scheme(scheme: str | None) -> str | None:
+    """`scheme` if it is None or one of SCHEMES; a ValueError naming the choices otherwise."""
+    if scheme is not None and scheme not in SCHEMES:
+        raise ValueError(f"quantization must be one of {list(SCHEMES)} (or none), got {scheme!r}")
+    return scheme
+
+
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """weight [N, K] -> (q int8 [N, K], scale float32 [N]): symmetric per output channel, q in [-127, 127]."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)   # an all-zero row: q = 0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
+    """(q [N, K], scale [N]) -> float32 [N, K] = q * scale."""
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_int4(weight: Tensor, group: int = INT4_GROUP) -> tuple[Tensor, Tensor]:
+    """weight [N, K] (K a multiple of group) -> (q int32 [N, K] in [0, 15], scale_zero float32 [K / G, N, 2]):
+    asymmetric min/max groups of `group` along K in torch's int4 convention, w ~ (q - 8) * scale + zero."""
+    n, k = weight.shape
+    if group <= 0 or k % group:
+        raise ValueError(f"int4 groups of {group} do not divide the weight's K = {k}")
+    w = weight.detach().float().reshape(n, k // group, group)                    # [N, K / G, G]
+    lo, hi = w.amin(dim=2), w.amax(dim=2)                                        # [N, K / G]
+    scale = ((hi - lo) / 15).clamp(min=1e-6)
+    zero = lo + 8 * scale
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    return q, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()    # [K / G, N, 2]
+
+
+def dequantize_int4(q: Tensor, scale_zero: Tensor, group: int) -> Tensor:
+    """(q [N, K], scale_zero [K / G, N, 2]) -> float32 [N, K] = (q - 8) * scale + zero per group."""
+    sz = scale_zero.float().transpose(0, 1)                                      # [N, K / G, 2]
+    n, k = q.shape
+    w = (q.float().reshape(n, k // group, group) - 8) * sz[..., 0:1] + sz[..., 1:2]
+    return w.reshape(n, k)
+
+
+def quantize(weight: Tensor, scheme: str, group: int = INT4_GROUP) -> tuple[Tensor, Tensor]:
+    """weight [N, K] (a float CPU matrix) -> (q, scales) as `linear` takes them, scales in float32 (cast them to the
+    activations' dtype): int8 q [N, K] and scales [N]; int4 q packed by torch (uint8, two values a byte) and
+    scales [K / G, N, 2] (scale, zero)."""
+    check_scheme(scheme)
+    if weight.dim() != 2 or weight.device.type != "cpu" or not weight.is_floating_point():
+        raise ValueError(f"weight-only {scheme} quantizes float CPU matrices; got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device.type}")
+    if scheme == "int8":
+        return quantize_int8(weight)
+    q, scale_zero = quantize_int4(weight, group)
+    return torch._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES), scale_zero
+
+
+def dequantize(q: Tensor, scales: Tensor, scheme: str, group: int, shape: tuple[int, int]) -> Tensor:
+    """What (q, scales) of `quantize` stand for: the float32 weight [N, K] the kernel multiplies by."""
+    if scheme == "int8":
+        return dequantize_int8(q, scales)
+    return dequantize_int4(unpack_int4(q, shape), scales, group)
+
+
+def prepack_int8(q: Tensor, scales: Tensor) -> Any:
+    """(q int8 [N, K], scales [N]) -> FBGEMM's packed weight for `linear_int8` (made once per weight)."""
+    with warnings.catch_warnings():   # torch warns that quantized tensors are deprecated; FBGEMM's op is what runs
+        warnings.simplefilter("ignore")
+        qt = torch._make_per_channel_quantized_tensor(q, scales.double(), torch.zeros(q.shape[0], dtype=torch.long),
+                                                      0)
+    return torch.ops.quantized.linear_prepack(qt, None)
+
+
+def _per_token(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [T, K] -> (x_pad [T + 1, K] float32: each row divided by its largest magnitude, then the guard row
+    [1, -1, 0, ...]; amax [T, 1]). The guard row fixes the tensor's range at [-1, 1], so FBGEMM's per-tensor
+    activation quantization (its range taken over the whole tensor) is the same for every row and every batch:
+    a row's result depends on that row alone."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)      # [T, 1]
+    x_pad = torch.empty(x.shape[0] + 1, x.shape[1])
+    torch.div(xf, amax, out=x_pad[:-1])
+    x_pad[-1].zero_()
+    x_pad[-1, 0], x_pad[-1, 1] = 1.0, -1.0
+    return x_pad, amax
+
+
+def linear_int8(x: Tensor, packed: Any) -> Tensor:
+    """x [T, K] (float32 or bfloat16) @ W.T -> [T, N] in x's dtype, W the int8 weight of `packed` (`prepack_int8`),
+    the activations quantized per token at each call (`_per_token`: 8 bits over [-amax, amax]) and the integer
+    products summed exactly in int32 by FBGEMM (AVX512-VNNI here), then scaled in float32."""
+    x_pad, amax = _per_token(x)
+    y = torch.ops.quantized.linear_dynamic(x_pad, packed, False)[:-1].mul_(amax)                  # [T, N]
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def linear_int4(x: Tensor, q: Tensor, scales: Tensor, group: int) -> Tensor:
+    """x [T, K] @ dequantize_int4(q, scales, group).T -> [T, N] in x's dtype (q packed, scales in x's dtype)."""
+    return torch._weight_int4pack_mm_for_cpu(x, q, group, scales)
+
+
+def unpack_int4(packed: Tensor, shape: tuple[int, int]) -> Tensor:
+    """torch's packed int4 weight (from `_convert_weight_to_int4pack_for_cpu`) -> q int32 [N, K] in [0, 15], by
+    running its own kernel on the identity (exact: (q - 8) * 1 + 8 = q, integers in float32)."""
+    n, k = shape
+    sz = torch.stack([torch.ones(k // 32, n), torch.full((k // 32, n), 8.0)], dim=-1)   # scale 1, zero 8
+    q = torch._weight_int4pack_mm_for_cpu(torch.eye(k), packed, 32, sz)                 # [K, N] = q.T
+    return q.t().round().to(torch.int32)
+
+
+def linear_reference(x: Tensor, q: Tensor, scales: Tensor, scheme: str, group: int, shape: tuple[int, int],
+                     bias: Tensor | None = None) -> Tensor:
+    """The slow spec of `linear_int8` / `linear_int4` (+ bias), in float32, cast to x's dtype: int4 multiplies x by
+    the dequantized weight; int8 first rounds x as `linear_int8` does (each row scaled to [-1, 1], quantized with the
+    qparams torch picks for the guarded tensor, dequantized, scaled back)."""
+    xf = x.float()
+    if scheme == "int8":
+        x_pad, amax = _per_token(x)
+        xf = torch.quantize_per_tensor_dynamic(x_pad, torch.quint8, False).dequantize()[:-1] * amax
+    y = xf @ dequantize(q, scales, scheme, group, shape).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

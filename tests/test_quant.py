@@ -1,0 +1,192 @@
+"""Weight-only int8 / int4 base linears: the schemes' bounds, the kernels against the dequantize-then-matmul
+reference, and per-token routing over a quantized base against the same routing over the dequantized weights.
+
+int8 runs W8A8 (the activations rounded to 8 bits per token, molora.ops.quant), int4 weight only; the reference
+rounds the same values the same way and multiplies in float32. Tolerances: float32 outputs within 1e-5 of the
+output's largest magnitude (the same products of the same values, only the order of the float32 sums differs);
+bfloat16 within one rounding of the output (2^-8 relative, plus 1e-2 of the largest magnitude where a sum cancels).
+Logits of the whole model in float32 within 1e-4 (test_runner's TOL).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import molora
+from molora.errors import BundleError, MoLoRAError
+from molora.model.lora_linear import RoutedLoRALinear, linear_shapes
+from molora.model.quant_linear import QuantizedLinear, quantize_linears, weight_bytes
+from molora.model.runner import BatchMeta, ModelRunner, StepRouting
+from molora.ops import quant
+from tests.conftest import VOCAB, make_peft_adapter, tiny_model
+
+SCHEMES = ("int8", "int4")
+SPECS = {"a": {"r": 4, "alpha": 8, "targets": ("q_proj", "v_proj", "down_proj")},
+         "b": {"r": 8, "alpha": 4, "targets": ("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}}
+
+
+def _assert_kernel_matches(y: torch.Tensor, ref: torch.Tensor) -> None:
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    big = ref.float().abs().max().item()
+    diff = (y.float() - ref.float()).abs()
+    if y.dtype == torch.float32:
+        assert diff.max().item() <= 1e-5 * big, diff.max().item()
+    else:
+        assert (diff <= ref.float().abs() * 2 ** -8 + 1e-2 * big).all(), diff.max().item()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantization_error_is_within_half_a_step(scheme):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 128, generator=g)
+    w[3] = 0                                                         # an all-zero row quantizes to zeros
+    q, scales = quant.quantize(w, scheme)
+    dq = quant.dequantize(q, scales, scheme, quant.INT4_GROUP, tuple(w.shape))
+    assert dq[3].abs().max() == 0
+    if scheme == "int8":
+        assert q.dtype == torch.int8 and q.abs().max() <= 127 and scales.shape == (48,)
+        step = scales[:, None]
+    else:
+        assert scales.shape == (128 // quant.INT4_GROUP, 48, 2)
+        step = scales[..., 0].t().repeat_interleave(quant.INT4_GROUP, 1)          # [N, K]
+        assert torch.equal(quant.unpack_int4(q, (48, 128)).clamp(0, 15), quant.unpack_int4(q, (48, 128)))
+    assert ((dq - w).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3, 33, 130])
+def test_quantized_kernel_equals_dequantize_then_matmul(scheme, dtype, T):
+    g = torch.Generator().manual_seed(T)
+    base = nn.Linear(96, 64, bias=True)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(64, 96, generator=g) * 0.1)
+        base.bias.copy_(torch.randn(64, generator=g))
+    layer = QuantizedLinear(base.to(dtype), scheme)
+    x = torch.randn(T, 96, generator=g).to(dtype)
+    with torch.no_grad():
+        _assert_kernel_matches(layer(x), layer.reference(x))
+        x3 = x.reshape(1, T, 96)                                     # [..., d_in] keeps its leading shape
+        _assert_kernel_matches(layer(x3), layer.reference(x3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_do_not_depend_on_the_rest_of_the_batch(dtype):
+    g = torch.Generator().manual_seed(3)
+    base = nn.Linear(96, 64, bias=False)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(64, 96, generator=g))
+    layer = QuantizedLinear(base.to(dtype), "int8")
+    x = (torch.randn(9, 96, generator=g) * torch.logspace(-2, 2, 9)[:, None]).to(dtype)   # rows of unlike ranges
+    with torch.no_grad():
+        whole = layer(x)
+        for i in range(9):
+            assert torch.equal(layer(x[i:i + 1]), whole[i:i + 1]), i
+
+
+def test_quantizing_a_model_drops_its_float_weights_and_keeps_its_linear_shapes():
+    model = tiny_model("llama")
+    shapes, before = linear_shapes(model), weight_bytes(model)
+    names = quantize_linears(model, "int8")
+    assert "lm_head" not in names and len(names) == 7 * model.config.num_hidden_layers
+    assert not any(type(m) is nn.Linear for n, m in model.named_modules() if n != "lm_head")
+    assert linear_shapes(model) == shapes
+    after = weight_bytes(model)
+    assert after["quantized"] > 0 and after["float"] + after["quantized"] < before["float"]
+    with pytest.raises(ValueError, match="int8"):
+        quantize_linears(tiny_model("llama"), "int3")
+
+
+def _reference_twin(mq: molora.MoLoRAModel) -> molora.MoLoRAModel:
+    """A copy of `mq` whose quantized linears run the reference (dequantize, multiply in float32) for the kernel."""
+    twin = copy.deepcopy(mq)
+    for m in twin.modules():
+        if isinstance(m, QuantizedLinear):
+            m._kernel = m._reference_kernel
+    return twin
+
+
+def _dequantized_twin(mq: molora.MoLoRAModel, arch: str) -> nn.Module:
+    """The tiny float model of `arch` whose quantized linears hold the dequantized weights of `mq`'s."""
+    model = tiny_model(arch)
+    mods = dict(mq.model.named_modules())
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            q = mods.get(name)
+            q = q._modules.get("qbase") if isinstance(q, RoutedLoRALinear) else q
+            if type(m) is nn.Linear and isinstance(q, QuantizedLinear):
+                m.weight.copy_(q.dequantized())
+    return model
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_per_token_routing_over_a_quantized_base_equals_routing_over_the_dequantized_weights(tmp_path, arch, scheme):
+    paths = {n: make_peft_adapter(tmp_path / n, arch, seed=i, **s) for i, (n, s) in enumerate(SPECS.items())}
+    mq = molora.attach(tiny_model(arch), paths, quantization=scheme)
+    assert sum(isinstance(m, QuantizedLinear) for m in mq.modules()) == 7 * mq.config.num_hidden_layers
+    # int4 is weight only: the float model on the dequantized weights; int8 also rounds its activations: the
+    # quantized model on the reference kernel
+    mf = molora.attach(_dequantized_twin(mq, arch), paths) if scheme == "int4" else _reference_twin(mq)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=g)
+    route = torch.randint(-1, 2, (2, 11), generator=g)                      # per token: base, a or b
+    with torch.no_grad():
+        lq, lf = mq(ids, adapter_ids=route).logits, mf(ids, adapter_ids=route).logits
+    assert (lq - lf).abs().max() <= 1e-4
+    # the engine's runner: a ragged prefill step, then a decode step of both sequences (T = 2)
+    outs = []
+    for mm in (mq, mf):
+        runner = ModelRunner(mm, num_blocks=16, block_size=4, max_model_len=64)
+        slots = mm.slot_routing(molora.Routing(route), ids.shape)[0]            # [22, 1]
+        with torch.no_grad():
+            a = runner(ids.reshape(-1), torch.arange(11).repeat(2), BatchMeta([11, 11], [11, 11], [[0, 1, 2], [3, 4, 5]]),
+                       StepRouting(slots), logits=True).logits
+            b = runner(torch.tensor([5, 6]), torch.tensor([11, 11]), BatchMeta([1, 1], [12, 12], [[0, 1, 2], [3, 4, 5]]),
+                       StepRouting(slots[[0, 11]]), logits=True).logits
+        outs.append((a, b))
+    assert (outs[0][0] - outs[1][0]).abs().max() <= 1e-4
+    assert (outs[0][1] - outs[1][1]).abs().max() <= 1e-4
+
+
+def test_a_quantized_model_runs_in_bfloat16_and_trains_adapters_through_the_reference(tmp_path):
+    path = make_peft_adapter(tmp_path / "a", "llama", **SPECS["a"])
+    mm = molora.attach(tiny_model("llama"), {"a": path}, quantization="int8")
+    ids = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    mm_bf16 = copy.deepcopy(mm).to(torch.bfloat16)
+    layer = mm_bf16.model.model.layers[0].self_attn.q_proj
+    assert layer.qbase.scales.dtype == torch.bfloat16 and layer.qbase.qweight.dtype == torch.int8
+    with torch.no_grad():
+        l16 = mm_bf16(ids, adapter_ids="a").logits.float()
+        l32 = mm(ids, adapter_ids="a").logits
+    assert (l16 - l32).abs().max() <= 0.1 * l32.abs().max()
+    bank = mm.bank.slots["model.layers.0.self_attn.q_proj"]
+    bank.A.requires_grad_(True)                                       # gradients reach the adapters over int8
+    mm(ids, adapter_ids="a").logits.sum().backward()
+    assert bank.A.grad is not None and bank.A.grad.abs().sum() > 0
+
+
+def test_quantization_is_checked_at_attach_and_in_bundles(tmp_path):
+    with pytest.raises(MoLoRAError, match="int3"):
+        molora.attach(tiny_model("llama"), quantization="int3")
+    from molora.bundle import parse_manifest
+
+    with pytest.raises(BundleError, match="quantization"):
+        parse_manifest({"base": "default", "quantization": "fp4"}, tmp_path, "molora.json")
+    assert parse_manifest({"base": "default", "quantization": "int4"}, tmp_path, "m").manifest["quantization"] == "int4"
+
+
+def test_serve_takes_vllms_quantization_flag():
+    import argparse
+
+    from molora.cli.serve import _serve_args
+
+    p = argparse.ArgumentParser()
+    _serve_args(p)
+    assert p.parse_args(["--quantization", "int8"]).quantization == "int8"
+    assert p.parse_args([]).quantization is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--quantization", "fp8"])
