@@ -29,6 +29,8 @@ from typing import Any, Callable
 import jsonschema
 import torch
 
+from molora.bench.common import cpu_model
+
 SCHEMAS = Path(__file__).resolve().parents[1] / "molora" / "data" / "schemas" / "schemas.json"
 
 
@@ -270,21 +272,11 @@ def main() -> None:
         results.append(measure(eng, schemas, tok, vocab_size, args.steps, args.compile_timeout_s))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "failures"}), flush=True)
     record = {"split": "validation", "schemas": len(schemas), "tokenizer": "SmolLM2-135M-Instruct",
-              "vocab_size": vocab_size, "cpu": _cpu_name(), "threads": 1, "torch": torch.__version__,
+              "vocab_size": vocab_size, "cpu": cpu_model(), "threads": 1, "torch": torch.__version__,
               "python": platform.python_version(), "results": results}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({r["engine"]: {k: r.get(k) for k in ("coverage", "compile_ms_median", "mask_ms_b32")}
                       for r in results}))
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

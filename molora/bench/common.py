@@ -162,7 +162,7 @@ def time_interleaved(fns: Mapping[str, Callable[[], Any]], repeats: int, *, warm
 
 # ---------------------------------------------------------------------------------------------- machine
 
-def _lscpu_model() -> str:
+def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
         for line in out.splitlines():
@@ -203,7 +203,7 @@ def machine_info() -> dict[str, Any]:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load = None
-    return {"cpu": _lscpu_model(), "cpu_flags": _cpu_flags(), "cores": os.cpu_count(),
+    return {"cpu": cpu_model(), "cpu_flags": _cpu_flags(), "cores": os.cpu_count(),
             "loadavg_1_5_15": load, "threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": _version("transformers"), "peft": _version("peft"),
             "platform": platform.platform()}

@@ -123,9 +123,18 @@ def own_bundle(args: argparse.Namespace) -> object | None:
     if getattr(args, "bundle", None):
         raise FlagError(f"--model {args.model} and --bundle {args.bundle[0]} both given; serve one: a bundle "
                         "folder names its own base model")
-    return bundle_from_flags(args.model, args.lora_modules, router=args.router,
-                             served_model_name=(args.served_model_name or [None])[0], max_loras=args.max_loras,
-                             max_lora_rank=args.max_lora_rank, chat_template=args.chat_template)
+    return bundle_from_flags(args.model, args.lora_modules, **_manifest_flags(args))
+
+
+def _manifest_flags(args: argparse.Namespace) -> dict:
+    """The `--model` flags' values as `molora.userbundle.manifest_from_flags` takes them (serve and bundle init)."""
+    return dict(router=args.router, served_model_name=(args.served_model_name or [None])[0],
+                max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, chat_template=args.chat_template)
+
+
+def _env_list(name: str) -> list[str]:
+    """A comma-separated environment variable's entries (none when unset)."""
+    return [k for k in os.environ.get(name, "").split(",") if k]
 
 
 @command("serve", _serve_args)
@@ -135,12 +144,10 @@ def _serve(args: argparse.Namespace) -> int:
     from molora.server import serve
     from molora.server.generation import Limits
 
-    def env(name: str) -> list[str]:
-        return [k for k in os.environ.get(name, "").split(",") if k]
-
     limits = Limits(request_timeout_s=args.request_timeout, max_request_timeout_s=args.max_request_timeout,
                     queue_timeout_s=args.queue_timeout or None, keepalive_s=args.keepalive)
-    keys = dict(api_keys=args.api_key + env("MOLORA_API_KEYS"), admin_keys=args.admin_key + env("MOLORA_ADMIN_KEYS"))
+    keys = dict(api_keys=args.api_key + _env_list("MOLORA_API_KEYS"),
+                admin_keys=args.admin_key + _env_list("MOLORA_ADMIN_KEYS"))
     bundle = own_bundle(args)
     if args.ray:
         if bundle is not None:  # replicas load bundles from folders: the flags' manifest, written to a temp folder
@@ -166,7 +173,7 @@ def _serve(args: argparse.Namespace) -> int:
                                      enforce_eager=args.enforce_eager,
                                      enable_prefix_caching=args.enable_prefix_caching),
           limits=limits, stall_s=args.stall_timeout, max_cpu_loras=args.max_cpu_loras,
-          lora_resolver_dirs=args.lora_resolver_dir + env("VLLM_LORA_RESOLVER_CACHE_DIR"), quantization=args.quantization, **keys)
+          lora_resolver_dirs=args.lora_resolver_dir + _env_list("VLLM_LORA_RESOLVER_CACHE_DIR"), quantization=args.quantization, **keys)
     return 0
 
 
@@ -186,8 +193,7 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
         stall_s=args.stall_timeout, ingress=args.ray_ingress)
     ray_serve.serve_ray(cfg, host=args.host, port=args.port, adapter_roots=args.adapter_root,
                         server_kwargs={"limits": limits, "lora_resolver_dirs": args.lora_resolver_dir
-                                       + [d for d in os.environ.get("VLLM_LORA_RESOLVER_CACHE_DIR", "").split(",") if d],
-                                       **keys})
+                                       + _env_list("VLLM_LORA_RESOLVER_CACHE_DIR"), **keys})
     return 0
 
 
@@ -220,9 +226,7 @@ def _bundle(args: argparse.Namespace) -> int:
         return 0
     if not args.out or not args.model:
         raise FlagError("molora bundle init needs --model M and --out DIR (and --lora-modules NAME=PATH ...)")
-    manifest = manifest_from_flags(args.model, args.lora_modules, router=args.router,
-                                   served_model_name=(args.served_model_name or [None])[0], max_loras=args.max_loras,
-                                   max_lora_rank=args.max_lora_rank, chat_template=args.chat_template)
+    manifest = manifest_from_flags(args.model, args.lora_modules, **_manifest_flags(args))
     path = write_bundle(args.out, manifest)
     print(f"wrote {path}; check it with `molora bundle check {args.out}`, train a router with `molora train-router "
           f"--bundle {args.out} --data NAME=FILE ...`, serve it with `molora serve --bundle {args.out}`")
