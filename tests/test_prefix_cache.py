@@ -121,6 +121,42 @@ def test_a_probe_cached_over_the_whole_prompt_skips_the_probe_pass(paths):
     assert on.tokens_computed - computed == BS + GREEDY.max_new_tokens - 1   # the last block, then decoding
 
 
+def _together(engine: Engine, prompts: list[list[int]], **kw) -> list:
+    """All prompts added at once (one arrival burst), stepped to the end with Engine.check after every step."""
+    rids = [engine.add_request(p, GREEDY, **kw) for p in prompts]
+    toks: dict[str, list[int]] = {r: [] for r in rids}
+    cached: dict[str, int | None] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            toks[o.request_id] += o.new_token_ids
+            if o.finished:
+                cached[o.request_id] = o.cached_tokens
+        engine.check()
+    return [(toks[r], cached[r]) for r in rids]
+
+
+@pytest.mark.parametrize("routing", ["pinned", "learned", "learned_probe"])
+@torch.no_grad()
+def test_requests_arriving_together_compute_their_shared_prefix_once(paths, routing):
+    """Four requests with one 4-block system prompt arrive in one burst: the first computes the prefix, the
+    others wait for its blocks (they are in flight, not yet cached) and take them from the cache instead of
+    computing them again; outputs equal the cache-off engine's."""
+    prefix = _ids(4 * BS, 21)
+    prompts = [prefix + _ids(7 + i, 30 + i) for i in range(4)]
+    cfg = {**CFG, "max_tokens_per_step": 512}          # room for all four prompts in one step
+    on = Engine(_mm(paths, routing), EngineConfig(**cfg))
+    off = Engine(_mm(paths, routing), EngineConfig(**cfg, enable_prefix_caching=False))
+    got, want = _together(on, prompts, **_kw(routing)), _together(off, prompts, **_kw(routing))
+    assert [t for t, _ in got] == [t for t, _ in want]
+    stats = on.stats()["prefix_cache"]
+    if routing == "learned_probe":     # the probe pass of every later request hits the whole system prompt;
+        assert stats["probe_hit_tokens"] == 3 * 4 * BS    # the real pass hits where the decisions agree
+        assert off.tokens_computed - on.tokens_computed >= 3 * 4 * BS + stats["hit_tokens"]
+    else:
+        assert [c for _, c in got] == [0] + [4 * BS] * 3
+        assert off.tokens_computed - on.tokens_computed == 3 * 4 * BS
+
+
 @pytest.mark.parametrize("arch", ["llama"])
 @torch.no_grad()
 def test_llama_pinned_and_vocab_outputs_equal_cache_off(paths, arch):

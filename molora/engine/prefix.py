@@ -108,6 +108,50 @@ class PrefixCache:
         req.prefix = PrefixState(False, self.epoch)
         return self._walk(req, (len(req.tokens) - 1) // self.bs, probe=False)  # the last token is computed
 
+    def in_flight(self, running: list[Request]) -> set[BlockKey]:
+        """Keys of the full blocks that running requests are computing and will publish (their chains beyond
+        what they have published)."""
+        return {k for r in running if r.prefix is not None and r.prefix.epoch == self.epoch
+                for k in r.prefix.keys[r.prefix.published:]}
+
+    def computing(self, req: Request, upto: int) -> list[BlockKey]:
+        """Keys of req's blocks that it is computing (unpublished) below token `upto`."""
+        st = req.prefix
+        if st is None or st.epoch != self.epoch:
+            return []
+        return st.keys[st.published:-(-upto // self.bs)]
+
+    def behind(self, req: Request, start: int, in_flight: set[BlockKey]) -> bool:
+        """True if req's block `start` (the first it would compute itself) is being computed by another request:
+        a step or two later req takes it from the cache instead of computing the same KV again (32 requests
+        arriving together with one system prompt compute it once, not 32 times)."""
+        keys = req.prefix.keys if req.prefix is not None else []
+        return len(keys) > start and keys[start] in in_flight
+
+    def extend(self, req: Request) -> bool:
+        """A running request in its real pass, at a block boundary with all its blocks keyed, takes the blocks
+        published since it was admitted (by requests that were ahead of it) and starts after them. True if it
+        is at such a boundary (then `behind` may hold it back), False if it is inside a block of its own."""
+        st, table = req.prefix, req.block_table
+        if (st is None or st.probe or st.epoch != self.epoch or st.published != len(table)
+                or req.num_computed != len(table) * self.bs):
+            return False
+        limit = (len(req.tokens) - 1) // self.bs            # the last token is computed
+        keys, found = self._keys(req, limit), []
+        for j in range(len(table), len(keys)):
+            block = self.allocator.lookup(keys[j])
+            if block is None:
+                break
+            found.append(block)
+        if found:
+            self.allocator.share(table, found)
+            n = len(found) * self.bs
+            st.published = len(table)
+            req.num_computed += n
+            req.cached_tokens = (req.cached_tokens or 0) + n
+            self.hit_tokens += n
+        return True
+
     def take(self, req: Request, blocks: list[int]) -> None:
         """`req` was admitted holding `blocks` (from `match`, now in its table): it starts after them."""
         st, n = req.prefix, len(blocks) * self.bs

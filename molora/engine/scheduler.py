@@ -16,7 +16,11 @@ all its tokens (prompt + generated so far) to prefill again.
 
 Prefix cache (molora.engine.prefix, when given): admission pins the adapters first, then looks up the
 cached blocks of the request's tokens; it holds them (shared, reference-counted) and starts its first
-chunk after them, at the cached length; the last token is always computed. Unreferenced cached blocks count
+chunk after them, at the cached length; the last token is always computed. A request whose next uncached block is being computed by
+a running request (`PrefixCache.behind`: requests that arrive together with one system prompt) keeps its
+place and is passed over until that block is published, so the shared blocks are computed once; likewise a
+running request in prefill (a probed prompt's real pass, just restarted) sits out a step while a request
+ahead of it computes its next block, and takes the blocks published meanwhile (`PrefixCache.extend`). Unreferenced cached blocks count
 as free (`BlockAllocator.num_free`) and are evicted when a table grows. A preempted request releases its
 blocks into the cache and usually finds them there again when it is readmitted. Finished or aborted requests free their
 blocks and pins at once (`finish`). A request whose prompt is being probed (`Request.probing`, a learned
@@ -93,15 +97,21 @@ class Scheduler:
         out: list[Scheduled] = []
         decoding = [r for r in self.running if r.remaining == 1]
         prefilling = [r for r in self.running if r.remaining > 1]
+        computing: set = set()               # prefix keys of the blocks this step computes
         for req in decoding + prefilling:
             budget = self.max_tokens - sum(s.n for s in out)   # a preemption may give tokens back
             if budget == 0:
                 break
             if req not in self.running:      # preempted earlier in this loop
                 continue
+            if self.prefix is not None and req.remaining > 1 and self.prefix.extend(req) \
+                    and self.prefix.behind(req, len(req.block_table), computing):
+                continue                     # a request ahead of it computes its next block in this step
             n = min(req.remaining, budget)
             if self._make_room(req, req.num_computed + n, out):
                 out.append(Scheduled(req, req.num_computed, n, req.probing))
+                if self.prefix is not None:
+                    computing.update(self.prefix.computing(req, req.num_computed + n))
         if self._admit(out) and not out:     # nothing can run until an adapter read finishes: wait a little,
             self.hotset.wait_reads(READ_WAIT_S)  # bounded so that the engine thread stays responsive
             self._admit(out)                 # (commands, deadlines, heartbeat); the next step waits again
@@ -112,6 +122,7 @@ class Scheduler:
         adapters are still being read."""
         budget = self.max_tokens - sum(s.n for s in out)
         reading, i = False, 0
+        in_flight = self.prefix.in_flight(self.running) if self.prefix is not None and self.waiting else set()
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
             n = min(req.remaining, budget)
@@ -132,6 +143,10 @@ class Scheduler:
             hits: list[int] = []
             if self.prefix is not None:      # looked up under the pins: the adapters' versions cannot change
                 hits = self.prefix.match(req)
+                if self.prefix.behind(req, len(hits), in_flight):
+                    self.hotset.release(req.needs)
+                    i += 1                   # a running request is computing its next block: it keeps its place
+                    continue
                 n = min(len(req.tokens) - len(hits) * self.allocator.block_size, budget)
                 if not self.allocator.can_grow(req.block_table, len(hits) * self.allocator.block_size + n, hits):
                     self.hotset.release(req.needs)
@@ -144,6 +159,8 @@ class Scheduler:
             self.running.append(req)
             out.append(Scheduled(req, req.num_computed, n, req.probing))
             budget -= n
+            if self.prefix is not None and req.prefix is not None:
+                in_flight.update(req.prefix.keys[req.prefix.published:])
         return reading
 
     def restart(self, req: Request) -> None:
