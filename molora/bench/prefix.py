@@ -118,6 +118,8 @@ def measure(engines: dict[str, Engine], workloads: dict[str, tuple[list[list[int
     res: dict[str, Any] = {}
     for wname, (prompts, kw) in workloads.items():
         runs: dict[str, list[dict]] = {v: [] for v in engines}
+        for v in engines:                    # untimed warm-up: kernels loaded, first-call costs paid
+            run_batch(engines[v], prompts[:2], 2, kw)
         for i in range(repeats):
             for v in rotated(list(engines), i):
                 r = run_batch(engines[v], prompts, new_tokens, kw)
