@@ -85,7 +85,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
+        """Queue a request and start reading its cold adapters now (`HotSet.prefetch`, within the CPU tier's
+        budget), so they are usually warm when it reaches the front."""
         self.waiting.append(request)
+        self.hotset.prefetch(request.needs)
+
+    def _prefetch_queue(self) -> None:
+        """Tell the hot set what the whole queue needs, in queue order: it reads ahead within its budget and
+        protects those adapters from displacement by other prefetches and from slot eviction where it can."""
+        self.hotset.prefetch([n for r in self.waiting for n in r.needs], queue=True)
 
     # ------------------------------------------------------------------------------------ one step
     def schedule(self) -> list[Scheduled]:
@@ -105,6 +113,7 @@ class Scheduler:
         if self._admit(out) and not out:     # nothing can run until an adapter read finishes: wait a little,
             self.hotset.wait_reads(READ_WAIT_S)  # bounded so that the engine thread stays responsive
             self._admit(out)                 # (commands, deadlines, heartbeat); the next step waits again
+        self._prefetch_queue()
         return out
 
     def _admit(self, out: list[Scheduled]) -> bool:
@@ -221,3 +230,4 @@ class Scheduler:
         in_flight = list(itertools.chain(self.running, self.waiting))
         assert all(n in self.hotset.paths for r in in_flight for n in r.needs), "a request needs an unknown adapter"
         assert all(self.users(n) for n in self.hotset.draining), "a draining adapter without users was not unloaded"
+        self.hotset.check()
