@@ -119,3 +119,36 @@ def test_slot_eviction_spares_adapters_the_queue_wants(folders, reference):
     assert hs.resident("x0") and not hs.resident("x1")
     hs.release(["x2"])
     hs.check()
+
+
+@pytest.mark.parametrize("admission", ["slots", "fcfs"])
+def test_slot_aware_admission_lets_warm_requests_pass_a_blocked_cold_one_a_bounded_number_of_times(
+        folders, reference, admission):
+    """One slot, pinned by a long x0 request: a cold x1 request cannot start; the x0 requests queued behind it
+    need no slot. "slots" admits max_bypass of them ahead of it, then it waits its turn; "fcfs" admits none."""
+    mm = molora.attach(tiny_model(ARCH), {"x0": folders["x0"]}, slots=1)
+    engine = Engine(mm, EngineConfig(**CFG, cpu_tier_bytes=1 << 24))
+    engine.load_adapter("x1", str(folders["x1"]))
+    engine.scheduler.admission, engine.scheduler.max_bypass = admission, 2
+    first: dict[str, int] = {}
+    got: dict[str, list[int]] = {}
+
+    def step(i):
+        for o in engine.step():
+            if o.new_token_ids:
+                first.setdefault(o.request_id, i)
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            assert o.finish_reason in (None, "length")
+        engine.scheduler.check()
+
+    engine.add_request(_prompt(0), SamplingParams(max_new_tokens=8), adapter="x0", request_id="long")
+    step(0)
+    engine.add_request(_prompt(1), GREEDY, adapter="x1", request_id="cold")
+    warm = [engine.add_request(_prompt(2), GREEDY, adapter="x0", request_id=f"w{i}") for i in range(5)]
+    i = 1
+    while engine.has_unfinished():
+        step(i)
+        i += 1
+    order = sorted(["cold", *warm], key=lambda r: first[r])
+    assert order == (["w0", "w1", "cold", "w2", "w3", "w4"] if admission == "slots" else ["cold", *warm])
+    assert got["cold"] == reference["x1", 1] and all(got[w] == reference["x0", 2] for w in warm)
