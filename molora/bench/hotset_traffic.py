@@ -18,7 +18,8 @@ Reported per variant: output tokens/s (and the ratio to `one`); time to first to
 adapters were all resident when queued (warm) and of the others (cold), medians and p90; inter-token gaps of
 warm requests over steps in which an adapter was loaded into a slot or read from disk vs. steps with no
 adapter work, medians and p99, and the median step; the CPU tier's bytes, its reservations and the process's
-resident memory over the run (`HotSet.check` asserts the tier bound at every step). Ends with one JSON line.
+resident memory over the run (the tier bound asserted at every step from the hot set's counters, `HotSet.check` and
+the process's RSS every 10th). Ends with one JSON line.
 Owns the traffic and the measurement; knows the engine through its public API and `engine.hotset`'s counters.
 """
 
@@ -155,14 +156,17 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
                 elif r["warm"]:
                     warm_gaps["loads" if loads else "quiet"].append(now - r["last"])
                 r["last"] = now
-        hs.check()
-        st = hs.stats()
-        sample = {"cpu_tier_bytes": st["cpu_tier_bytes"], "reserved_bytes": st["reserved_bytes"],
-                  "tier_plus_reserved": st["cpu_tier_bytes"] + st["reserved_bytes"], "rss_bytes": _rss_bytes()}
+        reserved = sum(hs.reserved.values())   # the bound every step from the counters; HotSet.check every 10th
+        over = hs.reserved.get(hs.overdraft, 0) if hs.overdraft is not None else 0
+        if hs.cpu_used + reserved > hs.cpu_budget + over:
+            raise AssertionError(f"CPU tier {hs.cpu_used} + reserved {reserved} B over its budget {hs.cpu_budget} B")
+        sample = {"cpu_tier_bytes": hs.cpu_used, "reserved_bytes": reserved, "tier_plus_reserved": hs.cpu_used + reserved}
+        if len(steps) % 10 == 1:
+            hs.check()
+            sample["rss_bytes"] = _rss_bytes()
+            mem.append({"t_s": round(now - t0, 3), **sample})
         for k, v in sample.items():
             peak[k] = max(peak[k], v)
-        if len(steps) % 10 == 1:
-            mem.append({"t_s": round(now - t0, 3), **sample})
     wall = time.perf_counter() - t0
     ttft = {k: [r["ttft"] for r in info.values() if r["warm"] == (k == "warm")] for k in ("warm", "cold")}
     st = hs.stats()
