@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(p)
     a = p.parse_args(argv)
     if a.traffic:
-        return _traffic(p, a, argv or [])
+        return _traffic(p, a, sys.argv[1:] if argv is None else argv)
     if a.adapters < 4:
         p.error("--adapters must be at least 4 (the tier timing cycles over more adapters than its 2 slots)")
     if a.quick:
