@@ -470,7 +470,7 @@ def hotset_traffic_section(docs: Path) -> list[str]:
         return []
     r = json.loads(path.read_text(encoding="utf-8"))
     m = r["machine"]
-    med = lambda d: f"{d['median']:.1f}" if d.get("n") else "–"   # noqa: E731
+    med = lambda d: f"{d['median']:.1f}" if d.get("n") else "–"
     lines = ["## A thousand adapters", "",
              f"`molora bench hotset --traffic` (record `docs/hotset_traffic.json`): {r['adapters']} random adapters "
              f"(rank {r['rank']}, {', '.join(r['targets'])}, {r['adapter_dtype']} files) on {r['model']}, all "

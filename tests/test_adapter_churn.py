@@ -43,7 +43,7 @@ def variants(tmp_path_factory):
 def reference(variants):
     """(folder, prompt) -> greedy tokens of that folder's weights alone; the variants must be tell-apart-able."""
     out = {}
-    for key, path in variants.items():
+    for path in variants.values():
         engine = Engine(molora.attach(tiny_model(ARCH), {"solo": path}), EngineConfig(**CFG))
         for p, o in enumerate(engine.generate([_prompt(p) for p in range(PROMPTS)], GREEDY, adapter="solo")):
             out[path, p] = o.new_token_ids

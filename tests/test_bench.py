@@ -118,7 +118,7 @@ def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys):
                        "--json", str(tmp_path / "t.json")]) == 0
     line = _last_json(capsys)
     assert line["bench"] == "hotset_traffic" and set(line["runs"]) == {"one", "many_fcfs", "many_slots"}
-    for v, (run,) in line["runs"].items():
+    for (run,) in line["runs"].values():
         assert run["output_tokens"] == 10 * line["new_tokens"]
         assert run["ttft_ms"]["warm"]["n"] + run["ttft_ms"]["cold"]["n"] == 10
         assert run["memory"]["peak"]["cpu_tier_bytes"] <= run["memory"]["cpu_tier_budget"]

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 def _traffic(p: argparse.ArgumentParser, a: argparse.Namespace, argv: list[str]) -> int:
     from molora.bench import hotset_traffic as ht
 
-    given = lambda flag: any(x == flag or x.startswith(flag + "=") for x in argv)   # noqa: E731
+    given = lambda flag: any(x == flag or x.startswith(flag + "=") for x in argv)
     rank = a.rank if given("--rank") else 8
     requests = a.requests if given("--requests") else 400
     repeats = a.repeats if given("--repeats") else 1

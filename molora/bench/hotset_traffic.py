@@ -183,7 +183,7 @@ def _dist(xs: list[float]) -> dict:
     if not xs:
         return {"n": 0}
     xs = sorted(xs)
-    q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))]   # noqa: E731
+    q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))]
     return {"n": len(xs), "median": round(1e3 * statistics.median(xs), 3), "p90": round(1e3 * q(0.9), 3),
             "p99": round(1e3 * q(0.99), 3)}
 
@@ -231,7 +231,7 @@ def format_table(out: dict) -> str:
              f"{'ITL loads':>10} {'peak tier+res MiB':>18}"]
     for v in VARIANTS:
         r = out["runs"][v][-1]
-        med = lambda d: d.get("median", float("nan"))   # noqa: E731
+        med = lambda d: d.get("median", float("nan"))
         lines.append(f"{v:<11} {out['tokens_per_s'][v]:>8.2f} {out['vs_one'][v]:>6.3f} {med(r['ttft_ms']['warm']):>10.1f} "
                      f"{med(r['ttft_ms']['cold']):>10.1f} {med(r['warm_itl_ms']['quiet']):>10.1f} "
                      f"{med(r['warm_itl_ms']['loads']):>10.1f} "

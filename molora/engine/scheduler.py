@@ -22,7 +22,8 @@ blocks into the cache and usually finds them there again when it is readmitted. 
 blocks and pins at once (`finish`). A request whose prompt is being probed (`Request.probing`, a learned
 router's probe pass) is prefilled like any other; its chunks are marked `probe` and sample nothing.
 
-Slot-aware admission (`admission="slots"`, the default; "fcfs" turns it off): when the first waiting request
+Slot-aware admission (`admission="slots"`; the default stays "fcfs" until a quiet run of the traffic bench
+shows it wins, see below): when the first waiting request
 that needs a slot cannot get one (every slot it could take is pinned by running requests), the waiting
 requests behind it whose adapters are all resident need no slot, so they move ahead of it (in their order)
 instead of waiting behind it; each request counts how many were moved ahead of it (`Request.bypassed`) and
@@ -58,7 +59,7 @@ log = logging.getLogger("molora.engine")
 
 
 READ_WAIT_S = 0.05  # longest a step waits for an adapter read when nothing else can run
-ADMISSION = ("slots", "fcfs")
+ADMISSION = ("fcfs", "slots")
 MAX_BYPASS = 16     # most requests slot-aware admission moves ahead of one waiting request
 
 
@@ -82,7 +83,7 @@ class Scheduler:
     """FCFS continuous batching with chunked prefill and recompute preemption (module docstring)."""
 
     def __init__(self, allocator: BlockAllocator, hotset: HotSet, *, max_num_seqs: int,
-                 max_tokens_per_step: int, prefix: PrefixCache | None = None, admission: str = "slots",
+                 max_tokens_per_step: int, prefix: PrefixCache | None = None, admission: str = "fcfs",
                  max_bypass: int = MAX_BYPASS) -> None:
         if admission not in ADMISSION or max_bypass < 0:
             raise MoLoRAError(f"admission={admission!r}, max_bypass={max_bypass}: choose one of {ADMISSION} "
