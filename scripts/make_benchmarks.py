@@ -462,6 +462,46 @@ def engine_mixed_section(records: dict[str, dict]) -> list[str]:
             f"the longest and run until the longest request ends; continuous batching does neither.", ""]
 
 
+def hotset_traffic_section(docs: Path) -> list[str]:
+    """The many-adapter traffic table, from its own record docs/hotset_traffic.json (`molora bench hotset --traffic
+    --adapters 1000 --json docs/hotset_traffic.json`; its own command, not run by this script). Nothing without it."""
+    path = docs / "hotset_traffic.json"
+    if not path.is_file():
+        return []
+    r = json.loads(path.read_text(encoding="utf-8"))
+    m = r["machine"]
+    med = lambda d: f"{d['median']:.1f}" if d.get("n") else "–"
+    lines = ["## A thousand adapters", "",
+             f"`molora bench hotset --traffic` (record `docs/hotset_traffic.json`): {r['adapters']} random adapters "
+             f"(rank {r['rank']}, {', '.join(r['targets'])}, {r['adapter_dtype']} files) on {r['model']}, all "
+             f"registered; {r['requests']} requests drawn Zipf (s={r['zipf_s']}) over them, "
+             f"{100 * r['learned_share']:.0f}% learned per token with an allowed set of 2-4 (a random gate over all "
+             f"adapters), the rest pinned; {r['prompt_len']}-token prompts, {r['new_tokens']} greedy new tokens, "
+             f"{r['concurrency']} in flight (closed loop), {r['slots']} slots, a CPU tier of {r['cpu_tier_mib']} MiB. "
+             f"**one**: the same traffic with every adapter replaced by the most popular one (`{r['one_adapter']}`). "
+             f"Each variant a fresh engine, order rotated, {r['repeats']} repetition(s), median. Warm: every adapter "
+             "of the request resident when it was queued; ITL: gaps between a warm request's tokens on steps with "
+             "adapter loads or reads vs. without. "
+             f"CPU: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, load average {m['loadavg_1_5_15']} "
+             "at the start.", "",
+             "| variant | output tok/s | × one | TTFT warm ms | TTFT cold ms | cold / warm | warm ITL quiet ms | "
+             "warm ITL loads ms (p99) | step ms | peak tier + reserved MiB (budget) | peak RSS MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for v, runs in r["runs"].items():
+        x = runs[-1]
+        w, c = x["ttft_ms"]["warm"], x["ttft_ms"]["cold"]
+        ratio = f"{c['median'] / w['median']:.2f}" if w.get("n") and c.get("n") else "–"
+        il = x["warm_itl_ms"]["loads"]
+        pk, mem = x["memory"]["peak"], x["memory"]
+        lines.append(f"| {v} | {r['tokens_per_s'][v]:.1f} | {r['vs_one'][v]:.3f} | {med(w)} | {med(c)} | {ratio} | "
+                     f"{med(x['warm_itl_ms']['quiet'])} | {med(il)} ({il.get('p99', '–')}) | {x['step_ms_median']:.1f} | "
+                     f"{pk['tier_plus_reserved'] / 2**20:.1f} ({mem['cpu_tier_budget'] / 2**20:.0f}) | "
+                     f"{pk['rss_bytes'] / 2**20:.0f} |")
+    return lines + ["", "Goals (issue 37): many / one ≥ 0.85; cold TTFT ≤ 1.5 × warm; a warm request's ITL rises "
+                    "by at most one step while adapters load. The per-run rows of the last repetition are shown; "
+                    "the record holds every run and the memory samples.", ""]
+
+
 def prefix_cache_section(docs: Path) -> list[str]:
     """The prefix-cache table, from its own record docs/prefix_cache.json (`molora bench engine --shared-prefix
     --json docs/prefix_cache.json`; its own command, not run by this script), with the runs parsed from a
@@ -766,6 +806,7 @@ def render(records: dict[str, dict], out: Path, docs: Path, script_cmd: str, not
     lines += engine_section(records)
     lines += engine_mixed_section(records)
     lines += serve_section(records)
+    lines += hotset_traffic_section(docs)
     lines += prefix_cache_section(docs)
     lines += quant_section(docs)
     lines += commands_section(records, script_cmd)

@@ -110,6 +110,23 @@ def test_hotset_bench_json_on_tiny(tmp_path, capsys):
     assert rows[-1]["hit_rate"] == 1.0 and rows[0]["hits"] + rows[0]["misses"] == 40
 
 
+def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys):
+    """The many-adapter traffic bench, CI-sized: every request of every variant ends with its tokens (the bench
+    raises otherwise), the one-adapter variant loads at most its one adapter, the many-adapter ones load many, and
+    the CPU tier stays within its budget at every sampled step (HotSet.check also asserts it each step)."""
+    assert bench_main(["hotset", "--traffic", "--quick", "--adapters", "12", "--requests", "10", "--threads", "1",
+                       "--json", str(tmp_path / "t.json")]) == 0
+    line = _last_json(capsys)
+    assert line["bench"] == "hotset_traffic" and set(line["runs"]) == {"one", "many_fcfs", "many_slots"}
+    for (run,) in line["runs"].values():
+        assert run["output_tokens"] == 10 * line["new_tokens"]
+        assert run["ttft_ms"]["warm"]["n"] + run["ttft_ms"]["cold"]["n"] == 10
+        assert run["memory"]["peak"]["cpu_tier_bytes"] <= run["memory"]["cpu_tier_budget"]
+    misses = {v: run["hotset"]["misses"] for v, (run,) in line["runs"].items()}
+    assert misses["one"] <= 1 < min(misses["many_fcfs"], misses["many_slots"])   # one: at most its own first load
+    assert line["vs_one"]["one"] == 1.0
+
+
 def test_engine_bench_json_on_tiny(monkeypatch, capsys):
     import molora.model.base as base
 

@@ -1,6 +1,8 @@
 """Hot-set benchmark: adapter load latency per tier, and the hit rate under Zipf popularity.
 
     python -m molora.bench.hotset [--model smollm2|tiny] [--quick] [--threads 1] [--json OUT] [--plot OUT.png]
+    python -m molora.bench.hotset --traffic --adapters 1000 [...]   Zipf traffic through the engine over many
+        adapters against the same traffic on one (molora.bench.hotset_traffic)
 
 Setup: N random PEFT adapters (rank 16, all seven projections) for the model, written to a temp folder.
 Latency per tier, variants interleaved in each repetition (medians, ms):
@@ -205,8 +207,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent s (default 1.1)")
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions per tier (default 20; --quick 5)")
     p.add_argument("--seed", type=int, default=0)
+    t = p.add_argument_group("--traffic (molora.bench.hotset_traffic; --rank defaults to 8 there)")
+    t.add_argument("--traffic", action="store_true", help="Zipf traffic through the engine over --adapters "
+                   "adapters vs. the same traffic on one")
+    t.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16; --quick 4)")
+    t.add_argument("--engine-slots", type=int, default=32, help="hot-set slots of the engine (default 32; --quick 8)")
+    t.add_argument("--cpu-tier-mib", type=int, default=128, help="CPU tier budget in MiB (default 128; --quick 1)")
+    t.add_argument("--learned-share", type=float, default=0.5, help="share of requests learned per token with an "
+                   "allowed set of 2-4 (default 0.5; the rest are pinned)")
+    t.add_argument("--prompt-len", type=int, default=32)
+    t.add_argument("--new-tokens", type=int, default=32)
     add_common_args(p)
     a = p.parse_args(argv)
+    if a.traffic:
+        return _traffic(p, a, sys.argv[1:] if argv is None else argv)
     if a.adapters < 4:
         p.error("--adapters must be at least 4 (the tier timing cycles over more adapters than its 2 slots)")
     if a.quick:
@@ -218,6 +232,33 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(out))
     if a.plot:
         plot(out, a.plot)
+    emit(out, a.json)
+    return 0
+
+
+def _traffic(p: argparse.ArgumentParser, a: argparse.Namespace, argv: list[str]) -> int:
+    from molora.bench import hotset_traffic as ht
+
+    given = lambda flag: any(x == flag or x.startswith(flag + "=") for x in argv)
+    rank = a.rank if given("--rank") else 8
+    requests = a.requests if given("--requests") else 400
+    repeats = a.repeats if given("--repeats") else 1
+    if a.quick:   # CI-sized: the tiny model, few adapters and requests, a CPU tier of about one adapter
+        a.model = a.model if given("--model") else "tiny"
+        a.adapters = a.adapters if given("--adapters") else 40
+        requests = requests if given("--requests") else 24
+        a.concurrency = a.concurrency if given("--concurrency") else 4
+        a.engine_slots = a.engine_slots if given("--engine-slots") else 8
+        a.cpu_tier_mib = a.cpu_tier_mib if given("--cpu-tier-mib") else 1
+        a.new_tokens = a.new_tokens if given("--new-tokens") else 6
+        a.prompt_len = a.prompt_len if given("--prompt-len") else 8
+    if a.adapters < 4 or requests < 1 or a.concurrency < 1 or a.engine_slots < 4:
+        p.error("--traffic needs --adapters >= 4, --requests >= 1, --concurrency >= 1 and --engine-slots >= 4 "
+                "(a learned request's allowed set takes up to 4 slots)")
+    set_threads(a.threads)
+    out = ht.run(a.model, a.adapters, rank, requests, a.zipf, a.learned_share, a.prompt_len, a.new_tokens,
+                 a.concurrency, a.engine_slots, a.cpu_tier_mib, repeats, a.seed, stderr_log)
+    print(ht.format_table(out))
     emit(out, a.json)
     return 0
 

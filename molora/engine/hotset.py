@@ -17,6 +17,22 @@ does). `acquire` also returns False when the adapters cannot all be made residen
 others); `fetch` tells the two apart for the scheduler. A failed read raises an `AdapterError` from the
 next `acquire` / `fetch` that needs the adapter and is then forgotten, so a fixed folder reads again.
 
+Prefetch and memory bounds: `prefetch` starts the reads of the adapters queued requests will need when they
+are queued (the scheduler calls it from `add` and, for the whole queue in order, after every admission), so
+that a cold adapter is usually warm by the time its request reaches the front. Every read *reserves* its
+folder's size in the CPU tier's budget when it starts and keeps it until its adapter is taken into a slot,
+joins the tier, or is dropped (a finished read nobody queued wants any more). A prefetch only starts when the
+reservation fits the budget after dropping least recently used entries that no queued request wants; it never
+touches slots, so it cannot evict an adapter a running request pins. A read on demand (`fetch` / `acquire`)
+may also displace wanted entries, and when nothing is reserved it may overdraw the budget by that one read
+(else a budget smaller than one adapter could never serve a cold one). So at every moment
+
+    cpu_tier_bytes + reserved_bytes <= cpu_budget + bytes of in-memory-only adapters + the one overdraft read
+
+(`check`), and host memory for adapters is that plus the adapters resident in slots (their host copies).
+Slot eviction counts sets: a victim is the least recently used unpinned adapter outside the acquiring
+request's set, preferring one no queued request wants.
+
 Unloading: `unregister` forgets an adapter in every tier (refused while pinned). An adapter being unloaded
 while requests still use it is *draining* (`drain`): it stays registered and resident for them, new
 requests do not route to it (the engine leaves it out of their allowed set), and the scheduler unregisters
@@ -40,12 +56,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from molora.adapters.io import LoRAAdapter, resolve_roots
+from molora.adapters.io import WEIGHTS_FILE, LoRAAdapter, resolve_roots
 from molora.errors import AdapterDraining, AdapterError, AdapterNotFound
 
 log = logging.getLogger("molora.engine")
 
 Roots = tuple[Path, ...] | None
+
+READ_AHEAD = 4  # most reads (in flight or finished and not yet taken) that `prefetch` keeps outstanding
 
 
 class HotSet:
@@ -64,8 +82,12 @@ class HotSet:
         self.slot_lru: OrderedDict[str, None] = OrderedDict((n, None) for n in mm.bank.names)
         self.pins: Counter[str] = Counter()
         self.reads: dict[str, Future[LoRAAdapter]] = {}  # background reads, in flight or done and not yet taken
+        self.reserved: dict[str, int] = {}  # bytes each read in `reads` holds against the CPU tier's budget
+        self.overdraft: str | None = None   # the read (on demand, nothing else reserved) let past the budget
+        self.wanted: set[str] = set()       # adapters the queued requests need (`prefetch`)
         self._pool: ThreadPoolExecutor | None = None     # the loader thread, started by the first read
         self.hits = self.misses = self.evictions = self.disk_reads = self.read_failures = 0
+        self.prefetches = self.prefetch_deferred = 0  # reads started by `prefetch` / prefetches the budget refused
         self.load_ms_total = 0.0
         self.version = 0  # bumped whenever a slot changes hands (routing lookups depend on it)
         # content versions (`content_version`): name -> (the resident LoRAAdapter object, weakly, its version)
@@ -124,7 +146,37 @@ class HotSet:
                 "reads_in_flight": self.reads_in_flight(), "read_failures": self.read_failures,
                 "slots": self.mm.bank.num_slots, "slots_used": len(self.mm.bank.names),
                 "cpu_tier_bytes": self.cpu_used, "cpu_tier_budget": self.cpu_budget,
+                "reserved_bytes": sum(self.reserved.values()), "host_bytes": self.host_bytes(),
+                "memory_only_bytes": self._memory_only_bytes(),
+                "prefetches": self.prefetches, "prefetch_deferred": self.prefetch_deferred,
                 "pinned": {n: c for n, c in self.pins.items() if c}}
+
+    def host_bytes(self) -> int:
+        """Host bytes of every adapter the hot set holds: the CPU tier, resident adapters' own copies and
+        finished reads not yet taken (each adapter counted once)."""
+        held: dict[str, LoRAAdapter] = dict(self.cpu)
+        held.update((n, a) for n, a in self.mm.adapters.items() if n not in held)
+        for n, f in self.reads.items():
+            if n not in held and f.done() and not f.cancelled() and f.exception() is None:
+                held[n] = f.result()
+        return sum(a.nbytes() for a in held.values())
+
+    def _memory_only_bytes(self) -> int:
+        return sum(a.nbytes() for n, a in self.cpu.items() if self.paths.get(n, 0) is None)
+
+    def check(self) -> None:
+        """Assert the tier bounds and bookkeeping (module docstring): the CPU tier's byte count, reservations
+        only for reads, the byte bound, pins only on resident adapters, the LRU order over exactly the slots."""
+        assert self.cpu_used == sum(a.nbytes() for a in self.cpu.values()), "CPU tier byte count drifted"
+        assert set(self.reserved) <= set(self.reads), "a reservation without its read"
+        assert self.overdraft is None or self.overdraft in self.reserved
+        over = self.reserved.get(self.overdraft, 0) if self.overdraft is not None else 0
+        used = self.cpu_used + sum(self.reserved.values())
+        assert used <= self.cpu_budget + self._memory_only_bytes() + over, \
+            f"CPU tier {self.cpu_used} + reserved {sum(self.reserved.values())} B over its budget {self.cpu_budget} B"
+        assert list(self.slot_lru) == [n for n in self.slot_lru if n in self.mm.bank]
+        assert set(self.slot_lru) == set(self.mm.bank.names), "LRU order and bank disagree"
+        assert all(self.resident(n) for n, c in self.pins.items() if c), "a pinned adapter is not resident"
 
     def describe(self) -> list[dict]:
         bank = self.mm.bank
@@ -141,6 +193,30 @@ class HotSet:
             if not self.resident(n) and self._warm(n) is None:
                 ready = False
         return ready
+
+    def prefetch(self, names: Iterable[str], *, queue: bool = False) -> int:
+        """Start background reads of adapters queued requests need, in the order given, while the CPU tier's
+        budget has room for them after dropping entries no queued request wants (module docstring); returns
+        how many started. queue=True: `names` is the whole queue's demand in queue order (the wanted set is
+        replaced; finished reads nobody wants any more join the tier if they fit, else are dropped); else it is
+        added to (a request just queued). Never touches slots or pins; unknown names are ignored."""
+        want = [n for n in dict.fromkeys(names) if n in self.paths]
+        if queue:
+            self.wanted = set(want)
+            for n in [n for n, f in self.reads.items() if f.done() and n not in self.wanted]:
+                self._take_read(n)
+        else:
+            self.wanted.update(want)
+        started = 0
+        for n in want:
+            if self.resident(n) or n in self.cpu or n in self.reads:
+                continue
+            if len(self.reads) >= READ_AHEAD or not self._start_read(n, demand=False):
+                self.prefetch_deferred += 1
+                break       # queue order: a later request's read must not take the room of an earlier one's
+            self.prefetches += 1
+            started += 1
+        return started
 
     def acquire(self, names: Iterable[str]) -> bool:
         """Make every adapter in `names` resident and pin it. False (nothing changed) while a read is in flight
@@ -227,10 +303,12 @@ class HotSet:
             del self.slot_lru[name]
             self.version += 1
         self.forget_warm(name)
-        read = self.reads.pop(name, None)
+        read = self.reads.get(name)
         if read is not None:
+            self._forget_read(name)
             read.cancel()  # a running read finishes on the loader thread; its result is never looked at
         self.draining.discard(name)
+        self.wanted.discard(name)
         self.forget_version(name)
         del self.paths[name], self.roots[name]
 
@@ -245,6 +323,8 @@ class HotSet:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
         self.reads.clear()
+        self.reserved.clear()
+        self.overdraft = None
 
     # ------------------------------------------------------------------------------------ internals
     def _check_free(self, name: str) -> None:
@@ -262,24 +342,74 @@ class HotSet:
             return adapter
         read = self.reads.get(name)
         if read is None:
-            path = self.paths[name]
-            assert path is not None, f"in-memory adapter {name!r} left the CPU tier"
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="molora-adapter-io")
-            self.disk_reads += 1
-            self.reads[name] = self._pool.submit(self._read, name, path, self.roots[name])
+            self._start_read(name, demand=True)   # or deferred until a reservation is given back
             return None
         if not read.done():
             return None
         try:
             return read.result()
         except Exception as e:
-            del self.reads[name]
+            self._forget_read(name)
             self.read_failures += 1
             if isinstance(e, AdapterError):
                 raise AdapterError(str(e)) from e
             raise AdapterError(f"adapter {name!r}: reading {self.paths[name]} failed "
                                f"({type(e).__name__}: {e})") from e
+
+    def _start_read(self, name: str, *, demand: bool) -> bool:
+        """Start a background read of `name`'s folder if its size fits the CPU tier's budget beside what is
+        held and reserved (dropping least recently used entries; wanted ones only on `demand`). On demand with
+        nothing reserved it starts anyway (the overdraft). False: not started, nothing changed."""
+        path = self.paths[name]
+        assert path is not None, f"in-memory adapter {name!r} left the CPU tier"
+        size = folder_bytes(path)
+        if not self._room(size, displace_wanted=demand):
+            if not demand or self.reserved:
+                return False
+            self.overdraft = name
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="molora-adapter-io")
+        self.disk_reads += 1
+        self.reserved[name] = size
+        self.reads[name] = self._pool.submit(self._read, name, path, self.roots[name])
+        return True
+
+    def _forget_read(self, name: str) -> None:
+        """Drop `name`'s read and give back its reservation."""
+        self.reads.pop(name, None)
+        self.reserved.pop(name, None)
+        if self.overdraft == name:
+            self.overdraft = None
+
+    def _take_read(self, name: str) -> None:
+        """A finished read no queued request wants: its adapter joins the CPU tier if it fits (else dropped);
+        a failed one is forgotten (nobody is left to tell)."""
+        read = self.reads[name]
+        self._forget_read(name)
+        if not read.cancelled() and read.exception() is None:
+            self._cache(read.result())
+
+    def _room(self, nbytes: int, *, displace_wanted: bool) -> bool:
+        """Make `nbytes` fit the CPU tier's budget beside what it holds and what reads reserve, by dropping
+        least recently used entries (unwanted first; wanted ones too if `displace_wanted`; never in-memory
+        ones). False, with nothing dropped, if that cannot be done."""
+        need = self.cpu_used + sum(self.reserved.values()) + nbytes - self.cpu_budget
+        if need <= 0:
+            return True
+        droppable = [n for n in self.cpu if self.paths.get(n) is not None and n not in self.wanted]
+        if displace_wanted:
+            droppable += [n for n in self.cpu if self.paths.get(n) is not None and n in self.wanted]
+        victims = []
+        for n in droppable:
+            if need <= 0:
+                break
+            victims.append(n)
+            need -= self.cpu[n].nbytes()
+        if need > 0:
+            return False
+        for n in victims:
+            self.cpu_used -= self.cpu.pop(n).nbytes()
+        return True
 
     def _read(self, name: str, path: Path, roots: Roots) -> LoRAAdapter:
         """Disk and validation only, no HotSet or model state (runs on the loader thread, or on any thread
@@ -289,11 +419,13 @@ class HotSet:
         return adapter
 
     def _promote(self, adapter: LoRAAdapter, keep: list[str]) -> None:
-        """Copy a warm adapter into a slot, evicting the least recently used unpinned one not in `keep`."""
-        self.reads.pop(adapter.name, None)   # a finished read is taken now
+        """Copy a warm adapter into a slot, evicting the least recently used unpinned one not in `keep`,
+        preferring one that no queued request wants."""
+        self._forget_read(adapter.name)   # a finished read is taken now
         self._cache(adapter)
         if not self.mm.bank.free_slots():
-            victim = next(n for n in self.slot_lru if self.pins[n] == 0 and n not in keep)  # acquire checked
+            free = [n for n in self.slot_lru if self.pins[n] == 0 and n not in keep]   # acquire checked: not empty
+            victim = next((n for n in free if n not in self.wanted), free[0])
             self._evict(victim)
         self._load(adapter)
 
@@ -314,18 +446,22 @@ class HotSet:
         log.debug("evicted adapter %r from its slot", name)
 
     def _cache(self, adapter: LoRAAdapter) -> None:
-        """Put `adapter` at the recent end of the CPU tier and drop old entries beyond the byte budget."""
+        """Put `adapter` at the recent end of the CPU tier, dropping least recently used entries to stay in the
+        byte budget (a wanted newcomer may drop wanted entries, others only unwanted ones). If it cannot fit, the
+        disk serves it next time; an adapter that exists only in memory is always kept."""
         if adapter.name in self.cpu:
             self.cpu.move_to_end(adapter.name)
             return
-        size = adapter.nbytes()
-        if size > self.cpu_budget and self.paths.get(adapter.name) is not None:
-            return  # too big to keep warm; the disk serves it
+        if self.paths.get(adapter.name) is not None and \
+                not self._room(adapter.nbytes(), displace_wanted=adapter.name in self.wanted):
+            return
         self.cpu[adapter.name] = adapter
-        self.cpu_used += size
-        for old in list(self.cpu):
-            if self.cpu_used <= self.cpu_budget:
-                break
-            if old == adapter.name or self.paths.get(old) is None:
-                continue  # keep the newcomer and adapters that exist only in memory
-            self.cpu_used -= self.cpu.pop(old).nbytes()
+        self.cpu_used += adapter.nbytes()
+
+
+def folder_bytes(path: Path) -> int:
+    """The size of a PEFT folder's weights file: a read reserves it (the tensors it holds take no more)."""
+    try:
+        return (path / WEIGHTS_FILE).stat().st_size
+    except OSError:
+        return 0  # missing or unreadable: the read fails and says why

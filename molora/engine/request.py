@@ -133,6 +133,7 @@ class Request:
     prefix: Any = None                 # its key chain in the prefix cache (molora.engine.prefix.PrefixState)
     cached_tokens: int | None = None   # tokens its first real pass took from the prefix cache (None: not looked up)
     constraints: list = field(default_factory=list)  # ConstraintStates (molora.sampling) its next ids must obey
+    bypassed: int = 0                  # waiting requests admitted ahead of it by slot-aware admission (Scheduler)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -264,6 +264,13 @@ def _scrape_families(v: _Scrape) -> Iterator[Metric]:
         ("molora_hotset_cpu_tier_bytes", "Bytes of adapters held in the CPU tier.", hot.get("cpu_tier_bytes", 0)),
         ("molora_hotset_cpu_tier_budget_bytes", "The CPU tier's bound in bytes (--max-cpu-loras).",
          hot.get("cpu_tier_budget", 0)),
+        ("molora_hotset_reserved_bytes", "Bytes adapter reads in flight or waiting to be taken hold against the "
+         "CPU tier's budget (tier + reserved stays within the budget, but for one read on demand).",
+         hot.get("reserved_bytes", 0)),
+        ("molora_hotset_memory_only_bytes", "Bytes of CPU-tier adapters that exist only in memory (never dropped, "
+         "outside the budget).", hot.get("memory_only_bytes", 0)),
+        ("molora_hotset_host_bytes", "Host bytes of every adapter the hot set holds: CPU tier, resident adapters' "
+         "own copies, finished reads.", hot.get("host_bytes", 0)),
         ("molora_adapter_pins", "Adapter pins held by requests in flight (0 when idle).",
          sum((hot.get("pinned") or {}).values())),
         ("molora_prefix_cache_blocks", "KV blocks holding reusable prefix content (held or cached).",
@@ -289,6 +296,10 @@ def _scrape_families(v: _Scrape) -> Iterator[Metric]:
         ("molora_hotset_misses_total", "Adapter lookups that had to load into a slot.", hot.get("misses", 0)),
         ("molora_hotset_evictions_total", "Adapters evicted from a hot-set slot.", hot.get("evictions", 0)),
         ("molora_hotset_disk_reads_total", "Adapters read from disk (not in the CPU tier).", hot.get("disk_reads", 0)),
+        ("molora_hotset_prefetches_total", "Adapter reads started when a request was queued (prefetch).",
+         hot.get("prefetches", 0)),
+        ("molora_hotset_prefetch_deferred_total", "Prefetches put off because the CPU tier's budget had no room.",
+         hot.get("prefetch_deferred", 0)),
         ("molora_hotset_load_seconds_total", "Time spent loading adapters into slots.",
          hot.get("load_ms_total", 0) / 1000.0),
         ("molora_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (vLLM's queries).",

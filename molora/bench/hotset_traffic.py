@@ -1,0 +1,239 @@
+"""Hot-set traffic benchmark: Zipf traffic over many adapters through the engine, against the same traffic on one.
+
+    molora bench hotset --traffic --adapters 1000 [--quick] [--threads 1] [--json OUT]
+
+Setup: N random PEFT adapters (rank 8, q_proj and v_proj, bf16 files: 1,000 folders write in seconds) for
+the base, every one registered with the engine (all read once, then the CPU tier keeps what its byte budget
+holds; the rest go back to disk). A LearnedRouter with random gates over all N (one shared gate).
+Traffic: R requests; each draws its adapter with Zipf popularity (p(rank k) ~ 1 / k^s, s = 1.1) over the N
+and is either pinned to it or learned per token with an allowed set of 2-4 (it plus Zipf draws); P-token
+random prompts, G greedy new tokens, C requests kept in flight (closed loop: one is queued when one ends).
+
+Variants, each a full run of the same traffic on a fresh engine, the order rotated every repetition:
+  one         every adapter name of the traffic replaced by the most popular one (allowed sets of one)
+  many_fcfs   the traffic as drawn, scheduler admission FCFS
+  many_slots  the traffic as drawn, slot-aware admission (molora.engine.scheduler: bounded bypass)
+
+Reported per variant: output tokens/s (and the ratio to `one`); time to first token of requests whose
+adapters were all resident when queued (warm) and of the others (cold), medians and p90; inter-token gaps of
+warm requests over steps in which an adapter was loaded into a slot or read from disk vs. steps with no
+adapter work, medians and p99, and the median step; the CPU tier's bytes, its reservations and the process's
+resident memory over the run (the tier bound asserted at every step from the hot set's counters, `HotSet.check` and
+the process's RSS every 10th). Ends with one JSON line.
+Owns the traffic and the measurement; knows the engine through its public API and `engine.hotset`'s counters.
+"""
+
+from __future__ import annotations
+
+import random
+import resource
+import statistics
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VARIANTS = ("one", "many_fcfs", "many_slots")
+TARGETS = ("q_proj", "v_proj")
+
+
+def make_adapters(model: Any, folder: Path, k: int, rank: int, seed: int = 0) -> dict[str, Path]:
+    """k random PEFT folders (rank `rank`, q_proj and v_proj, bf16), names a0..a{k-1}; each its own weights."""
+    from molora.adapters import save_adapter
+
+    g = torch.Generator().manual_seed(seed)
+    targets = {n: m for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in TARGETS}
+    out = {}
+    for i in range(k):
+        modules = {n: ((torch.randn(rank, m.in_features, generator=g) / m.in_features ** 0.5).bfloat16(),
+                       (torch.randn(m.out_features, rank, generator=g) * 0.02).bfloat16())
+                   for n, m in targets.items()}
+        out[f"a{i}"] = save_adapter(folder / f"a{i}", modules, r=rank, lora_alpha=2 * rank)
+    return out
+
+
+def make_traffic(names: list[str], n: int, s: float, learned_share: float, vocab: int, prompt_len: int,
+                 seed: int) -> list[dict]:
+    """n requests: {"adapter": name} pinned or {"allowed": [2-4 names]} learned, and a prompt of token ids."""
+    from molora.bench.serve import zipf_models
+
+    rng = random.Random(seed)
+    ranked = list(names)
+    rng.shuffle(ranked)
+    weights = [1.0 / (k + 1) ** s for k in range(len(ranked))]
+    out = []
+    for first in zipf_models(ranked, n, s, seed):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        if rng.random() < learned_share:
+            size = rng.randint(2, 4)
+            allowed = [first]
+            while len(allowed) < min(size, len(names)):
+                extra = rng.choices(ranked, weights=weights)[0]
+                if extra not in allowed:
+                    allowed.append(extra)
+            out.append({"allowed": allowed, "prompt": prompt})
+        else:
+            out.append({"adapter": first, "prompt": prompt})
+    return out
+
+
+def on_one(traffic: list[dict], name: str) -> list[dict]:
+    """The same traffic with every adapter replaced by `name` (allowed sets collapse to [name])."""
+    return [{"adapter": name, "prompt": t["prompt"]} if "adapter" in t else {"allowed": [name], "prompt": t["prompt"]}
+            for t in traffic]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def build_engine(base: Any, paths: dict[str, Path], slots: int, cpu_mib: int, max_num_seqs: int,
+                 admission: str, seed: int) -> Any:
+    """A fresh engine over a copy of `base` with every adapter registered (read once, then cold or warm)."""
+    import copy
+
+    from molora import attach
+    from molora.engine import Engine, EngineConfig
+    from molora.routing.learned import LearnedRouter, LearnedRouterConfig, decoder_layers
+
+    names = list(paths)
+    mm = attach(copy.deepcopy(base), {n: paths[n] for n in names[:1]}, slots=slots, target_modules=TARGETS,
+                check_base=False)
+    cfg = LearnedRouterConfig(tuple(names), mm.config.hidden_size, len(decoder_layers(mm.model)), placement="shared")
+    router = LearnedRouter(cfg)
+    with torch.no_grad():
+        router.weight.normal_(generator=torch.Generator().manual_seed(seed))
+    mm.router = router.to(next(mm.model.parameters()).device)
+    engine = Engine(mm, EngineConfig(max_num_seqs=max_num_seqs, max_tokens_per_step=max(256, 4 * max_num_seqs),
+                                     kv_budget_tokens=max_num_seqs * 256, max_model_len=256, stop_at_eos=False,
+                                     cpu_tier_bytes=cpu_mib << 20))
+    engine.scheduler.admission = admission
+    for n in names[1:]:
+        engine.load_adapter(n, paths[n])
+    return engine
+
+
+def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: int) -> dict:
+    """Drive the closed loop; per-request TTFT (warm/cold), warm inter-token gaps by step kind, memory samples."""
+    from molora.config import SamplingParams
+
+    hs = engine.hotset
+    params = SamplingParams(max_new_tokens=new_tokens)
+    queue = list(enumerate(traffic))
+    info: dict[str, dict] = {}
+    warm_gaps: dict[str, list[float]] = {"loads": [], "quiet": []}
+    steps: list[float] = []
+    mem: list[dict] = []
+    peak = {"cpu_tier_bytes": 0, "reserved_bytes": 0, "tier_plus_reserved": 0, "rss_bytes": 0}
+    tokens = 0
+    t0 = time.perf_counter()
+    while queue or engine.has_unfinished():
+        while queue and len(engine.requests) < concurrency:
+            i, t = queue.pop(0)
+            needs = [t["adapter"]] if "adapter" in t else t["allowed"]
+            rid = engine.add_request(t["prompt"], params, adapter=t.get("adapter"), allowed_adapters=t.get("allowed"),
+                                     routing="auto" if "adapter" in t else "learned", request_id=f"r{i}")
+            info[rid] = {"t_add": time.perf_counter(), "warm": all(hs.resident(n) for n in needs), "last": None}
+        before = (hs.misses, hs.disk_reads, hs.reads_in_flight())
+        s0 = time.perf_counter()
+        outs = engine.step()
+        now = time.perf_counter()
+        steps.append(now - s0)
+        loads = hs.misses != before[0] or hs.disk_reads != before[1] or before[2] > 0 or hs.reads_in_flight() > 0
+        for o in outs:
+            if o.finish_reason not in (None, "length"):
+                raise RuntimeError(f"request {o.request_id} ended {o.finish_reason}: {o.error}")
+            r = info[o.request_id]
+            for _ in o.new_token_ids:
+                tokens += 1
+                if r["last"] is None:
+                    r["ttft"] = now - r["t_add"]
+                elif r["warm"]:
+                    warm_gaps["loads" if loads else "quiet"].append(now - r["last"])
+                r["last"] = now
+        reserved = sum(hs.reserved.values())   # the bound every step from the counters; HotSet.check every 10th
+        over = hs.reserved.get(hs.overdraft, 0) if hs.overdraft is not None else 0
+        if hs.cpu_used + reserved > hs.cpu_budget + over:
+            raise AssertionError(f"CPU tier {hs.cpu_used} + reserved {reserved} B over its budget {hs.cpu_budget} B")
+        sample = {"cpu_tier_bytes": hs.cpu_used, "reserved_bytes": reserved, "tier_plus_reserved": hs.cpu_used + reserved}
+        if len(steps) % 10 == 1:
+            hs.check()
+            sample["rss_bytes"] = _rss_bytes()
+            mem.append({"t_s": round(now - t0, 3), **sample})
+        for k, v in sample.items():
+            peak[k] = max(peak[k], v)
+    wall = time.perf_counter() - t0
+    ttft = {k: [r["ttft"] for r in info.values() if r["warm"] == (k == "warm")] for k in ("warm", "cold")}
+    st = hs.stats()
+    return {"wall_s": round(wall, 3), "output_tokens": tokens, "tokens_per_s": round(tokens / wall, 3),
+            "steps": len(steps), "step_ms_median": round(1e3 * statistics.median(steps), 3),
+            "ttft_ms": {k: _dist(v) for k, v in ttft.items()},
+            "warm_itl_ms": {k: _dist(v) for k, v in warm_gaps.items()},
+            "memory": {"cpu_tier_budget": st["cpu_tier_budget"], "peak": peak, "samples": mem[::max(1, len(mem) // 60)]},
+            "hotset": {k: st[k] for k in ("hits", "misses", "evictions", "disk_reads", "prefetches",
+                                          "prefetch_deferred", "slots")}}
+
+
+def _dist(xs: list[float]) -> dict:
+    if not xs:
+        return {"n": 0}
+    xs = sorted(xs)
+    q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))]
+    return {"n": len(xs), "median": round(1e3 * statistics.median(xs), 3), "p90": round(1e3 * q(0.9), 3),
+            "p99": round(1e3 * q(0.99), 3)}
+
+
+def run(model: str, adapters: int, rank: int, requests: int, s: float, learned_share: float, prompt_len: int,
+        new_tokens: int, concurrency: int, slots: int, cpu_mib: int, repeats: int, seed: int, log: Any) -> dict:
+    from molora.bench.common import machine_info
+    from molora.bench.model import load_model
+
+    base = load_model(model)
+    vocab = int(base.config.vocab_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        paths = make_adapters(base, Path(tmp), adapters, rank, seed)
+        make_s = time.perf_counter() - t
+        log(f"# {adapters} adapters (r={rank}, {', '.join(TARGETS)}, bf16) written in {make_s:.1f} s")
+        traffic = make_traffic(list(paths), requests, s, learned_share, vocab, prompt_len, seed)
+        top = Counter(tr["adapter"] if "adapter" in tr else tr["allowed"][0] for tr in traffic).most_common(1)[0][0]
+        runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        for rep in range(repeats):
+            order = VARIANTS[rep % 3:] + VARIANTS[:rep % 3]
+            for v in order:
+                engine = build_engine(base, paths, slots, cpu_mib, concurrency,
+                                      "fcfs" if v == "many_fcfs" else "slots", seed)
+                out = run_traffic(engine, on_one(traffic, top) if v == "one" else traffic, concurrency, new_tokens)
+                engine.close()
+                runs[v].append(out)
+                log(f"  rep {rep} {v:<10} {out['tokens_per_s']:8.2f} tok/s  ttft warm {out['ttft_ms']['warm']} "
+                    f"cold {out['ttft_ms']['cold']}  misses {out['hotset']['misses']}")
+    best = {v: statistics.median(r["tokens_per_s"] for r in runs[v]) for v in VARIANTS}
+    return {"bench": "hotset_traffic", "machine": machine_info(), "model": model, "adapters": adapters, "rank": rank,
+            "targets": list(TARGETS), "adapter_dtype": "bfloat16", "make_adapters_s": round(make_s, 2),
+            "requests": requests, "zipf_s": s, "learned_share": learned_share, "prompt_len": prompt_len,
+            "new_tokens": new_tokens, "concurrency": concurrency, "slots": slots, "cpu_tier_mib": cpu_mib,
+            "repeats": repeats, "seed": seed, "one_adapter": top,
+            "tokens_per_s": {v: round(x, 3) for v, x in best.items()},
+            "vs_one": {v: round(best[v] / best["one"], 4) for v in VARIANTS},
+            "runs": runs}
+
+
+def format_table(out: dict) -> str:
+    lines = [f"Zipf s={out['zipf_s']} over {out['adapters']} adapters (r={out['rank']}), {out['requests']} requests, "
+             f"{out['concurrency']} in flight, {out['slots']} slots, CPU tier {out['cpu_tier_mib']} MiB:",
+             f"{'variant':<11} {'tok/s':>8} {'x one':>6} {'TTFT warm':>10} {'TTFT cold':>10} {'ITL quiet':>10} "
+             f"{'ITL loads':>10} {'peak tier+res MiB':>18}"]
+    for v in VARIANTS:
+        r = out["runs"][v][-1]
+        med = lambda d: d.get("median", float("nan"))
+        lines.append(f"{v:<11} {out['tokens_per_s'][v]:>8.2f} {out['vs_one'][v]:>6.3f} {med(r['ttft_ms']['warm']):>10.1f} "
+                     f"{med(r['ttft_ms']['cold']):>10.1f} {med(r['warm_itl_ms']['quiet']):>10.1f} "
+                     f"{med(r['warm_itl_ms']['loads']):>10.1f} "
+                     f"{r['memory']['peak']['tier_plus_reserved'] / 2**20:>18.1f}")
+    return "\n".join(lines)
