@@ -552,10 +552,11 @@ def prefix_cache_section(docs: Path) -> list[str]:
                   f"pass {c['hit_tokens']} of {c['queried_tokens']}; the shared {h['system_tokens']}-token system "
                   f"prompt ran under {h['distinct_system_prompt_routings']} different routings (requests per "
                   f"routing {h['requests_per_system_prompt_routing']}; {h['base_only_requests']} kept wholly on the "
-                  f"base model); {sum(c == 0 for c in h['cached_tokens_per_request'])} requests found nothing "
-                  "cached for their real pass: their probes ended in the same step, before any real-pass block "
-                  "was published (blocks being computed are not shared: each computes its own). Where the probe's "
-                  "fill or base-expert verdict differs between questions, the real pass misses by design."]
+                  f"base model); {sum(c == 0 for c in h['cached_tokens_per_request'])} request(s) found nothing "
+                  f"cached for their real pass; {h['tokens_computed']} prompt tokens were computed in all. Requests "
+                  "arriving together wait a step for a block another request is computing, rather than computing it "
+                  "again (molora/engine/scheduler.py). Where the probe's fill or base-expert verdict differs between "
+                  "questions, the real pass misses by design."]
     return lines + [""]
 
 
