@@ -53,7 +53,7 @@ from molora.engine.prefix import PrefixCache
 from molora.engine.request import IncrementalDetokenizer, Request, RequestOutput, TextState
 from molora.engine.routing import RouteState, plan_routing, record_carry, record_probe
 from molora.engine.runtime_adapters import RuntimeAdapters
-from molora.engine.sampler import row_logprobs, sample_step
+from molora.engine.sampler import sample_step, step_logprobs
 from molora.engine.scheduler import Scheduled, Scheduler
 from molora.errors import MoLoRAError
 from molora.model.batch import BatchMeta
@@ -298,12 +298,15 @@ class Engine(FaultIsolation, RuntimeAdapters):
             corrupt = self.mm.bank.nonfinite()
             if corrupt:
                 raise CorruptSlots(corrupt)
-        logits = chosen = finite = picked = None
+        finite: list[bool] = []
+        picked: list[int] = []
         dead: dict[int, str] = {}
+        logprobs: list[list[dict] | None] = []
         if rows:
-            logits = out.logits
             finite = flags[1:]                                   # [b]
-            chosen, dead = sample_step([scheduled[i].request for i in rows], logits, finite, best, self.eos_ids)
+            reqs = [scheduled[i].request for i in rows]
+            chosen, dead = sample_step(reqs, out.logits, finite, best, self.eos_ids)   # [b]
+            logprobs = step_logprobs(reqs, out.logits, chosen)
             picked = (chosen if last_slots is None else torch.cat([chosen, last_slots[:, 0]])).tolist()
         self.tokens_computed += len(tokens)
         # ---- commit, request by request
@@ -338,8 +341,7 @@ class Engine(FaultIsolation, RuntimeAdapters):
                     self.prefix.publish(req)   # before _advance, which may free the table
                 if j is not None:
                     slot = -1 if last_slots is None else picked[len(rows) + i]
-                    lp = row_logprobs(req, logits[j], chosen[j])
-                    outputs.append(self._advance(req, picked[j], table[slot] if slot >= 0 else None, lp))
+                    outputs.append(self._advance(req, picked[j], table[slot] if slot >= 0 else None, logprobs[j]))
             except Exception as e:
                 log.error("request %s failed alone while committing its step: %s: %s", req.request_id,
                           type(e).__name__, e, exc_info=True)

@@ -2,8 +2,8 @@
 
 `sample_step(reqs, logits, finite, best, eos_ids)` picks one id per row of logits [b, V] (row j belongs to
 reqs[j]); `constrain_rows` applies the requests' constraints (the bundle's spans, a request's grammar: one packed
-bitmask per constrained row, molora.sampling) and finds the rows at a dead end; `row_logprobs` reports a row's
-logprobs as a request asked for them. `logits` itself is never changed, so logprobs report the model's
+bitmask per constrained row, molora.sampling) and finds the rows at a dead end; `step_logprobs` reports the
+rows' logprobs as their requests asked for them. `logits` itself is never changed, so logprobs report the model's
 distribution (vLLM's default, raw logprobs).
 
 Knows requests' sampling parameters, constraint states and generators; nothing about models, KV or routing.
@@ -15,34 +15,51 @@ from collections.abc import Set
 
 import torch
 
-from molora.config import SamplingParams
 from molora.engine.request import Request
-from molora.sampling import apply_bitmask, constraint_bitmask, greedy, is_allowed, sample_next, top_logprobs
+from molora.sampling import apply_bitmask, constraint_bitmask, filter_logits_rows, greedy, is_allowed, top_logprobs
 
 
 def sample_step(reqs: list[Request], logits: torch.Tensor, finite: list[bool], best: torch.Tensor | None,
                 eos_ids: Set[int]) -> tuple[torch.Tensor, dict[int, str]]:
     """(token ids [b], {row: why} of rows at a dead end) from logits [b, V] (best: their greedy picks, if known).
 
-    Constraints are applied by `constrain_rows` to the rows that need it. A request short of its min_tokens picks
-    from a copy of its row with its stop ids at -inf (`without_stops`). A constrained row with nothing allowed is
-    a dead end: it samples nothing and its request ends (Engine._run). finite[j]: row j's logits are finite (a
-    row that is not samples nothing: its request ends)."""
+    Batched over the step's rows: one argmax for every row (or `best`), constraints in one call (`constrain_rows`),
+    the stop ids of every request short of its min_tokens masked in one indexed write, one argmax over those rows,
+    and the filtering (temperature, top-k, top-p) and softmax of every sampled row in one batched op each
+    (molora.sampling.filter_logits_rows); only the draw is per row, from the request's own generator, so a
+    seeded request samples the same ids in any batch. A constrained row with nothing allowed (also once its stop
+    ids are masked) is a dead end: it samples nothing and its request ends (Engine._run). finite[j]: row j's
+    logits are finite (a row that is not draws nothing: its request ends)."""
     chosen = greedy(logits) if best is None else best                          # [b] greedy for all
     masked, dead = constrain_rows(reqs, logits, chosen)
-    for j, req in enumerate(reqs):
-        if j in dead:
-            continue
-        p = req.params
-        row = masked.get(j, logits[j:j + 1])                                  # [1, V]
-        if req.num_generated < p.min_tokens:
-            row = without_stops(row, p, eos_ids)
-            if j in masked and not bool(torch.isfinite(row).any()):         # the grammar allows only stops
-                dead[j] = dead_end_why(req)
-                continue
-            chosen[j] = greedy(row)[0]
-        if not p.greedy and finite[j]:
-            chosen[j] = sample_next(row, p.temperature, p.top_k, p.top_p, req.generator)[0]
+    short = [j for j, req in enumerate(reqs) if j not in dead and req.num_generated < req.params.min_tokens]
+    drawn = [j for j, req in enumerate(reqs) if j not in dead and not req.params.greedy and finite[j]]
+    rows = sorted(set(short) | set(drawn))                                     # rows that pick from a copy
+    if not rows:
+        return chosen, dead
+    at = {j: k for k, j in enumerate(rows)}
+    work = torch.cat([masked.get(j, logits[j:j + 1]) for j in rows])          # [w, V], a copy
+    if short:
+        V = logits.shape[-1]
+        stops = [(at[j], t) for j in short for t in sorted(eos_ids | set(reqs[j].params.stop_token_ids))
+                 if 0 <= t < V]                                                # vLLM masks eos also under ignore_eos
+        if stops:
+            r, c = zip(*stops)
+            work[list(r), list(c)] = float("-inf")
+        alive = torch.isfinite(work[[at[j] for j in short]]).any(-1).tolist()  # [s]
+        for j, ok in zip(short, alive):
+            if j in masked and not ok:                                         # the grammar allows only stops
+                dead[j] = dead_end_why(reqs[j])
+        live = [j for j in short if j not in dead]
+        if live:
+            chosen[live] = greedy(work[[at[j] for j in live]])
+        drawn = [j for j in drawn if j not in dead]
+    if drawn:
+        ps = [reqs[j].params for j in drawn]
+        probs = filter_logits_rows(work[[at[j] for j in drawn]], [p.temperature for p in ps], [p.top_k for p in ps],
+                                   [p.top_p for p in ps]).softmax(-1)           # [d, V]
+        for k, j in enumerate(drawn):                                          # each from its request's generator
+            chosen[j] = torch.multinomial(probs[k:k + 1], 1, generator=reqs[j].generator)[0, 0]
     return chosen, dead
 
 
@@ -85,21 +102,18 @@ def dead_end_why(req: Request) -> str:
             "forbids ending)")
 
 
-def without_stops(row: torch.Tensor, p: SamplingParams, eos_ids: Set[int]) -> torch.Tensor:
-    """A copy of one row of logits [1, V] where the eos ids and p.stop_token_ids cannot be sampled (vLLM
-    masks eos for min_tokens also under ignore_eos); ids outside the vocabulary are left out."""
-    ids = sorted(t for t in eos_ids | set(p.stop_token_ids) if 0 <= t < row.shape[-1])
-    row = row.clone()
-    row[0, ids] = float("-inf")
-    return row
-
-
-def row_logprobs(req: Request, logits: torch.Tensor, chosen: torch.Tensor) -> list[dict] | None:
-    """RequestOutput.logprobs of one sampled token: `chosen` (a 0-d id) from its row of raw logits [V], with the
-    top req.params.logprobs alternatives; None when the request asked for none."""
-    n = req.params.logprobs
-    if n <= 0:
-        return None
-    lp, vals, ids = top_logprobs(logits[None], chosen.reshape(1), n)
-    top = [(int(i), float(v)) for i, v in zip(ids[0], vals[0])]
-    return [{"token_id": int(chosen), "logprob": float(lp[0]), "top": top}]
+def step_logprobs(reqs: list[Request], logits: torch.Tensor, chosen: torch.Tensor) -> list[list[dict] | None]:
+    """RequestOutput.logprobs of each row's sampled token: chosen[j] from raw logits [b, V] with the top
+    reqs[j].params.logprobs alternatives (None for a request that asked for none). One log-softmax and top-n over
+    the rows that ask for the same n (usually all of them)."""
+    out: list[list[dict] | None] = [None] * len(reqs)
+    by_n: dict[int, list[int]] = {}
+    for j, req in enumerate(reqs):
+        if req.params.logprobs > 0:
+            by_n.setdefault(req.params.logprobs, []).append(j)
+    for n, js in by_n.items():
+        lp, vals, ids = top_logprobs(logits[js], chosen[js], n)                # [m], [m, n], [m, n]
+        picked, lps, tops, top_ids = chosen[js].tolist(), lp.tolist(), vals.tolist(), ids.tolist()
+        for k, j in enumerate(js):
+            out[j] = [{"token_id": picked[k], "logprob": lps[k], "top": list(zip(top_ids[k], tops[k]))}]
+    return out
