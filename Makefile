@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test test-all bench clean
+.PHONY: install run test test-all lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,13 @@ test: install
 
 test-all: install
 	$(BIN)/python -m pytest
+
+# ruff's lint rules and mypy's packages are configured in pyproject.toml; the format check covers the files listed
+# in .ci/formatted until the whole tree is formatted once
+lint: install
+	$(BIN)/ruff check molora tests scripts
+	$(BIN)/ruff format --check $$(grep -v '^#' .ci/formatted)
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -19,9 +19,14 @@ from molora.routing.base import Router
 ROUTING_CHOICES = ("auto", "learned", "arrow", "vocab", "sequence", "none")
 
 
-def resolve_routing(routing: str, adapter: str | None, allowed_adapters: list[str] | None, hotset: HotSet,
-                    router: Router | None, num_slots: int
-                    ) -> tuple[str, Router | None, frozenset[str] | None, tuple[str, ...]]:
+def resolve_routing(
+    routing: str,
+    adapter: str | None,
+    allowed_adapters: list[str] | None,
+    hotset: HotSet,
+    router: Router | None,
+    num_slots: int,
+) -> tuple[str, Router | None, frozenset[str] | None, tuple[str, ...]]:
     """(mode, router, allowed, adapters to pin) of a request's RouteState, for a model with `router` attached
     (None: none) and a bank of `num_slots` slots."""
     if routing not in ROUTING_CHOICES:
@@ -29,8 +34,10 @@ def resolve_routing(routing: str, adapter: str | None, allowed_adapters: list[st
     hs = hotset
     hs.check_known([adapter] if adapter is not None else [])
     if adapter in hs.draining:
-        raise AdapterDraining(f"adapter {adapter!r} is being unloaded (draining: only requests already using it "
-                              "may finish on it); choose another adapter, or load it again once it is gone")
+        raise AdapterDraining(
+            f"adapter {adapter!r} is being unloaded (draining: only requests already using it "
+            "may finish on it); choose another adapter, or load it again once it is gone"
+        )
     allowed = None if allowed_adapters is None else frozenset(allowed_adapters)
     hs.check_known(sorted(allowed or ()))
     if routing == "none" or (routing == "auto" and adapter is None and router is None):
@@ -50,12 +57,14 @@ def resolve_routing(routing: str, adapter: str | None, allowed_adapters: list[st
     if routing == "learned" and not router.in_network:
         raise RoutingError(f"routing='learned' needs an in-network router; the model has {type(router).__name__}")
     if routing == "arrow" and not isinstance(router, ArrowRouter):
-        raise RoutingError(f"routing='arrow' needs a bundle whose router is Arrow (molora.json router kind "
-                           f"\"arrow\"); the model has {type(router).__name__}")
+        raise RoutingError(
+            f"routing='arrow' needs a bundle whose router is Arrow (molora.json router kind "
+            f'"arrow"); the model has {type(router).__name__}'
+        )
     if routing == "vocab" and not isinstance(router, VocabRouter):
         raise RoutingError(f"routing='vocab' needs a VocabRouter; the model has {type(router).__name__}")
     if router.in_network:
-        names = [n for n in router.adapter_names if n in hs.paths]
+        names = [n for n in _adapter_names(router) if n in hs.paths]
         mode = "learned"
     else:
         if isinstance(router, VocabRouter):
@@ -71,6 +80,16 @@ def resolve_routing(routing: str, adapter: str | None, allowed_adapters: list[st
         allowed = (allowed if allowed is not None else frozenset(hs.paths)) - hs.draining
     needs = tuple(n for n in names if allowed is None or n in allowed)
     if len(needs) > num_slots:
-        raise RoutingError(f"this request may route to {len(needs)} adapters {list(needs)}, but the bank has "
-                           f"{num_slots} slots; restrict allowed_adapters or attach with more slots")
+        raise RoutingError(
+            f"this request may route to {len(needs)} adapters {list(needs)}, but the bank has "
+            f"{num_slots} slots; restrict allowed_adapters or attach with more slots"
+        )
     return mode, router, allowed, needs
+
+
+def _adapter_names(router: Router) -> list[str]:
+    """The adapters an in-network router chooses between, in its index order (LearnedRouter, ArrowRouter)."""
+    names = getattr(router, "adapter_names", None)
+    if names is None:
+        raise RoutingError(f"the in-network router {type(router).__name__} has no adapter_names to route between")
+    return list(names)

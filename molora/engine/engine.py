@@ -290,9 +290,11 @@ class Engine(FaultIsolation, RuntimeAdapters):
         # the slot of each sequence's last token
         ok = torch.isfinite(out.hidden.sum()).reshape(1)
         best = None                    # each sampled row's greedy pick, from the same pass as its check (CPU)
+        logits = out.logits            # [b, V], the rows asked for
         if rows:
-            picked_ok = fused_cpu.greedy_rows(out.logits)
-            best, rows_ok = picked_ok if picked_ok is not None else (None, torch.isfinite(out.logits.sum(-1)))
+            assert logits is not None, "the runner returned no logits for the rows asked for"
+            picked_ok = fused_cpu.greedy_rows(logits)
+            best, rows_ok = picked_ok if picked_ok is not None else (None, torch.isfinite(logits.sum(-1)))
         flags = (ok if not rows else torch.cat([ok, rows_ok])).tolist()
         if not flags[0]:
             corrupt = self.mm.bank.nonfinite()
@@ -303,10 +305,11 @@ class Engine(FaultIsolation, RuntimeAdapters):
         dead: dict[int, str] = {}
         logprobs: list[list[dict] | None] = []
         if rows:
+            assert logits is not None
             finite = flags[1:]                                   # [b]
             reqs = [scheduled[i].request for i in rows]
-            chosen, dead = sample_step(reqs, out.logits, finite, best, self.eos_ids)   # [b]
-            logprobs = step_logprobs(reqs, out.logits, chosen)
+            chosen, dead = sample_step(reqs, logits, finite, best, self.eos_ids)   # [b]
+            logprobs = step_logprobs(reqs, logits, chosen)
             picked = (chosen if last_slots is None else torch.cat([chosen, last_slots[:, 0]])).tolist()
         self.tokens_computed += len(tokens)
         # ---- commit, request by request
@@ -331,6 +334,7 @@ class Engine(FaultIsolation, RuntimeAdapters):
                 if routing is not None and routing.carry is not None and last_carry is not None:
                     record_carry([s], last_carry[i:i + 1])
                 if s.probe:  # a probe chunk; its prompt is computed again once the probe ends
+                    assert carry_rows is not None, "a probe chunk's step returned no router decisions"
                     ended = record_probe([s], carry_rows[off:off + s.n])[0]
                     req.num_computed = s.start + s.n
                     if ended:

@@ -76,19 +76,24 @@ class FaultIsolation:
             return self._run(scheduled)
         except Exception as e:
             self.faults += 1
-            for s in scheduled:                     # a sampled row may have drawn before the exception
+            for s in scheduled:  # a sampled row may have drawn before the exception
                 g = s.request.generator
                 if g is not None and id(s.request) in gens:
                     g.set_state(gens[id(s.request)])
             error = e
-        if isinstance(error, CorruptSlots):         # every row of the step is spoiled: mend the slots, run again
+        if isinstance(error, CorruptSlots):  # every row of the step is spoiled: mend the slots, run again
             lost = self._mend(error.names)
             outs, keep = [], []
             for s in scheduled:
                 gone = [n for n in lost if n in s.request.needs]
                 if gone:
-                    outs.append(self._fail(s.request, f"adapter {gone[0]!r} was corrupt in memory and could not be "
-                                                      f"read again ({lost[gone[0]]}); it now adds nothing"))
+                    outs.append(
+                        self._fail(
+                            s.request,
+                            f"adapter {gone[0]!r} was corrupt in memory and could not be "
+                            f"read again ({lost[gone[0]]}); it now adds nothing",
+                        )
+                    )
                 else:
                     keep.append(s)
             return outs + (self._run_isolating(keep, top) if keep else [])
@@ -99,8 +104,9 @@ class FaultIsolation:
             req = scheduled[0].request
             log.error("request %s failed alone (isolated): %s", req.request_id, what, exc_info=error)
             return [self._fail(req, f"the engine failed on this request ({what})")]
-        log.warning("a step over %d chunks raised %s; running it again in halves to isolate the cause",
-                    len(scheduled), what)
+        log.warning(
+            "a step over %d chunks raised %s; running it again in halves to isolate the cause", len(scheduled), what
+        )
         mid = len(scheduled) // 2
         return self._run_isolating(scheduled[:mid], False) + self._run_isolating(scheduled[mid:], False)
 
@@ -123,11 +129,12 @@ class FaultIsolation:
             except Exception as e:
                 bank.rewrite(name, None)
                 lost[name] = f"{type(e).__name__}: {e}"
-                log.error("adapter %r was corrupt in its slot and could not be read again (%s); zeroed it", name,
-                          lost[name])
+                log.error(
+                    "adapter %r was corrupt in its slot and could not be read again (%s); zeroed it", name, lost[name]
+                )
             self.hotset.forget_warm(name)  # the warm copy may be what was corrupted
             self.hotset.forget_version(name)
-        if self.prefix is not None:        # KV computed while the slot was corrupt must not be reused
+        if self.prefix is not None:  # KV computed while the slot was corrupt must not be reused
             self.prefix.invalidate()
         return lost
 
@@ -136,7 +143,7 @@ class FaultIsolation:
         these blocks would read through masked attention), free them, report finish_reason "error"."""
         self.failures += 1
         self.events.append(("isolated", why))
-        own = [b for b in req.block_table if self.allocator.refs(b) == 1]   # blocks shared with others stay
+        own = [b for b in req.block_table if self.allocator.refs(b) == 1]  # blocks shared with others stay
         self.allocator.forget(own)
         self.runner.cache.clear_blocks(own)
         return self._end(req, "error", why)

@@ -42,8 +42,9 @@ class RuntimeAdapters:
         `asyncio.to_thread`, then `load_adapter(name, adapter)` on the engine thread."""
         return self.hotset.read(name, path, roots)
 
-    def load_adapter(self, name: str, source: str | Path | LoRAAdapter, *,
-                     roots: Sequence[str | Path] | None = None) -> None:
+    def load_adapter(
+        self, name: str, source: str | Path | LoRAAdapter, *, roots: Sequence[str | Path] | None = None
+    ) -> None:
         """Register an adapter at run time: a PEFT folder (read and validated here, on this thread) or an
         adapter from `read_adapter`. Loaded into a free slot if there is one. `roots` confine every later
         re-read of the folder (an adapter from read_adapter keeps the roots it was read with). Refused, with
@@ -62,7 +63,7 @@ class RuntimeAdapters:
             why = f"adapter {name!r} was unloaded (force) while this request used it"
             for req in users:
                 self.abort(req.request_id, error=why)
-            if name in hs.paths:     # the last abort already unregistered it if it was draining
+            if name in hs.paths:  # the last abort already unregistered it if it was draining
                 hs.unregister(name)
             log.info("adapter %r unloaded (force), %d request(s) aborted", name, len(users))
             return "unloaded"

@@ -25,10 +25,10 @@ class ModelInfo:
     stop_token_ids: tuple[int, ...]
     vocab_size: int
     max_model_len: int | None = None
-    prompt_template: str | None = None      # the bundle's, with "{prompt}"; None: the tokenizer's template
+    prompt_template: str | None = None  # the bundle's, with "{prompt}"; None: the tokenizer's template
     adapters: list[str] = field(default_factory=list)
-    default_max_tokens: int = 512           # chat without max_tokens (capped by the context left)
-    adapter_paths: dict[str, str | None] = field(default_factory=dict)   # /v1/models' "root" of each adapter
+    default_max_tokens: int = 512  # chat without max_tokens (capped by the context left)
+    adapter_paths: dict[str, str | None] = field(default_factory=dict)  # /v1/models' "root" of each adapter
 
     @property
     def models(self) -> list[str]:
@@ -40,7 +40,7 @@ class ModelInfo:
         """The pinned adapter of `model`, one of `models` (None for the base name)."""
         if model == self.name:
             return None
-        return model if model in self.adapters else model[len(self.name) + 1:]
+        return model if model in self.adapters else model[len(self.name) + 1 :]
 
 
 class Catalog:
@@ -68,11 +68,14 @@ class Catalog:
         if name is None:
             if len(self.infos) == 1:
                 return next(iter(self))
-            raise APIError(400, f"this server serves several bundles {list(self.infos)}; name one",
-                           param="bundle")
+            raise APIError(400, f"this server serves several bundles {list(self.infos)}; name one", param="bundle")
         if name not in self.infos:
-            raise APIError(404, f"bundle {name!r} is not served here; served: {list(self.infos)}", param="bundle",
-                           code="bundle_not_found")
+            raise APIError(
+                404,
+                f"bundle {name!r} is not served here; served: {list(self.infos)}",
+                param="bundle",
+                code="bundle_not_found",
+            )
         return self.infos[name]
 
     def adapter_id(self, info: ModelInfo, adapter: str) -> str:
@@ -88,10 +91,18 @@ class Catalog:
             return self.infos[model], None
         holders = [info for info in self if model in info.adapters]
         if len(holders) > 1:
-            raise APIError(400, f"adapter {model!r} is served by several bundles; name one as "
-                           f"{[f'{i.name}:{model}' for i in holders]}", param="model", code="model_ambiguous")
+            raise APIError(
+                400,
+                f"adapter {model!r} is served by several bundles; name one as {[f'{i.name}:{model}' for i in holders]}",
+                param="model",
+                code="model_ambiguous",
+            )
         for info in holders or self:
             if model in info.models:
                 return info, info.pinned(model)
-        raise APIError(404, f"model {model!r} does not exist; this server serves {self.models}", param="model",
-                       code="model_not_found")
+        raise APIError(
+            404,
+            f"model {model!r} does not exist; this server serves {self.models}",
+            param="model",
+            code="model_not_found",
+        )

@@ -250,7 +250,7 @@ class Generation:
                 wait = left if keepalive is None else min(left, keepalive)
                 try:
                     item = await asyncio.wait_for(sub.queue.get(), wait)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if keepalive is not None and wait == keepalive:
                         yield None
                     continue

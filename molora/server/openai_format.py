@@ -46,7 +46,7 @@ class ChoiceState:
 
     index: int
     prompt_tokens: int = 0
-    cached_tokens: int = 0             # of the prompt, from the prefix cache (reported when it finishes)
+    cached_tokens: int = 0  # of the prompt, from the prefix cache (reported when it finishes)
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     adapters: list[str | None] = field(default_factory=list)
@@ -74,8 +74,12 @@ def usage_of(states: list[ChoiceState], n: int) -> Usage:
     prompt = sum(s.prompt_tokens for s in states if s.index % n == 0)
     cached = sum(s.cached_tokens for s in states if s.index % n == 0)
     completion = sum(len(s.token_ids) for s in states)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 def sse(chunk: BaseModel) -> str:
@@ -86,8 +90,11 @@ class SSEResponse(StreamingResponse):
     """An event stream that aborts its engine requests however it ends (done, disconnect, cancellation)."""
 
     def __init__(self, chunks: AsyncIterator[str], sub: Submission, headers: dict[str, str] | None = None) -> None:
-        super().__init__(chunks, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+        super().__init__(
+            chunks,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        )
         self.sub = sub
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -140,9 +147,16 @@ class CompletionFormat(ResponseFormat):
         return lp
 
     def response(self, states: list[ChoiceState], usage: Usage) -> CompletionResponse:
-        choices = [CompletionChoice(index=s.index, text=s.text, logprobs=self._logprobs(s.logprobs, 0),
-                                    finish_reason=s.finish_reason, molora=self._routed(s.token_ids, s.adapters))
-                   for s in states]
+        choices = [
+            CompletionChoice(
+                index=s.index,
+                text=s.text,
+                logprobs=self._logprobs(s.logprobs, 0),
+                finish_reason=s.finish_reason,
+                molora=self._routed(s.token_ids, s.adapters),
+            )
+            for s in states
+        ]
         return CompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices, usage=usage)
 
     def chunk(self, state: ChoiceState, out: Any) -> CompletionChunk | None:
@@ -150,10 +164,13 @@ class CompletionFormat(ResponseFormat):
         if not (out.new_text or out.finished or (out.new_token_ids and wants_tokens)):
             return None
         offset = len(state.text) - len(out.new_text)
-        choice = CompletionChoice(index=state.index, text=out.new_text,
-                                  logprobs=self._logprobs(out.logprobs or [], offset),
-                                  finish_reason=out.finish_reason if out.finished else None,
-                                  molora=self._routed(out.new_token_ids, out.token_adapters))
+        choice = CompletionChoice(
+            index=state.index,
+            text=out.new_text,
+            logprobs=self._logprobs(out.logprobs or [], offset),
+            finish_reason=out.finish_reason if out.finished else None,
+            molora=self._routed(out.new_token_ids, out.token_adapters),
+        )
         return CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> CompletionChunk:
@@ -168,19 +185,29 @@ class ChatFormat(ResponseFormat):
         content = []
         for e in entries:
             token = self._token(e["token_id"])
-            top = [TopLogprob(token=(t := self._token(i)), logprob=float(v), bytes=list(t.encode()))
-                   for i, v in e["top"][:k]]
-            content.append(TokenLogprob(token=token, logprob=float(e["logprob"]), bytes=list(token.encode()),
-                                        top_logprobs=top))
+            top = [
+                TopLogprob(token=(t := self._token(i)), logprob=float(v), bytes=list(t.encode()))
+                for i, v in e["top"][:k]
+            ]
+            content.append(
+                TokenLogprob(token=token, logprob=float(e["logprob"]), bytes=list(token.encode()), top_logprobs=top)
+            )
         return ChatLogprobs(content=content)
 
     def response(self, states: list[ChoiceState], usage: Usage) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=s.index, message=ChatMessageOut(content=s.text),
-                              logprobs=self._logprobs(s.logprobs), finish_reason=s.finish_reason,
-                              molora=self._routed(s.token_ids, s.adapters))
-                   for s in states]
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
-                                      usage=usage)
+        choices = [
+            ChatChoice(
+                index=s.index,
+                message=ChatMessageOut(content=s.text),
+                logprobs=self._logprobs(s.logprobs),
+                finish_reason=s.finish_reason,
+                molora=self._routed(s.token_ids, s.adapters),
+            )
+            for s in states
+        ]
+        return ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.req.model, choices=choices, usage=usage
+        )
 
     def head(self, state: ChoiceState) -> ChatCompletionChunk:
         choice = ChatChunkChoice(index=state.index, delta=Delta(role="assistant", content=""))
@@ -189,10 +216,13 @@ class ChatFormat(ResponseFormat):
     def chunk(self, state: ChoiceState, out: Any) -> ChatCompletionChunk | None:
         if not (out.new_text or out.finished or (out.new_token_ids and (self.routing or self.req.logprobs))):
             return None
-        choice = ChatChunkChoice(index=state.index, delta=Delta(content=out.new_text or None),
-                                 logprobs=self._logprobs(out.logprobs or []),
-                                 finish_reason=out.finish_reason if out.finished else None,
-                                 molora=self._routed(out.new_token_ids, out.token_adapters))
+        choice = ChatChunkChoice(
+            index=state.index,
+            delta=Delta(content=out.new_text or None),
+            logprobs=self._logprobs(out.logprobs or []),
+            finish_reason=out.finish_reason if out.finished else None,
+            molora=self._routed(out.new_token_ids, out.token_adapters),
+        )
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:

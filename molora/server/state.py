@@ -26,18 +26,28 @@ from molora.server.protocol import APIError
 
 log = logging.getLogger("molora.server")
 
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}")   # what an adapter may be called (AdapterLoadRequest)
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}")  # what an adapter may be called (AdapterLoadRequest)
 
 
 class ServerState:
     """Everything the routes share; `app.state.molora`."""
 
-    def __init__(self, client: EngineClient, metrics: ServerMetrics, catalog: Catalog, *,
-                 api_keys: Sequence[str], admin_keys: Sequence[str], adapter_roots: Sequence[Path],
-                 max_body_bytes: int, retry_after_s: int, limits: Limits = Limits(),
-                 resolver_dirs: Sequence[Path] = ()) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        metrics: ServerMetrics,
+        catalog: Catalog,
+        *,
+        api_keys: Sequence[str],
+        admin_keys: Sequence[str],
+        adapter_roots: Sequence[Path],
+        max_body_bytes: int,
+        retry_after_s: int,
+        limits: Limits = Limits(),
+        resolver_dirs: Sequence[Path] = (),
+    ) -> None:
         self.client, self.metrics, self.catalog = client, metrics, catalog
-        self.api_keys = tuple(api_keys) + tuple(admin_keys)   # an admin key is also an API key
+        self.api_keys = tuple(api_keys) + tuple(admin_keys)  # an admin key is also an API key
         self.admin_keys = tuple(admin_keys)
         self.adapter_roots = tuple(adapter_roots)
         self.max_body_bytes = max_body_bytes
@@ -45,8 +55,9 @@ class ServerState:
         self.draining = False
         self.resolver_dirs = tuple(resolver_dirs)
         self._resolving: dict[str, asyncio.Lock] = {}
-        self.generation = Generation(client, metrics, catalog, limits,
-                                     resolver=self.resolve_lora if self.resolver_dirs else None)
+        self.generation = Generation(
+            client, metrics, catalog, limits, resolver=self.resolve_lora if self.resolver_dirs else None
+        )
 
     async def resolve_lora(self, name: str) -> bool:
         """vLLM's filesystem LoRA resolver: a request naming an unknown model NAME loads the PEFT folder
@@ -54,12 +65,17 @@ class ServerState:
         before). False when no such folder exists; a folder that is not a valid adapter answers 400."""
         if not ADAPTER_NAME.fullmatch(name):
             return False
-        found = next((d / name for d in self.resolver_dirs
-                      if (d / name / "adapter_config.json").is_file() and (d / name).resolve().is_relative_to(d)),
-                     None)
+        found = next(
+            (
+                d / name
+                for d in self.resolver_dirs
+                if (d / name / "adapter_config.json").is_file() and (d / name).resolve().is_relative_to(d)
+            ),
+            None,
+        )
         if found is None:
             return False
-        async with self._resolving.setdefault(name, asyncio.Lock()):   # one load when many ask at once
+        async with self._resolving.setdefault(name, asyncio.Lock()):  # one load when many ask at once
             if any(name in info.adapters for info in self.catalog):
                 return True
             await self.load_adapter(None, name, str(found), param="model", roots=self.resolver_dirs)
@@ -79,8 +95,13 @@ class ServerState:
         else:
             status = "draining" if self.draining else "ok"
         ready = live and not self.draining
-        details = {"status": status, "in_flight": self.client.in_flight, "broken": h["broken"],
-                   "last_progress_age_s": round(h["last_progress_age_s"], 3), "engine_failures": h["failures"]}
+        details = {
+            "status": status,
+            "in_flight": self.client.in_flight,
+            "broken": h["broken"],
+            "last_progress_age_s": round(h["last_progress_age_s"], 3),
+            "engine_failures": h["failures"],
+        }
         return live, ready, details
 
     def on_event(self, kind: str, value: Any) -> None:
@@ -97,18 +118,19 @@ class ServerState:
         """From now on new requests get 503; the ones in flight go on to the end."""
         self.draining = True
 
-    async def load_adapter(self, bundle: str | None, name: str, path: str, *, param: str,
-                           roots: Sequence[Path] | None = None) -> ModelInfo:
+    async def load_adapter(
+        self, bundle: str | None, name: str, path: str, *, param: str, roots: Sequence[Path] | None = None
+    ) -> ModelInfo:
         """Load the PEFT folder `path` (confined to `roots`, default the adapter roots) as adapter `name` of
         `bundle`; 4xx otherwise."""
         roots = self.adapter_roots if roots is None else tuple(roots)
         info = self.catalog.bundle(bundle)
         if name in info.adapters:
-            raise APIError(409, f"adapter {name!r} is already loaded; unload it first", param=param,
-                           code="adapter_exists")
+            raise APIError(
+                409, f"adapter {name!r} is already loaded; unload it first", param=param, code="adapter_exists"
+            )
         if name in self.catalog.infos:
-            raise APIError(400, f"adapter name {name!r} is the served model's own name; choose another",
-                           param=param)
+            raise APIError(400, f"adapter name {name!r} is the served model's own name; choose another", param=param)
         resolved = resolve_adapter_path(path, roots)
         try:  # the client reads and checks the files off the engine thread, confined to the roots
             await self.client.load_adapter(info.name, name, resolved, roots)
@@ -117,8 +139,7 @@ class ServerState:
         except AdapterDraining as e:
             raise APIError(409, str(e), param=param, code="adapter_draining") from e
         except MoLoRAError as e:
-            raise APIError(400, str(e), param="path" if param == "name" else "lora_path",
-                           code="invalid_adapter") from e
+            raise APIError(400, str(e), param="path" if param == "name" else "lora_path", code="invalid_adapter") from e
         self.metrics.known_adapter(name)
         await self.refresh_adapters(info)
         return info
@@ -129,8 +150,9 @@ class ServerState:
         info = self.catalog.bundle(bundle)
         known = [a["name"] for a in await self.client.list_adapters(info.name)]
         if name not in known:
-            raise APIError(404, f"adapter {name!r} is not loaded; loaded: {info.adapters}", param="name",
-                           code="adapter_not_found")
+            raise APIError(
+                404, f"adapter {name!r} is not loaded; loaded: {info.adapters}", param="name", code="adapter_not_found"
+            )
         try:
             state = await self.client.unload_adapter(info.name, name, force)
         except MoLoRAError as e:
@@ -157,8 +179,12 @@ def resolve_adapter_path(path: str, roots: Sequence[Path]) -> Path:
     Relative paths are taken relative to each root in turn; absolute ones must resolve inside a root.
     """
     if not roots:
-        raise APIError(403, "loading adapters at run time is disabled: start the server with --adapter-root DIR",
-                       param="path", code="adapter_loading_disabled")
+        raise APIError(
+            403,
+            "loading adapters at run time is disabled: start the server with --adapter-root DIR",
+            param="path",
+            code="adapter_loading_disabled",
+        )
     given = Path(path)
     try:
         candidates = [given.resolve()] if given.is_absolute() else [(root / given).resolve() for root in roots]
@@ -166,10 +192,19 @@ def resolve_adapter_path(path: str, roots: Sequence[Path]) -> Path:
         raise APIError(400, f"adapter path {path!r} is not a valid path ({e})", param="path") from e
     inside = [c for c in candidates if any(c.is_relative_to(root) for root in roots)]
     if not inside:
-        raise APIError(403, f"adapter path {path!r} lies outside the adapter roots; give a folder under one of "
-                       f"{[str(r) for r in roots]}", param="path", code="path_outside_roots")
+        raise APIError(
+            403,
+            f"adapter path {path!r} lies outside the adapter roots; give a folder under one of "
+            f"{[str(r) for r in roots]}",
+            param="path",
+            code="path_outside_roots",
+        )
     found = next((c for c in inside if (c / "adapter_config.json").is_file()), None)
     if found is None:
-        raise APIError(404, f"no PEFT adapter (adapter_config.json) at {path!r} under the adapter roots",
-                       param="path", code="adapter_not_found")
+        raise APIError(
+            404,
+            f"no PEFT adapter (adapter_config.json) at {path!r} under the adapter roots",
+            param="path",
+            code="adapter_not_found",
+        )
     return found
