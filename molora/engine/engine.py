@@ -20,10 +20,10 @@ molora.engine.faults (`FaultIsolation`) isolates a step that raises and mends co
 molora.engine.runtime_adapters (`RuntimeAdapters`) reads, registers, lists and unloads adapters at run time
 (the slots and tiers themselves: molora.engine.hotset).
 
-Faults and time: a request may carry deadlines (`add_request(timeout_s=, queue_timeout_s=)`), checked at the
-start of every step: it ends with finish_reason "timeout" and `RequestOutput.error` saying which. A step
-that raises is run again in halves until the request(s) that make it raise are found; only they end
-(finish_reason "error"), see `step` and molora.engine.faults. `events` reports queue waits, deadline expiries and faults to a server.
+Faults and time: a request may carry deadlines (`add_request(timeout_s=, queue_timeout_s=)`), checked at the start
+of every step: it ends with finish_reason "timeout" and `RequestOutput.error` saying which. A step that raises is
+run again in halves until the request(s) that make it raise are found; only they end (finish_reason "error"), see
+`step` and molora.engine.faults. `events` reports queue waits, deadline expiries and faults to a server.
 
 The engine is single-threaded: a server drives `step()` from one thread and calls `add_request` /
 `abort` under its own lock. Precision follows the model: fp32 by default (exact against transformers);
