@@ -34,12 +34,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-from molora.bench.sse import SSEStream
-from molora.docblock import markers, replace_block, wrap
 from typing import Any
 
 import httpx
+
+from molora.bench.sse import SSEStream
+from molora.docblock import markers, replace_block, wrap
 
 ROOT = Path(__file__).resolve().parents[1]
 # Fault markers: a prompt that starts with three of these token ids (text never tokenizes to that at position

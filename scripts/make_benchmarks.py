@@ -39,9 +39,9 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from molora.docblock import markers, replace_block
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ("ops", "ops_grid", "model", "hotset", "engine", "engine_mixed", "serve")

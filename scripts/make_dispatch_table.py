@@ -17,10 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-from molora.docblock import markers, replace_block
-
 import torch
 
+from molora.docblock import markers, replace_block
 from molora.ops import dispatch
 
 BEGIN, END = markers("dispatch-table", "scripts/make_dispatch_table.py")

@@ -150,7 +150,7 @@ def measure(args: argparse.Namespace) -> dict:
     tok, routes = mm.tokenizer, mm.router
     ids = tok("<boi> <eoi>", add_special_tokens=False, return_tensors="pt")["input_ids"]
     picked = [mm.adapter_names[i] for i in routes.route(ids, mm.adapter_names).adapter_ids[0].tolist()]
-    return {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    return {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "command": "scripts/make_multimodal.py " + " ".join(sys.argv[1:]),
             "bundle": str(bundle.relative_to(ROOT)) if bundle.is_relative_to(ROOT) else str(bundle),
             "threads": 1, "temperature": TEMPERATURE, "text_temperature": text_t,

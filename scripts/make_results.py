@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from molora.docblock import markers, write_block
 from molora.data.jsonl import read_jsonl
+from molora.docblock import markers, write_block
 
 # The BBH paper's per-task table (Suzgun et al. 2022, arXiv 2210.09261, 3-shot on the real benchmark items):
 # PaLM 540B answer-only, PaLM 540B with chain of thought, and the average human rater

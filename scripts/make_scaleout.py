@@ -33,9 +33,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from molora.docblock import markers, replace_block
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "scaleout.json"

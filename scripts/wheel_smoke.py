@@ -71,7 +71,7 @@ def main(work: Path) -> int:
                 break
             except openai.APIConnectionError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the server did not come up (exit code {server.poll()})")
+                    raise SystemExit(f"the server did not come up (exit code {server.poll()})") from None
                 time.sleep(1)
         print("models:", ids)
         assert ids == [str(work / "tiny"), "a"], ids

@@ -88,7 +88,7 @@ def test_cold_read_runs_on_the_loader_thread_while_other_requests_decode(paths, 
     cold = engine.add_request(cold_prompt, GREEDY, adapter="b")           # head of the queue, adapter on disk
     warm = engine.add_request(warm_prompt, SamplingParams(max_new_tokens=12), adapter="a")
     got: dict[str, list[int]] = {cold: [], warm: []}
-    for step in range(5):                                   # the read is held: the warm request decodes on
+    for _ in range(5):                                      # the read is held: the warm request decodes on
         outs = {o.request_id: o for o in engine.step()}
         assert len(outs[warm].new_token_ids) == 1 and cold not in outs
         got[warm] += outs[warm].new_token_ids

@@ -13,9 +13,9 @@ import molora
 from molora.config import LLAMA_PROJECTIONS, SamplingParams
 from molora.engine import Engine, EngineConfig
 from molora.errors import MoLoRAError
-from molora.ops import fused_cpu
 from molora.model.batch import BatchMeta, RouterGroup, StepRouting
 from molora.model.runner import ModelRunner
+from molora.ops import fused_cpu
 from tests.conftest import VOCAB, make_peft_adapter, tiny_model
 from tests.graph_emulator import HostReadWhileRecording, emulated_capture
 

@@ -16,7 +16,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from molora.server.metrics import (
-    CONTENT_TYPE, DEADLINE_KINDS, FAILURE_KINDS, LORA_INFO, LORA_INFO_LABELS, RATE_WINDOW_S, ServerMetrics,
+    CONTENT_TYPE,
+    DEADLINE_KINDS,
+    FAILURE_KINDS,
+    LORA_INFO,
+    LORA_INFO_LABELS,
+    RATE_WINDOW_S,
+    ServerMetrics,
 )
 
 # Every family the hand-written exposition wrote (name in the text, type), before prometheus_client.

@@ -356,7 +356,7 @@ def test_train_routed_writes_peft_folders_that_peft_loads(tmp_path, tiny_bundle)
 
     from molora.adapters.io import read_adapter_config
     from molora.model.base import load_base
-    from molora.multimodal.vocab import END, PROMPT_TEMPLATE, adapter_pairs, Digits
+    from molora.multimodal.vocab import END, PROMPT_TEMPLATE, Digits, adapter_pairs
     from molora.train.adapter import AdapterTrainConfig, train_routed
 
     rng = np.random.RandomState(0)
@@ -369,7 +369,7 @@ def test_train_routed_writes_peft_folders_that_peft_loads(tmp_path, tiny_bundle)
                              target_modules=("q_proj", "v_proj"))
     stats = train_routed(model, tok, pairs, outs, router, cfg, template=PROMPT_TEMPLATE, end=END, progress=False)
     assert stats["steps"] == 2 and math.isfinite(stats["final_loss"])
-    for n, p in outs.items():
+    for p in outs.values():
         assert read_adapter_config(p).r == 4
         assert json.loads((p / "training_stats.json").read_text())["trained_with"] == ["image", "text"]
     fresh, _ = load_base(tiny_bundle / "base")

@@ -468,7 +468,8 @@ def test_auto_takes_fused_only_where_it_can_run() -> None:
         assert picked(dtype=torch.bfloat16) == "fused"
         assert picked(T=1000) == "fused"                                # float32: at any T
         # bf16: the eager backends' bf16 GEMMs win from a number of tokens per slot on (3 slots here)
-        from molora.ops import dispatch as dispatch_module, fused_cpu
+        from molora.ops import dispatch as dispatch_module
+        from molora.ops import fused_cpu
 
         per_slot = (dispatch_module.FUSED_BF16_TOKENS_PER_SLOT if fused_cpu.bf16_dot()
                     else dispatch_module.FUSED_BF16_SOFT_TOKENS_PER_SLOT)

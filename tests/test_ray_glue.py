@@ -20,7 +20,6 @@ from molora.server.ray_state import BundleSpec, Leases, Registry
 from molora.server.runner import Saturated
 from tests.test_server import FakeEngine, ToyTokenizer, expected_text
 
-
 # ------------------------------------------------------------------------------------------ fakes
 
 class FakeStream:

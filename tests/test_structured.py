@@ -21,8 +21,15 @@ import molora
 from molora.config import SamplingParams
 from molora.engine import Engine, EngineConfig
 from molora.routing import VocabRouter
-from molora.sampling import (Constraint, ConstraintState, apply_bitmask, constraint_bitmask, is_allowed, pack_bitmask,
-                             unpack_bitmask)
+from molora.sampling import (
+    Constraint,
+    ConstraintState,
+    apply_bitmask,
+    constraint_bitmask,
+    is_allowed,
+    pack_bitmask,
+    unpack_bitmask,
+)
 from molora.server import ServerThread, create_app
 from molora.structured import GrammarConstraint, StructuredCompiler, StructuredOutputError, StructuredSpec
 from tests.conftest import make_peft_adapter, tiny_model

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-
 # ---------------------------------------------------------------------------------------------- setup
 
 def add_common_args(p: argparse.ArgumentParser, *, plot: bool = True, threads_default: int = 1) -> None:

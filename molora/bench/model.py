@@ -39,16 +39,26 @@ import copy
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from molora.bench.common import (
+    Timing,
+    add_common_args,
+    emit,
+    machine_info,
+    paired_ratio,
+    rounded,
+    set_threads,
+    stderr_log,
+    time_interleaved,
+)
 from molora.bench.model_report import format_table, plot, scenario_ratio
-from molora.bench.common import (Timing, add_common_args, emit, machine_info, paired_ratio, rounded, set_threads,
-                                 stderr_log, time_interleaved)
 from molora.config import LLAMA_PROJECTIONS
 from molora.routing import Routing
 

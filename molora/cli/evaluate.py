@@ -7,7 +7,6 @@ import json
 
 from molora.cli.registry import command
 
-
 # --------------------------------------------------------------------------------------------- eval
 
 def _eval_args(p: argparse.ArgumentParser) -> None:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from molora.cli.registry import command
 
-
 # --------------------------------------------------------------------------------------------- generate
 
 def _generate_args(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,6 @@ from pathlib import Path
 from molora.cli.registry import command
 from molora.errors import MoLoRAError
 
-
 # --------------------------------------------------------------------------------------------- serve
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -179,8 +178,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
     try:
-        from molora.server import ray_serve
         import ray  # noqa: F401
+
+        from molora.server import ray_serve
     except ImportError as e:
         raise MoLoRAError(f"--ray needs Ray Serve: pip install 'molora[ray]' ({e})") from None
     cfg = ray_serve.RayConfig(

@@ -9,7 +9,6 @@ from pathlib import Path
 from molora.cli.registry import command
 from molora.errors import MoLoRAError
 
-
 # --------------------------------------------------------------------------------------------- training
 
 def _train_adapter_args(p: argparse.ArgumentParser) -> None:

@@ -14,15 +14,16 @@ budget, KV blocks and hot-set slots -> one flattened batch (tokens [T], position
 stop checks and streaming detokenization -> outputs. Finished and aborted requests free their KV blocks
 and adapter pins at once.
 
-Adapters at run time: a cold adapter is read and validated on the hot set's loader thread while the
-steps go on (the step only copies a read adapter into a slot); `read_adapter` reads on any thread and
-`load_adapter(name, adapter)` registers the result; `unload_adapter` drains an adapter that requests in
-flight still use (new requests leave it out) or, with force=True, aborts them. See molora.engine.hotset.
+The rooms beside this file, each a part of `Engine` with one owner: molora.engine.admission resolves a new
+request's routing; molora.engine.sampler picks every sampled row's next id (constraints, min_tokens, logprobs);
+molora.engine.faults (`FaultIsolation`) isolates a step that raises and mends corrupt adapter slots;
+molora.engine.runtime_adapters (`RuntimeAdapters`) reads, registers, lists and unloads adapters at run time
+(the slots and tiers themselves: molora.engine.hotset).
 
-Faults and time: a request may carry deadlines (`add_request(timeout_s=, queue_timeout_s=)`), checked at the
-start of every step: it ends with finish_reason "timeout" and `RequestOutput.error` saying which. A step
-that raises is run again in halves until the request(s) that make it raise are found; only they end
-(finish_reason "error"), see `step`. `events` reports queue waits, deadline expiries and faults to a server.
+Faults and time: a request may carry deadlines (`add_request(timeout_s=, queue_timeout_s=)`), checked at the start
+of every step: it ends with finish_reason "timeout" and `RequestOutput.error` saying which. A step that raises is
+run again in halves until the request(s) that make it raise are found; only they end (finish_reason "error"), see
+`step` and molora.engine.faults. `events` reports queue waits, deadline expiries and faults to a server.
 
 The engine is single-threaded: a server drives `step()` from one thread and calls `add_request` /
 `abort` under its own lock. Precision follows the model: fp32 by default (exact against transformers);
@@ -38,34 +39,33 @@ import logging
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from molora.adapters.io import LoRAAdapter
 from molora.config import SamplingParams
+from molora.engine.admission import ROUTING_CHOICES, resolve_routing
+from molora.engine.faults import CorruptSlots, FaultIsolation
 from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
 from molora.engine.prefix import PrefixCache
 from molora.engine.request import IncrementalDetokenizer, Request, RequestOutput, TextState
 from molora.engine.routing import RouteState, plan_routing, record_carry, record_probe
+from molora.engine.runtime_adapters import RuntimeAdapters
+from molora.engine.sampler import sample_step, step_logprobs
 from molora.engine.scheduler import Scheduled, Scheduler
-from molora.errors import AdapterDraining, AdapterError, MoLoRAError, RoutingError
-from molora.model.graphs import DEFAULT_BUCKETS
+from molora.errors import MoLoRAError
 from molora.model.batch import BatchMeta
+from molora.model.graphs import DEFAULT_BUCKETS
 from molora.model.runner import ModelRunner
 from molora.ops import fused_cpu
 from molora.ops.device import to_device
-from molora.routing import ArrowRouter, SequenceRouter, VocabRouter
-from molora.sampling import (Constraint, apply_bitmask, bundle_constraint, constraint_bitmask, greedy, is_allowed,
-                             sample_next, top_logprobs)
+from molora.sampling import Constraint, bundle_constraint
 
 log = logging.getLogger("molora.engine")
 
-ROUTING_CHOICES = ("auto", "learned", "arrow", "vocab", "sequence", "none")
+__all__ = ["ROUTING_CHOICES", "CorruptSlots", "Engine", "EngineConfig"]
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class EngineConfig:
         return self.num_kv_blocks if self.num_kv_blocks is not None else -(-self.kv_budget_tokens // self.block_size)
 
 
-class Engine:
+class Engine(FaultIsolation, RuntimeAdapters):
     """Serves requests over one `MoLoRAModel` (module docstring)."""
 
     def __init__(self, mm: Any, config: EngineConfig = EngineConfig(), *, tokenizer: Any = None) -> None:
@@ -142,7 +142,7 @@ class Engine:
         # ("fault", message), ("isolated", message); the consumer pops from the left, the oldest drop off
         self.events: deque[tuple[str, Any]] = deque(maxlen=10000)
         self.tokens_by_adapter: Counter[str] = Counter()
-        # the bundle's constrained spans (an early-fusion model's image spans), applied in `_sample`; None: none
+        # the bundle's constrained spans (an early-fusion model's image spans), applied in `sample_step`; None: none
         self.constraint = bundle_constraint(getattr(mm, "bundle", None), self.tokenizer)
         log.info("engine: %d KV blocks x %d tokens (%.1f MiB), %d slots, max_model_len %d", config.kv_blocks,
                  config.block_size, self.runner.cache.nbytes() / 2**20, mm.bank.num_slots, self.max_model_len)
@@ -156,7 +156,7 @@ class Engine:
 
         constraint: what its generated ids must obey (e.g. molora.structured.GrammarConstraint, compiled off this
         thread), on top of the bundle's constrained spans; a step where nothing is allowed ends the request with
-        finish_reason "error" (see `_sample`). Routing is unaffected: the mask depends on the ids only.
+        finish_reason "error" (molora.engine.sampler). Routing is unaffected: the mask depends on the ids only.
 
         timeout_s: the request ends with finish_reason "timeout" once it has been in the engine this long;
         queue_timeout_s: the same if it has not started (been scheduled) by then. Both are checked at the start
@@ -179,7 +179,8 @@ class Engine:
             raise MoLoRAError(f"request id {rid!r} is already in flight; use a unique id")
         if params.stop and self.tokenizer is None:
             raise MoLoRAError("stop strings need a tokenizer; pass one to Engine(..., tokenizer=...)")
-        mode, router, allowed, needs = self._resolve_routing(routing, adapter, allowed_adapters)
+        mode, router, allowed, needs = resolve_routing(routing, adapter, allowed_adapters, self.hotset,
+                                                       self.mm.router, self.mm.bank.num_slots)
         gen = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -194,62 +195,6 @@ class Engine:
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
-
-    def _resolve_routing(self, routing: str, adapter: str | None, allowed_adapters: list[str] | None
-                         ) -> tuple[str, Any, frozenset[str] | None, tuple[str, ...]]:
-        """(mode, router, allowed, adapters to pin) of a request's RouteState (molora.engine.routing). A draining adapter
-        (unload_adapter) is refused to a pinned request and left out of a router's allowed set and pins."""
-        if routing not in ROUTING_CHOICES:
-            raise RoutingError(f"routing={routing!r}; choose one of {ROUTING_CHOICES}")
-        hs = self.hotset
-        hs.check_known([adapter] if adapter is not None else [])
-        if adapter in hs.draining:
-            raise AdapterDraining(f"adapter {adapter!r} is being unloaded (draining: only requests already using it "
-                                  "may finish on it); choose another adapter, or load it again once it is gone")
-        allowed = None if allowed_adapters is None else frozenset(allowed_adapters)
-        hs.check_known(sorted(allowed or ()))
-        router = self.mm.router
-        if routing == "none" or (routing == "auto" and adapter is None and router is None):
-            if adapter is not None:
-                raise RoutingError(f"routing='none' runs the base model; drop adapter={adapter!r}")
-            return "none", None, allowed, ()
-        if adapter is not None or routing == "sequence":
-            if adapter is None:
-                raise RoutingError("routing='sequence' pins one adapter per request: pass adapter=<name>")
-            if routing not in ("auto", "sequence"):
-                raise RoutingError(f"adapter={adapter!r} pins the request, which contradicts routing={routing!r}")
-            if allowed is not None and adapter not in allowed:
-                raise RoutingError(f"adapter {adapter!r} is not among allowed_adapters {sorted(allowed)}")
-            return "pinned", None, allowed, (adapter,)
-        if router is None:
-            raise RoutingError(f"routing={routing!r} needs a router, but the model has none attached")
-        if routing == "learned" and not router.in_network:
-            raise RoutingError(f"routing='learned' needs an in-network router; the model has {type(router).__name__}")
-        if routing == "arrow" and not isinstance(router, ArrowRouter):
-            raise RoutingError(f"routing='arrow' needs a bundle whose router is Arrow (molora.json router kind "
-                               f"\"arrow\"); the model has {type(router).__name__}")
-        if routing == "vocab" and not isinstance(router, VocabRouter):
-            raise RoutingError(f"routing='vocab' needs a VocabRouter; the model has {type(router).__name__}")
-        if router.in_network:
-            names = [n for n in router.adapter_names if n in hs.paths]
-            mode = "learned"
-        else:
-            if isinstance(router, VocabRouter):
-                names = [n for n in dict.fromkeys([r[2] for r in router.ranges] + [router.default]) if n is not None]
-                hs.check_known(names)
-            elif isinstance(router, SequenceRouter) and isinstance(router.adapters, str):
-                names = [router.adapters]
-                hs.check_known(names)
-            else:
-                names = hs.names
-            mode = "tokens"
-        if hs.draining.intersection(names):  # as if absent: the allowed set (which routing obeys) leaves it out
-            allowed = (allowed if allowed is not None else frozenset(hs.paths)) - hs.draining
-        needs = tuple(n for n in names if allowed is None or n in allowed)
-        if len(needs) > self.mm.bank.num_slots:
-            raise RoutingError(f"this request may route to {len(needs)} adapters {list(needs)}, but the bank has "
-                               f"{self.mm.bank.num_slots} slots; restrict allowed_adapters or attach with more slots")
-        return mode, router, allowed, needs
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         """Cancel a request: its KV blocks and pins are freed now; the next step reports it finished ("abort",
@@ -332,77 +277,6 @@ class Engine:
             self.check()   # a recovered fault must leave the scheduler, KV pool and pins consistent
         return outputs
 
-    def _run_isolating(self, scheduled: list[Scheduled], top: bool = True) -> list[RequestOutput]:
-        """_run(scheduled), bisecting on an exception to end only the request(s) that raise (see step)."""
-        gens = {id(s.request): s.request.generator.get_state() for s in scheduled if s.request.generator is not None}
-        try:
-            return self._run(scheduled)
-        except Exception as e:
-            self.faults += 1
-            for s in scheduled:                     # a sampled row may have drawn before the exception
-                if id(s.request) in gens:
-                    s.request.generator.set_state(gens[id(s.request)])
-            error = e
-        if isinstance(error, _CorruptSlots):        # every row of the step is spoiled: mend the slots, run again
-            lost = self._mend(error.names)
-            outs, keep = [], []
-            for s in scheduled:
-                gone = [n for n in lost if n in s.request.needs]
-                if gone:
-                    outs.append(self._fail(s.request, f"adapter {gone[0]!r} was corrupt in memory and could not be "
-                                                      f"read again ({lost[gone[0]]}); it now adds nothing"))
-                else:
-                    keep.append(s)
-            return outs + (self._run_isolating(keep, top) if keep else [])
-        what = f"{type(error).__name__}: {error}"
-        if top:  # one "fault" event per step that raised, however many re-runs isolate it
-            self._event("fault", what)
-        if len(scheduled) == 1:
-            req = scheduled[0].request
-            log.error("request %s failed alone (isolated): %s", req.request_id, what, exc_info=error)
-            return [self._fail(req, f"the engine failed on this request ({what})")]
-        log.warning("a step over %d chunks raised %s; running it again in halves to isolate the cause",
-                    len(scheduled), what)
-        mid = len(scheduled) // 2
-        return self._run_isolating(scheduled[:mid], False) + self._run_isolating(scheduled[mid:], False)
-
-    def _mend(self, names: list[str]) -> dict[str, str]:
-        """Rewrite the corrupt slots of `names` from a fresh read of their folders (validated, so finite).
-        Returns {name: why} of those that could not be read again; their slots are zeroed (the adapter adds
-        nothing) and their CPU-tier copies dropped. Either way the slot is finite afterwards."""
-        lost: dict[str, str] = {}
-        bank = self.mm.bank
-        for name in names:
-            path = self.hotset.paths.get(name)
-            try:
-                if path is None:
-                    raise AdapterError("it was given in memory: there is no folder to read it from")
-                fresh = self.mm.read(name, path, roots=self.hotset.roots.get(name))
-                bank.rewrite(name, fresh)
-                self.mm.adapters[name] = fresh
-                log.error("adapter %r was corrupt in its slot (non-finite weights); rewrote it from %s", name, path)
-                self._event("repaired", name)
-            except Exception as e:
-                bank.rewrite(name, None)
-                lost[name] = f"{type(e).__name__}: {e}"
-                log.error("adapter %r was corrupt in its slot and could not be read again (%s); zeroed it", name,
-                          lost[name])
-            self.hotset.forget_warm(name)  # the warm copy may be what was corrupted
-            self.hotset.forget_version(name)
-        if self.prefix is not None:        # KV computed while the slot was corrupt must not be reused
-            self.prefix.invalidate()
-        return lost
-
-    def _fail(self, req: Request, why: str) -> RequestOutput:
-        """End one request on an error of its own: zero its KV rows (they may hold NaN that a later owner of
-        these blocks would read through masked attention), free them, report finish_reason "error"."""
-        self.failures += 1
-        self._event("isolated", why)
-        own = [b for b in req.block_table if self.allocator.refs(b) == 1]   # blocks shared with others stay
-        self.allocator.forget(own)
-        self.runner.cache.clear_blocks(own)
-        return self._end(req, "error", why)
-
     def _run(self, scheduled: list[Scheduled]) -> list[RequestOutput]:
         """Compute one group of chunks (may raise: nothing but KV rows and generators changed yet), then commit
         each request's results on its own (an error there ends that request only)."""
@@ -416,20 +290,26 @@ class Engine:
         # the slot of each sequence's last token
         ok = torch.isfinite(out.hidden.sum()).reshape(1)
         best = None                    # each sampled row's greedy pick, from the same pass as its check (CPU)
+        logits = out.logits            # [b, V], the rows asked for
         if rows:
-            picked_ok = fused_cpu.greedy_rows(out.logits)
-            best, rows_ok = picked_ok if picked_ok is not None else (None, torch.isfinite(out.logits.sum(-1)))
+            assert logits is not None, "the runner returned no logits for the rows asked for"
+            picked_ok = fused_cpu.greedy_rows(logits)
+            best, rows_ok = picked_ok if picked_ok is not None else (None, torch.isfinite(logits.sum(-1)))
         flags = (ok if not rows else torch.cat([ok, rows_ok])).tolist()
         if not flags[0]:
             corrupt = self.mm.bank.nonfinite()
             if corrupt:
-                raise _CorruptSlots(corrupt)
-        logits = chosen = finite = picked = None
+                raise CorruptSlots(corrupt)
+        finite: list[bool] = []
+        picked: list[int] = []
         dead: dict[int, str] = {}
+        logprobs: list[list[dict] | None] = []
         if rows:
-            logits = out.logits
+            assert logits is not None
             finite = flags[1:]                                   # [b]
-            chosen, dead = self._sample([scheduled[i].request for i in rows], logits, finite, best)
+            reqs = [scheduled[i].request for i in rows]
+            chosen, dead = sample_step(reqs, logits, finite, best, self.eos_ids)   # [b]
+            logprobs = step_logprobs(reqs, logits, chosen)
             picked = (chosen if last_slots is None else torch.cat([chosen, last_slots[:, 0]])).tolist()
         self.tokens_computed += len(tokens)
         # ---- commit, request by request
@@ -454,6 +334,7 @@ class Engine:
                 if routing is not None and routing.carry is not None and last_carry is not None:
                     record_carry([s], last_carry[i:i + 1])
                 if s.probe:  # a probe chunk; its prompt is computed again once the probe ends
+                    assert carry_rows is not None, "a probe chunk's step returned no router decisions"
                     ended = record_probe([s], carry_rows[off:off + s.n])[0]
                     req.num_computed = s.start + s.n
                     if ended:
@@ -464,8 +345,7 @@ class Engine:
                     self.prefix.publish(req)   # before _advance, which may free the table
                 if j is not None:
                     slot = -1 if last_slots is None else picked[len(rows) + i]
-                    lp = self._logprobs(req, logits[j], chosen[j])
-                    outputs.append(self._advance(req, picked[j], table[slot] if slot >= 0 else None, lp))
+                    outputs.append(self._advance(req, picked[j], table[slot] if slot >= 0 else None, logprobs[j]))
             except Exception as e:
                 log.error("request %s failed alone while committing its step: %s: %s", req.request_id,
                           type(e).__name__, e, exc_info=True)
@@ -489,76 +369,6 @@ class Engine:
                          [s.request.block_table for s in scheduled])
         dev = self.runner.device
         return to_device(toks, dev), to_device(pos, dev), meta
-
-    def _sample(self, reqs: list[Request], logits: torch.Tensor, finite: list[bool],
-                best: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, str]]:
-        """(token ids [b], {row: why} of rows at a dead end) from logits [b, V] (best: their greedy picks, if known).
-
-        Constraints (the bundle's spans, a request's grammar) are one packed bitmask per constrained row
-        (molora.sampling.constraint_bitmask), applied in one batched op to the rows that need it: every sampled
-        row, and a greedy row only when its unconstrained pick is not allowed (the argmax of the masked row is
-        then the same id, so the mask costs a bit test). A request short of its min_tokens picks from a copy of
-        its row with its stop ids at -inf (`_without_stops`). A constrained row with nothing allowed is a dead
-        end: it samples nothing and its request ends (see `_run`). `logits` itself is untouched, so logprobs
-        report the model's distribution (vLLM's default, raw logprobs)."""
-        b, V = logits.shape
-        chosen = greedy(logits) if best is None else best                         # [b] greedy for all
-        masked: dict[int, torch.Tensor] = {}                                       # row -> masked copy [1, V]
-        dead: dict[int, str] = {}
-        cons = [j for j, req in enumerate(reqs) if req.constraints]
-        if cons:
-            bitmask = constraint_bitmask([reqs[j].constraints for j in cons], [reqs[j].tokens for j in cons], V)
-            bitmask = bitmask.to(logits.device)                                  # [c, W] int32
-            ok = is_allowed(bitmask, chosen[cons]).tolist()                      # [c]
-            empty = (bitmask == 0).all(-1).tolist()                               # [c]
-            keep = [ok[k] and reqs[j].params.greedy and reqs[j].num_generated >= reqs[j].params.min_tokens
-                    for k, j in enumerate(cons)]                                  # the unconstrained pick stands
-            redo = [k for k in range(len(cons)) if not empty[k] and not keep[k]]
-            if redo:
-                idx = [cons[k] for k in redo]
-                sub = apply_bitmask(logits[idx], bitmask[redo])                  # [r, V], one batched op
-                chosen[idx] = greedy(sub)
-                masked = {j: sub[k:k + 1] for k, j in enumerate(idx)}
-            for k, j in enumerate(cons):
-                if empty[k]:
-                    dead[j] = self._dead_end_why(reqs[j])
-        for j, req in enumerate(reqs):
-            if j in dead:
-                continue
-            p = req.params
-            row = masked.get(j, logits[j:j + 1])                                  # [1, V]
-            if req.num_generated < p.min_tokens:
-                row = self._without_stops(row, p)
-                if j in masked and not bool(torch.isfinite(row).any()):         # the grammar allows only stops
-                    dead[j] = self._dead_end_why(req)
-                    continue
-                chosen[j] = greedy(row)[0]
-            if not p.greedy and finite[j]:
-                chosen[j] = sample_next(row, p.temperature, p.top_k, p.top_p, req.generator)[0]
-        return chosen, dead
-
-    @staticmethod
-    def _dead_end_why(req: Request) -> str:
-        return (f"constraint dead end: after {req.num_generated} generated tokens the request's constraint allows no "
-                "next token (its grammar is complete, or only an end token fits where ignore_eos or min_tokens "
-                "forbids ending)")
-
-    def _without_stops(self, row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-        """A copy of one row of logits [1, V] where the eos ids and p.stop_token_ids cannot be sampled (vLLM
-        masks eos for min_tokens also under ignore_eos); ids outside the vocabulary are left out."""
-        ids = sorted(t for t in self.eos_ids | set(p.stop_token_ids) if 0 <= t < row.shape[-1])
-        row = row.clone()
-        row[0, ids] = float("-inf")
-        return row
-
-    @staticmethod
-    def _logprobs(req: Request, logits: torch.Tensor, chosen: torch.Tensor) -> list[dict] | None:
-        n = req.params.logprobs
-        if n <= 0:
-            return None
-        lp, vals, ids = top_logprobs(logits[None], chosen.reshape(1), n)
-        top = [(int(i), float(v)) for i, v in zip(ids[0], vals[0])]
-        return [{"token_id": int(chosen), "logprob": float(lp[0]), "top": top}]
 
     def _advance(self, req: Request, token: int, adapter: str | None, lp: list[dict] | None) -> RequestOutput:
         """Append a sampled token, apply stop rules, stream text; finish and free the request if done."""
@@ -627,54 +437,7 @@ class Engine:
                 a.error = out.error if out.error is not None else a.error
         return [agg[rid] for rid in ids]
 
-    # ------------------------------------------------------------------------------------ adapters, stats
-    def read_adapter(self, name: str, path: str | Path, *, roots: Sequence[str | Path] | None = None) -> LoRAAdapter:
-        """Read and validate a PEFT folder for `load_adapter` (fits the bank; with `roots`, every file must
-        resolve inside one of them). Touches no engine state: call it on any thread, e.g. a server's
-        `asyncio.to_thread`, then `load_adapter(name, adapter)` on the engine thread."""
-        return self.hotset.read(name, path, roots)
-
-    def load_adapter(self, name: str, source: str | Path | LoRAAdapter, *,
-                     roots: Sequence[str | Path] | None = None) -> None:
-        """Register an adapter at run time: a PEFT folder (read and validated here, on this thread) or an
-        adapter from `read_adapter`. Loaded into a free slot if there is one. `roots` confine every later
-        re-read of the folder (an adapter from read_adapter keeps the roots it was read with). Refused, with
-        nothing changed, for a bad folder, a name in use, or a name still draining."""
-        self.hotset.register(name, source, roots)
-
-    def unload_adapter(self, name: str, force: bool = False) -> str:
-        """Unload an adapter: "unloaded" when it is gone now, "draining" when requests in flight (running or
-        queued) may still route to it: new requests no longer do, and it is unloaded when the last of those
-        finishes (Scheduler.finish). force=True aborts those requests (finish_reason "abort", with an error
-        naming the adapter) and unloads it now. Unknown names raise AdapterError."""
-        hs = self.hotset
-        hs.check_known([name])
-        users = self.scheduler.users(name)
-        if force:
-            why = f"adapter {name!r} was unloaded (force) while this request used it"
-            for req in users:
-                self.abort(req.request_id, error=why)
-            if name in hs.paths:     # the last abort already unregistered it if it was draining
-                hs.unregister(name)
-            log.info("adapter %r unloaded (force), %d request(s) aborted", name, len(users))
-            return "unloaded"
-        if not users:
-            hs.unregister(name)
-            return "unloaded"
-        if name not in hs.draining:
-            hs.drain(name)
-            log.info("adapter %r draining: %d request(s) in flight use it", name, len(users))
-        return "draining"
-
-    def list_adapters(self) -> list[dict]:
-        """name, path, slot (or None), tier ("slot" | "cpu" | "disk"), pin count and state ("ready" |
-        "loading": a background read is in flight | "draining": being unloaded) of every adapter."""
-        return self.hotset.describe()
-
-    def close(self) -> None:
-        """Stop the adapter loader thread (HotSet.close); the engine still works, a later miss restarts it."""
-        self.hotset.close()
-
+    # ------------------------------------------------------------------------------------ stats
     def stats(self) -> dict:
         """Counters and the current state, read at every /metrics scrape (cheap: one pass over the requests).
 
@@ -697,14 +460,6 @@ class Engine:
                 "decode_graphs": None if g is None else {"captured": g.captures, "replays": g.replays,
                                                           "failed": len(g.failed)},
                 "prefix_cache": self.prefix.stats() if self.prefix is not None else {"enabled": False}}
-
-
-class _CorruptSlots(Exception):
-    """A step met non-finite adapter weights in the bank (Engine._mend)."""
-
-    def __init__(self, names: list[str]) -> None:
-        super().__init__(f"non-finite weights in the slots of {names}")
-        self.names = names
 
 
 def _per_prompt(key: str, value: Any, i: int, n: int) -> Any:

@@ -223,8 +223,9 @@ class HotSet:
         (`fetch`) or if slots are short. Raises AdapterError (nothing pinned) for a failed read."""
         want = list(dict.fromkeys(names))
         missing = [n for n in want if not self.resident(n)]
-        warm = {n: self._warm(n) for n in missing}
-        if any(a is None for a in warm.values()):
+        found = {n: self._warm(n) for n in missing}
+        warm = {n: a for n, a in found.items() if a is not None}
+        if len(warm) < len(found):
             return False
         evictable = [n for n in self.slot_lru if self.pins[n] == 0 and n not in want]
         if len(missing) > len(self.mm.bank.free_slots()) + len(evictable):

@@ -176,6 +176,7 @@ def record_probe(scheduled: list[Scheduled], carry_rows: Tensor | None) -> list[
         done = False
         if s.probe:
             route = s.request.route
+            assert route.prompt_routes is not None and carry_rows is not None, "a probe chunk without decisions"
             route.prompt_routes[s.start:s.start + s.n] = carry_rows[offset:offset + s.n].tolist()
             if not route.probing:  # the probe is complete: the real pass takes the prompt's decisions
                 finish_probe(route)
@@ -223,7 +224,8 @@ def token_routes(req: Any, hotset: HotSet, lo: int, hi: int, probe: bool) -> lis
     names = route.router.adapter_names
     salt = ("gate", id(route.router), tuple(hotset.content_version(x) if x in route.needs else None for x in names))
     gate: tuple = ("gate", salt)
-    P, out = route.prompt_len, []
+    P = route.prompt_len
+    out: list[object] = []
     for i in range(lo, hi):
         if i < P and (probe or route.prompt_routes is None):
             out.append(gate)

@@ -207,8 +207,8 @@ def strict_answer(kind: str, prediction: str, target: str, options: Mapping[str,
 
 def _last(pattern: re.Pattern, text: str) -> re.Match | None:
     found = None
-    for found in pattern.finditer(text):
-        pass
+    for match in pattern.finditer(text):
+        found = match
     return found
 
 

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MERGE_PREFILL_TOKENS = 256  # fresh prompts up to this many tokens in all share one masked attention call
 # (saves a call per prompt; above it the dense Tf x Tf mask costs more than the calls it saves)

@@ -14,9 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from molora.adapters.bank import LoRASlots
-from molora.ops import fused_cpu, packed
-
 from molora.model.batch import AttnPlan, Decode, PagedKVCache, Prefill
+from molora.ops import fused_cpu, packed
 
 
 class Linear:

@@ -62,13 +62,23 @@ import torch
 from torch import Tensor
 
 from molora.errors import MoLoRAError
+from molora.model.batch import (
+    MERGE_PREFILL_TOKENS,
+    SUPPORTED_MODEL_TYPES,
+    AttnPlan,
+    BatchMeta,
+    Decode,
+    PagedKVCache,
+    Prefill,
+    RouterGroup,
+    StepOutput,
+    StepRouting,
+)
+from molora.model.block import PER_BLOCK, Block, Linear, add_norm, rope_tables
 from molora.ops import fused_cpu, packed
 from molora.ops.device import to_device
 from molora.routing.arrow import LinearRouting
 from molora.routing.base import decide_slots
-
-from molora.model.batch import AttnPlan, BatchMeta, Decode, PagedKVCache, Prefill, RouterGroup, StepOutput, StepRouting, MERGE_PREFILL_TOKENS, SUPPORTED_MODEL_TYPES
-from molora.model.block import PER_BLOCK, Block, Linear, add_norm, rope_tables
 
 
 class ModelRunner:

@@ -32,8 +32,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from molora.bundle import write_manifest
-from molora.multimodal.vocab import (BOI, CODE_PREFIX, END, EOI, IMAGE_PREFIXES, PIXELS, PROMPT_TEMPLATE, Digits,
-                                     adapter_pairs, load_splits)
+from molora.multimodal.vocab import (
+    BOI,
+    CODE_PREFIX,
+    END,
+    EOI,
+    IMAGE_PREFIXES,
+    PIXELS,
+    PROMPT_TEMPLATE,
+    Digits,
+    adapter_pairs,
+    load_splits,
+)
 
 if TYPE_CHECKING:
     from molora.train.adapter import AdapterTrainConfig

@@ -66,6 +66,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -96,7 +97,7 @@ DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)  # what the ke
 
 _lock = threading.Lock()
 _NO_WEIGHTS = torch.empty(0)  # the kernel's "every pair weighs 1"
-_module = None
+_module: ModuleType | None = None   # the built extension (`_load`)
 _failed: str | None = None
 
 
@@ -114,7 +115,7 @@ def build_key() -> str:
     return h.hexdigest()[:16]
 
 
-def _load():
+def _load() -> ModuleType | None:
     """The compiled extension, building it on first use; None (reason logged once) if it cannot be built."""
     global _module, _failed
     if _module is not None or _failed is not None:
@@ -164,9 +165,15 @@ def _cpu_tag() -> str:
 suspended = ThreadFlag()
 
 
-def _ready():
+def _ready() -> ModuleType | None:
     """The extension where it may run now (built and not `suspended`), else None."""
     return None if suspended.on else _load()
+
+
+def _ext() -> ModuleType:
+    """The extension, for the kernels' wrappers once `_ready()` (or `glue_supports`) said it may run."""
+    assert _module is not None, "molora's CPU kernels are not built; check _ready() first"
+    return _module
 
 
 def available() -> bool:
@@ -247,7 +254,7 @@ def paged_decode(q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, ctx: Tensor,
         return None
     out = torch.empty_like(q)
     with _profiled("molora::paged_decode"):
-        _module.paged_decode(out, q.contiguous(), kc, vc, tables, ctx, int(block_size), float(scale),
+        _ext().paged_decode(out, q.contiguous(), kc, vc, tables, ctx, int(block_size), float(scale),
                              0 if window is None else int(window))
     return out
 
@@ -261,7 +268,7 @@ def paged_decode_rows(out: Tensor, q: Tensor, kc: Tensor, vc: Tensor, tables: Te
             or not (tables.dtype == ctx.dtype == rows.dtype == torch.long)):
         return False
     with _profiled("molora::paged_decode"):
-        _module.paged_decode_rows(out, q, kc, vc, tables, ctx, rows, int(block_size), float(scale),
+        _ext().paged_decode_rows(out, q, kc, vc, tables, ctx, rows, int(block_size), float(scale),
                                   0 if window is None else int(window))
     return True
 
@@ -295,7 +302,7 @@ def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
             delta = None
         var = h.float().pow(2).mean(-1)                    # [T] as LlamaRMSNorm computes it (h stays)
     with _profiled("molora::add_rms_norm"):
-        _module.add_rms_norm(h, _EMPTY if delta is None else delta, weight, out, float(eps), var, lanes)
+        _ext().add_rms_norm(h, _EMPTY if delta is None else delta, weight, out, float(eps), var, lanes)
     return out
 
 
@@ -313,7 +320,7 @@ def _sum_lanes() -> int:
 
         def matches(x: Tensor, lanes: int) -> bool:   # the kernel's norm (weight 1) equals torch's formula
             got = torch.empty_like(x)
-            _module.add_rms_norm(x, _EMPTY, torch.ones(x.shape[1], dtype=x.dtype), got, 1e-6, _EMPTY, lanes)
+            _ext().add_rms_norm(x, _EMPTY, torch.ones(x.shape[1], dtype=x.dtype), got, 1e-6, _EMPTY, lanes)
             xf = x.float()
             return torch.equal(got, (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype))
 
@@ -332,7 +339,7 @@ def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positi
             or positions.dtype != torch.long or rows.dtype != torch.long):
         return False
     with _profiled("molora::rope_write"):
-        _module.rope_write(q, k, v, cos, sin, positions, rows, kc, vc)
+        _ext().rope_write(q, k, v, cos, sin, positions, rows, kc, vc)
     return True
 
 
@@ -341,7 +348,7 @@ def silu_mul(g: Tensor, u: Tensor) -> bool:
     if not glue_supports(g) or u.dtype != g.dtype:
         return False
     with _profiled("molora::silu_mul"):
-        _module.silu_mul(g, u)
+        _ext().silu_mul(g, u)
     return True
 
 
@@ -353,7 +360,7 @@ def greedy_rows(logits: Tensor) -> tuple[Tensor, Tensor] | None:
         return None
     ids = torch.empty(logits.shape[0], dtype=torch.long)
     finite = torch.empty(logits.shape[0], dtype=torch.bool)
-    _module.greedy_rows(logits, ids, finite)
+    _ext().greedy_rows(logits, ids, finite)
     return ids, finite
 
 
@@ -376,7 +383,7 @@ def linear_amx(x: Tensor, tiles: Tensor, bias: Tensor | None) -> Tensor | None:
     """x [M, K] @ W.T (+ bias) -> a new [M, N], bfloat16, on AMX tiles, with W packed as tiles
     [N / 16, K / 32, 16, 32] (molora.ops.packed.tiles). None: cannot run (not built with AMX, not bfloat16 CPU,
     autograd on, `suspended`)."""
-    if not glue_supports(x) or x.dtype != torch.bfloat16 or x.dim() != 2 or not _module.amx_ready():
+    if not glue_supports(x) or x.dtype != torch.bfloat16 or x.dim() != 2 or not _ext().amx_ready():
         return None
     return _packed_gemm("linear_amx", x, tiles, bias, _EMPTY_BF16)
 
@@ -426,7 +433,7 @@ def bind_block(norms: tuple[Tensor, Tensor], eps: float, lanes: int, linears: li
         B.append(_EMPTY if bb is None else bb)
         scale.append(_EMPTY if sc is None else sc)
     kc, vc, block_size, scaling, window = cache
-    return _load().BoundBlock(P, bias, A, B, scale, norms[0], norms[1], float(eps), int(lanes), *heads, rope[0],
+    return _ext().BoundBlock(P, bias, A, B, scale, norms[0], norms[1], float(eps), int(lanes), *heads, rope[0],
                               rope[1], kc, vc, int(block_size), float(scaling), 0 if window is None else int(window),
                               watched)
 
@@ -457,23 +464,23 @@ def _profiled(name: str) -> Any:
     nothing."""
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(name)
-    return nullcontext() if _clock is None else _Timed(name)
+    return nullcontext() if _clock is None else _Timed(name, _clock)
 
 
 _clock: dict[str, float] | None = None  # `kernel_clock`'s dict while its block runs
 
 
 class _Timed:
-    __slots__ = ("name", "t0")
+    __slots__ = ("clock", "name", "t0")
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, clock: dict[str, float]) -> None:
+        self.name, self.clock = name, clock
 
     def __enter__(self) -> None:
         self.t0 = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
-        _clock[self.name] = _clock.get(self.name, 0.0) + time.perf_counter() - self.t0
+        self.clock[self.name] = self.clock.get(self.name, 0.0) + time.perf_counter() - self.t0
 
 
 @contextmanager

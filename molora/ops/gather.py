@@ -10,7 +10,7 @@ Knows nothing about adapters or models. Semantics: those of `molora.ops.lora` (m
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

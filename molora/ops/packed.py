@@ -111,6 +111,7 @@ class PackedLinear:
                 self.packed = (panels(w) if self.form == "panels" else tiles(w) if self.form == "amx"
                                else torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), PACK_HINT))
             self._key = key
+        assert self.packed is not None    # packed above whenever the key changed, and the key starts unset
         return self.packed
 
     def kernel_weight(self, dtype: torch.dtype) -> Tensor | None:

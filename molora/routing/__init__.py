@@ -1,7 +1,7 @@
 """Routers: which adapter each token uses. See `molora.routing.base` for the interface."""
 
-from molora.routing.base import OracleRouter, Router, Routing, SequenceRouter, VocabRouter, adapter_index
 from molora.routing.arrow import ArrowConfig, ArrowRouter
+from molora.routing.base import OracleRouter, Router, Routing, SequenceRouter, VocabRouter, adapter_index
 from molora.routing.merge import UniformMergeRouter
 
 __all__ = ["ArrowConfig", "ArrowRouter", "OracleRouter", "Router", "Routing", "SequenceRouter", "UniformMergeRouter",

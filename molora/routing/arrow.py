@@ -86,7 +86,7 @@ class ArrowConfig:
             raise RoutingError(f"arrow iters={self.iters!r}: use an integer >= 1{fix}")
 
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any], where: str = "arrow router") -> "ArrowConfig":
+    def from_json(cls, raw: Mapping[str, Any], where: str = "arrow router") -> ArrowConfig:
         """From a manifest's router object (its "kind" and "path" keys ignored); unknown keys are refused."""
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(raw) - known - {"kind", "path"})
@@ -142,7 +142,7 @@ class ArrowRouter(Router):
             raise RoutingError(f"arrow router: duplicate adapter names {self.fixed_names}")
         self._mm: Any = None
         self._protos: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}  # name -> (its LoRAAdapter, module -> v)
-        self._stacks: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}   # (module, key, device) -> (P, has)
+        self._stacks: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}   # (module, key, device) -> (P, has, all)
         self._block_linear: list[str] = []         # per_block: the projection decided from, per block
         self._block_norm: list[nn.Module] = []
         self._linear_block: dict[str, int] = {}    # module path -> its block (for traces)
@@ -168,7 +168,7 @@ class ArrowRouter(Router):
         return [] if self._mm is None else list(self._mm.adapter_names)
 
     # ------------------------------------------------------------------------------------ binding
-    def bind(self, mm: Any) -> "ArrowRouter":
+    def bind(self, mm: Any) -> ArrowRouter:
         """Find mm's decoder blocks and routed linears and compute the prototypes of its adapters (once each)."""
         from molora.routing.learned import decoder_layers  # the one place that knows where blocks live
 
@@ -198,7 +198,7 @@ class ArrowRouter(Router):
                                    f"(adapted: {[t.rsplit('.', 1)[-1] for t in mine]}); use granularity='per_linear'"
                                    " or name an adapted projection")
             self._block_linear.append(pick)
-            self._block_norm.append(layer.input_layernorm)
+            self._block_norm.append(layer.get_submodule("input_layernorm"))
         self._mm = mm
         self.refresh()
         return self
@@ -356,7 +356,7 @@ class LinearRouting:
                     weights[r] = F.pad(ww, (0, kk - ids.shape[1]))
             ids = None
         block = None if trace is None else self.router.traced_block(module)
-        if block is not None:
+        if trace is not None and block is not None:
             if ids is None:
                 raise RoutingError("a routing trace needs every row on the arrow router")
             trace.append((block, ids))

@@ -56,7 +56,7 @@ def in_network_decide(router, block: int, hidden: torch.Tensor, allowed: torch.T
         out = router.decide(block, hidden, allowed, carry)
     else:
         out = router.decide(block, hidden, allowed)
-    if known is None or (host and not bool(known.any())):
+    if known is None or fixed is None or (host and not bool(known.any())):   # known is None iff fixed is
         return out
     if out is None and not host:
         return None

@@ -297,7 +297,7 @@ class LearnedRouter(Router, nn.Module):
         return folder
 
     @classmethod
-    def load(cls, folder: str | Path) -> "LearnedRouter":
+    def load(cls, folder: str | Path) -> LearnedRouter:
         folder = Path(folder)
         try:
             raw = json.loads((folder / ROUTER_CONFIG).read_text())

@@ -10,19 +10,20 @@ failure (never FastAPI's 422), the body-size limit, the 429/503 answers with Ret
 that turns new requests away with 503 while in-flight ones finish. The engine thread starts with the app's
 lifespan and stops with it.
 
-Health: `/health` is liveness: 503 when the engine thread is gone, broken by repeated failures, or stalled
-(busy with no progress for `stall_s`: a hung step); 200 otherwise, also while draining. `/ready` is
-readiness: 503 also while the engine thread has not started or the server drains. Endpoints that need the
-engine thread (`/v1/adapters`) wait at most `engine_call_timeout_s`, then answer 503 (`engine_busy`);
-`/metrics` then answers without the engine's figures (`molora_engine_healthy` tells why). Adapter loads read and check the files on a worker thread (`Engine.read_adapter`); only
-the registration runs on the engine thread. `DELETE /v1/adapters/{name}` drains: new requests stop using
-the adapter at once and it unloads when the last request using it ends (202 "draining"); `?force=true`
-ends those requests with an error and unloads now.
+Health: `/health` is liveness: 503 when the engine thread is gone, broken by repeated failures, or stalled (busy
+with no progress for `stall_s`: a hung step); 200 otherwise, also while draining. `/ready` is readiness: 503 also
+while the engine thread has not started or the server drains. Endpoints that need the engine thread
+(`/v1/adapters`) wait at most `engine_call_timeout_s`, then answer 503 (`engine_busy`); `/metrics` then answers
+without the engine's figures (`molora_engine_healthy` tells why). Adapter loads read and check the files on a
+worker thread (`Engine.read_adapter`); only the registration runs on the engine thread. `DELETE
+/v1/adapters/{name}` drains: new requests stop using the adapter at once and it unloads when the last request
+using it ends (202 "draining"); `?force=true` ends those requests with an error and unloads now.
 
 The app reaches engines only through an `EngineClient` (`molora.server.client`): `create_app(engine)` wraps
 one in-process engine in a `LocalClient`; `molora.server.ray_serve` builds the same app over engine replicas.
 Knows nothing of how an engine is built or of uvicorn (that is `molora.server.launch`), nor of what the
-generation endpoints do inside (`molora.server.generation`).
+generation endpoints do inside (`molora.server.generation`). What the routes share, and adapter loading and
+unloading on it, is `ServerState` (molora.server.state).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -45,15 +45,27 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from molora.bundle import stop_token_ids
-from molora.errors import AdapterDraining, BankFullError, MoLoRAError
+from molora.errors import MoLoRAError
+from molora.server.catalog import Catalog, ModelInfo
 from molora.server.client import EngineClient, LocalClient
-from molora.server.generation import Catalog, Generation, Limits, ModelInfo
-from molora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
+from molora.server.generation import Limits
+from molora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from molora.server.metrics import ServerMetrics
 from molora.server.protocol import (
-    AdapterLoadRequest, APIError, ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest, ModelCard,
-    ModelList, UnloadLoRAAdapterRequest, validation_error,
+    AdapterLoadRequest,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoRAAdapterRequest,
+    validation_error,
 )
 from molora.server.runner import EngineBusy, EngineRunner, RunnerStopped, Saturated
+from molora.server.state import ServerState, path_text, resolve_adapter_path
+
+__all__ = ["MAX_BODY_BYTES", "ServerState", "build_app", "create_app", "model_info", "resolve_adapter_path"]
 
 log = logging.getLogger("molora.server")
 M = TypeVar("M", bound=BaseModel)
@@ -63,76 +75,6 @@ _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/adapter
            "/v1/unload_lora_adapter", "/health", "/ready", "/metrics")
 _OPEN_WHILE_DRAINING = ("/health", "/ready", "/metrics")
 OFFLOAD_BODY_BYTES = 256 << 10   # bodies larger than this are parsed on a worker thread
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}")   # what an adapter may be called (AdapterLoadRequest)
-
-
-class ServerState:
-    """Everything the routes share; `app.state.molora`."""
-
-    def __init__(self, client: EngineClient, metrics: ServerMetrics, catalog: Catalog, *,
-                 api_keys: Sequence[str], admin_keys: Sequence[str], adapter_roots: Sequence[Path],
-                 max_body_bytes: int, retry_after_s: int, limits: Limits = Limits(),
-                 resolver_dirs: Sequence[Path] = ()) -> None:
-        self.client, self.metrics, self.catalog = client, metrics, catalog
-        self.api_keys = tuple(api_keys) + tuple(admin_keys)   # an admin key is also an API key
-        self.admin_keys = tuple(admin_keys)
-        self.adapter_roots = tuple(adapter_roots)
-        self.max_body_bytes = max_body_bytes
-        self.retry_after_s = retry_after_s
-        self.draining = False
-        self.resolver_dirs = tuple(resolver_dirs)
-        self._resolving: dict[str, asyncio.Lock] = {}
-        self.generation = Generation(client, metrics, catalog, limits,
-                                     resolver=self.resolve_lora if self.resolver_dirs else None)
-
-    async def resolve_lora(self, name: str) -> bool:
-        """vLLM's filesystem LoRA resolver: a request naming an unknown model NAME loads the PEFT folder
-        DIR/NAME of a --lora-resolver-dir on first use (read off the engine thread; its weights are not read
-        before). False when no such folder exists; a folder that is not a valid adapter answers 400."""
-        if not ADAPTER_NAME.fullmatch(name):
-            return False
-        found = next((d / name for d in self.resolver_dirs
-                      if (d / name / "adapter_config.json").is_file() and (d / name).resolve().is_relative_to(d)),
-                     None)
-        if found is None:
-            return False
-        async with self._resolving.setdefault(name, asyncio.Lock()):   # one load when many ask at once
-            if any(name in info.adapters for info in self.catalog):
-                return True
-            await _load(self, None, name, str(found), param="model", roots=self.resolver_dirs)
-        log.info("adapter %r resolved from %s on first use", name, found)
-        return True
-
-    def health(self) -> tuple[bool, bool, dict]:
-        """(live, ready, details) for /health and /ready (module docstring)."""
-        h = self.client.health()
-        live = h["alive"] and not h["stalled"] and h["broken"] is None
-        if h["broken"] is not None:
-            status = "broken"
-        elif h["stalled"]:
-            status = "stalled"
-        elif not h["alive"]:
-            status = "engine thread stopped" if self.client.started else "starting"
-        else:
-            status = "draining" if self.draining else "ok"
-        ready = live and not self.draining
-        details = {"status": status, "in_flight": self.client.in_flight, "broken": h["broken"],
-                   "last_progress_age_s": round(h["last_progress_age_s"], 3), "engine_failures": h["failures"]}
-        return live, ready, details
-
-    def on_event(self, kind: str, value: Any) -> None:
-        """Engine and runner events -> metrics (molora.server.runner: on_event)."""
-        m = self.metrics
-        if kind == "queue_wait":
-            m.observe_queue_wait(float(value))
-        elif kind == "deadline":
-            m.count_deadline(str(value))
-        elif kind in ("fault", "isolated", "restart"):
-            m.count_engine_failure({"fault": "step"}.get(kind, kind))
-
-    def begin_drain(self) -> None:
-        """From now on new requests get 503; the ones in flight go on to the end."""
-        self.draining = True
 
 
 def create_app(engine: Any, *, model_name: str | None = None, api_keys: Sequence[str] = (),
@@ -157,7 +99,7 @@ def create_app(engine: Any, *, model_name: str | None = None, api_keys: Sequence
     info = model_info(model_name or (bundle.name if bundle is not None else "molora"), engine.tokenizer, bundle,
                       config=getattr(mm, "config", None), max_model_len=max_model_len or engine.max_model_len,
                       adapters=[a["name"] for a in listed], default_max_tokens=default_max_tokens)
-    info.adapter_paths = {a["name"]: _path_text(a.get("path")) for a in listed}
+    info.adapter_paths = {a["name"]: path_text(a.get("path")) for a in listed}
     runner = EngineRunner(engine, max_in_flight=max_queue, stall_s=stall_s)
     return build_app(LocalClient(engine, runner, call_timeout_s=engine_call_timeout_s), Catalog([info]),
                      api_keys=api_keys, admin_keys=admin_keys, adapter_roots=adapter_roots,
@@ -260,13 +202,13 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
     @app.post("/v1/adapters", dependencies=[admin], status_code=201)
     async def load_adapter(request: Request) -> JSONResponse:
         req = await _parse(request, AdapterLoadRequest, s)
-        info = await _load(s, req.bundle, req.name, req.path, param="name")
+        info = await s.load_adapter(req.bundle, req.name, req.path, param="name")
         return JSONResponse({"object": "adapter", "name": req.name, "model": f"{info.name}:{req.name}",
                              "bundle": info.name, "loaded": True}, status_code=201)
 
     @app.delete("/v1/adapters/{name}", dependencies=[admin])
     async def unload_adapter(name: str, force: bool = False, bundle: str | None = None) -> JSONResponse:
-        info, state = await _unload(s, bundle, name, force)
+        info, state = await s.unload_adapter(bundle, name, force)
         done = state == "unloaded"
         return JSONResponse({"object": "adapter", "name": name, "bundle": info.name, "deleted": done,
                              "state": state}, status_code=200 if done else 202)
@@ -278,58 +220,17 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
         if req.load_inplace:
             raise APIError(400, "load_inplace is not supported: unload the adapter (/v1/unload_lora_adapter), then "
                            "load the new weights", param="load_inplace")
-        await _load(s, None, req.lora_name, req.lora_path, param="lora_name")
+        await s.load_adapter(None, req.lora_name, req.lora_path, param="lora_name")
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", dependencies=[admin])
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         req = await _parse(request, UnloadLoRAAdapterRequest, s)
-        _, state = await _unload(s, None, req.lora_name, False)
+        _, state = await s.unload_adapter(None, req.lora_name, False)
         if state == "unloaded":
             return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' is draining: new requests no longer use "
                                  "it and it unloads when the requests using it end.")
-
-
-async def _load(s: ServerState, bundle: str | None, name: str, path: str, *, param: str,
-                roots: Sequence[Path] | None = None) -> ModelInfo:
-    """Load the PEFT folder `path` (confined to `roots`, default the adapter roots) as adapter `name` of `bundle`;
-    4xx otherwise."""
-    roots = s.adapter_roots if roots is None else tuple(roots)
-    info = s.catalog.bundle(bundle)
-    if name in info.adapters:
-        raise APIError(409, f"adapter {name!r} is already loaded; unload it first", param=param,
-                       code="adapter_exists")
-    if name in s.catalog.infos:
-        raise APIError(400, f"adapter name {name!r} is the served model's own name; choose another", param=param)
-    resolved = resolve_adapter_path(path, roots)
-    try:  # the client reads and checks the files off the engine thread, confined to the roots
-        await s.client.load_adapter(info.name, name, resolved, roots)
-    except BankFullError as e:
-        raise APIError(409, str(e), param=param, code="no_free_slot") from e
-    except AdapterDraining as e:
-        raise APIError(409, str(e), param=param, code="adapter_draining") from e
-    except MoLoRAError as e:
-        raise APIError(400, str(e), param="path" if param == "name" else "lora_path", code="invalid_adapter") from e
-    s.metrics.known_adapter(name)
-    await _refresh_adapters(s, info)
-    return info
-
-
-async def _unload(s: ServerState, bundle: str | None, name: str, force: bool) -> tuple[ModelInfo, str]:
-    """Unload (drain; force: now) adapter `name` of `bundle`: (bundle, "unloaded" | "draining"); 404 if unknown."""
-    info = s.catalog.bundle(bundle)
-    known = [a["name"] for a in await s.client.list_adapters(info.name)]
-    if name not in known:
-        raise APIError(404, f"adapter {name!r} is not loaded; loaded: {info.adapters}", param="name",
-                       code="adapter_not_found")
-    try:
-        state = await s.client.unload_adapter(info.name, name, force)
-    except MoLoRAError as e:
-        raise APIError(409, str(e), param="name", code="adapter_busy") from e
-    s.metrics.forget_adapter(name)
-    await _refresh_adapters(s, info)
-    return info, state
 
 
 def _model_list(s: ServerState) -> ModelList:
@@ -341,41 +242,6 @@ def _model_list(s: ServerState) -> ModelList:
                             root=info.adapter_paths.get(a), max_model_len=info.max_model_len)
                   for a in info.adapters]
     return ModelList(data=cards)
-
-
-async def _refresh_adapters(s: ServerState, info: ModelInfo) -> None:
-    """The adapters new requests may name: loaded ones that are not draining."""
-    listed = await s.client.list_adapters(info.name)
-    info.adapters = [a["name"] for a in listed if a.get("state", "ready") != "draining"]
-    info.adapter_paths = {a["name"]: _path_text(a.get("path")) for a in listed}
-
-
-def _path_text(path: Any) -> str | None:
-    return None if path is None else str(path)
-
-
-def resolve_adapter_path(path: str, roots: Sequence[Path]) -> Path:
-    """The adapter folder `path` names, resolved (symlinks and '..' followed), if it lies under a root.
-
-    Relative paths are taken relative to each root in turn; absolute ones must resolve inside a root.
-    """
-    if not roots:
-        raise APIError(403, "loading adapters at run time is disabled: start the server with --adapter-root DIR",
-                       param="path", code="adapter_loading_disabled")
-    given = Path(path)
-    try:
-        candidates = [given.resolve()] if given.is_absolute() else [(root / given).resolve() for root in roots]
-    except (OSError, ValueError, RuntimeError) as e:  # null bytes, symlink loops
-        raise APIError(400, f"adapter path {path!r} is not a valid path ({e})", param="path") from e
-    inside = [c for c in candidates if any(c.is_relative_to(root) for root in roots)]
-    if not inside:
-        raise APIError(403, f"adapter path {path!r} lies outside the adapter roots; give a folder under one of "
-                       f"{[str(r) for r in roots]}", param="path", code="path_outside_roots")
-    found = next((c for c in inside if (c / "adapter_config.json").is_file()), None)
-    if found is None:
-        raise APIError(404, f"no PEFT adapter (adapter_config.json) at {path!r} under the adapter roots",
-                       param="path", code="adapter_not_found")
-    return found
 
 
 # ---------------------------------------------------------------------------------------------- auth

@@ -36,7 +36,7 @@ class EngineClient(abc.ABC):
     call_timeout_s: float = 10.0
 
     # ------------------------------------------------------------------------------------ lifecycle
-    def attach(self, *, on_step: Callable[[int, float], None] | None = None,
+    def attach(self, *, on_step: Callable[[int, float], None] | None = None,  # noqa: B027 (optional, no-op)
                on_event: Callable[[str, Any], None] | None = None) -> None:
         """Hooks for the app's metrics: on_step(new tokens, step seconds) after each engine step,
         on_event(kind, value) for engine events (molora.server.runner). Clients without them ignore this."""

@@ -24,7 +24,8 @@ ends alone with finish_reason "error" and the constraint's message.
 
 Knows nothing of engines (it talks to an `EngineClient`: in process or through Ray Serve), auth, adapters
 management or metrics rendering; it reports each finished choice to `ServerMetrics`. A server may serve
-several bundles (`Catalog`); each request resolves its model to one bundle's `ModelInfo`.
+several bundles (molora.server.catalog: `Catalog`); each request resolves its model to one bundle's `ModelInfo`.
+The wire shapes (JSON responses, stream chunks, usage, the SSE response) live in molora.server.openai_format.
 """
 
 from __future__ import annotations
@@ -35,25 +36,31 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
 
 from molora.config import SamplingParams
 from molora.errors import AdapterDraining, AdapterNotFound, MoLoRAError
-from molora.server.metrics import ServerMetrics
-from molora.server.protocol import (
-    APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatLogprobs, ChatMessageOut, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, Delta, PromptTokensDetails, Routed, TokenLogprob, TopLogprob, Usage, GenerationRequest,
-)
+from molora.server.catalog import Catalog, ModelInfo
 from molora.server.client import EngineClient
+from molora.server.metrics import ServerMetrics
+from molora.server.openai_format import (
+    ChatFormat,
+    ChoiceState,
+    CompletionFormat,
+    ResponseFormat,
+    SSEResponse,
+    sse,
+    usage_of,
+)
+from molora.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerationRequest
 from molora.server.runner import EngineFailure, RequestSpec, Submission
 from molora.structured import GrammarConstraint, StructuredCompiler, StructuredOutputError, StructuredSpec
+
+__all__ = ["OFFLOAD_CHARS", "REPLICA_HEADER", "Catalog", "Generation", "Limits", "ModelInfo"]
 
 OFFLOAD_CHARS = 32 << 10   # prompts longer than this are tokenised on a worker thread
 REPLICA_HEADER = "X-Molora-Replica"   # which engine replica answered (molora serve --ray)
@@ -92,116 +99,6 @@ class Limits:
         return asked
 
 
-@dataclass
-class ModelInfo:
-    """What the handlers need to know about the served model; `adapters` follows loads and unloads."""
-
-    name: str
-    tokenizer: Any
-    stop_token_ids: tuple[int, ...]
-    vocab_size: int
-    max_model_len: int | None = None
-    prompt_template: str | None = None      # the bundle's, with "{prompt}"; None: the tokenizer's template
-    adapters: list[str] = field(default_factory=list)
-    default_max_tokens: int = 512           # chat without max_tokens (capped by the context left)
-    adapter_paths: dict[str, str | None] = field(default_factory=dict)   # /v1/models' "root" of each adapter
-
-    @property
-    def models(self) -> list[str]:
-        """The model ids this bundle answers to: itself (the base, or its router), each adapter's name (pinned,
-        as vLLM names a LoRA) and `name:adapter` (the same, unambiguous when a server serves several bundles)."""
-        return [self.name] + list(self.adapters) + [f"{self.name}:{a}" for a in self.adapters]
-
-    def pinned(self, model: str) -> str | None:
-        """The pinned adapter of `model`, one of `models` (None for the base name)."""
-        if model == self.name:
-            return None
-        return model if model in self.adapters else model[len(self.name) + 1:]
-
-
-class Catalog:
-    """The bundles a server serves, by name; `resolve(model)` finds the bundle and adapter a request names."""
-
-    def __init__(self, infos: Sequence[ModelInfo]) -> None:
-        if not infos:
-            raise MoLoRAError("a server needs at least one bundle")
-        self.infos = {i.name: i for i in infos}
-        if len(self.infos) != len(infos):
-            raise MoLoRAError(f"two bundles share a name: {[i.name for i in infos]}; give each its own")
-
-    def __iter__(self) -> Any:
-        return iter(self.infos.values())
-
-    def __len__(self) -> int:
-        return len(self.infos)
-
-    @property
-    def models(self) -> list[str]:
-        return [m for info in self for m in info.models]
-
-    def bundle(self, name: str | None) -> ModelInfo:
-        """The bundle called `name` (None: the only one); 404 for anything else."""
-        if name is None:
-            if len(self.infos) == 1:
-                return next(iter(self))
-            raise APIError(400, f"this server serves several bundles {list(self.infos)}; name one",
-                           param="bundle")
-        if name not in self.infos:
-            raise APIError(404, f"bundle {name!r} is not served here; served: {list(self.infos)}", param="bundle",
-                           code="bundle_not_found")
-        return self.infos[name]
-
-    def adapter_id(self, info: ModelInfo, adapter: str) -> str:
-        """The id /v1/models lists for an adapter: its bare name (vLLM's), or `bundle:adapter` where the bare
-        name is ambiguous (several bundles hold it, or it is some bundle's own name)."""
-        holders = [i for i in self if adapter in i.adapters]
-        return adapter if len(holders) == 1 and adapter not in self.infos else f"{info.name}:{adapter}"
-
-    def resolve(self, model: str) -> tuple[ModelInfo, str | None]:
-        """(bundle, pinned adapter or None for the base name) of a model id; 404 for anything else, 400 for a
-        bare adapter name that several bundles hold."""
-        if model in self.infos:
-            return self.infos[model], None
-        holders = [info for info in self if model in info.adapters]
-        if len(holders) > 1:
-            raise APIError(400, f"adapter {model!r} is served by several bundles; name one as "
-                           f"{[f'{i.name}:{model}' for i in holders]}", param="model", code="model_ambiguous")
-        for info in holders or self:
-            if model in info.models:
-                return info, info.pinned(model)
-        raise APIError(404, f"model {model!r} does not exist; this server serves {self.models}", param="model",
-                       code="model_not_found")
-
-
-@dataclass
-class ChoiceState:
-    """What one choice has produced so far, and when (for TTFT/TPOT)."""
-
-    index: int
-    prompt_tokens: int = 0
-    cached_tokens: int = 0             # of the prompt, from the prefix cache (reported when it finishes)
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    adapters: list[str | None] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
-    finish_reason: str | None = None
-    t_first: float | None = None
-    t_last: float | None = None
-
-    def update(self, out: Any, now: float) -> None:
-        self.prompt_tokens = out.prompt_tokens
-        self.cached_tokens = getattr(out, "cached_tokens", 0)
-        self.text += out.new_text
-        self.token_ids += out.new_token_ids
-        self.adapters += out.token_adapters
-        self.logprobs += out.logprobs or []
-        if out.new_token_ids:
-            self.t_first = self.t_first if self.t_first is not None else now
-            self.t_last = now
-        if out.finished:
-            self.finish_reason = out.finish_reason
-
-
 class Generation:
     """The two generation endpoints over one `EngineClient`."""
 
@@ -228,7 +125,7 @@ class Generation:
         items = req.prompt_list()
         size = sum(len(p) for p in items if isinstance(p, str))
         prompts = await _offload(size, lambda: [_encode_completion(info, p, i) for i, p in enumerate(items)])
-        fmt = _CompletionFormat(info, "cmpl-" + uuid.uuid4().hex, req)
+        fmt = CompletionFormat(info, "cmpl-" + uuid.uuid4().hex, req)
         return await self._run(req, info, adapter, prompts, req.max_tokens, req.logprobs, fmt, request)
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
@@ -236,7 +133,7 @@ class Generation:
         info, adapter = await self.resolve(req.model)
         prompt = await _offload(sum(len(m.text()) for m in req.messages), lambda: _encode_chat(info, req))
         top = (req.top_logprobs or 0) if req.logprobs else None
-        fmt = _ChatFormat(info, "chatcmpl-" + uuid.uuid4().hex, req)
+        fmt = ChatFormat(info, "chatcmpl-" + uuid.uuid4().hex, req)
         return await self._run(req, info, adapter, [prompt], req.token_limit, top, fmt, request)
 
     # ------------------------------------------------------------------------------------ requests
@@ -282,7 +179,7 @@ class Generation:
 
     # ------------------------------------------------------------------------------------ running
     async def _run(self, req: GenerationRequest, info: ModelInfo, adapter: str | None, prompts: list[list[int]],
-                   max_tokens: int | None, logprobs: int | None, fmt: _Format, request: Request) -> Response:
+                   max_tokens: int | None, logprobs: int | None, fmt: ResponseFormat, request: Request) -> Response:
         constraint = await self._constraint(req, info)
         specs = self._specs(req, info, adapter, prompts, max_tokens, logprobs, constraint)
         if len(specs) > self.client.max_in_flight:
@@ -307,7 +204,7 @@ class Generation:
             await _until_done_or_gone(self._collect(sub, states, deadline), request)
         finally:
             sub.close()
-        return JSONResponse(fmt.response(states, _usage(states, req.n)).model_dump(mode="json"), headers=headers)
+        return JSONResponse(fmt.response(states, usage_of(states, req.n)).model_dump(mode="json"), headers=headers)
 
     async def _constraint(self, req: GenerationRequest, info: ModelInfo) -> GrammarConstraint | None:
         """The request's compiled structured-output constraint (None: none asked); 400 if it cannot be had."""
@@ -353,7 +250,7 @@ class Generation:
                 wait = left if keepalive is None else min(left, keepalive)
                 try:
                     item = await asyncio.wait_for(sub.queue.get(), wait)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if keepalive is not None and wait == keepalive:
                         yield None
                     continue
@@ -373,14 +270,14 @@ class Generation:
         async for _ in self._outputs(sub, states, deadline):
             pass
 
-    async def _stream(self, sub: Submission, states: list[ChoiceState], fmt: _Format, include_usage: bool,
+    async def _stream(self, sub: Submission, states: list[ChoiceState], fmt: ResponseFormat, include_usage: bool,
                       n: int, deadline: float) -> AsyncIterator[str]:
         pending: list[str] = []
         try:
             for state in states:
                 head = fmt.head(state)
                 if head is not None:
-                    yield _sse(head)
+                    yield sse(head)
             pending: list[str] = []   # events of outputs that arrived together go out as one write
             async for item in self._outputs(sub, states, deadline, self.limits.keepalive_s):
                 if item is None:
@@ -389,12 +286,12 @@ class Generation:
                 state, out = item
                 chunk = fmt.chunk(state, out)
                 if chunk is not None:
-                    pending.append(_sse(chunk))
+                    pending.append(sse(chunk))
                 if pending and sub.queue.empty():
                     yield "".join(pending)
                     pending = []
             if include_usage:
-                pending.append(_sse(fmt.usage_chunk(_usage(states, n))))
+                pending.append(sse(fmt.usage_chunk(usage_of(states, n))))
             yield "".join(pending) + "data: [DONE]\n\n"
         except APIError as e:  # the engine failed mid-stream: tell the client in-band, as OpenAI does
             yield "".join(pending) + "data: " + json.dumps(e.body()) + "\n\n"
@@ -468,15 +365,6 @@ async def _offload(size: int, fn: Any) -> Any:
     return await asyncio.to_thread(fn) if size > OFFLOAD_CHARS else fn()
 
 
-def _usage(states: list[ChoiceState], n: int) -> Usage:
-    """Prompt tokens once per prompt (not per choice, as OpenAI counts n), completion tokens of all choices."""
-    prompt = sum(s.prompt_tokens for s in states if s.index % n == 0)
-    cached = sum(s.cached_tokens for s in states if s.index % n == 0)
-    completion = sum(len(s.token_ids) for s in states)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-
-
 async def _until_done_or_gone(work: Any, request: Request) -> None:
     """Await `work`; if the client disconnects first, cancel it and raise (the caller aborts)."""
     task = asyncio.ensure_future(work)
@@ -495,125 +383,3 @@ async def _until_done_or_gone(work: Any, request: Request) -> None:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _sse(chunk: BaseModel) -> str:
-    return "data: " + chunk.model_dump_json() + "\n\n"
-
-
-class SSEResponse(StreamingResponse):
-    """An event stream that aborts its engine requests however it ends (done, disconnect, cancellation)."""
-
-    def __init__(self, chunks: AsyncIterator[str], sub: Submission, headers: dict[str, str] | None = None) -> None:
-        super().__init__(chunks, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
-        self.sub = sub
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.sub.close()
-
-
-# ------------------------------------------------------------------------------------------ formats
-
-class _Format:
-    """How one endpoint writes choices: the full response, the stream chunks, the usage chunk."""
-
-    def __init__(self, info: ModelInfo, id: str, req: Any) -> None:
-        self.info, self.id, self.req = info, id, req
-        self.created = int(time.time())
-        self.routing = req.options.return_routing
-
-    def _routed(self, token_ids: list[int], adapters: list[str | None]) -> Routed | None:
-        return Routed(token_ids=list(token_ids), adapters=list(adapters)) if self.routing else None
-
-    def _token(self, token_id: int) -> str:
-        return self.info.tokenizer.decode([token_id])
-
-    def head(self, state: ChoiceState) -> BaseModel | None:
-        return None
-
-    def response(self, states: list[ChoiceState], usage: Usage) -> BaseModel:
-        raise NotImplementedError
-
-    def chunk(self, state: ChoiceState, out: Any) -> BaseModel | None:
-        raise NotImplementedError
-
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        raise NotImplementedError
-
-
-class _CompletionFormat(_Format):
-    def _logprobs(self, entries: list[dict], offset: int) -> CompletionLogprobs | None:
-        if self.req.logprobs is None:
-            return None
-        lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for e in entries:
-            token = self._token(e["token_id"])
-            lp.tokens.append(token)
-            lp.token_logprobs.append(float(e["logprob"]))
-            lp.top_logprobs.append({self._token(i): float(v) for i, v in e["top"][: self.req.logprobs]})
-            lp.text_offset.append(offset)
-            offset += len(token)
-        return lp
-
-    def response(self, states: list[ChoiceState], usage: Usage) -> CompletionResponse:
-        choices = [CompletionChoice(index=s.index, text=s.text, logprobs=self._logprobs(s.logprobs, 0),
-                                    finish_reason=s.finish_reason, molora=self._routed(s.token_ids, s.adapters))
-                   for s in states]
-        return CompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices, usage=usage)
-
-    def chunk(self, state: ChoiceState, out: Any) -> CompletionChunk | None:
-        wants_tokens = self.routing or self.req.logprobs is not None
-        if not (out.new_text or out.finished or (out.new_token_ids and wants_tokens)):
-            return None
-        offset = len(state.text) - len(out.new_text)
-        choice = CompletionChoice(index=state.index, text=out.new_text,
-                                  logprobs=self._logprobs(out.logprobs or [], offset),
-                                  finish_reason=out.finish_reason if out.finished else None,
-                                  molora=self._routed(out.new_token_ids, out.token_adapters))
-        return CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])
-
-    def usage_chunk(self, usage: Usage) -> CompletionChunk:
-        return CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[], usage=usage)
-
-
-class _ChatFormat(_Format):
-    def _logprobs(self, entries: list[dict]) -> ChatLogprobs | None:
-        if not self.req.logprobs:
-            return None
-        k = self.req.top_logprobs or 0
-        content = []
-        for e in entries:
-            token = self._token(e["token_id"])
-            top = [TopLogprob(token=(t := self._token(i)), logprob=float(v), bytes=list(t.encode()))
-                   for i, v in e["top"][:k]]
-            content.append(TokenLogprob(token=token, logprob=float(e["logprob"]), bytes=list(token.encode()),
-                                        top_logprobs=top))
-        return ChatLogprobs(content=content)
-
-    def response(self, states: list[ChoiceState], usage: Usage) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=s.index, message=ChatMessageOut(content=s.text),
-                              logprobs=self._logprobs(s.logprobs), finish_reason=s.finish_reason,
-                              molora=self._routed(s.token_ids, s.adapters))
-                   for s in states]
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
-                                      usage=usage)
-
-    def head(self, state: ChoiceState) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=state.index, delta=Delta(role="assistant", content=""))
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])
-
-    def chunk(self, state: ChoiceState, out: Any) -> ChatCompletionChunk | None:
-        if not (out.new_text or out.finished or (out.new_token_ids and (self.routing or self.req.logprobs))):
-            return None
-        choice = ChatChunkChoice(index=state.index, delta=Delta(content=out.new_text or None),
-                                 logprobs=self._logprobs(out.logprobs or []),
-                                 finish_reason=out.finish_reason if out.finished else None,
-                                 molora=self._routed(out.new_token_ids, out.token_adapters))
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])
-
-    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[], usage=usage)

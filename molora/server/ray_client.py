@@ -130,7 +130,7 @@ class RayClient(EngineClient):
         response = self.handle.options(multiplexed_model_id=bundle).command.remote(spec, op)
         try:
             answer = await asyncio.wait_for(response, self.call_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EngineBusy(f"no engine replica answered {op} within {self.call_timeout_s:g} s") from None
         except self.backpressure as e:
             raise Saturated(f"every engine replica is full ({type(e).__name__})") from None

@@ -205,7 +205,7 @@ class EngineRunner:
             return await command.future
         try:
             return await asyncio.wait_for(asyncio.shield(command.future), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             started = not command.cancel()
             raise EngineBusy(f"the engine thread did not {'finish' if started else 'take up'} this within "
                              f"{timeout:g} s (a long or hung step); "

@@ -208,7 +208,7 @@ def train_routed(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], o
     if not shapes:
         raise MoLoRAError(f"no linear of the model matches target_modules={list(config.target_modules)}")
     meta = getattr(model, "name_or_path", None) or None
-    for name, out in out_dirs.items():  # initial folders: what PEFT's get_peft_model would start from
+    for out in out_dirs.values():  # initial folders: what PEFT's get_peft_model would start from
         init = {}
         for m, (d_out, d_in) in sorted(shapes.items()):
             a = torch.empty(config.rank, d_in)

@@ -28,14 +28,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from molora.bundle import turn_text
 from molora.data.general import general_split, split_record, topic_prompts
 from molora.data.jsonl import read_jsonl, write_jsonl
 from molora.data.skills import TRAIN_SEED_BASE, generate
-from molora.bundle import turn_text
 from molora.data.solutions import worked_solution
 from molora.train.adapter import CHATML, END, AdapterTrainConfig, train_adapter
-from molora.train.router import (IGNORE, LabelledSeq, RouterTrainConfig, collect_features, routing_accuracy,
-                                 train_router)
+from molora.train.router import IGNORE, LabelledSeq, RouterTrainConfig, collect_features, routing_accuracy, train_router
 
 log = logging.getLogger("molora.train")
 
