@@ -196,11 +196,12 @@ class Scheduler:
         hs = self.hotset
         free = hs.mm.bank.num_slots - len(hs.slot_lru)
         unpinned = {n for n in hs.slot_lru if not hs.pins[n]}
-        for b, req in enumerate(self.waiting):
+        def blocked(req: Request) -> bool:
             missing = sum(not hs.resident(n) for n in req.needs)
-            if missing and missing > free + len(unpinned - set(req.needs)):
-                break                        # the first request slots block
-        else:
+            return bool(missing) and missing > free + len(unpinned - set(req.needs))
+
+        b = next((i for i, req in enumerate(self.waiting) if blocked(req)), None)   # the first request slots block
+        if b is None:
             return
         ahead: list[Request] = []
         behind: list[Request] = []
