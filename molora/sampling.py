@@ -14,14 +14,18 @@ depends on token ids only, never on routing or adapters.
 
 from __future__ import annotations
 
+import functools
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from molora.errors import MoLoRAError
+
+log = logging.getLogger(__name__)
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -96,10 +100,56 @@ def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
     return (bits.reshape(B, -1, 8) * weights).sum(-1, dtype=torch.uint8).view(torch.int32)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """A copy of logits [B, V] with the ids the bitmask [B, W] does not allow at -inf (one batched op)."""
+def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits [B, V] with the ids the bitmask [B, W] does not allow at -inf: unpack, then masked_fill."""
     allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
     return logits.masked_fill(~allowed, float("-inf"))
+
+
+@functools.cache
+def _bitmask_kernel() -> Callable[..., None] | None:
+    """xgrammar's in-place kernel (CPU: reads the packed words, no [B, V] mask; 26 against 96 ms for the
+    reference on fp32 [32, 49152] on this project's 2-core machine, measured under load), or None when xgrammar
+    is not installed (the `structured` extra). Chosen once, on first use."""
+    try:
+        from xgrammar import apply_token_bitmask_inplace
+    except ImportError:
+        log.info("packed bitmasks: the torch reference (xgrammar is not installed)")
+        return None
+    log.info("packed bitmasks: xgrammar's apply_token_bitmask_inplace")
+    return apply_token_bitmask_inplace
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits [B, V] with the ids the bitmask [B, W] does not allow at -inf (one batched op; equal to
+    `apply_bitmask_reference`)."""
+    kernel = _bitmask_kernel()
+    if kernel is None or logits.dim() != 2 or logits.shape[0] == 0:
+        return apply_bitmask_reference(logits, bitmask)
+    out = logits.clone()
+    kernel(out, bitmask.to(logits.device).contiguous(), vocab_size=logits.shape[-1])
+    return out
+
+
+def masked_greedy(logits: torch.Tensor, bitmask: torch.Tensor, candidates: int = 8) -> torch.Tensor:
+    """greedy(apply_bitmask(logits, bitmask)) [B] without masking the rows whose answer is among their top
+    `candidates` ids: the best allowed candidate wins when its value is above the last candidate's (then every id
+    of that value is a candidate, and the first of them is the argmax's pick); the other rows (no candidate
+    allowed, or a tie reaching past the candidates) get the full mask. logits [B, V], bitmask [B, W] int32."""
+    B, V = logits.shape
+    k = min(candidates, V)
+    vals, ids = torch.topk(logits, k, dim=-1)                                         # [B, k], descending
+    words = bitmask.gather(-1, ids // 32)                                               # [B, k] int32
+    ok = ((words >> (ids % 32).to(torch.int32)) & 1).bool()                            # [B, k]
+    first = ok.int().argmax(-1)                                                         # [B] first allowed
+    best = vals.gather(-1, first[:, None])                                              # [B, 1]
+    sure = ok.any(-1) & (best[:, 0] > vals[:, -1])                                      # [B]
+    tied = ok & (vals == best)                                                          # [B, k] allowed, best value
+    out = torch.where(tied, ids, V).min(-1).values                                      # [B] first id of them
+    rest = (~sure).nonzero().flatten()
+    if len(rest):
+        out[rest] = greedy(apply_bitmask(logits[rest], bitmask[rest]))
+    return out
 
 
 def is_allowed(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ Knows the tokenizer and the grammar engine; nothing of HTTP, requests or routing
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -208,7 +209,7 @@ class StructuredCompiler:
     def _compile(self, spec: StructuredSpec) -> Any:
         c = self._compiler
         if spec.kind == "json_schema":
-            return c.compile_json_schema(spec.text, any_whitespace=False)
+            return c.compile_json_schema(json.dumps(engine_schema(json.loads(spec.text))), any_whitespace=False)
         if spec.kind == "json_object":
             return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "regex":
@@ -241,6 +242,66 @@ def unenforced(schema: Any, path: str = "") -> list[str]:
             elif k in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(v, list):
                 for i, sub in enumerate(v):
                     out += unenforced(sub, f"{path}/{k}/{i}")
+    return out
+
+
+_GROUP_OPTIONAL = re.compile(r"\?\??|\{0,(\d*)\}\??")      # what may follow a group's ")": ?, {0,1}, {0,n}, {0,}
+
+
+def engine_pattern(pattern: str) -> str:
+    """`pattern` with each optional group written as an alternative with the empty string, the same language:
+    (X)? and (X){0,1} -> (X|), (X){0,n} -> (X|){1,n}, (X){0,} -> (X|)+ (lazy or not: a schema's pattern only
+    accepts or rejects). xgrammar 0.2.9 turns a schema's pattern into a matcher that accepts too much when a
+    group is optional ('^a(b*c)?$' accepts "ab"); the rewritten form it enforces exactly (a differential test
+    against Python's re: tests/test_structured.py). Escapes and character classes are copied as they are."""
+    out: list[str] = []
+    i, n, in_class = 0, len(pattern), False
+    while i < n:
+        ch = pattern[i]
+        if ch == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]" or out[-1] == "[" or out[-1] == "[^"
+            out.append(ch)
+            i += 1
+            continue
+        if ch == "[":
+            in_class = True
+            out.append("[^" if pattern.startswith("[^", i) else "[")
+            i += 2 if out[-1] == "[^" else 1
+            continue
+        m = _GROUP_OPTIONAL.match(pattern, i + 1) if ch == ")" else None
+        if m is None:
+            out.append(ch)
+            i += 1
+            continue
+        upper = m.group(1)
+        out.append("|)" + ("" if upper is None or upper == "1" else "+" if upper == "" else f"{{1,{upper}}}"))
+        i = m.end()
+    return "".join(out)
+
+
+def engine_schema(schema: Any) -> Any:
+    """A copy of `schema` for the grammar engine: every `pattern` (and patternProperties key) through
+    `engine_pattern`; everything else as it is."""
+    if isinstance(schema, list):
+        return [engine_schema(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "pattern" and isinstance(v, str):
+            out[k] = engine_pattern(v)
+        elif k == "patternProperties" and isinstance(v, dict):
+            out[k] = {engine_pattern(p): engine_schema(sub) for p, sub in v.items()}
+        elif k in ("enum", "const", "default", "examples"):
+            out[k] = v                      # values, not schemas
+        elif k == "properties" and isinstance(v, dict):
+            out[k] = {name: engine_schema(sub) for name, sub in v.items()}
+        else:
+            out[k] = engine_schema(v)
     return out
 
 

@@ -172,12 +172,15 @@ def main() -> None:
     ap.add_argument("--tput-new", type=int, default=32, help="new tokens per request in the throughput runs")
     ap.add_argument("--rescore", action="store_true", help="only add the strict view to the record at --out")
     ap.add_argument("--skip-validity", action="store_true", help="keep the record's validity, measure the rest")
+    ap.add_argument("--split", default="test", choices=("test", "validation"),
+                    help="schemas to score (validation: for finding and fixing failures; test: the record)")
+    ap.add_argument("--skip-throughput", action="store_true", help="stop after the validity run")
     ap.add_argument("--short-prompts", action="store_true",
                     help="throughput prompts name the schema without spelling it (less prefill, same decode)")
     args = ap.parse_args()
     if args.rescore:
         record = json.loads(Path(args.out).read_text())
-        schemas = [s for s in json.loads(SCHEMAS.read_text())["schemas"] if s["split"] == "test"]
+        schemas = [s for s in json.loads(SCHEMAS.read_text())["schemas"] if s["split"] == record["split"]]
         record["strict"] = strict_view(schemas, record["compile"], record["validity"])
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
         print(json.dumps({k: v for k, v in record["strict"].items() if k != "refused"}))
@@ -185,7 +188,7 @@ def main() -> None:
     from molora.bundle import load, stop_token_ids
     from molora.engine import Engine, EngineConfig
 
-    schemas = [s for s in json.loads(SCHEMAS.read_text())["schemas"] if s["split"] == "test"]
+    schemas = [s for s in json.loads(SCHEMAS.read_text())["schemas"] if s["split"] == args.split]
     mm = load()
     tok = mm.tokenizer
     vocab = int(mm.model.config.vocab_size)
@@ -195,7 +198,7 @@ def main() -> None:
     engine = Engine(mm, EngineConfig(max_num_seqs=32, max_model_len=2048, kv_budget_tokens=32 * 1024))
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
-    record = {"split": "test", "model": "SmolLM2-135M-Instruct (default bundle, learned routing)", "dtype": "fp32",
+    record = {"split": args.split, "model": "SmolLM2-135M-Instruct (default bundle, learned routing)", "dtype": "fp32",
               "grammar_engine": f"xgrammar {_version('xgrammar')}", "cpu": _cpu(), "threads": torch.get_num_threads(),
               "torch": torch.__version__,
               "command": " ".join(["PYTHONPATH=. python scripts/structured_bench.py"] + sys.argv[1:]),
@@ -210,7 +213,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in valid.items() if k != "rows"}), flush=True)
         record["strict"] = strict_view(schemas, comp, valid) if "rows" in valid else None
         tput = []
-        for b in (1, 32):
+        for b in () if args.skip_throughput else (1, 32):
             tput.append(throughput(engine, tok, schemas, constraints, b, args.reps, args.tput_new, args.short_prompts))
             print(json.dumps(tput[-1]), flush=True)
             record["throughput"] = tput
@@ -218,8 +221,8 @@ def main() -> None:
     finally:
         engine.close()
     print(json.dumps({"coverage": comp["coverage"], "valid_share": valid["valid_share"],
-                      "b1_overhead": tput[0]["per_token_overhead"],
-                      "b32_ratio": tput[1]["constrained_over_unconstrained"]}))
+                      "b1_overhead": tput[0]["per_token_overhead"] if tput else None,
+                      "b32_ratio": tput[1]["constrained_over_unconstrained"] if tput else None}))
 
 
 def _version(name: str) -> str:

@@ -86,6 +86,31 @@ def test_bitmask_pack_unpack_and_apply_agree_with_a_bool_mask():
     assert is_allowed(bits, ids).tolist() == allowed[torch.arange(5), ids].tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_bitmask_and_masked_greedy_equal_the_reference(dtype):
+    """The kernel-backed apply equals unpack + masked_fill; masked_greedy picks what greedy picks from the masked
+    logits, on dense and sparse masks, rows with nothing of their top candidates allowed, heavy ties (bf16 logits
+    rounded to a few values) and an empty mask row."""
+    from molora.sampling import apply_bitmask_reference, greedy, masked_greedy
+
+    g = torch.Generator().manual_seed(3)
+    for V, density in ((77, 0.5), (1000, 0.01), (49152, 0.002), (49152, 0.9)):
+        allowed = torch.rand(12, V, generator=g) < density
+        allowed[0] = False
+        allowed[0, V - 1] = True                                   # one id, at the end of the vocabulary
+        allowed[3, [V - 2, 5, V // 2]] = True
+        allowed[3, 1] = False
+        bits = pack_bitmask(allowed)
+        logits = torch.randn(12, V, generator=g).to(dtype)
+        logits[3, [V - 2, 5, V // 2, 1]] = 10.0                    # a tie at the top: the first allowed id wins
+        logits[1] = torch.randint(0, 3, (V,), generator=g).to(dtype)    # ties everywhere
+        logits[2, allowed[2]] = -50.0                              # every allowed id far below the top ones
+        ref = apply_bitmask_reference(logits, bits)
+        assert torch.equal(apply_bitmask(logits, bits), ref)
+        assert masked_greedy(logits, bits).tolist() == greedy(ref).tolist(), (V, density)
+        assert masked_greedy(logits, bits, candidates=1).tolist() == greedy(ref).tolist()
+
+
 class _AllowOnly(Constraint, ConstraintState):
     """Allows one id after k generated tokens, then nothing (a dead end): a stand-in for a grammar."""
 
@@ -184,6 +209,46 @@ def test_unenforced_keywords_are_found_and_strict_refuses_them(compiler):
     assert compiler.compile(StructuredSpec.json_schema(schema)) is not None           # best effort
     with pytest.raises(StructuredOutputError, match="strict: the grammar engine cannot enforce"):
         compiler.compile(StructuredSpec.json_schema(schema, strict=True))
+
+
+def _random_pattern(g: torch.Generator, depth: int = 0) -> str:
+    """A random regex over a, b, c, '-', '.': atoms, classes, groups, alternations, every quantifier."""
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+    k = float(torch.rand((), generator=g))
+    if depth > 2 or k < 0.35:
+        atom = pick(["a", "b", "c", "\\.", "-", "[a-c]", "[-ab]", "[ab.-]", "[^a]", "."])
+    elif k < 0.75:
+        atom = "(" + "".join(_random_pattern(g, depth + 1) for _ in range(1 + int(torch.randint(3, (1,), generator=g)))) + ")"
+    else:
+        atom = "(" + "|".join(_random_pattern(g, depth + 1) for _ in range(2)) + ")"
+    return atom + pick(["", "", "?", "*", "+", "{1,2}", "{0,1}", "{0,2}", "{0,}", "??"])
+
+
+def test_a_schema_pattern_accepts_only_what_the_regex_matches(compiler):
+    """xgrammar 0.2.9 alone lets '^a(b*c)?$' accept "ab"; the schema goes to it through engine_pattern, which keeps
+    the language (checked with Python's re) and which xgrammar enforces: no string over the alphabet that the
+    matcher accepts is one the pattern rejects, on random patterns."""
+    import itertools
+
+    import xgrammar as xgr
+
+    from molora.structured import engine_pattern
+
+    def accepts(c, s):
+        m = xgr.GrammarMatcher(c.compiled)
+        return m.accept_string(json.dumps(s)) and m.accept_token(1)
+
+    strings = [""] + ["".join(t) for n in (1, 2, 3) for t in itertools.product("abc-.", repeat=n)]
+    c = compiler.compile(StructuredSpec.json_schema({"type": "string", "pattern": "^a(b*c)?$"}))
+    assert [s for s in ("a", "ab", "abc", "abbc", "ac", "abcb") if accepts(c, s)] == ["a", "abc", "abbc", "ac"]
+    g = torch.Generator().manual_seed(35)
+    for _ in range(40):
+        pattern = "^" + "".join(_random_pattern(g) for _ in range(2)) + "$"
+        rewritten = engine_pattern(pattern)
+        assert all(bool(re.fullmatch(pattern, s)) == bool(re.fullmatch(rewritten, s)) for s in strings), pattern
+        c = compiler.compile(StructuredSpec.json_schema({"type": "string", "pattern": pattern}))
+        assert [s for s in strings if accepts(c, s) and not re.search(pattern, s)] == [], (pattern, rewritten)
 
 
 def test_a_compiled_constraint_survives_pickling(compiler, tok):

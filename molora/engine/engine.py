@@ -61,7 +61,7 @@ from molora.ops import fused_cpu
 from molora.ops.device import to_device
 from molora.routing import ArrowRouter, SequenceRouter, VocabRouter
 from molora.sampling import (Constraint, apply_bitmask, bundle_constraint, constraint_bitmask, greedy, is_allowed,
-                             sample_next, top_logprobs)
+                             masked_greedy, sample_next, top_logprobs)
 
 log = logging.getLogger("molora.engine")
 
@@ -497,7 +497,8 @@ class Engine:
         Constraints (the bundle's spans, a request's grammar) are one packed bitmask per constrained row
         (molora.sampling.constraint_bitmask), applied in one batched op to the rows that need it: every sampled
         row, and a greedy row only when its unconstrained pick is not allowed (the argmax of the masked row is
-        then the same id, so the mask costs a bit test). A request short of its min_tokens picks from a copy of
+        then the same id, so the mask costs a bit test), and then only if none of its top candidates is allowed
+        (`masked_greedy`). A request short of its min_tokens picks from a copy of
         its row with its stop ids at -inf (`_without_stops`). A constrained row with nothing allowed is a dead
         end: it samples nothing and its request ends (see `_run`). `logits` itself is untouched, so logprobs
         report the model's distribution (vLLM's default, raw logprobs)."""
@@ -511,9 +512,12 @@ class Engine:
             bitmask = bitmask.to(logits.device)                                  # [c, W] int32
             ok = is_allowed(bitmask, chosen[cons]).tolist()                      # [c]
             empty = (bitmask == 0).all(-1).tolist()                               # [c]
-            keep = [ok[k] and reqs[j].params.greedy and reqs[j].num_generated >= reqs[j].params.min_tokens
-                    for k, j in enumerate(cons)]                                  # the unconstrained pick stands
-            redo = [k for k in range(len(cons)) if not empty[k] and not keep[k]]
+            plain = [reqs[j].params.greedy and reqs[j].num_generated >= reqs[j].params.min_tokens for j in cons]
+            # greedy rows whose pick is refused: the best allowed of their top candidates (masked_greedy)
+            fast = [k for k in range(len(cons)) if not empty[k] and plain[k] and not ok[k]]
+            if fast:
+                chosen[[cons[k] for k in fast]] = masked_greedy(logits[[cons[k] for k in fast]], bitmask[fast])
+            redo = [k for k in range(len(cons)) if not empty[k] and not plain[k]]   # sampled, or min_tokens
             if redo:
                 idx = [cons[k] for k in redo]
                 sub = apply_bitmask(logits[idx], bitmask[redo])                  # [r, V], one batched op
