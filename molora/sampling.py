@@ -136,7 +136,7 @@ def masked_greedy(logits: torch.Tensor, bitmask: torch.Tensor, candidates: int =
     `candidates` ids: the best allowed candidate wins when its value is above the last candidate's (then every id
     of that value is a candidate, and the first of them is the argmax's pick); the other rows (no candidate
     allowed, or a tie reaching past the candidates) get the full mask. logits [B, V], bitmask [B, W] int32."""
-    B, V = logits.shape
+    V = logits.shape[-1]
     k = min(candidates, V)
     vals, ids = torch.topk(logits, k, dim=-1)                                         # [B, k], descending
     words = bitmask.gather(-1, ids // 32)                                               # [B, k] int32

@@ -128,6 +128,23 @@ class GrammarConstraint(Constraint):
     def begin(self, prompt: Sequence[int]) -> ConstraintState:
         return _MatcherState(self, len(prompt))
 
+    def check(self, text: str) -> str | None:
+        """Why a finished answer breaks the spec (None: it keeps it). The grammar engine enforces all but the
+        keywords `unenforced` lists; this is the check of those, with jsonschema (json_schema, json_object) or
+        Python's re (regex, choice); a grammar's answer is accepted by construction."""
+        kind = self.spec.kind
+        if kind in ("json_schema", "json_object"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                return f"the answer is not JSON: {e}"
+            return _violation(json.loads(self.spec.text) if kind == "json_schema" else {"type": "object"}, value)
+        if kind == "regex":
+            return None if re.fullmatch(self.spec.text, text) else f"the answer does not match {self.spec.text!r}"
+        if kind == "choice":
+            return None if text in json.loads(self.spec.text) else "the answer is none of the choices"
+        return None
+
     def __repr__(self) -> str:
         return f"GrammarConstraint({self.spec.kind}, {len(self.spec.text)} chars)"
 
@@ -222,7 +239,8 @@ class StructuredCompiler:
 
 def unenforced(schema: Any, path: str = "") -> list[str]:
     """Where `schema` uses what the engine accepts but does not enforce ("path: keyword"), in document order:
-    the keywords of UNENFORCED, multipleOf on numbers that are not integers, pattern with minLength/maxLength."""
+    the keywords of UNENFORCED, multipleOf on numbers that are not integers, pattern with minLength/maxLength,
+    oneOf whose branches are not provably disjoint (xgrammar then enforces anyOf)."""
     out: list[str] = []
     if isinstance(schema, dict):
         here = path or "(top level)"
@@ -231,6 +249,8 @@ def unenforced(schema: Any, path: str = "") -> list[str]:
             out.append(f"{here}: multipleOf on a number")
         if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
             out.append(f"{here}: pattern with minLength/maxLength")
+        if isinstance(schema.get("oneOf"), list) and not _disjoint(schema["oneOf"]):
+            out.append(f"{here}: oneOf (enforced as anyOf: an answer may match two branches)")
         for k, v in schema.items():
             if k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") \
                     and isinstance(v, dict):
@@ -303,6 +323,59 @@ def engine_schema(schema: Any) -> Any:
         else:
             out[k] = engine_schema(v)
     return out
+
+
+def _disjoint(branches: list) -> bool:
+    """Whether no JSON value can match two of `branches`, by a simple proof: by type, or by a discriminator."""
+    return _disjoint_by_type(branches) or _disjoint_by_tag(branches)
+
+
+def _disjoint_by_tag(branches: list) -> bool:
+    """Objects that all require one property whose const/enum values no two branches share ({"kind": "circle"})."""
+    if not all(isinstance(b, dict) and isinstance(b.get("required"), list) for b in branches):
+        return False
+    for tag in set.intersection(*(set(b["required"]) for b in branches)):
+        values = [b.get("properties", {}).get(tag) for b in branches]
+        if not all(isinstance(v, dict) and ("const" in v or "enum" in v) for v in values):
+            continue
+        sets = [[json.dumps(x, sort_keys=True) for x in ([v["const"]] if "const" in v else v["enum"])] for v in values]
+        if sum(len(set(x)) for x in sets) == len(set().union(*sets)):
+            return True
+    return False
+
+
+def _disjoint_by_type(branches: list) -> bool:
+    """Each branch names one type (or a const or an enum) and no type is shared (integer counts as a number)."""
+    seen: set[str] = set()
+    for b in branches:
+        if not isinstance(b, dict):
+            return False
+        if "const" in b or "enum" in b:
+            values = [b["const"]] if "const" in b else b["enum"]
+            types = {_json_type(v) for v in values}
+        elif isinstance(b.get("type"), str):
+            types = {"number" if b["type"] == "integer" else b["type"]}
+        else:
+            return False
+        if types & seen:
+            return False
+        seen |= types
+    return True
+
+
+def _json_type(v: Any) -> str:
+    return {bool: "boolean", int: "number", float: "number", str: "string", type(None): "null",
+            list: "array", dict: "object"}[type(v)]
+
+
+def _violation(schema: Any, value: Any) -> str | None:
+    """The first way `value` breaks `schema` ("at path: message", jsonschema's best match), None if it does not."""
+    import jsonschema
+    error = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(schema)(schema).iter_errors(value))
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+    return f"the answer breaks the schema at {where} ({error.validator}): {error.message[:200]}"
 
 
 def _check_schema(schema: dict | bool) -> None:

@@ -219,7 +219,8 @@ def _random_pattern(g: torch.Generator, depth: int = 0) -> str:
     if depth > 2 or k < 0.35:
         atom = pick(["a", "b", "c", "\\.", "-", "[a-c]", "[-ab]", "[ab.-]", "[^a]", "."])
     elif k < 0.75:
-        atom = "(" + "".join(_random_pattern(g, depth + 1) for _ in range(1 + int(torch.randint(3, (1,), generator=g)))) + ")"
+        parts = 1 + int(torch.randint(3, (1,), generator=g))
+        atom = "(" + "".join(_random_pattern(g, depth + 1) for _ in range(parts)) + ")"
     else:
         atom = "(" + "|".join(_random_pattern(g, depth + 1) for _ in range(2)) + ")"
     return atom + pick(["", "", "?", "*", "+", "{1,2}", "{0,1}", "{0,2}", "{0,}", "??"])
@@ -343,6 +344,38 @@ def test_vllm_structured_outputs_and_guided_fields(server):
     jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), SCHEMA)
     r = server.post("/completions", json={**base, "structured_outputs": {"grammar": 'root ::= "a" ("b" | "c")'}})
     assert r.json()["choices"][0]["text"] in ("ab", "ac")
+
+
+def test_an_answer_that_breaks_an_unenforced_keyword_says_so(server):
+    """uniqueItems is accepted and not enforced: an enum of one value and two items can only be ["a","a"], which
+    the answer check flags (streamed and not); strict=true refuses the schema instead."""
+    schema = {"type": "array", "items": {"enum": ["a"]}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+    rf = {"type": "json_schema", "json_schema": {"name": "u", "schema": schema}}
+    r = server.post("/chat/completions", json=_chat(response_format=rf))
+    choice = r.json()["choices"][0]
+    assert r.status_code == 200 and choice["message"]["content"] == '["a", "a"]' and choice["finish_reason"] == "stop"
+    assert "uniqueItems" in choice["molora"]["structured_output_error"]
+    with server.stream("POST", "/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 30,
+                                                     "response_format": rf, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    last = events[-1]["choices"][0]
+    assert last["finish_reason"] == "stop" and "uniqueItems" in last["molora"]["structured_output_error"]
+    r = server.post("/chat/completions", json=_chat(response_format={**rf, "json_schema": {**rf["json_schema"],
+                                                                                          "strict": True}}))
+    assert r.status_code == 400 and "uniqueItems" in r.json()["error"]["message"]
+    r = server.post("/chat/completions", json=_chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "w", "schema": SCHEMA}}))
+    assert "molora" not in r.json()["choices"][0]                 # a valid answer carries no extension
+
+
+def test_check_names_what_an_answer_breaks(compiler):
+    c = compiler.compile(StructuredSpec.json_schema({"type": "object", "properties": {"t": {
+        "type": "array", "uniqueItems": True}}}))
+    assert c.check('{"t": [1, 2]}') is None
+    assert "at t (uniqueItems)" in c.check('{"t": [1, 1]}')
+    assert "not JSON" in c.check('{"t": [1')
+    assert compiler.compile(StructuredSpec("regex", "[a-c]{2}")).check("ab") is None
+    assert compiler.compile(StructuredSpec("regex", "[a-c]{2}")).check("abc") is not None
 
 
 @pytest.mark.parametrize("body, param, words", [

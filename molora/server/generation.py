@@ -283,7 +283,7 @@ class Generation:
     # ------------------------------------------------------------------------------------ running
     async def _run(self, req: GenerationRequest, info: ModelInfo, adapter: str | None, prompts: list[list[int]],
                    max_tokens: int | None, logprobs: int | None, fmt: _Format, request: Request) -> Response:
-        constraint = await self._constraint(req, info)
+        constraint = fmt.constraint = await self._constraint(req, info)
         specs = self._specs(req, info, adapter, prompts, max_tokens, logprobs, constraint)
         if len(specs) > self.client.max_in_flight:
             raise APIError(400, f"this request needs {len(specs)} engine requests (n x prompts), more than the "
@@ -525,9 +525,19 @@ class _Format:
         self.info, self.id, self.req = info, id, req
         self.created = int(time.time())
         self.routing = req.options.return_routing
+        self.constraint: GrammarConstraint | None = None     # the request's structured output, set once compiled
 
-    def _routed(self, token_ids: list[int], adapters: list[str | None]) -> Routed | None:
-        return Routed(token_ids=list(token_ids), adapters=list(adapters)) if self.routing else None
+    def _routed(self, token_ids: list[int], adapters: list[str | None],
+                ended: ChoiceState | None = None) -> Routed | None:
+        """The choice's molora extension: its routing (return_routing) and, once it has `ended`, why its answer
+        breaks the request's structured-output spec (GrammarConstraint.check), if it does."""
+        why = None
+        if ended is not None and ended.finish_reason == "stop" and self.constraint is not None:
+            why = self.constraint.check(ended.text)
+        if not self.routing and why is None:
+            return None
+        routed = {"token_ids": list(token_ids), "adapters": list(adapters)} if self.routing else {}
+        return Routed(**routed, structured_output_error=why)
 
     def _token(self, token_id: int) -> str:
         return self.info.tokenizer.decode([token_id])
@@ -561,7 +571,7 @@ class _CompletionFormat(_Format):
 
     def response(self, states: list[ChoiceState], usage: Usage) -> CompletionResponse:
         choices = [CompletionChoice(index=s.index, text=s.text, logprobs=self._logprobs(s.logprobs, 0),
-                                    finish_reason=s.finish_reason, molora=self._routed(s.token_ids, s.adapters))
+                                    finish_reason=s.finish_reason, molora=self._routed(s.token_ids, s.adapters, s))
                    for s in states]
         return CompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices, usage=usage)
 
@@ -573,7 +583,8 @@ class _CompletionFormat(_Format):
         choice = CompletionChoice(index=state.index, text=out.new_text,
                                   logprobs=self._logprobs(out.logprobs or [], offset),
                                   finish_reason=out.finish_reason if out.finished else None,
-                                  molora=self._routed(out.new_token_ids, out.token_adapters))
+                                  molora=self._routed(out.new_token_ids, out.token_adapters,
+                                                      state if out.finished else None))
         return CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> CompletionChunk:
@@ -597,7 +608,7 @@ class _ChatFormat(_Format):
     def response(self, states: list[ChoiceState], usage: Usage) -> ChatCompletionResponse:
         choices = [ChatChoice(index=s.index, message=ChatMessageOut(content=s.text),
                               logprobs=self._logprobs(s.logprobs), finish_reason=s.finish_reason,
-                              molora=self._routed(s.token_ids, s.adapters))
+                              molora=self._routed(s.token_ids, s.adapters, s))
                    for s in states]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
                                       usage=usage)
@@ -612,7 +623,8 @@ class _ChatFormat(_Format):
         choice = ChatChunkChoice(index=state.index, delta=Delta(content=out.new_text or None),
                                  logprobs=self._logprobs(out.logprobs or []),
                                  finish_reason=out.finish_reason if out.finished else None,
-                                 molora=self._routed(out.new_token_ids, out.token_adapters))
+                                 molora=self._routed(out.new_token_ids, out.token_adapters,
+                                                     state if out.finished else None))
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
