@@ -131,26 +131,50 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def masked_greedy(logits: torch.Tensor, bitmask: torch.Tensor, candidates: int = 8) -> torch.Tensor:
-    """greedy(apply_bitmask(logits, bitmask)) [B] without masking the rows whose answer is among their top
-    `candidates` ids: the best allowed candidate wins when its value is above the last candidate's (then every id
-    of that value is a candidate, and the first of them is the argmax's pick); the other rows (no candidate
-    allowed, or a tie reaching past the candidates) get the full mask. logits [B, V], bitmask [B, W] int32."""
-    V = logits.shape[-1]
-    k = min(candidates, V)
-    vals, ids = torch.topk(logits, k, dim=-1)                                         # [B, k], descending
-    words = bitmask.gather(-1, ids // 32)                                               # [B, k] int32
-    ok = ((words >> (ids % 32).to(torch.int32)) & 1).bool()                            # [B, k]
-    first = ok.int().argmax(-1)                                                         # [B] first allowed
-    best = vals.gather(-1, first[:, None])                                              # [B, 1]
-    sure = ok.any(-1) & (best[:, 0] > vals[:, -1])                                      # [B]
-    tied = ok & (vals == best)                                                          # [B, k] allowed, best value
-    out = torch.where(tied, ids, V).min(-1).values                                      # [B] first id of them
-    rest = (~sure).nonzero().flatten()
-    if len(rest):
-        out[rest] = greedy(apply_bitmask(logits[rest], bitmask[rest]))
+def masked_greedy(logits: torch.Tensor, bitmask: torch.Tensor, candidates: int = 2) -> torch.Tensor:
+    """greedy(apply_bitmask(logits, bitmask)) [B], without masking the rows whose answer is among their first
+    `candidates` picks: a row's refused pick is set to -inf in a copy of the refused rows and they pick again
+    (max's first index, so ids come in greedy's order: value descending, then id); rows refused `candidates`
+    times get the full mask. One more pick reads the rows once, the full mask about four times (copy, mask,
+    max); topk was no cheaper than one full mask on this CPU. logits [B, V], bitmask [B, W] int32."""
+    out = greedy(logits)                                                                # [B]
+    todo = (~is_allowed(bitmask, out)).nonzero().flatten()                             # [r] rows refused
+    if len(todo) == 0:
+        return out
+    work, bits, pick = logits[todo].clone(), bitmask[todo], out[todo]                  # [r, V], [r, W], [r]
+    live = torch.ones(len(todo), dtype=torch.bool, device=logits.device)               # [r] still refused
+    rows = torch.arange(len(todo), device=logits.device)
+    for _ in range(candidates - 1):
+        work[rows[live], pick[live]] = float("-inf")
+        pick = greedy(work)
+        ok = is_allowed(bits, pick) & live
+        out[todo[ok]] = pick[ok]
+        live &= ~ok
+        if not bool(live.any()):
+            return out
+    rest = todo[live]
+    out[rest] = _allowed_argmax(logits[rest], bitmask[rest])
     return out
 
+
+def _allowed_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """greedy(apply_bitmask(logits, bitmask)) [r] for rows that allow some id. When few words of the mask are
+    non-zero (a grammar state that allows a few hundred ids: a key, a digit, a bracket), only the allowed ids are
+    read: their logits are gathered and reduced per row (max, then the first id of it); otherwise the full mask."""
+    r, V = logits.shape
+    row, word = bitmask.nonzero(as_tuple=True)                                         # [P] non-zero words
+    if 4 * len(row) > bitmask.numel() or torch.unique(row).numel() < r:                # dense, or a row empty
+        return greedy(apply_bitmask(logits, bitmask))
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    p, bit = (((bitmask[row, word][:, None] >> shifts) & 1) != 0).nonzero(as_tuple=True)   # [K] allowed bits
+    ids, rows = word[p] * 32 + bit, row[p]                                             # [K], [K]
+    inside = ids < V
+    ids, rows = ids[inside], rows[inside]
+    vals = logits[rows, ids].float()                                                   # [K]
+    best = torch.full((r,), float("-inf"), device=logits.device).scatter_reduce(0, rows, vals, "amax")
+    top = vals == best[rows]                                                           # [K] at the row's max
+    first = torch.full((r,), V, dtype=torch.long, device=logits.device)
+    return first.scatter_reduce(0, rows[top], ids[top], "amin")
 
 def is_allowed(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Whether each row's id is allowed: bitmask [B, W] int32, ids [B] -> [B] bool (no unpacking)."""

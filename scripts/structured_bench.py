@@ -9,7 +9,9 @@ chosen on the validation split, scripts/choose_grammar_engine.py); they are scor
   coverage      share of test schemas that compile (molora.structured.StructuredCompiler, xgrammar)
   compile_ms    per schema, first compile (fresh compiler, no cache) and cached (the compiler's LRU): medians
   valid         one greedy answer per compiled schema (chat prompt naming the schema, max 256 new tokens, all in
-                one batch): finished / parse as JSON / validate (jsonschema), of all answers and of finished ones
+                one batch): finished / parse as JSON / validate (jsonschema), of all answers and of finished ones;
+                flagged: finished answers the answer check (GrammarConstraint.check, the server's
+                molora.structured_output_error) reports as breaking the schema; invalid_unflagged must be 0
   strict        the same under OpenAI's strict=true: schemas with keywords xgrammar accepts but does not enforce
                 (molora.structured.unenforced) are refused; coverage and validity of the rest (--rescore adds this
                 view to an existing record without running the model)
@@ -85,11 +87,14 @@ def validity(engine: Any, tok: Any, schemas: list[dict], constraints: dict, max_
     todo = [s for s in schemas if s["name"] in constraints]
     outs = engine.generate([_prompt(tok, s) for s in todo], SamplingParams(max_new_tokens=max_new),
                            constraint=[constraints[s["name"]] for s in todo])
-    rows, finished, parsed, valid = [], 0, 0, 0
+    rows, finished, parsed, valid, flagged = [], 0, 0, 0, 0
     for s, o in zip(todo, outs):
         text = tok.decode(o.new_token_ids, skip_special_tokens=True)
         row = {"name": s["name"], "finish_reason": o.finish_reason, "tokens": len(o.new_token_ids)}
         finished += o.finish_reason == "stop"
+        if o.finish_reason == "stop":   # what the server's answer check reports (molora.structured_output_error)
+            row["check"] = constraints[s["name"]].check(text)
+            flagged += row["check"] is not None
         try:
             value = json.loads(text)
             parsed += 1
@@ -103,7 +108,9 @@ def validity(engine: Any, tok: Any, schemas: list[dict], constraints: dict, max_
         row["text"] = text[:300]
         rows.append(row)
     n = len(todo)
-    return {"answers": n, "finished": finished, "parsed": parsed, "valid": valid,
+    return {"answers": n, "finished": finished, "parsed": parsed, "valid": valid, "flagged": flagged,
+            "invalid_unflagged": sum(r["finish_reason"] == "stop" and not r["valid"] and r["check"] is None
+                                     for r in rows),
             "valid_share": round(valid / n, 3), "valid_share_of_finished": round(valid / max(finished, 1), 3),
             "max_new_tokens": max_new, "rows": rows}
 
