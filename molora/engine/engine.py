@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 import random
 import time
 from collections import Counter, deque
@@ -60,8 +61,8 @@ from molora.model.runner import ModelRunner
 from molora.ops import fused_cpu
 from molora.ops.device import to_device
 from molora.routing import ArrowRouter, SequenceRouter, VocabRouter
-from molora.sampling import (Constraint, apply_bitmask, bundle_constraint, constraint_bitmask, greedy, is_allowed,
-                             masked_greedy, sample_next, top_logprobs)
+from molora.sampling import (Constraint, apply_bitmask, bitmask_words, bundle_constraint, constraint_bitmask, greedy,
+                             is_allowed, masked_greedy, sample_next, top_logprobs)
 
 log = logging.getLogger("molora.engine")
 
@@ -128,6 +129,7 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, self.hotset, max_num_seqs=config.max_num_seqs,
                                    max_tokens_per_step=config.max_tokens_per_step, prefix=self.prefix)
         self.vocab_size = int(mcfg.vocab_size)
+        self._mask_pool: ThreadPoolExecutor | None = None   # fills constraint masks while a step computes
         eos = getattr(getattr(mm.model, "generation_config", None), "eos_token_id", None)
         eos = eos if eos is not None else getattr(mcfg, "eos_token_id", None)
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else eos or []) if config.stop_at_eos else frozenset()
@@ -409,7 +411,11 @@ class Engine:
         tokens, positions, meta = self._inputs(scheduled)
         routing = plan_routing(scheduled, self.hotset, self.runner.device)
         rows = [i for i, s in enumerate(scheduled) if s.samples]
-        out = self.runner(tokens, positions, meta, routing, logits=rows)          # StepOutput, logits [b, V]
+        masks = self._fill_masks([scheduled[i].request for i in rows])               # while the step computes
+        try:
+            out = self.runner(tokens, positions, meta, routing, logits=rows)      # StepOutput, logits [b, V]
+        finally:
+            bitmask = masks.result() if masks is not None else None               # [c, W] of constrained rows
         last_slots, last_carry, carry_rows = out.last_slot_ids, out.last_carry, out.carry_rows
         # host reads of the step, batched (each is a device sync on a GPU): 1) whether the hidden states and each
         # sampled row's logits are finite (one reduction each: NaN and inf survive a sum), 2) the sampled ids with
@@ -429,7 +435,7 @@ class Engine:
         if rows:
             logits = out.logits
             finite = flags[1:]                                   # [b]
-            chosen, dead = self._sample([scheduled[i].request for i in rows], logits, finite, best)
+            chosen, dead = self._sample([scheduled[i].request for i in rows], logits, finite, best, bitmask)
             picked = (chosen if last_slots is None else torch.cat([chosen, last_slots[:, 0]])).tolist()
         self.tokens_computed += len(tokens)
         # ---- commit, request by request
@@ -490,8 +496,20 @@ class Engine:
         dev = self.runner.device
         return to_device(toks, dev), to_device(pos, dev), meta
 
+    def _fill_masks(self, reqs: list[Request]) -> Future | None:
+        """The packed bitmask [c, W] of the constrained ones among `reqs` (their ids so far), filled on a worker
+        thread while the step's forward runs (the grammar engine releases the GIL); None: none is constrained."""
+        cons = [r for r in reqs if r.constraints]
+        if not cons:
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="molora-masks")
+        V = self.vocab_size
+        return self._mask_pool.submit(constraint_bitmask, [r.constraints for r in cons], [r.tokens for r in cons], V)
+
     def _sample(self, reqs: list[Request], logits: torch.Tensor, finite: list[bool],
-                best: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, str]]:
+                best: torch.Tensor | None = None,
+                bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, str]]:
         """(token ids [b], {row: why} of rows at a dead end) from logits [b, V] (best: their greedy picks, if known).
 
         Constraints (the bundle's spans, a request's grammar) are one packed bitmask per constrained row
@@ -508,7 +526,8 @@ class Engine:
         dead: dict[int, str] = {}
         cons = [j for j, req in enumerate(reqs) if req.constraints]
         if cons:
-            bitmask = constraint_bitmask([reqs[j].constraints for j in cons], [reqs[j].tokens for j in cons], V)
+            if bitmask is None or bitmask.shape[-1] != bitmask_words(V):   # not filled ahead (see _fill_masks)
+                bitmask = constraint_bitmask([reqs[j].constraints for j in cons], [reqs[j].tokens for j in cons], V)
             bitmask = bitmask.to(logits.device)                                  # [c, W] int32
             ok = is_allowed(bitmask, chosen[cons]).tolist()                      # [c]
             empty = (bitmask == 0).all(-1).tolist()                               # [c]
@@ -676,8 +695,12 @@ class Engine:
         return self.hotset.describe()
 
     def close(self) -> None:
-        """Stop the adapter loader thread (HotSet.close); the engine still works, a later miss restarts it."""
+        """Stop the adapter loader thread (HotSet.close) and the mask filler; the engine still works, a later miss
+        or constrained step restarts them."""
         self.hotset.close()
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown()
+            self._mask_pool = None
 
     def stats(self) -> dict:
         """Counters and the current state, read at every /metrics scrape (cheap: one pass over the requests).
