@@ -163,6 +163,32 @@ def test_every_constrained_answer_parses_and_validates(paths, tok, compiler):
             jsonschema.validate(json.loads(_text(tok, out.new_token_ids)), schema)
 
 
+def test_the_fast_paths_give_the_tokens_of_the_full_mask(paths, tok, compiler, monkeypatch):
+    """Masks filled ahead on the worker thread, masked_greedy and xgrammar's kernel: the same tokens as filling in
+    the step and masking every constrained row in full with the torch reference, greedy and sampled."""
+    import molora.engine.engine as engine_module
+    from molora.sampling import apply_bitmask_reference, greedy
+
+    prompts = [[5 + i, 20, 30 + i] for i in range(6)]
+    params = [SamplingParams(max_new_tokens=60)] * 3 + [
+        SamplingParams(max_new_tokens=60, temperature=0.8, seed=s) for s in range(3)]
+    constraints = [compiler.compile(StructuredSpec.json_schema(SCHEMAS[n])) for n in ("weather", "tags", "shape")] * 2
+
+    def run():
+        engine = Engine(_mm(paths, tok), CFG)
+        outs = engine.generate(prompts, params, constraint=constraints)
+        engine.close()
+        return [(o.new_token_ids, o.finish_reason) for o in outs]
+
+    fast = run()
+    monkeypatch.setattr(engine_module.Engine, "_fill_masks", lambda self, reqs: None)
+    monkeypatch.setattr(engine_module, "masked_greedy",
+                        lambda logits, bits: greedy(apply_bitmask_reference(logits, bits)))
+    monkeypatch.setattr(engine_module, "apply_bitmask", apply_bitmask_reference)
+    assert fast == run()
+    assert {reason for _, reason in fast} == {"stop"}
+
+
 def test_json_object_regex_and_choice(paths, tok, compiler):
     engine = Engine(_mm(paths, tok), CFG)
     prompts = [[5, 6], [7, 8, 9], [40, 41]]
