@@ -108,10 +108,11 @@ def validity(engine: Any, tok: Any, schemas: list[dict], constraints: dict, max_
         row["text"] = text[:300]
         rows.append(row)
     n = len(todo)
-    return {"answers": n, "finished": finished, "parsed": parsed, "valid": valid, "flagged": flagged,
-            "invalid_unflagged": sum(r["finish_reason"] == "stop" and not r["valid"] and r["check"] is None
-                                     for r in rows),
-            "valid_share": round(valid / n, 3), "valid_share_of_finished": round(valid / max(finished, 1), 3),
+    ended = [r for r in rows if r["finish_reason"] == "stop"]      # a "length" answer is unfinished, even if valid
+    valid_ended = sum(r["valid"] for r in ended)
+    return {"answers": n, "finished": finished, "parsed": parsed, "valid": valid, "valid_of_finished": valid_ended,
+            "flagged": flagged, "invalid_unflagged": sum(not r["valid"] and r["check"] is None for r in ended),
+            "valid_share": round(valid / n, 3), "valid_share_of_finished": round(valid_ended / max(finished, 1), 3),
             "max_new_tokens": max_new, "rows": rows}
 
 
