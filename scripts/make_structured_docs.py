@@ -44,7 +44,9 @@ def _bench(rec: dict) -> list[str]:
     tput = rec.get("throughput", [])
     lines = [f"On the real model ({rec['model']}, {rec['dtype']}, {rec['grammar_engine']}, {rec['threads']} threads of "
              f"{rec['cpu']}), the {c['schemas']} test schemas, scored once (`{rec['command']}` → "
-             "`docs/structured.json`):", "",
+             "`docs/structured.json`" + (f"; load average (1, 5, 15 min) {rec['load_avg_start']} at the start, "
+                                        f"{rec.get('load_avg_end')} at the end" if "load_avg_start" in rec else "")
+             + "):", "",
              "| measure | result | goal |", "|---|---|---|",
              f"| schemas compiled | {c['compiled']} of {c['schemas']} ({c['coverage']:.1%}) | ≥ 90% |",
              f"| answers that parse and validate | {v['valid']} of {v['answers']} ({v['valid_share']:.1%}); "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -208,7 +209,7 @@ def main() -> None:
     old = json.loads(out.read_text()) if out.exists() else {}
     record = {"split": args.split, "model": "SmolLM2-135M-Instruct (default bundle, learned routing)", "dtype": "fp32",
               "grammar_engine": f"xgrammar {_version('xgrammar')}", "cpu": _cpu(), "threads": torch.get_num_threads(),
-              "torch": torch.__version__,
+              "torch": torch.__version__, "load_avg_start": [round(x, 2) for x in os.getloadavg()],
               "command": " ".join(["PYTHONPATH=. python scripts/structured_bench.py"] + sys.argv[1:]),
               "compile": comp}
     try:
@@ -228,6 +229,9 @@ def main() -> None:
             out.write_text(json.dumps(record, indent=1) + "\n")
     finally:
         engine.close()
+        record["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+        if "validity" in record:      # a run stopped before its first phase leaves the old record alone
+            out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({"coverage": comp["coverage"], "valid_share": valid["valid_share"],
                       "b1_overhead": tput[0]["per_token_overhead"] if tput else None,
                       "b32_ratio": tput[1]["constrained_over_unconstrained"] if tput else None}))
