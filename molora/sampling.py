@@ -14,14 +14,18 @@ depends on token ids only, never on routing or adapters.
 
 from __future__ import annotations
 
+import functools
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from molora.errors import MoLoRAError
+
+log = logging.getLogger(__name__)
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -125,11 +129,82 @@ def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
     return (bits.reshape(B, -1, 8) * weights).sum(-1, dtype=torch.uint8).view(torch.int32)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """A copy of logits [B, V] with the ids the bitmask [B, W] does not allow at -inf (one batched op)."""
+def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits [B, V] with the ids the bitmask [B, W] does not allow at -inf: unpack, then masked_fill."""
     allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
     return logits.masked_fill(~allowed, float("-inf"))
 
+
+@functools.cache
+def _bitmask_kernel() -> Callable[..., None] | None:
+    """xgrammar's in-place kernel (reads the packed words: no [B, V] bool mask is built), or None when xgrammar is
+    not installed (the `structured` extra). On fp32 [32, 49152] on this project's 2-core machine, under load: 26
+    against 28 to 96 ms for the reference with 2 threads, 16 against 16 ms with one. Chosen once, on first use."""
+    try:
+        from xgrammar import apply_token_bitmask_inplace
+    except ImportError:
+        log.info("packed bitmasks: the torch reference (xgrammar is not installed)")
+        return None
+    log.info("packed bitmasks: xgrammar's apply_token_bitmask_inplace")
+    return apply_token_bitmask_inplace
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits [B, V] with the ids the bitmask [B, W] does not allow at -inf (one batched op; equal to
+    `apply_bitmask_reference`)."""
+    kernel = _bitmask_kernel()
+    if kernel is None or logits.dim() != 2 or logits.shape[0] == 0:
+        return apply_bitmask_reference(logits, bitmask)
+    out = logits.clone()
+    kernel(out, bitmask.to(logits.device).contiguous(), vocab_size=logits.shape[-1])
+    return out
+
+
+def masked_greedy(logits: torch.Tensor, bitmask: torch.Tensor, candidates: int = 2) -> torch.Tensor:
+    """greedy(apply_bitmask(logits, bitmask)) [B], without masking the rows whose answer is among their first
+    `candidates` picks: a row's refused pick is set to -inf in a copy of the refused rows and they pick again
+    (max's first index, so ids come in greedy's order: value descending, then id); rows refused `candidates`
+    times take the argmax over their allowed ids (`_allowed_argmax`). One more pick reads the rows once, the full mask about four times (copy, mask,
+    max); topk(8) took 9 to 18 ms for fp32 [32, 49152] on this CPU, one max 0.6 to 0.8 ms.
+    logits [B, V], bitmask [B, W] int32."""
+    out = greedy(logits)                                                                # [B]
+    todo = (~is_allowed(bitmask, out)).nonzero().flatten()                             # [r] rows refused
+    if len(todo) == 0:
+        return out
+    work, bits, pick = logits[todo], bitmask[todo], out[todo]                  # copies: [r, V], [r, W], [r]
+    live = torch.ones(len(todo), dtype=torch.bool, device=logits.device)               # [r] still refused
+    rows = torch.arange(len(todo), device=logits.device)
+    for _ in range(candidates - 1):
+        work[rows[live], pick[live]] = float("-inf")
+        pick = greedy(work)
+        ok = is_allowed(bits, pick) & live
+        out[todo[ok]] = pick[ok]
+        live &= ~ok
+        if not bool(live.any()):
+            return out
+    rest = todo[live]
+    out[rest] = _allowed_argmax(logits[rest], bitmask[rest])
+    return out
+
+
+def _allowed_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """greedy(apply_bitmask(logits, bitmask)) [r] for rows that allow some id. When few words of the mask are
+    non-zero (a grammar state that allows a few hundred ids: a key, a digit, a bracket), only the allowed ids are
+    read: their logits are gathered and reduced per row (max, then the first id of it); otherwise the full mask."""
+    r, V = logits.shape
+    row, word = bitmask.nonzero(as_tuple=True)                                         # [P] non-zero words
+    if 4 * len(row) > bitmask.numel() or torch.unique(row).numel() < r:                # dense, or a row empty
+        return greedy(apply_bitmask(logits, bitmask))
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    p, bit = (((bitmask[row, word][:, None] >> shifts) & 1) != 0).nonzero(as_tuple=True)   # [K] allowed bits
+    ids, rows = word[p] * 32 + bit, row[p]                                             # [K], [K]
+    inside = ids < V
+    ids, rows = ids[inside], rows[inside]
+    vals = logits[rows, ids].float()                                                   # [K]
+    best = torch.full((r,), float("-inf"), device=logits.device).scatter_reduce(0, rows, vals, "amax")
+    top = vals == best[rows]                                                           # [K] at the row's max
+    first = torch.full((r,), V, dtype=torch.long, device=logits.device)
+    return first.scatter_reduce(0, rows[top], ids[top], "amin")
 
 def is_allowed(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Whether each row's id is allowed: bitmask [B, W] int32, ids [B] -> [B] bool (no unpacking)."""

@@ -19,6 +19,7 @@ Knows the tokenizer and the grammar engine; nothing of HTTP, requests or routing
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -127,6 +128,23 @@ class GrammarConstraint(Constraint):
     def begin(self, prompt: Sequence[int]) -> ConstraintState:
         return _MatcherState(self, len(prompt))
 
+    def check(self, text: str) -> str | None:
+        """Why a finished answer breaks the spec (None: it keeps it). The grammar engine enforces all but the
+        keywords `unenforced` lists; this is the check of those, with jsonschema (json_schema, json_object) or
+        Python's re (regex, choice); a grammar's answer is accepted by construction."""
+        kind = self.spec.kind
+        if kind in ("json_schema", "json_object"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                return f"the answer is not JSON: {e}"
+            return _violation(json.loads(self.spec.text) if kind == "json_schema" else {"type": "object"}, value)
+        if kind == "regex":
+            return None if re.fullmatch(self.spec.text, text) else f"the answer does not match {self.spec.text!r}"
+        if kind == "choice":
+            return None if text in json.loads(self.spec.text) else "the answer is none of the choices"
+        return None
+
     def __repr__(self) -> str:
         return f"GrammarConstraint({self.spec.kind}, {len(self.spec.text)} chars)"
 
@@ -208,7 +226,7 @@ class StructuredCompiler:
     def _compile(self, spec: StructuredSpec) -> Any:
         c = self._compiler
         if spec.kind == "json_schema":
-            return c.compile_json_schema(spec.text, any_whitespace=False)
+            return c.compile_json_schema(json.dumps(engine_schema(json.loads(spec.text))), any_whitespace=False)
         if spec.kind == "json_object":
             return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "regex":
@@ -221,7 +239,8 @@ class StructuredCompiler:
 
 def unenforced(schema: Any, path: str = "") -> list[str]:
     """Where `schema` uses what the engine accepts but does not enforce ("path: keyword"), in document order:
-    the keywords of UNENFORCED, multipleOf on numbers that are not integers, pattern with minLength/maxLength."""
+    the keywords of UNENFORCED, multipleOf on numbers that are not integers, pattern with minLength/maxLength,
+    oneOf whose branches are not provably disjoint (xgrammar then enforces anyOf)."""
     out: list[str] = []
     if isinstance(schema, dict):
         here = path or "(top level)"
@@ -230,6 +249,8 @@ def unenforced(schema: Any, path: str = "") -> list[str]:
             out.append(f"{here}: multipleOf on a number")
         if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
             out.append(f"{here}: pattern with minLength/maxLength")
+        if isinstance(schema.get("oneOf"), list) and not _disjoint(schema["oneOf"]):
+            out.append(f"{here}: oneOf (enforced as anyOf: an answer may match two branches)")
         for k, v in schema.items():
             if k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") \
                     and isinstance(v, dict):
@@ -242,6 +263,119 @@ def unenforced(schema: Any, path: str = "") -> list[str]:
                 for i, sub in enumerate(v):
                     out += unenforced(sub, f"{path}/{k}/{i}")
     return out
+
+
+_GROUP_OPTIONAL = re.compile(r"\?\??|\{0,(\d*)\}\??")      # what may follow a group's ")": ?, {0,1}, {0,n}, {0,}
+
+
+def engine_pattern(pattern: str) -> str:
+    """`pattern` with each optional group written as an alternative with the empty string, the same language:
+    (X)? and (X){0,1} -> (X|), (X){0,n} -> (X|){1,n}, (X){0,} -> (X|)+ (lazy or not: a schema's pattern only
+    accepts or rejects). xgrammar 0.2.9 turns a schema's pattern into a matcher that accepts too much when a
+    group is optional ('^a(b*c)?$' accepts "ab"); the rewritten form it enforces exactly (a differential test
+    against Python's re: tests/test_structured.py). Escapes and character classes are copied as they are."""
+    out: list[str] = []
+    i, n, in_class = 0, len(pattern), False
+    while i < n:
+        ch = pattern[i]
+        if ch == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]" or out[-1] == "[" or out[-1] == "[^"
+            out.append(ch)
+            i += 1
+            continue
+        if ch == "[":
+            in_class = True
+            out.append("[^" if pattern.startswith("[^", i) else "[")
+            i += 2 if out[-1] == "[^" else 1
+            continue
+        m = _GROUP_OPTIONAL.match(pattern, i + 1) if ch == ")" else None
+        if m is None:
+            out.append(ch)
+            i += 1
+            continue
+        upper = m.group(1)
+        out.append("|)" + ("" if upper is None or upper == "1" else "+" if upper == "" else f"{{1,{upper}}}"))
+        i = m.end()
+    return "".join(out)
+
+
+def engine_schema(schema: Any) -> Any:
+    """A copy of `schema` for the grammar engine: every `pattern` (and patternProperties key) through
+    `engine_pattern`; everything else as it is."""
+    if isinstance(schema, list):
+        return [engine_schema(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "pattern" and isinstance(v, str):
+            out[k] = engine_pattern(v)
+        elif k == "patternProperties" and isinstance(v, dict):
+            out[k] = {engine_pattern(p): engine_schema(sub) for p, sub in v.items()}
+        elif k in ("enum", "const", "default", "examples"):
+            out[k] = v                      # values, not schemas
+        elif k == "properties" and isinstance(v, dict):
+            out[k] = {name: engine_schema(sub) for name, sub in v.items()}
+        else:
+            out[k] = engine_schema(v)
+    return out
+
+
+def _disjoint(branches: list) -> bool:
+    """Whether no JSON value can match two of `branches`, by a simple proof: by type, or by a discriminator."""
+    return _disjoint_by_type(branches) or _disjoint_by_tag(branches)
+
+
+def _disjoint_by_tag(branches: list) -> bool:
+    """Objects that all require one property whose const/enum values no two branches share ({"kind": "circle"})."""
+    if not all(isinstance(b, dict) and isinstance(b.get("required"), list) for b in branches):
+        return False
+    for tag in set.intersection(*(set(b["required"]) for b in branches)):
+        values = [b.get("properties", {}).get(tag) for b in branches]
+        if not all(isinstance(v, dict) and ("const" in v or "enum" in v) for v in values):
+            continue
+        sets = [[json.dumps(x, sort_keys=True) for x in ([v["const"]] if "const" in v else v["enum"])] for v in values]
+        if sum(len(set(x)) for x in sets) == len(set().union(*sets)):
+            return True
+    return False
+
+
+def _disjoint_by_type(branches: list) -> bool:
+    """Each branch names one type (or a const or an enum) and no type is shared (integer counts as a number)."""
+    seen: set[str] = set()
+    for b in branches:
+        if not isinstance(b, dict):
+            return False
+        if "const" in b or "enum" in b:
+            values = [b["const"]] if "const" in b else b["enum"]
+            types = {_json_type(v) for v in values}
+        elif isinstance(b.get("type"), str):
+            types = {"number" if b["type"] == "integer" else b["type"]}
+        else:
+            return False
+        if types & seen:
+            return False
+        seen |= types
+    return True
+
+
+def _json_type(v: Any) -> str:
+    return {bool: "boolean", int: "number", float: "number", str: "string", type(None): "null",
+            list: "array", dict: "object"}[type(v)]
+
+
+def _violation(schema: Any, value: Any) -> str | None:
+    """The first way `value` breaks `schema` ("at path: message", jsonschema's best match), None if it does not."""
+    import jsonschema
+    error = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(schema)(schema).iter_errors(value))
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+    return f"the answer breaks the schema at {where} ({error.validator}): {error.message[:200]}"
 
 
 def _check_schema(schema: dict | bool) -> None:

@@ -44,12 +44,15 @@ def _bench(rec: dict) -> list[str]:
     tput = rec.get("throughput", [])
     lines = [f"On the real model ({rec['model']}, {rec['dtype']}, {rec['grammar_engine']}, {rec['threads']} threads of "
              f"{rec['cpu']}), the {c['schemas']} test schemas, scored once (`{rec['command']}` → "
-             "`docs/structured.json`):", "",
+             "`docs/structured.json`" + (f"; load average (1, 5, 15 min) {rec['load_avg_start']} at the start, "
+                                        f"{rec.get('load_avg_end')} at the end" if "load_avg_start" in rec else "")
+             + "):", "",
              "| measure | result | goal |", "|---|---|---|",
              f"| schemas compiled | {c['compiled']} of {c['schemas']} ({c['coverage']:.1%}) | ≥ 90% |",
              f"| answers that parse and validate | {v['valid']} of {v['answers']} ({v['valid_share']:.1%}); "
              f"{v['finished']} ended within {v['max_new_tokens']} tokens, of which {v['valid_share_of_finished']:.1%} "
-             "valid | 100% |",
+             "valid" + (f"; {v['flagged']} flagged by the answer check, {v['invalid_unflagged']} invalid and not "
+                        "flagged" if "flagged" in v else "") + " | 100% |",
              f"| compile, first (median / max) | {c['compile_ms_first_median']:g} / {c['compile_ms_first_max']:g} ms "
              "| — |",
              f"| compile, cached (median) | {c['compile_ms_cached_median']:g} ms | — |"]

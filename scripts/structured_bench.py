@@ -9,7 +9,9 @@ chosen on the validation split, scripts/choose_grammar_engine.py); they are scor
   coverage      share of test schemas that compile (molora.structured.StructuredCompiler, xgrammar)
   compile_ms    per schema, first compile (fresh compiler, no cache) and cached (the compiler's LRU): medians
   valid         one greedy answer per compiled schema (chat prompt naming the schema, max 256 new tokens, all in
-                one batch): finished / parse as JSON / validate (jsonschema), of all answers and of finished ones
+                one batch): finished / parse as JSON / validate (jsonschema), of all answers and of finished ones;
+                flagged: finished answers the answer check (GrammarConstraint.check, the server's
+                molora.structured_output_error) reports as breaking the schema; invalid_unflagged must be 0
   strict        the same under OpenAI's strict=true: schemas with keywords xgrammar accepts but does not enforce
                 (molora.structured.unenforced) are refused; coverage and validity of the rest (--rescore adds this
                 view to an existing record without running the model)
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -85,11 +88,14 @@ def validity(engine: Any, tok: Any, schemas: list[dict], constraints: dict, max_
     todo = [s for s in schemas if s["name"] in constraints]
     outs = engine.generate([_prompt(tok, s) for s in todo], SamplingParams(max_new_tokens=max_new),
                            constraint=[constraints[s["name"]] for s in todo])
-    rows, finished, parsed, valid = [], 0, 0, 0
+    rows, finished, parsed, valid, flagged = [], 0, 0, 0, 0
     for s, o in zip(todo, outs):
         text = tok.decode(o.new_token_ids, skip_special_tokens=True)
         row = {"name": s["name"], "finish_reason": o.finish_reason, "tokens": len(o.new_token_ids)}
         finished += o.finish_reason == "stop"
+        if o.finish_reason == "stop":   # what the server's answer check reports (molora.structured_output_error)
+            row["check"] = constraints[s["name"]].check(text)
+            flagged += row["check"] is not None
         try:
             value = json.loads(text)
             parsed += 1
@@ -103,8 +109,11 @@ def validity(engine: Any, tok: Any, schemas: list[dict], constraints: dict, max_
         row["text"] = text[:300]
         rows.append(row)
     n = len(todo)
-    return {"answers": n, "finished": finished, "parsed": parsed, "valid": valid,
-            "valid_share": round(valid / n, 3), "valid_share_of_finished": round(valid / max(finished, 1), 3),
+    ended = [r for r in rows if r["finish_reason"] == "stop"]      # a "length" answer is unfinished, even if valid
+    valid_ended = sum(r["valid"] for r in ended)
+    return {"answers": n, "finished": finished, "parsed": parsed, "valid": valid, "valid_of_finished": valid_ended,
+            "flagged": flagged, "invalid_unflagged": sum(not r["valid"] and r["check"] is None for r in ended),
+            "valid_share": round(valid / n, 3), "valid_share_of_finished": round(valid_ended / max(finished, 1), 3),
             "max_new_tokens": max_new, "rows": rows}
 
 
@@ -172,12 +181,15 @@ def main() -> None:
     ap.add_argument("--tput-new", type=int, default=32, help="new tokens per request in the throughput runs")
     ap.add_argument("--rescore", action="store_true", help="only add the strict view to the record at --out")
     ap.add_argument("--skip-validity", action="store_true", help="keep the record's validity, measure the rest")
+    ap.add_argument("--split", default="test", choices=("test", "validation"),
+                    help="schemas to score (validation: for finding and fixing failures; test: the record)")
+    ap.add_argument("--skip-throughput", action="store_true", help="stop after the validity run")
     ap.add_argument("--short-prompts", action="store_true",
                     help="throughput prompts name the schema without spelling it (less prefill, same decode)")
     args = ap.parse_args()
     if args.rescore:
         record = json.loads(Path(args.out).read_text())
-        schemas = [s for s in json.loads(SCHEMAS.read_text())["schemas"] if s["split"] == "test"]
+        schemas = [s for s in json.loads(SCHEMAS.read_text())["schemas"] if s["split"] == record["split"]]
         record["strict"] = strict_view(schemas, record["compile"], record["validity"])
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
         print(json.dumps({k: v for k, v in record["strict"].items() if k != "refused"}))
@@ -185,7 +197,7 @@ def main() -> None:
     from molora.bundle import load, stop_token_ids
     from molora.engine import Engine, EngineConfig
 
-    schemas = [s for s in json.loads(SCHEMAS.read_text())["schemas"] if s["split"] == "test"]
+    schemas = [s for s in json.loads(SCHEMAS.read_text())["schemas"] if s["split"] == args.split]
     mm = load()
     tok = mm.tokenizer
     vocab = int(mm.model.config.vocab_size)
@@ -195,9 +207,9 @@ def main() -> None:
     engine = Engine(mm, EngineConfig(max_num_seqs=32, max_model_len=2048, kv_budget_tokens=32 * 1024))
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
-    record = {"split": "test", "model": "SmolLM2-135M-Instruct (default bundle, learned routing)", "dtype": "fp32",
+    record = {"split": args.split, "model": "SmolLM2-135M-Instruct (default bundle, learned routing)", "dtype": "fp32",
               "grammar_engine": f"xgrammar {_version('xgrammar')}", "cpu": _cpu(), "threads": torch.get_num_threads(),
-              "torch": torch.__version__,
+              "torch": torch.__version__, "load_avg_start": [round(x, 2) for x in os.getloadavg()],
               "command": " ".join(["PYTHONPATH=. python scripts/structured_bench.py"] + sys.argv[1:]),
               "compile": comp}
     try:
@@ -210,16 +222,19 @@ def main() -> None:
         print(json.dumps({k: v for k, v in valid.items() if k != "rows"}), flush=True)
         record["strict"] = strict_view(schemas, comp, valid) if "rows" in valid else None
         tput = []
-        for b in (1, 32):
+        for b in () if args.skip_throughput else (1, 32):
             tput.append(throughput(engine, tok, schemas, constraints, b, args.reps, args.tput_new, args.short_prompts))
             print(json.dumps(tput[-1]), flush=True)
             record["throughput"] = tput
             out.write_text(json.dumps(record, indent=1) + "\n")
     finally:
         engine.close()
+        record["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+        if "validity" in record:      # a run stopped before its first phase leaves the old record alone
+            out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({"coverage": comp["coverage"], "valid_share": valid["valid_share"],
-                      "b1_overhead": tput[0]["per_token_overhead"],
-                      "b32_ratio": tput[1]["constrained_over_unconstrained"]}))
+                      "b1_overhead": tput[0]["per_token_overhead"] if tput else None,
+                      "b32_ratio": tput[1]["constrained_over_unconstrained"] if tput else None}))
 
 
 def _version(name: str) -> str:

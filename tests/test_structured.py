@@ -93,6 +93,31 @@ def test_bitmask_pack_unpack_and_apply_agree_with_a_bool_mask():
     assert is_allowed(bits, ids).tolist() == allowed[torch.arange(5), ids].tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_bitmask_and_masked_greedy_equal_the_reference(dtype):
+    """The kernel-backed apply equals unpack + masked_fill; masked_greedy picks what greedy picks from the masked
+    logits, on dense and sparse masks, rows with nothing of their top candidates allowed, heavy ties (bf16 logits
+    rounded to a few values) and an empty mask row."""
+    from molora.sampling import apply_bitmask_reference, greedy, masked_greedy
+
+    g = torch.Generator().manual_seed(3)
+    for V, density in ((77, 0.5), (1000, 0.01), (49152, 0.002), (49152, 0.9)):
+        allowed = torch.rand(12, V, generator=g) < density
+        allowed[0] = False
+        allowed[0, V - 1] = True                                   # one id, at the end of the vocabulary
+        allowed[3, [V - 2, 5, V // 2]] = True
+        allowed[3, 1] = False
+        bits = pack_bitmask(allowed)
+        logits = torch.randn(12, V, generator=g).to(dtype)
+        logits[3, [V - 2, 5, V // 2, 1]] = 10.0                    # a tie at the top: the first allowed id wins
+        logits[1] = torch.randint(0, 3, (V,), generator=g).to(dtype)    # ties everywhere
+        logits[2, allowed[2]] = -50.0                              # every allowed id far below the top ones
+        ref = apply_bitmask_reference(logits, bits)
+        assert torch.equal(apply_bitmask(logits, bits), ref)
+        assert masked_greedy(logits, bits).tolist() == greedy(ref).tolist(), (V, density)
+        assert masked_greedy(logits, bits, candidates=1).tolist() == greedy(ref).tolist()
+
+
 class _AllowOnly(Constraint, ConstraintState):
     """Allows one id after k generated tokens, then nothing (a dead end): a stand-in for a grammar."""
 
@@ -145,6 +170,33 @@ def test_every_constrained_answer_parses_and_validates(paths, tok, compiler):
             jsonschema.validate(json.loads(_text(tok, out.new_token_ids)), schema)
 
 
+def test_the_fast_paths_give_the_tokens_of_the_full_mask(paths, tok, compiler, monkeypatch):
+    """Masks filled ahead on the worker thread, masked_greedy and xgrammar's kernel: the same tokens as filling in
+    the step and masking every constrained row in full with the torch reference, greedy and sampled."""
+    import molora.engine.engine as engine_module
+    import molora.engine.sampler as sampler_module
+    from molora.sampling import apply_bitmask_reference, greedy
+
+    prompts = [[5 + i, 20, 30 + i] for i in range(6)]
+    params = [SamplingParams(max_new_tokens=60)] * 3 + [
+        SamplingParams(max_new_tokens=60, temperature=0.8, seed=s) for s in range(3)]
+    constraints = [compiler.compile(StructuredSpec.json_schema(SCHEMAS[n])) for n in ("weather", "tags", "shape")] * 2
+
+    def run():
+        engine = Engine(_mm(paths, tok), CFG)
+        outs = engine.generate(prompts, params, constraint=constraints)
+        engine.close()
+        return [(o.new_token_ids, o.finish_reason) for o in outs]
+
+    fast = run()
+    monkeypatch.setattr(engine_module.Engine, "_fill_masks", lambda self, reqs: None)
+    monkeypatch.setattr(sampler_module, "masked_greedy",
+                        lambda logits, bits: greedy(apply_bitmask_reference(logits, bits)))
+    monkeypatch.setattr(sampler_module, "apply_bitmask", apply_bitmask_reference)
+    assert fast == run()
+    assert {reason for _, reason in fast} == {"stop"}
+
+
 def test_json_object_regex_and_choice(paths, tok, compiler):
     engine = Engine(_mm(paths, tok), CFG)
     prompts = [[5, 6], [7, 8, 9], [40, 41]]
@@ -191,6 +243,47 @@ def test_unenforced_keywords_are_found_and_strict_refuses_them(compiler):
     assert compiler.compile(StructuredSpec.json_schema(schema)) is not None           # best effort
     with pytest.raises(StructuredOutputError, match="strict: the grammar engine cannot enforce"):
         compiler.compile(StructuredSpec.json_schema(schema, strict=True))
+
+
+def _random_pattern(g: torch.Generator, depth: int = 0) -> str:
+    """A random regex over a, b, c, '-', '.': atoms, classes, groups, alternations, every quantifier."""
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+    k = float(torch.rand((), generator=g))
+    if depth > 2 or k < 0.35:
+        atom = pick(["a", "b", "c", "\\.", "-", "[a-c]", "[-ab]", "[ab.-]", "[^a]", "."])
+    elif k < 0.75:
+        parts = 1 + int(torch.randint(3, (1,), generator=g))
+        atom = "(" + "".join(_random_pattern(g, depth + 1) for _ in range(parts)) + ")"
+    else:
+        atom = "(" + "|".join(_random_pattern(g, depth + 1) for _ in range(2)) + ")"
+    return atom + pick(["", "", "?", "*", "+", "{1,2}", "{0,1}", "{0,2}", "{0,}", "??"])
+
+
+def test_a_schema_pattern_accepts_only_what_the_regex_matches(compiler):
+    """xgrammar 0.2.9 alone lets '^a(b*c)?$' accept "ab"; the schema goes to it through engine_pattern, which keeps
+    the language (checked with Python's re) and which xgrammar enforces: no string over the alphabet that the
+    matcher accepts is one the pattern rejects, on random patterns."""
+    import itertools
+
+    import xgrammar as xgr
+
+    from molora.structured import engine_pattern
+
+    def accepts(c, s):
+        m = xgr.GrammarMatcher(c.compiled)
+        return m.accept_string(json.dumps(s)) and m.accept_token(1)
+
+    strings = [""] + ["".join(t) for n in (1, 2, 3) for t in itertools.product("abc-.", repeat=n)]
+    c = compiler.compile(StructuredSpec.json_schema({"type": "string", "pattern": "^a(b*c)?$"}))
+    assert [s for s in ("a", "ab", "abc", "abbc", "ac", "abcb") if accepts(c, s)] == ["a", "abc", "abbc", "ac"]
+    g = torch.Generator().manual_seed(35)
+    for _ in range(40):
+        pattern = "^" + "".join(_random_pattern(g) for _ in range(2)) + "$"
+        rewritten = engine_pattern(pattern)
+        assert all(bool(re.fullmatch(pattern, s)) == bool(re.fullmatch(rewritten, s)) for s in strings), pattern
+        c = compiler.compile(StructuredSpec.json_schema({"type": "string", "pattern": pattern}))
+        assert [s for s in strings if accepts(c, s) and not re.search(pattern, s)] == [], (pattern, rewritten)
 
 
 def test_a_compiled_constraint_survives_pickling(compiler, tok):
@@ -285,6 +378,38 @@ def test_vllm_structured_outputs_and_guided_fields(server):
     jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), SCHEMA)
     r = server.post("/completions", json={**base, "structured_outputs": {"grammar": 'root ::= "a" ("b" | "c")'}})
     assert r.json()["choices"][0]["text"] in ("ab", "ac")
+
+
+def test_an_answer_that_breaks_an_unenforced_keyword_says_so(server):
+    """uniqueItems is accepted and not enforced: an enum of one value and two items can only be ["a","a"], which
+    the answer check flags (streamed and not); strict=true refuses the schema instead."""
+    schema = {"type": "array", "items": {"enum": ["a"]}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+    rf = {"type": "json_schema", "json_schema": {"name": "u", "schema": schema}}
+    r = server.post("/chat/completions", json=_chat(response_format=rf))
+    choice = r.json()["choices"][0]
+    assert r.status_code == 200 and choice["message"]["content"] == '["a", "a"]' and choice["finish_reason"] == "stop"
+    assert "uniqueItems" in choice["molora"]["structured_output_error"]
+    with server.stream("POST", "/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 30,
+                                                     "response_format": rf, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    last = events[-1]["choices"][0]
+    assert last["finish_reason"] == "stop" and "uniqueItems" in last["molora"]["structured_output_error"]
+    r = server.post("/chat/completions", json=_chat(response_format={**rf, "json_schema": {**rf["json_schema"],
+                                                                                          "strict": True}}))
+    assert r.status_code == 400 and "uniqueItems" in r.json()["error"]["message"]
+    r = server.post("/chat/completions", json=_chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "w", "schema": SCHEMA}}))
+    assert "molora" not in r.json()["choices"][0]                 # a valid answer carries no extension
+
+
+def test_check_names_what_an_answer_breaks(compiler):
+    c = compiler.compile(StructuredSpec.json_schema({"type": "object", "properties": {"t": {
+        "type": "array", "uniqueItems": True}}}))
+    assert c.check('{"t": [1, 2]}') is None
+    assert "at t (uniqueItems)" in c.check('{"t": [1, 1]}')
+    assert "not JSON" in c.check('{"t": [1')
+    assert compiler.compile(StructuredSpec("regex", "[a-c]{2}")).check("ab") is None
+    assert compiler.compile(StructuredSpec("regex", "[a-c]{2}")).check("abc") is not None
 
 
 @pytest.mark.parametrize("body, param, words", [

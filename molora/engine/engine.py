@@ -39,6 +39,7 @@ import logging
 import random
 import time
 from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,7 @@ from molora.model.graphs import DEFAULT_BUCKETS
 from molora.model.runner import ModelRunner
 from molora.ops import fused_cpu
 from molora.ops.device import to_device
-from molora.sampling import Constraint, bundle_constraint
+from molora.sampling import Constraint, bundle_constraint, constraint_bitmask
 
 log = logging.getLogger("molora.engine")
 
@@ -128,6 +129,7 @@ class Engine(FaultIsolation, RuntimeAdapters):
         self.scheduler = Scheduler(self.allocator, self.hotset, max_num_seqs=config.max_num_seqs,
                                    max_tokens_per_step=config.max_tokens_per_step, prefix=self.prefix)
         self.vocab_size = int(mcfg.vocab_size)
+        self._mask_pool: ThreadPoolExecutor | None = None   # fills constraint masks while a step computes
         eos = getattr(getattr(mm.model, "generation_config", None), "eos_token_id", None)
         eos = eos if eos is not None else getattr(mcfg, "eos_token_id", None)
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else eos or []) if config.stop_at_eos else frozenset()
@@ -283,7 +285,11 @@ class Engine(FaultIsolation, RuntimeAdapters):
         tokens, positions, meta = self._inputs(scheduled)
         routing = plan_routing(scheduled, self.hotset, self.runner.device)
         rows = [i for i, s in enumerate(scheduled) if s.samples]
-        out = self.runner(tokens, positions, meta, routing, logits=rows)          # StepOutput, logits [b, V]
+        masks = self._fill_masks([scheduled[i].request for i in rows])               # while the step computes
+        try:
+            out = self.runner(tokens, positions, meta, routing, logits=rows)      # StepOutput, logits [b, V]
+        finally:
+            bitmask = masks.result() if masks is not None else None               # [c, W] of constrained rows
         last_slots, last_carry, carry_rows = out.last_slot_ids, out.last_carry, out.carry_rows
         # host reads of the step, batched (each is a device sync on a GPU): 1) whether the hidden states and each
         # sampled row's logits are finite (one reduction each: NaN and inf survive a sum), 2) the sampled ids with
@@ -308,7 +314,7 @@ class Engine(FaultIsolation, RuntimeAdapters):
             assert logits is not None
             finite = flags[1:]                                   # [b]
             reqs = [scheduled[i].request for i in rows]
-            chosen, dead = sample_step(reqs, logits, finite, best, self.eos_ids)   # [b]
+            chosen, dead = sample_step(reqs, logits, finite, best, self.eos_ids, bitmask)   # [b]
             logprobs = step_logprobs(reqs, logits, chosen)
             picked = (chosen if last_slots is None else torch.cat([chosen, last_slots[:, 0]])).tolist()
         self.tokens_computed += len(tokens)
@@ -369,6 +375,25 @@ class Engine(FaultIsolation, RuntimeAdapters):
                          [s.request.block_table for s in scheduled])
         dev = self.runner.device
         return to_device(toks, dev), to_device(pos, dev), meta
+
+    def close(self) -> None:
+        """Stop the adapter loader thread (HotSet.close) and the mask filler; the engine still works, a later miss
+        or constrained step restarts them."""
+        super().close()
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown()
+            self._mask_pool = None
+
+    def _fill_masks(self, reqs: list[Request]) -> Future | None:
+        """The packed bitmask [c, W] of the constrained ones among `reqs` (their ids so far), filled on a worker
+        thread while the step's forward runs (the grammar engine releases the GIL); None: none is constrained."""
+        cons = [r for r in reqs if r.constraints]
+        if not cons:
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="molora-masks")
+        V = self.vocab_size
+        return self._mask_pool.submit(constraint_bitmask, [r.constraints for r in cons], [r.tokens for r in cons], V)
 
     def _advance(self, req: Request, token: int, adapter: str | None, lp: list[dict] | None) -> RequestOutput:
         """Append a sampled token, apply stop rules, stream text; finish and free the request if done."""

@@ -16,11 +16,25 @@ from collections.abc import Set
 import torch
 
 from molora.engine.request import Request
-from molora.sampling import apply_bitmask, constraint_bitmask, filter_logits_rows, greedy, is_allowed, top_logprobs
+from molora.sampling import (
+    apply_bitmask,
+    bitmask_words,
+    constraint_bitmask,
+    filter_logits_rows,
+    greedy,
+    is_allowed,
+    masked_greedy,
+    top_logprobs,
+)
 
 
 def sample_step(
-    reqs: list[Request], logits: torch.Tensor, finite: list[bool], best: torch.Tensor | None, eos_ids: Set[int]
+    reqs: list[Request],
+    logits: torch.Tensor,
+    finite: list[bool],
+    best: torch.Tensor | None,
+    eos_ids: Set[int],
+    bitmask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[int, str]]:
     """(token ids [b], {row: why} of rows at a dead end) from logits [b, V] (best: their greedy picks, if known).
 
@@ -30,9 +44,10 @@ def sample_step(
     (molora.sampling.filter_logits_rows); only the draw is per row, from the request's own generator, so a
     seeded request samples the same ids in any batch. A constrained row with nothing allowed (also once its stop
     ids are masked) is a dead end: it samples nothing and its request ends (Engine._run). finite[j]: row j's
-    logits are finite (a row that is not draws nothing: its request ends)."""
+    logits are finite (a row that is not draws nothing: its request ends). bitmask: the constrained rows' packed
+    masks if filled ahead (Engine._fill_masks, while the forward ran), else filled here."""
     chosen = greedy(logits) if best is None else best  # [b] greedy for all
-    masked, dead = constrain_rows(reqs, logits, chosen)
+    masked, dead = constrain_rows(reqs, logits, chosen, bitmask)
     short = [j for j, req in enumerate(reqs) if j not in dead and req.num_generated < req.params.min_tokens]
     drawn = [j for j, req in enumerate(reqs) if j not in dead and not req.params.greedy and finite[j]]
     rows = sorted(set(short) | set(drawn))  # rows that pick from a copy
@@ -67,29 +82,31 @@ def sample_step(
 
 
 def constrain_rows(
-    reqs: list[Request], logits: torch.Tensor, chosen: torch.Tensor
+    reqs: list[Request], logits: torch.Tensor, chosen: torch.Tensor, bitmask: torch.Tensor | None = None
 ) -> tuple[dict[int, torch.Tensor], dict[int, str]]:
     """({row: masked copy [1, V]}, {row: why} of rows at a dead end) for the constrained rows of logits [b, V];
     `chosen` [b] (the greedy picks) is updated in place to the masked rows' greedy picks.
 
     One packed bitmask per constrained row (molora.sampling.constraint_bitmask), applied in one batched op to the
-    rows that need it: every sampled row, and a greedy row only when its unconstrained pick is not allowed (the
-    argmax of the masked row is then the same id, so the mask costs a bit test)."""
+    rows that need it: every sampled row (and a row short of its min_tokens); a greedy row only when its
+    unconstrained pick is not allowed (otherwise the argmax of the masked row is the same id, so the mask costs a
+    bit test), and then through `masked_greedy` (its next pick, or the best of its allowed ids), no full mask."""
     V = logits.shape[-1]
     masked: dict[int, torch.Tensor] = {}  # row -> masked copy [1, V]
     dead: dict[int, str] = {}
     cons = [j for j, req in enumerate(reqs) if req.constraints]
     if not cons:
         return masked, dead
-    bitmask = constraint_bitmask([reqs[j].constraints for j in cons], [reqs[j].tokens for j in cons], V)
+    if bitmask is None or bitmask.shape[-1] != bitmask_words(V):  # not filled ahead (Engine._fill_masks)
+        bitmask = constraint_bitmask([reqs[j].constraints for j in cons], [reqs[j].tokens for j in cons], V)
     bitmask = bitmask.to(logits.device)  # [c, W] int32
     ok = is_allowed(bitmask, chosen[cons]).tolist()  # [c]
     empty = (bitmask == 0).all(-1).tolist()  # [c]
-    keep = [
-        ok[k] and reqs[j].params.greedy and reqs[j].num_generated >= reqs[j].params.min_tokens
-        for k, j in enumerate(cons)
-    ]  # the unconstrained pick stands
-    redo = [k for k in range(len(cons)) if not empty[k] and not keep[k]]
+    plain = [reqs[j].params.greedy and reqs[j].num_generated >= reqs[j].params.min_tokens for j in cons]
+    fast = [k for k in range(len(cons)) if not empty[k] and plain[k] and not ok[k]]  # greedy, pick refused
+    if fast:
+        chosen[[cons[k] for k in fast]] = masked_greedy(logits[[cons[k] for k in fast]], bitmask[fast])
+    redo = [k for k in range(len(cons)) if not empty[k] and not plain[k]]  # sampled, or short of min_tokens
     if redo:
         idx = [cons[k] for k in redo]
         sub = apply_bitmask(logits[idx], bitmask[redo])  # [r, V], one batched op

@@ -180,7 +180,7 @@ class Generation:
     # ------------------------------------------------------------------------------------ running
     async def _run(self, req: GenerationRequest, info: ModelInfo, adapter: str | None, prompts: list[list[int]],
                    max_tokens: int | None, logprobs: int | None, fmt: ResponseFormat, request: Request) -> Response:
-        constraint = await self._constraint(req, info)
+        constraint = fmt.constraint = await self._constraint(req, info)
         specs = self._specs(req, info, adapter, prompts, max_tokens, logprobs, constraint)
         if len(specs) > self.client.max_in_flight:
             raise APIError(400, f"this request needs {len(specs)} engine requests (n x prompts), more than the "

@@ -38,6 +38,7 @@ from molora.server.protocol import (
     Usage,
 )
 from molora.server.runner import Submission
+from molora.structured import GrammarConstraint
 
 
 @dataclass
@@ -112,9 +113,20 @@ class ResponseFormat:
         self.info, self.id, self.req = info, id, req
         self.created = int(time.time())
         self.routing = req.options.return_routing
+        self.constraint: GrammarConstraint | None = None  # the request's structured output, set once compiled
 
-    def _routed(self, token_ids: list[int], adapters: list[str | None]) -> Routed | None:
-        return Routed(token_ids=list(token_ids), adapters=list(adapters)) if self.routing else None
+    def _routed(
+        self, token_ids: list[int], adapters: list[str | None], ended: ChoiceState | None = None
+    ) -> Routed | None:
+        """The choice's molora extension: its routing (return_routing) and, once it has `ended`, why its answer
+        breaks the request's structured-output spec (GrammarConstraint.check), if it does."""
+        why = None
+        if ended is not None and ended.finish_reason == "stop" and self.constraint is not None:
+            why = self.constraint.check(ended.text)
+        if not self.routing and why is None:
+            return None
+        routed: dict[str, Any] = {"token_ids": list(token_ids), "adapters": list(adapters)} if self.routing else {}
+        return Routed(**routed, structured_output_error=why)
 
     def _token(self, token_id: int) -> str:
         return self.info.tokenizer.decode([token_id])
@@ -153,7 +165,7 @@ class CompletionFormat(ResponseFormat):
                 text=s.text,
                 logprobs=self._logprobs(s.logprobs, 0),
                 finish_reason=s.finish_reason,
-                molora=self._routed(s.token_ids, s.adapters),
+                molora=self._routed(s.token_ids, s.adapters, s),
             )
             for s in states
         ]
@@ -169,7 +181,7 @@ class CompletionFormat(ResponseFormat):
             text=out.new_text,
             logprobs=self._logprobs(out.logprobs or [], offset),
             finish_reason=out.finish_reason if out.finished else None,
-            molora=self._routed(out.new_token_ids, out.token_adapters),
+            molora=self._routed(out.new_token_ids, out.token_adapters, state if out.finished else None),
         )
         return CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])
 
@@ -201,7 +213,7 @@ class ChatFormat(ResponseFormat):
                 message=ChatMessageOut(content=s.text),
                 logprobs=self._logprobs(s.logprobs),
                 finish_reason=s.finish_reason,
-                molora=self._routed(s.token_ids, s.adapters),
+                molora=self._routed(s.token_ids, s.adapters, s),
             )
             for s in states
         ]
@@ -221,7 +233,7 @@ class ChatFormat(ResponseFormat):
             delta=Delta(content=out.new_text or None),
             logprobs=self._logprobs(out.logprobs or []),
             finish_reason=out.finish_reason if out.finished else None,
-            molora=self._routed(out.new_token_ids, out.token_adapters),
+            molora=self._routed(out.new_token_ids, out.token_adapters, state if out.finished else None),
         )
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])
 

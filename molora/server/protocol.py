@@ -323,15 +323,19 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()   # OpenAI's field
 
 
-class Routed(BaseModel):
-    """Each generated token's id and the adapter it was routed to (None: the base model)."""
-
-    token_ids: list[int]
-    adapters: list[str | None]
-
-
 def _absent(v: Any) -> bool:
     return v is None
+
+
+class Routed(BaseModel):
+    """molora's extension of a choice: with return_routing, each generated token's id and the adapter it was routed
+    to (None: the base model); for a structured-output answer that ended ("stop") but breaks its spec (a keyword
+    the grammar engine accepts and does not enforce, see molora.structured.unenforced, or a stop string that cut
+    it), `structured_output_error` says where and how."""
+
+    token_ids: list[int] | None = Field(None, exclude_if=_absent)
+    adapters: list[str | None] | None = Field(None, exclude_if=_absent)
+    structured_output_error: str | None = Field(None, exclude_if=_absent)
 
 
 class CompletionLogprobs(BaseModel):
