@@ -249,9 +249,9 @@ def load(path: str | Path | Bundle | None = None, *, base_only: bool = False, dt
         raise BundleError(f"bundle {bundle.folder}: {e}") from e
     router = None if base_only else make_router(bundle, tokenizer=tokenizer)
     mm.router = router.to(mm.device) if isinstance(router, torch.nn.Module) else router
-    if hasattr(router, "bind"):  # Arrow: prototypes from the adapters' weights, once, before the first request
-        router.bind(mm)
     mm.bundle = bundle
+    if hasattr(router, "bind"):  # Arrow: prototypes from the adapters' weights, once, before the first request
+        router.bind(mm)          # (and a calibration on general text in the bundle's template, if asked)
     return mm
 
 
