@@ -16,8 +16,9 @@
     }
 
 A router {"kind": "arrow", "top_k": 1, "temperature": 1.0, "granularity": "per_linear" | "per_block",
-"threshold": null} needs no folder and no training: it routes from the adapters' own weights
-(`molora.routing.arrow`).
+"threshold": null} needs no folder and no training: it routes from the adapters' own weights;
+{"kind": "arrow", "granularity": "per_block", "prompt": true, "rms_threshold": 2.0, "prompt_share": 0.2} decides per
+prompt with a base option calibrated on general text (what `--router arrow` writes; `molora.routing.arrow`).
 
 Relative paths resolve against the bundle folder. `load(path_or_None)` returns a `MoLoRAModel` with the
 router and tokenizer attached; None is the embedded default bundle shipped inside the package.
