@@ -16,8 +16,9 @@
     }
 
 A router {"kind": "arrow", "top_k": 1, "temperature": 1.0, "granularity": "per_linear" | "per_block",
-"threshold": null} needs no folder and no training: it routes from the adapters' own weights
-(`molora.routing.arrow`).
+"threshold": null} needs no folder and no training: it routes from the adapters' own weights;
+{"kind": "arrow", "granularity": "per_block", "prompt": true, "rms_threshold": 2.0, "prompt_share": 0.2} decides per
+prompt with a base option calibrated on general text (what `--router arrow` writes; `molora.routing.arrow`).
 
 Relative paths resolve against the bundle folder. `load(path_or_None)` returns a `MoLoRAModel` with the
 router and tokenizer attached; None is the embedded default bundle shipped inside the package.
@@ -249,9 +250,9 @@ def load(path: str | Path | Bundle | None = None, *, base_only: bool = False, dt
         raise BundleError(f"bundle {bundle.folder}: {e}") from e
     router = None if base_only else make_router(bundle, tokenizer=tokenizer)
     mm.router = router.to(mm.device) if isinstance(router, torch.nn.Module) else router
-    if hasattr(router, "bind"):  # Arrow: prototypes from the adapters' weights, once, before the first request
-        router.bind(mm)
     mm.bundle = bundle
+    if hasattr(router, "bind"):  # Arrow: prototypes from the adapters' weights, once, before the first request
+        router.bind(mm)          # (and a calibration on general text in the bundle's template, if asked)
     return mm
 
 

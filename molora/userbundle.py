@@ -94,13 +94,20 @@ def read_chat_template(value: str | None) -> str | None:
                     "file or the template text")
 
 
+# `--router arrow`: what scripts/arrow_prompt_choose.py chose on validation (docs/arrow_prompt_choice.json: block 25
+# of 30 = 5/6 of the depth, the default source_block; scored once on test in docs/arrow_prompt.json)
+ARROW_ROUTER = {"kind": "arrow", "granularity": "per_block", "prompt": True, "rms_threshold": 2.0,
+                "prompt_share": 0.2}
+
+
 def router_entry(value: str | None) -> dict:
-    """`--router`: none (default: the base name runs the base model), arrow (data-free per-token routing from
-    the adapters' weights) or the folder of a router trained by `molora train-router`."""
+    """`--router`: none (default: the base name runs the base model), arrow (data-free routing from the adapters'
+    weights: prompt-level Arrow with a base option calibrated on general text, the settings chosen on validation
+    in docs/arrow_prompt_choice.json) or the folder of a router trained by `molora train-router`."""
     if value in (None, "none"):
         return {"kind": "none"}
     if value == "arrow":
-        return {"kind": "arrow", "top_k": 1, "temperature": 1.0, "granularity": "per_block"}
+        return dict(ARROW_ROUTER)
     p = Path(value).expanduser()
     if not p.is_dir():
         raise FlagError(f"--router {value!r}: give none, arrow, or the folder of a router trained by "

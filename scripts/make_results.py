@@ -408,7 +408,7 @@ def render(res: dict, val: dict | None, cost: dict | None, images: list[str]) ->
 # Sections measured by other scripts, appended to the page when their record exists: (record under docs/, the
 # script beside this one that owns it; the script defines render_section(record) -> list of markdown lines).
 SECTIONS = [("arith_ops_val_after.json", "arith_ops.py"), ("arrow.json", "make_arrow.py"),
-            ("multimodal.json", "make_multimodal.py")]
+            ("arrow_prompt.json", "arrow_prompt_eval.py"), ("multimodal.json", "make_multimodal.py")]
 
 
 def extra_sections(docs: Path = None) -> list[str]:

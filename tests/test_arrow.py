@@ -238,3 +238,91 @@ def test_server_accepts_the_arrow_routing_option():
     from molora.server.protocol import MoloraOptions
 
     assert MoloraOptions(routing="arrow").routing == "arrow"
+
+
+# ------------------------------------------------------------------------------------------ prompt mode, calibration
+
+def _calib_rows(n=12, seed=40):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(6, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(prompt=True), "per_block"),
+    (dict(granularity="per_block", prompt=True, top_k=2), "top_k=1"),
+    (dict(granularity="per_block", rms_threshold=-1.0), "ratio >= 0"),
+    (dict(granularity="per_block", prompt_share=0.2), "needs prompt=true"),
+    (dict(granularity="per_block", prompt=True, calibration_prompts=2), "calibration_prompts"),
+])
+def test_prompt_mode_and_calibration_settings_are_checked(bad, match):
+    with pytest.raises(RoutingError, match=match):
+        ArrowConfig(**bad)
+
+
+@torch.no_grad()
+def test_calibration_scores_a_later_adapter_without_another_forward(adapters):
+    """general_rms is sqrt(vᵀ E[x̂x̂ᵀ] v) over the calibration tokens: equal to the RMS |cos| measured directly,
+    for an adapter loaded after the calibration too."""
+    mm = _mm(adapters, n=2)
+    r = ArrowRouter(ArrowConfig(granularity="per_block", rms_threshold=1.0))
+    with pytest.raises(RoutingError, match="tokenizer"):
+        r.bind(mm)                                       # a bare model has no tokenizer to render general text
+    rows = _calib_rows()
+    r = ArrowRouter(ArrowConfig(granularity="per_block")).bind(mm, rows)
+    mm.load_adapter("e2", adapters["qwen3"][2])
+    r.refresh()
+    module = r._block_linear[1]
+    got = r.general_rms(module, torch.device("cpu"))
+    cos = []
+    for row in rows:
+        ids = torch.tensor([row])
+        out = mm(ids, adapter_ids=torch.full_like(ids, -1), output_hidden_states=True, use_cache=False)
+        x = r._block_norm[1](out.hidden_states[1][0]).float()
+        P, _, _ = r.prototypes(module, x.device)
+        cos.append((x @ P.T).abs() / x.norm(dim=-1, keepdim=True))
+    want = torch.cat(cos).pow(2).mean(0).sqrt()
+    assert got.shape == (3,) and torch.allclose(got, want, rtol=1e-4)
+
+
+def test_fill_prompt_routes_votes_fills_and_hands_the_answer_the_prompts_adapter():
+    from molora.routing.base import base_only, fill_prompt_routes
+
+    probe = torch.tensor([[-1, 1, 1, 0, -1, 2], [-1, -1, -1, -1, 0, -1], [-1, -1, -1, -1, -1, -1]])
+    learned = fill_prompt_routes(probe, None, 0.0)
+    assert learned[0].tolist() == [1, 1, 1, 0, 1, 2]                 # -1 takes the majority; votes stay
+    arrow = fill_prompt_routes(probe, None, 0.0, last_takes_top=True)
+    assert arrow[0].tolist() == [1, 1, 1, 0, 1, 1]                   # the last token: the prompt's adapter
+    assert fill_prompt_routes(probe, None, 0.2, last_takes_top=True)[1].tolist() == [-1] * 6  # 1/6 < 0.2
+    assert base_only(arrow).tolist() == [False, False, True]
+
+
+@torch.no_grad()
+def test_prompt_mode_engine_equals_generate_and_generation_follows_the_prompt(adapters):
+    """Prompt-level Arrow: a probe on the base model decides each prompt token at the source block, the prompt
+    votes, the answer carries the prompt's adapter at every block; the engine (probe phase, carry) gives the
+    tokens MoLoRAModel.generate gives, and a prompt kept on the base model answers as the base model."""
+    mm = _mm(adapters, n=3)
+    cfg = ArrowConfig(granularity="per_block", prompt=True, rms_threshold=0.0, source_block=-1)
+    mm.router = ArrowRouter(cfg, ["e0", "e1", "e2"]).bind(mm, _calib_rows())
+    engine = Engine(mm, EngineConfig(max_num_seqs=4, max_tokens_per_step=32, block_size=4, kv_budget_tokens=512,
+                                     max_model_len=128, stop_at_eos=False))
+    p, q = _ids(8, (13,)).tolist(), _ids(9, (7,)).tolist()
+    params = SamplingParams(max_new_tokens=5)
+    outs = engine.generate([p, q], params, routing="auto")
+    for prompt, out in zip([p, q], outs):
+        ref = mm.generate(torch.tensor([prompt]), adapter_ids=mm.router, max_new_tokens=5)[0, len(prompt):].tolist()
+        assert out.new_token_ids == ref
+    # the prompt's vote decides the answer: equal to pinning the most voted adapter for the generated tokens
+    mm(torch.tensor([p]), adapter_ids=mm.router, use_cache=False)      # a probe forward (every token unknown)
+    votes = mm.last_carry[0]
+    routes = mm.router.prompt_routes(votes[None])[0]
+    assert int(routes[-1]) >= 0 and int(routes[-1]) == int(torch.bincount(votes[votes >= 0]).argmax())
+    # a threshold no token reaches keeps the prompt, and so its answer, on the base model
+    mm.router = ArrowRouter(ArrowConfig(granularity="per_block", prompt=True, rms_threshold=1e6),
+                            ["e0", "e1", "e2"]).bind(mm, _calib_rows())
+    e2 = Engine(mm, EngineConfig(max_num_seqs=2, max_tokens_per_step=32, block_size=4, kv_budget_tokens=256,
+                                 max_model_len=128, stop_at_eos=False))
+    got, base = e2.generate([p, p], params, routing=["auto", "none"])
+    assert got.new_token_ids == base.new_token_ids
+    assert got.new_token_ids != outs[0].new_token_ids     # the routed answer differed: the test can tell

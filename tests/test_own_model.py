@@ -175,13 +175,19 @@ def test_vllm_adapter_endpoints_load_and_unload(own):
         assert complete("a").json()["choices"][0]["text"].split() == _words(_peft_greedy(own, "a", prompt, 6)).split()
 
 
-def test_router_arrow_routes_each_token_of_the_base_name(own):
-    app = _app(own, "--lora-modules", f"a={own['a']}", f"b={own['b']}", "--router", "arrow")
+def test_router_arrow_routes_the_base_name_by_prompt_level_arrow(own):
+    bundle = own_bundle(_serve_args("--model", str(own["base"]), "--lora-modules", f"a={own['a']}", f"b={own['b']}",
+                                    "--router", "arrow"))
+    engine = build_engine(bundle, ENGINE)
+    router = engine.mm.router
+    assert router.config.prompt and router.probe_prompt and router._moments   # calibrated on general text at start
+    app = create_app(engine)
     with ServerThread(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         r = http.post("/completions", json={"model": str(own["base"]), "prompt": "w40 w41 w42 w43", "max_tokens": 8,
                                             "molora": {"return_routing": True}, "ignore_eos": True}).json()
         adapters = r["choices"][0]["molora"]["adapters"]
-        assert len(adapters) == 8 and set(adapters) <= {"a", "b"}   # Arrow top-1, no threshold: every token routed
+        # prompt-level Arrow: the answer carries the prompt's one decision (an adapter, or the base model)
+        assert len(adapters) == 8 and len(set(adapters)) == 1 and set(adapters) <= {"a", "b", None}
 
 
 def test_bundle_init_train_router_then_serve_it(own, tmp_path):

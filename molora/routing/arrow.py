@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from molora.errors import RoutingError
-from molora.routing.base import Router, Routing, to_slots
+from molora.ops.device import host_readable
+from molora.routing.base import Router, Routing, base_only, fill_prompt_routes, to_slots
 
 log = logging.getLogger("molora.routing")
 
@@ -66,6 +67,13 @@ class ArrowConfig:
     method: str = "svd"
     iters: int = 15               # method "power": PEFT's default
     seed: int | None = 0          # method "power": PEFT's rng_seed (None: the global RNG, not reproducible)
+    # calibrated base option and prompt-level evidence (module docstring: Calibration, Prompt); per_block, top-1
+    rms_threshold: float | None = None  # a token's best adapter must score this many times its general-text RMS
+    prompt: bool = False              # decide once per prompt token from a probe, vote, follow the prompt
+    source_block: int | None = None   # prompt: the block whose decision the probe keeps (None: 5/6 of the depth,
+                                      # block 25 of 30 on the default bundle, chosen on validation)
+    prompt_share: float = 0.0         # prompt: below this share of claimed tokens the prompt runs on the base
+    calibration_prompts: int = 96     # general prompts (train split) in the chat template, for rms_threshold
 
     def __post_init__(self) -> None:
         fix = " (in molora.json: router {\"kind\": \"arrow\", ...}; on the command line: --router arrow)"
@@ -84,6 +92,20 @@ class ArrowConfig:
             raise RoutingError(f"arrow method={self.method!r}: use one of {', '.join(METHODS)}{fix}")
         if not (isinstance(self.iters, int) and self.iters >= 1):
             raise RoutingError(f"arrow iters={self.iters!r}: use an integer >= 1{fix}")
+
+        per_block_only = [k for k in ("rms_threshold", "prompt") if getattr(self, k) not in (None, False)]
+        if per_block_only and (self.granularity != "per_block" or self.top_k != 1):
+            raise RoutingError(f"arrow {', '.join(per_block_only)} needs granularity='per_block' and top_k=1 (got "
+                               f"{self.granularity!r}, top_k={self.top_k}){fix}")
+        if not (isinstance(self.prompt_share, (int, float)) and 0 <= self.prompt_share <= 1):
+            raise RoutingError(f"arrow prompt_share={self.prompt_share!r}: a share in [0, 1]{fix}")
+        if self.prompt_share and not self.prompt:
+            raise RoutingError(f"arrow prompt_share needs prompt=true (the probe measures the share){fix}")
+        if self.rms_threshold is not None and not (isinstance(self.rms_threshold, (int, float))
+                                                   and self.rms_threshold >= 0):
+            raise RoutingError(f"arrow rms_threshold={self.rms_threshold!r}: a ratio >= 0, or null for none{fix}")
+        if not (isinstance(self.calibration_prompts, int) and self.calibration_prompts >= 8):
+            raise RoutingError(f"arrow calibration_prompts={self.calibration_prompts!r}: an integer >= 8{fix}")
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any], where: str = "arrow router") -> ArrowConfig:
@@ -132,8 +154,6 @@ class ArrowRouter(Router):
     """
 
     in_network = True
-    carry_blocks = 0
-    probe_prompt = False
 
     def __init__(self, config: ArrowConfig | None = None, adapter_names: Sequence[str] | None = None) -> None:
         self.config = config or ArrowConfig()
@@ -147,6 +167,39 @@ class ArrowRouter(Router):
         self._block_norm: list[nn.Module] = []
         self._linear_block: dict[str, int] = {}    # module path -> its block (for traces)
         self._trace_linear: set[str] = set()       # per_linear: the linear whose decision a trace records
+        # rms_threshold: module -> E[x̂ x̂ᵀ] [d_in, d_in] over general text run on the base model (x̂ = x / |x|),
+        # from which any adapter's RMS |cos| follows without another forward (`calibrate`)
+        self._moments: dict[str, torch.Tensor] = {}
+        self._rms: dict[tuple, torch.Tensor] = {}      # (module, device, id of its prototype stack) -> [K]
+        self._calib_tokens = 0
+
+    # ------------------------------------------------------------------------------------ prompt mode
+    @property
+    def probe_prompt(self) -> bool:
+        """prompt: the caller runs a probe pass and fills the prompt's decisions (molora.routing.learned: Probe)."""
+        return self.config.prompt
+
+    @property
+    def carry_blocks(self) -> int:
+        """prompt: every block of a generated token takes its predecessor's decision (the prompt's, in the end)."""
+        return len(self._block_linear) if self.config.prompt else 0
+
+    @property
+    def carry_source(self) -> int:
+        n = len(self._block_linear)
+        b = self.config.source_block
+        b = (5 * n) // 6 if b is None else (b + n if b < 0 else b)
+        if not 0 <= b < n:
+            raise RoutingError(f"arrow source_block={self.config.source_block} outside the model's {n} blocks")
+        return b
+
+    def prompt_routes(self, probe: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The prompt tokens' decisions [B, L] from the probe's [B, L] (molora.routing.base.fill_prompt_routes);
+        the last token of each prompt takes the prompt's own adapter, so its answer (which carries that last
+        decision) runs on the adapter most of the prompt chose, not on whatever its final template token scored."""
+        return fill_prompt_routes(probe, mask, self.config.prompt_share, last_takes_top=True)
+
+    base_only = staticmethod(base_only)
 
     # ------------------------------------------------------------------------------------ settings
     @property
@@ -168,12 +221,15 @@ class ArrowRouter(Router):
         return [] if self._mm is None else list(self._mm.adapter_names)
 
     # ------------------------------------------------------------------------------------ binding
-    def bind(self, mm: Any) -> ArrowRouter:
-        """Find mm's decoder blocks and routed linears and compute the prototypes of its adapters (once each)."""
+    def bind(self, mm: Any, calibration: Sequence[Sequence[int]] | None = None) -> ArrowRouter:
+        """Find mm's decoder blocks and routed linears and compute the prototypes of its adapters (once each);
+        with rms_threshold, calibrate on `calibration` (token ids; default general text, `calibrate`)."""
         from molora.routing.learned import decoder_layers  # the one place that knows where blocks live
 
         if self._mm is mm:
             self.refresh()
+            if calibration is not None:
+                self.calibrate(calibration)
             return self
         layers = decoder_layers(mm.model)
         targets = set(mm.bank.slots)
@@ -201,6 +257,8 @@ class ArrowRouter(Router):
             self._block_norm.append(layer.get_submodule("input_layernorm"))
         self._mm = mm
         self.refresh()
+        if calibration is not None or (self.config.rms_threshold is not None and not self._moments):
+            self.calibrate(calibration)
         return self
 
     def refresh(self) -> list[str]:
@@ -220,6 +278,7 @@ class ArrowRouter(Router):
             done.append(name)
         if done:
             self._stacks.clear()
+            self._rms.clear()
             log.info("arrow: prototypes of %s computed (%s)", done, self.config.method)
         return done
 
@@ -272,6 +331,11 @@ class ArrowRouter(Router):
             ok = has if allowed is None else has & allowed.to(x.device)
             sim = sim.masked_fill(~ok, float("-inf"))
         c = self.config
+        if c.rms_threshold is not None:                                      # calibrated against general text
+            cos = sim / x.float().norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            ratio = cos / self.general_rms(module, x.device)                              # [T, K]; -inf kept
+            best, ids = ratio.max(dim=-1, keepdim=True)                                   # [T, 1]
+            return torch.where(best < c.rms_threshold, -1, ids), None
         top, ids = sim.topk(min(c.top_k, sim.shape[1]), dim=-1)              # [T, k]
         off = torch.isinf(top) if masked else None                           # not an adapter for this token
         if c.threshold is not None:
@@ -284,6 +348,50 @@ class ArrowRouter(Router):
         w = torch.softmax((top if off is None else top.masked_fill(off, float("-inf"))) / c.temperature, dim=-1)
         return ids, torch.nan_to_num(w, nan=0.0)                             # a row all off: weights 0
 
+    # ------------------------------------------------------------------------------------ calibration
+    def general_rms(self, module: str, device: torch.device) -> torch.Tensor:
+        """[K]: each adapter's RMS |cos(x, v)| at `module` over the calibration text, sqrt(vᵀ E[x̂ x̂ᵀ] v)."""
+        if module not in self._moments:
+            raise RoutingError("arrow rms_threshold needs a calibration: bind the router to its model "
+                               "(router.bind(mm), as molora.load does) or call router.calibrate(rows)")
+        P, has, _ = self.prototypes(module, device)
+        key = (module, device, id(P))                 # P is rebuilt (a new object) when an adapter changes
+        if key not in self._rms:
+            M = self._moments[module].to(device)
+            rms = torch.einsum("kd,de,ke->k", P, M, P).clamp_min(1e-12).sqrt()
+            self._rms[key] = rms.masked_fill(~has, float("inf"))         # an adapter absent here never wins
+        return self._rms[key]
+
+    @torch.no_grad()
+    def calibrate(self, rows: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+        """Measure what an ordinary token looks like at every block's deciding projection: E[x̂ x̂ᵀ] over the tokens
+        of general text run on the base model (x̂ the unit-norm input). No labels and no adapter data: the text is
+        general prompts of the train split (molora.data.general: Self-Instruct and templated everyday requests)
+        in the model's own chat template, template tokens included (the commonest tokens a served prompt has).
+        An adapter loaded later is scored against the same moments (`general_rms`), no forward needed.
+        rows: token ids to use instead. Called by `bind` when rms_threshold is set; outside any forward."""
+        mm = self._mm
+        if mm is None or not self._block_linear:
+            raise RoutingError("arrow calibration needs the router bound to a per_block model: router.bind(mm)")
+        rows = [list(map(int, r)) for r in rows] if rows is not None else \
+            calibration_rows(mm, self.config.calibration_prompts)
+        acc: dict[int, torch.Tensor] = {}
+        count = 0
+        for r in rows:
+            ids = torch.tensor([r], device=mm.device)
+            out = mm(ids, adapter_ids=torch.full_like(ids, -1), output_hidden_states=True, use_cache=False,
+                     logits_to_keep=1)
+            for b in range(len(self._block_linear)):
+                x = self._block_norm[b](out.hidden_states[b][0]).float()                     # [T, D]
+                x = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+                acc[b] = acc.get(b, 0) + x.T @ x                                             # [D, D]
+            count += len(r)
+        self._moments = {m: (acc[b] / count).cpu() for b, m in enumerate(self._block_linear)}
+        self._rms.clear()
+        self._calib_tokens = count
+        log.info("arrow: calibrated on %d tokens of general text (%d prompts)", count, len(rows))
+        return {"tokens": count, "prompts": len(rows)}
+
     def traced_block(self, module: str) -> int | None:
         """per_linear: the block whose decision a routing trace records from linear `module` (its block's first
         adapted attention projection, else its first adapted linear), None for the other linears."""
@@ -292,24 +400,52 @@ class ArrowRouter(Router):
     def gate_index(self, block: int) -> int | None:
         return None if self.per_linear else block
 
-    def decide(self, block: int, hidden: torch.Tensor, allowed: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def decide(self, block: int, hidden: torch.Tensor, allowed: torch.Tensor | None = None,
+               carry: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """per_block: block's decision from its input hidden [T, D] (the chosen projection's input is
-        input_layernorm(hidden)); per_linear: None (the linears decide, `decide_linear`)."""
+        input_layernorm(hidden)); per_linear: None (the linears decide, `decide_linear`).
+
+        prompt: a token with a carried decision (carry [T] >= -1: a generated token) takes it at every block;
+        the others (a probe's prompt tokens) run on the base model except at `carry_source`, where Arrow decides
+        from the base model's hidden state, the state the calibration measured."""
         if self.per_linear:
             return None
         if not self._block_linear:
             raise RoutingError("the arrow router is not bound to a model: call router.bind(mm) (molora.load does)")
         self.refresh()
         with torch.no_grad():
-            x = self._block_norm[block](hidden)
-            return self.choose(x, self._block_linear[block], allowed)
+            if not self.config.prompt:
+                return self.choose(self._block_norm[block](hidden), self._block_linear[block], allowed)
+            carried = None if carry is None else carry.to(hidden.device).long()[:, None]          # [T, 1]
+            if carried is not None and host_readable(carried) and bool((carried >= -1).all()):
+                return carried, None
+            if block == self.carry_source:
+                ids, _ = self.choose(self._block_norm[block](hidden), self._block_linear[block], allowed)
+            else:
+                ids = torch.full((hidden.shape[0], 1), -1, dtype=torch.long, device=hidden.device)
+            return (ids if carried is None else torch.where(carried >= -1, carried, ids)), None
 
     def decide_linear(self, module: str, x: torch.Tensor, allowed: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """per_linear: the decision of linear `module` from its own input x [T, d_in]."""
         with torch.no_grad():
             return self.choose(x, module, allowed)
+
+
+def calibration_rows(mm: Any, n: int) -> list[list[int]]:
+    """Token ids of n general prompts of the train split (molora.data.general), each rendered as the model's
+    bundle renders one user message (its prompt template; the tokenizer's chat template without a bundle)."""
+    from molora.bundle import chat_prompt_template
+    from molora.data.general import general_split
+
+    tok = getattr(mm, "tokenizer", None)
+    if tok is None:
+        raise RoutingError("arrow rms_threshold calibrates on general text and needs the model's tokenizer "
+                           "(molora.load attaches it; or call router.calibrate(rows) with token ids)")
+    bundle = getattr(mm, "bundle", None)
+    template = getattr(bundle, "prompt_template", None) or chat_prompt_template(tok)
+    prompts = [r["prompt"] for r in general_split()["train"]][:n]
+    return [tok.encode(template.replace("{prompt}", p), add_special_tokens=False) for p in prompts]
 
 
 # --------------------------------------------------------------------------------------------- per linear

@@ -65,6 +65,36 @@ def in_network_decide(router, block: int, hidden: torch.Tensor, allowed: torch.T
     return torch.where(known[:, None], fixed.long()[:, None], out[0]), None
 
 
+def fill_prompt_routes(probe: torch.Tensor, mask: torch.Tensor | None, prompt_share: float,
+                       last_takes_top: bool = False) -> torch.Tensor:
+    """A prompt's decisions [B, L] from a probe pass's per-token decisions [B, L] (router index, -1 none;
+    molora.routing.learned: Probe and Base expert). mask [B, L] (1 = token, 0 = left padding) keeps padding out.
+
+    A prompt whose share of tokens the probe gave to adapters is below `prompt_share`, or is zero, stays wholly
+    on the base model (every decision -1: the caller keeps its answer there too). Otherwise each -1 takes the
+    prompt's most frequent adapter (the lowest index on a tie), and with last_takes_top so does its last token."""
+    real = torch.ones_like(probe, dtype=torch.bool) if mask is None else mask.to(device=probe.device).bool()
+    claimed = (probe >= 0) & real
+    K = int(probe.max().clamp(min=0)) + 1
+    counts = torch.zeros(probe.shape[0], K, dtype=torch.long, device=probe.device)
+    counts.scatter_add_(1, probe.clamp(min=0), claimed.long())                 # [B, K]
+    top = counts.argmax(1, keepdim=True).expand_as(probe)                       # first max: lowest index
+    share = claimed.sum(1) / real.sum(1).clamp(min=1)                           # [B]
+    base = (claimed.sum(1) == 0) | (share < prompt_share)                       # [B]
+    filled = torch.where(probe == -1, top, probe)
+    if last_takes_top:
+        filled = torch.cat([filled[:, :-1], top[:, -1:]], 1)
+    return torch.where(base[:, None], torch.full_like(probe, -1), filled)
+
+
+def base_only(routes: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] bool: rows of `fill_prompt_routes` that stay wholly on the base model (every real token -1)."""
+    off = routes == -1
+    if mask is not None:
+        off |= ~mask.to(device=routes.device).bool()
+    return off.all(1)
+
+
 def to_slots(index_to_slot: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Adapter indices (-1: none) -> bank slots (-1: the base model) through index_to_slot [K] (-1 where an
     adapter has no slot). The one index -> slot lookup of every routing path."""

@@ -76,7 +76,7 @@ from torch import nn
 
 from molora.errors import BundleError, RoutingError
 from molora.ops.device import host_readable
-from molora.routing.base import Router, Routing
+from molora.routing.base import Router, Routing, base_only, fill_prompt_routes
 
 ROUTER_WEIGHTS = "router.safetensors"
 ROUTER_CONFIG = "router.json"
@@ -196,24 +196,9 @@ class LearnedRouter(Router, nn.Module):
         A prompt whose share of tokens the probe gave to adapters is below `prompt_share`, or is zero, stays
         wholly on the base model (every decision -1: the caller then keeps its answer there too). Otherwise
         each "none" (-1) takes the most frequent other decision of its prompt (the lowest index on a tie)."""
-        real = torch.ones_like(probe, dtype=torch.bool) if mask is None else mask.to(device=probe.device).bool()
-        claimed = (probe >= 0) & real
-        K = int(probe.max().clamp(min=0)) + 1
-        counts = torch.zeros(probe.shape[0], K, dtype=torch.long, device=probe.device)
-        counts.scatter_add_(1, probe.clamp(min=0), claimed.long())                 # [B, K]
-        top = counts.argmax(1, keepdim=True).expand_as(probe)                       # first max: lowest index
-        share = claimed.sum(1) / real.sum(1).clamp(min=1)                           # [B]
-        base = (claimed.sum(1) == 0) | (share < self.config.prompt_share)           # [B]
-        filled = torch.where(probe == -1, top, probe)
-        return torch.where(base[:, None], torch.full_like(probe, -1), filled)
+        return fill_prompt_routes(probe, mask, self.config.prompt_share)
 
-    @staticmethod
-    def base_only(routes: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B] bool: rows of `prompt_routes` that stay wholly on the base model (every real token -1)."""
-        off = routes == -1
-        if mask is not None:
-            off |= ~mask.to(device=routes.device).bool()
-        return off.all(1)
+    base_only = staticmethod(base_only)
 
     def choose(self, logits: torch.Tensor, allowed: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
