@@ -435,17 +435,22 @@ class ArrowRouter(Router):
 def calibration_rows(mm: Any, n: int) -> list[list[int]]:
     """Token ids of n general prompts of the train split (molora.data.general), each rendered as the model's
     bundle renders one user message (its prompt template; the tokenizer's chat template without a bundle)."""
-    from molora.bundle import chat_prompt_template
     from molora.data.general import general_split
 
     tok = getattr(mm, "tokenizer", None)
     if tok is None:
         raise RoutingError("arrow rms_threshold calibrates on general text and needs the model's tokenizer "
                            "(molora.load attaches it; or call router.calibrate(rows) with token ids)")
-    bundle = getattr(mm, "bundle", None)
-    template = getattr(bundle, "prompt_template", None) or chat_prompt_template(tok)
+    template = getattr(getattr(mm, "bundle", None), "prompt_template", None)
     prompts = [r["prompt"] for r in general_split()["train"]][:n]
-    return [tok.encode(template.replace("{prompt}", p), add_special_tokens=False) for p in prompts]
+    if template is not None:
+        return [tok.encode(template.replace("{prompt}", p), add_special_tokens=False) for p in prompts]
+    if getattr(tok, "chat_template", None) is None:
+        raise RoutingError("arrow rms_threshold renders general prompts in the model's chat template, and its "
+                           "tokenizer has none: load it through a bundle with a prompt_template, or call "
+                           "router.calibrate(rows) with token ids")
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=False), add_special_tokens=False) for p in prompts]
 
 
 # --------------------------------------------------------------------------------------------- per linear
