@@ -40,11 +40,10 @@ test-triton: install
 	TRITON_INTERPRET=1 MOLORA_REQUIRE_TRITON=1 $(BIN)/python -m pytest -p no:cacheprovider tests/test_triton_lora.py \
 		tests/test_gpu_check.py
 
-# ruff's lint rules and mypy's packages are configured in pyproject.toml; the format check covers the files listed
-# in .ci/formatted until the whole tree is formatted once
+# ruff's lint rules and mypy's packages are configured in pyproject.toml; the whole tree is ruff-formatted
 lint: install
 	$(BIN)/ruff check molora tests scripts
-	$(BIN)/ruff format --check $$(grep -v '^#' .ci/formatted)
+	$(BIN)/ruff format --check molora tests scripts
 	$(BIN)/mypy
 
 clean:

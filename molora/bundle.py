@@ -46,8 +46,7 @@ CHATML_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n
 END_OF_TURN = "<|im_end|>"
 
 
-def turn_text(template: str, prompt: str, answer: str | None = None, end: str = END_OF_TURN,
-              last: bool = True) -> str:
+def turn_text(template: str, prompt: str, answer: str | None = None, end: str = END_OF_TURN, last: bool = True) -> str:
     """One chat turn: template(prompt) [+ answer + end [+ "\\n" before a following turn]].
 
     Training data, router data and evaluation all render turns with this function, so they agree.
@@ -83,9 +82,9 @@ class Bundle:
     slots: int | None = None
     max_rank: int | None = None
     extra: dict = field(default_factory=dict)
-    chat_template: str | None = None        # a Jinja chat template that replaces the tokenizer's own
+    chat_template: str | None = None  # a Jinja chat template that replaces the tokenizer's own
     target_modules: tuple[str, ...] | None = None  # linears made routable besides the adapters' own targets
-    check_base: bool = True                 # refuse adapters whose base_model_name_or_path names another base
+    check_base: bool = True  # refuse adapters whose base_model_name_or_path names another base
     manifest: dict = field(default_factory=dict, repr=False, compare=False)  # the parsed JSON, as given
 
     def adapter_for_task(self, task: str) -> str | None:
@@ -94,8 +93,10 @@ class Bundle:
 
     def format_prompt(self, prompt: str) -> str:
         if self.prompt_template is None:
-            raise BundleError(f"bundle {self.name!r} takes its prompt template from the tokenizer's chat template; "
-                              "load it with molora.load() first")
+            raise BundleError(
+                f"bundle {self.name!r} takes its prompt template from the tokenizer's chat template; "
+                "load it with molora.load() first"
+            )
         return self.prompt_template.replace("{prompt}", prompt)
 
 
@@ -106,8 +107,10 @@ def read_bundle(folder: str | Path) -> Bundle:
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError as e:
-        raise BundleError(f"{path}: missing; a bundle folder holds {MANIFEST} (make one with "
-                          "`molora bundle init --model M --lora-modules NAME=PATH --out DIR`)") from e
+        raise BundleError(
+            f"{path}: missing; a bundle folder holds {MANIFEST} (make one with "
+            "`molora bundle init --model M --lora-modules NAME=PATH --out DIR`)"
+        ) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BundleError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(raw, dict):
@@ -133,8 +136,9 @@ def parse_manifest(raw: dict, folder: Path, where: str) -> Bundle:
         raise BundleError(f"{path}: duplicate adapter names {names}")
     router = raw.get("router") or {"kind": "none"}
     if not isinstance(router, dict):
-        raise BundleError(f"{path}: \"router\" must be an object such as {{\"kind\": \"learned\", \"path\": "
-                          f"\"router\"}}, got {router!r}")
+        raise BundleError(
+            f'{path}: "router" must be an object such as {{"kind": "learned", "path": "router"}}, got {router!r}'
+        )
     kind = router.get("kind", "none")
     if kind not in ROUTER_KINDS:
         raise BundleError(f"{path}: router kind {kind!r}: use {', '.join(ROUTER_KINDS)}")
@@ -149,20 +153,30 @@ def parse_manifest(raw: dict, folder: Path, where: str) -> Bundle:
     router_path = (folder / router["path"]).resolve() if router.get("path") else None
     if kind == "learned" and (router_path is None or not router_path.is_dir()):
         raise BundleError(f"{path}: learned router folder {router_path} is missing")
-    if raw.get("quantization") not in (None, "int8", "int4"):   # molora.ops.quant.SCHEMES
-        raise BundleError(f"{path}: \"quantization\" must be \"int8\" or \"int4\" (or absent), got "
-                          f"{raw['quantization']!r}")
+    if raw.get("quantization") not in (None, "int8", "int4"):  # molora.ops.quant.SCHEMES
+        raise BundleError(f'{path}: "quantization" must be "int8" or "int4" (or absent), got {raw["quantization"]!r}')
     for key, kind_ in (("slots", int), ("max_rank", int), ("target_modules", list), ("chat_template", str)):
         if raw.get(key) is not None and not isinstance(raw[key], kind_):
             raise BundleError(f"{path}: {key!r} must be a {kind_.__name__}, got {raw[key]!r}")
-    return Bundle(folder=folder, name=str(raw.get("name", folder.name)), base=_resolve_base(raw, folder),
-                  adapters=tuple(adapters), router_kind=kind, router_path=router_path, router_options=dict(router),
-                  vocab_routes=raw.get("vocab_routes"),
-                  prompt_template=raw.get("prompt_template", CHATML_TEMPLATE), stop=tuple(raw.get("stop", [])),
-                  slots=raw.get("slots"), max_rank=raw.get("max_rank"), extra=raw.get("extra", {}),
-                  chat_template=raw.get("chat_template"),
-                  target_modules=tuple(raw["target_modules"]) if raw.get("target_modules") else None,
-                  check_base=bool(raw.get("check_base", True)), manifest=dict(raw))
+    return Bundle(
+        folder=folder,
+        name=str(raw.get("name", folder.name)),
+        base=_resolve_base(raw, folder),
+        adapters=tuple(adapters),
+        router_kind=kind,
+        router_path=router_path,
+        router_options=dict(router),
+        vocab_routes=raw.get("vocab_routes"),
+        prompt_template=raw.get("prompt_template", CHATML_TEMPLATE),
+        stop=tuple(raw.get("stop", [])),
+        slots=raw.get("slots"),
+        max_rank=raw.get("max_rank"),
+        extra=raw.get("extra", {}),
+        chat_template=raw.get("chat_template"),
+        target_modules=tuple(raw["target_modules"]) if raw.get("target_modules") else None,
+        check_base=bool(raw.get("check_base", True)),
+        manifest=dict(raw),
+    )
 
 
 def _resolve_base(raw: dict, folder: Path) -> str:
@@ -184,8 +198,10 @@ def write_manifest(folder: str | Path, manifest: dict) -> Path:
 
 def default_bundle_dir() -> Path:
     if not (DEFAULT_BUNDLE_DIR / MANIFEST).is_file():
-        raise BundleError(f"the embedded default bundle is missing ({DEFAULT_BUNDLE_DIR}); rebuild it with "
-                          f"`molora build-default --out {DEFAULT_BUNDLE_DIR}`")
+        raise BundleError(
+            f"the embedded default bundle is missing ({DEFAULT_BUNDLE_DIR}); rebuild it with "
+            f"`molora build-default --out {DEFAULT_BUNDLE_DIR}`"
+        )
     return DEFAULT_BUNDLE_DIR
 
 
@@ -198,8 +214,9 @@ def make_router(bundle: Bundle, kind: str | None = None, tokenizer: Any = None) 
 
         # the manifest's settings when its router is Arrow; Arrow's defaults when asked for over another kind
         options = bundle.router_options if bundle.router_kind == "arrow" else {}
-        return ArrowRouter(ArrowConfig.from_json(options, where=f"bundle {bundle.name!r} router"),
-                           [a.name for a in bundle.adapters])
+        return ArrowRouter(
+            ArrowConfig.from_json(options, where=f"bundle {bundle.name!r} router"), [a.name for a in bundle.adapters]
+        )
     if kind == "learned":
         from molora.routing.learned import LearnedRouter
 
@@ -208,8 +225,10 @@ def make_router(bundle: Bundle, kind: str | None = None, tokenizer: Any = None) 
         router = LearnedRouter.load(bundle.router_path)
         unknown = [n for n in router.adapter_names if n not in {a.name for a in bundle.adapters}]
         if unknown:
-            raise BundleError(f"bundle {bundle.name!r}: the router was trained for adapters {unknown} that "
-                              f"the manifest does not list ({[a.name for a in bundle.adapters]})")
+            raise BundleError(
+                f"bundle {bundle.name!r}: the router was trained for adapters {unknown} that "
+                f"the manifest does not list ({[a.name for a in bundle.adapters]})"
+            )
         return router
     if kind == "vocab":
         if not bundle.vocab_routes:
@@ -227,8 +246,14 @@ def make_router(bundle: Bundle, kind: str | None = None, tokenizer: Any = None) 
     return None
 
 
-def load(path: str | Path | Bundle | None = None, *, base_only: bool = False, dtype: torch.dtype = torch.float32,
-         dispatch: str = "auto", quantization: str | None = None) -> Any:
+def load(
+    path: str | Path | Bundle | None = None,
+    *,
+    base_only: bool = False,
+    dtype: torch.dtype = torch.float32,
+    dispatch: str = "auto",
+    quantization: str | None = None,
+) -> Any:
     """A `MoLoRAModel` for the bundle at `path` (None: the embedded default; or a `Bundle` already parsed, e.g.
     `molora.userbundle.bundle_from_flags`), router and tokenizer attached. quantization ("int8", "int4"; default the
     manifest's "quantization", else none): the base's linears quantized on load (molora.model.attach)."""
@@ -243,16 +268,24 @@ def load(path: str | Path | Bundle | None = None, *, base_only: bool = False, dt
     bundle = with_tokenizer(bundle, tokenizer, model)
     adapters = {} if base_only else {a.name: a.path for a in bundle.adapters}
     try:
-        mm = attach(model, adapters, slots=bundle.slots if not base_only else None, max_rank=bundle.max_rank,
-                    tokenizer=tokenizer, dispatch=dispatch, target_modules=bundle.target_modules,
-                    check_base=bundle.check_base, quantization=quantization or bundle.manifest.get("quantization"))
+        mm = attach(
+            model,
+            adapters,
+            slots=bundle.slots if not base_only else None,
+            max_rank=bundle.max_rank,
+            tokenizer=tokenizer,
+            dispatch=dispatch,
+            target_modules=bundle.target_modules,
+            check_base=bundle.check_base,
+            quantization=quantization or bundle.manifest.get("quantization"),
+        )
     except MoLoRAError as e:
         raise BundleError(f"bundle {bundle.folder}: {e}") from e
     router = None if base_only else make_router(bundle, tokenizer=tokenizer)
     mm.router = router.to(mm.device) if isinstance(router, torch.nn.Module) else router
     mm.bundle = bundle
     if hasattr(router, "bind"):  # Arrow: prototypes from the adapters' weights, once, before the first request
-        router.bind(mm)          # (and a calibration on general text in the bundle's template, if asked)
+        router.bind(mm)  # (and a calibration on general text in the bundle's template, if asked)
     return mm
 
 
@@ -268,8 +301,11 @@ def with_tokenizer(bundle: Bundle, tokenizer: Any, model: Any = None) -> Bundle:
         tokenizer.chat_template = bundle.chat_template
     if bundle.prompt_template is not None:
         return bundle
-    return replace(bundle, prompt_template=chat_prompt_template(tokenizer),
-                   stop=tuple(dict.fromkeys(bundle.stop + tuple(_generation_eos(tokenizer, model, bundle.base)))))
+    return replace(
+        bundle,
+        prompt_template=chat_prompt_template(tokenizer),
+        stop=tuple(dict.fromkeys(bundle.stop + tuple(_generation_eos(tokenizer, model, bundle.base)))),
+    )
 
 
 def chat_prompt_template(tokenizer: Any) -> str:
@@ -278,14 +314,19 @@ def chat_prompt_template(tokenizer: Any) -> str:
     if not getattr(tokenizer, "chat_template", None):
         return PLACEHOLDER
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": PLACEHOLDER}], add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": PLACEHOLDER}], add_generation_prompt=True, tokenize=False
+        )
     except Exception as e:  # a Jinja template raises what it likes
-        raise BundleError(f"the chat template cannot render one user message ({type(e).__name__}: {e}); give "
-                          "a working one with --chat-template FILE") from e
+        raise BundleError(
+            f"the chat template cannot render one user message ({type(e).__name__}: {e}); give "
+            "a working one with --chat-template FILE"
+        ) from e
     if not isinstance(text, str) or text.count(PLACEHOLDER) != 1:
-        raise BundleError("the chat template does not render a user message's content verbatim; give a "
-                          "prompt_template in molora.json (with {prompt}) or another --chat-template")
+        raise BundleError(
+            "the chat template does not render a user message's content verbatim; give a "
+            "prompt_template in molora.json (with {prompt}) or another --chat-template"
+        )
     return text
 
 
@@ -321,13 +362,13 @@ def load_tokenizer(base: str) -> tuple[Any, Any]:
         if path.suffix == ".gguf":
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), None
         local = {} if path.exists() else {"local_files_only": True}  # a cached hub id: never a download
-        return (AutoTokenizer.from_pretrained(str(path), **local),
-                AutoConfig.from_pretrained(str(path), **local))
+        return (AutoTokenizer.from_pretrained(str(path), **local), AutoConfig.from_pretrained(str(path), **local))
     except (OSError, ValueError) as e:
         raise BundleError(f"cannot load the tokenizer of base {base!r} from {path}: {e}") from e
 
 
 # --------------------------------------------------------------------------------------------- prompts
+
 
 @dataclass
 class PromptResult:
@@ -344,14 +385,15 @@ def encode_prompt(mm: Any, prompt: str) -> list[int]:
     bundle = getattr(mm, "bundle", None)
     if bundle is not None:
         return tok(bundle.format_prompt(prompt), add_special_tokens=False)["input_ids"]
-    return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                   tokenize=True, return_dict=True)["input_ids"]
+    return tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
 
 
 def stop_token_ids(tok: Any, bundle: Bundle | None) -> list[int]:
     """End-of-sequence ids: the tokenizer's eos plus the bundle's stop tokens (ChatML's end without one)."""
     ids = {tok.eos_token_id} if getattr(tok, "eos_token_id", None) is not None else set()
-    for s in (bundle.stop if bundle is not None else (END_OF_TURN,)):
+    for s in bundle.stop if bundle is not None else (END_OF_TURN,):
         tid = tok.convert_tokens_to_ids(s)
         if isinstance(tid, int) and tid != getattr(tok, "unk_token_id", None) and tid >= 0:
             ids.add(tid)
@@ -363,9 +405,17 @@ def stop_ids(mm: Any) -> list[int]:
 
 
 @torch.no_grad()
-def run_prompt(mm: Any, prompt: str, *, adapter: str | None = None, router: Router | None = None,
-               max_new_tokens: int = 128, temperature: float = 0.0, seed: int | None = None,
-               trace: bool = False) -> PromptResult:
+def run_prompt(
+    mm: Any,
+    prompt: str,
+    *,
+    adapter: str | None = None,
+    router: Router | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    trace: bool = False,
+) -> PromptResult:
     """Generate an answer for one prompt; with trace=True also report each token's adapter."""
     ids = torch.tensor([encode_prompt(mm, prompt)], device=mm.device)
     spec = adapter if adapter is not None else (router if router is not None else mm.router)
@@ -375,12 +425,18 @@ def run_prompt(mm: Any, prompt: str, *, adapter: str | None = None, router: Rout
     if in_network:
         mm.context.trace = []  # every block's decision in every forward of the generation itself
     try:
-        out = mm.generate(ids, adapter_ids=gen_spec, max_new_tokens=max_new_tokens, temperature=temperature,
-                          eos_token_id=stops, seed=seed)
+        out = mm.generate(
+            ids,
+            adapter_ids=gen_spec,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            eos_token_id=stops,
+            seed=seed,
+        )
         steps = mm.context.trace
     finally:
         mm.context.trace = None
-    answer = out[0, ids.shape[1]:].tolist()
+    answer = out[0, ids.shape[1] :].tolist()
     while answer and answer[-1] in stops:
         answer.pop()
     text = mm.tokenizer.decode(answer, skip_special_tokens=True)
@@ -403,16 +459,18 @@ def left_pad(rows: Sequence[Sequence[int]], pad: int, device: Any = None) -> tup
     return ids.to(device), mask.to(device)
 
 
-def generate_batch(mm: Any, rows: Sequence[Sequence[int]], spec: str | Router, max_new: Sequence[int],
-                   stops: Sequence[int]) -> tuple[list[list[int]], int]:
+def generate_batch(
+    mm: Any, rows: Sequence[Sequence[int]], spec: str | Router, max_new: Sequence[int], stops: Sequence[int]
+) -> tuple[list[list[int]], int]:
     """Greedy answers (token ids, stop token dropped) for prompt ids `rows`, and the tokens generated.
 
     Each row keeps at most its own max_new tokens, so an answer does not depend on its batch.
     """
     pad = mm.tokenizer.pad_token_id if mm.tokenizer.pad_token_id is not None else stops[0]
     ids, mask = left_pad(rows, pad, mm.device)
-    out = mm.generate(ids, mask, adapter_ids=spec, max_new_tokens=max(max_new), eos_token_id=list(stops),
-                      pad_token_id=pad)
+    out = mm.generate(
+        ids, mask, adapter_ids=spec, max_new_tokens=max(max_new), eos_token_id=list(stops), pad_token_id=pad
+    )
     answers, generated = [], 0
     for b, new in enumerate(out[:, ids.shape[1] :].tolist()):
         new = new[: max_new[b]]

@@ -14,7 +14,13 @@ from molora.errors import MoLoRAError
 
 # The linear projections of a Llama-family decoder block, in transformers' names.
 LLAMA_PROJECTIONS: tuple[str, ...] = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
 )
 
 
@@ -114,8 +120,10 @@ class SamplingParams:
         if self.min_tokens < 0:
             raise MoLoRAError(f"min_tokens={self.min_tokens} must be >= 0 (0 = off)")
         if self.min_tokens > self.max_new_tokens:
-            raise MoLoRAError(f"min_tokens={self.min_tokens} exceeds max_new_tokens={self.max_new_tokens}; "
-                              "lower min_tokens or raise max_new_tokens")
+            raise MoLoRAError(
+                f"min_tokens={self.min_tokens} exceeds max_new_tokens={self.max_new_tokens}; "
+                "lower min_tokens or raise max_new_tokens"
+            )
 
     @property
     def greedy(self) -> bool:

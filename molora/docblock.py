@@ -31,9 +31,8 @@ def replace_block(text: str, begin: str, end: str, block: str, where: str | Path
     a = text.find(begin)
     b = text.find(end, a + len(begin)) if a >= 0 else -1
     if a < 0 or b < 0:
-        raise SystemExit(f"{where} has no {begin} ... {end} block to render into; add the two lines where it "
-                         "belongs")
-    return text[:a] + block + text[b + len(end):]
+        raise SystemExit(f"{where} has no {begin} ... {end} block to render into; add the two lines where it belongs")
+    return text[:a] + block + text[b + len(end) :]
 
 
 def write_block(path: Path, begin: str, end: str, block: str, *, check: bool = False) -> bool:

@@ -44,23 +44,26 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
     return out
 
 
-def filter_logits_rows(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int],
-                       top_p: Sequence[float]) -> torch.Tensor:
+def filter_logits_rows(
+    logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float]
+) -> torch.Tensor:
     """`filter_logits` of every row of logits [B, V] with its own temperature, top_k and top_p (each of length B),
     in one batched op per stage: row b equals filter_logits(logits[b:b+1], temperature[b], top_k[b], top_p[b])
     bit for bit (tests/test_sampling.py). top_k 0 or >= V and top_p 1.0 leave a row whole."""
     B, V = logits.shape
     if not len(temperature) == len(top_k) == len(top_p) == B:
-        raise MoLoRAError(f"filter_logits_rows: {B} rows but {len(temperature)} temperatures, {len(top_k)} top_k, "
-                          f"{len(top_p)} top_p; give one of each per row")
+        raise MoLoRAError(
+            f"filter_logits_rows: {B} rows but {len(temperature)} temperatures, {len(top_k)} top_k, "
+            f"{len(top_p)} top_p; give one of each per row"
+        )
     temps = torch.tensor([max(t, 1e-6) for t in temperature], dtype=torch.float32, device=logits.device)
-    out = logits.float() / temps[:, None]                                   # [B, V]
+    out = logits.float() / temps[:, None]  # [B, V]
     ks = [k if 0 < k < V else 0 for k in top_k]
     if any(ks):
-        vals = torch.topk(out, max(ks), dim=-1).values                      # [B, kmax], descending
+        vals = torch.topk(out, max(ks), dim=-1).values  # [B, kmax], descending
         idx = torch.tensor([max(k - 1, 0) for k in ks], device=logits.device)
-        kth = vals.gather(-1, idx[:, None])                                 # [B, 1]: the k-th largest
-        kth[torch.tensor([k == 0 for k in ks], device=logits.device)] = float("-inf")   # rows without top_k
+        kth = vals.gather(-1, idx[:, None])  # [B, 1]: the k-th largest
+        kth[torch.tensor([k == 0 for k in ks], device=logits.device)] = float("-inf")  # rows without top_k
         out = out.masked_fill(out < kth, float("-inf"))
     if any(p < 1.0 for p in top_p):
         sorted_logits, order = torch.sort(out, dim=-1, descending=True)
@@ -80,8 +83,13 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Token ids [B] chosen from logits [B, V]; temperature 0 means greedy (argmax)."""
     if temperature == 0.0:
         return greedy(logits)
@@ -101,7 +109,7 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[to
 
 
 # ------------------------------------------------------------------------------------------- constraints
-_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()       # [256, 8]: byte -> its 8 bits
+_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]: byte -> its 8 bits
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -164,15 +172,16 @@ def masked_greedy(logits: torch.Tensor, bitmask: torch.Tensor, candidates: int =
     """greedy(apply_bitmask(logits, bitmask)) [B], without masking the rows whose answer is among their first
     `candidates` picks: a row's refused pick is set to -inf in a copy of the refused rows and they pick again
     (max's first index, so ids come in greedy's order: value descending, then id); rows refused `candidates`
-    times take the argmax over their allowed ids (`_allowed_argmax`). One more pick reads the rows once, the full mask about four times (copy, mask,
+    times take the argmax over their allowed ids (`_allowed_argmax`). One more pick reads the rows once, the full mask
+    about four times (copy, mask,
     max); topk(8) took 9 to 18 ms for fp32 [32, 49152] on this CPU, one max 0.6 to 0.8 ms.
     logits [B, V], bitmask [B, W] int32."""
-    out = greedy(logits)                                                                # [B]
-    todo = (~is_allowed(bitmask, out)).nonzero().flatten()                             # [r] rows refused
+    out = greedy(logits)  # [B]
+    todo = (~is_allowed(bitmask, out)).nonzero().flatten()  # [r] rows refused
     if len(todo) == 0:
         return out
-    work, bits, pick = logits[todo], bitmask[todo], out[todo]                  # copies: [r, V], [r, W], [r]
-    live = torch.ones(len(todo), dtype=torch.bool, device=logits.device)               # [r] still refused
+    work, bits, pick = logits[todo], bitmask[todo], out[todo]  # copies: [r, V], [r, W], [r]
+    live = torch.ones(len(todo), dtype=torch.bool, device=logits.device)  # [r] still refused
     rows = torch.arange(len(todo), device=logits.device)
     for _ in range(candidates - 1):
         work[rows[live], pick[live]] = float("-inf")
@@ -192,19 +201,20 @@ def _allowed_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor
     non-zero (a grammar state that allows a few hundred ids: a key, a digit, a bracket), only the allowed ids are
     read: their logits are gathered and reduced per row (max, then the first id of it); otherwise the full mask."""
     r, V = logits.shape
-    row, word = bitmask.nonzero(as_tuple=True)                                         # [P] non-zero words
-    if 4 * len(row) > bitmask.numel() or torch.unique(row).numel() < r:                # dense, or a row empty
+    row, word = bitmask.nonzero(as_tuple=True)  # [P] non-zero words
+    if 4 * len(row) > bitmask.numel() or torch.unique(row).numel() < r:  # dense, or a row empty
         return greedy(apply_bitmask(logits, bitmask))
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    p, bit = (((bitmask[row, word][:, None] >> shifts) & 1) != 0).nonzero(as_tuple=True)   # [K] allowed bits
-    ids, rows = word[p] * 32 + bit, row[p]                                             # [K], [K]
+    p, bit = (((bitmask[row, word][:, None] >> shifts) & 1) != 0).nonzero(as_tuple=True)  # [K] allowed bits
+    ids, rows = word[p] * 32 + bit, row[p]  # [K], [K]
     inside = ids < V
     ids, rows = ids[inside], rows[inside]
-    vals = logits[rows, ids].float()                                                   # [K]
+    vals = logits[rows, ids].float()  # [K]
     best = torch.full((r,), float("-inf"), device=logits.device).scatter_reduce(0, rows, vals, "amax")
-    top = vals == best[rows]                                                           # [K] at the row's max
+    top = vals == best[rows]  # [K] at the row's max
     first = torch.full((r,), V, dtype=torch.long, device=logits.device)
     return first.scatter_reduce(0, rows[top], ids[top], "amin")
+
 
 def is_allowed(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Whether each row's id is allowed: bitmask [B, W] int32, ids [B] -> [B] bool (no unpacking)."""
@@ -229,8 +239,9 @@ class Constraint(ABC):
         """The state of a request whose prompt is `prompt` (the constraint applies to what is generated after)."""
 
 
-def constraint_bitmask(states: Sequence[Sequence[ConstraintState]], tokens: Sequence[Sequence[int]],
-                       vocab_size: int) -> torch.Tensor:
+def constraint_bitmask(
+    states: Sequence[Sequence[ConstraintState]], tokens: Sequence[Sequence[int]], vocab_size: int
+) -> torch.Tensor:
     """The packed bitmask [B, W] of a step: row b allows what every state of states[b] allows after tokens[b]
     (no state: every id)."""
     out = full_bitmask(len(states), vocab_size)
@@ -270,18 +281,22 @@ class SpanConstraint(Constraint, ConstraintState):
 
     def __post_init__(self) -> None:
         if self.length < 1 or not self.code_ids:
-            raise MoLoRAError(f"a constrained span needs length >= 1 and at least one code id (length={self.length}, "
-                              f"{len(self.code_ids)} codes)")
+            raise MoLoRAError(
+                f"a constrained span needs length >= 1 and at least one code id (length={self.length}, "
+                f"{len(self.code_ids)} codes)"
+            )
         if {self.open_id, self.close_id} & set(self.code_ids) or self.open_id == self.close_id:
-            raise MoLoRAError(f"a span's open id {self.open_id} and close id {self.close_id} must differ and not be "
-                              "among its codes; narrow the code prefixes")
+            raise MoLoRAError(
+                f"a span's open id {self.open_id} and close id {self.close_id} must differ and not be "
+                "among its codes; narrow the code prefixes"
+            )
 
     def begin(self, prompt: Sequence[int]) -> SpanConstraint:
         return self
 
     def state(self, tokens: Sequence[int]) -> int:
         """0 inside a span (a code comes next), 1 at its end (close comes next), 2 outside."""
-        tail = tokens[-(self.length + 1):]
+        tail = tokens[-(self.length + 1) :]
         for k in range(len(tail) - 1, -1, -1):
             if tail[k] == self.close_id:
                 return 2
@@ -326,18 +341,21 @@ class SpanConstraint(Constraint, ConstraintState):
         name starts with one of the prefixes (as `VocabRouter.from_vocab` reads its ranges)."""
         missing = [k for k in ("open", "close", "codes", "length") if k not in spec]
         if missing:
-            raise MoLoRAError(f"constrained_spans {dict(spec)} lacks {missing}; give open, close, codes (token "
-                              "prefixes) and length")
+            raise MoLoRAError(
+                f"constrained_spans {dict(spec)} lacks {missing}; give open, close, codes (token prefixes) and length"
+            )
         for key in ("open", "close"):
             if spec[key] not in vocab:
-                raise MoLoRAError(f"constrained_spans: the {key} token {spec[key]!r} is not in the vocabulary "
-                                  f"({len(vocab)} tokens)")
+                raise MoLoRAError(
+                    f"constrained_spans: the {key} token {spec[key]!r} is not in the vocabulary ({len(vocab)} tokens)"
+                )
         prefixes = tuple(spec["codes"])
         ends = {spec["open"], spec["close"]}
         codes = sorted(int(i) for t, i in vocab.items() if t.startswith(prefixes) and t not in ends)
         if not codes:
-            raise MoLoRAError(f"constrained_spans: no token of the vocabulary ({len(vocab)} tokens) starts with "
-                              f"{list(prefixes)}")
+            raise MoLoRAError(
+                f"constrained_spans: no token of the vocabulary ({len(vocab)} tokens) starts with {list(prefixes)}"
+            )
         return cls(int(vocab[spec["open"]]), int(vocab[spec["close"]]), tuple(codes), int(spec["length"]))
 
 
@@ -349,6 +367,8 @@ def bundle_constraint(bundle: Any, tokenizer: Any) -> SpanConstraint | None:
     if spec is None:
         return None
     if tokenizer is None:
-        raise MoLoRAError(f"bundle {getattr(bundle, 'name', '?')!r} declares constrained_spans, which name tokens: "
-                          "give the engine a tokenizer")
+        raise MoLoRAError(
+            f"bundle {getattr(bundle, 'name', '?')!r} declares constrained_spans, which name tokens: "
+            "give the engine a tokenizer"
+        )
     return SpanConstraint.from_vocab(tokenizer.get_vocab(), spec)

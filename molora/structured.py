@@ -49,11 +49,11 @@ class StructuredOutputError(MoLoRAError):
 class Limits:
     """What a request may ask for, in characters of its spec (checked before any compiling)."""
 
-    max_schema_chars: int = 64 << 10      # a JSON schema, as JSON text
+    max_schema_chars: int = 64 << 10  # a JSON schema, as JSON text
     max_regex_chars: int = 4 << 10
     max_grammar_chars: int = 64 << 10
     max_choices: int = 1024
-    max_choice_chars: int = 64 << 10      # all choices together
+    max_choice_chars: int = 64 << 10  # all choices together
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -68,7 +68,8 @@ class StructuredSpec:
 
     kind: Kind
     text: str = ""
-    strict: bool = False      # json_schema: refuse a schema with keywords the engine does not enforce
+    strict: bool = False  # json_schema: refuse a schema with keywords the engine does not enforce
+
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise MoLoRAError(f"structured output kind {self.kind!r} is not one of {list(KINDS)}")
@@ -93,19 +94,20 @@ class _MatcherState(ConstraintState):
 
     def __init__(self, constraint: GrammarConstraint, start: int) -> None:
         import xgrammar as xgr
+
         self.matcher = xgr.GrammarMatcher(constraint.compiled)
-        self.seen = start            # ids of the growing token list already fed to the matcher
+        self.seen = start  # ids of the growing token list already fed to the matcher
         self.rejected: int | None = None
         self.words = (constraint.compiled.tokenizer_info.vocab_size + 31) // 32
         self.scratch: torch.Tensor | None = None
 
     def fill(self, tokens: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
-        for t in tokens[self.seen:]:
+        for t in tokens[self.seen :]:
             if self.rejected is None and not self.matcher.accept_token(int(t)):
                 self.rejected = int(t)
         self.seen = len(tokens)
         if self.rejected is not None or self.matcher.is_terminated():
-            bitmask[row] = 0         # nothing may follow: a dead end the engine reports
+            bitmask[row] = 0  # nothing may follow: a dead end the engine reports
             return
         if bitmask.shape[-1] == self.words:
             self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -155,6 +157,7 @@ class GrammarConstraint(Constraint):
 
 def _rebuild(spec: StructuredSpec, grammar_json: str, info_json: str) -> GrammarConstraint:
     import xgrammar as xgr
+
     info = xgr.TokenizerInfo.deserialize_json(info_json)
     return GrammarConstraint(spec, xgr.CompiledGrammar.deserialize_json(grammar_json, info))
 
@@ -162,9 +165,17 @@ def _rebuild(spec: StructuredSpec, grammar_json: str, info_json: str) -> Grammar
 class StructuredCompiler:
     """Compiles specs for one tokenizer, with an LRU cache of `cache_size` constraints (thread-safe)."""
 
-    def __init__(self, tokenizer: Any, *, vocab_size: int | None = None, stop_token_ids: Sequence[int] = (),
-                 limits: Limits = Limits(), cache_size: int = 256) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        vocab_size: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        limits: Limits = Limits(),
+        cache_size: int = 256,
+    ) -> None:
         import xgrammar as xgr
+
         self.xgr, self.limits, self.cache_size = xgr, limits, cache_size
         stops = sorted({int(t) for t in stop_token_ids}) or None
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
@@ -201,11 +212,18 @@ class StructuredCompiler:
     def check(self, spec: StructuredSpec) -> None:
         """Size limits and, for a schema, that it is a JSON Schema at all (jsonschema's meta-schema check)."""
         lim = self.limits
-        cap = {"json_schema": lim.max_schema_chars, "regex": lim.max_regex_chars, "grammar": lim.max_grammar_chars,
-               "choice": lim.max_choice_chars, "json_object": 0}[spec.kind]
+        cap = {
+            "json_schema": lim.max_schema_chars,
+            "regex": lim.max_regex_chars,
+            "grammar": lim.max_grammar_chars,
+            "choice": lim.max_choice_chars,
+            "json_object": 0,
+        }[spec.kind]
         if spec.kind != "json_object" and len(spec.text) > cap:
-            raise StructuredOutputError(f"the {spec.kind.replace('_', ' ')} is {len(spec.text)} characters, over "
-                                        f"this server's limit of {cap}; simplify it")
+            raise StructuredOutputError(
+                f"the {spec.kind.replace('_', ' ')} is {len(spec.text)} characters, over "
+                f"this server's limit of {cap}; simplify it"
+            )
         if spec.kind == "json_schema":
             schema = json.loads(spec.text)
             if not isinstance(schema, (dict, bool)):
@@ -213,13 +231,16 @@ class StructuredCompiler:
             _check_schema(schema)
             loose = unenforced(schema) if spec.strict else []
             if loose:
-                raise StructuredOutputError(f"strict: the grammar engine cannot enforce {'; '.join(loose[:5])}; drop "
-                                            "them or send strict=false (an answer may then break them)")
+                raise StructuredOutputError(
+                    f"strict: the grammar engine cannot enforce {'; '.join(loose[:5])}; drop "
+                    "them or send strict=false (an answer may then break them)"
+                )
         if spec.kind == "choice":
             choices = json.loads(spec.text)
             if not choices or len(choices) > lim.max_choices or not all(isinstance(c, str) and c for c in choices):
-                raise StructuredOutputError(f"choice needs 1 to {lim.max_choices} non-empty strings "
-                                            f"(got {len(choices)})")
+                raise StructuredOutputError(
+                    f"choice needs 1 to {lim.max_choices} non-empty strings (got {len(choices)})"
+                )
         if spec.kind in ("regex", "grammar") and not spec.text:
             raise StructuredOutputError(f"the {spec.kind} is empty")
 
@@ -252,8 +273,9 @@ def unenforced(schema: Any, path: str = "") -> list[str]:
         if isinstance(schema.get("oneOf"), list) and not _disjoint(schema["oneOf"]):
             out.append(f"{here}: oneOf (enforced as anyOf: an answer may match two branches)")
         for k, v in schema.items():
-            if k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") \
-                    and isinstance(v, dict):
+            if k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(
+                v, dict
+            ):
                 for name, sub in v.items():
                     out += unenforced(sub, f"{path}/{k}/{name}")
             elif k in ("items", "additionalProperties", "contains", "propertyNames") and isinstance(v, (dict, list)):
@@ -265,7 +287,7 @@ def unenforced(schema: Any, path: str = "") -> list[str]:
     return out
 
 
-_GROUP_OPTIONAL = re.compile(r"\?\??|\{0,(\d*)\}\??")      # what may follow a group's ")": ?, {0,1}, {0,n}, {0,}
+_GROUP_OPTIONAL = re.compile(r"\?\??|\{0,(\d*)\}\??")  # what may follow a group's ")": ?, {0,1}, {0,n}, {0,}
 
 
 def engine_pattern(pattern: str) -> str:
@@ -279,7 +301,7 @@ def engine_pattern(pattern: str) -> str:
     while i < n:
         ch = pattern[i]
         if ch == "\\":
-            out.append(pattern[i:i + 2])
+            out.append(pattern[i : i + 2])
             i += 2
             continue
         if in_class:
@@ -317,7 +339,7 @@ def engine_schema(schema: Any) -> Any:
         elif k == "patternProperties" and isinstance(v, dict):
             out[k] = {engine_pattern(p): engine_schema(sub) for p, sub in v.items()}
         elif k in ("enum", "const", "default", "examples"):
-            out[k] = v                      # values, not schemas
+            out[k] = v  # values, not schemas
         elif k == "properties" and isinstance(v, dict):
             out[k] = {name: engine_schema(sub) for name, sub in v.items()}
         else:
@@ -364,13 +386,21 @@ def _disjoint_by_type(branches: list) -> bool:
 
 
 def _json_type(v: Any) -> str:
-    return {bool: "boolean", int: "number", float: "number", str: "string", type(None): "null",
-            list: "array", dict: "object"}[type(v)]
+    return {
+        bool: "boolean",
+        int: "number",
+        float: "number",
+        str: "string",
+        type(None): "null",
+        list: "array",
+        dict: "object",
+    }[type(v)]
 
 
 def _violation(schema: Any, value: Any) -> str | None:
     """The first way `value` breaks `schema` ("at path: message", jsonschema's best match), None if it does not."""
     import jsonschema
+
     error = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(schema)(schema).iter_errors(value))
     if error is None:
         return None
@@ -380,6 +410,7 @@ def _violation(schema: Any, value: Any) -> str | None:
 
 def _check_schema(schema: dict | bool) -> None:
     import jsonschema
+
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:

@@ -45,16 +45,24 @@ def parse_lora_modules(values: list[str]) -> list[LoraModule]:
             try:
                 obj = json.loads(v)
             except json.JSONDecodeError as e:
-                raise FlagError(f"--lora-modules {v!r}: not valid JSON ({e}); write '{{\"name\": \"sql\", "
-                                "\"path\": \"/adapters/sql\"}' or sql=/adapters/sql") from e
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("path"), str):
-                raise FlagError(f"--lora-modules {v!r}: the JSON form needs string fields \"name\" and \"path\"")
+                raise FlagError(
+                    f'--lora-modules {v!r}: not valid JSON ({e}); write \'{{"name": "sql", '
+                    '"path": "/adapters/sql"}\' or sql=/adapters/sql'
+                ) from e
+            if (
+                not isinstance(obj, dict)
+                or not isinstance(obj.get("name"), str)
+                or not isinstance(obj.get("path"), str)
+            ):
+                raise FlagError(f'--lora-modules {v!r}: the JSON form needs string fields "name" and "path"')
             name, path = obj["name"], obj["path"]
         else:
             name, sep, path = v.partition("=")
             if not sep or not name or not path:
-                raise FlagError(f"--lora-modules {v!r}: write NAME=PATH (e.g. sql=/adapters/sql) or the JSON form "
-                                "'{\"name\": \"sql\", \"path\": \"/adapters/sql\"}'")
+                raise FlagError(
+                    f"--lora-modules {v!r}: write NAME=PATH (e.g. sql=/adapters/sql) or the JSON form "
+                    '\'{"name": "sql", "path": "/adapters/sql"}\''
+                )
         if any(m.name == name for m in out):
             raise FlagError(f"--lora-modules: the name {name!r} is given twice; give each adapter its own name")
         out.append(LoraModule(name.strip(), Path(path).expanduser()))
@@ -70,12 +78,16 @@ def check_adapter_folder(m: LoraModule, max_rank: int | None = None) -> None:
     except MoLoRAError as e:
         raise FlagError(f"--lora-modules {m.name}={m.path}: {e}") from e
     if not (m.path / "adapter_model.safetensors").is_file():
-        raise FlagError(f"--lora-modules {m.name}={m.path}: no adapter_model.safetensors in {m.path.resolve()} "
-                        "(molora reads PEFT's safetensors weights; re-save with save_pretrained)")
+        raise FlagError(
+            f"--lora-modules {m.name}={m.path}: no adapter_model.safetensors in {m.path.resolve()} "
+            "(molora reads PEFT's safetensors weights; re-save with save_pretrained)"
+        )
     rank = max([cfg.r, *cfg.rank_pattern.values()])
     if max_rank is not None and rank > max_rank:
-        raise FlagError(f"--lora-modules {m.name}={m.path}: rank {rank} is over --max-lora-rank {max_rank}; "
-                        f"raise --max-lora-rank to at least {rank}")
+        raise FlagError(
+            f"--lora-modules {m.name}={m.path}: rank {rank} is over --max-lora-rank {max_rank}; "
+            f"raise --max-lora-rank to at least {rank}"
+        )
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -90,14 +102,15 @@ def read_chat_template(value: str | None) -> str | None:
             raise FlagError(f"--chat-template {value!r}: cannot read {p} ({e})") from e
     if "{{" in value or "{%" in value:
         return value
-    raise FlagError(f"--chat-template {value!r}: neither a file nor a Jinja template; give the path of a .jinja "
-                    "file or the template text")
+    raise FlagError(
+        f"--chat-template {value!r}: neither a file nor a Jinja template; give the path of a .jinja "
+        "file or the template text"
+    )
 
 
 # `--router arrow`: what scripts/arrow_prompt_choose.py chose on validation (docs/arrow_prompt_choice.json: block 25
 # of 30 = 5/6 of the depth, the default source_block; scored once on test in docs/arrow_prompt.json)
-ARROW_ROUTER = {"kind": "arrow", "granularity": "per_block", "prompt": True, "rms_threshold": 2.0,
-                "prompt_share": 0.2}
+ARROW_ROUTER = {"kind": "arrow", "granularity": "per_block", "prompt": True, "rms_threshold": 2.0, "prompt_share": 0.2}
 
 
 def router_entry(value: str | None) -> dict:
@@ -110,11 +123,15 @@ def router_entry(value: str | None) -> dict:
         return dict(ARROW_ROUTER)
     p = Path(value).expanduser()
     if not p.is_dir():
-        raise FlagError(f"--router {value!r}: give none, arrow, or the folder of a router trained by "
-                        "`molora train-router` (it holds router.json)")
+        raise FlagError(
+            f"--router {value!r}: give none, arrow, or the folder of a router trained by "
+            "`molora train-router` (it holds router.json)"
+        )
     if not (p / "router.json").is_file():
-        raise FlagError(f"--router {value!r}: {p.resolve()} holds no router.json; train one with "
-                        "`molora train-router --bundle DIR --data NAME=FILE ...`")
+        raise FlagError(
+            f"--router {value!r}: {p.resolve()} holds no router.json; train one with "
+            "`molora train-router --bundle DIR --data NAME=FILE ...`"
+        )
     return {"kind": "learned", "path": str(p.resolve())}
 
 
@@ -129,15 +146,18 @@ def check_servable(model: str) -> None:
     if p.suffix == ".gguf":
         return
     try:
-        cfg = AutoConfig.from_pretrained(str(p) if p.exists() else model,
-                                         **({} if p.exists() else {"local_files_only": True}))
+        cfg = AutoConfig.from_pretrained(
+            str(p) if p.exists() else model, **({} if p.exists() else {"local_files_only": True})
+        )
     except (OSError, ValueError):
         return
     kind = getattr(cfg, "model_type", None)
     if kind not in SUPPORTED_MODEL_TYPES:
-        raise FlagError(f"--model {model}: a {kind!r} model; molora's engine serves {', '.join(SUPPORTED_MODEL_TYPES)} "
-                        "models (Llama and SmolLM2 included). In Python, molora.attach(model, adapters) routes per "
-                        "token on other architectures whose target layers are nn.Linear (MoLoRAModel.generate)")
+        raise FlagError(
+            f"--model {model}: a {kind!r} model; molora's engine serves {', '.join(SUPPORTED_MODEL_TYPES)} "
+            "models (Llama and SmolLM2 included). In Python, molora.attach(model, adapters) routes per "
+            "token on other architectures whose target layers are nn.Linear (MoLoRAModel.generate)"
+        )
 
 
 def _base_spec(model: str) -> str:
@@ -145,9 +165,16 @@ def _base_spec(model: str) -> str:
     return str(p.resolve()) if p.exists() else model
 
 
-def manifest_from_flags(model: str, lora_modules: list[str], *, router: str | None = None,
-                        served_model_name: str | None = None, max_loras: int | None = None,
-                        max_lora_rank: int | None = None, chat_template: str | None = None) -> dict:
+def manifest_from_flags(
+    model: str,
+    lora_modules: list[str],
+    *,
+    router: str | None = None,
+    served_model_name: str | None = None,
+    max_loras: int | None = None,
+    max_lora_rank: int | None = None,
+    chat_template: str | None = None,
+) -> dict:
     """The molora.json that `--model ... --lora-modules ...` mean, every adapter folder checked first."""
     if not model:
         raise FlagError("--model is empty: give a transformers folder, a .gguf file or a cached model id")
@@ -156,16 +183,23 @@ def manifest_from_flags(model: str, lora_modules: list[str], *, router: str | No
             raise FlagError(f"{flag} {value}: must be at least 1")
     modules = parse_lora_modules(lora_modules)
     if max_loras is not None and max_loras < len(modules):
-        raise FlagError(f"--max-loras {max_loras} is fewer than the {len(modules)} --lora-modules given; raise it "
-                        f"to at least {len(modules)}")
+        raise FlagError(
+            f"--max-loras {max_loras} is fewer than the {len(modules)} --lora-modules given; raise it "
+            f"to at least {len(modules)}"
+        )
     check_servable(model)
     for m in modules:
         check_adapter_folder(m, max_lora_rank)
     manifest: dict[str, Any] = {
-        "format": FORMAT, "name": served_model_name or model, "base": _base_spec(model),
+        "format": FORMAT,
+        "name": served_model_name or model,
+        "base": _base_spec(model),
         "adapters": [{"name": m.name, "path": str(m.path.resolve())} for m in modules],
-        "router": router_entry(router), "prompt_template": None, "stop": [],
-        "target_modules": list(LLAMA_PROJECTIONS), "check_base": False,
+        "router": router_entry(router),
+        "prompt_template": None,
+        "stop": [],
+        "target_modules": list(LLAMA_PROJECTIONS),
+        "check_base": False,
     }
     if max_loras is not None:
         manifest["slots"] = max_loras
@@ -195,6 +229,7 @@ def write_bundle(out: str | Path, manifest: dict) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- check
+
 
 def check_bundle(folder: str | Path) -> list[str]:
     """Every problem of the bundle at `folder`, each naming its file; [] when it loads. Reads the base's config
@@ -269,8 +304,10 @@ def _router_problems(bundle: Bundle) -> list[str]:
 def describe(bundle: Bundle) -> str:
     """One line: what the bundle serves."""
     router = bundle.router_kind + (f" ({bundle.router_path})" if bundle.router_path else "")
-    return (f"{bundle.name}: base {bundle.base}, {len(bundle.adapters)} adapter(s) "
-            f"[{', '.join(a.name for a in bundle.adapters)}], router {router}")
+    return (
+        f"{bundle.name}: base {bundle.base}, {len(bundle.adapters)} adapter(s) "
+        f"[{', '.join(a.name for a in bundle.adapters)}], router {router}"
+    )
 
 
 def setup_default_command() -> list[str]:

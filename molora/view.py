@@ -21,19 +21,22 @@ NONE_LABEL = "base"
 @dataclass
 class RoutedText:
     tokens: list[tuple[str, str | None, bool]]  # (text, adapter or None, is_answer)
-    adapters: list[str]                         # legend order
+    adapters: list[str]  # legend order
 
     def counts(self) -> dict[str, int]:
         c = Counter(a if a is not None else NONE_LABEL for _, a, _ in self.tokens)
         return {name: c.get(name, 0) for name in [*self.adapters, NONE_LABEL]}
 
     def to_json(self) -> dict:
-        return {"tokens": [{"text": t, "adapter": a, "answer": ans} for t, a, ans in self.tokens],
-                "counts": self.counts()}
+        return {
+            "tokens": [{"text": t, "adapter": a, "answer": ans} for t, a, ans in self.tokens],
+            "counts": self.counts(),
+        }
 
 
-def routed_text(tokenizer: Any, ids: list[int], adapters: list[str | None], n_prompt: int,
-                names: list[str]) -> RoutedText:
+def routed_text(
+    tokenizer: Any, ids: list[int], adapters: list[str | None], n_prompt: int, names: list[str]
+) -> RoutedText:
     """Pair each visible token of ids with its adapter; special tokens (template markers) are dropped."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     out: list[tuple[str, str | None, bool]] = []
@@ -42,7 +45,7 @@ def routed_text(tokenizer: Any, ids: list[int], adapters: list[str | None], n_pr
         text = tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
         if text.endswith("\ufffd"):
             continue  # part of a multi-byte character: its text arrives with the next token
-        piece, prev = text[len(prev):], text
+        piece, prev = text[len(prev) :], text
         if ids[i] in special or not piece:
             continue
         out.append((piece, adapters[i] if i < len(adapters) else None, i >= n_prompt))
@@ -77,11 +80,14 @@ def to_html(views: list[tuple[str, RoutedText]], title: str = "molora routing vi
         for text, adapter, answer in view.tokens:
             style = f' style="background:{colour[adapter]}"' if adapter in colour else ""
             cls = "tok" + ("" if adapter in colour else " base") + (" ans" if answer else "")
-            spans.append(f'<span class="{cls}"{style} title="{html.escape(adapter or NONE_LABEL)}">'
-                         f"{html.escape(text)}</span>")
+            spans.append(
+                f'<span class="{cls}"{style} title="{html.escape(adapter or NONE_LABEL)}">{html.escape(text)}</span>'
+            )
         counts = " · ".join(f"{html.escape(k)} {v}" for k, v in view.counts().items())
-        panels.append(f'<section><h2>{html.escape(heading)}</h2><div class="text">{"".join(spans)}</div>'
-                      f'<p class="counts">tokens per adapter: {counts}</p></section>')
+        panels.append(
+            f'<section><h2>{html.escape(heading)}</h2><div class="text">{"".join(spans)}</div>'
+            f'<p class="counts">tokens per adapter: {counts}</p></section>'
+        )
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
 body {{ font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; color: #222; }}

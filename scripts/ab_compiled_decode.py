@@ -68,8 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     mm = attach(model, paths, router=router, dispatch="stacked_mask").to(dtype)
     mm.dispatcher.check_ids = False
     prompts, _ = workload(32, 128, 64, vocab, False)
-    cfg = EngineConfig(max_num_seqs=32, max_tokens_per_step=512, block_size=16, kv_budget_tokens=32 * 300,
-                       max_model_len=290, stop_at_eos=False)
+    cfg = EngineConfig(
+        max_num_seqs=32,
+        max_tokens_per_step=512,
+        block_size=16,
+        kv_budget_tokens=32 * 300,
+        max_model_len=290,
+        stop_at_eos=False,
+    )
     engines = {}
     for name in ("eager", "compiled"):
         eng = Engine(mm, cfg)
@@ -80,17 +86,19 @@ def main(argv: list[str] | None = None) -> int:
         while any(r.num_computed < len(r.prompt_ids) for r in eng.requests.values()):
             eng.step()
         engines[name] = eng
-    engines["compiled"].step()                       # compiles
+    engines["compiled"].step()  # compiles
     times: dict[str, list[float]] = {n: [] for n in engines}
     for i in range(a.steps):
-        for name in (("eager", "compiled") if i % 2 else ("compiled", "eager")):
+        for name in ("eager", "compiled") if i % 2 else ("compiled", "eager"):
             t0 = time.perf_counter()
             engines[name].step()
             times[name].append(time.perf_counter() - t0)
     med = {n: statistics.median(v[2:]) * 1e3 for n, v in times.items()}
     graphs = engines["compiled"].stats()["decode_graphs"]
-    print(f"{str(dtype)[6:]} batch-32 decode step: eager {med['eager']:.1f} ms, compiled {med['compiled']:.1f} ms "
-          f"(eager / compiled {med['eager'] / med['compiled']:.2f}x); graphs {graphs}")
+    print(
+        f"{str(dtype)[6:]} batch-32 decode step: eager {med['eager']:.1f} ms, compiled {med['compiled']:.1f} ms "
+        f"(eager / compiled {med['eager'] / med['compiled']:.2f}x); graphs {graphs}"
+    )
     return 0
 
 

@@ -37,16 +37,24 @@ def build_at(rev: str):
 
     flags = dict(extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"], extra_ldflags=["-fopenmp"])
     files = _git("ls-tree", "--name-only", f"{rev}:molora/ops/csrc").split()
-    if files == ["fused_lora.cpp"]:       # one file, up to the split
+    if files == ["fused_lora.cpp"]:  # one file, up to the split
         source = _git("show", f"{rev}:molora/ops/csrc/fused_lora.cpp")
         binds = "PYBIND11_MODULE" in source
-        return load_inline(name=f"molora_ab_paged_{rev}", cpp_sources=source.replace("BoundBlock", "BoundBlockAB"),
-                           functions=None if binds else ["paged_decode_rows"], **flags)
-    folder = Path(tempfile.mkdtemp(prefix=f"molora_ab_{rev}_"))   # one file per kernel family
+        return load_inline(
+            name=f"molora_ab_paged_{rev}",
+            cpp_sources=source.replace("BoundBlock", "BoundBlockAB"),
+            functions=None if binds else ["paged_decode_rows"],
+            **flags,
+        )
+    folder = Path(tempfile.mkdtemp(prefix=f"molora_ab_{rev}_"))  # one file per kernel family
     for name in files:
         (folder / name).write_text(_git("show", f"{rev}:molora/ops/csrc/{name}").replace("BoundBlock", "BoundBlockAB"))
-    return load(name=f"molora_ab_paged_{rev}", sources=[str(folder / n) for n in files if n.endswith(".cpp")],
-                extra_include_paths=[str(folder)], **flags)
+    return load(
+        name=f"molora_ab_paged_{rev}",
+        sources=[str(folder / n) for n in files if n.endswith(".cpp")],
+        extra_include_paths=[str(folder)],
+        **flags,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,15 +92,18 @@ def main(argv: list[str] | None = None) -> int:
             ts: dict[str, list[float]] = {n: [] for n in mods}
             with torch.no_grad():
                 for i in range(a.repeats):
-                    for name in (("old", "new") if i % 2 else ("new", "old")):
+                    for name in ("old", "new") if i % 2 else ("new", "old"):
                         t0 = time.perf_counter()
                         for layer in range(a.layers):
-                            mods[name].paged_decode_rows(outs[name], q, kcs[layer], vcs[layer], table, ctx, rows, bs,
-                                                         hd ** -0.5, 0)
+                            mods[name].paged_decode_rows(
+                                outs[name], q, kcs[layer], vcs[layer], table, ctx, rows, bs, hd**-0.5, 0
+                            )
                         ts[name].append((time.perf_counter() - t0) / a.layers)
             mo, mn = (statistics.median(ts[n][2:]) * 1e6 for n in ("old", "new"))
-            print(f"{str(dtype)[6:]} batch {B} ctx {ctxlen}: {a.rev} {mo:.0f} us, this tree {mn:.0f} us per layer "
-                  f"call ({mo / mn:.2f}x); equal bit for bit: {torch.equal(outs['old'], outs['new'])}")
+            print(
+                f"{str(dtype)[6:]} batch {B} ctx {ctxlen}: {a.rev} {mo:.0f} us, this tree {mn:.0f} us per layer "
+                f"call ({mo / mn:.2f}x); equal bit for bit: {torch.equal(outs['old'], outs['new'])}"
+            )
     return 0
 
 

@@ -48,8 +48,14 @@ def cpu_info() -> dict:
     """molora.bench.common.machine_info() plus the int8 flags (avx512_vnni, amx_int8) of /proc/cpuinfo."""
     from molora.bench.common import machine_info
 
-    flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("flags")), [])
+    flags = next(
+        (
+            ln.split(":", 1)[1].split()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("flags")
+        ),
+        [],
+    )
     return {**machine_info(), "int8_flags": [f for f in ("avx512_vnni", "amx_int8") if f in flags]}
 
 
@@ -58,23 +64,30 @@ def variants(ws: list[torch.Tensor], dtype: torch.dtype, groups: list[int]) -> d
     from molora.ops import packed, quant
 
     wd = [w.to(dtype) for w in ws]
-    out = {"packed": [packed.PackedLinear(w) for w in wd],
-           "torch": [(lambda x, w=w: torch.nn.functional.linear(x, w)) for w in wd]}
+    out = {
+        "packed": [packed.PackedLinear(w) for w in wd],
+        "torch": [(lambda x, w=w: torch.nn.functional.linear(x, w)) for w in wd],
+    }
     q8 = [quant.quantize_int8(w) for w in ws]
     packs8 = [quant.prepack_int8(*q) for q in q8]
     out["int8"] = [(lambda x, p=p: quant.linear_int8(x, p)) for p in packs8]
     out["int8-wo"] = [(lambda x, q=q: torch._weight_int8pack_mm(x, q[0], q[1].to(x.dtype))) for q in q8]
-    if dtype == torch.float32:   # FBGEMM's dynamic int8 linear (module docstring); float32 activations only
+    if dtype == torch.float32:  # FBGEMM's dynamic int8 linear (module docstring); float32 activations only
         warnings.filterwarnings("ignore", message=".*quantize_per_channel.*")
-        packs = [torch.ops.quantized.linear_prepack(
-            torch.quantize_per_channel(w, (q[1].double()), torch.zeros(w.shape[0], dtype=torch.long), 0,
-                                       torch.qint8), None) for w, q in zip(ws, q8)]
+        packs = [
+            torch.ops.quantized.linear_prepack(
+                torch.quantize_per_channel(
+                    w, (q[1].double()), torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8
+                ),
+                None,
+            )
+            for w, q in zip(ws, q8)
+        ]
         out["fbgemm-a8w8"] = [(lambda x, p=p: torch.ops.quantized.linear_dynamic(x, p, False)) for p in packs]
     for g in groups:
         q4 = [quant.quantize_int4(w, g) for w in ws]
         packs = [(torch._convert_weight_to_int4pack_for_cpu(q[0], 1), q[1].to(dtype)) for q in q4]
-        out[f"int4/g{g}"] = [(lambda x, p=p, g=g: torch._weight_int4pack_mm_for_cpu(x, p[0], g, p[1]))
-                             for p in packs]
+        out[f"int4/g{g}"] = [(lambda x, p=p, g=g: torch._weight_int4pack_mm_for_cpu(x, p[0], g, p[1])) for p in packs]
     return out
 
 
@@ -91,8 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, k, generator=g) * 0.05 for _ in range(a.layers) for n, k in SHAPES]
-    record = {"cpu": cpu_info(), "torch": torch.__version__, "threads": a.threads, "layers": a.layers,
-              "repeats": a.repeats, "unit": "ms per pass (7 linears x layers)", "results": []}
+    record = {
+        "cpu": cpu_info(),
+        "torch": torch.__version__,
+        "threads": a.threads,
+        "layers": a.layers,
+        "repeats": a.repeats,
+        "unit": "ms per pass (7 linears x layers)",
+        "results": [],
+    }
     print(f"# {record['cpu']}", flush=True)
     for dtype in (torch.float32, torch.bfloat16):
         fns = variants(ws, dtype, a.groups)
@@ -105,18 +125,26 @@ def main(argv: list[str] | None = None) -> int:
                         f(xs[i % 7])
                 times: dict[str, list[float]] = {n: [] for n in names}
                 for r in range(a.repeats):
-                    order = names[r % len(names):] + names[:r % len(names)]
+                    order = names[r % len(names) :] + names[: r % len(names)]
                     for n in order:
                         t0 = time.perf_counter()
                         for i, f in enumerate(fns[n]):
                             f(xs[i % 7])
                         times[n].append((time.perf_counter() - t0) * 1e3)
             med = {n: statistics.median(v) for n, v in times.items()}
-            row = {"dtype": str(dtype).removeprefix("torch."), "T": T, "ms": med, "min_ms": {n: min(v) for n, v in times.items()},
-                   "vs_packed": {n: med["packed"] / med[n] for n in names}}
+            row = {
+                "dtype": str(dtype).removeprefix("torch."),
+                "T": T,
+                "ms": med,
+                "min_ms": {n: min(v) for n, v in times.items()},
+                "vs_packed": {n: med["packed"] / med[n] for n in names},
+            }
             record["results"].append(row)
-            print(f"{row['dtype']:>8} T={T:<4} " + "  ".join(f"{n} {med[n]:7.2f} ({row['vs_packed'][n]:.2f}x)"
-                                                          for n in names), flush=True)
+            print(
+                f"{row['dtype']:>8} T={T:<4} "
+                + "  ".join(f"{n} {med[n]:7.2f} ({row['vs_packed'][n]:.2f}x)" for n in names),
+                flush=True,
+            )
     line = json.dumps(record)
     if a.json:
         a.json.write_text(json.dumps(record, indent=1) + "\n")

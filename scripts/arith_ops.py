@@ -39,13 +39,14 @@ _ANSWER = re.compile(r"answer is\s*(-?\d+)")
 @dataclass
 class Step:
     """One "a op b = ... = c" the model wrote; `operands_ok` None where the replay lost alignment."""
+
     text: str
     a: int
     op: str
     b: int
     c: int
-    where: str                       # "group" or "final"
-    rewrites_ok: bool                # every middle part evaluates to the true value
+    where: str  # "group" or "final"
+    rewrites_ok: bool  # every middle part evaluates to the true value
     operands_ok: bool | None = None
 
     @property
@@ -73,7 +74,7 @@ def _value(expr: str) -> int | None:
 
 
 def parse_step(text: str, where: str) -> Step | None:
-    """"a op b = ... = c" -> Step; None if the first part is not a binary operation or the last not an int."""
+    """ "a op b = ... = c" -> Step; None if the first part is not a binary operation or the last not an int."""
     parts = [p.strip() for p in text.strip().rstrip(".").split(" = ")]
     m = _BINARY.match(parts[0]) if len(parts) >= 2 else None
     if not m or not _INT.match(parts[-1]):
@@ -97,7 +98,7 @@ def parse_solution(prediction: str) -> dict:
     groups, final = [], []
     for k, h in enumerate(heads):
         end = heads[k + 1].start() if k + 1 < len(heads) else len(body)
-        segment = body[h.end():end].strip()
+        segment = body[h.end() : end].strip()
         inside, dot, rest = segment.partition(". ") if ". " in segment else (segment.rstrip("."), "", "")
         groups.append((h[1], [parse_step(s, "group") for s in inside.split("; ") if s.strip()]))
         if k + 1 == len(heads) and rest.strip():
@@ -118,7 +119,7 @@ def _replay_group(expr: str, steps: list[Step | None]) -> int | None:
         s.operands_ok = (s.a, s.op, s.b) == (nums[i], ops[i], nums[i + 1])
         if not s.operands_ok:
             return None
-        nums[i: i + 2] = [s.c]
+        nums[i : i + 2] = [s.c]
         del ops[i]
     return nums[0] if not ops else None
 
@@ -237,11 +238,15 @@ def report(rows: list[dict]) -> dict:
 
 
 # the buckets the results page shows, before and after (the record holds every bucket)
-SHOWN = (("by_op", ("+", "-", "*")),
-         ("by_op_signs", ("pos + pos", "pos + neg", "neg + pos", "neg + neg", "pos - pos", "pos - neg", "neg - pos",
-                          "neg - neg")),
-         ("by_op_digits", ("1d * 1d", "2d * 1d", "2d * 2d")),
-         ("by_position", ("group +", "group -", "group *", "final +", "final -", "final *")))
+SHOWN = (
+    ("by_op", ("+", "-", "*")),
+    (
+        "by_op_signs",
+        ("pos + pos", "pos + neg", "neg + pos", "neg + neg", "pos - pos", "pos - neg", "neg - pos", "neg - neg"),
+    ),
+    ("by_op_digits", ("1d * 1d", "2d * 1d", "2d * 2d")),
+    ("by_position", ("group +", "group -", "group *", "final +", "final -", "final *")),
+)
 
 
 def _pct(rate: dict | None) -> str:
@@ -253,21 +258,34 @@ def render_section(after: dict, docs: Path | None = None) -> list[str]:
     `after` beside the record it names in "compared_with" (a file beside it under docs/)."""
     docs = docs or Path(__file__).resolve().parent.parent / "docs"
     before = json.loads((docs / after["compared_with"]).read_text()) if after.get("compared_with") else {}
-    rows = [["items right", _pct(before.get("items")), _pct(after["items"])],
-            ["steps right", _pct(before.get("steps")), _pct(after["steps"])],
-            ["operands copied right", _pct(before.get("operands_copied")), _pct(after["operands_copied"])]]
+    rows = [
+        ["items right", _pct(before.get("items")), _pct(after["items"])],
+        ["steps right", _pct(before.get("steps")), _pct(after["steps"])],
+        ["operands copied right", _pct(before.get("operands_copied")), _pct(after["operands_copied"])],
+    ]
     for group, keys in SHOWN:
-        rows += [[f"{group.removeprefix('by_').replace('_', ' ')}: {k}", _pct(before.get(group, {}).get(k)),
-                  _pct(after.get(group, {}).get(k))] for k in keys]
+        rows += [
+            [
+                f"{group.removeprefix('by_').replace('_', ' ')}: {k}",
+                _pct(before.get(group, {}).get(k)),
+                _pct(after.get(group, {}).get(k)),
+            ]
+            for k in keys
+        ]
     lines = ["| | before | after |", "|---|---|---|"] + ["| " + " | ".join(r) + " |" for r in rows]
-    return ["## Arithmetic, per operation (validation items)", "",
-            f"{after['items']['n']} validation items (`docs/arith_val_items.json`, held-out split \"val\"), answered "
-            "by the arithmetic adapter alone; `scripts/arith_ops.py` reads every written step \"a op b = c\" and "
-            "scores it against true arithmetic (how many steps, or items, in brackets). Before: the adapter shipped "
-            "before "
-            f"issue 22 ({after.get('compared_with', '-')}). After: {after.get('adapter', '-')}. The choice was made "
-            "on these items, so they are not a test score; the test score is in the table above.", "",
-            *lines, ""]
+    return [
+        "## Arithmetic, per operation (validation items)",
+        "",
+        f'{after["items"]["n"]} validation items (`docs/arith_val_items.json`, held-out split "val"), answered '
+        'by the arithmetic adapter alone; `scripts/arith_ops.py` reads every written step "a op b = c" and '
+        "scores it against true arithmetic (how many steps, or items, in brackets). Before: the adapter shipped "
+        "before "
+        f"issue 22 ({after.get('compared_with', '-')}). After: {after.get('adapter', '-')}. The choice was made "
+        "on these items, so they are not a test score; the test score is in the table above.",
+        "",
+        *lines,
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

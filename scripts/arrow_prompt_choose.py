@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         for _, ids in prompts:
             x = torch.tensor([ids])
-            out = mm(x, adapter_ids=torch.full_like(x, -1), output_hidden_states=True, use_cache=False,
-                     logits_to_keep=1)
+            out = mm(
+                x, adapter_ids=torch.full_like(x, -1), output_hidden_states=True, use_cache=False, logits_to_keep=1
+            )
             per = {}
             for b in blocks:
                 module = router._block_linear[b]
@@ -77,8 +78,18 @@ def main(argv: list[str] | None = None) -> int:
                 per[b] = cos / router.general_rms(module, h.device)
             ratios.append(per)
     if a.save:
-        torch.save({"labels": [p[0] for p in prompts], "ratios": ratios, "own": own, "tasks": tasks,
-                    "blocks": blocks, "num_blocks": L, "calibration_tokens": router._calib_tokens}, a.save)
+        torch.save(
+            {
+                "labels": [p[0] for p in prompts],
+                "ratios": ratios,
+                "own": own,
+                "tasks": tasks,
+                "blocks": blocks,
+                "num_blocks": L,
+                "calibration_tokens": router._calib_tokens,
+            },
+            a.save,
+        )
     grid = []
     for b, thr, share in itertools.product(blocks, THRESHOLDS, SHARES):
         hits: dict[str, list[bool]] = {t: [] for t in [*tasks, "general"]}
@@ -88,20 +99,33 @@ def main(argv: list[str] | None = None) -> int:
             best, ids = per[b].max(-1)
             probe = torch.where(best < thr, -1, ids)[None]
             routes = fill_prompt_routes(probe, None, share, last_takes_top=True)
-            dest = int(routes[0, -1])                    # what the answer runs on
+            dest = int(routes[0, -1])  # what the answer runs on
             hits[label].append(dest == (-1 if label == "general" else own[label]))
-        row = {"block": b, "rms_threshold": thr, "prompt_share": share,
-               **{t: round(100 * sum(v) / len(v), 2) for t, v in hits.items()}}
+        row = {
+            "block": b,
+            "rms_threshold": thr,
+            "prompt_share": share,
+            **{t: round(100 * sum(v) / len(v), 2) for t, v in hits.items()},
+        }
         row["skills_mean"] = round(statistics.mean(row[t] for t in tasks), 2)
         grid.append(row)
     ok = [r for r in grid if r["general"] >= 95] or grid
     best = max(ok, key=lambda r: (r["skills_mean"], r["rms_threshold"], r["block"]))
-    rec = {"command": "python scripts/arrow_prompt_choose.py --json " + a.json + f" --n-val {a.n_val}",
-           "date": time.strftime("%Y-%m-%d"), "machine": machine_info(), "tasks": tasks, "n_val_per_skill": a.n_val,
-           "n_general_val": sum(1 for p in prompts if p[0] == "general"),
-           "n_calibration_prompts": len(calib), "blocks": blocks, "num_blocks": L,
-           "calibration_tokens": router._calib_tokens, "grid": grid, "chosen": best,
-           "seconds": round(time.time() - t0, 1)}
+    rec = {
+        "command": "python scripts/arrow_prompt_choose.py --json " + a.json + f" --n-val {a.n_val}",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine_info(),
+        "tasks": tasks,
+        "n_val_per_skill": a.n_val,
+        "n_general_val": sum(1 for p in prompts if p[0] == "general"),
+        "n_calibration_prompts": len(calib),
+        "blocks": blocks,
+        "num_blocks": L,
+        "calibration_tokens": router._calib_tokens,
+        "grid": grid,
+        "chosen": best,
+        "seconds": round(time.time() - t0, 1),
+    }
     Path(a.json).write_text(json.dumps(rec, indent=1) + "\n")
     print(json.dumps(best))
     return 0

@@ -1,6 +1,7 @@
 """Engine throughput on a quantized base: int8 and int4 against float32 and bfloat16, interleaved, in one process.
 
-    python scripts/bench_quant.py [--requests 16] [--prompt-len 64] [--new-tokens 32] [--repeats 3] [--json docs/quant.json]
+    python scripts/bench_quant.py [--requests 16] [--prompt-len 64] [--new-tokens 32] [--repeats 3] [--json
+    docs/quant.json]
 
 The engine bench's workload (molora.bench.engine: SmolLM2-135M, 4 random r=16 adapters on all seven projections, a
 VocabRouter over 4 vocabulary ranges, so every step routes per token over all adapters; random prompts, greedy, eos
@@ -27,9 +28,15 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "int8": (torch.float32, "int8"),
-            "int8-bf16": (torch.bfloat16, "int8"), "int4-bf16": (torch.bfloat16, "int4"), "int4": (torch.float32, "int4")}
-DEFAULT = ["fp32", "bf16", "int8", "int8-bf16", "int4-bf16"]   # int4 in float32: torch's kernel ran 0.01-0.03x the
+VARIANTS = {
+    "fp32": (torch.float32, None),
+    "bf16": (torch.bfloat16, None),
+    "int8": (torch.float32, "int8"),
+    "int8-bf16": (torch.bfloat16, "int8"),
+    "int4-bf16": (torch.bfloat16, "int4"),
+    "int4": (torch.float32, "int4"),
+}
+DEFAULT = ["fp32", "bf16", "int8", "int8-bf16", "int4-bf16"]  # int4 in float32: torch's kernel ran 0.01-0.03x the
 # packed float32 GEMM at T = 8-128 (docs/quant_linear.json), a 1024-token prefill alone would take minutes
 
 
@@ -63,19 +70,31 @@ def main(argv: list[str] | None = None) -> int:
     from molora.model.quant_linear import weight_bytes
     from molora.routing import VocabRouter
 
-    flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("flags")), [])
-    record = {"machine": {**machine_info(), "int8_flags": [f for f in ("avx512_vnni", "amx_int8") if f in flags]},
-              "requests": a.requests, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "repeats": a.repeats,
-              "routing": "vocab (per token over 4 adapters, r=16, all seven projections)",
-              "gguf_bytes": default_gguf_path().stat().st_size, "variants": {}}
+    flags = next(
+        (
+            ln.split(":", 1)[1].split()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("flags")
+        ),
+        [],
+    )
+    record = {
+        "machine": {**machine_info(), "int8_flags": [f for f in ("avx512_vnni", "amx_int8") if f in flags]},
+        "requests": a.requests,
+        "prompt_len": a.prompt_len,
+        "new_tokens": a.new_tokens,
+        "repeats": a.repeats,
+        "routing": "vocab (per token over 4 adapters, r=16, all seven projections)",
+        "gguf_bytes": default_gguf_path().stat().st_size,
+        "variants": {},
+    }
     engines, outputs = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.variants:
             dtype, scheme = VARIANTS[name]
             model, _tok = load_base()
             vocab = model.config.vocab_size
-            paths = make_adapters(model, Path(tmp), 4, 16)       # the same seed: the same adapters every time
+            paths = make_adapters(model, Path(tmp), 4, 16)  # the same seed: the same adapters every time
             q = vocab // 4
             router = VocabRouter([(i * q, (i + 1) * q if i < 3 else vocab, f"skill{i}") for i in range(4)])
             mm = attach(model, paths, router=router, quantization=scheme)
@@ -83,38 +102,55 @@ def main(argv: list[str] | None = None) -> int:
                 mm.to(dtype)
             prompts, news = workload(a.requests, a.prompt_len, a.new_tokens, vocab, False)
             longest = a.prompt_len + a.new_tokens + 16
-            cfg = EngineConfig(max_num_seqs=a.requests, max_tokens_per_step=512, block_size=16,
-                               kv_budget_tokens=a.requests * (longest + 16), max_model_len=longest, stop_at_eos=False)
+            cfg = EngineConfig(
+                max_num_seqs=a.requests,
+                max_tokens_per_step=512,
+                block_size=16,
+                kv_budget_tokens=a.requests * (longest + 16),
+                max_model_len=longest,
+                stop_at_eos=False,
+            )
             engines[name] = Engine(mm, cfg)
             wb = weight_bytes(mm.model)
-            record["variants"][name] = {"dtype": str(dtype).removeprefix("torch."), "quantization": scheme,
-                                        "weight_bytes": wb, "weight_bytes_total": sum(wb.values())}
+            record["variants"][name] = {
+                "dtype": str(dtype).removeprefix("torch."),
+                "quantization": scheme,
+                "weight_bytes": wb,
+                "weight_bytes_total": sum(wb.values()),
+            }
             print(f"# {name}: weights {sum(wb.values()) / 1e6:.1f} MB", file=sys.stderr, flush=True)
         params = [SamplingParams(max_new_tokens=n) for n in news]
         names = list(engines)
         secs: dict[str, list[float]] = {n: [] for n in names}
-        for n in names:                    # warm up (packing, FBGEMM's prepack) on a short request
+        for n in names:  # warm up (packing, FBGEMM's prepack) on a short request
             engines[n].generate(prompts[:2], SamplingParams(max_new_tokens=2), routing="vocab")
         for i in range(a.repeats):
-            for n in names[i % len(names):] + names[:i % len(names)]:
+            for n in names[i % len(names) :] + names[: i % len(names)]:
                 t0 = time.perf_counter()
                 out = engines[n].generate(prompts, params, routing="vocab")
                 secs[n].append(time.perf_counter() - t0)
-                outputs[n] = [r.new_token_ids for r in out]             # greedy: the same every repetition
+                outputs[n] = [r.new_token_ids for r in out]  # greedy: the same every repetition
                 print(f"  {n}: {secs[n][-1]:.2f} s", file=sys.stderr, flush=True)
     gen = sum(news)
     base = statistics.median(secs.get("fp32", secs[names[0]]))
     for n in names:
         med = statistics.median(secs[n])
         v = record["variants"][n]
-        v.update(s=med, samples_s=[round(x, 4) for x in secs[n]], tok_s=gen / med, vs_fp32=base / med,
-                 weights_vs_gguf=v["weight_bytes_total"] / record["gguf_bytes"])
+        v.update(
+            s=med,
+            samples_s=[round(x, 4) for x in secs[n]],
+            tok_s=gen / med,
+            vs_fp32=base / med,
+            weights_vs_gguf=v["weight_bytes_total"] / record["gguf_bytes"],
+        )
         if "fp32" in outputs and n != "fp32":
             v["greedy_agreement_vs_fp32"] = agreement(outputs["fp32"], outputs[n])
-        print(f"{n:>10}: {med:6.2f} s  {gen / med:7.1f} tok/s  {base / med:5.2f}x fp32  weights "
-              f"{v['weight_bytes_total'] / 1e6:6.1f} MB ({v['weights_vs_gguf']:.2f}x GGUF)"
-              + (f"  greedy = fp32 {v['greedy_agreement_vs_fp32']:.2f}" if "greedy_agreement_vs_fp32" in v else ""),
-              flush=True)
+        print(
+            f"{n:>10}: {med:6.2f} s  {gen / med:7.1f} tok/s  {base / med:5.2f}x fp32  weights "
+            f"{v['weight_bytes_total'] / 1e6:6.1f} MB ({v['weights_vs_gguf']:.2f}x GGUF)"
+            + (f"  greedy = fp32 {v['greedy_agreement_vs_fp32']:.2f}" if "greedy_agreement_vs_fp32" in v else ""),
+            flush=True,
+        )
     if a.json:
         a.json.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record))

@@ -38,7 +38,7 @@ from molora.eval.runner import evaluate
 from molora.routing.learned import LearnedRouter
 
 GRID = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7)
-MARGIN = 0.05                          # a prompt counts as separated this far from prompt_share
+MARGIN = 0.05  # a prompt counts as separated this far from prompt_share
 SYSTEM = "You are a helpful assistant."  # what many OpenAI clients send first
 
 
@@ -59,16 +59,22 @@ def stage1(mm, router: LearnedRouter, prompts: dict[str, list[str]], cached: dic
         per_skill = {k: v for k, v in shares.items() if k != "general"}
         skill = [x for v in per_skill.values() for x in v]
         gen = shares["general"]
-        s = choose_prompt_share(gen, per_skill)   # the loss bound holds for each skill (and the mixed firsts)
+        s = choose_prompt_share(gen, per_skill)  # the loss bound holds for each skill (and the mixed firsts)
         kept = sum(g < s for g in gen) / len(gen)
         robust = (sum(g < s - MARGIN for g in gen) / len(gen) + sum(x >= s + MARGIN for x in skill) / len(skill)) / 2
-        rows[str(c)] = {"prompt_share": s, "general_on_base": round(100 * kept, 2),
-                        "skill_locked": round(100 * sum(x < s for x in skill) / len(skill), 2),
-                        "skill_locked_per_skill": {k: sum(x < s for x in v) for k, v in per_skill.items()},
-                        "separated_with_margin": round(100 * robust, 2), "min_skill_share": round(min(skill), 4),
-                        "shares": {k: [round(x, 4) for x in v] for k, v in shares.items()}}
-        log(f"confidence {c}: prompt_share {s}, general prompts kept on the base {100 * kept:.1f}%, "
-            f"separated by {MARGIN}: {100 * robust:.1f}%, lowest skill share {min(skill):.3f}")
+        rows[str(c)] = {
+            "prompt_share": s,
+            "general_on_base": round(100 * kept, 2),
+            "skill_locked": round(100 * sum(x < s for x in skill) / len(skill), 2),
+            "skill_locked_per_skill": {k: sum(x < s for x in v) for k, v in per_skill.items()},
+            "separated_with_margin": round(100 * robust, 2),
+            "min_skill_share": round(min(skill), 4),
+            "shares": {k: [round(x, 4) for x in v] for k, v in shares.items()},
+        }
+        log(
+            f"confidence {c}: prompt_share {s}, general prompts kept on the base {100 * kept:.1f}%, "
+            f"separated by {MARGIN}: {100 * robust:.1f}%, lowest skill share {min(skill):.3f}"
+        )
     router.config = base_cfg
     best = max(GRID, key=lambda c: (rows[str(c)]["separated_with_margin"], -c))
     return {"grid": rows, "confidence": best, "prompt_share": rows[str(best)]["prompt_share"], "margin": MARGIN}
@@ -98,11 +104,22 @@ def main() -> int:
     skill_items = {t: held_out(t, args.n_skill, banned, split="val")[0] for t in tasks}
     mixed = held_out_mixed(tasks, args.n_mixed, banned, split="val")
     general = general_split()["val"]
-    prompts = {"general": [g["prompt"] for g in general], **{t: [it.input for it in v] for t, v in skill_items.items()},
-               "mixed_first": [r["parts"][0]["input"] for r in mixed]}
-    record = {"bundle": str(bundle.folder), "fingerprint_before": fingerprint(bundle), "command": command,
-              "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "n_skill": args.n_skill,
-              "n_mixed": args.n_mixed, "n_general": len(general), "routers": {}}
+    prompts = {
+        "general": [g["prompt"] for g in general],
+        **{t: [it.input for it in v] for t, v in skill_items.items()},
+        "mixed_first": [r["parts"][0]["input"] for r in mixed],
+    }
+    record = {
+        "bundle": str(bundle.folder),
+        "fingerprint_before": fingerprint(bundle),
+        "command": command,
+        "date": time.strftime("%Y-%m-%d"),
+        "threads": args.threads,
+        "n_skill": args.n_skill,
+        "n_mixed": args.n_mixed,
+        "n_general": len(general),
+        "routers": {},
+    }
     variants = ["router"] + [v for v in ("router_shared", "router_composable") if (bundle.folder / v).is_dir()]
     for v in variants:
         router = mm.router if v == "router" else LearnedRouter.load(bundle.folder / v).to(mm.device)
@@ -114,18 +131,21 @@ def main() -> int:
         record["routers"][v] = stage1(mm, router, prompts, cached)
         if args.write:
             chosen = record["routers"][v]
-            router.config = dataclasses.replace(router.config, confidence=chosen["confidence"],
-                                                prompt_share=chosen["prompt_share"])
+            router.config = dataclasses.replace(
+                router.config, confidence=chosen["confidence"], prompt_share=chosen["prompt_share"]
+            )
             router.save(bundle.folder / v)
     if not args.skip_generation:
         chosen = record["routers"]["router"]
         router = mm.router
-        router.config = dataclasses.replace(router.config, confidence=chosen["confidence"],
-                                            prompt_share=chosen["prompt_share"])
-        policies = {"chosen": router.config,
-                    "no_probe": dataclasses.replace(router.config, probe_prompt=False, prompt_share=0.0),
-                    "no_carry": dataclasses.replace(router.config, probe_prompt=False, prompt_share=0.0,
-                                                    carry_blocks=0)}
+        router.config = dataclasses.replace(
+            router.config, confidence=chosen["confidence"], prompt_share=chosen["prompt_share"]
+        )
+        policies = {
+            "chosen": router.config,
+            "no_probe": dataclasses.replace(router.config, probe_prompt=False, prompt_share=0.0),
+            "no_carry": dataclasses.replace(router.config, probe_prompt=False, prompt_share=0.0, carry_blocks=0),
+        }
         gen = {}
         n_gen = args.n_generate or args.n_skill
         for t in tasks:
@@ -139,16 +159,20 @@ def main() -> int:
             router.config = policies["chosen"]
             log(f"{t}: " + ", ".join(f"{k} {s['accuracy']}" for k, s in gen[t].items()))
         write_jsonl(work / "mixed.jsonl", mixed[:n_gen])
-        gen["mixed"] = {m: evaluate(mm, f"mixed:{work / 'mixed.jsonl'}", m, progress=False)[0]
-                        for m in ("learned", "sequence")}
+        gen["mixed"] = {
+            m: evaluate(mm, f"mixed:{work / 'mixed.jsonl'}", m, progress=False)[0] for m in ("learned", "sequence")
+        }
         log("mixed: " + ", ".join(f"{k} {s['accuracy']}" for k, s in gen["mixed"].items()))
-        write_jsonl(work / "general_val.jsonl", [{"id": g["id"], "source": g["source"], "prompt": g["prompt"]}
-                                                 for g in general])
+        write_jsonl(
+            work / "general_val.jsonl", [{"id": g["id"], "source": g["source"], "prompt": g["prompt"]} for g in general]
+        )
         gsum, _ = evaluate_general(mm, f"general:{work / 'general_val.jsonl'}", "learned")
         gen["general"] = {"learned": gsum}
         log(f"general: {json.dumps(gsum)}")
-        write_jsonl(work / "general_val_system.jsonl", [{"id": g["id"], "source": g["source"], "prompt": g["prompt"],
-                                                        "system": SYSTEM} for g in general])
+        write_jsonl(
+            work / "general_val_system.jsonl",
+            [{"id": g["id"], "source": g["source"], "prompt": g["prompt"], "system": SYSTEM} for g in general],
+        )
         gsum, _ = evaluate_general(mm, f"general:{work / 'general_val_system.jsonl'}", "learned")
         gen["general"]["learned_with_system"] = gsum
         log(f"general with a system message: {json.dumps(gsum)}")

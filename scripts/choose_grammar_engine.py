@@ -45,6 +45,7 @@ class Xgr:
 
     def __init__(self, tok: Any, vocab_size: int) -> None:
         import xgrammar as xgr
+
         self.xgr = xgr
         t = time.perf_counter()
         self.info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
@@ -75,6 +76,7 @@ class Llg:
         import llguidance
         import llguidance.hf
         import llguidance.torch
+
         self.llg = llguidance
         t = time.perf_counter()
         self.tok = llguidance.hf.from_tokenizer(tok, n_vocab=vocab_size)
@@ -82,8 +84,9 @@ class Llg:
         self.version = _dist_version("llguidance")
 
     def compile(self, schema: dict) -> Any:
-        grammar = self.llg.LLMatcher.grammar_from_json_schema(json.dumps(schema),
-                                                               defaults={"whitespace_flexible": False})
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults={"whitespace_flexible": False}
+        )
         m = self.llg.LLMatcher(self.tok, grammar)
         if m.is_error():
             raise ValueError(m.get_error())
@@ -105,11 +108,13 @@ class Llg:
 class Olc:
     """outlines-core takes no transformers tokenizer: the vocabulary is rebuilt here as bytes per token
     (byte-level BPE symbols mapped back to bytes, as the outlines library does)."""
+
     name = "outlines-core"
 
     def __init__(self, tok: Any, vocab_size: int) -> None:
         import outlines_core
         from outlines_core.kernels.torch import fill_next_token_bitmask
+
         self.oc, self._fill = outlines_core, fill_next_token_bitmask
         t = time.perf_counter()
         byte_of = {c: b for b, c in _bytes_to_unicode().items()}
@@ -118,21 +123,23 @@ class Olc:
         for text, i in tok.get_vocab().items():
             if i == eos or i in tok.all_special_ids:
                 continue
-            table.setdefault(bytes(byte_of[c] for c in text) if all(c in byte_of for c in text)
-                             else text.encode(), []).append(i)
+            table.setdefault(
+                bytes(byte_of[c] for c in text) if all(c in byte_of for c in text) else text.encode(), []
+            ).append(i)
         self.vocab = outlines_core.Vocabulary(eos, table)
         self.setup_s = time.perf_counter() - t
         self.version = _dist_version("outlines_core")
 
     def compile(self, schema: dict) -> Any:
         from outlines_core.json_schema import build_regex_from_schema
+
         return self.oc.Index(build_regex_from_schema(json.dumps(schema), None), self.vocab)
 
     def matcher(self, compiled: Any) -> Any:
         return self.oc.Guide(compiled)
 
     def fill(self, m: Any, bitmask: torch.Tensor, row: int) -> None:
-        self._fill(m, bitmask[row:row + 1])
+        self._fill(m, bitmask[row : row + 1])
 
     def accept(self, m: Any, token: int) -> bool:
         try:
@@ -147,8 +154,7 @@ class Olc:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (byte-level BPE vocabularies spell tokens with it)."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
@@ -160,19 +166,21 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def _dist_version(name: str) -> str:
     from importlib.metadata import version
+
     return version(name)
 
 
 # ----------------------------------------------------------------------------- measurements
 def allowed_ids(bitmask_row: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Token ids whose bit is set in one packed int32 row [W]."""
-    bits = (bitmask_row[:, None] >> torch.arange(32, dtype=torch.int32)) & 1        # [W, 32]
+    bits = (bitmask_row[:, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [W, 32]
     return bits.reshape(-1)[:vocab_size].nonzero().squeeze(-1)
 
 
 def walk(engine: Any, compiled: Any, vocab_size: int, eos: int, steps: int, seed: int) -> tuple[list[int], bool]:
     """A seeded random walk through the grammar: each step a uniformly drawn allowed token. (tokens, ended)."""
     from xgrammar import allocate_token_bitmask
+
     g = torch.Generator().manual_seed(seed)
     m, mask, out = engine.matcher(compiled), allocate_token_bitmask(1, vocab_size), []
     for _ in range(steps):
@@ -196,6 +204,7 @@ def walk(engine: Any, compiled: Any, vocab_size: int, eos: int, steps: int, seed
 def mask_step_ms(engine: Any, compiled: list[Any], walks: list[list[int]], vocab_size: int, batch: int) -> float:
     """Median ms of one step's masks for `batch` matchers (schemas cycled), replaying each row's own walk."""
     from xgrammar import allocate_token_bitmask
+
     rows = [(compiled[r % len(compiled)], walks[r % len(walks)]) for r in range(batch)]
     matchers = [engine.matcher(c) for c, _ in rows]
     mask = allocate_token_bitmask(batch, vocab_size)
@@ -213,10 +222,13 @@ def mask_step_ms(engine: Any, compiled: list[Any], walks: list[list[int]], vocab
     return statistics.median(times)
 
 
-def measure(engine: Any, schemas: list[dict], tok: Any, vocab_size: int, steps: int,
-            compile_timeout_s: float) -> dict:
-    res: dict[str, Any] = {"engine": engine.name, "version": engine.version, "setup_s": round(engine.setup_s, 3),
-                           "failures": {}}
+def measure(engine: Any, schemas: list[dict], tok: Any, vocab_size: int, steps: int, compile_timeout_s: float) -> dict:
+    res: dict[str, Any] = {
+        "engine": engine.name,
+        "version": engine.version,
+        "setup_s": round(engine.setup_s, 3),
+        "failures": {},
+    }
     compiled, ctimes, walks, complete, valid = [], [], [], 0, 0
     for i, s in enumerate(schemas):
         t0 = time.perf_counter()
@@ -243,8 +255,8 @@ def measure(engine: Any, schemas: list[dict], tok: Any, vocab_size: int, steps: 
     res["coverage"] = round(len(compiled) / len(schemas), 3)
     res["compile_ms_median"] = round(statistics.median(ctimes), 2) if ctimes else None
     res["compile_ms_max"] = round(max(ctimes), 2) if ctimes else None
-    res["walks_complete"] = complete    # walks that reached the grammar's end within --steps tokens
-    res["walks_valid"] = valid          # of those, answers that parse and validate
+    res["walks_complete"] = complete  # walks that reached the grammar's end within --steps tokens
+    res["walks_valid"] = valid  # of those, answers that parse and validate
     res["mask_ms_b32"] = round(mask_step_ms(engine, compiled, walks, vocab_size, 32), 3) if compiled else None
     res["mask_ms_b1"] = round(mask_step_ms(engine, compiled, walks, vocab_size, 1), 3) if compiled else None
     return res
@@ -258,6 +270,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     from molora.model.base import load_base
+
     model, tok = load_base()
     vocab_size = int(model.config.vocab_size)
     del model
@@ -272,12 +285,23 @@ def main() -> None:
             continue
         results.append(measure(eng, schemas, tok, vocab_size, args.steps, args.compile_timeout_s))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "failures"}), flush=True)
-    record = {"split": "validation", "schemas": len(schemas), "tokenizer": "SmolLM2-135M-Instruct",
-              "vocab_size": vocab_size, "cpu": cpu_model(), "threads": 1, "torch": torch.__version__,
-              "python": platform.python_version(), "results": results}
+    record = {
+        "split": "validation",
+        "schemas": len(schemas),
+        "tokenizer": "SmolLM2-135M-Instruct",
+        "vocab_size": vocab_size,
+        "cpu": cpu_model(),
+        "threads": 1,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "results": results,
+    }
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps({r["engine"]: {k: r.get(k) for k in ("coverage", "compile_ms_median", "mask_ms_b32")}
-                      for r in results}))
+    print(
+        json.dumps(
+            {r["engine"]: {k: r.get(k) for k in ("coverage", "compile_ms_median", "mask_ms_b32")} for r in results}
+        )
+    )
 
 
 if __name__ == "__main__":

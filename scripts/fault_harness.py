@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Fault markers: a prompt that starts with three of these token ids (text never tokenizes to that at position
 # 0, where chat prompts hold the template's tokens) makes its step raise (POISON) or sleep HANG_S (HANG).
 POISON, HANG = 49150, 49151
-HANG_S, STALL_S = 12.0, 4.0      # the injected hang; the server's --stall-timeout
+HANG_S, STALL_S = 12.0, 4.0  # the injected hang; the server's --stall-timeout
 ADMIN = "harness-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}  # an admin key is also an API key
 KINDS = {"ok": 0.62, "disconnect": 0.08, "deadline": 0.08, "invalid": 0.10, "poison": 0.04, "extra": 0.08}
@@ -53,6 +53,7 @@ CLIENT_TIMEOUT_S = 300.0
 
 
 # ---------------------------------------------------------------------------------------------- server child
+
 
 def serve_child(port: int) -> None:
     """The server with one injected fault (see the module docstring)."""
@@ -73,8 +74,15 @@ def serve_child(port: int) -> None:
 
     hung: list[bool] = []
     engine._run = faulty
-    serve(engine=engine, port=port, admin_keys=[ADMIN], adapter_roots=[adapter_root()], log_level="warning",
-          limits=Limits(request_timeout_s=240, queue_timeout_s=120), stall_s=STALL_S)
+    serve(
+        engine=engine,
+        port=port,
+        admin_keys=[ADMIN],
+        adapter_roots=[adapter_root()],
+        log_level="warning",
+        limits=Limits(request_timeout_s=240, queue_timeout_s=120),
+        stall_s=STALL_S,
+    )
 
 
 def adapter_root() -> Path:
@@ -87,7 +95,9 @@ def start_server() -> tuple[subprocess.Popen, str]:
     from molora.server.launch import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port)], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve", str(port)], env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -105,6 +115,7 @@ def start_server() -> tuple[subprocess.Popen, str]:
 
 # ---------------------------------------------------------------------------------------------- traffic
 
+
 def plan(n: int, seed: int, adapters: list[str], model: str) -> list[dict]:
     from molora.bench.serve import make_prompts
 
@@ -114,9 +125,15 @@ def plan(n: int, seed: int, adapters: list[str], model: str) -> list[dict]:
     work = []
     for i in range(n):
         kind = rng.choices(kinds, weights)[0]
-        job = {"i": i, "kind": kind, "prompt": prompts[i % len(prompts)], "stream": rng.random() < 0.5,
-               "chat": rng.random() < 0.7, "max_tokens": rng.randint(4, 16),
-               "model": rng.choice([model] * 3 + [f"{model}:{a}" for a in adapters])}
+        job = {
+            "i": i,
+            "kind": kind,
+            "prompt": prompts[i % len(prompts)],
+            "stream": rng.random() < 0.5,
+            "chat": rng.random() < 0.7,
+            "max_tokens": rng.randint(4, 16),
+            "model": rng.choice([model] * 3 + [f"{model}:{a}" for a in adapters]),
+        }
         if kind == "deadline":
             job.update(timeout=round(rng.uniform(0.02, 0.6), 3), max_tokens=64)
         elif kind == "disconnect":
@@ -133,14 +150,28 @@ def body(job: dict) -> tuple[str, Any]:
     """(path, JSON body or raw bytes) of a job."""
     opts = {"timeout": job["timeout"]} if "timeout" in job else None
     if job["kind"] == "poison":
-        return "/v1/completions", {"model": job["model"].split(":")[0], "prompt": [POISON] * 3 + [17, 23, 5],
-                                   "max_tokens": job["max_tokens"], "stream": job["stream"]}
+        return "/v1/completions", {
+            "model": job["model"].split(":")[0],
+            "prompt": [POISON] * 3 + [17, 23, 5],
+            "max_tokens": job["max_tokens"],
+            "stream": job["stream"],
+        }
     if job["chat"]:
-        b = {"model": job["model"], "messages": [{"role": "user", "content": job["prompt"]}],
-             "max_tokens": job["max_tokens"], "temperature": 0, "stream": job["stream"]}
+        b = {
+            "model": job["model"],
+            "messages": [{"role": "user", "content": job["prompt"]}],
+            "max_tokens": job["max_tokens"],
+            "temperature": 0,
+            "stream": job["stream"],
+        }
     else:
-        b = {"model": job["model"], "prompt": job["prompt"], "max_tokens": job["max_tokens"], "temperature": 0,
-             "stream": job["stream"]}
+        b = {
+            "model": job["model"],
+            "prompt": job["prompt"],
+            "max_tokens": job["max_tokens"],
+            "temperature": 0,
+            "stream": job["stream"],
+        }
     if opts:
         b["molora"] = opts
     bad = job.get("bad")
@@ -217,8 +248,12 @@ def classify(job: dict, res: dict) -> str:
     status, code = res.get("status"), res.get("code")
     if job["kind"] == "disconnect" and res.get("dropped"):
         return "by_design"
-    if status == 200 and code is None and res.get("finish") in ("stop", "length") and \
-            (not job["stream"] or res.get("done")):
+    if (
+        status == 200
+        and code is None
+        and res.get("finish") in ("stop", "length")
+        and (not job["stream"] or res.get("done"))
+    ):
         return "completed"
     if job["kind"] == "deadline" and status == 200 and code == "timeout":  # the stream's in-band deadline
         return "by_design"
@@ -278,8 +313,9 @@ async def hang_probe(base: str, model: str) -> dict:
     """One request whose first step hangs HANG_S: how long until /health says 503, and until it is 200 again."""
     async with httpx.AsyncClient(base_url=base, timeout=CLIENT_TIMEOUT_S, headers=AUTH) as client:
         t0 = time.perf_counter()
-        req = asyncio.create_task(client.post("/v1/completions", json={"model": model,
-                                                                       "prompt": [HANG] * 3 + [17, 5], "max_tokens": 2}))
+        req = asyncio.create_task(
+            client.post("/v1/completions", json={"model": model, "prompt": [HANG] * 3 + [17, 5], "max_tokens": 2})
+        )
         seen = back = None
         while (not req.done() or (seen is not None and back is None)) and time.perf_counter() - t0 < 120:
             status = (await client.get("/health")).status_code
@@ -290,9 +326,14 @@ async def hang_probe(base: str, model: str) -> dict:
                 back = now
             await asyncio.sleep(0.05)
         r = await req
-    return {"stall_timeout_s": STALL_S, "hang_s": HANG_S, "reported_after_s": seen, "healthy_again_after_s": back,
-            "request_status": r.status_code,
-            "within_2x_stall": seen is not None and seen <= 2 * STALL_S}
+    return {
+        "stall_timeout_s": STALL_S,
+        "hang_s": HANG_S,
+        "reported_after_s": seen,
+        "healthy_again_after_s": back,
+        "request_status": r.status_code,
+        "within_2x_stall": seen is not None and seen <= 2 * STALL_S,
+    }
 
 
 def metric(base: str, name: str, labels: str = "") -> float:
@@ -306,8 +347,11 @@ def metric(base: str, name: str, labels: str = "") -> float:
 def settle(base: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if metric(base, "molora_requests_in_flight") == 0 and metric(base, "molora_requests_running") == 0 \
-                and metric(base, "molora_requests_waiting") == 0:
+        if (
+            metric(base, "molora_requests_in_flight") == 0
+            and metric(base, "molora_requests_running") == 0
+            and metric(base, "molora_requests_waiting") == 0
+        ):
             return
         time.sleep(0.5)
     raise SystemExit("requests still in flight 120 s after the traffic ended: lost or hung")
@@ -329,8 +373,11 @@ def measure(args: argparse.Namespace) -> dict:
         models = r.json()["data"]
         model = models[0]["id"]
         adapters = [m["adapter"] for m in models if m.get("adapter")]
-        start = {"kv_free": metric(base, "molora_kv_blocks_free"), "kv_total": metric(base, "molora_kv_blocks_total"),
-                 "pins": metric(base, "molora_adapter_pins")}
+        start = {
+            "kv_free": metric(base, "molora_kv_blocks_free"),
+            "kv_total": metric(base, "molora_kv_blocks_total"),
+            "pins": metric(base, "molora_adapter_pins"),
+        }
         work = plan(args.requests, args.seed, adapters, model)
         results, admin_log, wall, probes = asyncio.run(drive(base, work, args.concurrency, args.seed))
         settle(base)
@@ -338,9 +385,13 @@ def measure(args: argparse.Namespace) -> dict:
         settle(base)
         end = {"kv_free": metric(base, "molora_kv_blocks_free"), "pins": metric(base, "molora_adapter_pins")}
         health = httpx.get(base + "/health", timeout=30).json()
-        server = {name: {kind: metric(base, name, f'{{kind="{kind}"}}') for kind in kinds}
-                  for name, kinds in (("molora_engine_failures_total", ("step", "isolated", "restart")),
-                                      ("molora_deadline_expired_total", ("request", "queue")))}
+        server = {
+            name: {kind: metric(base, name, f'{{kind="{kind}"}}') for kind in kinds}
+            for name, kinds in (
+                ("molora_engine_failures_total", ("step", "isolated", "restart")),
+                ("molora_deadline_expired_total", ("request", "queue")),
+            )
+        }
     finally:
         proc.terminate()
         try:
@@ -355,27 +406,39 @@ def measure(args: argparse.Namespace) -> dict:
     otherwise = [r for r in results if r["outcome"] == "failed_otherwise"]
     return {
         "command": f"python scripts/fault_harness.py --requests {args.requests} --concurrency {args.concurrency} "
-                   f"--seed {args.seed}",
+        f"--seed {args.seed}",
         "bundle": "embedded default (SmolLM2-135M-Instruct, 4 adapters, learned routing), float32, CPU",
-        "requests": len(results), "concurrency": args.concurrency, "wall_s": round(wall, 1),
+        "requests": len(results),
+        "concurrency": args.concurrency,
+        "wall_s": round(wall, 1),
         "completed": sum(r["outcome"] == "completed" for r in results),
         "failed_by_design": sum(r["outcome"] == "by_design" for r in results),
-        "failed_otherwise": len(otherwise), "hung": sum(bool(r.get("hung")) for r in results),
+        "failed_otherwise": len(otherwise),
+        "hung": sum(bool(r.get("hung")) for r in results),
         "failed_otherwise_examples": otherwise[:10],
         "outcomes_by_kind": outcomes,
-        "latency_completed_s": {"p50": pct(done, 0.5), "p99": pct(done, 0.99),
-                                "mean": statistics.fmean(done) if done else None},
-        "kv_blocks": {"total": start["kv_total"], "free_at_start": start["kv_free"], "free_at_end": end["kv_free"],
-                      "leaked": start["kv_free"] - end["kv_free"]},
+        "latency_completed_s": {
+            "p50": pct(done, 0.5),
+            "p99": pct(done, 0.99),
+            "mean": statistics.fmean(done) if done else None,
+        },
+        "kv_blocks": {
+            "total": start["kv_total"],
+            "free_at_start": start["kv_free"],
+            "free_at_end": end["kv_free"],
+            "leaked": start["kv_free"] - end["kv_free"],
+        },
         "adapter_pins": {"at_start": start["pins"], "at_end": end["pins"]},
         "admin_actions": {f"{a} {s}": sum(1 for x in admin_log if x == (a, s)) for a, s in sorted(set(admin_log))},
-        "server_counters": server, "health_at_end": health,
+        "server_counters": server,
+        "health_at_end": health,
         "health_probes_during_traffic": {"count": len(probes), "not_200": sum(p != 200 for p in probes)},
         "hung_step": hang,
     }
 
 
 # ---------------------------------------------------------------------------------------------- render
+
 
 def render(record: dict) -> str:
     lat = record["latency_completed_s"]
@@ -386,39 +449,42 @@ def render(record: dict) -> str:
     f = record["server_counters"]["molora_engine_failures_total"]
     d = record["server_counters"]["molora_deadline_expired_total"]
     kv = record["kv_blocks"]
-    return "\n".join([
-        "# Reliability under faults",
-        "",
-        "Rendered by `scripts/fault_harness.py --render-only` from `docs/fault_harness.json`; measured with",
-        f"`{record['command']}` on {record['bundle']}.",
-        "",
-        f"{record['requests']} requests from {record['concurrency']} concurrent clients in {record['wall_s']} s: "
-        f"**{record['completed']} completed, {record['failed_by_design']} failed by design, "
-        f"{record['failed_otherwise']} failed otherwise** ({record['hung']} hung).",
-        "",
-        *rows,
-        "",
-        f"- KV blocks: {kv['free_at_start']:.0f} of {kv['total']:.0f} free at the start, {kv['free_at_end']:.0f} "
-        f"at the end (leaked: {kv['leaked']:.0f}); adapter pins {record['adapter_pins']['at_start']:.0f} -> "
-        f"{record['adapter_pins']['at_end']:.0f}.",
-        f"- Latency of completed requests: p50 {lat['p50']:.2f} s, p99 {lat['p99']:.2f} s.",
-        f"- Server counters: engine failures step {f['step']:.0f}, isolated {f['isolated']:.0f}, restarts "
-        f"{f['restart']:.0f}; deadlines expired in the engine: request {d['request']:.0f}, queue {d['queue']:.0f}.",
-        f"- Admin actions during traffic: {record['admin_actions']}.",
-        f"- Liveness: /health polled every 0.5 s during traffic answered {record['health_probes_during_traffic']['count']}"
-        f" times, {record['health_probes_during_traffic']['not_200']} not 200 (no false stall at --stall-timeout "
-        f"{record['hung_step']['stall_timeout_s']:g} s). Then one step hung {record['hung_step']['hang_s']:g} s "
-        f"(injected): /health answered 503 after {_s(record['hung_step']['reported_after_s'])} (goal: within 2x "
-        f"the stall timeout, {2 * record['hung_step']['stall_timeout_s']:g} s) and 200 again "
-        f"{_s(record['hung_step']['healthy_again_after_s'])} after the request was sent; the request itself "
-        f"answered {record['hung_step']['request_status']}.",
-        "",
-        "Kinds: `ok` plain requests (chat or completion, streamed or not, routed or pinned); `disconnect` streams",
-        "dropped after 1-3 events; `deadline` requests with `molora.timeout` of 0.02-0.6 s (some finish in time);",
-        "`invalid` malformed bodies; `poison` prompts whose step raises (an injected fault: only they may fail);",
-        "`extra` requests pinned to an adapter that an admin loads and unloads (drain or force) during traffic.",
-        "",
-    ])
+    return "\n".join(
+        [
+            "# Reliability under faults",
+            "",
+            "Rendered by `scripts/fault_harness.py --render-only` from `docs/fault_harness.json`; measured with",
+            f"`{record['command']}` on {record['bundle']}.",
+            "",
+            f"{record['requests']} requests from {record['concurrency']} concurrent clients in {record['wall_s']} s: "
+            f"**{record['completed']} completed, {record['failed_by_design']} failed by design, "
+            f"{record['failed_otherwise']} failed otherwise** ({record['hung']} hung).",
+            "",
+            *rows,
+            "",
+            f"- KV blocks: {kv['free_at_start']:.0f} of {kv['total']:.0f} free at the start, {kv['free_at_end']:.0f} "
+            f"at the end (leaked: {kv['leaked']:.0f}); adapter pins {record['adapter_pins']['at_start']:.0f} -> "
+            f"{record['adapter_pins']['at_end']:.0f}.",
+            f"- Latency of completed requests: p50 {lat['p50']:.2f} s, p99 {lat['p99']:.2f} s.",
+            f"- Server counters: engine failures step {f['step']:.0f}, isolated {f['isolated']:.0f}, restarts "
+            f"{f['restart']:.0f}; deadlines expired in the engine: request {d['request']:.0f}, queue {d['queue']:.0f}.",
+            f"- Admin actions during traffic: {record['admin_actions']}.",
+            "- Liveness: /health polled every 0.5 s during traffic answered "
+            f"{record['health_probes_during_traffic']['count']}"
+            f" times, {record['health_probes_during_traffic']['not_200']} not 200 (no false stall at --stall-timeout "
+            f"{record['hung_step']['stall_timeout_s']:g} s). Then one step hung {record['hung_step']['hang_s']:g} s "
+            f"(injected): /health answered 503 after {_s(record['hung_step']['reported_after_s'])} (goal: within 2x "
+            f"the stall timeout, {2 * record['hung_step']['stall_timeout_s']:g} s) and 200 again "
+            f"{_s(record['hung_step']['healthy_again_after_s'])} after the request was sent; the request itself "
+            f"answered {record['hung_step']['request_status']}.",
+            "",
+            "Kinds: `ok` plain requests (chat or completion, streamed or not, routed or pinned); `disconnect` streams",
+            "dropped after 1-3 events; `deadline` requests with `molora.timeout` of 0.02-0.6 s (some finish in time);",
+            "`invalid` malformed bodies; `poison` prompts whose step raises (an injected fault: only they may fail);",
+            "`extra` requests pinned to an adapter that an admin loads and unloads (drain or force) during traffic.",
+            "",
+        ]
+    )
 
 
 def _s(seconds: float | None) -> str:
@@ -430,14 +496,16 @@ BEGIN, END = markers("reliability", "scripts/fault_harness.py")
 
 def readme_block(record: dict) -> str:
     lat, kv = record["latency_completed_s"], record["kv_blocks"]
-    return (f"- **Under faults** ([docs/reliability.md](docs/reliability.md), `scripts/fault_harness.py`): "
-            f"{record['requests']} requests from {record['concurrency']} concurrent clients against the default "
-            "bundle, with random disconnects, short deadlines, malformed bodies, an adapter loaded and unloaded "
-            f"(drain or force) during traffic and injected step faults: {record['completed']} completed, "
-            f"{record['failed_by_design']} failed by design, **{record['failed_otherwise']} failed otherwise, "
-            f"{record['hung']} hung**; KV blocks leaked {kv['leaked']:.0f}, adapter pins left "
-            f"{record['adapter_pins']['at_end']:.0f}; completed requests p50 {lat['p50']:.2f} s, p99 "
-            f"{lat['p99']:.2f} s on 2 CPU cores.")
+    return (
+        f"- **Under faults** ([docs/reliability.md](docs/reliability.md), `scripts/fault_harness.py`): "
+        f"{record['requests']} requests from {record['concurrency']} concurrent clients against the default "
+        "bundle, with random disconnects, short deadlines, malformed bodies, an adapter loaded and unloaded "
+        f"(drain or force) during traffic and injected step faults: {record['completed']} completed, "
+        f"{record['failed_by_design']} failed by design, **{record['failed_otherwise']} failed otherwise, "
+        f"{record['hung']} hung**; KV blocks leaked {kv['leaked']:.0f}, adapter pins left "
+        f"{record['adapter_pins']['at_end']:.0f}; completed requests p50 {lat['p50']:.2f} s, p99 "
+        f"{lat['p99']:.2f} s on 2 CPU cores."
+    )
 
 
 def main() -> int:
@@ -460,8 +528,23 @@ def main() -> int:
     (ROOT / "docs" / "reliability.md").write_text(render(record))
     readme = ROOT / "README.md"
     readme.write_text(replace_block(readme.read_text(), BEGIN, END, wrap(BEGIN, END, readme_block(record)), readme))
-    print(json.dumps({k: record[k] for k in ("requests", "completed", "failed_by_design", "failed_otherwise",
-                                             "hung", "kv_blocks", "adapter_pins", "latency_completed_s")}))
+    print(
+        json.dumps(
+            {
+                k: record[k]
+                for k in (
+                    "requests",
+                    "completed",
+                    "failed_by_design",
+                    "failed_otherwise",
+                    "hung",
+                    "kv_blocks",
+                    "adapter_pins",
+                    "latency_completed_s",
+                )
+            }
+        )
+    )
     return 0 if record["failed_otherwise"] == 0 and record["kv_blocks"]["leaked"] == 0 else 1
 
 

@@ -44,13 +44,37 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (name, config) of the random-weight models: Qwen3-1.7B and Qwen3-8B as published (hidden, MLP, layers, heads)
 QWEN3_SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "qwen3-1.7b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
 }
-TINY_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+TINY_SHAPE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=True,
+)
 RANK = 16
 
 
@@ -60,13 +84,21 @@ def log(msg: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- setup
 
+
 def qwen3(shape: dict[str, Any], device: Any, dtype: Any) -> Any:
     """A random-weight Qwen3 causal LM of `shape`, built directly on `device` (eval mode)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    cfg = Qwen3Config(max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, pad_token_id=0,
-                      eos_token_id=1, bos_token_id=2, **shape)
+    cfg = Qwen3Config(
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        **shape,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -84,7 +116,7 @@ def bank(S: int, d_in: int, d_out: int, device: Any, dtype: Any, seed: int) -> t
     import torch
 
     g = torch.Generator(device="cpu").manual_seed(seed)
-    A = (torch.randn(S, RANK, d_in, generator=g) / d_in ** 0.5).to(device, dtype)
+    A = (torch.randn(S, RANK, d_in, generator=g) / d_in**0.5).to(device, dtype)
     Bt = (torch.randn(S, RANK, d_out, generator=g) * 0.02).to(device, dtype)
     return A, Bt.transpose(1, 2), torch.full((S,), 2.0, device=device)
 
@@ -141,6 +173,7 @@ def resolved_backend(mm: Any, slots: Any) -> str:
 
 # ---------------------------------------------------------------------------------------------- sections
 
+
 def check_exactness(device: Any, shapes: dict[str, dict], Ks: list[int], triton_ok: bool, small: bool) -> list[dict]:
     """Max abs error and error relative to the reference's magnitude, per backend, dtype and case."""
     import torch
@@ -166,14 +199,33 @@ def check_exactness(device: Any, shapes: dict[str, dict], Ks: list[int], triton_
                             got = lora_delta(x, A, B, scale, ids, w, backend=backend).float()
                             err = (got - want).abs().max().item()
                             ref = want.abs().max().item()
-                            rows.append({"model": model, "linear": "gate_proj", "K": K, "top_k": k, "T": T,
-                                         "dtype": str(dtype).replace("torch.", ""), "backend": backend,
-                                         "max_abs_err": err, "max_abs_ref": ref, "rel_err": err / max(ref, 1e-12)})
+                            rows.append(
+                                {
+                                    "model": model,
+                                    "linear": "gate_proj",
+                                    "K": K,
+                                    "top_k": k,
+                                    "T": T,
+                                    "dtype": str(dtype).replace("torch.", ""),
+                                    "backend": backend,
+                                    "max_abs_err": err,
+                                    "max_abs_ref": ref,
+                                    "rel_err": err / max(ref, 1e-12),
+                                }
+                            )
     return rows
 
 
-def check_dispatch(device: Any, shapes: dict[str, dict], Ks: list[int], Ts: list[int], triton_ok: bool,
-                   repeats: int, deadline: float, inner: int | None = None) -> list[dict]:
+def check_dispatch(
+    device: Any,
+    shapes: dict[str, dict],
+    Ks: list[int],
+    Ts: list[int],
+    triton_ok: bool,
+    repeats: int,
+    deadline: float,
+    inner: int | None = None,
+) -> list[dict]:
     """Per linear, bf16: base + routed delta against base + one adapter's dense delta (module docstring)."""
     import torch
 
@@ -186,10 +238,10 @@ def check_dispatch(device: Any, shapes: dict[str, dict], Ks: list[int], Ts: list
     routed["stacked_mask"] = LoRADispatcher("stacked_mask", check_ids=False)
     for model, shape in shapes.items():
         for lin, (d_in, d_out) in linear_shapes(shape).items():
-            W = (torch.randn(d_out, d_in, device=device) / d_in ** 0.5).to(dtype)
+            W = (torch.randn(d_out, d_in, device=device) / d_in**0.5).to(dtype)
             for K in Ks:
                 A, B, scale = bank(K, d_in, d_out, device, dtype, seed=K)
-                a0, b0 = A[0], B[0]                          # one adapter on every token: [R, d_in], [d_out, R]
+                a0, b0 = A[0], B[0]  # one adapter on every token: [R, d_in], [d_out, R]
                 for T in Ts:
                     if time.monotonic() > deadline:
                         rows.append({"model": model, "linear": lin, "K": K, "T": T, "skipped": "time budget"})
@@ -205,16 +257,18 @@ def check_dispatch(device: Any, shapes: dict[str, dict], Ks: list[int], Ts: list
                     with torch.no_grad():
                         for name, d in routed.items():
                             plans[name] = d.plan(ids, num_slots=K)
-                            fns[name] = (lambda d=d, p=plans[name]: d.apply(p, x, A, B, scale,
-                                                                           out=torch.mm(x, W.t(), out=out)))
+                            fns[name] = lambda d=d, p=plans[name]: d.apply(
+                                p, x, A, B, scale, out=torch.mm(x, W.t(), out=out)
+                            )
                         if "triton" in routed:
                             fns["triton_plan_build"] = lambda: routed["triton"].plan(ids, num_slots=K).triton_plan()
                         ms = interleaved(timer, fns, repeats, inner or (20 if T <= 1024 else 5))
                     row = {"model": model, "linear": lin, "d_in": d_in, "d_out": d_out, "K": K, "T": T, "ms": ms}
                     for name in routed:
                         row[f"{name}_vs_single"] = ms[name] / ms["single"]
-                        row[f"{name}_delta_vs_single_delta"] = (ms[name] - ms["base"]) / max(ms["single"] - ms["base"],
-                                                                                           1e-9)
+                        row[f"{name}_delta_vs_single_delta"] = (ms[name] - ms["base"]) / max(
+                            ms["single"] - ms["base"], 1e-9
+                        )
                     rows.append(row)
     return rows
 
@@ -239,19 +293,29 @@ def check_decode(device: Any, shape: dict, K: int, batch: int, ctx: int, repeats
     prompt = torch.randint(3, shape["vocab_size"], (batch * ctx,), generator=g).to(device)
     slots = torch.randint(-1, K, (batch * ctx, 1), generator=g).to(device)
     with torch.no_grad():
-        runner(prompt, torch.arange(ctx, device=device).repeat(batch), BatchMeta([ctx] * batch, [ctx] * batch, tables),
-               StepRouting(slots))
+        runner(
+            prompt,
+            torch.arange(ctx, device=device).repeat(batch),
+            BatchMeta([ctx] * batch, [ctx] * batch, tables),
+            StepRouting(slots),
+        )
         tok = torch.randint(3, shape["vocab_size"], (batch,), generator=g).to(device)
         step_slots = torch.randint(-1, K, (batch, 1), generator=g).to(device)
         meta = BatchMeta([1] * batch, [ctx + 1] * batch, tables)
         pos = torch.full((batch,), ctx, device=device)
-        fns = {"eager": lambda: runner(tok, pos, meta, StepRouting(step_slots), logits=True),
-               "eager_base": lambda: runner(tok, pos, meta, None, logits=True)}
+        fns = {
+            "eager": lambda: runner(tok, pos, meta, StepRouting(step_slots), logits=True),
+            "eager_base": lambda: runner(tok, pos, meta, None, logits=True),
+        }
         graph: dict[str, Any] = {"status": "not run", "why": "graphs are captured on CUDA only"}
         if device.type == "cuda":
             graphed = ModelRunner(mm, num_blocks=batch * per_seq, block_size=bs, max_model_len=per_seq * bs)
-            graphed(prompt, torch.arange(ctx, device=device).repeat(batch),
-                    BatchMeta([ctx] * batch, [ctx] * batch, tables), StepRouting(slots))
+            graphed(
+                prompt,
+                torch.arange(ctx, device=device).repeat(batch),
+                BatchMeta([ctx] * batch, [ctx] * batch, tables),
+                StepRouting(slots),
+            )
             graph = check_graph(runner, graphed, mm, tok, pos, meta, step_slots, K)
             if graph["status"] == "replayed":
                 fns["graph"] = lambda: graphed(tok, pos, meta, StepRouting(step_slots), logits=True)
@@ -259,12 +323,21 @@ def check_decode(device: Any, shape: dict, K: int, batch: int, ctx: int, repeats
     backend = resolved_backend(mm, step_slots)
     if "graph" in ms:
         graph.update(graph_ms=ms["graph"], eager_over_graph=ms["eager"] / ms["graph"])
-    return {"batch": batch, "context": ctx, "K": K, "dispatch": backend, "eager_ms": ms["eager"],
-            "eager_base_ms": ms["eager_base"], "routing_overhead": ms["eager"] / ms["eager_base"], "graph": graph}
+    return {
+        "batch": batch,
+        "context": ctx,
+        "K": K,
+        "dispatch": backend,
+        "eager_ms": ms["eager"],
+        "eager_base_ms": ms["eager_base"],
+        "routing_overhead": ms["eager"] / ms["eager_base"],
+        "graph": graph,
+    }
 
 
-def check_graph(eager: Any, graphed: Any, mm: Any, tok: Any, pos: Any, meta: Any, slots: Any, K: int,
-                capture: Any = None) -> dict:
+def check_graph(
+    eager: Any, graphed: Any, mm: Any, tok: Any, pos: Any, meta: Any, slots: Any, K: int, capture: Any = None
+) -> dict:
     """Replays (graphs enabled on `graphed`: CUDA graphs, or `capture`) against the eager runner, both over the
     same model and cached context: two per-token routings in turn, the same routing after one adapter is
     unloaded (the bank changes between replays), then a random per-block LearnedRouter (two allowed sets in
@@ -289,19 +362,33 @@ def check_graph(eager: Any, graphed: Any, mm: Any, tok: Any, pos: Any, meta: Any
     fixed.append(diff(StepRouting(other)))
     mm.load_adapter(name, adapter)
     dev = slots.device
-    router = LearnedRouter(LearnedRouterConfig(tuple(mm.adapter_names), mm.config.hidden_size,
-                                               len(decoder_layers(mm.model)))).to(dev)
+    router = LearnedRouter(
+        LearnedRouterConfig(tuple(mm.adapter_names), mm.config.hidden_size, len(decoder_layers(mm.model)))
+    ).to(dev)
     with torch.no_grad():
         router.weight.normal_(generator=torch.Generator(device=dev).manual_seed(0))
     router_slots = torch.tensor([mm.bank.slot_of(n) for n in mm.adapter_names], device=dev)
-    learned = [diff(StepRouting(torch.full_like(slots, -1), router=router, router_slots=router_slots,
-                                groups=[RouterGroup(None, allowed)]))
-               for allowed in (None, torch.arange(K, device=dev) % 2 == 0)]
+    learned = [
+        diff(
+            StepRouting(
+                torch.full_like(slots, -1),
+                router=router,
+                router_slots=router_slots,
+                groups=[RouterGroup(None, allowed)],
+            )
+        )
+        for allowed in (None, torch.arange(K, device=dev) % 2 == 0)
+    ]
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    return {"status": "replayed" if graphs.replays == 6 and not graphs.failed else "failed",
-            "captures": graphs.captures, "replays": graphs.replays, "failed": [repr(k) for k in graphs.failed],
-            "max_abs_logit_diff_vs_eager": fixed, "learned_max_abs_logit_diff_vs_eager": learned}
+    return {
+        "status": "replayed" if graphs.replays == 6 and not graphs.failed else "failed",
+        "captures": graphs.captures,
+        "replays": graphs.replays,
+        "failed": [repr(k) for k in graphs.failed],
+        "max_abs_logit_diff_vs_eager": fixed,
+        "learned_max_abs_logit_diff_vs_eager": learned,
+    }
 
 
 def check_engine(device: Any, shape: dict, K: int, seqs: int, prompt_len: int, new: int, dtype: Any) -> dict:
@@ -323,8 +410,14 @@ def check_engine(device: Any, shape: dict, K: int, seqs: int, prompt_len: int, n
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, V, (prompt_len,), generator=g).tolist() for _ in range(seqs)]
     longest = prompt_len + new + 16
-    cfg = EngineConfig(max_num_seqs=seqs, max_tokens_per_step=max(512, seqs * 8), block_size=16,
-                       kv_budget_tokens=seqs * (longest + 16), max_model_len=longest, stop_at_eos=False)
+    cfg = EngineConfig(
+        max_num_seqs=seqs,
+        max_tokens_per_step=max(512, seqs * 8),
+        block_size=16,
+        kv_budget_tokens=seqs * (longest + 16),
+        max_model_len=longest,
+        stop_at_eos=False,
+    )
     engine = Engine(mm, cfg)
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     timer = Timer(device)
@@ -337,21 +430,28 @@ def check_engine(device: Any, shape: dict, K: int, seqs: int, prompt_len: int, n
         # warm-up: the whole workload once, so that triton compiles and every decode graph this workload meets
         # (batch bucket, context-block buckets) is captured before the timed run
         engine.generate(prompts, params, routing="vocab")
-        _hf_routed(mm, prompts[:2], [2, 2], 2)      # and transformers' first-call costs
+        _hf_routed(mm, prompts[:2], [2, 2], 2)  # and transformers' first-call costs
         secs = {n: timer.ms(fn, 1) / 1e3 for n, fn in variants.items()}
     gen = seqs * new
     g = engine.runner.graphs
-    return {"sequences": seqs, "prompt_len": prompt_len, "new_tokens": new, "K": K,
-            "decode_graphs": None if g is None else {"captures": g.captures, "replays": g.replays,
-                                                     "failed": [repr(k) for k in g.failed]},
-            "dispatch_at_decode": resolved_backend(mm, torch.zeros(seqs, 1, dtype=torch.long,
-                                                                    device=device)),
-            "seconds": secs, "tok_s": {n: gen / s for n, s in secs.items()},
-            "engine_vs_hf_routed": secs["hf_routed"] / secs["engine"],
-            "engine_vs_hf_base": secs["hf_base"] / secs["engine"]}
+    return {
+        "sequences": seqs,
+        "prompt_len": prompt_len,
+        "new_tokens": new,
+        "K": K,
+        "decode_graphs": None
+        if g is None
+        else {"captures": g.captures, "replays": g.replays, "failed": [repr(k) for k in g.failed]},
+        "dispatch_at_decode": resolved_backend(mm, torch.zeros(seqs, 1, dtype=torch.long, device=device)),
+        "seconds": secs,
+        "tok_s": {n: gen / s for n, s in secs.items()},
+        "engine_vs_hf_routed": secs["hf_routed"] / secs["engine"],
+        "engine_vs_hf_base": secs["hf_base"] / secs["engine"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------- driver
+
 
 def goals(out: dict) -> dict:
     """Issue 17's goals from the measured figures (None where the figure is missing)."""
@@ -361,10 +461,13 @@ def goals(out: dict) -> dict:
     ratio = eng.get("engine_vs_hf_routed")
     graph = ((out.get("decode") or {}).get("qwen3-1.7b") or {}).get("graph") or {}
     speedup = graph.get("eager_over_graph")
-    return {"routing_4_adapters_le_1.1x_single_T_ge_256": None if worst is None else
-            {"worst_ratio": worst, "met": worst <= 1.1},
-            "graph_decode_ge_2x_eager_b8": None if speedup is None else {"ratio": speedup, "met": speedup >= 2.0},
-            "engine_ge_2x_transformers_64_seqs": None if ratio is None else {"ratio": ratio, "met": ratio >= 2.0}}
+    return {
+        "routing_4_adapters_le_1.1x_single_T_ge_256": None
+        if worst is None
+        else {"worst_ratio": worst, "met": worst <= 1.1},
+        "graph_decode_ge_2x_eager_b8": None if speedup is None else {"ratio": speedup, "met": speedup >= 2.0},
+        "engine_ge_2x_transformers_64_seqs": None if ratio is None else {"ratio": ratio, "met": ratio >= 2.0},
+    }
 
 
 def run_section(into: dict, name: str, fn: Callable[[], Any], out: dict | None = None) -> None:
@@ -398,9 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if a.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"gpu_check: no CUDA device is visible to torch {torch.__version__} (built for CUDA "
-              f"{torch.version.cuda}); run it on a GPU machine, or use --dry-run for the CPU plumbing check",
-              file=sys.stderr)
+        print(
+            f"gpu_check: no CUDA device is visible to torch {torch.__version__} (built for CUDA "
+            f"{torch.version.cuda}); run it on a GPU machine, or use --dry-run for the CPU plumbing check",
+            file=sys.stderr,
+        )
         return 2
     sys.path.insert(0, str(ROOT))
     from molora.ops.dispatch import triton_available
@@ -410,30 +515,46 @@ def main(argv: list[str] | None = None) -> int:
     deadline = t_start + a.budget_s
     triton_ok = triton_available()
     out: dict[str, Any] = {
-        "script": "scripts/gpu_check.py", "dry_run": dry, "device": str(device),
+        "script": "scripts/gpu_check.py",
+        "dry_run": dry,
+        "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
         "triton": __import__("triton").__version__ if triton_ok else None,
-        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1", "errors": {}, "section_s": {},
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "errors": {},
+        "section_s": {},
     }
     if not triton_ok:
         out["errors"]["triton"] = "triton is not installed: the triton rows are missing"
     shapes = {"tiny": TINY_SHAPE} if dry else QWEN3_SHAPES
     Ks = [4, 16]
     Ts = [1, 8, 64] if dry else [1, 8, 64, 256, 1024, 4096, 8192]
-    small = next(iter(shapes.values()))      # the engine runs on the small model (the 1.7B shape)
+    small = next(iter(shapes.values()))  # the engine runs on the small model (the 1.7B shape)
     dtype = torch.float32 if dry else torch.bfloat16
     run_section(out, "exactness", lambda: check_exactness(device, shapes, Ks, triton_ok, dry))
-    run_section(out, "dispatch", lambda: check_dispatch(device, shapes, Ks, Ts, triton_ok, 1 if dry else 7, deadline,
-                                                        1 if dry else None))
+    run_section(
+        out,
+        "dispatch",
+        lambda: check_dispatch(device, shapes, Ks, Ts, triton_ok, 1 if dry else 7, deadline, 1 if dry else None),
+    )
     out["decode"] = {}
-    for name, shape in shapes.items():       # each model shape while the budget lasts (the 1.7B shape first)
+    for name, shape in shapes.items():  # each model shape while the budget lasts (the 1.7B shape first)
         if time.monotonic() < deadline:
-            run_section(out["decode"], name, lambda shape=shape: check_decode(
-                device, shape, 4, 8, 16 if dry else 256, 3 if dry else 10, dtype), out)
+            run_section(
+                out["decode"],
+                name,
+                lambda shape=shape: check_decode(device, shape, 4, 8, 16 if dry else 256, 3 if dry else 10, dtype),
+                out,
+            )
     if time.monotonic() < deadline:
-        run_section(out, "engine", lambda: check_engine(device, small, 4, 8 if dry else 64, 8 if dry else 128,
-                                                        4 if dry else 128, dtype))
+        run_section(
+            out,
+            "engine",
+            lambda: check_engine(device, small, 4, 8 if dry else 64, 8 if dry else 128, 4 if dry else 128, dtype),
+        )
     else:
         out["engine"], out["errors"]["engine"] = None, "skipped: time budget spent before the engine section"
     out["goals"] = goals(out) if not dry else {"not_judged": "dry run: tiny shapes on the CPU, plumbing only"}

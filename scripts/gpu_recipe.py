@@ -50,16 +50,44 @@ SHARED_GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 SMALL, BIG = "Qwen/Qwen3-1.7B", "Qwen/Qwen3-8B"
 QWEN3_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 ADAPTERS = ("math", "code", "science", "logic")
-MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
-                 "prealgebra", "precalculus")
-BBH_TASKS = ("boolean_expressions", "causal_judgement", "date_understanding", "disambiguation_qa",
-             "dyck_languages", "formal_fallacies", "geometric_shapes", "hyperbaton",
-             "logical_deduction_five_objects", "logical_deduction_seven_objects", "logical_deduction_three_objects",
-             "movie_recommendation", "multistep_arithmetic_two", "navigate", "object_counting",
-             "penguins_in_a_table", "reasoning_about_colored_objects", "ruin_names",
-             "salient_translation_error_detection", "snarks", "sports_understanding", "temporal_sequences",
-             "tracking_shuffled_objects_five_objects", "tracking_shuffled_objects_seven_objects",
-             "tracking_shuffled_objects_three_objects", "web_of_lies", "word_sorting")
+MATH_SUBJECTS = (
+    "algebra",
+    "counting_and_probability",
+    "geometry",
+    "intermediate_algebra",
+    "number_theory",
+    "prealgebra",
+    "precalculus",
+)
+BBH_TASKS = (
+    "boolean_expressions",
+    "causal_judgement",
+    "date_understanding",
+    "disambiguation_qa",
+    "dyck_languages",
+    "formal_fallacies",
+    "geometric_shapes",
+    "hyperbaton",
+    "logical_deduction_five_objects",
+    "logical_deduction_seven_objects",
+    "logical_deduction_three_objects",
+    "movie_recommendation",
+    "multistep_arithmetic_two",
+    "navigate",
+    "object_counting",
+    "penguins_in_a_table",
+    "reasoning_about_colored_objects",
+    "ruin_names",
+    "salient_translation_error_detection",
+    "snarks",
+    "sports_understanding",
+    "temporal_sequences",
+    "tracking_shuffled_objects_five_objects",
+    "tracking_shuffled_objects_seven_objects",
+    "tracking_shuffled_objects_three_objects",
+    "web_of_lies",
+    "word_sorting",
+)
 TASKS_OF = {"math": ["gsm8k", "math"], "code": [], "science": ["gpqa"], "logic": list(BBH_TASKS)}
 SMALL_MODES = ("learned", "sequence", "oracle", "base")
 
@@ -69,6 +97,7 @@ def log(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- fetch
+
 
 def fetch(work: Path, smoke: bool) -> dict[str, str]:
     """Local folders of the two models ("default" in smoke mode)."""
@@ -81,16 +110,20 @@ def fetch(work: Path, smoke: bool) -> dict[str, str]:
         folder = work / "models" / repo.split("/")[1]
         if not (folder / "config.json").is_file():
             log(f"downloading {repo}")
-            snapshot_download(repo, local_dir=str(folder), allow_patterns=["*.json", "*.safetensors", "*.txt",
-                                                                            "*.model", "*.tiktoken"])
+            snapshot_download(
+                repo,
+                local_dir=str(folder),
+                allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"],
+            )
         out[key] = str(folder)
     return out
 
 
 # ------------------------------------------------------------------------------------------------ data
 
+
 def _gsm8k_completion(answer: str) -> str:
-    return re.sub(r"<<[^>]*>>", "", answer).strip()   # drop the calculator annotations, keep "#### N"
+    return re.sub(r"<<[^>]*>>", "", answer).strip()  # drop the calculator annotations, keep "#### N"
 
 
 def _logic_rows(n: int, seed: int) -> list[dict]:
@@ -98,8 +131,11 @@ def _logic_rows(n: int, seed: int) -> list[dict]:
     from molora.data.solutions import worked_solution
 
     per = -(-n // len(SKILLS))
-    return [{"prompt": it.input, "completion": worked_solution(task, it.input, it.target)}
-            for i, task in enumerate(SKILLS) for it in generate(task, per, seed + 17 * i)][:n]
+    return [
+        {"prompt": it.input, "completion": worked_solution(task, it.input, it.target)}
+        for i, task in enumerate(SKILLS)
+        for it in generate(task, per, seed + 17 * i)
+    ][:n]
 
 
 def _choice_row(question: str, correct: str, wrong: list[str], support: str) -> dict:
@@ -124,6 +160,7 @@ def make_data(work: Path, n: int, smoke: bool) -> None:
         rows = {"math": read_generic(n, 0), "logic": _logic_rows(n, 1000)}
         # stand-ins so the plumbing runs offline: word lists and bracket runs from the generators
         from molora.data.skills import generate
+
         rows["code"] = [{"prompt": it.input, "completion": it.target} for it in generate("word_sorting", n, 77)]
         rows["science"] = [{"prompt": it.input, "completion": it.target} for it in generate("dyck_languages", n, 78)]
         for name, r in rows.items():
@@ -131,6 +168,7 @@ def make_data(work: Path, n: int, smoke: bool) -> None:
         if gsm_test is not None:
             write_jsonl(ev / "gsm8k.jsonl", gsm_test[:8])
         from molora.data.skills import EVAL_SEED_BASE, write_bbh_file
+
         (ev / "bbh").mkdir(parents=True, exist_ok=True)
         for task in ("object_counting", "navigate"):
             write_bbh_file(ev / "bbh" / f"{task}.json", generate(task, 8, EVAL_SEED_BASE + 5))
@@ -149,20 +187,37 @@ def make_data(work: Path, n: int, smoke: bool) -> None:
     math_rows += [{"prompt": r["problem"], "completion": r["solution"]} for r in math_train[: n - len(math_rows)]]
     code = list(load_dataset("sahil2801/CodeAlpaca-20k", split="train"))
     rng.shuffle(code)
-    code_rows = [{"prompt": r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else ""),
-                  "completion": r["output"]} for r in code[:n]]
+    code_rows = [
+        {"prompt": r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else ""), "completion": r["output"]}
+        for r in code[:n]
+    ]
     sciq = list(load_dataset("allenai/sciq", split="train"))
     rng.shuffle(sciq)
-    sci_rows = [_choice_row(r["question"], r["correct_answer"], [r["distractor1"], r["distractor2"],
-                                                                 r["distractor3"]], r.get("support", ""))
-                for r in sciq[:n]]
-    for name, rows in (("math", math_rows), ("code", code_rows), ("science", sci_rows),
-                       ("logic", _logic_rows(n, 1000))):
+    sci_rows = [
+        _choice_row(
+            r["question"],
+            r["correct_answer"],
+            [r["distractor1"], r["distractor2"], r["distractor3"]],
+            r.get("support", ""),
+        )
+        for r in sciq[:n]
+    ]
+    for name, rows in (
+        ("math", math_rows),
+        ("code", code_rows),
+        ("science", sci_rows),
+        ("logic", _logic_rows(n, 1000)),
+    ):
         rng.shuffle(rows)
         write_jsonl(data / f"{name}.jsonl", rows)
     write_jsonl(ev / "gsm8k.jsonl", [{"question": r["question"], "answer": r["answer"]} for r in gsm_test])
-    write_jsonl(ev / "math500.jsonl", [{"problem": r["problem"], "solution": r["solution"], "answer": r["answer"]}
-                                       for r in load_dataset("HuggingFaceH4/MATH-500", split="test")])
+    write_jsonl(
+        ev / "math500.jsonl",
+        [
+            {"problem": r["problem"], "solution": r["solution"], "answer": r["answer"]}
+            for r in load_dataset("HuggingFaceH4/MATH-500", split="test")
+        ],
+    )
     (ev / "bbh").mkdir(parents=True, exist_ok=True)
     for task in BBH_TASKS:
         rows = [{"input": r["input"], "target": r["target"]} for r in load_dataset("lukaemon/bbh", task, split="test")]
@@ -178,16 +233,25 @@ def make_data(work: Path, n: int, smoke: bool) -> None:
 
 # ------------------------------------------------------------------------------------------ train, router
 
+
 def bundle_manifest(base: str, adapters: list[str]) -> dict:
     """The manifest of a bundle over `base` ("default" or a model folder). A folder is written as an absolute
     path: `read_bundle` resolves a relative base against the bundle's own folder, not against the working
     directory this script was started in."""
     if base != "default":
         base = str(Path(base).resolve())
-    return {"name": "qwen3-molora" if adapters else "base", "base": base, "prompt_template": QWEN3_TEMPLATE,
-            "stop": ["<|im_end|>"], "slots": max(1, len(adapters)), "max_rank": 16,
-            "adapters": [{"name": a, "path": f"adapters/{a}", "tasks": TASKS_OF[a],
-                          "description": f"{a} (scripts/gpu_recipe.py)"} for a in adapters]}
+    return {
+        "name": "qwen3-molora" if adapters else "base",
+        "base": base,
+        "prompt_template": QWEN3_TEMPLATE,
+        "stop": ["<|im_end|>"],
+        "slots": max(1, len(adapters)),
+        "max_rank": 16,
+        "adapters": [
+            {"name": a, "path": f"adapters/{a}", "tasks": TASKS_OF[a], "description": f"{a} (scripts/gpu_recipe.py)"}
+            for a in adapters
+        ],
+    }
 
 
 def train(work: Path, models: dict[str, str], smoke: bool) -> Path:
@@ -202,10 +266,18 @@ def train(work: Path, models: dict[str, str], smoke: bool) -> Path:
             log(f"adapter {name}: already trained")
             continue
         model, tok = load_base(models["small"])
-        cfg = AdapterTrainConfig(rank=16, alpha=32.0, lr=2e-4 if not smoke else 1e-3, epochs=1.0,
-                                 batch_size=16 if not smoke else 4, max_len=1024 if not smoke else 256, seed=i)
-        stats = train_adapter(model, tok, read_examples(work / "data" / f"{name}.jsonl"), out, cfg,
-                              template=QWEN3_TEMPLATE)
+        cfg = AdapterTrainConfig(
+            rank=16,
+            alpha=32.0,
+            lr=2e-4 if not smoke else 1e-3,
+            epochs=1.0,
+            batch_size=16 if not smoke else 4,
+            max_len=1024 if not smoke else 256,
+            seed=i,
+        )
+        stats = train_adapter(
+            model, tok, read_examples(work / "data" / f"{name}.jsonl"), out, cfg, template=QWEN3_TEMPLATE
+        )
         log(f"adapter {name}: {stats['examples']} examples, loss {stats['final_loss']}, {stats['seconds']} s")
         del model
     write_manifest(bundle, bundle_manifest(models["small"], list(ADAPTERS)))
@@ -224,12 +296,14 @@ def router(work: Path, smoke: bool) -> None:
         return
     mm = load(bundle)
     data = {a: str(work / "data" / f"{a}.jsonl") for a in ADAPTERS}
-    stats = train_router_for_bundle(mm, data, RouterTrainConfig(placement="per_block"),
-                                    limit=8 if smoke else 400, mixed=4 if smoke else 400)
+    stats = train_router_for_bundle(
+        mm, data, RouterTrainConfig(placement="per_block"), limit=8 if smoke else 400, mixed=4 if smoke else 400
+    )
     log(f"router: {stats}")
 
 
 # -------------------------------------------------------------------------------------------- eval, report
+
 
 def eval_sets(work: Path) -> list[str]:
     ev = work / "eval"
@@ -271,10 +345,15 @@ def report(work: Path) -> Path:
         rows.setdefault((label, mode), {}).setdefault(key, []).append(s["accuracy"])
     sets = ["gsm8k", "math500", "bbh", "gpqa_diamond"]
     smoke = (work / "eval" / "done").read_text().startswith("smoke")
-    lines = ["# GPU recipe: Qwen3-1.7B + MoLoRA against Qwen3-8B"
-             + (" (SMOKE RUN: SmolLM2 stand-in, tiny sizes; plumbing only)" if smoke else ""), "",
-             "Accuracy in percent (BBH: mean over its tasks); `scripts/gpu_recipe.py`.", "",
-             "| model | routing | " + " | ".join(sets) + " |", "|---|---|" + "---|" * len(sets)]
+    lines = [
+        "# GPU recipe: Qwen3-1.7B + MoLoRA against Qwen3-8B"
+        + (" (SMOKE RUN: SmolLM2 stand-in, tiny sizes; plumbing only)" if smoke else ""),
+        "",
+        "Accuracy in percent (BBH: mean over its tasks); `scripts/gpu_recipe.py`.",
+        "",
+        "| model | routing | " + " | ".join(sets) + " |",
+        "|---|---|" + "---|" * len(sets),
+    ]
     for (label, mode), acc in sorted(rows.items()):
         name = "Qwen3-1.7B + 4 LoRAs" if label == "small" else "Qwen3-8B"
         cells = [f"{sum(acc[s]) / len(acc[s]):.1f}" if s in acc else "–" for s in sets]

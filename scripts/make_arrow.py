@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from make_results import cached  # noqa: E402  (the one cache of evaluation runs)
 
 DOCS = Path("docs")
-TOP_KS = (1, 2)           # the validation grid (temperature matters only for top_k > 1: PEFT's 1.0)
-SPEED_KS = (1, 3)         # top-1 (molora's sparse case) and PEFT's default top-3
+TOP_KS = (1, 2)  # the validation grid (temperature matters only for top_k > 1: PEFT's 1.0)
+SPEED_KS = (1, 3)  # top-1 (molora's sparse case) and PEFT's default top-3
 
 
 def log(msg: str) -> None:
@@ -46,6 +46,7 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- speed
+
 
 def speed(bundle: Any, reps: int, rows: int, length: int) -> dict:
     """Interleaved prefill / decode timings and logit differences, molora's Arrow vs PEFT's (module docstring)."""
@@ -60,13 +61,22 @@ def speed(bundle: Any, reps: int, rows: int, length: int) -> dict:
 
     names = [a.name for a in bundle.adapters]
     base, tok = load_base(bundle.base, torch.float32)
-    mm = attach(load_base(bundle.base, torch.float32)[0], {a.name: a.path for a in bundle.adapters},
-                slots=bundle.slots, max_rank=bundle.max_rank)
-    peft = create_arrow_model(load_base(bundle.base, torch.float32)[0], [str(a.path) for a in bundle.adapters],
-                              PeftArrowConfig(top_k=SPEED_KS[0], router_temperature=1.0, rng_seed=0)).eval()
-    text = ("Count the fruits: I have an apple, two bananas and a grape. Then evaluate ((-3 + 7) * (2 - 5)) and "
-            "close the brackets of [ ( { } ) and decide if walking 3 steps forward then 3 back returns. ") * 24
-    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"][:rows * length]).view(rows, length)
+    mm = attach(
+        load_base(bundle.base, torch.float32)[0],
+        {a.name: a.path for a in bundle.adapters},
+        slots=bundle.slots,
+        max_rank=bundle.max_rank,
+    )
+    peft = create_arrow_model(
+        load_base(bundle.base, torch.float32)[0],
+        [str(a.path) for a in bundle.adapters],
+        PeftArrowConfig(top_k=SPEED_KS[0], router_temperature=1.0, rng_seed=0),
+    ).eval()
+    text = (
+        "Count the fruits: I have an apple, two bananas and a grape. Then evaluate ((-3 + 7) * (2 - 5)) and "
+        "close the brackets of [ ( { } ) and decide if walking 3 steps forward then 3 back returns. "
+    ) * 24
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"][: rows * length]).view(rows, length)
     step = ids[:, -1:].clone()
 
     def set_peft_k(k: int) -> None:
@@ -76,12 +86,16 @@ def speed(bundle: Any, reps: int, rows: int, length: int) -> dict:
 
     out: dict = {"rows": rows, "length": length, "reps": reps, "K": len(names), "by_k": {}}
     for k in SPEED_KS:
-        routers = {g: ArrowRouter(ArrowConfig(top_k=k, granularity=g, method="power", seed=0), names)
-                   for g in ("per_linear", "per_block")}
-        variants = {"base": lambda **kw: mm.model(**kw),
-                    "peft_arrow": lambda **kw: (set_peft_k(k), peft(**kw))[1],
-                    "molora_per_linear": lambda **kw: mm(adapter_ids=routers["per_linear"], **kw),
-                    "molora_per_block": lambda **kw: mm(adapter_ids=routers["per_block"], **kw)}
+        routers = {
+            g: ArrowRouter(ArrowConfig(top_k=k, granularity=g, method="power", seed=0), names)
+            for g in ("per_linear", "per_block")
+        }
+        variants = {
+            "base": lambda **kw: mm.model(**kw),
+            "peft_arrow": lambda **kw: (set_peft_k(k), peft(**kw))[1],
+            "molora_per_linear": lambda **kw: mm(adapter_ids=routers["per_linear"], **kw),
+            "molora_per_block": lambda **kw: mm(adapter_ids=routers["per_block"], **kw),
+        }
         caches = {}
         with torch.no_grad():
             logits = {v: f(input_ids=ids, use_cache=False).logits for v, f in variants.items()}
@@ -93,12 +107,14 @@ def speed(bundle: Any, reps: int, rows: int, length: int) -> dict:
                 c.crop(-1)
         diff = {v: float((logits[v] - logits["peft_arrow"]).abs().max()) for v in variants}
         ddiff = {v: float((dec[v] - dec["peft_arrow"]).abs().max()) for v in variants}
-        times: dict[str, dict[str, list[float]]] = {"prefill": {v: [] for v in variants},
-                                                    "decode": {v: [] for v in variants}}
+        times: dict[str, dict[str, list[float]]] = {
+            "prefill": {v: [] for v in variants},
+            "decode": {v: [] for v in variants},
+        }
         order = list(variants)
         with torch.no_grad():
             for r in range(reps):
-                rot = order[r % len(order):] + order[:r % len(order)]   # rotate: no variant always runs first
+                rot = order[r % len(order) :] + order[: r % len(order)]  # rotate: no variant always runs first
                 for v in rot:
                     t0 = time.perf_counter()
                     variants[v](input_ids=ids, use_cache=False)
@@ -113,15 +129,25 @@ def speed(bundle: Any, reps: int, rows: int, length: int) -> dict:
             "speedup_over_peft": {ph: {v: med[ph]["peft_arrow"] / med[ph][v] for v in variants} for ph in med},
             "over_base": {ph: {v: med[ph][v] / med[ph]["base"] for v in variants} for ph in med},
             # the time the adapters add over the base model: PEFT's divided by each variant's
-            "added_time_peft_over": {ph: {v: (med[ph]["peft_arrow"] - med[ph]["base"]) / max(med[ph][v] - med[ph]["base"],
-                                                                                           1e-9)
-                                          for v in variants if v != "base"} for ph in med},
-            "max_abs_logit_diff_vs_peft": {"prefill": diff, "decode": ddiff}}
-        log(f"speed top_k={k}: {json.dumps(out['by_k'][str(k)]['speedup_over_peft'])} diff {diff['molora_per_linear']:.2e}")
+            "added_time_peft_over": {
+                ph: {
+                    v: (med[ph]["peft_arrow"] - med[ph]["base"]) / max(med[ph][v] - med[ph]["base"], 1e-9)
+                    for v in variants
+                    if v != "base"
+                }
+                for ph in med
+            },
+            "max_abs_logit_diff_vs_peft": {"prefill": diff, "decode": ddiff},
+        }
+        log(
+            f"speed top_k={k}: {json.dumps(out['by_k'][str(k)]['speedup_over_peft'])} diff "
+            f"{diff['molora_per_linear']:.2e}"
+        )
     return out
 
 
 # ------------------------------------------------------------------------------------------- quality
+
 
 def quality(args: argparse.Namespace, work: Path) -> dict:
     import torch
@@ -147,7 +173,7 @@ def quality(args: argparse.Namespace, work: Path) -> dict:
     def task_file(t: str, split: str, n: int) -> str:
         items, _ = held_out(t, max(n, 100) if split == "test" else n, banned, split=split)
         path = work / "data" / f"{split}_{t}.json"
-        write_bbh_file(path, items[:n])   # test: the first n of make_results' 100 items
+        write_bbh_file(path, items[:n])  # test: the first n of make_results' 100 items
         return f"bbh:{path}"
 
     def arrow(gran: str, k: int) -> ArrowRouter:
@@ -165,6 +191,7 @@ def quality(args: argparse.Namespace, work: Path) -> dict:
                 return evaluate(mm, spec, mode, batch_size=args.batch_size, progress=False)
             finally:
                 use(learned)
+
         return cached(work / f"{tag}.json", go)
 
     # 2. validation: top_k per granularity
@@ -172,27 +199,37 @@ def quality(args: argparse.Namespace, work: Path) -> dict:
     for gran in val:
         for k in TOP_KS:
             r = arrow(gran, k)
-            acc = {t: run(f"val__{t}__{gran}_k{k}", task_file(t, "val", args.n_val), "learned", r)["accuracy"]
-                   for t in tasks}
+            acc = {
+                t: run(f"val__{t}__{gran}_k{k}", task_file(t, "val", args.n_val), "learned", r)["accuracy"]
+                for t in tasks
+            }
             val[gran][str(k)] = {"by_task": acc, "mean": sum(acc.values()) / len(acc)}
     chosen = {g: int(max(v, key=lambda k: (v[k]["mean"], -int(k)))) for g, v in val.items()}
     log(f"chosen on validation: {chosen}")
 
     # 3. test
-    modes = {"base": ("base", learned), "sequence": ("sequence", learned), "learned": ("learned", learned),
-             "arrow_per_linear": ("learned", arrow("per_linear", chosen["per_linear"])),
-             "arrow_per_block": ("learned", arrow("per_block", chosen["per_block"]))}
+    modes = {
+        "base": ("base", learned),
+        "sequence": ("sequence", learned),
+        "learned": ("learned", learned),
+        "arrow_per_linear": ("learned", arrow("per_linear", chosen["per_linear"])),
+        "arrow_per_block": ("learned", arrow("per_block", chosen["per_block"])),
+    }
     skills: dict = {}
     for t in tasks:
         spec = task_file(t, "test", args.n)
         skills[t] = {"oracle": run(f"test__{t}__oracle", spec, f"adapter:{own[t]}", learned)}
         for m, (mode, router) in modes.items():
             skills[t][m] = run(f"test__{t}__{m}", spec, mode, router)
-        skills[t] = {m: {k: s[k] for k in ("n", "accuracy", "seconds", "generated_tokens")} for m, s in skills[t].items()}
+        skills[t] = {
+            m: {k: s[k] for k in ("n", "accuracy", "seconds", "generated_tokens")} for m, s in skills[t].items()
+        }
 
-    rows = general_split()["test"][:args.n_general]
-    write_jsonl(work / "data" / "general_test.jsonl", [{"id": r["id"], "source": r["source"], "prompt": r["prompt"]}
-                                                       for r in rows])
+    rows = general_split()["test"][: args.n_general]
+    write_jsonl(
+        work / "data" / "general_test.jsonl",
+        [{"id": r["id"], "source": r["source"], "prompt": r["prompt"]} for r in rows],
+    )
     gspec = f"general:{work / 'data' / 'general_test.jsonl'}"
     general, base_ids = {}, None
     for m in ("learned", "arrow_per_linear", "arrow_per_block"):
@@ -208,11 +245,21 @@ def quality(args: argparse.Namespace, work: Path) -> dict:
         s = cached(path, go)
         general[m] = {k: s[k] for k in ("n", "retention", "empty_where_base_answers", "adapter_token_share")}
         base_ids = [r["base_ids"] for r in read_jsonl(path.with_suffix(".jsonl"))]
-    return {"tasks": tasks, "own_adapter": own, "validation": val, "chosen_top_k": chosen, "skills": skills,
-            "general": general, "n": args.n, "n_val": args.n_val, "n_general": len(rows)}
+    return {
+        "tasks": tasks,
+        "own_adapter": own,
+        "validation": val,
+        "chosen_top_k": chosen,
+        "skills": skills,
+        "general": general,
+        "n": args.n,
+        "n_val": args.n_val,
+        "n_general": len(rows),
+    }
 
 
 # ------------------------------------------------------------------------------------------- goals, rendering
+
 
 def goals(rec: dict) -> list[dict]:
     out = []
@@ -220,78 +267,142 @@ def goals(rec: dict) -> list[dict]:
     if s:
         sp = s["speedup_over_peft"]["prefill"]["molora_per_linear"]
         d = s["max_abs_logit_diff_vs_peft"]["prefill"]["molora_per_linear"]
-        out.append({"goal": "per-linear Arrow >= 3x faster than PEFT's on prefill at K=4 (top-1), equal logits",
-                    "measured": f"{sp:.2f}x, max |logit diff| {d:.1e}", "met": sp >= 3 and d < 1e-3})
+        out.append(
+            {
+                "goal": "per-linear Arrow >= 3x faster than PEFT's on prefill at K=4 (top-1), equal logits",
+                "measured": f"{sp:.2f}x, max |logit diff| {d:.1e}",
+                "met": sp >= 3 and d < 1e-3,
+            }
+        )
     q = rec.get("quality")
     if q:
-        gaps = {t: q["skills"][t]["arrow_per_block"]["accuracy"] - q["skills"][t]["learned"]["accuracy"]
-                for t in q["tasks"]}
-        out.append({"goal": "per-block Arrow within 10 points of the learned router on each skill",
-                    "measured": ", ".join(f"{t} {v:+.1f}" for t, v in gaps.items()),
-                    "met": all(v >= -10 for v in gaps.values())})
+        gaps = {
+            t: q["skills"][t]["arrow_per_block"]["accuracy"] - q["skills"][t]["learned"]["accuracy"] for t in q["tasks"]
+        }
+        out.append(
+            {
+                "goal": "per-block Arrow within 10 points of the learned router on each skill",
+                "measured": ", ".join(f"{t} {v:+.1f}" for t, v in gaps.items()),
+                "met": all(v >= -10 for v in gaps.values()),
+            }
+        )
     return out
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
-    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
-            *("| " + " | ".join(fmt(v) for v in r) + " |" for r in rows)]
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+        *("| " + " | ".join(fmt(v) for v in r) + " |" for r in rows),
+    ]
 
 
 def render_section(rec: dict) -> list[str]:
     """docs/results.md's Arrow section (markdown lines) from docs/arrow.json."""
     cmds = sorted({p.get("command", rec["command"]) for p in (rec.get("speed"), rec.get("quality")) if p})
-    out = ["## Arrow: routing with no training data", "",
-           f"{' and '.join(f'`{c}`' for c in cmds)} on {rec['date']} ({rec['machine']}). Arrow (arXiv 2405.11157) "
-           "routes each token by "
-           "|x·v| against each adapter's top right singular vector v of B·A, top-k and softmax(/temperature); "
-           "`molora/routing/arrow.py`. molora runs only the chosen adapters on its sparse dispatch; PEFT's "
-           "`create_arrow_model` computes all K and mixes them.", ""]
+    out = [
+        "## Arrow: routing with no training data",
+        "",
+        f"{' and '.join(f'`{c}`' for c in cmds)} on {rec['date']} ({rec['machine']}). Arrow (arXiv 2405.11157) "
+        "routes each token by "
+        "|x·v| against each adapter's top right singular vector v of B·A, top-k and softmax(/temperature); "
+        "`molora/routing/arrow.py`. molora runs only the chosen adapters on its sparse dispatch; PEFT's "
+        "`create_arrow_model` computes all K and mixes them.",
+        "",
+    ]
     sp = rec.get("speed")
     if sp:
-        out += [f"**Speed** ({sp['rows']} rows x {sp['length']} tokens prefill; decode: one token per row over that "
-                f"context; K={sp['K']}; {sp['reps']} interleaved repetitions, medians; molora per-linear with PEFT's "
-                "prototype estimator so the logits must match):", ""]
+        out += [
+            f"**Speed** ({sp['rows']} rows x {sp['length']} tokens prefill; decode: one token per row over that "
+            f"context; K={sp['K']}; {sp['reps']} interleaved repetitions, medians; molora per-linear with PEFT's "
+            "prototype estimator so the logits must match):",
+            "",
+        ]
         rows = []
         for k, s in sp["by_k"].items():
             for v in ("base", "peft_arrow", "molora_per_linear", "molora_per_block"):
-                rows.append([k, v, *(f"{1000 * s['median_s'][ph][v]:.1f}" for ph in ("prefill", "decode")),
-                             *(f"{s['speedup_over_peft'][ph][v]:.2f}x" for ph in ("prefill", "decode")),
-                             f"{s['max_abs_logit_diff_vs_peft']['prefill'][v]:.1e}"])
-        out += _table(["top_k", "variant", "prefill ms", "decode ms", "prefill vs PEFT", "decode vs PEFT",
-                       "max |logit - PEFT's|"], rows) + [""]
-        out += ["Time the adapters add over the base model, PEFT's divided by molora's (prefill / decode): "
-                + "; ".join(f"top_k={k} " + ", ".join(
+                rows.append(
+                    [
+                        k,
+                        v,
+                        *(f"{1000 * s['median_s'][ph][v]:.1f}" for ph in ("prefill", "decode")),
+                        *(f"{s['speedup_over_peft'][ph][v]:.2f}x" for ph in ("prefill", "decode")),
+                        f"{s['max_abs_logit_diff_vs_peft']['prefill'][v]:.1e}",
+                    ]
+                )
+        out += _table(
+            [
+                "top_k",
+                "variant",
+                "prefill ms",
+                "decode ms",
+                "prefill vs PEFT",
+                "decode vs PEFT",
+                "max |logit - PEFT's|",
+            ],
+            rows,
+        ) + [""]
+        out += [
+            "Time the adapters add over the base model, PEFT's divided by molora's (prefill / decode): "
+            + "; ".join(
+                f"top_k={k} "
+                + ", ".join(
                     f"{v.replace('molora_', '')} {s['added_time_peft_over']['prefill'][v]:.1f}x / "
-                    f"{s['added_time_peft_over']['decode'][v]:.1f}x" for v in ("molora_per_linear", "molora_per_block"))
-                    for k, s in sp["by_k"].items()) + ".", ""]
+                    f"{s['added_time_peft_over']['decode'][v]:.1f}x"
+                    for v in ("molora_per_linear", "molora_per_block")
+                )
+                for k, s in sp["by_k"].items()
+            )
+            + ".",
+            "",
+        ]
     q = rec.get("quality")
     if q:
-        out += [f"**Choices on validation items** ({q['n_val']} per skill, split \"val\"): mean strict accuracy % by "
-                "top_k; chosen: " + ", ".join(f"{g} top_k={k}" for g, k in q["chosen_top_k"].items()) + ".", ""]
-        out += _table(["granularity", "top_k", *q["tasks"], "mean"],
-                      [[g, k, *(v["by_task"][t] for t in q["tasks"]), v["mean"]]
-                       for g, d in q["validation"].items() for k, v in d.items()]) + [""]
+        out += [
+            f'**Choices on validation items** ({q["n_val"]} per skill, split "val"): mean strict accuracy % by '
+            "top_k; chosen: " + ", ".join(f"{g} top_k={k}" for g, k in q["chosen_top_k"].items()) + ".",
+            "",
+        ]
+        out += _table(
+            ["granularity", "top_k", *q["tasks"], "mean"],
+            [
+                [g, k, *(v["by_task"][t] for t in q["tasks"]), v["mean"]]
+                for g, d in q["validation"].items()
+                for k, v in d.items()
+            ],
+        ) + [""]
         modes = ["base", "sequence", "learned", "oracle", "arrow_per_linear", "arrow_per_block"]
         out += [f"**Test items** (the first {q['n']} per skill of the test split; strict accuracy %):", ""]
         out += _table(["skill", *modes], [[t, *(q["skills"][t][m]["accuracy"] for m in modes)] for t in q["tasks"]])
-        out += ["", "Arrow's decision is per token and per linear with no view of the prompt as a whole, and with the "
-                "threshold off no token stays on the base model. The chat template's tokens route like any other: in a "
-                "navigate prompt traced by hand (`molora route --router arrow`), `<|im_start|>assistant\\n` went to "
-                "the dyck adapter, which ends the turn at once, so most navigate answers came back empty. The learned "
-                "router's probe and fill (molora/routing/learned.py) exist for exactly this, and Arrow has neither."]
+        out += [
+            "",
+            "Arrow's decision is per token and per linear with no view of the prompt as a whole, and with the "
+            "threshold off no token stays on the base model. The chat template's tokens route like any other: in a "
+            "navigate prompt traced by hand (`molora route --router arrow`), `<|im_start|>assistant\\n` went to "
+            "the dyck adapter, which ends the turn at once, so most navigate answers came back empty. The learned "
+            "router's probe and fill (molora/routing/learned.py) exist for exactly this, and Arrow has neither.",
+        ]
         out += ["", f"**General prompts** ({q['n_general']} test prompts; % answered exactly as the base model):", ""]
-        out += _table(["routing", "retention %", "empty where the base answers %", "answer tokens on an adapter %"],
-                      [[m, g["retention"], g["empty_where_base_answers"], g["adapter_token_share"]]
-                       for m, g in q["general"].items()]) + [""]
+        out += _table(
+            ["routing", "retention %", "empty where the base answers %", "answer tokens on an adapter %"],
+            [
+                [m, g["retention"], g["empty_where_base_answers"], g["adapter_token_share"]]
+                for m, g in q["general"].items()
+            ],
+        ) + [""]
     gl = goals(rec)
     if gl:
-        out += ["**Goals:**", ""] + [f"- {g['goal']}: {'met' if g['met'] else 'NOT met'} ({g['measured']})"
-                                     for g in gl] + [""]
+        out += (
+            ["**Goals:**", ""]
+            + [f"- {g['goal']}: {'met' if g['met'] else 'NOT met'} ({g['measured']})" for g in gl]
+            + [""]
+        )
     return out
 
 
 # ------------------------------------------------------------------------------------------- main
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -321,16 +432,21 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work) / f"{fingerprint(bundle)}-n{args.n}-v{args.n_val}-g{args.n_general}"
     work.mkdir(parents=True, exist_ok=True)
     command = "python scripts/make_arrow.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    rec = {"command": command, "date": time.strftime("%Y-%m-%d"), "fingerprint": fingerprint(bundle),
-           "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"}
+    rec = {
+        "command": command,
+        "date": time.strftime("%Y-%m-%d"),
+        "fingerprint": fingerprint(bundle),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
+    }
     skip = set(filter(None, args.skip.split(",")))
     old = json.loads(path.read_text()) if path.is_file() else {}
     rec.update({part: old[part] for part in ("speed", "quality") if part in skip and part in old})  # kept as measured
     if "speed" not in skip:
         sp = work / "speed.json"
         if not sp.is_file():
-            sp.write_text(json.dumps({**speed(bundle, args.reps, args.rows, args.length), "command": command},
-                                     indent=2) + "\n")
+            sp.write_text(
+                json.dumps({**speed(bundle, args.reps, args.rows, args.length), "command": command}, indent=2) + "\n"
+            )
         rec["speed"] = json.loads(sp.read_text())
     if "quality" not in skip:
         rec["quality"] = {**quality(args, work), "command": command}
@@ -338,8 +454,14 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(rec, indent=2) + "\n")
     for g in rec["goals"]:
         log(f"goal: {g['goal']}: {'met' if g['met'] else 'NOT met'} ({g['measured']})")
-    print(json.dumps({"speed_top1": rec.get("speed", {}).get("by_k", {}).get("1", {}).get("speedup_over_peft"),
-                      "goals": rec["goals"]}))
+    print(
+        json.dumps(
+            {
+                "speed_top1": rec.get("speed", {}).get("by_k", {}).get("1", {}).get("speedup_over_peft"),
+                "goals": rec["goals"],
+            }
+        )
+    )
     return 0
 
 

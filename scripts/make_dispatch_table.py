@@ -32,29 +32,43 @@ def fmt(v: float) -> str:
 
 def eager_pick(row: dict) -> str:
     """`pick_backend` for the record's shape with the fused kernel unavailable: the cost model's choice."""
-    return dispatch.pick_backend("cpu", getattr(torch, row["dtype"]), row["T"], row["K"], row["top_k"], row["r"],
-                                 row["d"] + row["d_out"], fused_available=False, bf16_dot=False)
+    return dispatch.pick_backend(
+        "cpu",
+        getattr(torch, row["dtype"]),
+        row["T"],
+        row["K"],
+        row["top_k"],
+        row["r"],
+        row["d"] + row["d_out"],
+        fused_available=False,
+        bf16_dot=False,
+    )
 
 
 def render(records: dict) -> str:
     rec = records["ops_grid"]
     rows = rec["result"]["rows"]
     shapes = sorted({(r["d"], r["d_out"], r["dtype"], r["top_k"], r["threads"]) for r in rows})
-    out = [BEGIN, "",
-           f"Thresholds the code uses (`molora/ops/dispatch.py`): `FUSED_BF16_TOKENS_PER_SLOT` = "
-           f"{dispatch.FUSED_BF16_TOKENS_PER_SLOT}, `FUSED_BF16_SOFT_TOKENS_PER_SLOT` = "
-           f"{dispatch.FUSED_BF16_SOFT_TOKENS_PER_SLOT}; cost-model coefficients in µs, "
-           f"`STACKED_US` = {dispatch.STACKED_US} (fixed, per slot, per M weights read, per M MACs), "
-           f"`SORTED_US` = {dispatch.SORTED_US} (fixed, per used slot, per M MACs, per M activations moved, "
-           "top-k > 1).", "",
-           f"Measured: `docs/benchmarks.json` → `ops_grid` (`{rec['command']}`, {rec['date']}; medians of "
-           f"{rec['result']['repeats']} interleaved repetitions, field `ms`; shapes d × d_out, dtype, top-k, "
-           f"threads: {', '.join(f'{a} × {b}, {c}, top-{k}, {t}' for a, b, c, k, t in shapes)}). "
-           "**eager pick**: `pick_backend` with `fused_available=False`; **/ faster eager**: its measured time "
-           "over the faster of stacked_mask and sort_group.", "",
-           "| T | K | r | fused | stacked_mask | sort_group | gather | fastest | auto (recorded) | eager pick "
-           "| / faster eager |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        BEGIN,
+        "",
+        f"Thresholds the code uses (`molora/ops/dispatch.py`): `FUSED_BF16_TOKENS_PER_SLOT` = "
+        f"{dispatch.FUSED_BF16_TOKENS_PER_SLOT}, `FUSED_BF16_SOFT_TOKENS_PER_SLOT` = "
+        f"{dispatch.FUSED_BF16_SOFT_TOKENS_PER_SLOT}; cost-model coefficients in µs, "
+        f"`STACKED_US` = {dispatch.STACKED_US} (fixed, per slot, per M weights read, per M MACs), "
+        f"`SORTED_US` = {dispatch.SORTED_US} (fixed, per used slot, per M MACs, per M activations moved, "
+        "top-k > 1).",
+        "",
+        f"Measured: `docs/benchmarks.json` → `ops_grid` (`{rec['command']}`, {rec['date']}; medians of "
+        f"{rec['result']['repeats']} interleaved repetitions, field `ms`; shapes d × d_out, dtype, top-k, "
+        f"threads: {', '.join(f'{a} × {b}, {c}, top-{k}, {t}' for a, b, c, k, t in shapes)}). "
+        "**eager pick**: `pick_backend` with `fused_available=False`; **/ faster eager**: its measured time "
+        "over the faster of stacked_mask and sort_group.",
+        "",
+        "| T | K | r | fused | stacked_mask | sort_group | gather | fastest | auto (recorded) | eager pick "
+        "| / faster eager |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     regrets, gather_wins = [], 0
     for r in rows:
         ms = r["ms"]
@@ -65,17 +79,23 @@ def render(records: dict) -> str:
         if "gather" in ms and ms["gather"] < min(ms[b] for b in EAGER):
             gather_wins += 1
             gather = f"**{gather}**"
-        out.append(f"| {r['T']} | {r['K']} | {r['r']} | {fmt(ms['fused'])} | {fmt(ms['stacked_mask'])} "
-                   f"| {fmt(ms['sort_group'])} | {gather} | {r['fastest']} | {r['auto_backend']} | {pick} "
-                   f"| {regret:.2f} |")
+        out.append(
+            f"| {r['T']} | {r['K']} | {r['r']} | {fmt(ms['fused'])} | {fmt(ms['stacked_mask'])} "
+            f"| {fmt(ms['sort_group'])} | {gather} | {r['fastest']} | {r['auto_backend']} | {pick} "
+            f"| {regret:.2f} |"
+        )
     n = len(rows)
     auto_fastest = sum(r["auto_backend"] == r["fastest"] for r in rows)
     agree = sum(x == 1.0 for x in regrets)
-    out += ["",
-            f"Over these {n} shapes: the recorded auto backend is the fastest measured at {auto_fastest}; without "
-            f"the kernel the cost model picks the faster eager backend at {agree}, at a mean of "
-            f"{sum(regrets) / n:.3f}× and at most {max(regrets):.2f}× its time; gather is faster than both eager "
-            f"backends at {gather_wins} (in bold).", "", END]
+    out += [
+        "",
+        f"Over these {n} shapes: the recorded auto backend is the fastest measured at {auto_fastest}; without "
+        f"the kernel the cost model picks the faster eager backend at {agree}, at a mean of "
+        f"{sum(regrets) / n:.3f}× and at most {max(regrets):.2f}× its time; gather is faster than both eager "
+        f"backends at {gather_wins} (in bold).",
+        "",
+        END,
+    ]
     return "\n".join(out)
 
 

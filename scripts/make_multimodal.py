@@ -37,16 +37,25 @@ TEXT_TEMPERATURES = (1.0, 0.0)  # candidates for the caption spans, chosen on va
 # the joint pair's training settings tried (--choose-joint): label -> DigitsRecipe fields over the shipped recipe;
 # "shipped" scores the bundle's own pair. Scored on validation only ("vocab-routed, joint", draw seed VAL_SEED,
 # the validation images), at the caption temperature the record chose; the test split is never read here.
-JOINT_CANDIDATES = {"shipped": {},
-                    "e10_lr4e-3": {"joint_epochs": 10.0, "joint_lr": 4e-3},
-                    "e10_lr2e-3": {"joint_epochs": 10.0, "joint_lr": 2e-3},
-                    "e15_lr4e-3": {"joint_epochs": 15.0, "joint_lr": 4e-3},
-                    "e10_lr4e-3_cap0.5": {"joint_epochs": 10.0, "joint_lr": 4e-3, "joint_captioning": 0.5},
-                    "e7_lr4e-3": {"joint_epochs": 7.0, "joint_lr": 4e-3},
-                    "e5_lr2e-3": {"joint_epochs": 5.0, "joint_lr": 2e-3},
-                    "e10_lr1e-3": {"joint_epochs": 10.0, "joint_lr": 1e-3}}
-GOALS = {"inverted": 0.95, "new_phrasing": 0.95, "broken": 0.05, "image_accuracy": 0.6, "caption_accuracy": 0.6,
-         "routed_vs_base": 1.2, "k_pass_vs_routed": 1.8}
+JOINT_CANDIDATES = {
+    "shipped": {},
+    "e10_lr4e-3": {"joint_epochs": 10.0, "joint_lr": 4e-3},
+    "e10_lr2e-3": {"joint_epochs": 10.0, "joint_lr": 2e-3},
+    "e15_lr4e-3": {"joint_epochs": 15.0, "joint_lr": 4e-3},
+    "e10_lr4e-3_cap0.5": {"joint_epochs": 10.0, "joint_lr": 4e-3, "joint_captioning": 0.5},
+    "e7_lr4e-3": {"joint_epochs": 7.0, "joint_lr": 4e-3},
+    "e5_lr2e-3": {"joint_epochs": 5.0, "joint_lr": 2e-3},
+    "e10_lr1e-3": {"joint_epochs": 10.0, "joint_lr": 1e-3},
+}
+GOALS = {
+    "inverted": 0.95,
+    "new_phrasing": 0.95,
+    "broken": 0.05,
+    "image_accuracy": 0.6,
+    "caption_accuracy": 0.6,
+    "routed_vs_base": 1.2,
+    "k_pass_vs_routed": 1.8,
+}
 
 
 def all_modes(mm) -> dict:
@@ -59,7 +68,7 @@ def all_modes(mm) -> dict:
     out["image adapter (joint) everywhere"] = "image"
     out["text adapter (joint) everywhere"] = "text"
     out["both (joint) summed everywhere"] = mg.EveryToken(["image", "text"])
-    (lo, hi, _), = mm.router.ranges  # <boi> .. <img_15>
+    ((lo, hi, _),) = mm.router.ranges  # <boi> .. <img_15>
     eoi = mm.tokenizer.convert_tokens_to_ids("<eoi>")
     out["vocab-routed, joint, off by one"] = VocabRouter([(lo + 1, hi, "image"), (eoi, eoi + 1, "image")], "text")
     return out
@@ -72,8 +81,9 @@ def evaluate_split(mm, reader, specs: dict, split, seed: int, n: int, text_tempe
     out = {}
     for label, spec in specs.items():
         t0 = time.perf_counter()
-        out[label] = evaluate_mode(mm, reader, spec, digits, split, temperature=TEMPERATURE, seed=seed,
-                                   text_temperature=text_temperature)
+        out[label] = evaluate_mode(
+            mm, reader, spec, digits, split, temperature=TEMPERATURE, seed=seed, text_temperature=text_temperature
+        )
         print(f"  {label:<38} {out[label]}  ({time.perf_counter() - t0:.1f} s)", flush=True)
     return out
 
@@ -88,22 +98,39 @@ def speed(mm, n: int, reps: int, text_temperature: float) -> dict:
 
     def run(key, **kw):
         def call():
-            outs[key] = [d.tokens for d in mg.draw(mm, digits, temperature=TEMPERATURE, seed=TEST_SEED,
-                                                   text_temperature=text_temperature, **kw)]
+            outs[key] = [
+                d.tokens
+                for d in mg.draw(
+                    mm, digits, temperature=TEMPERATURE, seed=TEST_SEED, text_temperature=text_temperature, **kw
+                )
+            ]
+
         return call
 
-    times = interleaved_times({"base": run("base", spec=None), "routed": run("routed", spec=mm.router),
-                               "k_pass": run("k_pass", spec=mm.router, passes=names)}, reps)
+    times = interleaved_times(
+        {
+            "base": run("base", spec=None),
+            "routed": run("routed", spec=mm.router),
+            "k_pass": run("k_pass", spec=mm.router, passes=names),
+        },
+        reps,
+    )
     tokens = sum(len(t) for t in outs["routed"])
-    out = {"sequences": n, "generated_tokens": tokens, "reps": reps, "adapters": names,
-           "seconds": {k: [round(x, 4) for x in v] for k, v in times.items()},
-           "outputs_equal": sum(a == b for a, b in zip(outs["routed"], outs["k_pass"]))}
+    out = {
+        "sequences": n,
+        "generated_tokens": tokens,
+        "reps": reps,
+        "adapters": names,
+        "seconds": {k: [round(x, 4) for x in v] for k, v in times.items()},
+        "outputs_equal": sum(a == b for a, b in zip(outs["routed"], outs["k_pass"])),
+    }
     return {**out, **ratios(out["seconds"], tokens)}
 
 
 def ratios(seconds: dict[str, list[float]], tokens: int) -> dict:
     """Medians, and each ratio as the median of the per-repetition ratios (the variants of one repetition run
     back to back, so another tenant's load on the machine cancels in the pair) with its interquartile range."""
+
     def paired(a: str, b: str) -> tuple[float, list[float]]:
         r = sorted(x / y for x, y in zip(seconds[a], seconds[b]))
         q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
@@ -111,11 +138,18 @@ def ratios(seconds: dict[str, list[float]], tokens: int) -> dict:
 
     med = {k: statistics.median(v) for k, v in seconds.items()}
     (rb, rb_iqr), (kr, kr_iqr) = paired("routed", "base"), paired("k_pass", "routed")
-    return {"median_s": {k: round(v, 4) for k, v in med.items()}, "routed_vs_base": rb, "routed_vs_base_iqr": rb_iqr,
-            "k_pass_vs_routed": kr, "k_pass_vs_routed_iqr": kr_iqr,
-            "ratio_of_medians": {"routed_vs_base": round(med["routed"] / med["base"], 3),
-                                 "k_pass_vs_routed": round(med["k_pass"] / med["routed"], 3)},
-            "routed_tokens_per_s": round(tokens / med["routed"], 1)}
+    return {
+        "median_s": {k: round(v, 4) for k, v in med.items()},
+        "routed_vs_base": rb,
+        "routed_vs_base_iqr": rb_iqr,
+        "k_pass_vs_routed": kr,
+        "k_pass_vs_routed_iqr": kr_iqr,
+        "ratio_of_medians": {
+            "routed_vs_base": round(med["routed"] / med["base"], 3),
+            "k_pass_vs_routed": round(med["k_pass"] / med["routed"], 3),
+        },
+        "routed_tokens_per_s": round(tokens / med["routed"], 1),
+    }
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -150,20 +184,34 @@ def measure(args: argparse.Namespace) -> dict:
     tok, routes = mm.tokenizer, mm.router
     ids = tok("<boi> <eoi>", add_special_tokens=False, return_tensors="pt")["input_ids"]
     picked = [mm.adapter_names[i] for i in routes.route(ids, mm.adapter_names).adapter_ids[0].tolist()]
-    return {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "command": "scripts/make_multimodal.py " + " ".join(sys.argv[1:]),
-            "bundle": str(bundle.relative_to(ROOT)) if bundle.is_relative_to(ROOT) else str(bundle),
-            "threads": 1, "temperature": TEMPERATURE, "text_temperature": text_t,
-            "text_temperature_choice": {"candidates": list(TEXT_TEMPERATURES),
-                                        "validation_mean_caption_accuracy": mean_caption},
-            "seeds": {"val": VAL_SEED, "test": TEST_SEED},
-            "splits": {k: int(len(v.labels)) for k, v in splits.items()},
-            "reader": {"params": reader.params, "val_accuracy": reader.val_accuracy,
-                       "test_accuracy": reader.test_accuracy},
-            "router": {"ranges": [list(r) for r in routes.ranges], "default": routes.default,
-                       "boi": picked[0], "eoi": picked[1]},
-            "validation": val, "test": test, "speed": sp, "demo_captions": table, "goals": GOALS,
-            "wall_s": round(time.time() - t0, 1), **previous_choice()}
+    return {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": "scripts/make_multimodal.py " + " ".join(sys.argv[1:]),
+        "bundle": str(bundle.relative_to(ROOT)) if bundle.is_relative_to(ROOT) else str(bundle),
+        "threads": 1,
+        "temperature": TEMPERATURE,
+        "text_temperature": text_t,
+        "text_temperature_choice": {
+            "candidates": list(TEXT_TEMPERATURES),
+            "validation_mean_caption_accuracy": mean_caption,
+        },
+        "seeds": {"val": VAL_SEED, "test": TEST_SEED},
+        "splits": {k: int(len(v.labels)) for k, v in splits.items()},
+        "reader": {"params": reader.params, "val_accuracy": reader.val_accuracy, "test_accuracy": reader.test_accuracy},
+        "router": {
+            "ranges": [list(r) for r in routes.ranges],
+            "default": routes.default,
+            "boi": picked[0],
+            "eoi": picked[1],
+        },
+        "validation": val,
+        "test": test,
+        "speed": sp,
+        "demo_captions": table,
+        "goals": GOALS,
+        "wall_s": round(time.time() - t0, 1),
+        **previous_choice(),
+    }
 
 
 def previous_choice() -> dict:
@@ -191,9 +239,17 @@ def choose_joint(args: argparse.Namespace) -> dict:
     text_t = float(record.get("text_temperature", 0.0))
     shipped = json.loads((shipped_bundle() / "recipe.json").read_text())
     work = Path(args.work) / "joint_choice.json"  # candidates scored so far, this run's and earlier ones'
-    choice = json.loads(work.read_text()) if work.is_file() else record.get("joint_choice") or {
-        "criterion": "validation image accuracy of the vocab-routed joint pair, among candidates within every "
-                     "style and caption goal", "text_temperature": text_t, "candidates": {}}
+    choice = (
+        json.loads(work.read_text())
+        if work.is_file()
+        else record.get("joint_choice")
+        or {
+            "criterion": "validation image accuracy of the vocab-routed joint pair, among candidates within every "
+            "style and caption goal",
+            "text_temperature": text_t,
+            "candidates": {},
+        }
+    )
     for label in args.choose_joint:
         if label not in JOINT_CANDIDATES:
             raise SystemExit(f"--choose-joint {label}: use one of {list(JOINT_CANDIDATES)}")
@@ -210,12 +266,23 @@ def choose_joint(args: argparse.Namespace) -> dict:
             train_stats = json.loads((folder / "adapters" / "image" / "training_stats.json").read_text())
         mm = load(folder)
         digits = [i % 10 for i in range(args.n)]
-        val = evaluate_mode(mm, reader, mm.router, digits, splits["val"], temperature=TEMPERATURE, seed=VAL_SEED,
-                            text_temperature=text_t)
+        val = evaluate_mode(
+            mm,
+            reader,
+            mm.router,
+            digits,
+            splits["val"],
+            temperature=TEMPERATURE,
+            seed=VAL_SEED,
+            text_temperature=text_t,
+        )
         entry = choice["candidates"].get(label, {})
-        entry = {**entry, "joint": JOINT_CANDIDATES[label],
-                 "validation": {**entry.get("validation", {}), f"{args.n} draws": val},
-                 "wall_s": round(time.perf_counter() - t0, 1)}
+        entry = {
+            **entry,
+            "joint": JOINT_CANDIDATES[label],
+            "validation": {**entry.get("validation", {}), f"{args.n} draws": val},
+            "wall_s": round(time.perf_counter() - t0, 1),
+        }
         if train_stats is not None:
             entry["training"] = {k: train_stats.get(k) for k in ("steps", "seconds", "cpu_seconds", "final_loss")}
         choice["candidates"][label] = entry
@@ -227,10 +294,16 @@ def choose_joint(args: argparse.Namespace) -> dict:
 
 # --------------------------------------------------------------------------------------------- rendering
 
-COLUMNS = [("image_accuracy", "image digit acc."), ("inverted", "inverted"), ("caption_accuracy", "caption acc."),
-           ("new_phrasing", "new phrasing"), ("broken", "broken caption"),
-           ("read_caption_accuracy", "captioning real images: acc."), ("read_new_phrasing", "… new phrasing"),
-           ("read_broken", "… broken")]
+COLUMNS = [
+    ("image_accuracy", "image digit acc."),
+    ("inverted", "inverted"),
+    ("caption_accuracy", "caption acc."),
+    ("new_phrasing", "new phrasing"),
+    ("broken", "broken caption"),
+    ("read_caption_accuracy", "captioning real images: acc."),
+    ("read_new_phrasing", "… new phrasing"),
+    ("read_broken", "… broken"),
+]
 
 
 def _table(rows: dict) -> list[str]:
@@ -247,70 +320,103 @@ def _iqr(q: list[float]) -> str:
 def goals_met(record: dict) -> list[tuple[str, bool]]:
     r = record["test"]["vocab-routed, joint"]
     s = record["speed"]
-    return [(f"images in image style {r['inverted']:.2f} (goal ≥ 0.95)", r["inverted"] >= 0.95),
-            (f"captions in text style {r['new_phrasing']:.2f} (goal ≥ 0.95)", r["new_phrasing"] >= 0.95),
-            (f"broken captions {r['broken']:.2f} (goal ≤ 0.05)", r["broken"] <= 0.05),
-            (f"image digit accuracy {r['image_accuracy']:.2f} (goal ≥ 0.6)", r["image_accuracy"] >= 0.6),
-            (f"caption accuracy {r['caption_accuracy']:.2f} (goal ≥ 0.6)", r["caption_accuracy"] >= 0.6),
-            (f"one routed pass {s['routed_vs_base']:.2f}x the base model's time (goal ≤ 1.2x)",
-             s["routed_vs_base"] <= 1.2),
-            (f"one pass per adapter {s['k_pass_vs_routed']:.2f}x the routed pass (goal ≥ 1.8x), outputs equal "
-             f"{s['outputs_equal']}/{s['sequences']}",
-             s["k_pass_vs_routed"] >= 1.8 and s["outputs_equal"] == s["sequences"])]
+    return [
+        (f"images in image style {r['inverted']:.2f} (goal ≥ 0.95)", r["inverted"] >= 0.95),
+        (f"captions in text style {r['new_phrasing']:.2f} (goal ≥ 0.95)", r["new_phrasing"] >= 0.95),
+        (f"broken captions {r['broken']:.2f} (goal ≤ 0.05)", r["broken"] <= 0.05),
+        (f"image digit accuracy {r['image_accuracy']:.2f} (goal ≥ 0.6)", r["image_accuracy"] >= 0.6),
+        (f"caption accuracy {r['caption_accuracy']:.2f} (goal ≥ 0.6)", r["caption_accuracy"] >= 0.6),
+        (f"one routed pass {s['routed_vs_base']:.2f}x the base model's time (goal ≤ 1.2x)", s["routed_vs_base"] <= 1.2),
+        (
+            f"one pass per adapter {s['k_pass_vs_routed']:.2f}x the routed pass (goal ≥ 1.8x), outputs equal "
+            f"{s['outputs_equal']}/{s['sequences']}",
+            s["k_pass_vs_routed"] >= 1.8 and s["outputs_equal"] == s["sequences"],
+        ),
+    ]
 
 
 def render_section(record: dict) -> list[str]:
     """The docs/results.md section (markdown lines) from docs/multimodal.json."""
     t, s = record["test"], record["speed"]
     n = t["base"]["n"]
-    lines = ["", "## Multimodal: vocabulary routing on an early-fusion text+image model", "",
-             f"The digits bundle (molora/multimodal/bundle): a 2.4M-parameter Llama trained on {record['splits']['train']} "
-             "digit images over 46 ids (words and 16 image codes), an image adapter that draws digits inverted and a text adapter with "
-             "a new caption phrasing, routed by token id (router ranges read from the tokenizer: "
-             f"{record['router']['ranges']}, <boi> → {record['router']['boi']}, <eoi> → {record['router']['eoi']}). "
-             f"Test: {n} drawn digits per mode (image and caption in one sequence; image spans sampled at "
-             f"temperature {record['temperature']}, caption spans at {record['text_temperature']}, the better of "
-             f"{record['text_temperature_choice']['candidates']} by mean caption accuracy on validation) and {record['splits']['test']} real test images to caption (greedy); images read by an SVC "
-             f"(test accuracy on real images {record['reader']['test_accuracy']}).", ""]
-    lines += ["Modes: \"everywhere\" puts an adapter on every token; \"apart\" adapters were each trained alone "
-              "on every token (PEFT, `train_adapter`), \"joint\" ones together under the vocab router "
-              "(`train_routed`); \"off by one\" routes <boi> to text and <eoi> to image (the wrong shift).", ""]
+    lines = [
+        "",
+        "## Multimodal: vocabulary routing on an early-fusion text+image model",
+        "",
+        f"The digits bundle (molora/multimodal/bundle): a 2.4M-parameter Llama trained on {record['splits']['train']} "
+        "digit images over 46 ids (words and 16 image codes), an image adapter that draws digits inverted and a "
+        "text adapter with "
+        "a new caption phrasing, routed by token id (router ranges read from the tokenizer: "
+        f"{record['router']['ranges']}, <boi> → {record['router']['boi']}, <eoi> → {record['router']['eoi']}). "
+        f"Test: {n} drawn digits per mode (image and caption in one sequence; image spans sampled at "
+        f"temperature {record['temperature']}, caption spans at {record['text_temperature']}, the better of "
+        f"{record['text_temperature_choice']['candidates']} by mean caption accuracy on validation) and "
+        f"{record['splits']['test']} real test images to caption (greedy); images read by an SVC "
+        f"(test accuracy on real images {record['reader']['test_accuracy']}).",
+        "",
+    ]
+    lines += [
+        'Modes: "everywhere" puts an adapter on every token; "apart" adapters were each trained alone '
+        'on every token (PEFT, `train_adapter`), "joint" ones together under the vocab router '
+        '(`train_routed`); "off by one" routes <boi> to text and <eoi> to image (the wrong shift).',
+        "",
+    ]
     lines += _table(t)
-    lines += ["", f"Speed ({s['sequences']} sequences, {s['generated_tokens']} generated tokens, {s['reps']} "
-              f"interleaved repetitions, order rotated, 1 thread; ratios are medians of the per-repetition ratios, "
-              f"interquartile range in brackets): base {s['median_s']['base']:.2f} s, one routed pass "
-              f"{s['median_s']['routed']:.2f} s ({s['routed_vs_base']:.2f}x base {_iqr(s['routed_vs_base_iqr'])}), "
-              f"one pass per adapter {s['median_s']['k_pass']:.2f} s ({s['k_pass_vs_routed']:.2f}x routed "
-              f"{_iqr(s['k_pass_vs_routed_iqr'])}); outputs equal {s['outputs_equal']}/{s['sequences']}. The "
-              "passes emulate per-sequence routing exactly: each forward runs once per adapter over every row and "
-              "keeps, per run of positions, the pass its router picks (logits and keys/values).", "",
-              "Goals (vocab-routed, joint adapters, test):", ""]
+    lines += [
+        "",
+        f"Speed ({s['sequences']} sequences, {s['generated_tokens']} generated tokens, {s['reps']} "
+        f"interleaved repetitions, order rotated, 1 thread; ratios are medians of the per-repetition ratios, "
+        f"interquartile range in brackets): base {s['median_s']['base']:.2f} s, one routed pass "
+        f"{s['median_s']['routed']:.2f} s ({s['routed_vs_base']:.2f}x base {_iqr(s['routed_vs_base_iqr'])}), "
+        f"one pass per adapter {s['median_s']['k_pass']:.2f} s ({s['k_pass_vs_routed']:.2f}x routed "
+        f"{_iqr(s['k_pass_vs_routed_iqr'])}); outputs equal {s['outputs_equal']}/{s['sequences']}. The "
+        "passes emulate per-sequence routing exactly: each forward runs once per adapter over every row and "
+        "keeps, per run of positions, the pass its router picks (logits and keys/values).",
+        "",
+        "Goals (vocab-routed, joint adapters, test):",
+        "",
+    ]
     lines += [f"- {'met' if ok else 'not met'}: {text}" for text, ok in goals_met(record)]
     return lines + [""]
 
 
 def readme_block(record: dict) -> str:
     t = record["test"]
-    keep = ["base", "image adapter everywhere", "text adapter everywhere", "both summed everywhere",
-            "vocab-routed, apart", "vocab-routed, joint"]
+    keep = [
+        "base",
+        "image adapter everywhere",
+        "text adapter everywhere",
+        "both summed everywhere",
+        "vocab-routed, apart",
+        "vocab-routed, joint",
+    ]
     s = record["speed"]
-    out = ["![digits drawn per mode](docs/multimodal_digits.png)", "",
-           "Rows: the base; the image or text adapter (each trained alone) on every token; both summed on every "
-           "token; vocab-routed with the adapters trained apart; vocab-routed with the bundle's adapters, trained "
-           "together under the router. The images above and the captions below are greedy; the accuracies come "
-           f"from {t['base']['n']} sampled test draws per mode (images read by an SVC).", "",
-           "| mode | image digit acc. | inverted | caption acc. | new phrasing | broken caption |",
-           "|---|---|---|---|---|---|"]
+    out = [
+        "![digits drawn per mode](docs/multimodal_digits.png)",
+        "",
+        "Rows: the base; the image or text adapter (each trained alone) on every token; both summed on every "
+        "token; vocab-routed with the adapters trained apart; vocab-routed with the bundle's adapters, trained "
+        "together under the router. The images above and the captions below are greedy; the accuracies come "
+        f"from {t['base']['n']} sampled test draws per mode (images read by an SVC).",
+        "",
+        "| mode | image digit acc. | inverted | caption acc. | new phrasing | broken caption |",
+        "|---|---|---|---|---|---|",
+    ]
     for k in keep:
         r = t[k]
-        out.append(f"| {k} | {r['image_accuracy']:.2f} | {r['inverted']:.2f} | {r['caption_accuracy']:.2f} | "
-                   f"{r['new_phrasing']:.2f} | {r['broken']:.2f} |")
+        out.append(
+            f"| {k} | {r['image_accuracy']:.2f} | {r['inverted']:.2f} | {r['caption_accuracy']:.2f} | "
+            f"{r['new_phrasing']:.2f} | {r['broken']:.2f} |"
+        )
     out += ["", "| mode | caption after its own drawn 7 | caption of a real 7 |", "|---|---|---|"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in record["demo_captions"]]
-    out += ["", f"One routed pass: {s['routed_vs_base']:.2f}x {_iqr(s['routed_vs_base_iqr'])} the base model's "
-            f"time; one pass per adapter: {s['k_pass_vs_routed']:.2f}x {_iqr(s['k_pass_vs_routed_iqr'])} the routed "
-            f"pass, outputs equal {s['outputs_equal']}/{s['sequences']} "
-            f"(`docs/multimodal.json`, {t['base']['n']} test draws per mode)."]
+    out += [
+        "",
+        f"One routed pass: {s['routed_vs_base']:.2f}x {_iqr(s['routed_vs_base_iqr'])} the base model's "
+        f"time; one pass per adapter: {s['k_pass_vs_routed']:.2f}x {_iqr(s['k_pass_vs_routed_iqr'])} the routed "
+        f"pass, outputs equal {s['outputs_equal']}/{s['sequences']} "
+        f"(`docs/multimodal.json`, {t['base']['n']} test draws per mode).",
+    ]
     return "\n".join(out)
 
 
@@ -325,10 +431,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=100, help="drawn digits per mode and split (default 100)")
     p.add_argument("--reps", type=int, default=5, help="speed repetitions (default 5)")
     p.add_argument("--render-only", action="store_true", help="only render the README from the record")
-    p.add_argument("--choose-joint", nargs="+", default=None, metavar="LABEL",
-                   help=f"train and score these joint-pair candidates on validation ({', '.join(JOINT_CANDIDATES)})")
-    p.add_argument("--work", default=str(ROOT / "runs" / "multimodal_joint"),
-                   help="folder for the candidates' bundles (default runs/multimodal_joint)")
+    p.add_argument(
+        "--choose-joint",
+        nargs="+",
+        default=None,
+        metavar="LABEL",
+        help=f"train and score these joint-pair candidates on validation ({', '.join(JOINT_CANDIDATES)})",
+    )
+    p.add_argument(
+        "--work",
+        default=str(ROOT / "runs" / "multimodal_joint"),
+        help="folder for the candidates' bundles (default runs/multimodal_joint)",
+    )
     args = p.parse_args(argv)
     if args.choose_joint:
         choice = choose_joint(args)

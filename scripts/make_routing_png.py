@@ -45,13 +45,36 @@ def draw(view, title: str, out: str, width: int = 92) -> None:
     for y, row in enumerate(lines):
         for x, piece, adapter, answer in row:
             face = colour.get(adapter, "#dddddd")
-            ax.add_patch(plt.Rectangle((x, -y - 0.4), len(piece), 0.8, color=face, alpha=0.9,
-                                       ec="black" if answer else "none", lw=1.2 if answer else 0))
-            ax.text(x + 0.05, -y, piece, va="center", ha="left", family="monospace", fontsize=9,
-                    color="white" if adapter in colour else "#333333")
+            ax.add_patch(
+                plt.Rectangle(
+                    (x, -y - 0.4),
+                    len(piece),
+                    0.8,
+                    color=face,
+                    alpha=0.9,
+                    ec="black" if answer else "none",
+                    lw=1.2 if answer else 0,
+                )
+            )
+            ax.text(
+                x + 0.05,
+                -y,
+                piece,
+                va="center",
+                ha="left",
+                family="monospace",
+                fontsize=9,
+                color="white" if adapter in colour else "#333333",
+            )
     handles = [Patch(color=colour[n], label=n) for n in view.adapters] + [Patch(color="#dddddd", label=NONE_LABEL)]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1.0 + 0.9 / len(lines)), ncol=len(handles),
-              frameon=False, fontsize=9)
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, 1.0 + 0.9 / len(lines)),
+        ncol=len(handles),
+        frameon=False,
+        fontsize=9,
+    )
     ax.set_title(title, fontsize=10, pad=26)
     fig.savefig(out, dpi=110, bbox_inches="tight")
 

@@ -50,11 +50,38 @@ INGRESS = {"one_replica": "serve", "one_replica_process": "process"}
 
 def bench_argv(what: str, args: argparse.Namespace) -> list[str]:
     if what in INGRESS:
-        return ["serve", "--ray", "--replicas", "1", "--ray-ingress", INGRESS[what], "--concurrency", "1,16",
-                "--requests", str(args.requests), "--max-tokens", str(args.max_tokens), "--repeats",
-                str(args.repeats)]
-    return ["serve", "--ray", "--replicas", "2", "--ray-ingress", "serve", "--concurrency", "32", "--requests", "500",
-            "--max-tokens", str(args.max_tokens // 2), "--repeats", "1"]
+        return [
+            "serve",
+            "--ray",
+            "--replicas",
+            "1",
+            "--ray-ingress",
+            INGRESS[what],
+            "--concurrency",
+            "1,16",
+            "--requests",
+            str(args.requests),
+            "--max-tokens",
+            str(args.max_tokens),
+            "--repeats",
+            str(args.repeats),
+        ]
+    return [
+        "serve",
+        "--ray",
+        "--replicas",
+        "2",
+        "--ray-ingress",
+        "serve",
+        "--concurrency",
+        "32",
+        "--requests",
+        "500",
+        "--max-tokens",
+        str(args.max_tokens // 2),
+        "--repeats",
+        "1",
+    ]
 
 
 FLOOR_ITEMS, FLOOR_PACE_S, FLOOR_REPEATS = 64, 0.05, 15
@@ -103,8 +130,10 @@ def ray_floor() -> dict[str, Any]:
                     local.append(await timed(items(FLOOR_ITEMS, pace)))
                 added = statistics.median(r - x for r, x in zip(remote, local)) * 1000
                 out["paced" if pace else "unpaced"] = {
-                    "pace_s": pace, "added_ms_per_stream": round(added, 2),
-                    "added_ms_per_item": round(added / FLOOR_ITEMS, 3)}
+                    "pace_s": pace,
+                    "added_ms_per_stream": round(added, 2),
+                    "added_ms_per_item": round(added / FLOOR_ITEMS, 3),
+                }
         finally:
             serve.shutdown()
             ray.shutdown()
@@ -129,8 +158,9 @@ def hold_priority(nice: int, stop: threading.Event) -> None:
 
 def _child_json(cmd: list[str], what: str) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
     """Run cmd from the repository root (Ray's usage stats off) and parse the last JSON line it printed."""
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    proc = subprocess.run(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
         raise SystemExit(f"{what}: printed no JSON (exit {proc.returncode})")
@@ -149,8 +179,7 @@ def run(what: str, args: argparse.Namespace) -> dict[str, Any]:
         print("$ molora bench " + shlex.join(argv), flush=True)
         proc, result = _child_json([sys.executable, "-m", "molora.bench.cli", *argv], what)
         command = "molora bench " + shlex.join(argv)
-    return {"command": command, "wall_s": round(time.time() - t0, 1), "exit_code": proc.returncode,
-            "result": result}
+    return {"command": command, "wall_s": round(time.time() - t0, 1), "exit_code": proc.returncode, "result": result}
 
 
 def _level(rec: dict, c: int) -> dict:
@@ -177,8 +206,10 @@ def _priority(rec: dict) -> str:
     nice = rec.get("nice")
     if not nice:
         return ""
-    return (f" Other jobs shared the machine during this run, so the bench, both servers and every Ray process "
-            f"ran at nice {nice} (`--nice`; Ray starts its workers at nice 0, so they are reniced as they appear).")
+    return (
+        f" Other jobs shared the machine during this run, so the bench, both servers and every Ray process "
+        f"ran at nice {nice} (`--nice`; Ray starts its workers at nice 0, so they are reniced as they appear)."
+    )
 
 
 def _verdict(ok: bool) -> str:
@@ -188,57 +219,77 @@ def _verdict(ok: bool) -> str:
 def page_block(records: dict) -> str:
     ones, two = _ones(records), records["two_replicas"]
     first = ones[0][1]
-    lines = [SCALE_BEGIN, "",
-             f"Measured {records['date']} on {records['machine']} (record: [scaleout.json](scaleout.json)); the "
-             "embedded default bundle, streamed chat requests with Zipf-drawn models (per-token routing and pinned "
-             f"adapters), greedy, at most {first['result']['max_tokens']} new tokens; both servers run at once "
-             "in their own processes and take turns level by level, order rotated per repetition. Added latency: "
-             "the same request's latency through Ray minus through `molora serve`, median over requests and "
-             f"repetitions.{_priority(first)}", "",
-             "| `--ray-ingress` | concurrency | `molora serve` tok/s | `--ray --replicas 1` tok/s | ratio (median; each "
-             "run) | added latency / request | same greedy outputs | errors (plain / ray) |",
-             "|---|---:|---:|---:|---|---:|---:|---|"]
+    lines = [
+        SCALE_BEGIN,
+        "",
+        f"Measured {records['date']} on {records['machine']} (record: [scaleout.json](scaleout.json)); the "
+        "embedded default bundle, streamed chat requests with Zipf-drawn models (per-token routing and pinned "
+        f"adapters), greedy, at most {first['result']['max_tokens']} new tokens; both servers run at once "
+        "in their own processes and take turns level by level, order rotated per repetition. Added latency: "
+        "the same request's latency through Ray minus through `molora serve`, median over requests and "
+        f"repetitions.{_priority(first)}",
+        "",
+        "| `--ray-ingress` | concurrency | `molora serve` tok/s | `--ray --replicas 1` tok/s | ratio (median; each "
+        "run) | added latency / request | same greedy outputs | errors (plain / ray) |",
+        "|---|---:|---:|---:|---|---:|---:|---|",
+    ]
     for ingress, one in ones:
         for row in one["result"]["levels"]:
-            lines.append(f"| {ingress} | {row['concurrency']} | {_med(row['plain'], 'output_tok_s'):.1f} | "
-                         f"{_med(row['ray'], 'output_tok_s'):.1f} | **{row['tok_s_ratio_median']:.2f}×** "
-                         f"({', '.join(f'{x:.2f}' for x in row['tok_s_ratios'])}) | "
-                         f"{_added_ms(row):.1f} ms | {row['same_greedy_outputs']} | "
-                         f"{row['errors']['plain']} / {row['errors']['ray']} |")
+            lines.append(
+                f"| {ingress} | {row['concurrency']} | {_med(row['plain'], 'output_tok_s'):.1f} | "
+                f"{_med(row['ray'], 'output_tok_s'):.1f} | **{row['tok_s_ratio_median']:.2f}×** "
+                f"({', '.join(f'{x:.2f}' for x in row['tok_s_ratios'])}) | "
+                f"{_added_ms(row):.1f} ms | {row['same_greedy_outputs']} | "
+                f"{row['errors']['plain']} / {row['errors']['ray']} |"
+            )
     lines += ["", "Issue 16's goals, per ingress:"]
     for ingress, one in ones:
         c1, c16 = _level(one, 1), _level(one, 16)
-        equal = all(r["same_greedy_outputs"].split("/")[0] == r["same_greedy_outputs"].split("/")[1]
-                    for r in one["result"]["levels"])
-        lines.append(f"- `{ingress}`: output tokens/s ≥ 0.9× at concurrency 16: {c16['tok_s_ratio_median']:.2f}×, "
-                     f"{_verdict(c16['tok_s_ratio_median'] >= 0.9)}; added latency ≤ 15 ms per request at "
-                     f"concurrency 1: {_added_ms(c1):+.0f} ms ({_added_ms(c1) / one['result']['max_tokens']:.1f} ms "
-                     f"per streamed token at up to {one['result']['max_tokens']} tokens), "
-                     f"{_verdict(_added_ms(c1) <= 15)}; greedy outputs equal: {_verdict(equal)}.")
+        equal = all(
+            r["same_greedy_outputs"].split("/")[0] == r["same_greedy_outputs"].split("/")[1]
+            for r in one["result"]["levels"]
+        )
+        lines.append(
+            f"- `{ingress}`: output tokens/s ≥ 0.9× at concurrency 16: {c16['tok_s_ratio_median']:.2f}×, "
+            f"{_verdict(c16['tok_s_ratio_median'] >= 0.9)}; added latency ≤ 15 ms per request at "
+            f"concurrency 1: {_added_ms(c1):+.0f} ms ({_added_ms(c1) / one['result']['max_tokens']:.1f} ms "
+            f"per streamed token at up to {one['result']['max_tokens']} tokens), "
+            f"{_verdict(_added_ms(c1) <= 15)}; greedy outputs equal: {_verdict(equal)}."
+        )
     floor = records.get("ray_floor")
     if floor:
         f = floor["result"]
-        lines += ["", f"What Ray's streaming itself costs (`ray_floor`: a deployment that only yields {f['items']} "
-                  "small items, read through a handle, against the same generator in-process, medians of "
-                  f"{f['repeats']}): paced {f['paced']['pace_s'] * 1000:.0f} ms apart like decoding, "
-                  f"**+{f['paced']['added_ms_per_stream']:.1f} ms per stream** "
-                  f"({f['paced']['added_ms_per_item']:.2f} ms per item); unpaced, "
-                  f"+{f['unpaced']['added_ms_per_stream']:.1f} ms ({f['unpaced']['added_ms_per_item']:.2f} ms "
-                  f"per item): Ray's own hop, with no engine behind it, is "
-                  f"{'inside' if f['paced']['added_ms_per_stream'] <= 15 else 'past'} the 15 ms goal by itself for "
-                  f"a {f['items']}-token stream. A served row can still come out lower, because with Ray the HTTP "
-                  "and SSE work runs in another process than the engine, on the other core; and on this shared "
-                  "machine repetitions differ by as much as the two ingress rows do."]
+        lines += [
+            "",
+            f"What Ray's streaming itself costs (`ray_floor`: a deployment that only yields {f['items']} "
+            "small items, read through a handle, against the same generator in-process, medians of "
+            f"{f['repeats']}): paced {f['paced']['pace_s'] * 1000:.0f} ms apart like decoding, "
+            f"**+{f['paced']['added_ms_per_stream']:.1f} ms per stream** "
+            f"({f['paced']['added_ms_per_item']:.2f} ms per item); unpaced, "
+            f"+{f['unpaced']['added_ms_per_stream']:.1f} ms ({f['unpaced']['added_ms_per_item']:.2f} ms "
+            f"per item): Ray's own hop, with no engine behind it, is "
+            f"{'inside' if f['paced']['added_ms_per_stream'] <= 15 else 'past'} the 15 ms goal by itself for "
+            f"a {f['items']}-token stream. A served row can still come out lower, because with Ray the HTTP "
+            "and SSE work runs in another process than the engine, on the other core; and on this shared "
+            "machine repetitions differ by as much as the two ingress rows do.",
+        ]
     t = _level(two, 32)
     ray = t["ray"][0]
-    lines += ["", f"Two replicas (`--replicas 2`, one torch thread each, `--ray-ingress "
-              f"{two['result'].get('ingress', 'serve')}`): {ray['requests']} requests at concurrency 32, "
-              f"at most {two['result']['max_tokens']} new tokens: **{ray['errors']} failed** "
-              f"({ray['output_tok_s']:.1f} output tok/s; `molora serve` on the same work: "
-              f"{t['plain'][0]['output_tok_s']:.1f} tok/s, {t['plain'][0]['errors']} failed); greedy outputs "
-              f"equal for {t['same_greedy_outputs']}.", "",
-              "Commands: `" + "`, `".join(r["command"] for r in [o for _, o in ones] + [two] + ([floor] if floor else []))
-              + "` (via `scripts/make_scaleout.py`).", "", SCALE_END]
+    lines += [
+        "",
+        f"Two replicas (`--replicas 2`, one torch thread each, `--ray-ingress "
+        f"{two['result'].get('ingress', 'serve')}`): {ray['requests']} requests at concurrency 32, "
+        f"at most {two['result']['max_tokens']} new tokens: **{ray['errors']} failed** "
+        f"({ray['output_tok_s']:.1f} output tok/s; `molora serve` on the same work: "
+        f"{t['plain'][0]['output_tok_s']:.1f} tok/s, {t['plain'][0]['errors']} failed); greedy outputs "
+        f"equal for {t['same_greedy_outputs']}.",
+        "",
+        "Commands: `"
+        + "`, `".join(r["command"] for r in [o for _, o in ones] + [two] + ([floor] if floor else []))
+        + "` (via `scripts/make_scaleout.py`).",
+        "",
+        SCALE_END,
+    ]
     return "\n".join(lines)
 
 
@@ -246,17 +297,22 @@ def readme_line(records: dict) -> str:
     parts = []
     for ingress, one in _ones(records):
         c1, c16 = _level(one, 1), _level(one, 16)
-        parts.append(f"`--ray-ingress {ingress}` {c16['tok_s_ratio_median']:.2f}× the output tokens/s at "
-                     f"concurrency 16 and {_added_ms(c1):+.0f} ms per request at concurrency 1")
+        parts.append(
+            f"`--ray-ingress {ingress}` {c16['tok_s_ratio_median']:.2f}× the output tokens/s at "
+            f"concurrency 16 and {_added_ms(c1):+.0f} ms per request at concurrency 1"
+        )
     c16 = _level(_ones(records)[0][1], 16)
     ray2 = _level(records["two_replicas"], 32)["ray"][0]
-    return "\n".join([
-        SCALE_BEGIN,
-        f"- **Scale-out on Ray Serve** ([docs/scaleout.md](docs/scaleout.md)): `molora serve --ray` with one "
-        f"replica against `molora serve` on the same machine: {'; '.join(parts)}; greedy outputs equal "
-        f"({c16['same_greedy_outputs']}); two replicas: {ray2['errors']} of {ray2['requests']} requests failed at "
-        "concurrency 32.",
-        SCALE_END])
+    return "\n".join(
+        [
+            SCALE_BEGIN,
+            f"- **Scale-out on Ray Serve** ([docs/scaleout.md](docs/scaleout.md)): `molora serve --ray` with one "
+            f"replica against `molora serve` on the same machine: {'; '.join(parts)}; greedy outputs equal "
+            f"({c16['same_greedy_outputs']}); two replicas: {ray2['errors']} of {ray2['requests']} requests failed at "
+            "concurrency 32.",
+            SCALE_END,
+        ]
+    )
 
 
 def render(records: dict, check: bool = False) -> int:
@@ -282,9 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", choices=BENCHES, default=None)
     p.add_argument("--render-only", action="store_true")
     p.add_argument("--check", action="store_true", help="exit 1 if the docs differ from a render of the record")
-    p.add_argument("--nice", type=int, default=None,
-                   help="run the benches, their servers and every Ray process at this priority (e.g. -15 as root "
-                        "while other jobs share the machine; recorded with each bench)")
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=None,
+        help="run the benches, their servers and every Ray process at this priority (e.g. -15 as root "
+        "while other jobs share the machine; recorded with each bench)",
+    )
     p.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.floor_child:

@@ -34,8 +34,17 @@ def main() -> int:
     rng = random.Random(0)
     system = system_prompt(tok, a.system_tokens)
     prompts = [system + turn(tok, question(rng)) for _ in range(a.requests)]
-    engine = Engine(mm, EngineConfig(max_num_seqs=a.requests, max_tokens_per_step=512, block_size=16,
-                                     max_model_len=2048, kv_budget_tokens=a.requests * 1024, stop_at_eos=False))
+    engine = Engine(
+        mm,
+        EngineConfig(
+            max_num_seqs=a.requests,
+            max_tokens_per_step=512,
+            block_size=16,
+            max_model_len=2048,
+            kv_budget_tokens=a.requests * 1024,
+            stop_at_eos=False,
+        ),
+    )
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=1, ignore_eos=True), routing="auto") for p in prompts]
     reqs = [engine.requests[i] for i in ids]
     cached = {}
@@ -44,14 +53,19 @@ def main() -> int:
             if o.finished:
                 cached[o.request_id] = o.cached_tokens
     n = len(system)
-    sys_routes = Counter((r.route.mode, tuple(r.route.prompt_routes[:n]) if r.route.mode == "learned" else None)
-                         for r in reqs)
-    res = {"requests": a.requests, "system_tokens": n, "prefix_cache": engine.stats()["prefix_cache"],
-           "cached_tokens_per_request": [cached[i] for i in ids],
-           "base_only_requests": sum(r.route.mode == "none" for r in reqs),
-           "distinct_system_prompt_routings": len(sys_routes),
-           "requests_per_system_prompt_routing": sorted(sys_routes.values(), reverse=True),
-           "tokens_computed": engine.tokens_computed}
+    sys_routes = Counter(
+        (r.route.mode, tuple(r.route.prompt_routes[:n]) if r.route.mode == "learned" else None) for r in reqs
+    )
+    res = {
+        "requests": a.requests,
+        "system_tokens": n,
+        "prefix_cache": engine.stats()["prefix_cache"],
+        "cached_tokens_per_request": [cached[i] for i in ids],
+        "base_only_requests": sum(r.route.mode == "none" for r in reqs),
+        "distinct_system_prompt_routings": len(sys_routes),
+        "requests_per_system_prompt_routing": sorted(sys_routes.values(), reverse=True),
+        "tokens_computed": engine.tokens_computed,
+    }
     Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res))
     return 0

@@ -31,10 +31,13 @@ def parse(text: str, generated: int) -> dict:
         if set(v) == {"cache_on", "cache_off"}:
             wall = {k: v[k][0] for k in v}
             ttft = {k: v[k][1] for k in v}
-            out[routing] = {"wall_s": wall, "median_ttft_s": ttft,
-                            "tok_s": {k: round(generated / w, 4) for k, w in wall.items()},
-                            "tok_s_ratio": round(wall["cache_off"] / wall["cache_on"], 4),
-                            "ttft_ratio": round(ttft["cache_off"] / ttft["cache_on"], 4)}
+            out[routing] = {
+                "wall_s": wall,
+                "median_ttft_s": ttft,
+                "tok_s": {k: round(generated / w, 4) for k, w in wall.items()},
+                "tok_s_ratio": round(wall["cache_off"] / wall["cache_on"], 4),
+                "ttft_ratio": round(ttft["cache_off"] / ttft["cache_on"], 4),
+            }
     return out
 
 
@@ -48,8 +51,13 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     a = ap.parse_args()
     record = json.loads(Path(a.into).read_text(encoding="utf-8"))
-    record[a.key] = {"log": Path(a.log).name, "command": a.command, "requests": a.requests,
-                     "new_tokens": a.new_tokens, "shared_prefix": parse(Path(a.log).read_text(), a.requests * a.new_tokens)}
+    record[a.key] = {
+        "log": Path(a.log).name,
+        "command": a.command,
+        "requests": a.requests,
+        "new_tokens": a.new_tokens,
+        "shared_prefix": parse(Path(a.log).read_text(), a.requests * a.new_tokens),
+    }
     Path(a.into).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return 0
 

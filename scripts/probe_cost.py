@@ -5,7 +5,8 @@
 For each skill file DIR/<task>.json (BBH format, e.g. make_results.py's held-out data) and each repetition,
 evaluates the first --limit items under learned routing with the probe, learned routing without it (the same
 router, `probe_prompt` off) and the task's own adapter, in turn (interleaved, so load on the machine falls on
-all three alike). Prints one JSON line (and writes it to --out): per variant the summed seconds, answer tokens, tokens/s and
+all three alike). Prints one JSON line (and writes it to --out): per variant the summed seconds, answer tokens,
+tokens/s and
 accuracy.
 """
 
@@ -43,8 +44,11 @@ def main() -> int:
         spec = f"bbh:{task_file}"
         own = mm.bundle.adapter_for_task(task_file.stem)
         for _ in range(args.repeats):
-            for variant, mode, cfg in (("probe", "learned", with_probe), ("no_probe", "learned", without),
-                                       ("own", f"adapter:{own}", with_probe)):
+            for variant, mode, cfg in (
+                ("probe", "learned", with_probe),
+                ("no_probe", "learned", without),
+                ("own", f"adapter:{own}", with_probe),
+            ):
                 router.config = cfg
                 t0 = time.perf_counter()
                 s, _ = evaluate(mm, spec, mode, limit=args.limit, progress=False)
@@ -54,12 +58,20 @@ def main() -> int:
                 t["correct"] += s["accuracy"] * s["n"] / 100
                 t["n"] += s["n"]
     router.config = with_probe
-    out = {v: {"seconds": round(t["seconds"], 2), "answer_tokens": t["tokens"],
-               "tokens_per_s": round(t["tokens"] / t["seconds"], 2), "accuracy": round(100 * t["correct"] / t["n"], 2)}
-           for v, t in totals.items()}
+    out = {
+        v: {
+            "seconds": round(t["seconds"], 2),
+            "answer_tokens": t["tokens"],
+            "tokens_per_s": round(t["tokens"] / t["seconds"], 2),
+            "accuracy": round(100 * t["correct"] / t["n"], 2),
+        }
+        for v, t in totals.items()
+    }
     out["probe_time_over_no_probe"] = round(totals["probe"]["seconds"] / totals["no_probe"]["seconds"], 3)
     out["probe_time_over_own"] = round(totals["probe"]["seconds"] / totals["own"]["seconds"], 3)
-    out["command"] = "python scripts/probe_cost.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)
+    out["command"] = "python scripts/probe_cost.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None
+    )
     out["limit"], out["date"] = args.limit, time.strftime("%Y-%m-%d")
     print(json.dumps(out))
     if args.out:

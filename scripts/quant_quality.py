@@ -50,16 +50,26 @@ def main(argv: list[str] | None = None) -> int:
     items = [it for i, t in enumerate(tasks) for it in generate(t, a.per_skill, seed=EVAL_SEED_BASE + 500 + i)]
     prompts = [it.input for it in items]
     ref = answers(None, prompts, a.max_new)
-    record = {"items": len(items), "tasks": tasks, "per_skill": a.per_skill, "max_new": a.max_new,
-              "fp32_correct": sum(score(it.task, r, it.target)[0] for it, r in zip(items, ref)), "schemes": {}}
+    record = {
+        "items": len(items),
+        "tasks": tasks,
+        "per_skill": a.per_skill,
+        "max_new": a.max_new,
+        "fp32_correct": sum(score(it.task, r, it.target)[0] for it, r in zip(items, ref)),
+        "schemes": {},
+    }
     for scheme in a.schemes:
         out = answers(scheme, prompts, a.max_new)
         record["schemes"][scheme] = {
             "same_answer_as_fp32": sum(x == y for x, y in zip(ref, out)) / len(items),
             "correct": sum(score(it.task, r, it.target)[0] for it, r in zip(items, out)),
-            "per_task_same": {t: sum(x == y for it, x, y in zip(items, ref, out) if it.task == t) for t in tasks}}
-        print(f"{scheme}: same answer as fp32 {record['schemes'][scheme]['same_answer_as_fp32']:.2f}, correct "
-              f"{record['schemes'][scheme]['correct']}/{len(items)} (fp32 {record['fp32_correct']})", flush=True)
+            "per_task_same": {t: sum(x == y for it, x, y in zip(items, ref, out) if it.task == t) for t in tasks},
+        }
+        print(
+            f"{scheme}: same answer as fp32 {record['schemes'][scheme]['same_answer_as_fp32']:.2f}, correct "
+            f"{record['schemes'][scheme]['correct']}/{len(items)} (fp32 {record['fp32_correct']})",
+            flush=True,
+        )
     if a.json:
         a.json.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record))

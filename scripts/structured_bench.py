@@ -50,8 +50,7 @@ def _cpu() -> str:
 
 
 def _prompt(tok: Any, s: dict) -> list[int]:
-    msg = (f"Write one JSON object for this ({s['source']}). Schema: "
-           f"{json.dumps(s['schema'], separators=(',', ':'))}")
+    msg = f"Write one JSON object for this ({s['source']}). Schema: {json.dumps(s['schema'], separators=(',', ':'))}"
     text = tok.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True, tokenize=False)
     return list(tok.encode(text, add_special_tokens=False))
 
@@ -76,24 +75,32 @@ def compile_all(tok: Any, vocab: int, stops: list[int], schemas: list[dict]) -> 
         t0 = time.perf_counter()
         compiler.compile(spec)
         cached.append((time.perf_counter() - t0) * 1e3)
-    rec = {"tokenizer_setup_s": round(setup_s, 3), "compiled": len(ok), "schemas": len(schemas),
-           "coverage": round(len(ok) / len(schemas), 3), "failures": failed,
-           "compile_ms_first_median": round(statistics.median(first), 2),
-           "compile_ms_first_max": round(max(first), 2),
-           "compile_ms_cached_median": round(statistics.median(cached), 4)}
+    rec = {
+        "tokenizer_setup_s": round(setup_s, 3),
+        "compiled": len(ok),
+        "schemas": len(schemas),
+        "coverage": round(len(ok) / len(schemas), 3),
+        "failures": failed,
+        "compile_ms_first_median": round(statistics.median(first), 2),
+        "compile_ms_first_max": round(max(first), 2),
+        "compile_ms_cached_median": round(statistics.median(cached), 4),
+    }
     return ok, failed, rec
 
 
 def validity(engine: Any, tok: Any, schemas: list[dict], constraints: dict, max_new: int) -> dict:
     todo = [s for s in schemas if s["name"] in constraints]
-    outs = engine.generate([_prompt(tok, s) for s in todo], SamplingParams(max_new_tokens=max_new),
-                           constraint=[constraints[s["name"]] for s in todo])
+    outs = engine.generate(
+        [_prompt(tok, s) for s in todo],
+        SamplingParams(max_new_tokens=max_new),
+        constraint=[constraints[s["name"]] for s in todo],
+    )
     rows, finished, parsed, valid, flagged = [], 0, 0, 0, 0
     for s, o in zip(todo, outs):
         text = tok.decode(o.new_token_ids, skip_special_tokens=True)
         row = {"name": s["name"], "finish_reason": o.finish_reason, "tokens": len(o.new_token_ids)}
         finished += o.finish_reason == "stop"
-        if o.finish_reason == "stop":   # what the server's answer check reports (molora.structured_output_error)
+        if o.finish_reason == "stop":  # what the server's answer check reports (molora.structured_output_error)
             row["check"] = constraints[s["name"]].check(text)
             flagged += row["check"] is not None
         try:
@@ -109,16 +116,26 @@ def validity(engine: Any, tok: Any, schemas: list[dict], constraints: dict, max_
         row["text"] = text[:300]
         rows.append(row)
     n = len(todo)
-    ended = [r for r in rows if r["finish_reason"] == "stop"]      # a "length" answer is unfinished, even if valid
+    ended = [r for r in rows if r["finish_reason"] == "stop"]  # a "length" answer is unfinished, even if valid
     valid_ended = sum(r["valid"] for r in ended)
-    return {"answers": n, "finished": finished, "parsed": parsed, "valid": valid, "valid_of_finished": valid_ended,
-            "flagged": flagged, "invalid_unflagged": sum(not r["valid"] and r["check"] is None for r in ended),
-            "valid_share": round(valid / n, 3), "valid_share_of_finished": round(valid_ended / max(finished, 1), 3),
-            "max_new_tokens": max_new, "rows": rows}
+    return {
+        "answers": n,
+        "finished": finished,
+        "parsed": parsed,
+        "valid": valid,
+        "valid_of_finished": valid_ended,
+        "flagged": flagged,
+        "invalid_unflagged": sum(not r["valid"] and r["check"] is None for r in ended),
+        "valid_share": round(valid / n, 3),
+        "valid_share_of_finished": round(valid_ended / max(finished, 1), 3),
+        "max_new_tokens": max_new,
+        "rows": rows,
+    }
 
 
-def _decode_steps(engine: Any, prompts: list[list[int]], params: SamplingParams,
-                  constraints: list | None) -> list[float]:
+def _decode_steps(
+    engine: Any, prompts: list[list[int]], params: SamplingParams, constraints: list | None
+) -> list[float]:
     """Step times (s) of the steps where every request decodes one token (the full batch, no prefill)."""
     n = len(prompts)
     for i, p in enumerate(prompts):
@@ -135,8 +152,16 @@ def _decode_steps(engine: Any, prompts: list[list[int]], params: SamplingParams,
     return times
 
 
-def throughput(engine: Any, tok: Any, schemas: list[dict], constraints: dict, batch: int, reps: int,
-               max_new: int, short: bool = False) -> dict:
+def throughput(
+    engine: Any,
+    tok: Any,
+    schemas: list[dict],
+    constraints: dict,
+    batch: int,
+    reps: int,
+    max_new: int,
+    short: bool = False,
+) -> dict:
     names = [s["name"] for s in schemas if s["name"] in constraints]
     by_name = {s["name"]: s for s in schemas}
     rows = [names[i % len(names)] for i in range(batch)]
@@ -152,11 +177,17 @@ def throughput(engine: Any, tok: Any, schemas: list[dict], constraints: dict, ba
                 t = _decode_steps(engine, prompts, SamplingParams(max_new_tokens=max_new), cons)
             steps[variant] += t
     med = {k: statistics.median(v) for k, v in steps.items()}
-    return {"batch": batch, "reps": reps, "max_new_tokens": max_new, "short_prompts": short, "steps": {k: len(v) for k, v in steps.items()},
-            "step_ms_median": {k: round(v * 1e3, 2) for k, v in med.items()},
-            "tokens_per_s": {k: round(batch / v, 1) for k, v in med.items()},
-            "constrained_over_unconstrained": round(med["unconstrained"] / med["constrained"], 3),
-            "per_token_overhead": round(med["constrained"] / med["unconstrained"] - 1, 3)}
+    return {
+        "batch": batch,
+        "reps": reps,
+        "max_new_tokens": max_new,
+        "short_prompts": short,
+        "steps": {k: len(v) for k, v in steps.items()},
+        "step_ms_median": {k: round(v * 1e3, 2) for k, v in med.items()},
+        "tokens_per_s": {k: round(batch / v, 1) for k, v in med.items()},
+        "constrained_over_unconstrained": round(med["unconstrained"] / med["constrained"], 3),
+        "per_token_overhead": round(med["constrained"] / med["unconstrained"] - 1, 3),
+    }
 
 
 def strict_view(schemas: list[dict], comp: dict, valid: dict) -> dict:
@@ -167,10 +198,16 @@ def strict_view(schemas: list[dict], comp: dict, valid: dict) -> dict:
     kept = [r for r in valid["rows"] if r["name"] not in refused]
     ended = [r for r in kept if r["finish_reason"] == "stop"]
     compiled = comp["compiled"] - len([n for n in refused if n not in comp["failures"]])
-    return {"refused": refused, "compiled": compiled, "schemas": len(schemas),
-            "coverage": round(compiled / len(schemas), 3),
-            "answers": len(kept), "finished": len(ended), "valid": sum(r["valid"] for r in kept),
-            "valid_share_of_finished": round(sum(r["valid"] for r in ended) / max(len(ended), 1), 3)}
+    return {
+        "refused": refused,
+        "compiled": compiled,
+        "schemas": len(schemas),
+        "coverage": round(compiled / len(schemas), 3),
+        "answers": len(kept),
+        "finished": len(ended),
+        "valid": sum(r["valid"] for r in kept),
+        "valid_share_of_finished": round(sum(r["valid"] for r in ended) / max(len(ended), 1), 3),
+    }
 
 
 def main() -> None:
@@ -181,11 +218,18 @@ def main() -> None:
     ap.add_argument("--tput-new", type=int, default=32, help="new tokens per request in the throughput runs")
     ap.add_argument("--rescore", action="store_true", help="only add the strict view to the record at --out")
     ap.add_argument("--skip-validity", action="store_true", help="keep the record's validity, measure the rest")
-    ap.add_argument("--split", default="test", choices=("test", "validation"),
-                    help="schemas to score (validation: for finding and fixing failures; test: the record)")
+    ap.add_argument(
+        "--split",
+        default="test",
+        choices=("test", "validation"),
+        help="schemas to score (validation: for finding and fixing failures; test: the record)",
+    )
     ap.add_argument("--skip-throughput", action="store_true", help="stop after the validity run")
-    ap.add_argument("--short-prompts", action="store_true",
-                    help="throughput prompts name the schema without spelling it (less prefill, same decode)")
+    ap.add_argument(
+        "--short-prompts",
+        action="store_true",
+        help="throughput prompts name the schema without spelling it (less prefill, same decode)",
+    )
     args = ap.parse_args()
     if args.rescore:
         record = json.loads(Path(args.out).read_text())
@@ -207,17 +251,24 @@ def main() -> None:
     engine = Engine(mm, EngineConfig(max_num_seqs=32, max_model_len=2048, kv_budget_tokens=32 * 1024))
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
-    record = {"split": args.split, "model": "SmolLM2-135M-Instruct (default bundle, learned routing)", "dtype": "fp32",
-              "grammar_engine": f"xgrammar {_version('xgrammar')}", "cpu": _cpu(), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "load_avg_start": [round(x, 2) for x in os.getloadavg()],
-              "command": " ".join(["PYTHONPATH=. python scripts/structured_bench.py"] + sys.argv[1:]),
-              "compile": comp}
+    record = {
+        "split": args.split,
+        "model": "SmolLM2-135M-Instruct (default bundle, learned routing)",
+        "dtype": "fp32",
+        "grammar_engine": f"xgrammar {_version('xgrammar')}",
+        "cpu": _cpu(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "load_avg_start": [round(x, 2) for x in os.getloadavg()],
+        "command": " ".join(["PYTHONPATH=. python scripts/structured_bench.py"] + sys.argv[1:]),
+        "compile": comp,
+    }
     try:
         if args.skip_validity:
             record["validity"] = old["validity"]
         else:
             record["validity"] = validity(engine, tok, schemas, constraints, args.max_new)
-            out.write_text(json.dumps(record, indent=1) + "\n")        # a later phase may be stopped
+            out.write_text(json.dumps(record, indent=1) + "\n")  # a later phase may be stopped
         valid = record["validity"]
         print(json.dumps({k: v for k, v in valid.items() if k != "rows"}), flush=True)
         record["strict"] = strict_view(schemas, comp, valid) if "rows" in valid else None
@@ -230,15 +281,23 @@ def main() -> None:
     finally:
         engine.close()
         record["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
-        if "validity" in record:      # a run stopped before its first phase leaves the old record alone
+        if "validity" in record:  # a run stopped before its first phase leaves the old record alone
             out.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps({"coverage": comp["coverage"], "valid_share": valid["valid_share"],
-                      "b1_overhead": tput[0]["per_token_overhead"] if tput else None,
-                      "b32_ratio": tput[1]["constrained_over_unconstrained"] if tput else None}))
+    print(
+        json.dumps(
+            {
+                "coverage": comp["coverage"],
+                "valid_share": valid["valid_share"],
+                "b1_overhead": tput[0]["per_token_overhead"] if tput else None,
+                "b32_ratio": tput[1]["constrained_over_unconstrained"] if tput else None,
+            }
+        )
+    )
 
 
 def _version(name: str) -> str:
     from importlib.metadata import version
+
     return version(name)
 
 

@@ -20,9 +20,18 @@ def make_model(folder: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
-                      bos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -32,8 +41,9 @@ def make_model(folder: Path) -> None:
     vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, **{f"w{i}": i for i in range(3, 64)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
-                                   unk_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", bos_token="<s>", unk_token="<pad>"
+    )
     fast.chat_template = "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}w5"
     fast.save_pretrained(str(folder))
 
@@ -44,8 +54,11 @@ def make_adapter(folder: Path, seed: int) -> None:
     from molora.adapters.io import save_adapter
 
     g = torch.Generator().manual_seed(seed)
-    mods = {f"model.layers.{i}.self_attn.{m}": (torch.randn(4, 32, generator=g), torch.randn(d, 4, generator=g))
-            for i in range(2) for m, d in (("q_proj", 32), ("v_proj", 16))}
+    mods = {
+        f"model.layers.{i}.self_attn.{m}": (torch.randn(4, 32, generator=g), torch.randn(d, 4, generator=g))
+        for i in range(2)
+        for m, d in (("q_proj", 32), ("v_proj", 16))
+    }
     save_adapter(folder, mods, r=4, lora_alpha=8)
 
 
@@ -59,8 +72,20 @@ def main(work: Path) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     molora = Path(sys.executable).parent / "molora"
-    cmd = [str(molora), "serve", "--model", str(work / "tiny"), "--lora-modules", f"a={work / 'adapters' / 'a'}",
-           "--port", str(port), "--adapter-root", str(work / "adapters"), "--max-model-len", "96"]
+    cmd = [
+        str(molora),
+        "serve",
+        "--model",
+        str(work / "tiny"),
+        "--lora-modules",
+        f"a={work / 'adapters' / 'a'}",
+        "--port",
+        str(port),
+        "--adapter-root",
+        str(work / "adapters"),
+        "--max-model-len",
+        "96",
+    ]
     server = subprocess.Popen(cmd, cwd=work)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
@@ -77,14 +102,18 @@ def main(work: Path) -> int:
         assert ids == [str(work / "tiny"), "a"], ids
         out = client.completions.create(model="a", prompt="w10 w11 w12", max_tokens=6, temperature=0)
         print("completion (a):", out.choices[0].text, out.usage)
-        chat = client.chat.completions.create(model=str(work / "tiny"), max_tokens=4,
-                                              messages=[{"role": "user", "content": "w20 w21"}])
+        chat = client.chat.completions.create(
+            model=str(work / "tiny"), max_tokens=4, messages=[{"role": "user", "content": "w20 w21"}]
+        )
         print("chat (base):", chat.choices[0].message.content)
         import urllib.request
 
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/load_lora_adapter", method="POST",
-                                     data=json.dumps({"lora_name": "b", "lora_path": "b"}).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/load_lora_adapter",
+            method="POST",
+            data=json.dumps({"lora_name": "b", "lora_path": "b"}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         print("load_lora_adapter:", urllib.request.urlopen(req).read().decode())
         out = client.completions.create(model="b", prompt="w10 w11 w12", max_tokens=6, temperature=0)
         print("completion (b):", out.choices[0].text)

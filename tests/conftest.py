@@ -33,9 +33,18 @@ def load_script(name: str):
 def tiny_config(arch: str):
     from transformers import LlamaConfig, Qwen3Config
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     if arch == "qwen3":
         return Qwen3Config(head_dim=16, tie_word_embeddings=False, **common)
     if arch == "llama":
@@ -61,10 +70,10 @@ def init_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     g = gen(seed)
     std = getattr(model.config, "initializer_range", None) or 0.02
     with torch.no_grad():
-        for name, p in model.named_parameters():   # tied weights appear once
+        for name, p in model.named_parameters():  # tied weights appear once
             if name.endswith("bias"):
                 p.zero_()
-            elif p.dim() == 1:                       # RMSNorm / LayerNorm weights
+            elif p.dim() == 1:  # RMSNorm / LayerNorm weights
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std, generator=g)
@@ -95,14 +104,30 @@ def tiny_model(arch: str = "qwen3") -> torch.nn.Module:
     return copy.deepcopy(_MODELS[arch])
 
 
-def make_peft_adapter(path: Path, arch: str, *, r: int = 4, alpha: float = 8, targets=("q_proj", "v_proj"),
-                      rslora: bool = False, seed: int = 0, **extra) -> Path:
+def make_peft_adapter(
+    path: Path,
+    arch: str,
+    *,
+    r: int = 4,
+    alpha: float = 8,
+    targets=("q_proj", "v_proj"),
+    rslora: bool = False,
+    seed: int = 0,
+    **extra,
+) -> Path:
     """Save a PEFT LoRA folder with random (non-zero) A and B for the tiny model of `arch`, drawn from `gen(seed)`
     alone (the same adapter whatever ran before)."""
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora,
-                     init_lora_weights=False, task_type="CAUSAL_LM", **extra)
+    cfg = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=list(targets),
+        use_rslora=rslora,
+        init_lora_weights=False,
+        task_type="CAUSAL_LM",
+        **extra,
+    )
     with private_rng():  # PEFT's own (overwritten) init draws from the process RNG
         peft_model = get_peft_model(tiny_model(arch), cfg)
     g = gen(seed)
@@ -122,8 +147,9 @@ def tiny_tokenizer():
     vocab = {"<pad>": 0, "<|im_end|>": 1, "<s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
-                                   bos_token="<s>", unk_token="<pad>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", bos_token="<s>", unk_token="<pad>"
+    )
 
 
 @pytest.fixture(params=["qwen3", "llama"])

@@ -22,8 +22,13 @@ from molora.ops import fused_cpu
 
 aten = torch.ops.aten
 # allocations without a kernel: a CUDA graph replays nothing for them
-_NO_KERNEL = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.new_empty.default,
-              aten.new_empty_strided.default}
+_NO_KERNEL = {
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.empty_strided.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
 _HOST_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default}
 
 
@@ -56,7 +61,7 @@ def _write_back(recorded: Any, new: Any) -> None:
 
 def emulated_capture(step):
     with fused_cpu.suspended():
-        step()                                   # warm-up, as cuda_capture does
+        step()  # warm-up, as cuda_capture does
         rec = _Recorder()
         with rec:
             out = step()

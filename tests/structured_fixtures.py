@@ -5,8 +5,38 @@ from __future__ import annotations
 
 from typing import Any
 
-PIECES = ('{"', '":', '",', '"}', '":"', '","', 'true', 'false', 'null', 'name', 'type', 'id', '{}', '[]', '["',
-          '"]', '],', '},', '0.', '10', '00', 'ing', 'er', 'on', 'an', 'en', 'es', 'or', 'value', 'items')
+PIECES = (
+    '{"',
+    '":',
+    '",',
+    '"}',
+    '":"',
+    '","',
+    "true",
+    "false",
+    "null",
+    "name",
+    "type",
+    "id",
+    "{}",
+    "[]",
+    '["',
+    '"]',
+    "],",
+    "},",
+    "0.",
+    "10",
+    "00",
+    "ing",
+    "er",
+    "on",
+    "an",
+    "en",
+    "es",
+    "or",
+    "value",
+    "items",
+)
 
 
 def char_tokenizer() -> Any:
@@ -19,9 +49,10 @@ def char_tokenizer() -> Any:
         vocab[piece] = len(vocab)
     assert len(vocab) == 128, len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")   # encode: one id per character
-    tok.decoder = decoders.Fuse()                                                 # decode: pieces joined as is
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
-                                  bos_token="<s>", unk_token="<pad>")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # encode: one id per character
+    tok.decoder = decoders.Fuse()  # decode: pieces joined as is
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", bos_token="<s>", unk_token="<pad>"
+    )
     out.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     return out

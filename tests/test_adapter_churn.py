@@ -19,10 +19,11 @@ from tests.conftest import VOCAB, make_peft_adapter, tiny_model
 
 ARCH = "qwen3"
 NAMES = ["n0", "n1", "n2", "n3"]
-VARIANTS = 2          # weights each name may be (re)loaded with
+VARIANTS = 2  # weights each name may be (re)loaded with
 PROMPTS = 4
-CFG = dict(max_num_seqs=6, max_tokens_per_step=32, block_size=4, kv_budget_tokens=512, max_model_len=64,
-           stop_at_eos=False)
+CFG = dict(
+    max_num_seqs=6, max_tokens_per_step=32, block_size=4, kv_budget_tokens=512, max_model_len=64, stop_at_eos=False
+)
 GREEDY = SamplingParams(max_new_tokens=4)
 
 
@@ -34,9 +35,13 @@ def _prompt(p: int) -> list[int]:
 def variants(tmp_path_factory):
     """(name, v) -> folder; every folder has its own weights (seeded)."""
     root = tmp_path_factory.mktemp("churn")
-    return {(n, v): make_peft_adapter(root / f"{n}_v{v}", ARCH, r=4, targets=("q_proj", "v_proj", "up_proj"),
-                                      seed=200 + 10 * i + v)
-            for i, n in enumerate(NAMES) for v in range(VARIANTS)}
+    return {
+        (n, v): make_peft_adapter(
+            root / f"{n}_v{v}", ARCH, r=4, targets=("q_proj", "v_proj", "up_proj"), seed=200 + 10 * i + v
+        )
+        for i, n in enumerate(NAMES)
+        for v in range(VARIANTS)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +64,9 @@ def test_engine_churn_never_serves_the_wrong_adapter(variants, reference, seed):
     mm = molora.attach(tiny_model(ARCH), {"n0": variants["n0", 0]}, slots=2)
     engine = Engine(mm, EngineConfig(**CFG, cpu_tier_bytes=int(1.5 * one)))
     hs = engine.hotset
-    current = {"n0": variants["n0", 0]}            # name -> folder it was last loaded from
-    expect: dict[str, tuple] = {}                  # request id -> (folder, prompt)
-    forced: set[str] = set()                       # request ids a forced unload may abort
+    current = {"n0": variants["n0", 0]}  # name -> folder it was last loaded from
+    expect: dict[str, tuple] = {}  # request id -> (folder, prompt)
+    forced: set[str] = set()  # request ids a forced unload may abort
     got: dict[str, list[int]] = {}
     ends: dict[str, str] = {}
 
@@ -91,18 +96,21 @@ def test_engine_churn_never_serves_the_wrong_adapter(variants, reference, seed):
                 else:
                     engine.load_adapter(name, engine.read_adapter(name, str(path)))
                 current[name] = path
-            except (AdapterDraining, AdapterError) as e:   # in use or draining: refused, nothing changed
+            except (AdapterDraining, AdapterError) as e:  # in use or draining: refused, nothing changed
                 assert name in hs.paths, e
                 assert (list(hs.paths), dict(hs.pins), hs.cpu_used) == before
         else:
             record(engine.step())
-        engine.scheduler.check()                   # pins, KV blocks, tier bounds (HotSet.check)
+        engine.scheduler.check()  # pins, KV blocks, tier bounds (HotSet.check)
     while engine.has_unfinished():
         record(engine.step())
         engine.scheduler.check()
     assert set(ends) == set(expect), "a request was lost"
-    wrong = {rid: (got.get(rid), reference[k]) for rid, k in expect.items()
-             if ends[rid] == "length" and got.get(rid) != reference[k]}
+    wrong = {
+        rid: (got.get(rid), reference[k])
+        for rid, k in expect.items()
+        if ends[rid] == "length" and got.get(rid) != reference[k]
+    }
     assert not wrong, f"served by the wrong adapter: {wrong}"
     assert all(ends[rid] == "length" or (ends[rid] == "abort" and rid in forced) for rid in expect), ends
     assert sum(e == "length" for e in ends.values()) > len(expect) // 2

@@ -34,12 +34,15 @@ def _edit_weights(path, fn):
 SHAPES = linear_shapes(tiny_model("qwen3"))
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"use_dora": True}, "DoRA"),
-    ({"peft_type": "IA3"}, "peft_type 'IA3'"),
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-    ({"bias": "all"}, "bias='all'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"peft_type": "IA3"}, "peft_type 'IA3'"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "all"}, "bias='all'"),
+    ],
+)
 def test_unsupported_peft_variants_are_refused(good, changes, message):
     _edit_config(good, **changes)
     with pytest.raises(AdapterError, match=message) as e:
@@ -90,15 +93,26 @@ def test_other_base_model_is_refused(good):
 
 
 def _bank_state(mm):
-    return {m: (s.A.clone(), s.B.clone(), s.scale.clone(), s.active) for m, s in mm.bank.slots.items()}, \
-        list(mm.bank.table), mm.adapter_names
+    return (
+        {m: (s.A.clone(), s.B.clone(), s.scale.clone(), s.active) for m, s in mm.bank.slots.items()},
+        list(mm.bank.table),
+        mm.adapter_names,
+    )
 
 
 def _same(a, b):
     (sa, ta, na), (sb, tb, nb) = a, b
-    return ta == tb and na == nb and all(
-        torch.equal(sa[m][0], sb[m][0]) and torch.equal(sa[m][1], sb[m][1])
-        and torch.equal(sa[m][2], sb[m][2]) and sa[m][3] == sb[m][3] for m in sa)
+    return (
+        ta == tb
+        and na == nb
+        and all(
+            torch.equal(sa[m][0], sb[m][0])
+            and torch.equal(sa[m][1], sb[m][1])
+            and torch.equal(sa[m][2], sb[m][2])
+            and sa[m][3] == sb[m][3]
+            for m in sa
+        )
+    )
 
 
 def test_failed_loads_leave_the_bank_exactly_as_before(tmp_path, good):
@@ -136,8 +150,10 @@ def test_saved_adapter_round_trips_and_loads_in_peft(tmp_path):
     from peft import PeftModel
 
     g = gen(0)
-    mods = {f"model.layers.{i}.self_attn.q_proj": (torch.randn(3, 64, generator=g), torch.randn(64, 3, generator=g))
-            for i in range(2)}
+    mods = {
+        f"model.layers.{i}.self_attn.q_proj": (torch.randn(3, 64, generator=g), torch.randn(64, 3, generator=g))
+        for i in range(2)
+    }
     path = save_adapter(tmp_path / "mine", mods, r=3, lora_alpha=6)
     back = read_adapter(path, SHAPES, name="mine")
     assert set(back.modules) == set(mods)

@@ -12,8 +12,10 @@ from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 Q = "((-1 + 2 * 3 - 4) * (5 - -6)) ="
-RIGHT = ("(-1 + 2 * 3 - 4): 2 * 3 = 6; -1 + 6 = 5; 5 - 4 = 1. (5 - -6): 5 - -6 = 5 + 6 = 11. "
-         "1 * 11 = 11. So the answer is 11.")
+RIGHT = (
+    "(-1 + 2 * 3 - 4): 2 * 3 = 6; -1 + 6 = 5; 5 - 4 = 1. (5 - -6): 5 - -6 = 5 + 6 = 11. "
+    "1 * 11 = 11. So the answer is 11."
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +26,20 @@ def ops():
 def test_a_right_answer_parses_into_every_step_all_right(ops):
     steps, first = ops.check_item(Q, RIGHT)
     assert [(s.a, s.op, s.b, s.c, s.where) for s in steps] == [
-        (2, "*", 3, 6, "group"), (-1, "+", 6, 5, "group"), (5, "-", 4, 1, "group"),
-        (5, "-", -6, 11, "group"), (1, "*", 11, 11, "final")]
+        (2, "*", 3, 6, "group"),
+        (-1, "+", 6, 5, "group"),
+        (5, "-", 4, 1, "group"),
+        (5, "-", -6, 11, "group"),
+        (1, "*", 11, 11, "final"),
+    ]
     assert first is None
     assert all(s.ok and s.operands_ok and s.rewrites_ok for s in steps)
 
 
 def test_a_wrong_sum_is_a_compute_error_and_later_steps_use_the_models_value(ops):
-    wrong = RIGHT.replace("-1 + 6 = 5; 5 - 4 = 1", "-1 + 6 = 7; 7 - 4 = 3").replace("1 * 11 = 11. So the answer is 11",
-                                                                                "3 * 11 = 33. So the answer is 33")
+    wrong = RIGHT.replace("-1 + 6 = 5; 5 - 4 = 1", "-1 + 6 = 7; 7 - 4 = 3").replace(
+        "1 * 11 = 11. So the answer is 11", "3 * 11 = 33. So the answer is 33"
+    )
     steps, first = ops.check_item(Q, wrong)
     assert first == "compute"
     assert [s.ok for s in steps] == [True, False, True, True, True]
@@ -82,13 +89,13 @@ def test_the_results_section_sets_each_bucket_beside_the_record_it_was_compared_
     text = "\n".join(ops.render_section(after, docs=tmp_path))
     assert "| items right | 0% (1) | 100% (1) |" in text
     assert "| position: group - | 50% (2) | 100% (2) |" in text
-    assert "| op signs: neg - neg | - | - |" in text          # a bucket neither answer has
+    assert "| op signs: neg - neg | - | - |" in text  # a bucket neither answer has
 
 
 def test_the_results_page_loads_the_section_from_its_record(ops, tmp_path):
     results = load_script("make_results")
-    sys.modules.pop("arith_ops", None)     # as in a fresh process: the page must register the script itself
-    after = ops.report([{"input": Q, "prediction": RIGHT, "correct": True}])    # compared with nothing
+    sys.modules.pop("arith_ops", None)  # as in a fresh process: the page must register the script itself
+    after = ops.report([{"input": Q, "prediction": RIGHT, "correct": True}])  # compared with nothing
     (tmp_path / "arith_ops_val_after.json").write_text(__import__("json").dumps(after))
     text = "\n".join(results.extra_sections(tmp_path))
     assert "## Arithmetic, per operation" in text and "| items right | - | 100% (1) |" in text

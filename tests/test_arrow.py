@@ -23,8 +23,10 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 def adapters(tmp_path_factory):
     """Four same-shaped adapters per architecture (PEFT's Arrow needs equal ranks and targets)."""
     root = tmp_path_factory.mktemp("arrow")
-    return {arch: [make_peft_adapter(root / arch / f"e{i}", arch, seed=i, targets=ALL) for i in range(4)]
-            for arch in ("qwen3", "llama")}
+    return {
+        arch: [make_peft_adapter(root / arch / f"e{i}", arch, seed=i, targets=ALL) for i in range(4)]
+        for arch in ("qwen3", "llama")
+    }
 
 
 def _mm(paths, arch="qwen3", n=4):
@@ -36,6 +38,7 @@ def _ids(seed=0, shape=(2, 11)):
 
 
 # ------------------------------------------------------------------------------------------ prototypes
+
 
 def test_prototype_is_the_top_right_singular_vector_of_BA():
     g = torch.Generator().manual_seed(0)
@@ -66,6 +69,7 @@ def test_top_k_weights_are_a_softmax_of_the_top_similarities_over_temperature(ad
 
 # ------------------------------------------------------------------------------------------ PEFT
 
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 @pytest.mark.parametrize("top_k,temperature", [(1, 1.0), (2, 1.0), (3, 0.5)])
 @torch.no_grad()
@@ -73,8 +77,11 @@ def test_per_linear_logits_equal_peft_create_arrow_model(adapters, arch, top_k, 
     from peft import ArrowConfig as PeftArrowConfig
     from peft import create_arrow_model
 
-    peft = create_arrow_model(tiny_model(arch), [str(p) for p in adapters[arch]],
-                              PeftArrowConfig(top_k=top_k, router_temperature=temperature, rng_seed=0)).eval()
+    peft = create_arrow_model(
+        tiny_model(arch),
+        [str(p) for p in adapters[arch]],
+        PeftArrowConfig(top_k=top_k, router_temperature=temperature, rng_seed=0),
+    ).eval()
     ids = _ids(1)
     want = peft(input_ids=ids).logits
     mm = _mm(adapters, arch)
@@ -85,6 +92,7 @@ def test_per_linear_logits_equal_peft_create_arrow_model(adapters, arch, top_k, 
 
 
 # ------------------------------------------------------------------------------------------ behaviour
+
 
 @torch.no_grad()
 def test_threshold_keeps_unclaimed_tokens_on_the_base_model(adapters):
@@ -109,8 +117,12 @@ def test_per_block_decides_once_per_block_from_the_projection_input(adapters):
     assert [b for b, _ in trace] == [0, 1]  # one decision per block
     # each equals Arrow on input_layernorm(block input) with q_proj's prototypes (block inputs read by hooks)
     inputs = []
-    hooks = [layer.register_forward_pre_hook(lambda m, a, k: inputs.append(a[0] if a else k["hidden_states"]),
-                                             with_kwargs=True) for layer in mm.model.model.layers]
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda m, a, k: inputs.append(a[0] if a else k["hidden_states"]), with_kwargs=True
+        )
+        for layer in mm.model.model.layers
+    ]
     mm(ids, adapter_ids=router)
     for h in hooks:
         h.remove()
@@ -128,8 +140,7 @@ def test_one_adapter_is_every_token_on_it_in_both_granularities(adapters):
     ids = _ids(4)
     pinned = mm(ids, adapter_ids="e0").logits
     for gran in ("per_linear", "per_block"):
-        assert torch.allclose(mm(ids, adapter_ids=ArrowRouter(ArrowConfig(granularity=gran))).logits, pinned,
-                              atol=1e-5)
+        assert torch.allclose(mm(ids, adapter_ids=ArrowRouter(ArrowConfig(granularity=gran))).logits, pinned, atol=1e-5)
 
 
 @torch.no_grad()
@@ -151,21 +162,30 @@ def test_runtime_adapter_load_recomputes_prototypes(adapters):
     mm.load_adapter("e0", adapters["qwen3"][3])
     assert sorted(router.refresh()) == ["e0"]
     P, _, _ = router.prototypes("model.layers.0.self_attn.q_proj", torch.device("cpu"))
-    want = top_right_singular_vector(mm.adapters["e0"].modules["model.layers.0.self_attn.q_proj"].A,
-                                     mm.adapters["e0"].modules["model.layers.0.self_attn.q_proj"].B)
+    want = top_right_singular_vector(
+        mm.adapters["e0"].modules["model.layers.0.self_attn.q_proj"].A,
+        mm.adapters["e0"].modules["model.layers.0.self_attn.q_proj"].B,
+    )
     assert torch.allclose(P[router.adapter_names.index("e0")], want)
 
 
 # ------------------------------------------------------------------------------------------ bundle, errors
+
 
 @pytest.fixture
 def arrow_bundle(tmp_path, adapters):
     base = tmp_path / "base"
     tiny_model("llama").save_pretrained(str(base))
     tiny_tokenizer().save_pretrained(str(base))
-    write_manifest(tmp_path, {"name": "arrow", "base": "base",
-                              "adapters": [{"name": f"e{i}", "path": str(adapters["llama"][i])} for i in range(3)],
-                              "router": {"kind": "arrow", "top_k": 2, "granularity": "per_block"}})
+    write_manifest(
+        tmp_path,
+        {
+            "name": "arrow",
+            "base": "base",
+            "adapters": [{"name": f"e{i}", "path": str(adapters["llama"][i])} for i in range(3)],
+            "router": {"kind": "arrow", "top_k": 2, "granularity": "per_block"},
+        },
+    )
     return tmp_path
 
 
@@ -184,13 +204,16 @@ def test_bundle_of_adapters_alone_routes_by_arrow_without_training(arrow_bundle)
     assert not torch.allclose(mm(ids).logits, pinned, atol=1e-4)
 
 
-@pytest.mark.parametrize("router,match", [
-    ({"kind": "arrow", "topk": 2}, r"unknown option\(s\) \['topk'\].*top_k"),
-    ({"kind": "arrow", "top_k": 0}, r"top_k=0: use an integer >= 1"),
-    ({"kind": "arrow", "granularity": "per_token"}, r"granularity='per_token': use one of per_linear, per_block"),
-    ({"kind": "arrow", "threshold": 2}, r"threshold=2: a \|cosine\| in \[0, 1\]"),
-    ({"kind": "arrows"}, r"router kind 'arrows': use learned, arrow"),
-])
+@pytest.mark.parametrize(
+    "router,match",
+    [
+        ({"kind": "arrow", "topk": 2}, r"unknown option\(s\) \['topk'\].*top_k"),
+        ({"kind": "arrow", "top_k": 0}, r"top_k=0: use an integer >= 1"),
+        ({"kind": "arrow", "granularity": "per_token"}, r"granularity='per_token': use one of per_linear, per_block"),
+        ({"kind": "arrow", "threshold": 2}, r"threshold=2: a \|cosine\| in \[0, 1\]"),
+        ({"kind": "arrows"}, r"router kind 'arrows': use learned, arrow"),
+    ],
+)
 def test_bad_arrow_config_is_refused_naming_the_file_and_the_fix(arrow_bundle, router, match):
     m = json.loads((arrow_bundle / "molora.json").read_text())
     m["router"] = router
@@ -211,23 +234,38 @@ def test_per_block_without_an_adapted_attention_projection_is_refused(tmp_path):
 
 # ------------------------------------------------------------------------------------------ engine
 
+
 @pytest.mark.parametrize("gran", ["per_linear", "per_block"])
 @torch.no_grad()
 def test_engine_equals_generate_and_respects_allowed_adapters(adapters, gran):
     mm = _mm(adapters, n=3)
     mm.router = ArrowRouter(ArrowConfig(granularity=gran, top_k=2), ["e0", "e1", "e2"]).bind(mm)
-    engine = Engine(mm, EngineConfig(max_num_seqs=4, max_tokens_per_step=32, block_size=4, kv_budget_tokens=512,
-                                     max_model_len=128, stop_at_eos=False))
+    engine = Engine(
+        mm,
+        EngineConfig(
+            max_num_seqs=4,
+            max_tokens_per_step=32,
+            block_size=4,
+            kv_budget_tokens=512,
+            max_model_len=128,
+            stop_at_eos=False,
+        ),
+    )
     p, q = _ids(8, (13,)).tolist(), _ids(9, (7,)).tolist()
     params = SamplingParams(max_new_tokens=5)
-    outs = engine.generate([p, p, q], params, routing=["arrow", "arrow", "auto"], adapter=[None, None, "e2"],
-                           allowed_adapters=[None, ["e1"], None])
-    ref = mm.generate(torch.tensor([p]), adapter_ids=mm.router, max_new_tokens=5)[0, len(p):].tolist()
+    outs = engine.generate(
+        [p, p, q],
+        params,
+        routing=["arrow", "arrow", "auto"],
+        adapter=[None, None, "e2"],
+        allowed_adapters=[None, ["e1"], None],
+    )
+    ref = mm.generate(torch.tensor([p]), adapter_ids=mm.router, max_new_tokens=5)[0, len(p) :].tolist()
     assert outs[0].new_token_ids == ref
     only = ArrowRouter(ArrowConfig(granularity=gran, top_k=2), ["e1"])
-    ref1 = mm.generate(torch.tensor([p]), adapter_ids=only, max_new_tokens=5)[0, len(p):].tolist()
+    ref1 = mm.generate(torch.tensor([p]), adapter_ids=only, max_new_tokens=5)[0, len(p) :].tolist()
     assert outs[1].new_token_ids == ref1
-    ref2 = mm.generate(torch.tensor([q]), adapter_ids="e2", max_new_tokens=5)[0, len(q):].tolist()
+    ref2 = mm.generate(torch.tensor([q]), adapter_ids="e2", max_new_tokens=5)[0, len(q) :].tolist()
     assert outs[2].new_token_ids == ref2
     mm.router = VocabRouter([(0, 50, "e0")])
     with pytest.raises(RoutingError, match="routing='arrow' needs"):
@@ -242,19 +280,24 @@ def test_server_accepts_the_arrow_routing_option():
 
 # ------------------------------------------------------------------------------------------ prompt mode, calibration
 
+
 def _calib_rows(n=12, seed=40):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (int(torch.randint(6, 20, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, VOCAB, (int(torch.randint(6, 20, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(prompt=True), "per_block"),
-    (dict(granularity="per_block", prompt=True, top_k=2), "top_k=1"),
-    (dict(granularity="per_block", rms_threshold=-1.0), "ratio >= 0"),
-    (dict(granularity="per_block", prompt_share=0.2), "needs prompt=true"),
-    (dict(granularity="per_block", prompt=True, calibration_prompts=2), "calibration_prompts"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(prompt=True), "per_block"),
+        (dict(granularity="per_block", prompt=True, top_k=2), "top_k=1"),
+        (dict(granularity="per_block", rms_threshold=-1.0), "ratio >= 0"),
+        (dict(granularity="per_block", prompt_share=0.2), "needs prompt=true"),
+        (dict(granularity="per_block", prompt=True, calibration_prompts=2), "calibration_prompts"),
+    ],
+)
 def test_prompt_mode_and_calibration_settings_are_checked(bad, match):
     with pytest.raises(RoutingError, match=match):
         ArrowConfig(**bad)
@@ -267,7 +310,7 @@ def test_calibration_scores_a_later_adapter_without_another_forward(adapters):
     mm = _mm(adapters, n=2)
     r = ArrowRouter(ArrowConfig(granularity="per_block", rms_threshold=1.0))
     with pytest.raises(RoutingError, match="tokenizer"):
-        r.bind(mm)                                       # a bare model has no tokenizer to render general text
+        r.bind(mm)  # a bare model has no tokenizer to render general text
     rows = _calib_rows()
     r = ArrowRouter(ArrowConfig(granularity="per_block")).bind(mm, rows)
     mm.load_adapter("e2", adapters["qwen3"][2])
@@ -290,9 +333,9 @@ def test_fill_prompt_routes_votes_fills_and_hands_the_answer_the_prompts_adapter
 
     probe = torch.tensor([[-1, 1, 1, 0, -1, 2], [-1, -1, -1, -1, 0, -1], [-1, -1, -1, -1, -1, -1]])
     learned = fill_prompt_routes(probe, None, 0.0)
-    assert learned[0].tolist() == [1, 1, 1, 0, 1, 2]                 # -1 takes the majority; votes stay
+    assert learned[0].tolist() == [1, 1, 1, 0, 1, 2]  # -1 takes the majority; votes stay
     arrow = fill_prompt_routes(probe, None, 0.0, last_takes_top=True)
-    assert arrow[0].tolist() == [1, 1, 1, 0, 1, 1]                   # the last token: the prompt's adapter
+    assert arrow[0].tolist() == [1, 1, 1, 0, 1, 1]  # the last token: the prompt's adapter
     assert fill_prompt_routes(probe, None, 0.2, last_takes_top=True)[1].tolist() == [-1] * 6  # 1/6 < 0.2
     assert base_only(arrow).tolist() == [False, False, True]
 
@@ -305,24 +348,43 @@ def test_prompt_mode_engine_equals_generate_and_generation_follows_the_prompt(ad
     mm = _mm(adapters, n=3)
     cfg = ArrowConfig(granularity="per_block", prompt=True, rms_threshold=0.0, source_block=-1)
     mm.router = ArrowRouter(cfg, ["e0", "e1", "e2"]).bind(mm, _calib_rows())
-    engine = Engine(mm, EngineConfig(max_num_seqs=4, max_tokens_per_step=32, block_size=4, kv_budget_tokens=512,
-                                     max_model_len=128, stop_at_eos=False))
+    engine = Engine(
+        mm,
+        EngineConfig(
+            max_num_seqs=4,
+            max_tokens_per_step=32,
+            block_size=4,
+            kv_budget_tokens=512,
+            max_model_len=128,
+            stop_at_eos=False,
+        ),
+    )
     p, q = _ids(8, (13,)).tolist(), _ids(9, (7,)).tolist()
     params = SamplingParams(max_new_tokens=5)
     outs = engine.generate([p, q], params, routing="auto")
     for prompt, out in zip([p, q], outs):
-        ref = mm.generate(torch.tensor([prompt]), adapter_ids=mm.router, max_new_tokens=5)[0, len(prompt):].tolist()
+        ref = mm.generate(torch.tensor([prompt]), adapter_ids=mm.router, max_new_tokens=5)[0, len(prompt) :].tolist()
         assert out.new_token_ids == ref
     # the prompt's vote decides the answer: equal to pinning the most voted adapter for the generated tokens
-    mm(torch.tensor([p]), adapter_ids=mm.router, use_cache=False)      # a probe forward (every token unknown)
+    mm(torch.tensor([p]), adapter_ids=mm.router, use_cache=False)  # a probe forward (every token unknown)
     votes = mm.last_carry[0]
     routes = mm.router.prompt_routes(votes[None])[0]
     assert int(routes[-1]) >= 0 and int(routes[-1]) == int(torch.bincount(votes[votes >= 0]).argmax())
     # a threshold no token reaches keeps the prompt, and so its answer, on the base model
-    mm.router = ArrowRouter(ArrowConfig(granularity="per_block", prompt=True, rms_threshold=1e6),
-                            ["e0", "e1", "e2"]).bind(mm, _calib_rows())
-    e2 = Engine(mm, EngineConfig(max_num_seqs=2, max_tokens_per_step=32, block_size=4, kv_budget_tokens=256,
-                                 max_model_len=128, stop_at_eos=False))
+    mm.router = ArrowRouter(
+        ArrowConfig(granularity="per_block", prompt=True, rms_threshold=1e6), ["e0", "e1", "e2"]
+    ).bind(mm, _calib_rows())
+    e2 = Engine(
+        mm,
+        EngineConfig(
+            max_num_seqs=2,
+            max_tokens_per_step=32,
+            block_size=4,
+            kv_budget_tokens=256,
+            max_model_len=128,
+            stop_at_eos=False,
+        ),
+    )
     got, base = e2.generate([p, p], params, routing=["auto", "none"])
     assert got.new_token_ids == base.new_token_ids
-    assert got.new_token_ids != outs[0].new_token_ids     # the routed answer differed: the test can tell
+    assert got.new_token_ids != outs[0].new_token_ids  # the routed answer differed: the test can tell

@@ -21,8 +21,10 @@ ADAPTER_SPECS = {
 
 @pytest.fixture
 def adapters(tmp_path, arch):
-    return {name: make_peft_adapter(tmp_path / name, arch, seed=i, **spec)
-            for i, (name, spec) in enumerate(ADAPTER_SPECS.items())}
+    return {
+        name: make_peft_adapter(tmp_path / name, arch, seed=i, **spec)
+        for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
+    }
 
 
 def _ids(batch=2, length=12, seed=0):
@@ -176,8 +178,9 @@ def test_bad_routing_is_refused_with_the_valid_range(arch, adapters):
 @torch.no_grad()
 def test_runtime_load_and_unload_keep_other_adapters_exact(arch, adapters, tmp_path):
     ids = _ids()
-    mm = molora.attach(tiny_model(arch), {"a": adapters["a"]}, target_modules=["q_proj", "k_proj", "v_proj",
-                                                                              "o_proj", "down_proj"])
+    mm = molora.attach(
+        tiny_model(arch), {"a": adapters["a"]}, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+    )
     before = mm(ids, adapter_ids="a").logits
     mm.load_adapter("c", adapters["c"])
     assert mm.adapter_names == ["a", "c"]
@@ -185,8 +188,9 @@ def test_runtime_load_and_unload_keep_other_adapters_exact(arch, adapters, tmp_p
     assert (mm(ids, adapter_ids="c").logits - _peft_logits(arch, adapters["c"], ids)).abs().max() <= TOL
     mm.unload_adapter("a")
     assert mm.adapter_names == ["c"]
-    assert (mm(ids, adapter_ids=torch.zeros_like(ids)).logits
-            - _peft_logits(arch, adapters["c"], ids)).abs().max() <= TOL
+    assert (
+        mm(ids, adapter_ids=torch.zeros_like(ids)).logits - _peft_logits(arch, adapters["c"], ids)
+    ).abs().max() <= TOL
 
 
 def test_state_dict_keys_unchanged_by_attach(arch, adapters):

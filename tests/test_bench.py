@@ -33,8 +33,13 @@ def test_cli_refuses_unknown_bench(capsys):
 
 def test_interleaved_timing_resets_and_caps_repeats():
     calls: list[str] = []
-    t = time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3, warmup=1,
-                         reset={"a": lambda: calls.append("reset")}, max_repeats={"b": 1})
+    t = time_interleaved(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+        3,
+        warmup=1,
+        reset={"a": lambda: calls.append("reset")},
+        max_repeats={"b": 1},
+    )
     assert [len(v) for v in t.samples.values()] == [3, 1]
     assert calls == ["a", "reset", "a", "reset", "b", "a", "reset", "a", "reset"]  # no warm-up for capped b
     assert t.ratios("a")["a"] == 1.0
@@ -54,7 +59,7 @@ def test_paired_ratio_cancels_load_shared_by_a_repetition():
     med, q1, q3 = paired_ratio(lora, base)
     assert med == pytest.approx(1.1) and q1 == pytest.approx(1.1) and q3 == pytest.approx(1.1)
     assert paired_ratio([12.0, 30.0], [10.0, 10.0, 10.0])[0] == pytest.approx(2.1)  # zips the reps both ran
-    assert all(v != v for v in paired_ratio([], [1.0]))                               # nothing paired: NaN
+    assert all(v != v for v in paired_ratio([], [1.0]))  # nothing paired: NaN
     t = time_interleaved({"a": lambda: None, "b": lambda: None}, 3)
     s = t.summary("a")
     assert len(s["samples_ms"]["b"]) == 3 and s["paired_vs_a"]["a"] == [1.0, 1.0, 1.0]
@@ -63,16 +68,44 @@ def test_paired_ratio_cancels_load_shared_by_a_repetition():
 def test_lora_flops_of_smollm2_are_a_few_percent():
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                      num_key_value_heads=3, head_dim=64, vocab_size=49152)
+    cfg = LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+    )
     f = lora_flops(cfg, 16)
     assert 0.03 < f["lora_vs_base"] < f["lora_vs_body"] < 0.05
 
 
 def test_ops_bench_json(tmp_path, capsys):
     path = tmp_path / "ops.json"
-    assert bench_main(["ops", "--Ts", "1", "16", "--Ks", "1", "2", "--ranks", "4", "--d", "32", "--repeats", "1",
-                       "--skip-gather", "--json", str(path)]) == 0
+    assert (
+        bench_main(
+            [
+                "ops",
+                "--Ts",
+                "1",
+                "16",
+                "--Ks",
+                "1",
+                "2",
+                "--ranks",
+                "4",
+                "--d",
+                "32",
+                "--repeats",
+                "1",
+                "--skip-gather",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     line = _last_json(capsys)
     assert line["bench"] == "ops" and len(line["rows"]) == 4
     assert all(len(r["paired_vs_single"]["auto"]) == 3 for r in line["rows"])
@@ -81,9 +114,33 @@ def test_ops_bench_json(tmp_path, capsys):
 
 def test_model_bench_json_on_tiny(tmp_path, capsys):
     path = tmp_path / "model.json"
-    assert bench_main(["model", "--models", "tiny", "--prefill", "2", "16", "--decode-batches", "2",
-                       "--context", "16", "--kmod-Ks", "2", "--kmod-batch", "1", "--repeats", "1",
-                       "--threads", "1", "--json", str(path)]) == 0
+    assert (
+        bench_main(
+            [
+                "model",
+                "--models",
+                "tiny",
+                "--prefill",
+                "2",
+                "16",
+                "--decode-batches",
+                "2",
+                "--context",
+                "16",
+                "--kmod-Ks",
+                "2",
+                "--kmod-batch",
+                "1",
+                "--repeats",
+                "1",
+                "--threads",
+                "1",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     line = _last_json(capsys)
     assert line == json.loads(path.read_text())
     r = line["results"][0]
@@ -97,13 +154,35 @@ def test_model_bench_json_on_tiny(tmp_path, capsys):
     assert [g["name"] for g in goals][:2] == ["prefill_vs_base", "decode_vs_base"]
     for g in goals:  # met judges the paired median; its quartiles bracket it
         for k, (med, q1, q3) in g["values_paired"].items():
-            assert q1 <= med <= q3 and g["met"][k] == (med >= g["limit"] if g["name"].startswith("xlora")
-                                                        else med <= g["limit"])
+            assert q1 <= med <= q3 and g["met"][k] == (
+                med >= g["limit"] if g["name"].startswith("xlora") else med <= g["limit"]
+            )
 
 
 def test_hotset_bench_json_on_tiny(tmp_path, capsys):
-    assert bench_main(["hotset", "--model", "tiny", "--adapters", "4", "--slots", "1", "4", "--requests", "40",
-                       "--repeats", "1", "--threads", "1", "--json", str(tmp_path / "h.json")]) == 0
+    assert (
+        bench_main(
+            [
+                "hotset",
+                "--model",
+                "tiny",
+                "--adapters",
+                "4",
+                "--slots",
+                "1",
+                "4",
+                "--requests",
+                "40",
+                "--repeats",
+                "1",
+                "--threads",
+                "1",
+                "--json",
+                str(tmp_path / "h.json"),
+            ]
+        )
+        == 0
+    )
     line = _last_json(capsys)
     assert set(line["tiers"]["ms"]) == {"memcpy", "slot_copy", "slot_hit", "cpu_tier", "disk", "read"}
     rows = line["zipf"]["rows"]
@@ -114,8 +193,24 @@ def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys):
     """The many-adapter traffic bench, CI-sized: every request of every variant ends with its tokens (the bench
     raises otherwise), the one-adapter variant loads at most its one adapter, the many-adapter ones load many, and
     the CPU tier stays within its budget at every sampled step (HotSet.check also asserts it each step)."""
-    assert bench_main(["hotset", "--traffic", "--quick", "--adapters", "12", "--requests", "10", "--threads", "1",
-                       "--json", str(tmp_path / "t.json")]) == 0
+    assert (
+        bench_main(
+            [
+                "hotset",
+                "--traffic",
+                "--quick",
+                "--adapters",
+                "12",
+                "--requests",
+                "10",
+                "--threads",
+                "1",
+                "--json",
+                str(tmp_path / "t.json"),
+            ]
+        )
+        == 0
+    )
     line = _last_json(capsys)
     assert line["bench"] == "hotset_traffic" and set(line["runs"]) == {"one", "many_fcfs", "many_slots"}
     for (run,) in line["runs"].values():
@@ -123,7 +218,7 @@ def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys):
         assert run["ttft_ms"]["warm"]["n"] + run["ttft_ms"]["cold"]["n"] == 10
         assert run["memory"]["peak"]["cpu_tier_bytes"] <= run["memory"]["cpu_tier_budget"]
     misses = {v: run["hotset"]["misses"] for v, (run,) in line["runs"].items()}
-    assert misses["one"] <= 1 < min(misses["many_fcfs"], misses["many_slots"])   # one: at most its own first load
+    assert misses["one"] <= 1 < min(misses["many_fcfs"], misses["many_slots"])  # one: at most its own first load
     assert line["vs_one"]["one"] == 1.0
 
 
@@ -131,14 +226,31 @@ def test_engine_bench_json_on_tiny(monkeypatch, capsys):
     import molora.model.base as base
 
     monkeypatch.setattr(base, "load_default_base", lambda *a, **k: (tiny_model("qwen3"), None))
-    assert bench_main(["engine", "--requests", "2", "--prompt-len", "8", "--new-tokens", "3", "--hf-batch", "2",
-                       "--threads", "1", "--quick"]) == 0
+    assert (
+        bench_main(
+            [
+                "engine",
+                "--requests",
+                "2",
+                "--prompt-len",
+                "8",
+                "--new-tokens",
+                "3",
+                "--hf-batch",
+                "2",
+                "--threads",
+                "1",
+                "--quick",
+            ]
+        )
+        == 0
+    )
     line = _last_json(capsys)
     assert line["bench"] == "engine" and line["engine_tok_s"] > 0
     assert line["engine_base_tok_s"] > 0
     # the kernels are part of a profiled run, so their share lies in (0, 1] and the ceiling is a real bound
     assert 0 < line["engine_kernel_share"] <= 1
     assert line["ceiling_vs_hf_routed"] > 0
-    med, q1, q3 = line["speedup_vs_hf_routed_paired"]          # one repetition: the quartiles are the ratio
+    med, q1, q3 = line["speedup_vs_hf_routed_paired"]  # one repetition: the quartiles are the ratio
     assert q1 == med == q3
     assert med == pytest.approx(line["hf_routed_samples_s"][0] / line["engine_samples_s"][0], rel=1e-4)  # 6 digits kept

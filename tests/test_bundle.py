@@ -24,13 +24,19 @@ def bundle(tmp_path):
     router = LearnedRouter(LearnedRouterConfig(adapter_names=("x", "y"), hidden_size=64, num_blocks=2))
     torch.nn.init.normal_(router.weight, generator=gen(0))
     router.save(tmp_path / "router")
-    write_manifest(tmp_path, {
-        "name": "tiny", "base": "base",
-        "adapters": [{"name": "x", "path": "adapters/x", "tasks": ["task_x"]},
-                     {"name": "y", "path": "adapters/y", "tasks": ["task_y"]}],
-        "router": {"kind": "learned", "path": "router"},
-        "vocab_routes": {"ranges": [[0, 64, "x"]], "default": "y"},
-    })
+    write_manifest(
+        tmp_path,
+        {
+            "name": "tiny",
+            "base": "base",
+            "adapters": [
+                {"name": "x", "path": "adapters/x", "tasks": ["task_x"]},
+                {"name": "y", "path": "adapters/y", "tasks": ["task_y"]},
+            ],
+            "router": {"kind": "learned", "path": "router"},
+            "vocab_routes": {"ranges": [[0, 64, "x"]], "default": "y"},
+        },
+    )
     return tmp_path
 
 

@@ -20,16 +20,26 @@ def test_default_bundle_names_four_skill_adapters_and_a_learned_router(mm):
     assert mm.adapter_names == ["counting", "arithmetic", "dyck", "navigate"]
     assert mm.router is not None and mm.router.adapter_names == mm.adapter_names
     assert {t for a in mm.bundle.adapters for t in a.tasks} == {
-        "object_counting", "multistep_arithmetic_two", "dyck_languages", "navigate"}
+        "object_counting",
+        "multistep_arithmetic_two",
+        "dyck_languages",
+        "navigate",
+    }
 
 
-@pytest.mark.parametrize("task, adapter", [("object_counting", "counting"),
-                                           ("multistep_arithmetic_two", "arithmetic"),
-                                           ("dyck_languages", "dyck"), ("navigate", "navigate")])
+@pytest.mark.parametrize(
+    "task, adapter",
+    [
+        ("object_counting", "counting"),
+        ("multistep_arithmetic_two", "arithmetic"),
+        ("dyck_languages", "dyck"),
+        ("navigate", "navigate"),
+    ],
+)
 def test_learned_router_sends_each_skill_to_its_adapter(mm, task, adapter):
     item = generate(task, 1, seed=EVAL_SEED_BASE + 4321)[0]
     r = run_prompt(mm, item.input, max_new_tokens=4, trace=True)
-    question = r.adapters[3:len(r.prompt_ids)]  # after "<|im_start|>user\n"
+    question = r.adapters[3 : len(r.prompt_ids)]  # after "<|im_start|>user\n"
     assert question.count(adapter) >= 0.8 * len(question), (task, question)
 
 
@@ -49,21 +59,32 @@ def test_router_data_always_trains_the_positions_that_pick_each_answers_first_to
     """The assistant header of every turn is a key position, labelled with that turn's adapter."""
     from molora.train.default import KEY_TOKENS, labelled_sequence
 
-    segs = [{"prompt": "((1 + 2) * (3 - 4)) =", "completion": "So the answer is -3.", "label": "arithmetic"},
-            {"prompt": "I have a cat. How many animals do I have?", "completion": "So the answer is 1.",
-             "label": "counting"}]
+    segs = [
+        {"prompt": "((1 + 2) * (3 - 4)) =", "completion": "So the answer is -3.", "label": "arithmetic"},
+        {
+            "prompt": "I have a cat. How many animals do I have?",
+            "completion": "So the answer is 1.",
+            "label": "counting",
+        },
+    ]
     seq = labelled_sequence(mm.tokenizer, segs, mm.adapter_names, mm.bundle.prompt_template)
     assert len(seq.key) == 2 * KEY_TOKENS
     first, second = seq.key[:KEY_TOKENS], seq.key[KEY_TOKENS:]
     assert mm.tokenizer.decode([seq.ids[p] for p in first]).endswith("assistant\n")
     assert {seq.labels[p] for p in first} == {mm.adapter_names.index("arithmetic")}
     assert {seq.labels[p] for p in second} == {mm.adapter_names.index("counting")}
-    answer = mm.tokenizer.decode(seq.ids[first[-1] + 1:second[0]])
+    answer = mm.tokenizer.decode(seq.ids[first[-1] + 1 : second[0]])
     assert answer.startswith("So the answer is -3.")  # the key ends right before the answer
 
 
-@pytest.mark.parametrize("prompt", ["What is the capital of France?", "Write a haiku about the sea.",
-                                    "Write a short story about a robot named Unit3 who learns to paint."])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Write a short story about a robot named Unit3 who learns to paint.",
+    ],
+)
 def test_a_general_prompt_gets_the_base_models_answer(mm, prompt):
     """The prompts a new user tried first (issue 15): the router keeps them, answer included, on the base."""
     from molora.routing import SequenceRouter

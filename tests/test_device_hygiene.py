@@ -38,7 +38,7 @@ def no_cpu_kernel(monkeypatch):
 
 def test_index_to_slot_moves_with_the_model(mm) -> None:
     assert mm._index_to_slot.tolist() == [mm.bank.slot_of(n) for n in "abc"]
-    assert not any("_index_to_slot" in k for k in mm.state_dict())     # not persistent: no checkpoint key
+    assert not any("_index_to_slot" in k for k in mm.state_dict())  # not persistent: no checkpoint key
     mm.to("meta")
     assert mm._index_to_slot.device.type == "meta"
     assert mm.bank.slots[next(iter(mm.bank.slots))].A.device.type == "meta"
@@ -49,19 +49,19 @@ def test_dispatch_on_a_non_cpu_device_neither_builds_the_cpu_kernel_nor_reads_id
     x = torch.empty(5, D, device="meta")
     A, B = torch.empty(S, R, D, device="meta"), torch.empty(S, R, D, device="meta").transpose(1, 2)
     ids = torch.empty(5, 1, dtype=torch.long, device="meta")
-    dispatch = LoRADispatcher("auto")                  # default check_ids: only where the ids lie on the CPU
+    dispatch = LoRADispatcher("auto")  # default check_ids: only where the ids lie on the CPU
     with torch.no_grad():
         plan = dispatch.plan(ids, num_slots=S)
         assert dispatch.backend_for(plan, x, A, B, torch.ones(S, device="meta")) == "stacked_mask"
         assert dispatch.apply(plan, x, A, B, torch.ones(S, device="meta")).shape == (5, D)
-    with pytest.raises((NotImplementedError, RuntimeError)):   # the canary: an explicit check reads the ids
+    with pytest.raises((NotImplementedError, RuntimeError)):  # the canary: an explicit check reads the ids
         LoRADispatcher("auto", check_ids=True).plan(ids, num_slots=S)
 
 
 def test_check_ids_still_checks_cpu_ids_by_default() -> None:
     with pytest.raises(LoRAInputError, match="slot_ids values"):
         LoRADispatcher("stacked_mask").plan(torch.tensor([0, 4]), num_slots=4)
-    LoRADispatcher("stacked_mask", check_ids=False).plan(torch.tensor([0, 4]), num_slots=4)   # off: not read
+    LoRADispatcher("stacked_mask", check_ids=False).plan(torch.tensor([0, 4]), num_slots=4)  # off: not read
 
 
 def _decode_inputs(B: int) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
@@ -84,9 +84,12 @@ def test_a_decode_step_reads_nothing_back_from_the_device(mm, routing, no_cpu_ke
     B = 4
     router = None
     if routing != "tokens":
-        kw = {"learned": {}, "learned_carry": {"carry_blocks": 1},
-              "learned_probe": {"carry_blocks": 1, "probe_prompt": True}}[routing]
-        router = mm.router = _learned(mm, **kw)     # a submodule of mm: moves with it
+        kw = {
+            "learned": {},
+            "learned_carry": {"carry_blocks": 1},
+            "learned_probe": {"carry_blocks": 1, "probe_prompt": True},
+        }[routing]
+        router = mm.router = _learned(mm, **kw)  # a submodule of mm: moves with it
     mm.to("meta")
     runner = ModelRunner(mm, num_blocks=2 * B, block_size=16, max_model_len=64)
     tokens, positions, meta = _decode_inputs(B)
@@ -95,8 +98,14 @@ def test_a_decode_step_reads_nothing_back_from_the_device(mm, routing, no_cpu_ke
     else:
         carry = torch.empty(B, dtype=torch.long, device="meta") if router.carry_blocks else None
         fixed = torch.empty(B, dtype=torch.long, device="meta") if router.probe_prompt else None
-        step = StepRouting(slot_ids=torch.empty(B, 1, dtype=torch.long, device="meta"), router=router,
-                           router_slots=mm._index_to_slot, groups=[RouterGroup(None, None)], carry=carry, fixed=fixed)
+        step = StepRouting(
+            slot_ids=torch.empty(B, 1, dtype=torch.long, device="meta"),
+            router=router,
+            router_slots=mm._index_to_slot,
+            groups=[RouterGroup(None, None)],
+            carry=carry,
+            fixed=fixed,
+        )
     out = runner(tokens, positions, meta, step, logits=True)
     assert out.logits.shape == (B, mm.config.vocab_size) and out.logits.device.type == "meta"
     assert out.last_slot_ids.shape == (B, 1)
@@ -105,7 +114,7 @@ def test_a_decode_step_reads_nothing_back_from_the_device(mm, routing, no_cpu_ke
 def test_the_runner_rejects_positions_that_disagree_with_the_metadata(mm) -> None:
     runner = ModelRunner(mm, num_blocks=4, block_size=16, max_model_len=64)
     meta = BatchMeta([1], [5], [[0]])
-    runner(torch.tensor([7]), torch.tensor([4]), meta)                   # position 4 = context 5 - 1
+    runner(torch.tensor([7]), torch.tensor([4]), meta)  # position 4 = context 5 - 1
     with pytest.raises(molora.MoLoRAError, match="positions disagree"):
         runner(torch.tensor([7]), torch.tensor([3]), meta)
 
@@ -122,7 +131,7 @@ def test_bench_sync_waits_only_on_cuda(monkeypatch) -> None:
     assert calls == ["cuda:0"]
     calls.clear()
     t = common.time_interleaved({"a": lambda: None, "b": lambda: None}, 2, warmup=0, device="cuda")
-    assert len(t.samples["a"]) == 2 and len(calls) == 2 * 2 * 2      # before and after every timed call
+    assert len(t.samples["a"]) == 2 and len(calls) == 2 * 2 * 2  # before and after every timed call
 
 
 def test_bench_models_load_onto_molora_device(monkeypatch) -> None:
@@ -147,7 +156,7 @@ def test_gpu_recipe_manifests_name_the_base_folder_read_bundle_finds(tmp_path, m
     recipe = _recipe()
     monkeypatch.chdir(tmp_path)
     work = Path("runs/gpu")
-    for repo in (recipe.SMALL, recipe.BIG):           # present already, so fetch downloads nothing
+    for repo in (recipe.SMALL, recipe.BIG):  # present already, so fetch downloads nothing
         folder = work / "models" / repo.split("/")[1]
         folder.mkdir(parents=True)
         (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
@@ -168,7 +177,7 @@ def test_a_thread_flag_is_off_in_every_thread_until_that_thread_sets_it() -> Non
         assert flag.on
         with flag():
             assert flag.on
-        assert flag.on                      # the inner block restores the outer value
+        assert flag.on  # the inner block restores the outer value
         other = threading.Thread(target=lambda: seen.append(flag.on))
         other.start()
         other.join()

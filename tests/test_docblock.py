@@ -14,7 +14,7 @@ def test_a_block_is_replaced_whole_and_the_rest_kept(tmp_path):
     page.write_text(text)
     assert write_block(page, begin, end, wrap(begin, end, "new"), check=True) and page.read_text() == text
     assert write_block(page, begin, end, wrap(begin, end, "new"))
-    assert not write_block(page, begin, end, wrap(begin, end, "new"))   # rendered again: nothing changes
+    assert not write_block(page, begin, end, wrap(begin, end, "new"))  # rendered again: nothing changes
 
 
 def test_missing_markers_stop_the_script_and_a_block_must_carry_its_markers(tmp_path):

@@ -20,8 +20,9 @@ SPECS = {
     "b": dict(r=8, alpha=4, targets=("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "c": dict(r=2, alpha=16, targets=("v_proj", "up_proj")),
 }
-CFG = EngineConfig(max_num_seqs=8, max_tokens_per_step=48, block_size=4, kv_budget_tokens=1024,
-                   max_model_len=128, stop_at_eos=False)
+CFG = EngineConfig(
+    max_num_seqs=8, max_tokens_per_step=48, block_size=4, kv_budget_tokens=1024, max_model_len=128, stop_at_eos=False
+)
 GREEDY = SamplingParams(max_new_tokens=6)
 
 
@@ -33,8 +34,9 @@ def paths(tmp_path_factory):
 
 def _mm(paths, names=("a", "b", "c"), **kw):
     router = VocabRouter([(0, 50, "a"), (50, 90, "b")], default="c")
-    return molora.attach(tiny_model(ARCH), {n: paths[n] for n in names}, router=router,
-                         target_modules=LLAMA_PROJECTIONS, **kw)
+    return molora.attach(
+        tiny_model(ARCH), {n: paths[n] for n in names}, router=router, target_modules=LLAMA_PROJECTIONS, **kw
+    )
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -44,14 +46,18 @@ def _prompt(n: int, seed: int) -> list[int]:
 class ByteTokenizer:
     """Token id -> one byte: ids < 64 are ASCII letters and digits, others UTF-8 lead/continuation bytes."""
 
-    TABLE = [ord(c) for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,!?\n"][:64] \
-        + [0xC3, 0xE2, 0xF0] * 4 + list(range(0x80, 0x80 + 52))
+    TABLE = (
+        [ord(c) for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,!?\n"][:64]
+        + [0xC3, 0xE2, 0xF0] * 4
+        + list(range(0x80, 0x80 + 52))
+    )
 
     def decode(self, ids, skip_special_tokens=True):
         return bytes(self.TABLE[i] for i in ids).decode("utf-8", errors="replace")
 
 
 # ------------------------------------------------------------------------------------------ exactness
+
 
 @torch.no_grad()
 def test_greedy_outputs_equal_molora_generate_for_each_routing_mode(paths):
@@ -60,7 +66,7 @@ def test_greedy_outputs_equal_molora_generate_for_each_routing_mode(paths):
     prompts = [_prompt(9, 1), _prompt(5, 2), _prompt(13, 3)]
     outs = engine.generate(prompts, GREEDY, adapter=["a", None, "b"], routing=["auto", "vocab", "sequence"])
     for p, out, spec in zip(prompts, outs, ["a", mm.router, "b"]):
-        ref = mm.generate(torch.tensor([p]), adapter_ids=spec, max_new_tokens=6)[0, len(p):]
+        ref = mm.generate(torch.tensor([p]), adapter_ids=spec, max_new_tokens=6)[0, len(p) :]
         assert out.new_token_ids == ref.tolist()
         assert out.finish_reason == "length" and out.completion_tokens == 6 and out.prompt_tokens == len(p)
     assert outs[0].token_adapters == ["a"] * 6
@@ -78,8 +84,9 @@ def test_batch_invariance_alone_or_in_a_busy_batch_with_chunking_and_preemption(
     probe = _prompt(30, 7)
     alone = Engine(_mm(paths), CFG).generate([probe], SamplingParams(max_new_tokens=10), adapter="b")[0]
     # tiny budget (chunked prefill) and a KV cache of 36 blocks: the busy batch must preempt
-    busy_cfg = EngineConfig(max_num_seqs=8, max_tokens_per_step=16, block_size=4, num_kv_blocks=36,
-                            max_model_len=128, stop_at_eos=False)
+    busy_cfg = EngineConfig(
+        max_num_seqs=8, max_tokens_per_step=16, block_size=4, num_kv_blocks=36, max_model_len=128, stop_at_eos=False
+    )
     engine = Engine(_mm(paths), busy_cfg)
     others = [_prompt(20 + i, 10 + i) for i in range(5)]
     routing = [dict(adapter="a"), dict(routing="vocab"), dict(adapter="c"), dict(routing="none"), {}]
@@ -100,8 +107,11 @@ def test_same_seed_same_sampled_output_in_any_batch(paths):
     sp = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=40, seed=123)
     first = engine.generate([_prompt(6, 1)], sp, adapter="a")[0].new_token_ids
     crowd = [_prompt(6 + i, 20 + i) for i in range(3)]
-    outs = engine.generate([_prompt(6, 1)] + crowd, [sp] + [SamplingParams(temperature=0.7, seed=i) for i in range(3)],
-                           adapter=["a", "b", "c", "a"])
+    outs = engine.generate(
+        [_prompt(6, 1)] + crowd,
+        [sp] + [SamplingParams(temperature=0.7, seed=i) for i in range(3)],
+        adapter=["a", "b", "c", "a"],
+    )
     assert outs[0].new_token_ids == first
     other = engine.generate([_prompt(6, 1)], SamplingParams(max_new_tokens=8, temperature=1.0, seed=7), adapter="a")
     assert other[0].new_token_ids != first
@@ -117,6 +127,7 @@ def test_logprobs_report_the_chosen_token_and_top_n(paths):
 
 # ------------------------------------------------------------------------------------------ stop rules, text
 
+
 def test_max_tokens_stop_token_ids_and_stop_strings(paths):
     tok = ByteTokenizer()
     engine = Engine(_mm(paths), CFG, tokenizer=tok)
@@ -127,9 +138,9 @@ def test_max_tokens_stop_token_ids_and_stop_strings(paths):
     stop_id = full.new_token_ids[4]
     cut = full.new_token_ids.index(stop_id)
     by_id = engine.generate([prompt], SamplingParams(max_new_tokens=12, stop_token_ids=(stop_id,)), adapter="a")[0]
-    assert by_id.new_token_ids == full.new_token_ids[:cut + 1] and by_id.finish_reason == "stop"
+    assert by_id.new_token_ids == full.new_token_ids[: cut + 1] and by_id.finish_reason == "stop"
     text = full.new_text
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     rid = engine.add_request(prompt, SamplingParams(max_new_tokens=12, stop=(stop,)), adapter="a")
     pieces, last = [], None
     while engine.has_unfinished():
@@ -137,7 +148,7 @@ def test_max_tokens_stop_token_ids_and_stop_strings(paths):
             pieces.append(out.new_text)
             last = out
     assert last.request_id == rid and last.finish_reason == "stop"
-    assert "".join(pieces) == text[:text.index(stop)]
+    assert "".join(pieces) == text[: text.index(stop)]
     assert all(stop not in p for p in pieces)
 
 
@@ -178,15 +189,16 @@ def test_text_state_holds_back_a_possible_stop_prefix():
 
 # ------------------------------------------------------------------------------------------ hot set
 
+
 def test_hot_set_lru_eviction_pins_and_counters(paths):
     mm = _mm(paths, names=("a", "b"), slots=2)
     engine = Engine(mm, EngineConfig(**{**CFG.__dict__, "cpu_tier_bytes": 1 << 20}))
-    engine.load_adapter("c", str(paths["c"]))                   # no free slot: it waits in the CPU tier
+    engine.load_adapter("c", str(paths["c"]))  # no free slot: it waits in the CPU tier
     tiers = {d["name"]: d["tier"] for d in engine.list_adapters()}
     assert tiers == {"a": "slot", "b": "slot", "c": "cpu"}
     engine.generate([_prompt(4, 1)], GREEDY, adapter="a")
-    engine.generate([_prompt(4, 2)], GREEDY, adapter="b")       # LRU order now: a, b
-    engine.generate([_prompt(4, 3)], GREEDY, adapter="c")       # miss: evicts a
+    engine.generate([_prompt(4, 2)], GREEDY, adapter="b")  # LRU order now: a, b
+    engine.generate([_prompt(4, 3)], GREEDY, adapter="c")  # miss: evicts a
     tiers = {d["name"]: d["tier"] for d in engine.list_adapters()}
     assert tiers == {"a": "cpu", "b": "slot", "c": "slot"}
     hs = engine.stats()["hotset"]
@@ -227,7 +239,7 @@ def test_vanished_adapter_folder_aborts_only_its_request(paths, tmp_path):
     mm = _mm(paths, names=("a",), slots=1)
     engine = Engine(mm, EngineConfig(**{**CFG.__dict__, "cpu_tier_bytes": 0}))
     shutil.copytree(paths["b"], tmp_path / "b")
-    engine.load_adapter("b", str(tmp_path / "b"))      # validated, but no free slot and no CPU tier
+    engine.load_adapter("b", str(tmp_path / "b"))  # validated, but no free slot and no CPU tier
     queued = engine.add_request(_prompt(4, 1), GREEDY, adapter="b")
     shutil.rmtree(tmp_path / "b")
     ok = engine.add_request(_prompt(4, 2), GREEDY, adapter="a")
@@ -253,6 +265,7 @@ def test_runtime_loaded_adapter_equals_attach_time_adapter(paths):
 
 # ------------------------------------------------------------------------------------------ learned routing
 
+
 class StandInRouter:
     """The learned-router interface: adapter by the sign of a hidden feature of the block, in router order."""
 
@@ -260,7 +273,7 @@ class StandInRouter:
     adapter_names = ["b", "a"]
 
     def decide(self, block, hidden, allowed=None):
-        score = torch.stack([hidden[:, 3 + block], -hidden[:, 3 + block]], -1)                # [T, K]
+        score = torch.stack([hidden[:, 3 + block], -hidden[:, 3 + block]], -1)  # [T, K]
         if allowed is not None:
             score = score.masked_fill(~allowed, float("-inf"))
         return score.argmax(-1, keepdim=True), None
@@ -273,8 +286,9 @@ def test_learned_routing_in_a_mixed_batch_respects_allowed_adapters(paths):
     p = _prompt(11, 5)
     alone = engine.generate([p], GREEDY)[0]
     assert set(alone.token_adapters) <= {"a", "b"}
-    outs = engine.generate([p, p, _prompt(8, 6)], GREEDY,
-                           allowed_adapters=[None, ["a"], None], routing=["learned", "learned", "auto"])
+    outs = engine.generate(
+        [p, p, _prompt(8, 6)], GREEDY, allowed_adapters=[None, ["a"], None], routing=["learned", "learned", "auto"]
+    )
     assert outs[0].new_token_ids == alone.new_token_ids and outs[0].token_adapters == alone.token_adapters
     assert set(outs[1].token_adapters) == {"a"}
     with pytest.raises(RoutingError, match="VocabRouter"):
@@ -282,6 +296,7 @@ def test_learned_routing_in_a_mixed_batch_respects_allowed_adapters(paths):
 
 
 # ------------------------------------------------------------------------------------------ safety
+
 
 def test_bad_requests_are_refused_and_change_nothing(paths):
     engine = Engine(_mm(paths), CFG)
@@ -313,10 +328,10 @@ def test_thousand_cancel_and_complete_cycles_leave_pools_as_at_start(paths):
             kw = {"adapter": names[i % 4]} if i % 4 != 3 else {"routing": "vocab"}
             ids.append(engine.add_request(_prompt(3 + i % 5, i % 17), SamplingParams(max_new_tokens=1 + i % 2), **kw))
         for rid in ids[:3]:
-            engine.abort(rid)                      # before it was scheduled
+            engine.abort(rid)  # before it was scheduled
         engine.step()
         for rid in ids[3:6]:
-            engine.abort(rid)                      # mid-flight (or just finished: a no-op)
+            engine.abort(rid)  # mid-flight (or just finished: a no-op)
         engine.scheduler.check()
         while engine.has_unfinished():
             engine.step()
@@ -334,8 +349,9 @@ def test_carrying_learned_router_equals_generate_alone_busy_and_preempted(paths,
 
     def routed_mm(probe_prompt=probe_prompt):
         mm = _mm(paths)
-        cfg = LearnedRouterConfig(("b", "a"), mm.config.hidden_size, len(decoder_layers(mm.model)), carry_blocks=1,
-                                  probe_prompt=probe_prompt)
+        cfg = LearnedRouterConfig(
+            ("b", "a"), mm.config.hidden_size, len(decoder_layers(mm.model)), carry_blocks=1, probe_prompt=probe_prompt
+        )
         router = LearnedRouter(cfg)
         with torch.no_grad():
             router.weight.normal_(generator=torch.Generator().manual_seed(0))
@@ -344,15 +360,19 @@ def test_carrying_learned_router_equals_generate_alone_busy_and_preempted(paths,
 
     probe = _prompt(26, 8)
     mm = routed_mm()
-    ref = mm.generate(torch.tensor([probe]), adapter_ids=mm.router, max_new_tokens=10)[0, len(probe):].tolist()
+    ref = mm.generate(torch.tensor([probe]), adapter_ids=mm.router, max_new_tokens=10)[0, len(probe) :].tolist()
     if probe_prompt:  # the probe changes this output, so the comparisons below can tell probing from not
         other = routed_mm(False)
-        assert other.generate(torch.tensor([probe]), adapter_ids=other.router, max_new_tokens=10)[0, len(probe):].tolist() != ref
+        assert (
+            other.generate(torch.tensor([probe]), adapter_ids=other.router, max_new_tokens=10)[0, len(probe) :].tolist()
+            != ref
+        )
     alone = Engine(mm, CFG).generate([probe], SamplingParams(max_new_tokens=10))[0]
     assert alone.new_token_ids == ref
     assert set(alone.token_adapters) <= {"a", "b", None}
-    busy_cfg = EngineConfig(max_num_seqs=8, max_tokens_per_step=16, block_size=4, num_kv_blocks=32,
-                            max_model_len=128, stop_at_eos=False)
+    busy_cfg = EngineConfig(
+        max_num_seqs=8, max_tokens_per_step=16, block_size=4, num_kv_blocks=32, max_model_len=128, stop_at_eos=False
+    )
     engine = Engine(routed_mm(), busy_cfg)
     others = [engine.add_request(_prompt(20 + i, 30 + i), SamplingParams(max_new_tokens=20)) for i in range(5)]
     rid = engine.add_request(probe, SamplingParams(max_new_tokens=10))
@@ -369,9 +389,9 @@ def test_greedy_picks_the_first_maximum_like_argmax():
 
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.zeros(3, 50, dtype=dtype)
-        x[:, 7] = x[:, 9] = 1.0          # ties: the first index wins, as in argmax
+        x[:, 7] = x[:, 9] = 1.0  # ties: the first index wins, as in argmax
         x[1, 40] = float("inf")
-        x[2, 30] = float("nan")          # a NaN row: argmax and max agree on the NaN's index
+        x[2, 30] = float("nan")  # a NaN row: argmax and max agree on the NaN's index
         assert torch.equal(greedy(x), x.argmax(-1)) and greedy(x).tolist() == [7, 40, 30]
         y = torch.randn(32, 4096, generator=gen(0)).to(dtype)
         assert torch.equal(greedy(y), y.argmax(-1))

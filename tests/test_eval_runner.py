@@ -74,18 +74,27 @@ TOK = ToyTokenizer()
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
-    return {"count": make_peft_adapter(root / "count", "llama", r=4, seed=1),
-            "nav": make_peft_adapter(root / "nav", "llama", r=2, seed=2)}
+    return {
+        "count": make_peft_adapter(root / "count", "llama", r=4, seed=1),
+        "nav": make_peft_adapter(root / "nav", "llama", r=2, seed=2),
+    }
 
 
 def make_mm(adapters: dict[str, Path], router_bias: int | None = 0, router=None):
     """Tiny Llama + adapters "count" (object_counting) and "nav" (navigate) + `router`, by default a
     learned router that sends every token to adapter index `router_bias` (None: to "none")."""
     mm = attach(tiny_model("llama"), adapters, tokenizer=TOK, router=router)
-    mm.bundle = Bundle(folder=Path("."), name="toy", base="toy",
-                       adapters=(AdapterEntry("count", adapters["count"], tasks=("object_counting",)),
-                                 AdapterEntry("nav", adapters["nav"], tasks=("navigate",))),
-                       prompt_template=CHATML, stop=("<|im_end|>",))
+    mm.bundle = Bundle(
+        folder=Path("."),
+        name="toy",
+        base="toy",
+        adapters=(
+            AdapterEntry("count", adapters["count"], tasks=("object_counting",)),
+            AdapterEntry("nav", adapters["nav"], tasks=("navigate",)),
+        ),
+        prompt_template=CHATML,
+        stop=("<|im_end|>",),
+    )
     if router is not None:
         return mm
     router = LearnedRouter(LearnedRouterConfig(adapter_names=("count", "nav"), hidden_size=64, num_blocks=2))
@@ -122,13 +131,15 @@ def mixed_file(tmp_path: Path, n: int = 3) -> tuple[str, list[dict]]:
 
 # ------------------------------------------------------------------------------------------- merge
 
+
 def test_merge_router_gives_every_token_all_adapters_at_one_over_k():
     routing = UniformMergeRouter().route(torch.zeros(2, 5, dtype=torch.long), ["x", "y", "z"])
     assert routing.adapter_ids.shape == (2, 5, 3) and routing.weights.shape == (2, 5, 3)
     assert routing.adapter_ids[1, 4].tolist() == [0, 1, 2]
     assert torch.allclose(routing.weights, torch.full((2, 5, 3), 1 / 3))
-    assert UniformMergeRouter(["z", "x"]).route(torch.zeros(1, 1, dtype=torch.long), ["x", "y", "z"]) \
-        .adapter_ids.flatten().tolist() == [2, 0]
+    assert UniformMergeRouter(["z", "x"]).route(
+        torch.zeros(1, 1, dtype=torch.long), ["x", "y", "z"]
+    ).adapter_ids.flatten().tolist() == [2, 0]
 
 
 def test_merge_router_equals_peft_cat_merge_of_averaged_deltas(adapters):
@@ -149,6 +160,7 @@ def test_merge_router_equals_peft_cat_merge_of_averaged_deltas(adapters):
 
 
 # ------------------------------------------------------------------------------------------- modes
+
 
 def test_each_mode_hands_generation_its_routing(adapters, tmp_path, monkeypatch):
     mm = make_mm(adapters, router_bias=1)
@@ -210,6 +222,7 @@ def test_batched_greedy_answers_do_not_depend_on_the_batch(adapters):
 
 # ------------------------------------------------------------------------------------------- mixed
 
+
 def scripted(mm, monkeypatch, answer_for) -> list:
     """Replace mm.generate by a model that answers each row's last question with answer_for(question)."""
     calls = []
@@ -248,8 +261,10 @@ def test_mixed_items_are_answered_turn_by_turn_and_scored_per_part(adapters, tmp
 
     # turn 2 sees turn 1's question and answer exactly as router training renders them
     first = rows[0]["parts"]
-    segments = [{"prompt": first[0]["input"], "completion": preds[0]["prediction"], "label": None},
-                {"prompt": first[1]["input"], "completion": "", "label": None}]
+    segments = [
+        {"prompt": first[0]["input"], "completion": preds[0]["prediction"], "label": None},
+        {"prompt": first[1]["input"], "completion": "", "label": None},
+    ]
     want = labelled_sequence(TOK, segments, ["count", "nav"]).ids[:-1]  # drop the empty answer's end token
     seen = [row[mask].tolist() for ids, _ in calls[2:] for row, mask in zip(ids, ids != 0)]
     assert want in seen
@@ -265,7 +280,7 @@ def test_mixed_oracle_labels_each_part_with_its_adapter(adapters, tmp_path, monk
     ids, router = calls[-1]  # turn 2: first part's tokens, then the second's
     assert len(router.labels) == 2
     for b, labels in enumerate(router.labels):
-        labels = labels[-int((ids[b] != 0).sum()):]  # without the left padding
+        labels = labels[-int((ids[b] != 0).sum()) :]  # without the left padding
         row = next(r for r in rows if r["parts"][0]["input"] in TOK.decode(ids[b].tolist()))
         first, second = (adapter[p["task"]] for p in row["parts"])
         switch = labels.index(second)
@@ -276,14 +291,24 @@ def test_mixed_oracle_labels_each_part_with_its_adapter(adapters, tmp_path, monk
 
 # ------------------------------------------------------------------------------------------- records
 
+
 def test_summary_and_predictions_files_have_the_documented_fields(adapters, tmp_path):
     mm = make_mm(adapters)
-    summary, preds = evaluate(mm, bbh_file(tmp_path, "navigate", n=4), "adapter:nav", max_new_tokens=2,
-                              batch_size=3, progress=False)
+    summary, preds = evaluate(
+        mm, bbh_file(tmp_path, "navigate", n=4), "adapter:nav", max_new_tokens=2, batch_size=3, progress=False
+    )
     save_results(summary, preds, tmp_path / "out" / "s.json", tmp_path / "out" / "p.jsonl")
     written = json.loads((tmp_path / "out" / "s.json").read_text())
-    assert {"task", "routing", "n", "accuracy", "lenient_accuracy", "majority_baseline", "tokens_per_s",
-            "seconds"} <= set(written)
+    assert {
+        "task",
+        "routing",
+        "n",
+        "accuracy",
+        "lenient_accuracy",
+        "majority_baseline",
+        "tokens_per_s",
+        "seconds",
+    } <= set(written)
     assert written["task"] == "navigate" and written["routing"] == "adapter:nav" and written["n"] == 4
     assert written["majority_baseline"] == 50.0 and 0 <= written["accuracy"] <= written["lenient_accuracy"] <= 100
     lines = [json.loads(x) for x in (tmp_path / "out" / "p.jsonl").read_text().splitlines()]

@@ -33,8 +33,13 @@ def adapters(tmp_path_factory):
 
 
 def make_engine(adapters, **cfg) -> Engine:
-    mm = attach(tiny_model("qwen3"), adapters, router=VocabRouter([(0, 64, "math")], default="code"),
-                tokenizer=ToyTokenizer(), check_base=False)
+    mm = attach(
+        tiny_model("qwen3"),
+        adapters,
+        router=VocabRouter([(0, 64, "math")], default="code"),
+        tokenizer=ToyTokenizer(),
+        check_base=False,
+    )
     return Engine(mm, EngineConfig(max_model_len=256, kv_budget_tokens=1024, **cfg))
 
 
@@ -111,7 +116,7 @@ def test_a_poisoned_adapter_slot_is_mended_or_fails_only_its_users(adapters, tmp
     for (_, adapter), rid, want in zip(jobs, ids, reference):
         if disk == "corrupt" and adapter == "math":  # it cannot be mended: its users fail, naming it
             assert got[rid][1] == "error" and "adapter 'math' was corrupt" in got[rid][2]
-        else:                                        # mended from disk (or untouched): exactly as before
+        else:  # mended from disk (or untouched): exactly as before
             assert got[rid][:2] == want
     assert engine.faults >= 1
     engine.check()
@@ -155,12 +160,14 @@ def test_deadlines_end_requests_and_free_their_blocks(adapters):
 
 # ------------------------------------------------------------------------------------------ behind the server
 
+
 def test_server_deadline_answers_504_and_streams_a_timeout_finish_reason(adapters):
     engine = make_engine(adapters)
     # a long grace: the engine's own deadline path is under test, not the handler's backstop (a loaded CI
     # machine can hold the engine thread past a 2 s grace)
-    app = create_app(engine, model_name="tiny", limits=Limits(request_timeout_s=60, max_request_timeout_s=120,
-                                                              deadline_grace_s=30))
+    app = create_app(
+        engine, model_name="tiny", limits=Limits(request_timeout_s=60, max_request_timeout_s=120, deadline_grace_s=30)
+    )
     # ignore_eos: 250 steps of >= 10 ms (>= 2.5 s) always outlast the 0.3 s deadline; without it an EOS from the
     # random model could end the request first (a race between EOS and the deadline, not the path under test)
     body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 250, "temperature": 0, "ignore_eos": True}
@@ -182,9 +189,11 @@ def test_server_deadline_answers_504_and_streams_a_timeout_finish_reason(adapter
         r = http.post("/completions", json={**body, "stream": True, "molora": {"timeout": 0.3}})
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         # the whole story on failure (this assertion once failed on a loaded CI machine and its cut repr hid why)
-        story = (f"{len(events)} events in {time.monotonic() - t0:.2f} s; finish reasons "
-                 f"{[e['choices'][0]['finish_reason'] for e in events if e.get('choices')]}; "
-                 f"last {json.dumps(events[-1])[:300]}; stream tail {r.text[-400:]!r}")
+        story = (
+            f"{len(events)} events in {time.monotonic() - t0:.2f} s; finish reasons "
+            f"{[e['choices'][0]['finish_reason'] for e in events if e.get('choices')]}; "
+            f"last {json.dumps(events[-1])[:300]}; stream tail {r.text[-400:]!r}"
+        )
         assert events[-2]["choices"][0]["finish_reason"] == "timeout", story
         assert events[-1]["error"]["code"] == "timeout" and "timeout of 0.3 s" in events[-1]["error"]["message"]
         wait_for(lambda: app.state.molora.client.in_flight == 0, timeout=10)
@@ -215,9 +224,10 @@ def test_a_hung_step_turns_health_503_and_engine_calls_time_out():
         base = url.removesuffix("/v1")
         assert httpx.get(base + "/health").status_code == 200 and httpx.get(base + "/ready").status_code == 200
         engine.hang.set()
-        with httpx.Client(base_url=url, timeout=30) as http, \
-                http.stream("POST", "/completions", json={"model": "toy", "prompt": "a", "max_tokens": 50,
-                                                          "stream": True}):
+        with (
+            httpx.Client(base_url=url, timeout=30) as http,
+            http.stream("POST", "/completions", json={"model": "toy", "prompt": "a", "max_tokens": 50, "stream": True}),
+        ):
             # the time it takes is measured by scripts/fault_harness.py (docs/reliability.md), not asserted here
             wait_for(lambda: httpx.get(base + "/health").status_code == 503, timeout=10)
             health = httpx.get(base + "/health").json()
@@ -299,7 +309,8 @@ def test_a_large_prompt_is_tokenised_off_the_event_loop(monkeypatch):
     app = create_app(FakeEngine(max_model_len=1 << 20))
     with ServerThread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         small = http.post("/completions", json={"model": "toy", "prompt": "a", "max_tokens": 1})
-        big = http.post("/completions", json={"model": "toy", "prompt": "a" * (generation.OFFLOAD_CHARS + 1),
-                                              "max_tokens": 1})
+        big = http.post(
+            "/completions", json={"model": "toy", "prompt": "a" * (generation.OFFLOAD_CHARS + 1), "max_tokens": 1}
+        )
         assert small.status_code == big.status_code == 200
     assert len(threads) == 2 and threads[0] != threads[1]

@@ -19,8 +19,9 @@ SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -42,12 +43,12 @@ def test_the_dry_run_goes_end_to_end(tmp_path) -> None:
     assert out["errors"] == ({} if has_triton else {"triton": out["errors"]["triton"]})
     backends = {r["backend"] for r in out["exactness"]}
     assert backends == ({"triton", "stacked_mask"} if has_triton else {"stacked_mask"})
-    for r in out["exactness"]:          # float32 tight; bf16 / fp16 within their rounding
+    for r in out["exactness"]:  # float32 tight; bf16 / fp16 within their rounding
         assert r["rel_err"] < (1e-5 if r["dtype"] == "float32" else 2e-2), r
     assert {r["T"] for r in out["dispatch"]} == {1, 8, 64} and {r["K"] for r in out["dispatch"]} == {4, 16}
     assert all(r["ms"]["single"] > 0 for r in out["dispatch"])
     decode = out["decode"]["tiny"]
-    assert decode["eager_ms"] > 0 and decode["graph"]["status"] == "not run"       # graphs: CUDA only
+    assert decode["eager_ms"] > 0 and decode["graph"]["status"] == "not run"  # graphs: CUDA only
     assert out["engine"]["sequences"] == 8 and out["engine"]["seconds"]["engine"] > 0
     assert "not_judged" in out["goals"]
 
@@ -74,10 +75,22 @@ def test_the_graph_check_replays_against_eager_on_the_cpu_emulator(tmp_path) -> 
     slots = torch.randint(-1, 4, (batch * ctx, 1), generator=g)
     with torch.no_grad():
         for r in runners:
-            r(prompt, torch.arange(ctx).repeat(batch), BatchMeta([ctx] * batch, [ctx] * batch, tables),
-              StepRouting(slots))
-        out = gc.check_graph(runners[0], runners[1], mm, torch.randint(3, 256, (batch,), generator=g),
-                             torch.full((batch,), ctx), BatchMeta([1] * batch, [ctx + 1] * batch, tables),
-                             torch.randint(-1, 4, (batch, 1), generator=g), 4, capture=emulated_capture)
+            r(
+                prompt,
+                torch.arange(ctx).repeat(batch),
+                BatchMeta([ctx] * batch, [ctx] * batch, tables),
+                StepRouting(slots),
+            )
+        out = gc.check_graph(
+            runners[0],
+            runners[1],
+            mm,
+            torch.randint(3, 256, (batch,), generator=g),
+            torch.full((batch,), ctx),
+            BatchMeta([1] * batch, [ctx + 1] * batch, tables),
+            torch.randint(-1, 4, (batch, 1), generator=g),
+            4,
+            capture=emulated_capture,
+        )
     assert out["status"] == "replayed" and out["captures"] == 2, out
     assert max(out["max_abs_logit_diff_vs_eager"] + out["learned_max_abs_logit_diff_vs_eager"]) < 1e-4, out

@@ -15,16 +15,19 @@ from tests.conftest import VOCAB, make_peft_adapter, tiny_model
 
 ARCH = "qwen3"
 NAMES = [f"x{i}" for i in range(6)]
-CFG = dict(max_num_seqs=8, max_tokens_per_step=48, block_size=4, kv_budget_tokens=1024, max_model_len=128,
-           stop_at_eos=False)
+CFG = dict(
+    max_num_seqs=8, max_tokens_per_step=48, block_size=4, kv_budget_tokens=1024, max_model_len=128, stop_at_eos=False
+)
 GREEDY = SamplingParams(max_new_tokens=4)
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("pressure")
-    return {n: make_peft_adapter(root / n, ARCH, r=4, targets=("q_proj", "v_proj", "down_proj"), seed=10 + i)
-            for i, n in enumerate(NAMES)}
+    return {
+        n: make_peft_adapter(root / n, ARCH, r=4, targets=("q_proj", "v_proj", "down_proj"), seed=10 + i)
+        for i, n in enumerate(NAMES)
+    }
 
 
 def _prompt(seed: int, n: int = 6) -> list[int]:
@@ -60,7 +63,7 @@ def _run(engine: Engine) -> dict[str, list[int]]:
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
             assert out.finish_reason in (None, "length"), out.error
-        engine.scheduler.check()   # pins, KV pool and the hot set's byte bound (HotSet.check)
+        engine.scheduler.check()  # pins, KV pool and the hot set's byte bound (HotSet.check)
     return got
 
 
@@ -68,10 +71,10 @@ def test_queueing_starts_the_read_and_moves_no_slot(folders, reference):
     engine = _engine(folders, slots=2, budget_adapters=4)
     hs = engine.hotset
     long = engine.add_request(_prompt(0), SamplingParams(max_new_tokens=30), adapter="x0")
-    first = [t for o in engine.step() for t in o.new_token_ids]   # x0 runs and is pinned
+    first = [t for o in engine.step() for t in o.new_token_ids]  # x0 runs and is pinned
     slots = {n: hs.mm.bank.slot_of(n) for n in hs.mm.bank.names}
     rid = engine.add_request(_prompt(1), GREEDY, adapter="x4")
-    assert "x4" in hs.reads and hs.prefetches == 1          # read started at queue time, before any step
+    assert "x4" in hs.reads and hs.prefetches == 1  # read started at queue time, before any step
     assert {n: hs.mm.bank.slot_of(n) for n in hs.mm.bank.names} == slots
     hs.check()
     got = _run(engine)
@@ -86,18 +89,18 @@ def test_memory_stays_in_the_budget_and_every_request_gets_its_adapter(folders, 
     for i in range(18):
         name, p = NAMES[(i * 5) % len(NAMES)], i % 4
         want[engine.add_request(_prompt(p), GREEDY, adapter=name)] = (name, p)
-        hs.check()                                          # prefetch at queue time keeps the bound too
+        hs.check()  # prefetch at queue time keeps the bound too
     got = _run(engine)
     assert {rid: got[rid] for rid in want} == {rid: reference[k] for rid, k in want.items()}
     assert not hs.pins and not hs.reserved and hs.overdraft is None
     if budget_adapters >= 1:
         assert hs.prefetches > 0
     if budget_adapters < 1:
-        assert hs.cpu_used == 0       # nothing fits: each cold adapter is one overdraft read at a time
+        assert hs.cpu_used == 0  # nothing fits: each cold adapter is one overdraft read at a time
 
 
 def test_prefetch_is_refused_past_the_budget_and_takes_no_room_from_wanted_reads(folders):
-    engine = _engine(folders, slots=2, budget_adapters=1.5)   # room for one read
+    engine = _engine(folders, slots=2, budget_adapters=1.5)  # room for one read
     hs = engine.hotset
     engine.add_request(_prompt(0), GREEDY, adapter="x2")
     engine.add_request(_prompt(1), GREEDY, adapter="x3")
@@ -109,13 +112,13 @@ def test_slot_eviction_spares_adapters_the_queue_wants(folders, reference):
     engine = _engine(folders, slots=2, budget_adapters=6)
     hs = engine.hotset
     for n in NAMES[2:]:
-        hs.cpu[n] = hs.mm.read(n, folders[n])   # all warm: only the slot choice is under test
+        hs.cpu[n] = hs.mm.read(n, folders[n])  # all warm: only the slot choice is under test
         hs.cpu_used += hs.cpu[n].nbytes()
     hs.check()
     engine.generate([_prompt(0)], GREEDY, adapter="x0")
-    engine.generate([_prompt(0)], GREEDY, adapter="x1")    # LRU order: x0, x1 (x0 least recent)
-    hs.prefetch(["x0"], queue=True)                        # what a queue needing x0 tells the hot set
-    hs.acquire(["x2"])                                     # must evict x1, not the least recent x0
+    engine.generate([_prompt(0)], GREEDY, adapter="x1")  # LRU order: x0, x1 (x0 least recent)
+    hs.prefetch(["x0"], queue=True)  # what a queue needing x0 tells the hot set
+    hs.acquire(["x2"])  # must evict x1, not the least recent x0
     assert hs.resident("x0") and not hs.resident("x1")
     hs.release(["x2"])
     hs.check()
@@ -123,7 +126,8 @@ def test_slot_eviction_spares_adapters_the_queue_wants(folders, reference):
 
 @pytest.mark.parametrize("admission", ["slots", "fcfs"])
 def test_slot_aware_admission_lets_warm_requests_pass_a_blocked_cold_one_a_bounded_number_of_times(
-        folders, reference, admission):
+    folders, reference, admission
+):
     """One slot, pinned by a long x0 request: a cold x1 request cannot start; the x0 requests queued behind it
     need no slot. "slots" admits max_bypass of them ahead of it, then it waits its turn; "fcfs" admits none."""
     mm = molora.attach(tiny_model(ARCH), {"x0": folders["x0"]}, slots=1)

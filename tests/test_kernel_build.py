@@ -24,9 +24,9 @@ def test_the_build_key_follows_every_source_file_and_the_flags(tmp_path, monkeyp
     shutil.copytree(fused_cpu._CSRC, csrc)
     monkeypatch.setattr(fused_cpu, "_CSRC", csrc)
     key = fused_cpu.build_key()
-    assert key == fused_cpu.build_key() and len(key) == 16      # a pure function of the files, flags and place
-    assert key != here                                           # another checkout: a build of its own
-    for path in sorted(p for p in csrc.iterdir() if p.is_file()):   # a header counts as a source does
+    assert key == fused_cpu.build_key() and len(key) == 16  # a pure function of the files, flags and place
+    assert key != here  # another checkout: a build of its own
+    for path in sorted(p for p in csrc.iterdir() if p.is_file()):  # a header counts as a source does
         text = path.read_bytes()
         path.write_bytes(text + b"\n// edited\n")
         assert fused_cpu.build_key() != key, path.name
@@ -74,11 +74,16 @@ print(json.dumps({"available": [fused_cpu.available() for _ in range(3)], "reaso
 
 
 def test_without_a_compiler_molora_says_so_once_and_runs_the_eager_backends(tmp_path):
-    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
-           "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "CXX": str(tmp_path / "no-such-compiler"),
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+        "PYTHONPATH": str(ROOT),
+    }
     env.pop("MOLORA_FUSED", None)
-    run = subprocess.run([sys.executable, "-c", _NO_COMPILER], env=env, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", _NO_COMPILER], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["available"] == [False, False, False]

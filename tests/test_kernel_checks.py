@@ -47,12 +47,19 @@ def _check(mod, kernel: str, make: Callable[[], dict], change: dict, match: str)
 
 # ------------------------------------------------------------------------------------------- lora_fused_
 
+
 def lora_args(T: int = 6, S: int = 3, R: int = 4, d_in: int = 16, d_out: int = 24) -> dict:
     g = gen(1)
-    return dict(out=torch.zeros(T, d_out), x=torch.randn(T, d_in, generator=g),
-                A=torch.randn(S, R, d_in, generator=g),
-                B=torch.randn(S, R, d_out, generator=g).transpose(1, 2),     # slot-major, as the bank keeps it
-                tok=torch.tensor([0, 3, 1, 5, 2]), scale=torch.ones(S), weight=torch.empty(0), counts=[2, 2, 1])
+    return dict(
+        out=torch.zeros(T, d_out),
+        x=torch.randn(T, d_in, generator=g),
+        A=torch.randn(S, R, d_in, generator=g),
+        B=torch.randn(S, R, d_out, generator=g).transpose(1, 2),  # slot-major, as the bank keeps it
+        tok=torch.tensor([0, 3, 1, 5, 2]),
+        scale=torch.ones(S),
+        weight=torch.empty(0),
+        counts=[2, 2, 1],
+    )
 
 
 LORA = {
@@ -82,17 +89,21 @@ def test_lora_fused_checks(mod, case):
 
 # ------------------------------------------------------------------------------------------- paged decode
 
-BS, NBLK, HD = 4, 6, 16   # block size, blocks in the cache, head dim
+BS, NBLK, HD = 4, 6, 16  # block size, blocks in the cache, head dim
 
 
 def paged_args(rows: bool = False) -> dict:
     """3 sequences of 5, 8 and 1 tokens; q, out [T, H, hd] (T = 3, or 5 with rows); cache of NBLK blocks."""
     g = gen(2)
     T = 5 if rows else 3
-    args = dict(out=torch.zeros(T, 4, HD), q=torch.randn(T, 4, HD, generator=g),
-                kc=torch.randn(NBLK * BS, 2, HD, generator=g), vc=torch.randn(NBLK * BS, 2, HD, generator=g),
-                tables=torch.tensor([[0, 1], [2, 3], [5, -1]]),    # -1: a table's unused tail, never read
-                ctx=torch.tensor([5, 8, 1]))
+    args = dict(
+        out=torch.zeros(T, 4, HD),
+        q=torch.randn(T, 4, HD, generator=g),
+        kc=torch.randn(NBLK * BS, 2, HD, generator=g),
+        vc=torch.randn(NBLK * BS, 2, HD, generator=g),
+        tables=torch.tensor([[0, 1], [2, 3], [5, -1]]),  # -1: a table's unused tail, never read
+        ctx=torch.tensor([5, 8, 1]),
+    )
     if rows:
         args["rows"] = torch.tensor([4, 0, 2])
     return {**args, "block_size": BS, "scale": 0.25, "window": 0}
@@ -101,16 +112,19 @@ def paged_args(rows: bool = False) -> dict:
 PAGED = {
     "ctx past the sequence's table": (dict(ctx=torch.tensor([5, 9, 1])), r"ctx\[1\] = 9 is outside \[1, 8\]"),
     "an empty context": (dict(ctx=torch.tensor([5, 0, 1])), r"ctx\[1\] = 0"),
-    "a block id past the cache": (dict(tables=torch.tensor([[0, 1], [2, 6], [5, -1]])),
-                                  r"tables\[1, 1\] = 6 is not a block of the cache"),
-    "a negative block id in use": (dict(tables=torch.tensor([[0, -1], [2, 3], [5, -1]])),
-                                   r"tables\[0, 1\] = -1"),
+    "a block id past the cache": (
+        dict(tables=torch.tensor([[0, 1], [2, 6], [5, -1]])),
+        r"tables\[1, 1\] = 6 is not a block of the cache",
+    ),
+    "a negative block id in use": (dict(tables=torch.tensor([[0, -1], [2, 3], [5, -1]])), r"tables\[0, 1\] = -1"),
     "a table row per sequence": (dict(tables=torch.tensor([[0, 1], [2, 3]])), r"tables must be contiguous int64 \[3"),
     "tables not int64": (dict(tables=lambda t: t.int()), "tables must be contiguous int64"),
     "ctx of another length": (dict(ctx=torch.tensor([5, 8])), r"ctx must have shape \[3\]"),
     "ctx not int64": (dict(ctx=lambda t: t.int()), "ctx must be a contiguous int64"),
-    "heads not a multiple of kv heads": (dict(kc=torch.zeros(NBLK * BS, 3, HD), vc=torch.zeros(NBLK * BS, 3, HD)),
-                                         "multiple of the cache's 3 kv heads"),
+    "heads not a multiple of kv heads": (
+        dict(kc=torch.zeros(NBLK * BS, 3, HD), vc=torch.zeros(NBLK * BS, 3, HD)),
+        "multiple of the cache's 3 kv heads",
+    ),
     "head dims differ": (dict(kc=torch.zeros(NBLK * BS, 2, 8), vc=torch.zeros(NBLK * BS, 2, 8)), "head_dim 8 differs"),
     "vc shaped unlike kc": (dict(vc=torch.zeros(NBLK * BS - 1, 2, HD)), "must have kc's shape"),
     "out shaped unlike q": (dict(out=lambda o: o[:, :3]), "must have q's shape"),
@@ -146,17 +160,25 @@ def test_paged_decode_reads_only_the_blocks_of_the_window(mod):
     args = paged_args()
     with torch.inference_mode():
         bad_first = torch.tensor([[-7, 1], [2, 3], [5, -1]])
-        _run(mod.paged_decode, args, tables=bad_first, window=1)       # sequence 0 reads key 4 alone: block 1
+        _run(mod.paged_decode, args, tables=bad_first, window=1)  # sequence 0 reads key 4 alone: block 1
         with pytest.raises(RuntimeError, match=r"tables\[0, 0\] = -7"):
-            _run(mod.paged_decode, args, tables=bad_first, window=2)   # keys 3-4: blocks 0 and 1
+            _run(mod.paged_decode, args, tables=bad_first, window=2)  # keys 3-4: blocks 0 and 1
 
 
 # ------------------------------------------------------------------------------------------- glue kernels
 
+
 def norm_args() -> dict:
     g = gen(3)
-    return dict(h=torch.randn(4, 32, generator=g), d=torch.randn(4, 32, generator=g), w=torch.ones(32),
-                out=torch.empty(4, 32), eps=1e-6, var=torch.empty(0), lanes=8)
+    return dict(
+        h=torch.randn(4, 32, generator=g),
+        d=torch.randn(4, 32, generator=g),
+        w=torch.ones(32),
+        out=torch.empty(4, 32),
+        eps=1e-6,
+        var=torch.empty(0),
+        lanes=8,
+    )
 
 
 NORM = {
@@ -168,8 +190,15 @@ NORM = {
     "weight of another dtype": (dict(w=lambda w: w.bfloat16()), "weight is BFloat16 but h is Float"),
     "delta of another dtype": (dict(d=lambda d: d.bfloat16()), "delta is BFloat16 but h is Float"),
     "h not [T, D]": (dict(h=torch.zeros(32)), r"h must be \[T, D\]"),
-    "h of ints": (dict(h=lambda h: h.long(), d=torch.empty(0), w=torch.ones(32, dtype=torch.long),
-                       out=torch.empty(4, 32, dtype=torch.long)), "float32 or bfloat16"),
+    "h of ints": (
+        dict(
+            h=lambda h: h.long(),
+            d=torch.empty(0),
+            w=torch.ones(32, dtype=torch.long),
+            out=torch.empty(4, 32, dtype=torch.long),
+        ),
+        "float32 or bfloat16",
+    ),
     "rows with a column stride": (dict(h=lambda h: h.t().contiguous().t()), "unit stride"),
     "var of another length": (dict(var=torch.zeros(3)), r"var \[rows\]"),
     "no var and lanes not 8 or 16": (dict(lanes=4), "lanes 8 or 16"),
@@ -183,15 +212,22 @@ def test_add_rms_norm_checks(mod, case):
     _check(mod, "add_rms_norm", norm_args, change, match)
 
 
-P_ROWS = 10   # rows of the cos / sin tables
+P_ROWS = 10  # rows of the cos / sin tables
 
 
 def rope_args() -> dict:
     g = gen(4)
-    return dict(q=torch.randn(3, 4, 8, generator=g), k=torch.randn(3, 2, 8, generator=g),
-                v=torch.randn(3, 2, 8, generator=g), cos=torch.randn(P_ROWS, 8, generator=g),
-                sin=torch.randn(P_ROWS, 8, generator=g), pos=torch.tensor([0, 4, 9]), wrows=torch.tensor([2, 7, 11]),
-                kc=torch.zeros(12, 2, 8), vc=torch.zeros(12, 2, 8))
+    return dict(
+        q=torch.randn(3, 4, 8, generator=g),
+        k=torch.randn(3, 2, 8, generator=g),
+        v=torch.randn(3, 2, 8, generator=g),
+        cos=torch.randn(P_ROWS, 8, generator=g),
+        sin=torch.randn(P_ROWS, 8, generator=g),
+        pos=torch.tensor([0, 4, 9]),
+        wrows=torch.tensor([2, 7, 11]),
+        kc=torch.zeros(12, 2, 8),
+        vc=torch.zeros(12, 2, 8),
+    )
 
 
 ROPE = {
@@ -205,11 +241,22 @@ ROPE = {
     "v shaped unlike k": (dict(v=torch.zeros(3, 1, 8)), "k .* and v .* must both be"),
     "cache kv heads differ": (dict(kc=torch.zeros(12, 1, 8), vc=torch.zeros(12, 1, 8)), r"must both be \[N, 2, 8\]"),
     "vc shaped unlike kc": (dict(vc=torch.zeros(11, 2, 8)), r"must both be \[N, 2, 8\]"),
-    "tables of another width": (dict(cos=torch.zeros(P_ROWS, 6), sin=torch.zeros(P_ROWS, 6)),
-                                r"must both be \[positions, 8\]"),
-    "an odd head dim": (dict(q=torch.zeros(3, 4, 7), k=torch.zeros(3, 2, 7), v=torch.zeros(3, 2, 7),
-                             cos=torch.zeros(P_ROWS, 7), sin=torch.zeros(P_ROWS, 7), kc=torch.zeros(12, 2, 7),
-                             vc=torch.zeros(12, 2, 7)), "must be even"),
+    "tables of another width": (
+        dict(cos=torch.zeros(P_ROWS, 6), sin=torch.zeros(P_ROWS, 6)),
+        r"must both be \[positions, 8\]",
+    ),
+    "an odd head dim": (
+        dict(
+            q=torch.zeros(3, 4, 7),
+            k=torch.zeros(3, 2, 7),
+            v=torch.zeros(3, 2, 7),
+            cos=torch.zeros(P_ROWS, 7),
+            sin=torch.zeros(P_ROWS, 7),
+            kc=torch.zeros(12, 2, 7),
+            vc=torch.zeros(12, 2, 7),
+        ),
+        "must be even",
+    ),
     "cache of another dtype": (dict(kc=lambda t: t.bfloat16()), "kc is BFloat16 but q is Float"),
     "q heads not contiguous": (dict(q=lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)), "layout"),
     "q not [T, H, hd]": (dict(q=torch.zeros(3, 32)), r"q must be \[T, H, head_dim\]"),
@@ -244,8 +291,11 @@ def test_silu_mul_checks(mod, case):
 
 
 def greedy_args() -> dict:
-    return dict(logits=torch.randn(3, 40, generator=gen(6)), ids=torch.empty(3, dtype=torch.long),
-                finite=torch.empty(3, dtype=torch.bool))
+    return dict(
+        logits=torch.randn(3, 40, generator=gen(6)),
+        ids=torch.empty(3, dtype=torch.long),
+        finite=torch.empty(3, dtype=torch.bool),
+    )
 
 
 GREEDY = {
@@ -266,10 +316,15 @@ def test_greedy_rows_checks(mod, case):
 
 # ------------------------------------------------------------------------------------------- packed GEMMs
 
+
 def panels_args() -> dict:
     g = gen(7)
-    return dict(y=torch.empty(5, 32), x=torch.randn(5, 24, generator=g), P=torch.randn(2, 24, 16, generator=g),
-                bias=torch.empty(0))
+    return dict(
+        y=torch.empty(5, 32),
+        x=torch.randn(5, 24, generator=g),
+        P=torch.randn(2, 24, 16, generator=g),
+        bias=torch.empty(0),
+    )
 
 
 PANELS = {
@@ -292,8 +347,12 @@ def test_linear_panels_checks(mod, case):
 
 def amx_args() -> dict:
     g = gen(8)
-    return dict(y=torch.empty(5, 32, dtype=torch.bfloat16), x=torch.randn(5, 64, generator=g).bfloat16(),
-                P=torch.randn(2, 2, 16, 32, generator=g).bfloat16(), bias=torch.empty(0, dtype=torch.bfloat16))
+    return dict(
+        y=torch.empty(5, 32, dtype=torch.bfloat16),
+        x=torch.randn(5, 64, generator=g).bfloat16(),
+        P=torch.randn(2, 2, 16, 32, generator=g).bfloat16(),
+        bias=torch.empty(0, dtype=torch.bfloat16),
+    )
 
 
 AMX = {
@@ -309,7 +368,7 @@ AMX = {
 @pytest.mark.parametrize("case", list(AMX))
 def test_linear_amx_checks(mod, case):
     change, match = AMX[case]
-    if not mod.amx_ready():   # the shapes are checked first all the same; the valid call cannot run here
+    if not mod.amx_ready():  # the shapes are checked first all the same; the valid call cannot run here
         with torch.inference_mode(), pytest.raises(RuntimeError, match=match):
             _run(mod.linear_amx, amx_args(), **change)
         return
@@ -318,13 +377,33 @@ def test_linear_amx_checks(mod, case):
 
 # ------------------------------------------------------------------------------------------- a bound block
 
+
 def block_args() -> dict:
     # D 64, 4 heads and 2 kv heads of 16, MLP width 96: q, k, v, o, gate, up, down as float32 panels [N/16, K, 16]
     P = [torch.zeros(n // 16, k, 16) for n, k in ((64, 64), (32, 64), (32, 64), (64, 64), (96, 64), (96, 64), (64, 96))]
     empty = [torch.empty(0)] * 7
-    return dict(P=P, bias=empty, A=empty, B=empty, scale=empty, ln1=torch.ones(64), ln2=torch.ones(64), eps=1e-6,
-                lanes=8, H=4, Hkv=2, hd=16, cos=torch.ones(8, 16), sin=torch.zeros(8, 16), kc=torch.zeros(16, 2, 16),
-                vc=torch.zeros(16, 2, 16), block_size=4, scaling=0.25, window=0, watched=[])
+    return dict(
+        P=P,
+        bias=empty,
+        A=empty,
+        B=empty,
+        scale=empty,
+        ln1=torch.ones(64),
+        ln2=torch.ones(64),
+        eps=1e-6,
+        lanes=8,
+        H=4,
+        Hkv=2,
+        hd=16,
+        cos=torch.ones(8, 16),
+        sin=torch.zeros(8, 16),
+        kc=torch.zeros(16, 2, 16),
+        vc=torch.zeros(16, 2, 16),
+        block_size=4,
+        scaling=0.25,
+        window=0,
+        watched=[],
+    )
 
 
 BLOCK = {
@@ -349,10 +428,21 @@ def test_a_bound_block_run_checks_its_step(mod):
     with torch.inference_mode():
         block = mod.BoundBlock(*args.values())
         h = torch.randn(2, 64, generator=gen(9))
-        step = dict(h=h, delta=torch.empty(0), lora=False, tok=torch.empty(0, dtype=torch.long), weight=torch.empty(0),
-                    counts=[], pos=torch.tensor([3, 1]), wrows=torch.tensor([3, 16]), tables=torch.tensor([[0], [1]]),
-                    ctx=torch.tensor([4, 2]), rows=torch.tensor([0, 1]), clock=torch.empty(0))
+        step = dict(
+            h=h,
+            delta=torch.empty(0),
+            lora=False,
+            tok=torch.empty(0, dtype=torch.long),
+            weight=torch.empty(0),
+            counts=[],
+            pos=torch.tensor([3, 1]),
+            wrows=torch.tensor([3, 16]),
+            tables=torch.tensor([[0], [1]]),
+            ctx=torch.tensor([4, 2]),
+            rows=torch.tensor([0, 1]),
+            clock=torch.empty(0),
+        )
         with pytest.raises(RuntimeError, match=r"write_rows\[1\] = 16 is outside \[0, 16\)"):
             _run(block.run, step)
         assert not args["kc"].any() and not args["vc"].any()
-        _run(block.run, step, wrows=torch.tensor([3, 5]))   # the same step with a row in range runs
+        _run(block.run, step, wrows=torch.tensor([3, 5]))  # the same step with a row in range runs

@@ -8,15 +8,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "molora"
 
 LAYER = {  # module prefix -> layer (the longest matching prefix wins)
-    "molora.errors": 0, "molora.config": 0,
-    "molora.ops": 1, "molora.adapters.io": 1, "molora.data": 1, "molora.sampling": 1, "molora.view": 1,
+    "molora.errors": 0,
+    "molora.config": 0,
+    "molora.ops": 1,
+    "molora.adapters.io": 1,
+    "molora.data": 1,
+    "molora.sampling": 1,
+    "molora.view": 1,
     "molora.structured": 1,  # grammars (xgrammar) for the sampler's constraint mechanism
-    "molora.adapters.bank": 2, "molora.adapters": 2, "molora.routing": 2,
-    "molora.model": 3, "molora.bundle": 3,
+    "molora.adapters.bank": 2,
+    "molora.adapters": 2,
+    "molora.routing": 2,
+    "molora.model": 3,
+    "molora.bundle": 3,
     "molora.engine": 4,
-    "molora.server": 5, "molora.train": 5, "molora.eval": 5, "molora.bench": 5,
+    "molora.server": 5,
+    "molora.train": 5,
+    "molora.eval": 5,
+    "molora.bench": 5,
     "molora.multimodal": 5,  # an application over layers 0-5: its recipe trains through molora.train
-    "molora.cli": 6, "molora": 6,
+    "molora.cli": 6,
+    "molora": 6,
 }
 SIBLINGS_APART = ("molora.server", "molora.train", "molora.eval", "molora.bench")  # layer 5 must not mix
 

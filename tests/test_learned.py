@@ -32,8 +32,10 @@ def _mixture(seed: int, n: int = 40) -> list[LabelledSeq]:
 
 
 def _attached(tmp_path, names=("a", "b")):
-    paths = {n: make_peft_adapter(tmp_path / n, "qwen3", seed=i, targets=("q_proj", "v_proj", "down_proj"))
-             for i, n in enumerate(names)}
+    paths = {
+        n: make_peft_adapter(tmp_path / n, "qwen3", seed=i, targets=("q_proj", "v_proj", "down_proj"))
+        for i, n in enumerate(names)
+    }
     return molora.attach(tiny_model("qwen3"), paths)
 
 
@@ -75,8 +77,11 @@ def test_new_adapter_with_its_own_gate_leaves_old_routes_unchanged(tmp_path):
     cfg = RouterTrainConfig(composable=True, placement="shared", steps=400, lr=2e-2, tokens_per_seq=12)
     # a's trainer, too, sees the world beyond its domain as generic text (ids below and above a's range): a gate that
     # never saw an id claims it or not by chance (on some random tiny models a's gate claimed 9 of 72 of b's tokens)
-    generic_a = _seqs(None, 40, 1, ("a",)) + _seqs(None, 20, 4, ("a",), generic=(3, 40)) + \
-        _seqs(None, 40, 5, ("a",), generic=(60, VOCAB))
+    generic_a = (
+        _seqs(None, 40, 1, ("a",))
+        + _seqs(None, 20, 4, ("a",), generic=(3, 40))
+        + _seqs(None, 40, 5, ("a",), generic=(60, VOCAB))
+    )
     only_a = train_router(mm, _seqs("a", 40, 0, ("a",)) + generic_a, ["a"], cfg)
     probe = _seqs("a", 6, 50, ("a",)) + _seqs(None, 6, 51, ("a",))
 
@@ -95,14 +100,19 @@ def test_new_adapter_with_its_own_gate_leaves_old_routes_unchanged(tmp_path):
     # b's trainer sees the world beyond its domain as generic text (here: every id below b's range)
     # lr 5e-2: at 2e-2, b's gate (20 domain ids against 81 generic ones, data 1:4) was short of converged after 400
     # steps on some random tiny models (79% of b's tokens on its own; 100% at 5e-2)
-    gate_b = train_router(mm_b, _seqs("b", 40, 2, ("b",)) + _seqs(None, 160, 3, ("b",), generic=(3, 84)),
-                          ["b"], dataclasses.replace(cfg, lr=5e-2))
+    gate_b = train_router(
+        mm_b,
+        _seqs("b", 40, 2, ("b",)) + _seqs(None, 160, 3, ("b",), generic=(3, 84)),
+        ["b"],
+        dataclasses.replace(cfg, lr=5e-2),
+    )
     mm.load_adapter("b", tmp_path / "b_only" / "b")
     only_a.add_adapter("b", *gate_b.gate_of("b"))
     after = routes(only_a)
     assert all(torch.equal(x, y) for x, y in zip(before, after))
-    acc_b = routing_accuracy(mm, only_a, [LabelledSeq(s.ids, s.route, [1] * len(s.ids))
-                                          for s in _seqs("b", 6, 60, ("b",))])
+    acc_b = routing_accuracy(
+        mm, only_a, [LabelledSeq(s.ids, s.route, [1] * len(s.ids)) for s in _seqs("b", 6, 60, ("b",))]
+    )
     assert acc_b["token_accuracy"] >= 90.0, acc_b
 
 
@@ -134,7 +144,7 @@ def test_router_routes_a_bf16_model_like_the_fp32_one(tmp_path):
     mm.to(torch.bfloat16)
     assert router.weight.dtype == torch.bfloat16
     got = router.choose(router.logits(0, hidden.to(torch.bfloat16)))[0]
-    assert (got == want).float().mean() >= 0.8          # bf16 hidden states: near-ties may flip
+    assert (got == want).float().mean() >= 0.8  # bf16 hidden states: near-ties may flip
     ids = torch.tensor([_seqs("a", 1, 9)[0].ids])
     with torch.no_grad():
         assert torch.isfinite(mm(ids, adapter_ids=router).logits.float()).all()
@@ -159,8 +169,13 @@ def _biased_router(mm, carry_blocks: int, probe_prompt: bool = False) -> Learned
     """Gates with zero weights: block 0 picks "a", every later block picks "b" (router order a, b)."""
     from molora.routing.learned import LearnedRouterConfig, decoder_layers
 
-    cfg = LearnedRouterConfig(("a", "b"), mm.config.hidden_size, len(decoder_layers(mm.model)),
-                              carry_blocks=carry_blocks, probe_prompt=probe_prompt)
+    cfg = LearnedRouterConfig(
+        ("a", "b"),
+        mm.config.hidden_size,
+        len(decoder_layers(mm.model)),
+        carry_blocks=carry_blocks,
+        probe_prompt=probe_prompt,
+    )
     router = LearnedRouter(cfg)
     with torch.no_grad():
         router.bias[0, 0] = 5.0
@@ -174,14 +189,13 @@ def test_carry_replaces_the_early_gates_only_where_a_decision_is_carried():
 
     router = LearnedRouter(LearnedRouterConfig(("a", "b"), 8, 3, carry_blocks=1))
     with torch.no_grad():
-        router.bias[:, 0] = 5.0                                   # every gate alone would pick "a"
+        router.bias[:, 0] = 5.0  # every gate alone would pick "a"
     h, carry = torch.randn(3, 8, generator=gen(0)), torch.tensor([1, -2, -1])
     assert router.decide(0, h, carry=carry)[0][:, 0].tolist() == [1, 0, -1]
-    assert router.decide(1, h, carry=carry)[0][:, 0].tolist() == [0, 0, 0]   # above carry_blocks: own gate
-    assert router.decide(0, h)[0][:, 0].tolist() == [0, 0, 0]                 # nothing carried: own gate
+    assert router.decide(1, h, carry=carry)[0][:, 0].tolist() == [0, 0, 0]  # above carry_blocks: own gate
+    assert router.decide(0, h)[0][:, 0].tolist() == [0, 0, 0]  # nothing carried: own gate
     assert router.carry_source == 2
-    for bad in (dict(carry_blocks=3), dict(carry_blocks=1, top_k=2),
-                dict(carry_blocks=1, placement="shared")):
+    for bad in (dict(carry_blocks=3), dict(carry_blocks=1, top_k=2), dict(carry_blocks=1, placement="shared")):
         with pytest.raises(RoutingError, match="carry_blocks"):
             LearnedRouterConfig(("a", "b"), 8, 3, **bad)
 
@@ -197,8 +211,8 @@ def test_generate_carries_the_last_blocks_decision_into_the_next_tokens_early_bl
         mm.generate(ids, adapter_ids=_biased_router(mm, carry_blocks), max_new_tokens=3)
         block0 = [t[:, 0].tolist() for b, t in mm.context.trace if b == 0]
         mm.context.trace = None
-        assert block0[0] == [0] * ids.shape[1]                    # the prompt forward
-        assert block0[1:] == [[later], [later]]                   # the two fed-back tokens
+        assert block0[0] == [0] * ids.shape[1]  # the prompt forward
+        assert block0[1:] == [[later], [later]]  # the two fed-back tokens
     back = LearnedRouter.load(_biased_router(mm, 1).save(tmp_path / "r"))
     assert back.carry_blocks == 1
 
@@ -210,15 +224,15 @@ def test_fixed_decisions_hold_at_every_block_and_probe_needs_carry():
 
     router = LearnedRouter(LearnedRouterConfig(("a", "b"), 8, 3, carry_blocks=1, probe_prompt=True))
     with torch.no_grad():
-        router.bias[:, 0] = 5.0                                   # every gate alone would pick "a"
+        router.bias[:, 0] = 5.0  # every gate alone would pick "a"
     h = torch.randn(3, 8, generator=gen(0))
     for block in range(3):
         ids, w = in_network_decide(router, block, h, None, None, torch.tensor([1, -2, -1]))
-        assert ids[:, 0].tolist() == [1, 0, -1] and w is None     # -2: the gate decides
+        assert ids[:, 0].tolist() == [1, 0, -1] and w is None  # -2: the gate decides
         assert in_network_decide(router, block, h, None, None, torch.tensor([1, 1, -1]))[0][:, 0].tolist() == [1, 1, -1]
     probe = torch.tensor([[-1, -1, 2, -1, 1, 2], [1, -1, -1, 0, 0, 1], [-1, -1, -1, -1, -1, -1]])
     assert router.prompt_routes(probe).tolist() == [[2, 2, 2, 2, 1, 2], [1, 0, 0, 0, 0, 1], [-1] * 6]
-    mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1], [1] * 6])            # padding does not vote
+    mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1], [1] * 6])  # padding does not vote
     assert router.prompt_routes(torch.tensor([[1, 1, 1, 0, -1, 0]]), mask[1:2]).tolist() == [[1, 1, 1, 0, 0, 0]]
     with pytest.raises(RoutingError, match="probe_prompt needs carry_blocks"):
         LearnedRouterConfig(("a", "b"), 8, 3, probe_prompt=True)
@@ -234,10 +248,10 @@ def test_generate_probes_the_prompt_then_routes_every_block_of_it_by_the_probes_
     mm.context.trace = []
     out = mm.generate(ids, adapter_ids=_biased_router(mm, 1, probe_prompt=True), max_new_tokens=2)
     trace, mm.context.trace = mm.context.trace, None
-    probe, real = trace[:n_blocks], trace[n_blocks:2 * n_blocks]
+    probe, real = trace[:n_blocks], trace[n_blocks : 2 * n_blocks]
     assert probe[0][1][:, 0].tolist() == [0] * L and probe[-1][1][:, 0].tolist() == [1] * L
-    assert all(t[:, 0].tolist() == [1] * L for _, t in real)   # every block of the prompt: the probe's "b"
-    assert [t.shape[0] for _, t in trace[2 * n_blocks:]] == [1] * n_blocks  # then one token per forward
+    assert all(t[:, 0].tolist() == [1] * L for _, t in real)  # every block of the prompt: the probe's "b"
+    assert [t.shape[0] for _, t in trace[2 * n_blocks :]] == [1] * n_blocks  # then one token per forward
     plain = mm.generate(ids, adapter_ids=_biased_router(mm, 1), max_new_tokens=2)
     assert out.shape == plain.shape
     back = LearnedRouter.load(_biased_router(mm, 1, probe_prompt=True).save(tmp_path / "p"))
@@ -266,13 +280,14 @@ def test_choose_takes_one_allowed_set_per_token(composable, confidence, top_k):
     """allowed [T, K] (each token its own adapters) chooses for each token what allowed [K] chooses for it alone."""
     from molora.routing.learned import LearnedRouterConfig
 
-    router = LearnedRouter(LearnedRouterConfig(("a", "b", "c"), 8, 4, composable=composable, confidence=confidence,
-                                               top_k=top_k))
+    router = LearnedRouter(
+        LearnedRouterConfig(("a", "b", "c"), 8, 4, composable=composable, confidence=confidence, top_k=top_k)
+    )
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 3 if composable else 4, generator=g) * 2
     allowed = torch.rand(6, 3, generator=g) > 0.4
     ids, w = router.choose(logits, allowed)
     for t in range(6):
-        ids_t, w_t = router.choose(logits[t:t + 1], allowed[t])
-        assert torch.equal(ids[t:t + 1], ids_t)
-        assert (w is None) == (w_t is None) and (w is None or torch.allclose(w[t:t + 1], w_t))
+        ids_t, w_t = router.choose(logits[t : t + 1], allowed[t])
+        assert torch.equal(ids[t : t + 1], ids_t)
+        assert (w is None) == (w_t is None) and (w is None or torch.allclose(w[t : t + 1], w_t))

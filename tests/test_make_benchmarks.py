@@ -57,7 +57,7 @@ def test_benchmarks_page_and_readme_pass_the_check(mb, capsys) -> None:
 def test_readme_figures_are_the_records(mb, records) -> None:
     text = block(mb, records)
     r = next(x for x in records["model"]["result"]["results"] if x["model"] == "smollm2")
-    for scen in ("prefill", "decode_b8"):   # paired medians [IQR] the bench stored beside its samples
+    for scen in ("prefill", "decode_b8"):  # paired medians [IQR] the bench stored beside its samples
         assert f"**{iqr(r[scen]['paired_vs_base']['molora'])}**" in text
         assert iqr(r[scen]["paired_vs_base"]["runner"]) in text
     e, m = records["engine"]["result"], records["engine_mixed"]["result"]
@@ -90,12 +90,12 @@ def test_the_block_follows_the_record(mb, records) -> None:
     e = changed["engine"]["result"]
     e["engine_tok_s"], e["speedup_vs_hf_routed_paired"] = 987.4, [2.5, 2.25, 2.75]
     pre = next(x for x in changed["model"]["result"]["results"] if x["model"] == "smollm2")["prefill"]
-    pre["samples_ms"]["molora"] = [2 * v for v in pre["samples_ms"]["base"]]   # exactly 2x base every repetition
+    pre["samples_ms"]["molora"] = [2 * v for v in pre["samples_ms"]["base"]]  # exactly 2x base every repetition
     changed["serve"]["result"]["levels"][-1]["output_tok_s"] = 55.57
     text = block(mb, changed)
     assert "987 tokens/s, **2.50× [2.25–2.75]**" in text
     assert "| prefill 8×128 | **2.00× [2.00–2.00]** |" in text
-    assert "prefill ≤ 1.15×: molora per-token **not met**" in text    # the goal is judged again, not copied
+    assert "prefill ≤ 1.15×: molora per-token **not met**" in text  # the goal is judged again, not copied
     assert "55.6 output tokens/s at concurrency 16" in text
 
 
@@ -103,8 +103,14 @@ def test_render_only_needs_only_the_record(mb, tmp_path) -> None:
     """A fresh clone has no runs/bench: --render-only reads docs/benchmarks.json alone."""
     shutil.copy(RECORD, tmp_path / "benchmarks.json")
     (tmp_path / "README.md").write_text(f"# x\n\n{mb.SPEED_BEGIN}\nold\n{mb.SPEED_END}\n\nrest\n", encoding="utf-8")
-    argv = ["--out", str(tmp_path / "benchmarks.md"), "--work", str(tmp_path / "absent"),
-            "--readme", str(tmp_path / "README.md")]
+    argv = [
+        "--out",
+        str(tmp_path / "benchmarks.md"),
+        "--work",
+        str(tmp_path / "absent"),
+        "--readme",
+        str(tmp_path / "README.md"),
+    ]
     assert mb.main(["--render-only", *argv]) == 0
     assert not (tmp_path / "absent").exists()
     readme = (tmp_path / "README.md").read_text(encoding="utf-8")
@@ -126,14 +132,30 @@ def test_only_replaces_its_benches_and_keeps_the_rest(mb, records, tmp_path, mon
         return records[what] | {"date": "2030-01-01T00:00:00"}
 
     monkeypatch.setattr(mb, "run_bench", fake_run)
-    assert mb.main(["--only", "engine", "engine_mixed", "--out", str(tmp_path / "benchmarks.md"),
-                    "--work", str(tmp_path / "work"), "--readme", str(tmp_path / "README.md")]) == 0
+    assert (
+        mb.main(
+            [
+                "--only",
+                "engine",
+                "engine_mixed",
+                "--out",
+                str(tmp_path / "benchmarks.md"),
+                "--work",
+                str(tmp_path / "work"),
+                "--readme",
+                str(tmp_path / "README.md"),
+            ]
+        )
+        == 0
+    )
     assert [(w, t, q) for w, _, t, q in calls] == [("engine", 2, True), ("engine_mixed", 2, True)]
-    assert calls[0][1][:calls[0][1].index("--json")] == records["engine"]["command"].split()[3:-2]
+    assert calls[0][1][: calls[0][1].index("--json")] == records["engine"]["command"].split()[3:-2]
     merged = json.loads((tmp_path / "benchmarks.json").read_text())
     assert list(merged) == list(records)
     assert {w: r["date"] for w, r in merged.items() if r != records[w]} == {
-        "engine": "2030-01-01T00:00:00", "engine_mixed": "2030-01-01T00:00:00"}
+        "engine": "2030-01-01T00:00:00",
+        "engine_mixed": "2030-01-01T00:00:00",
+    }
 
 
 def test_a_run_that_would_mix_configurations_is_refused(mb, records) -> None:
@@ -153,6 +175,7 @@ def test_scaleout_docs_render_from_their_record():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, str(root / "scripts" / "make_scaleout.py"), "--check"], capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts" / "make_scaleout.py"), "--check"], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -26,7 +26,7 @@ def test_palm_cot_and_training_cost_goals(mr):
     training = {"a": {"cpu_seconds": 3000.0}, "b": {"cpu_seconds_estimate": 3500.0}}
     goals = mr.goals(_res(learned, training), None)
     palm = _goal(goals, "learned routing above PaLM")
-    assert palm["met"] and palm["measured"].startswith("3 of 4")        # 19.6 is not above 19.6
+    assert palm["met"] and palm["measured"].startswith("3 of 4")  # 19.6 is not above 19.6
     cost = _goal(goals, "training:")
     assert cost["met"] is True and "b ≈58" in cost["measured"] and "a 50" in cost["measured"]
     over = _goal(mr.goals(_res(learned, {"a": {"cpu_seconds": 3700.0}}), None), "training:")

@@ -27,29 +27,66 @@ from molora.server.metrics import (
 
 # Every family the hand-written exposition wrote (name in the text, type), before prometheus_client.
 OLD_FAMILIES = {
-    "molora_requests_in_flight": "gauge", "molora_requests_max_in_flight": "gauge", "molora_draining": "gauge",
-    "molora_requests_waiting": "gauge", "molora_requests_running": "gauge", "molora_kv_blocks_total": "gauge",
-    "molora_kv_blocks_free": "gauge", "molora_tokens_per_second": "gauge", "molora_engine_steps_total": "counter",
-    "molora_generation_tokens_total": "counter", "molora_engine_preemptions_total": "counter",
-    "molora_hotset_slots": "gauge", "molora_hotset_slots_used": "gauge", "molora_hotset_hits_total": "counter",
-    "molora_hotset_misses_total": "counter", "molora_hotset_evictions_total": "counter",
-    "molora_hotset_disk_reads_total": "counter", "molora_hotset_load_seconds_total": "counter",
-    "molora_adapter_tokens_total": "counter", "molora_prompt_tokens_total": "counter",
-    "molora_completion_tokens_total": "counter", "molora_request_finish_total": "counter",
-    "molora_http_responses_total": "counter", "molora_time_to_first_token_seconds": "histogram",
-    "molora_time_per_output_token_seconds": "histogram", "molora_request_latency_seconds": "histogram",
+    "molora_requests_in_flight": "gauge",
+    "molora_requests_max_in_flight": "gauge",
+    "molora_draining": "gauge",
+    "molora_requests_waiting": "gauge",
+    "molora_requests_running": "gauge",
+    "molora_kv_blocks_total": "gauge",
+    "molora_kv_blocks_free": "gauge",
+    "molora_tokens_per_second": "gauge",
+    "molora_engine_steps_total": "counter",
+    "molora_generation_tokens_total": "counter",
+    "molora_engine_preemptions_total": "counter",
+    "molora_hotset_slots": "gauge",
+    "molora_hotset_slots_used": "gauge",
+    "molora_hotset_hits_total": "counter",
+    "molora_hotset_misses_total": "counter",
+    "molora_hotset_evictions_total": "counter",
+    "molora_hotset_disk_reads_total": "counter",
+    "molora_hotset_load_seconds_total": "counter",
+    "molora_adapter_tokens_total": "counter",
+    "molora_prompt_tokens_total": "counter",
+    "molora_completion_tokens_total": "counter",
+    "molora_request_finish_total": "counter",
+    "molora_http_responses_total": "counter",
+    "molora_time_to_first_token_seconds": "histogram",
+    "molora_time_per_output_token_seconds": "histogram",
+    "molora_request_latency_seconds": "histogram",
 }
 NEW_FAMILIES = {
-    "molora_ready": "gauge", "molora_engine_healthy": "gauge", "molora_engine_last_step_age_seconds": "gauge",
-    "molora_queue_wait_seconds": "histogram", "molora_engine_step_seconds": "histogram",
-    "molora_deadline_expired_total": "counter", "molora_engine_failures_total": "counter",
-    "molora_kv_cache_usage_ratio": "gauge", LORA_INFO: "gauge",
+    "molora_ready": "gauge",
+    "molora_engine_healthy": "gauge",
+    "molora_engine_last_step_age_seconds": "gauge",
+    "molora_queue_wait_seconds": "histogram",
+    "molora_engine_step_seconds": "histogram",
+    "molora_deadline_expired_total": "counter",
+    "molora_engine_failures_total": "counter",
+    "molora_kv_cache_usage_ratio": "gauge",
+    LORA_INFO: "gauge",
 }
-STATS = {"num_waiting": 2, "num_running": 1, "kv_blocks_total": 64, "kv_blocks_free": 60, "steps": 11,
-         "tokens_generated": 30, "num_preemptions": 1, "tokens_by_adapter": {"base": 5, "math": 3, "code": 4},
-         "hotset": {"slots": 4, "slots_used": 2, "hits": 7, "misses": 2, "evictions": 1, "disk_reads": 1,
-                    "load_ms_total": 250, "cpu_tier_bytes": 3000, "cpu_tier_budget": 4096},
-         "lora_requests": {"running": ["math"], "waiting": ["code", "math"], "max_lora": 4}}
+STATS = {
+    "num_waiting": 2,
+    "num_running": 1,
+    "kv_blocks_total": 64,
+    "kv_blocks_free": 60,
+    "steps": 11,
+    "tokens_generated": 30,
+    "num_preemptions": 1,
+    "tokens_by_adapter": {"base": 5, "math": 3, "code": 4},
+    "hotset": {
+        "slots": 4,
+        "slots_used": 2,
+        "hits": 7,
+        "misses": 2,
+        "evictions": 1,
+        "disk_reads": 1,
+        "load_ms_total": 250,
+        "cpu_tier_bytes": 3000,
+        "cpu_tier_budget": 4096,
+    },
+    "lora_requests": {"running": ["math"], "waiting": ["code", "math"], "max_lora": 4},
+}
 
 
 def scrape(m: ServerMetrics, stats: dict | None = None, **kw) -> dict[str, object]:
@@ -75,19 +112,33 @@ def test_every_old_metric_name_and_type_is_still_exposed():
 
 def test_engine_stats_are_exposed_with_their_values():
     fams = scrape(ServerMetrics())
-    for sample, want in (("molora_requests_in_flight", 1), ("molora_requests_max_in_flight", 8),
-                         ("molora_requests_waiting", 2), ("molora_requests_running", 1),
-                         ("molora_kv_blocks_total", 64), ("molora_kv_blocks_free", 60),
-                         ("molora_engine_steps_total", 11), ("molora_generation_tokens_total", 30),
-                         ("molora_engine_preemptions_total", 1), ("molora_hotset_slots", 4),
-                         ("molora_hotset_slots_used", 2), ("molora_hotset_hits_total", 7),
-                         ("molora_hotset_misses_total", 2), ("molora_hotset_evictions_total", 1),
-                         ("molora_hotset_disk_reads_total", 1), ("molora_hotset_load_seconds_total", 0.25),
-                         ("molora_kv_cache_usage_ratio", 4 / 64), ("molora_hotset_cpu_tier_bytes", 3000),
-                         ("molora_hotset_cpu_tier_budget_bytes", 4096)):
+    for sample, want in (
+        ("molora_requests_in_flight", 1),
+        ("molora_requests_max_in_flight", 8),
+        ("molora_requests_waiting", 2),
+        ("molora_requests_running", 1),
+        ("molora_kv_blocks_total", 64),
+        ("molora_kv_blocks_free", 60),
+        ("molora_engine_steps_total", 11),
+        ("molora_generation_tokens_total", 30),
+        ("molora_engine_preemptions_total", 1),
+        ("molora_hotset_slots", 4),
+        ("molora_hotset_slots_used", 2),
+        ("molora_hotset_hits_total", 7),
+        ("molora_hotset_misses_total", 2),
+        ("molora_hotset_evictions_total", 1),
+        ("molora_hotset_disk_reads_total", 1),
+        ("molora_hotset_load_seconds_total", 0.25),
+        ("molora_kv_cache_usage_ratio", 4 / 64),
+        ("molora_hotset_cpu_tier_bytes", 3000),
+        ("molora_hotset_cpu_tier_budget_bytes", 4096),
+    ):
         assert value(fams, sample) == want, sample
     assert {s.labels["adapter"]: s.value for s in fams["molora_adapter_tokens_total"].samples} == {
-        "base": 5, "math": 3, "code": 4}
+        "base": 5,
+        "math": 3,
+        "code": 4,
+    }
 
 
 def test_empty_stats_render_zeros_as_before():
@@ -101,8 +152,7 @@ def test_empty_stats_render_zeros_as_before():
 def test_histograms_fill_cumulative_buckets_sum_and_count():
     m = ServerMetrics()
     for ttft in (0.003, 0.02, 100.0):  # below the first bound, inside, above the last
-        m.observe_request(ttft=ttft, tpot=None, latency=1.0, prompt_tokens=1, completion_tokens=1,
-                          finish_reason="stop")
+        m.observe_request(ttft=ttft, tpot=None, latency=1.0, prompt_tokens=1, completion_tokens=1, finish_reason="stop")
     fams = scrape(m)
     ttft = "molora_time_to_first_token_seconds"
     assert value(fams, ttft + "_bucket", le="0.005") == 1
@@ -232,6 +282,7 @@ def test_content_type_is_the_client_library_one():
 
 # ------------------------------------------------------------------------------------------ LoRA gauge
 
+
 def lora_info(fams: dict) -> tuple[dict[str, str], float]:
     """(labels, value) of the one molora_lora_requests_info sample."""
     (sample,) = fams[LORA_INFO].samples
@@ -245,8 +296,11 @@ def test_lora_info_has_vllm_labels_and_the_time_it_was_read_as_value():
     assert labels == {"max_lora": "4", "running_lora_adapters": "math", "waiting_lora_adapters": "code,math"}
     assert before <= read_at <= time.time()  # a Unix time in seconds, as vLLM's set_to_current_time
     labels, _ = lora_info(scrape(ServerMetrics(), bundle="molora-default"))  # the model ids requests name
-    assert labels == {"max_lora": "4", "running_lora_adapters": "molora-default:math",
-                      "waiting_lora_adapters": "molora-default:code,molora-default:math"}
+    assert labels == {
+        "max_lora": "4",
+        "running_lora_adapters": "molora-default:math",
+        "waiting_lora_adapters": "molora-default:code,molora-default:math",
+    }
 
 
 def test_lora_info_keeps_the_last_view_and_its_time_when_the_engine_does_not_answer():
@@ -275,10 +329,24 @@ def engine_of(adapter_paths, *, slots: int, max_num_seqs: int):
     from molora.routing import VocabRouter
     from tests.conftest import tiny_model
 
-    mm = molora.attach(tiny_model("qwen3"), adapter_paths, slots=slots, target_modules=LLAMA_PROJECTIONS,
-                       router=VocabRouter([(0, 50, "a"), (50, 90, "b")], default="c"))
-    return Engine(mm, EngineConfig(max_num_seqs=max_num_seqs, max_tokens_per_step=64, block_size=4,
-                                   kv_budget_tokens=512, max_model_len=64, stop_at_eos=False))
+    mm = molora.attach(
+        tiny_model("qwen3"),
+        adapter_paths,
+        slots=slots,
+        target_modules=LLAMA_PROJECTIONS,
+        router=VocabRouter([(0, 50, "a"), (50, 90, "b")], default="c"),
+    )
+    return Engine(
+        mm,
+        EngineConfig(
+            max_num_seqs=max_num_seqs,
+            max_tokens_per_step=64,
+            block_size=4,
+            kv_budget_tokens=512,
+            max_model_len=64,
+            stop_at_eos=False,
+        ),
+    )
 
 
 def engine_scrape(m: ServerMetrics, engine, **kw) -> dict[str, object]:
@@ -313,8 +381,9 @@ def test_per_token_request_shows_every_adapter_it_may_route_to(adapter_paths):
 
     engine = engine_of(adapter_paths, slots=3, max_num_seqs=4)
     m = ServerMetrics()
-    engine.add_request([5, 60, 100], SamplingParams(max_new_tokens=20), routing="vocab",
-                       allowed_adapters=["a", "c"])       # its router may choose a, b or c; b is not allowed
+    engine.add_request(
+        [5, 60, 100], SamplingParams(max_new_tokens=20), routing="vocab", allowed_adapters=["a", "c"]
+    )  # its router may choose a, b or c; b is not allowed
     engine.add_request([7, 8], SamplingParams(max_new_tokens=20), routing="none")  # base model: names none
     engine.step()
     assert engine.stats()["num_running"] == 2

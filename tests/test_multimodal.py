@@ -26,8 +26,10 @@ pytest.importorskip("sklearn")
 
 def _adapter(path, shapes, seed, rank=4):
     g = torch.Generator().manual_seed(seed)
-    mods = {m: (torch.randn(rank, d_in, generator=g) * 0.3, torch.randn(d_out, rank, generator=g) * 0.3)
-            for m, (d_out, d_in) in shapes.items()}
+    mods = {
+        m: (torch.randn(rank, d_in, generator=g) * 0.3, torch.randn(d_out, rank, generator=g) * 0.3)
+        for m, (d_out, d_in) in shapes.items()
+    }
     save_adapter(path, mods, r=rank, lora_alpha=8.0, base_model_name_or_path="base")
 
 
@@ -40,13 +42,25 @@ def tiny_bundle(tmp_path_factory):
     model = random_model(tiny_config(hidden=32, layers=2, heads=2, ffn=64), seed=0, cls=LlamaForCausalLM)
     model.save_pretrained(str(folder / "base"))
     build_tokenizer().save_pretrained(str(folder / "base"))
-    shapes = {n: (m.out_features, m.in_features) for n, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and n.endswith(("q_proj", "v_proj", "up_proj", "down_proj"))}
+    shapes = {
+        n: (m.out_features, m.in_features)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.endswith(("q_proj", "v_proj", "up_proj", "down_proj"))
+    }
     for i, name in enumerate(("image", "text")):
         _adapter(folder / "adapters" / name, shapes, seed=i)
-    write_manifest(folder, {"name": "tiny-digits", "base": "base", "prompt_template": "<bos> {prompt}",
-                            "stop": ["<eos>"], "router": {"kind": "vocab"}, "vocab_routes": ROUTES,
-                            "adapters": [{"name": n, "path": f"adapters/{n}"} for n in ("image", "text")]})
+    write_manifest(
+        folder,
+        {
+            "name": "tiny-digits",
+            "base": "base",
+            "prompt_template": "<bos> {prompt}",
+            "stop": ["<eos>"],
+            "router": {"kind": "vocab"},
+            "vocab_routes": ROUTES,
+            "adapters": [{"name": n, "path": f"adapters/{n}"} for n in ("image", "text")],
+        },
+    )
     return folder
 
 
@@ -56,6 +70,7 @@ def mm(tiny_bundle):
 
 
 # --------------------------------------------------------------------------------------------- vocabulary
+
 
 def test_tokenizer_is_a_plain_transformers_tokenizer_with_image_tokens(tiny_bundle):
     from transformers import AutoTokenizer
@@ -77,6 +92,7 @@ def test_caption_parsing_names_digit_style_or_broken():
 
 # --------------------------------------------------------------------------------------------- routing
 
+
 def test_vocab_router_ranges_come_from_the_tokenizer(mm):
     router = mm.router
     vocab = mm.tokenizer.get_vocab()
@@ -86,8 +102,9 @@ def test_vocab_router_ranges_come_from_the_tokenizer(mm):
 def test_off_by_one_rule_boi_routes_to_image_and_eoi_to_text(mm):
     """The input token decides: <boi> predicts the first code (image adapter), <eoi> the first caption word."""
     tok = mm.tokenizer
-    ids = tok(f"<bos> draw {BOI} {CODES[3]} {CODES[4]} <eoi> this <eos>", add_special_tokens=False,
-              return_tensors="pt")["input_ids"]
+    ids = tok(
+        f"<bos> draw {BOI} {CODES[3]} {CODES[4]} <eoi> this <eos>", add_special_tokens=False, return_tensors="pt"
+    )["input_ids"]
     names = [mm.adapter_names[i] for i in mm.router.route(ids, mm.adapter_names).adapter_ids[0].tolist()]
     assert names == ["text", "text", "image", "image", "image", "text", "text", "text"]
 
@@ -103,8 +120,7 @@ def test_vocab_router_from_vocab_refuses_a_prefix_that_matches_nothing():
 
 
 def _tiny_text_config():
-    return dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=2)
+    return dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
 
 
 def test_chameleon_vocabulary_map_gives_several_ranges():
@@ -112,8 +128,16 @@ def test_chameleon_vocabulary_map_gives_several_ranges():
     the same ids as transformers' own ChameleonImageVocabularyMapping."""
     transformers = pytest.importorskip("transformers")
     vm = {"<s>": 0, "a": 1, "IMGIMGBA": 2, "IMGIMGBB": 3, "b": 4, "IMGIMGBC": 5, "<image>": 6, "IMGIMGBD": 7}
-    vq = dict(embed_dim=4, num_embeddings=8, base_channels=32, channel_multiplier=[1], num_res_blocks=1,
-              latent_channels=4, resolution=8, in_channels=3)
+    vq = dict(
+        embed_dim=4,
+        num_embeddings=8,
+        base_channels=32,
+        channel_multiplier=[1],
+        num_res_blocks=1,
+        latent_channels=4,
+        resolution=8,
+        in_channels=3,
+    )
     try:
         cfg = transformers.ChameleonConfig(vocab_size=8, vocabulary_map=vm, vq_config=vq, **_tiny_text_config())
         model = transformers.ChameleonForConditionalGeneration(cfg)
@@ -140,6 +164,7 @@ def test_emu3_visual_tokens_fill_one_top_range():
 
 
 # --------------------------------------------------------------------------------------------- generation
+
 
 def test_constrained_draw_emits_exactly_one_64_code_image_then_words(mm):
     for spec in (None, "image", mm.router, mg.EveryToken(["image", "text"])):
@@ -204,17 +229,26 @@ def test_bundle_serves_through_generate_and_the_engine(tiny_bundle, mm):
 
 # --------------------------------------------------------------------------------------------- constrained spans served
 
+
 @pytest.fixture(scope="module")
 def spans_bundle(tiny_bundle, tmp_path_factory):
     """The tiny bundle's base and adapters under a manifest that declares the digits' constrained spans."""
     from molora.multimodal.recipe import SPANS
 
     folder = tmp_path_factory.mktemp("digits_spans")
-    write_manifest(folder, {"name": "tiny-digits-spans", "base": str(tiny_bundle / "base"),
-                            "prompt_template": "<bos> {prompt}", "stop": ["<eos>"], "router": {"kind": "vocab"},
-                            "vocab_routes": ROUTES, "extra": {"constrained_spans": SPANS},
-                            "adapters": [{"name": n, "path": str(tiny_bundle / "adapters" / n)}
-                                         for n in ("image", "text")]})
+    write_manifest(
+        folder,
+        {
+            "name": "tiny-digits-spans",
+            "base": str(tiny_bundle / "base"),
+            "prompt_template": "<bos> {prompt}",
+            "stop": ["<eos>"],
+            "router": {"kind": "vocab"},
+            "vocab_routes": ROUTES,
+            "extra": {"constrained_spans": SPANS},
+            "adapters": [{"name": n, "path": str(tiny_bundle / "adapters" / n)} for n in ("image", "text")],
+        },
+    )
     return folder
 
 
@@ -244,9 +278,11 @@ def test_span_constraint_state_follows_the_ids_so_far():
     assert sc.state([9, 9]) == 2 and sc.state([9, 1]) == 0 and sc.state([1, 5, 6]) == 0
     assert sc.state([1, 5, 6, 5]) == 1 and sc.state([1, 5, 6, 5, 2]) == 2 and sc.state([1, 5, 2, 9]) == 2
     out = sc.apply(torch.zeros(3, 8), [[9], [1, 5], [1, 5, 5, 5]])
-    assert torch.isfinite(out).tolist() == [[True, True, False, True, True, False, False, True],
-                                            [False, False, False, False, False, True, True, False],
-                                            [False, False, True, False, False, False, False, False]]
+    assert torch.isfinite(out).tolist() == [
+        [True, True, False, True, True, False, False, True],
+        [False, False, False, False, False, True, True, False],
+        [False, False, True, False, False, False, False, False],
+    ]
 
 
 def test_span_constraint_reads_token_names_and_refuses_bad_specs(tiny_bundle):
@@ -275,15 +311,20 @@ def test_engine_applies_the_manifests_constrained_spans(spans_bundle):
 
     mm = load(spans_bundle)
     tok = mm.tokenizer
-    prompts = {"draw the digit 3": (False, 0), f"draw the digit 3 {BOI}": (True, 0),
-               f"{BOI} " + " ".join(CODES[q] for q in range(10)): (True, 10)}
+    prompts = {
+        "draw the digit 3": (False, 0),
+        f"draw the digit 3 {BOI}": (True, 0),
+        f"{BOI} " + " ".join(CODES[q] for q in range(10)): (True, 10),
+    }
     eng = Engine(mm, EngineConfig(max_num_seqs=8, max_model_len=160))
     assert eng.constraint is not None
     try:
         for temperature in (0.0, 1.0):
             ids = [mg.encode(mm, p) for p in prompts]
-            params = [SamplingParams(max_new_tokens=90, temperature=temperature, seed=s, ignore_eos=True)
-                      for s in range(len(ids))]
+            params = [
+                SamplingParams(max_new_tokens=90, temperature=temperature, seed=s, ignore_eos=True)
+                for s in range(len(ids))
+            ]
             outs = eng.generate(ids, params)
             closed = [_check_spans(o.new_token_ids, tok, *state) for o, state in zip(outs, prompts.values())]
             assert closed[1] >= 1 and closed[2] >= 1, closed
@@ -301,11 +342,12 @@ def test_engine_greedy_equals_the_demos_constrained_generation(spans_bundle):
     demo = mg.draw(mm, digits, mm.router)
     eng = Engine(mm, EngineConfig(max_num_seqs=4, max_model_len=160))
     try:
-        outs = eng.generate([mg.encode(mm, f"draw the digit {d} {BOI}") for d in digits],
-                            SamplingParams(max_new_tokens=PIXELS + 1))
+        outs = eng.generate(
+            [mg.encode(mm, f"draw the digit {d} {BOI}") for d in digits], SamplingParams(max_new_tokens=PIXELS + 1)
+        )
     finally:
         eng.close()
-    assert [o.new_token_ids for o in outs] == [d.tokens[:PIXELS + 1] for d in demo]
+    assert [o.new_token_ids for o in outs] == [d.tokens[: PIXELS + 1] for d in demo]
 
 
 def test_shipped_bundle_served_greedy_equals_the_demos_draws():
@@ -321,8 +363,10 @@ def test_shipped_bundle_served_greedy_equals_the_demos_draws():
     eos = mm.tokenizer.convert_tokens_to_ids("<eos>")
     eng = Engine(mm, EngineConfig(max_num_seqs=10, max_model_len=160))
     try:
-        outs = eng.generate([mg.encode(mm, f"draw the digit {d} {BOI}") for d in digits],
-                            SamplingParams(max_new_tokens=80, stop_token_ids=(eos,)))
+        outs = eng.generate(
+            [mg.encode(mm, f"draw the digit {d} {BOI}") for d in digits],
+            SamplingParams(max_new_tokens=80, stop_token_ids=(eos,)),
+        )
     finally:
         eng.close()
     assert [o.new_token_ids for o in outs] == [d.tokens + [eos] for d in demo]
@@ -340,14 +384,23 @@ def test_generate_cli_and_server_constrain_the_bundles_spans(spans_bundle, capsy
     assert words[:PIXELS] == [w for w in words[:PIXELS] if w in CODES] and words[PIXELS] == "<eoi>"
     mm = load(spans_bundle)
     with TestClient(create_app(Engine(mm, EngineConfig(max_num_seqs=2, max_model_len=160)))) as c:
-        r = c.post("/v1/completions", json={"model": "tiny-digits-spans", "max_tokens": 70, "temperature": 1.0,
-                                            "seed": 4, "prompt": f"<bos> draw the digit 5 {BOI}"})
+        r = c.post(
+            "/v1/completions",
+            json={
+                "model": "tiny-digits-spans",
+                "max_tokens": 70,
+                "temperature": 1.0,
+                "seed": 4,
+                "prompt": f"<bos> draw the digit 5 {BOI}",
+            },
+        )
     assert r.status_code == 200, r.text
     words = r.json()["choices"][0]["text"].split()
     assert all(w in CODES for w in words[:PIXELS]) and words[PIXELS] == "<eoi>"
 
 
 # --------------------------------------------------------------------------------------------- training
+
 
 def test_train_routed_writes_peft_folders_that_peft_loads(tmp_path, tiny_bundle):
     """Joint training under the vocab router moves both adapters (each on its own tokens) and saves PEFT
@@ -365,8 +418,9 @@ def test_train_routed_writes_peft_folders_that_peft_loads(tmp_path, tiny_bundle)
     model, tok = load_base(tiny_bundle / "base")
     router = VocabRouter.from_vocab(tok.get_vocab(), ROUTES["from_tokenizer"], "text")
     outs = {n: tmp_path / n for n in ("image", "text")}
-    cfg = AdapterTrainConfig(rank=4, alpha=8, lr=1e-2, epochs=1, batch_size=4, bf16=False,
-                             target_modules=("q_proj", "v_proj"))
+    cfg = AdapterTrainConfig(
+        rank=4, alpha=8, lr=1e-2, epochs=1, batch_size=4, bf16=False, target_modules=("q_proj", "v_proj")
+    )
     stats = train_routed(model, tok, pairs, outs, router, cfg, template=PROMPT_TEMPLATE, end=END, progress=False)
     assert stats["steps"] == 2 and math.isfinite(stats["final_loss"])
     for p in outs.values():
@@ -397,27 +451,43 @@ def test_train_routed_cli_is_train_routed_under_the_bundles_router(tmp_path, tin
     from molora.train.adapter import AdapterTrainConfig, train_routed
 
     rng = np.random.RandomState(1)
-    pairs = adapter_pairs(Digits(rng.randint(0, 16, size=(6, PIXELS)), np.arange(6) % 10), "inverted", "new",
-                          captioning=0.3)
+    pairs = adapter_pairs(
+        Digits(rng.randint(0, 16, size=(6, PIXELS)), np.arange(6) % 10), "inverted", "new", captioning=0.3
+    )
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in pairs))
     flags = ["--rank", "4", "--alpha", "8", "--lr", "1e-2", "--batch-size", "3", "--targets", "q_proj,v_proj"]
-    assert main(["train-routed", str(data), "--routed-with", str(tiny_bundle), "--out", str(tmp_path / "cli"),
-                 *flags]) == 0
+    assert (
+        main(["train-routed", str(data), "--routed-with", str(tiny_bundle), "--out", str(tmp_path / "cli"), *flags])
+        == 0
+    )
     assert "final loss" in capsys.readouterr().out
     model, tok = load_base(tiny_bundle / "base")
     router = VocabRouter.from_vocab(tok.get_vocab(), ROUTES["from_tokenizer"], "text")
     cfg = AdapterTrainConfig(rank=4, alpha=8, lr=1e-2, batch_size=3, bf16=False, target_modules=("q_proj", "v_proj"))
-    train_routed(model, tok, pairs, {n: tmp_path / "lib" / n for n in ("image", "text")}, router, cfg,
-                 template=PROMPT_TEMPLATE, end=END, progress=False)
+    train_routed(
+        model,
+        tok,
+        pairs,
+        {n: tmp_path / "lib" / n for n in ("image", "text")},
+        router,
+        cfg,
+        template=PROMPT_TEMPLATE,
+        end=END,
+        progress=False,
+    )
     for n in ("image", "text"):
         got = load_file(str(tmp_path / "cli" / n / "adapter_model.safetensors"))
         want = load_file(str(tmp_path / "lib" / n / "adapter_model.safetensors"))
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
-        assert json.loads((tmp_path / "cli" / n / "training_stats.json").read_text())["trained_with"] == ["image", "text"]
+        assert json.loads((tmp_path / "cli" / n / "training_stats.json").read_text())["trained_with"] == [
+            "image",
+            "text",
+        ]
     plain = tmp_path / "plain"
-    write_manifest(plain, {"name": "plain", "base": str(tiny_bundle / "base"), "router": {"kind": "none"},
-                           "adapters": []})
+    write_manifest(
+        plain, {"name": "plain", "base": str(tiny_bundle / "base"), "router": {"kind": "none"}, "adapters": []}
+    )
     assert main(["train-routed", str(data), "--routed-with", str(plain), "--out", str(tmp_path / "x")]) == 2
     assert "router kind 'none'" in capsys.readouterr().err
 
@@ -441,8 +511,15 @@ def test_openai_server_serves_the_bundle_text_in_codes_out(tiny_bundle):
     ids = mm.tokenizer(f"<bos> {prompt}", add_special_tokens=False)["input_ids"]
     want = eng.generate([ids], SamplingParams(max_new_tokens=16))[0].new_token_ids
     with TestClient(create_app(eng)) as c:
-        r = c.post("/v1/chat/completions", json={"model": "tiny-digits", "max_tokens": 16, "temperature": 0,
-                                                 "messages": [{"role": "user", "content": prompt}]})
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny-digits",
+                "max_tokens": 16,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": prompt}],
+            },
+        )
     assert r.status_code == 200, r.text
     text = r.json()["choices"][0]["message"]["content"]
     stops = {mm.tokenizer.convert_tokens_to_ids("<eos>")}
@@ -453,6 +530,7 @@ def test_openai_server_serves_the_bundle_text_in_codes_out(tiny_bundle):
 
 
 # --------------------------------------------------------------------------------------------- the shipped bundle
+
 
 @pytest.mark.slow
 def test_shipped_digits_bundle_keeps_both_styles_in_one_sequence(tmp_path):
@@ -496,5 +574,7 @@ def test_readme_block_and_results_section_render_from_the_record():
     mod = load_script("make_multimodal")
     rec = json.loads(record.read_text())
     readme = (root / "README.md").read_text()
-    assert f"{mod.BEGIN}\n{mod.readme_block(rec)}\n{mod.END}" in readme, "re-run scripts/make_multimodal.py --render-only"
+    assert f"{mod.BEGIN}\n{mod.readme_block(rec)}\n{mod.END}" in readme, (
+        "re-run scripts/make_multimodal.py --render-only"
+    )
     assert any(line.startswith("## Multimodal") for line in mod.render_section(rec))

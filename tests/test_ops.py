@@ -102,8 +102,7 @@ def test_compiled_gather_equals_reference() -> None:
     slots and weights; other cases would each recompile (sizes 0/1 and dtypes specialize)."""
     ids = torch.tensor([[0, 0], [-1, 2], [2, -1], [-1, -1], [0, 2]]).repeat(3, 1)  # slot 1 unused
     args = make(15, 3, ids=ids, weighted=True)
-    torch.testing.assert_close(lora_delta(*args, backend="gather"), lora_delta_reference(*args),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lora_delta(*args, backend="gather"), lora_delta_reference(*args), atol=1e-5, rtol=1e-5)
 
 
 def eager(T: int, S: int, k: int, rank: int = 16, d: int = 2048) -> str:
@@ -121,11 +120,11 @@ def test_the_cost_model_picks_an_eager_backend(T: int, S: int, k: int, rank: int
 
 
 def test_the_cost_model_stacks_small_steps_and_sorts_large_ones() -> None:
-    assert eager(8, 4, 1) == "stacked_mask"           # decode step, few adapters
-    assert eager(4096, 16, 1) == "sort_group"         # long prefill, many adapters
+    assert eager(8, 4, 1) == "stacked_mask"  # decode step, few adapters
+    assert eager(4096, 16, 1) == "sort_group"  # long prefill, many adapters
     assert eager(64, 16, 1, rank=64) == "sort_group"  # stacking wastes 15/16 of r=64 work
     for T in (1, 64, 4096):
-        assert eager(T, 1, 1) == "stacked_mask"       # one slot: nothing to sort
+        assert eager(T, 1, 1) == "stacked_mask"  # one slot: nothing to sort
 
 
 # What "auto" chose before `pick_backend` was split out of `dispatch._resolve`, recorded by running the old
@@ -136,75 +135,231 @@ PICK_SRD = [(1, 16, 576, 1536), (2, 8, 1024, 1024), (4, 16, 576, 1536), (4, 64, 
 PICK_TS = [0, 1, 8, 47, 48, 95, 96, 191, 192, 383, 384, 767, 768, 1535, 1536, 4096, 6143, 6144]
 PICK_LETTER = {"fused": "f", "stacked_mask": "m", "sort_group": "s"}
 PICK_EXPECTED = {
-    ('cpu', 'float32', False, False, 1):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
-    ('cpu', 'float32', False, False, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
-    ('cpu', 'float32', True, False, 1):
-        'ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff',
-    ('cpu', 'float32', True, False, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
-    ('cpu', 'float32', True, True, 1):
-        'ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff',
-    ('cpu', 'float32', True, True, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
-    ('cpu', 'bfloat16', False, False, 1):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
-    ('cpu', 'bfloat16', False, False, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
-    ('cpu', 'bfloat16', True, False, 1):
-        'ffffmmmmmmmmmmmmmm ffffffmmmmmmmmmmmm ffffffffmmmmmmmmmm ffffffffssssssssss ffffffffffffssssss',
-    ('cpu', 'bfloat16', True, False, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
-    ('cpu', 'bfloat16', True, True, 1):
-        'ffffffffffmmmmmmmm ffffffffffffmmmmmm ffffffffffffffmmmm ffffffffffffffssss fffffffffffffffffs',
-    ('cpu', 'bfloat16', True, True, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
-    ('cpu', 'float16', False, False, 1):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
-    ('cpu', 'float16', False, False, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
-    ('cpu', 'float16', True, False, 1):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
-    ('cpu', 'float16', True, False, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
-    ('cpu', 'float16', True, True, 1):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
-    ('cpu', 'float16', True, True, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
-    ('meta', 'float32', False, False, 1):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
-    ('meta', 'float32', False, False, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
-    ('meta', 'float32', True, False, 1):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
-    ('meta', 'float32', True, False, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
-    ('meta', 'float32', True, True, 1):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
-    ('meta', 'float32', True, True, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
-    ('meta', 'bfloat16', False, False, 1):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
-    ('meta', 'bfloat16', False, False, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
-    ('meta', 'bfloat16', True, False, 1):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
-    ('meta', 'bfloat16', True, False, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
-    ('meta', 'bfloat16', True, True, 1):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss',
-    ('meta', 'bfloat16', True, True, 2):
-        'mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss',
+    (
+        "cpu",
+        "float32",
+        False,
+        False,
+        1,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss",
+    (
+        "cpu",
+        "float32",
+        False,
+        False,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
+    (
+        "cpu",
+        "float32",
+        True,
+        False,
+        1,
+    ): "ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff",
+    (
+        "cpu",
+        "float32",
+        True,
+        False,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
+    (
+        "cpu",
+        "float32",
+        True,
+        True,
+        1,
+    ): "ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff ffffffffffffffffff",
+    (
+        "cpu",
+        "float32",
+        True,
+        True,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
+    (
+        "cpu",
+        "bfloat16",
+        False,
+        False,
+        1,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss",
+    (
+        "cpu",
+        "bfloat16",
+        False,
+        False,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
+    (
+        "cpu",
+        "bfloat16",
+        True,
+        False,
+        1,
+    ): "ffffmmmmmmmmmmmmmm ffffffmmmmmmmmmmmm ffffffffmmmmmmmmmm ffffffffssssssssss ffffffffffffssssss",
+    (
+        "cpu",
+        "bfloat16",
+        True,
+        False,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
+    (
+        "cpu",
+        "bfloat16",
+        True,
+        True,
+        1,
+    ): "ffffffffffmmmmmmmm ffffffffffffmmmmmm ffffffffffffffmmmm ffffffffffffffssss fffffffffffffffffs",
+    (
+        "cpu",
+        "bfloat16",
+        True,
+        True,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
+    (
+        "cpu",
+        "float16",
+        False,
+        False,
+        1,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss",
+    (
+        "cpu",
+        "float16",
+        False,
+        False,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
+    (
+        "cpu",
+        "float16",
+        True,
+        False,
+        1,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss",
+    (
+        "cpu",
+        "float16",
+        True,
+        False,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
+    (
+        "cpu",
+        "float16",
+        True,
+        True,
+        1,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss",
+    (
+        "cpu",
+        "float16",
+        True,
+        True,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
+    (
+        "meta",
+        "float32",
+        False,
+        False,
+        1,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss",
+    (
+        "meta",
+        "float32",
+        False,
+        False,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
+    (
+        "meta",
+        "float32",
+        True,
+        False,
+        1,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss",
+    (
+        "meta",
+        "float32",
+        True,
+        False,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
+    (
+        "meta",
+        "float32",
+        True,
+        True,
+        1,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss",
+    (
+        "meta",
+        "float32",
+        True,
+        True,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
+    (
+        "meta",
+        "bfloat16",
+        False,
+        False,
+        1,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss",
+    (
+        "meta",
+        "bfloat16",
+        False,
+        False,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
+    (
+        "meta",
+        "bfloat16",
+        True,
+        False,
+        1,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss",
+    (
+        "meta",
+        "bfloat16",
+        True,
+        False,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
+    (
+        "meta",
+        "bfloat16",
+        True,
+        True,
+        1,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm smmmmsssssssssssss ssmmmmmsssssssssss",
+    (
+        "meta",
+        "bfloat16",
+        True,
+        True,
+        2,
+    ): "mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmmmmmmmmmm mmmmmmmmmsssssssss",
 }
 
 
 def _pick_table(pick) -> dict[tuple, str]:
     """pick(device, dtype, T, S, k, r, d_in, d_out, fused_available, bf16_dot) -> backend, over the recorded grid."""
-    return {key: " ".join("".join(PICK_LETTER[pick(key[0], getattr(torch, key[1]), T, S, key[4], r, d_in, d_out,
-                                                   key[2], key[3])] for T in PICK_TS)
-                          for S, r, d_in, d_out in PICK_SRD)
-            for key in PICK_EXPECTED}
+    return {
+        key: " ".join(
+            "".join(
+                PICK_LETTER[pick(key[0], getattr(torch, key[1]), T, S, key[4], r, d_in, d_out, key[2], key[3])]
+                for T in PICK_TS
+            )
+            for S, r, d_in, d_out in PICK_SRD
+        )
+        for key in PICK_EXPECTED
+    }
 
 
 def test_pick_backend_keeps_the_choices_of_the_old_resolve() -> None:
@@ -227,7 +382,7 @@ def test_the_dispatcher_resolves_auto_with_pick_backend(monkeypatch) -> None:
         monkeypatch.setattr(fused_cpu, "available", lambda: fused)
         monkeypatch.setattr(fused_cpu, "bf16_dot", lambda: dot)
         A = torch.empty(S, r, d_in, dtype=dtype, device=device)
-        B = torch.empty(S, r, d_out, dtype=dtype, device=device).transpose(1, 2)   # slot-major, as the bank
+        B = torch.empty(S, r, d_out, dtype=dtype, device=device).transpose(1, 2)  # slot-major, as the bank
         x = torch.empty(T, d_in, dtype=dtype, device=device)
         plan = dispatch.plan(torch.zeros(T, k, dtype=torch.long), num_slots=S)
         return dispatch.backend_for(plan, x, A, B, torch.ones(S, device=device))
@@ -261,7 +416,7 @@ def test_the_kernel_source_ships_with_the_package() -> None:
     from molora.ops import fused_cpu
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["molora"]
-    files = sorted(fused_cpu._CSRC.iterdir())   # every file the build reads (sources and headers) ships
+    files = sorted(fused_cpu._CSRC.iterdir())  # every file the build reads (sources and headers) ships
     assert set(fused_cpu._SOURCES) <= set(files)
     for path in files:
         rel = path.relative_to(ROOT / "molora").as_posix()
@@ -292,8 +447,9 @@ def test_one_plan_serves_every_target_linear_of_a_step() -> None:
         dispatch = LoRADispatcher(backend)
         plan = dispatch.plan(ids, w, num_slots=4)
         for a, b in ((A, B), (A2, B2)):
-            torch.testing.assert_close(dispatch.apply(plan, x, a, b, scale),
-                                       lora_delta_reference(x, a, b, scale, ids, w), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                dispatch.apply(plan, x, a, b, scale), lora_delta_reference(x, a, b, scale, ids, w), atol=1e-5, rtol=1e-5
+            )
         got16 = dispatch.apply(plan, x.bfloat16(), A.bfloat16(), B.bfloat16(), scale)
         torch.testing.assert_close(got16.float(), lora_delta_reference(x, A, B, scale, ids, w), atol=3e-2, rtol=3e-2)
 
@@ -346,7 +502,7 @@ def test_slot_major_b_and_in_place_out_equal_reference(backend: str, case: str) 
     """B as the bank stores it (a transposed view of [S, R, D_out]: stacked_mask's one-GEMM path), and the
     delta added into a given `out` in place (what a routed linear does with its base output)."""
     x, A, B, scale, ids, w = routing_cases()[case]
-    B_major = B.transpose(1, 2).contiguous().transpose(1, 2)          # same values, slot-major storage
+    B_major = B.transpose(1, 2).contiguous().transpose(1, 2)  # same values, slot-major storage
     want = lora_delta_reference(x, A, B, scale, ids, w)
     torch.testing.assert_close(lora_delta(x, A, B_major, scale, ids, w, backend=backend), want, atol=1e-5, rtol=1e-5)
     dispatch = LoRADispatcher(backend)
@@ -368,6 +524,7 @@ def test_out_of_the_wrong_shape_is_refused_and_left_unchanged() -> None:
 
 # ------------------------------------------------------------------------------ fused (C++ CPU kernel)
 
+
 def _fused_or_skip():
     from molora.ops import fused_cpu
 
@@ -375,8 +532,9 @@ def _fused_or_skip():
         import shutil
 
         # with a C++ compiler the kernel must build: a failed build fails these tests instead of hiding
-        assert shutil.which("g++") is None and shutil.which("c++") is None, \
+        assert shutil.which("g++") is None and shutil.which("c++") is None, (
             f"a C++ compiler is here but the fused kernel did not build: {fused_cpu.unavailable_reason()}"
+        )
         pytest.skip(f"no C++ compiler here, so no fused kernel: {fused_cpu.unavailable_reason()}")
     return fused_cpu
 
@@ -394,15 +552,17 @@ def test_fused_equals_reference_and_adds_in_place(case: str) -> None:
     base = torch.randn(x.shape[0], D_OUT, generator=torch.Generator().manual_seed(5))
     out = base.clone()
     with torch.no_grad():
-        torch.testing.assert_close(lora_delta(x, A, B_major, scale, ids, w, backend="fused"), want,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            lora_delta(x, A, B_major, scale, ids, w, backend="fused"), want, atol=1e-5, rtol=1e-5
+        )
         got = dispatch.apply(dispatch.plan(ids, w, num_slots=A.shape[0]), x, A, B_major, scale, out=out)
     assert got is out
     torch.testing.assert_close(out, base + want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("T, S, rank, d_in, d_out", [(37, 5, 6, 40, 136), (130, 3, 16, 64, 192), (5, 2, 9, 17, 65),
-                                                    (1400, 4, 16, 520, 1030)])
+@pytest.mark.parametrize(
+    "T, S, rank, d_in, d_out", [(37, 5, 6, 40, 136), (130, 3, 16, 64, 192), (5, 2, 9, 17, 65), (1400, 4, 16, 520, 1030)]
+)
 def test_fused_vector_paths_and_tails_equal_reference(T, S, rank, d_in, d_out) -> None:
     """Shapes that reach the 16-lane shrink, the 64-column expand tiles, their scalar tails, rank tiles of
     4 and 1, and partial blocks of fewer than 4 tokens; weights on top-1 choices; a strided out. The last
@@ -425,8 +585,10 @@ def test_fused_vector_paths_and_tails_equal_reference(T, S, rank, d_in, d_out) -
     assert not wide[:, 1::2].any()
 
 
-@pytest.mark.parametrize("T, S, rank, d_in, d_out", [(37, 5, 6, 40, 136), (5, 2, 9, 17, 65), (1400, 4, 16, 520, 1030),
-                                                    (300, 2, 16, 576, 192)])
+@pytest.mark.parametrize(
+    "T, S, rank, d_in, d_out",
+    [(37, 5, 6, 40, 136), (5, 2, 9, 17, 65), (1400, 4, 16, 520, 1030), (300, 2, 16, 576, 192)],
+)
 def test_fused_bf16_paths_equal_reference(T, S, rank, d_in, d_out) -> None:
     """bfloat16: the dot-product shrink with its scalar tail (d_in not a multiple of 32), lone blocks that
     widen B as they read it and runs of blocks that widen a slot's B once; within bf16 rounding of the
@@ -463,20 +625,23 @@ def test_auto_takes_fused_only_where_it_can_run() -> None:
 
     with torch.no_grad():
         assert picked() == "fused"
-        assert picked(k=2) in ("stacked_mask", "sort_group")            # top-2: the kernel is top-1 only
-        assert picked(b=B) in ("stacked_mask", "sort_group")            # B not slot-major
+        assert picked(k=2) in ("stacked_mask", "sort_group")  # top-2: the kernel is top-1 only
+        assert picked(b=B) in ("stacked_mask", "sort_group")  # B not slot-major
         assert picked(dtype=torch.bfloat16) == "fused"
-        assert picked(T=1000) == "fused"                                # float32: at any T
+        assert picked(T=1000) == "fused"  # float32: at any T
         # bf16: the eager backends' bf16 GEMMs win from a number of tokens per slot on (3 slots here)
         from molora.ops import dispatch as dispatch_module
         from molora.ops import fused_cpu
 
-        per_slot = (dispatch_module.FUSED_BF16_TOKENS_PER_SLOT if fused_cpu.bf16_dot()
-                    else dispatch_module.FUSED_BF16_SOFT_TOKENS_PER_SLOT)
+        per_slot = (
+            dispatch_module.FUSED_BF16_TOKENS_PER_SLOT
+            if fused_cpu.bf16_dot()
+            else dispatch_module.FUSED_BF16_SOFT_TOKENS_PER_SLOT
+        )
         assert picked(dtype=torch.bfloat16, T=per_slot * 3 - 1) == "fused"
         assert picked(dtype=torch.bfloat16, T=per_slot * 3) in ("stacked_mask", "sort_group")
         assert picked(dtype=torch.float64) in ("stacked_mask", "sort_group")
-    assert picked() in ("stacked_mask", "sort_group")                   # autograd on (training)
+    assert picked() in ("stacked_mask", "sort_group")  # autograd on (training)
 
 
 def test_fused_refuses_what_it_cannot_run_with_a_clear_error() -> None:
@@ -539,16 +704,16 @@ def test_add_into_takes_the_checked_path_where_the_kernel_cannot_run() -> None:
     with torch.inference_mode():
         plan = dispatch.plan(ids, num_slots=3)
         wide = torch.zeros(9, 2 * D_IN)
-        wide[:, ::2] = x                                   # x with a column stride of 2: the kernel declines it
+        wide[:, ::2] = x  # x with a column stride of 2: the kernel declines it
         out = torch.zeros(9, D_OUT)
         dispatch.add_into(plan, wide[:, ::2], A, B_major, scale, out)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
         out = torch.zeros(9, D_OUT)
-        dispatch.add_into(plan, x, A, B, scale, out)        # B not slot-major: the eager backends
+        dispatch.add_into(plan, x, A, B, scale, out)  # B not slot-major: the eager backends
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
         assert LoRADispatcher("sort_group").plan(ids, num_slots=3).fused_step("sort_group", torch.float32) is None
     out = torch.zeros(9, D_OUT)
-    dispatch.add_into(dispatch.plan(ids, num_slots=3), x, A, B_major, scale, out)   # autograd on
+    dispatch.add_into(dispatch.plan(ids, num_slots=3), x, A, B_major, scale, out)  # autograd on
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
@@ -565,9 +730,9 @@ def test_the_fused_kernel_checks_shapes_itself_and_leaves_out_unchanged() -> Non
             dispatch.add_into(plan, torch.zeros(9, D_IN + 1), A, B, scale, out)
         with pytest.raises(RuntimeError, match="shapes disagree"):
             dispatch.add_into(plan, x, A, B, scale, torch.zeros(9, D_OUT + 3))
-        with pytest.raises(RuntimeError, match="token"):   # a token outside x's rows
+        with pytest.raises(RuntimeError, match="token"):  # a token outside x's rows
             fused_cpu.lora_add(out[:2], x[:2], A, B, scale, torch.tensor([5]), None, [1, 0, 0])
-        with pytest.raises(RuntimeError, match="pairs"):   # counts naming more pairs than tok holds
+        with pytest.raises(RuntimeError, match="pairs"):  # counts naming more pairs than tok holds
             fused_cpu.lora_add(out, x, A, B, scale, torch.tensor([0]), None, [2, 0, 0])
         assert not out.any()
 
@@ -577,18 +742,22 @@ def test_backend_for_names_what_apply_runs() -> None:
     from molora.ops.lora import LoRAInputError
 
     g = gen(0)
-    x, A, B, scale = (torch.randn(6, 8, generator=g), torch.randn(3, 2, 8, generator=g),
-                      torch.randn(3, 8, 2, generator=g), torch.ones(3))
+    x, A, B, scale = (
+        torch.randn(6, 8, generator=g),
+        torch.randn(3, 2, 8, generator=g),
+        torch.randn(3, 8, 2, generator=g),
+        torch.ones(3),
+    )
     ids = torch.tensor([0, 1, 2, -1, 0, 1])
     auto = LoRADispatcher("auto")
     plan = auto.plan(ids, num_slots=3)
     chosen = auto.backend_for(plan, x, A, B, scale)
     assert chosen in BACKENDS and chosen != "auto"
     if fused_cpu.available():
-        major = B.transpose(1, 2).contiguous().transpose(1, 2)   # slot-major, as the bank keeps B
+        major = B.transpose(1, 2).contiguous().transpose(1, 2)  # slot-major, as the bank keeps B
         assert chosen != "fused" and auto.backend_for(plan, x, A, major, scale) != "fused"  # autograd on
         with torch.inference_mode():
-            assert auto.backend_for(plan, x, A, B, scale) != "fused"      # B not slot-major
+            assert auto.backend_for(plan, x, A, B, scale) != "fused"  # B not slot-major
             assert auto.backend_for(plan, x, A, major, scale) == "fused"
     assert LoRADispatcher("stacked_mask").backend_for(plan, x, A, B, scale) == "stacked_mask"
     with pytest.raises(LoRAInputError):  # checked as apply checks: x's width must match A
@@ -596,8 +765,18 @@ def test_backend_for_names_what_apply_runs() -> None:
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("H,Hkv,hd,window", [(9, 3, 64, None), (4, 2, 16, None), (4, 2, 16, 5), (8, 8, 24, None),
-                                             (10, 2, 64, 6), (16, 8, 128, None), (12, 2, 128, None)])
+@pytest.mark.parametrize(
+    "H,Hkv,hd,window",
+    [
+        (9, 3, 64, None),
+        (4, 2, 16, None),
+        (4, 2, 16, 5),
+        (8, 8, 24, None),
+        (10, 2, 64, 6),
+        (16, 8, 128, None),
+        (12, 2, 128, None),
+    ],
+)
 def test_paged_decode_reads_the_cache_in_place_like_gathered_attention(dtype, tol, H, Hkv, hd, window):
     """The kernel's attention over blocks read where they lie equals softmax attention over the gathered
     context (grouped heads, a sliding window keeping the last `window` keys, a context of one token, one
@@ -611,13 +790,13 @@ def test_paged_decode_reads_the_cache_in_place_like_gathered_attention(dtype, to
     ctx, tables = torch.tensor([7, 1, 29]), torch.tensor([[5, 2, 9, 0], [11, 0, 0, 0], [1, 3, 4, 7]])
     q = torch.randn(3, H, hd, generator=g).to(dtype)
     with torch.no_grad():
-        out = fused_cpu.paged_decode(q, kc, vc, tables, ctx, bs, hd ** -0.5, window)
+        out = fused_cpu.paged_decode(q, kc, vc, tables, ctx, bs, hd**-0.5, window)
     for b in range(3):
-        rows = torch.cat([torch.arange(t * bs, (t + 1) * bs) for t in tables[b].tolist()])[:int(ctx[b])]
-        rows = rows[0 if window is None else max(0, int(ctx[b]) - window):]
-        k, v = kc[rows].float(), vc[rows].float()                                   # [t, Hkv, hd]
+        rows = torch.cat([torch.arange(t * bs, (t + 1) * bs) for t in tables[b].tolist()])[: int(ctx[b])]
+        rows = rows[0 if window is None else max(0, int(ctx[b]) - window) :]
+        k, v = kc[rows].float(), vc[rows].float()  # [t, Hkv, hd]
         qq = q[b].float().view(Hkv, H // Hkv, hd)
-        p = (torch.einsum("kgd,tkd->kgt", qq, k) * hd ** -0.5).softmax(-1)
+        p = (torch.einsum("kgd,tkd->kgt", qq, k) * hd**-0.5).softmax(-1)
         want = torch.einsum("kgt,tkd->kgd", p, v).reshape(H, hd)
         assert (out[b].float() - want).abs().max() <= tol
     assert fused_cpu.paged_decode(q.to(torch.float16), kc.half(), vc.half(), tables, ctx, bs, 1.0, None) is None
@@ -632,7 +811,7 @@ def test_paged_decode_of_a_batch_equals_each_sequence_alone(dtype, window):
     g = torch.Generator().manual_seed(2)
     H, Hkv, hd, bs, B = 9, 3, 64, 4, 12
     kc, vc = (torch.randn(80 * bs, Hkv, hd, generator=g).to(dtype) for _ in range(2))
-    tables = torch.randperm(80, generator=g)[:B * 6].view(B, 6)
+    tables = torch.randperm(80, generator=g)[: B * 6].view(B, 6)
     ctx = torch.randint(1, 6 * bs + 1, (B,), generator=g)
     q = torch.randn(B, H, hd, generator=g).to(dtype)
     threads = torch.get_num_threads()
@@ -640,9 +819,15 @@ def test_paged_decode_of_a_batch_equals_each_sequence_alone(dtype, window):
         for n in (1, 2):
             torch.set_num_threads(n)
             with torch.no_grad():
-                batch = fused_cpu.paged_decode(q, kc, vc, tables, ctx, bs, hd ** -0.5, window)
-                alone = torch.cat([fused_cpu.paged_decode(q[b:b + 1], kc, vc, tables[b:b + 1], ctx[b:b + 1], bs,
-                                                          hd ** -0.5, window) for b in range(B)])
+                batch = fused_cpu.paged_decode(q, kc, vc, tables, ctx, bs, hd**-0.5, window)
+                alone = torch.cat(
+                    [
+                        fused_cpu.paged_decode(
+                            q[b : b + 1], kc, vc, tables[b : b + 1], ctx[b : b + 1], bs, hd**-0.5, window
+                        )
+                        for b in range(B)
+                    ]
+                )
             assert torch.equal(batch, alone)
     finally:
         torch.set_num_threads(threads)
@@ -657,13 +842,13 @@ def test_paged_decode_rows_reads_and_writes_rows_of_a_step_in_place(dtype):
     H, Hkv, hd, bs = 4, 2, 16, 8
     kc, vc = (torch.randn(40 * bs, Hkv, hd, generator=g).to(dtype) for _ in range(2))
     ctx, tables = torch.tensor([7, 1, 29]), torch.tensor([[5, 2, 9, 0], [11, 0, 0, 0], [1, 3, 4, 7]])
-    wide = torch.randn(6, (H + 2 * Hkv) * hd, generator=g).to(dtype)             # q, k, v side by side
-    q = wide[:, :H * hd].view(6, H, hd)                                           # row stride (H + 2Hkv) hd
+    wide = torch.randn(6, (H + 2 * Hkv) * hd, generator=g).to(dtype)  # q, k, v side by side
+    q = wide[:, : H * hd].view(6, H, hd)  # row stride (H + 2Hkv) hd
     rows = torch.tensor([4, 0, 2])
     out = torch.full((6, H, hd), 7.0, dtype=dtype)
     with torch.no_grad():
-        assert fused_cpu.paged_decode_rows(out, q, kc, vc, tables, ctx, rows, bs, hd ** -0.5, None)
-        want = fused_cpu.paged_decode(q[rows].contiguous(), kc, vc, tables, ctx, bs, hd ** -0.5, None)
+        assert fused_cpu.paged_decode_rows(out, q, kc, vc, tables, ctx, rows, bs, hd**-0.5, None)
+        want = fused_cpu.paged_decode(q[rows].contiguous(), kc, vc, tables, ctx, bs, hd**-0.5, None)
     assert torch.equal(out[rows], want)
     assert (out[[1, 3, 5]] == 7.0).all()
 
@@ -681,7 +866,7 @@ def test_decode_glue_kernels_equal_the_torch_ops(dtype, monkeypatch):
     g = torch.Generator().manual_seed(0)
     T, H, Hkv, hd, P = 7, 9, 3, 64, 50
     qkv = torch.randn(T, (H + 2 * Hkv) * hd, generator=g).to(dtype)
-    q, k, v = (t.view(T, -1, hd) for t in qkv.split([H * hd, Hkv * hd, Hkv * hd], 1))   # strided views
+    q, k, v = (t.view(T, -1, hd) for t in qkv.split([H * hd, Hkv * hd, Hkv * hd], 1))  # strided views
     ang = torch.randn(P, hd, generator=g) * 3
     cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
     pos, rows = torch.randint(0, P, (T,), generator=g), torch.randperm(40, generator=g)[:T]
@@ -702,10 +887,10 @@ def test_decode_glue_kernels_equal_the_torch_ops(dtype, monkeypatch):
         out = fused_cpu.add_rms_norm(h, d, w, 1e-5)
     assert torch.equal(h, want_h)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert torch.equal(out, want)   # the mean summed in torch's order: transformers' norm bit for bit
+    assert torch.equal(out, want)  # the mean summed in torch's order: transformers' norm bit for bit
 
-    norm = LlamaRMSNorm(1, eps=1e-6)   # transformers' module, at widths that meet every branch of the reduction
-    lanes = fused_cpu._sum_lanes()      # the kernel's own sum in torch's order; 0: the mean taken from torch
+    norm = LlamaRMSNorm(1, eps=1e-6)  # transformers' module, at widths that meet every branch of the reduction
+    lanes = fused_cpu._sum_lanes()  # the kernel's own sum in torch's order; 0: the mean taken from torch
     for width in (1, 7, 15, 16, 63, 64, 100, 256, 576, 960, 1024, 1030, 2048, 4096, 5120, 16384, 20000):
         for rows in (1, 3, 300):
             x = (torch.randn(rows, width, generator=g) * torch.rand(rows, 1, generator=g) * 8).to(dtype)
@@ -735,7 +920,7 @@ def test_greedy_rows_equals_torch_max_and_flags_every_non_finite_row(dtype):
     g = torch.Generator().manual_seed(0)
     for V in (1, 7, 16, 100, 1000):
         x = torch.randn(12, V, generator=g).to(dtype)
-        x[1, V // 2] = x[1].max()                           # a tie: the first one wins
+        x[1, V // 2] = x[1].max()  # a tie: the first one wins
         x[2] = 0.0
         if V > 5:
             x[3, 2] = x[3, 4] = float("nan")
@@ -747,11 +932,13 @@ def test_greedy_rows_equals_torch_max_and_flags_every_non_finite_row(dtype):
         assert torch.equal(ids, x.max(-1).indices), V
         assert torch.equal(finite, torch.isfinite(x).all(-1)), V
     with torch.no_grad():
-        assert fused_cpu.greedy_rows(x[:, ::2]) is None       # a column stride other than 1: the caller's torch
+        assert fused_cpu.greedy_rows(x[:, ::2]) is None  # a column stride other than 1: the caller's torch
 
 
-@pytest.mark.skipif(not __import__("molora.ops.packed", fromlist=["available"]).available(),
-                    reason="MKL's packed linear is not in this torch build")
+@pytest.mark.skipif(
+    not __import__("molora.ops.packed", fromlist=["available"]).available(),
+    reason="MKL's packed linear is not in this torch build",
+)
 def test_packed_linear_equals_torch_bit_for_bit_and_follows_weight_changes():
     """PackedLinear (molora.ops.packed) runs its packed GEMM (molora's panel kernel up to PANEL_MAX_ROWS rows, or
     MKL's for a width that is not a multiple of 16) for every row count above one (one packed copy) and equals
@@ -772,7 +959,7 @@ def test_packed_linear_equals_torch_bit_for_bit_and_follows_weight_changes():
         forms.add(lin.form)
         with torch.no_grad():
             for T in (1, 2, 3, 9, 31, 32, 33, 257):
-                x = torch.randn(T, d_in + 3, generator=g)[:, :d_in]             # rows with a wider stride
+                x = torch.randn(T, d_in + 3, generator=g)[:, :d_in]  # rows with a wider stride
                 want = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
                 with profile() as prof:
                     got = lin(x)
@@ -780,10 +967,10 @@ def test_packed_linear_equals_torch_bit_for_bit_and_follows_weight_changes():
                 torch_rows = T == 1 or (lin.form == "panels" and T > PANEL_MAX_ROWS)
                 assert unpacked == torch_rows, (T, "the packed kernel runs for T > 1 (panels: up to their limit)")
                 assert torch.equal(got, want) if T == 1 else (got - want).abs().max() <= 1e-4, (d_out, d_in, T)
-                if lin.form == "panels" and not torch_rows:   # each row's sum in k order: a row's result is its own
+                if lin.form == "panels" and not torch_rows:  # each row's sum in k order: a row's result is its own
                     assert torch.equal(lin(x[:2]), got[:2]) and torch.equal(lin(x[-2:]), got[-2:]), T
             x = torch.randn(8, d_in, generator=g)
-            w.mul_(0.5)                                                         # in place: version moves
+            w.mul_(0.5)  # in place: version moves
             want = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
             assert (lin(x) - want).abs().max() <= 1e-4
     # molora's panel kernel packs widths that are multiples of 16, MKL the others (200), where each is built
@@ -810,7 +997,7 @@ def test_amx_linear_equals_torch_bf16_and_each_row_is_its_own():
         assert lin.form == "amx"
         with torch.no_grad():
             for T in (1, 2, 3, 16, 17, 31, 32, 33, 100, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1):
-                x = torch.randn(T, d_in + 8, generator=g).bfloat16()[:, :d_in]     # rows with a wider stride
+                x = torch.randn(T, d_in + 8, generator=g).bfloat16()[:, :d_in]  # rows with a wider stride
                 got, want = lin(x), torch.nn.functional.linear(x, w, b)
                 assert got.dtype == torch.bfloat16 and got.shape == want.shape
                 if T <= 32 or T > PANEL_MAX_ROWS:
@@ -820,11 +1007,11 @@ def test_amx_linear_equals_torch_bf16_and_each_row_is_its_own():
                     assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
                 if 2 <= T <= PANEL_MAX_ROWS:
                     assert torch.equal(lin(x[:2]), got[:2]) and torch.equal(lin(x[-3:]), got[-3:]), T
-            w.mul_(0.5)                                                            # in place: packed again
+            w.mul_(0.5)  # in place: packed again
             x = torch.randn(8, d_in, generator=g).bfloat16()
             assert torch.equal(lin(x), torch.nn.functional.linear(x, w, b))
-    assert form(torch.zeros(48, 40).bfloat16()) == "torch"        # K not a multiple of 32: torch's GEMM
-    assert form(torch.zeros(40, 64).bfloat16()) == "torch"        # N not a multiple of 16
+    assert form(torch.zeros(48, 40).bfloat16()) == "torch"  # K not a multiple of 32: torch's GEMM
+    assert form(torch.zeros(40, 64).bfloat16()) == "torch"  # N not a multiple of 16
 
 
 def test_kernel_clock_times_the_kernels_called_inside_its_block_only():
@@ -838,5 +1025,5 @@ def test_kernel_clock_times_the_kernels_called_inside_its_block_only():
         with fused_cpu.kernel_clock() as clock:
             dispatch.apply(plan, x, A, B, scale)
             seen = dict(clock)
-        dispatch.apply(plan, x, A, B, scale)                       # after the block: not counted
+        dispatch.apply(plan, x, A, B, scale)  # after the block: not counted
     assert set(seen) == {"molora::lora_fused"} and seen["molora::lora_fused"] > 0 and clock == seen

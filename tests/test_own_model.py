@@ -21,8 +21,7 @@ from molora.server.launch import ServerThread, build_engine
 from molora.userbundle import FlagError
 
 VOCAB = 128
-CHAT = ("{% for m in messages %}w5 {{ m['content'] }} w6 {% endfor %}"
-        "{% if add_generation_prompt %}w7{% endif %}")
+CHAT = "{% for m in messages %}w5 {{ m['content'] }} w6 {% endfor %}{% if add_generation_prompt %}w7{% endif %}"
 ENGINE = EngineConfig(max_num_seqs=8, max_model_len=128, kv_budget_tokens=2048)
 
 
@@ -33,8 +32,9 @@ def _tokenizer():
     vocab = {"<pad>": 0, "<|im_end|>": 1, "<s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
-                                   bos_token="<s>", unk_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", bos_token="<s>", unk_token="<pad>"
+    )
     fast.chat_template = CHAT
     return fast
 
@@ -50,9 +50,20 @@ def _base(folder: Path) -> Path:
     """A tiny random Qwen3 saved as a transformers folder with a chat template in its tokenizer."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _seeded_(model, 1234, 0.08)
     for name, p in model.named_parameters():
@@ -69,8 +80,10 @@ def _peft_adapter(base: Path, out: Path, seed: int, targets: tuple[str, ...]) ->
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets),
-                                            init_lora_weights=False, task_type="CAUSAL_LM"))
+    peft = get_peft_model(
+        model,
+        LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False, task_type="CAUSAL_LM"),
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft.named_parameters():
@@ -85,10 +98,13 @@ def own(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("own")
     base = _base(root / "my-qwen3")
     adapters = root / "adapters"
-    return {"base": base, "root": adapters,
-            "a": _peft_adapter(base, adapters / "a", 1, ("q_proj", "v_proj")),
-            "b": _peft_adapter(base, adapters / "b", 2, ("q_proj", "k_proj", "v_proj", "gate_proj")),
-            "c": _peft_adapter(base, adapters / "c", 3, ("o_proj", "down_proj"))}
+    return {
+        "base": base,
+        "root": adapters,
+        "a": _peft_adapter(base, adapters / "a", 1, ("q_proj", "v_proj")),
+        "b": _peft_adapter(base, adapters / "b", 2, ("q_proj", "k_proj", "v_proj", "gate_proj")),
+        "c": _peft_adapter(base, adapters / "c", 3, ("o_proj", "down_proj")),
+    }
 
 
 def _peft_greedy(own: dict[str, Path], adapter: str | None, ids: list[int], n: int) -> list[int]:
@@ -102,9 +118,10 @@ def _peft_greedy(own: dict[str, Path], adapter: str | None, ids: list[int], n: i
     model.eval()
     x = torch.tensor([ids])
     with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                             eos_token_id=1, pad_token_id=0)
-    new = out[0, len(ids):].tolist()
+        out = model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, eos_token_id=1, pad_token_id=0
+        )
+    new = out[0, len(ids) :].tolist()
     return new[: new.index(1)] if 1 in new else new
 
 
@@ -125,47 +142,73 @@ def _app(own: dict[str, Path], *argv: str, **kwargs):
 def test_pinned_outputs_equal_peft_through_the_openai_client(own):
     import openai
 
-    app = _app(own, "--lora-modules", f"a={own['a']}", json.dumps({"name": "b", "path": str(own["b"])}),
-               "--max-loras", "3", "--served-model-name", "my-model")
+    app = _app(
+        own,
+        "--lora-modules",
+        f"a={own['a']}",
+        json.dumps({"name": "b", "path": str(own["b"])}),
+        "--max-loras",
+        "3",
+        "--served-model-name",
+        "my-model",
+    )
     prompt = [10, 11, 12, 13]
     with ServerThread(app) as url:
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
         listed = {m.id: (m.model_extra.get("parent"), m.model_extra.get("root")) for m in client.models.list()}
-        assert listed == {"my-model": (None, "my-model"), "a": ("my-model", str(own["a"].resolve())),
-                          "b": ("my-model", str(own["b"].resolve()))}
+        assert listed == {
+            "my-model": (None, "my-model"),
+            "a": ("my-model", str(own["a"].resolve())),
+            "b": ("my-model", str(own["b"].resolve())),
+        }
         for model, adapter in (("a", "a"), ("b", "b"), ("my-model", None), ("my-model:b", "b")):
             got = client.completions.create(model=model, prompt=_words(prompt), max_tokens=10, temperature=0)
             assert got.choices[0].text.split() == _words(_peft_greedy(own, adapter, prompt, 10)).split(), model
-        chat = client.chat.completions.create(model="b", messages=[{"role": "user", "content": "w20 w21 w22"}],
-                                              max_tokens=8, temperature=0)
-        templated = [5, 20, 21, 22, 6, 7]   # the tokenizer's own chat template: w5 {content} w6 w7
+        chat = client.chat.completions.create(
+            model="b", messages=[{"role": "user", "content": "w20 w21 w22"}], max_tokens=8, temperature=0
+        )
+        templated = [5, 20, 21, 22, 6, 7]  # the tokenizer's own chat template: w5 {content} w6 w7
         assert chat.choices[0].message.content.split() == _words(_peft_greedy(own, "b", templated, 8)).split()
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             client.completions.create(model="nope", prompt="w3", max_tokens=2)
 
 
 def test_vllm_adapter_endpoints_load_and_unload(own):
-    app = _app(own, "--lora-modules", f"a={own['a']}", admin_keys=["admin"], api_keys=["user"],
-               adapter_roots=[own["root"]])
+    app = _app(
+        own, "--lora-modules", f"a={own['a']}", admin_keys=["admin"], api_keys=["user"], adapter_roots=[own["root"]]
+    )
     admin = {"Authorization": "Bearer admin"}
     prompt = [30, 31, 32]
     with ServerThread(app) as url, httpx.Client(base_url=url.removesuffix("/v1"), timeout=60) as http:
+
         def complete(model: str) -> httpx.Response:
-            return http.post("/v1/completions", headers={"Authorization": "Bearer user"},
-                             json={"model": model, "prompt": _words(prompt), "max_tokens": 6, "temperature": 0})
+            return http.post(
+                "/v1/completions",
+                headers={"Authorization": "Bearer user"},
+                json={"model": model, "prompt": _words(prompt), "max_tokens": 6, "temperature": 0},
+            )
 
         body = {"lora_name": "c", "lora_path": str(own["c"])}
-        assert http.post("/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer user"}).status_code == 403
+        assert (
+            http.post("/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer user"}).status_code == 403
+        )
         bad = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/etc"}, headers=admin)
         assert bad.status_code == 403 and "adapter roots" in bad.json()["error"]["message"]
-        assert http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "nowhere"},
-                         headers=admin).status_code == 404
+        assert (
+            http.post(
+                "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "nowhere"}, headers=admin
+            ).status_code
+            == 404
+        )
         r = http.post("/v1/load_lora_adapter", json=body, headers=admin)
         assert r.status_code == 200 and r.text == "Success: LoRA adapter 'c' added successfully."
         assert http.post("/v1/load_lora_adapter", json=body, headers=admin).status_code == 409
         cards = http.get("/v1/models", headers=admin).json()["data"]
-        assert {c["id"]: c["parent"] for c in cards} == {str(own["base"]): None, "a": str(own["base"]),
-                                                          "c": str(own["base"])}
+        assert {c["id"]: c["parent"] for c in cards} == {
+            str(own["base"]): None,
+            "a": str(own["base"]),
+            "c": str(own["base"]),
+        }
         # c targets o_proj and down_proj, which the served adapters do not: the bank holds every projection
         assert complete("c").json()["choices"][0]["text"].split() == _words(_peft_greedy(own, "c", prompt, 6)).split()
         r = http.post("/v1/unload_lora_adapter", json={"lora_name": "c"}, headers=admin)
@@ -176,15 +219,26 @@ def test_vllm_adapter_endpoints_load_and_unload(own):
 
 
 def test_router_arrow_routes_the_base_name_by_prompt_level_arrow(own):
-    bundle = own_bundle(_serve_args("--model", str(own["base"]), "--lora-modules", f"a={own['a']}", f"b={own['b']}",
-                                    "--router", "arrow"))
+    bundle = own_bundle(
+        _serve_args(
+            "--model", str(own["base"]), "--lora-modules", f"a={own['a']}", f"b={own['b']}", "--router", "arrow"
+        )
+    )
     engine = build_engine(bundle, ENGINE)
     router = engine.mm.router
-    assert router.config.prompt and router.probe_prompt and router._moments   # calibrated on general text at start
+    assert router.config.prompt and router.probe_prompt and router._moments  # calibrated on general text at start
     app = create_app(engine)
     with ServerThread(app) as url, httpx.Client(base_url=url, timeout=60) as http:
-        r = http.post("/completions", json={"model": str(own["base"]), "prompt": "w40 w41 w42 w43", "max_tokens": 8,
-                                            "molora": {"return_routing": True}, "ignore_eos": True}).json()
+        r = http.post(
+            "/completions",
+            json={
+                "model": str(own["base"]),
+                "prompt": "w40 w41 w42 w43",
+                "max_tokens": 8,
+                "molora": {"return_routing": True},
+                "ignore_eos": True,
+            },
+        ).json()
         adapters = r["choices"][0]["molora"]["adapters"]
         # prompt-level Arrow: the answer carries the prompt's one decision (an adapter, or the base model)
         assert len(adapters) == 8 and len(set(adapters)) == 1 and set(adapters) <= {"a", "b", None}
@@ -192,35 +246,75 @@ def test_router_arrow_routes_the_base_name_by_prompt_level_arrow(own):
 
 def test_bundle_init_train_router_then_serve_it(own, tmp_path):
     bundle = tmp_path / "bundle"
-    assert main(["bundle", "init", "--model", str(own["base"]), "--lora-modules", f"a={own['a']}", f"b={own['b']}",
-                 "--out", str(bundle)]) == 0
+    assert (
+        main(
+            [
+                "bundle",
+                "init",
+                "--model",
+                str(own["base"]),
+                "--lora-modules",
+                f"a={own['a']}",
+                f"b={own['b']}",
+                "--out",
+                str(bundle),
+            ]
+        )
+        == 0
+    )
     assert main(["bundle", "check", str(bundle)]) == 0
     data = {}
     for name, words in (("a", range(10, 40)), ("b", range(60, 90))):
         path = tmp_path / f"{name}.jsonl"
-        rows = [{"prompt": _words(list(words)[i: i + 5]), "completion": _words(list(words)[i + 5: i + 8])}
-                for i in range(0, 20)]
+        rows = [
+            {"prompt": _words(list(words)[i : i + 5]), "completion": _words(list(words)[i + 5 : i + 8])}
+            for i in range(0, 20)
+        ]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         data[name] = path
-    assert main(["train-router", "--bundle", str(bundle), "--data", f"a={data['a']}", "--data", f"b={data['b']}",
-                 "--limit", "20"]) == 0
+    assert (
+        main(
+            [
+                "train-router",
+                "--bundle",
+                str(bundle),
+                "--data",
+                f"a={data['a']}",
+                "--data",
+                f"b={data['b']}",
+                "--limit",
+                "20",
+            ]
+        )
+        == 0
+    )
     app = _app(own, "--lora-modules", f"a={own['a']}", f"b={own['b']}", "--router", str(bundle / "router"))
     with ServerThread(app) as url, httpx.Client(base_url=url, timeout=60) as http:
-        r = http.post("/chat/completions", json={"model": str(own["base"]), "max_tokens": 6, "ignore_eos": True,
-                                                 "messages": [{"role": "user", "content": "w12 w13 w14"}],
-                                                 "molora": {"return_routing": True}})
+        r = http.post(
+            "/chat/completions",
+            json={
+                "model": str(own["base"]),
+                "max_tokens": 6,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": "w12 w13 w14"}],
+                "molora": {"return_routing": True},
+            },
+        )
         assert r.status_code == 200
         assert len(r.json()["choices"][0]["molora"]["adapters"]) == 6
     assert main(["bundle", "check", str(bundle)]) == 0
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--lora-modules", "a"], "--lora-modules 'a': write NAME=PATH"),
-    (["--lora-modules", "a=/no/such/folder"], "/no/such/folder"),
-    (["--lora-modules", "{\"name\": \"a\"}"], "needs string fields \"name\" and \"path\""),
-    (["--router", "/no/such/router"], "--router '/no/such/router'"),
-    (["--chat-template", "not a template"], "--chat-template 'not a template'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lora-modules", "a"], "--lora-modules 'a': write NAME=PATH"),
+        (["--lora-modules", "a=/no/such/folder"], "/no/such/folder"),
+        (["--lora-modules", '{"name": "a"}'], 'needs string fields "name" and "path"'),
+        (["--router", "/no/such/router"], "--router '/no/such/router'"),
+        (["--chat-template", "not a template"], "--chat-template 'not a template'"),
+    ],
+)
 def test_bad_flags_name_the_flag_and_value(own, argv, message):
     with pytest.raises(FlagError) as e:
         own_bundle(_serve_args("--model", str(own["base"]), *argv))
@@ -235,8 +329,21 @@ def test_bad_adapter_folders_stop_start_up_with_their_path(own, tmp_path, capsys
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--lora-modules bad=" in err and str(ia3) in err and "IA3" in err
-    assert main(["serve", "--model", str(own["base"]), "--lora-modules", f"a={own['a']}", f"b={own['b']}",
-                 "--max-loras", "1"]) == 2
+    assert (
+        main(
+            [
+                "serve",
+                "--model",
+                str(own["base"]),
+                "--lora-modules",
+                f"a={own['a']}",
+                f"b={own['b']}",
+                "--max-loras",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "--max-loras 1 is fewer than the 2" in capsys.readouterr().err
     assert main(["serve", "--lora-modules", f"a={own['a']}"]) == 2
     assert "need --model" in capsys.readouterr().err
@@ -253,11 +360,26 @@ def test_bundle_check_names_each_broken_file_and_the_flags_manifest_round_trips(
     from molora.bundle import read_bundle
     from molora.userbundle import check_bundle, write_bundle
 
-    flags = own_bundle(_serve_args("--model", str(own["base"]), "--lora-modules", f"a={own['a']}", f"b={own['b']}",
-                                   "--router", "arrow", "--max-loras", "5"))
-    written = read_bundle(write_bundle(tmp_path / "ok", flags.manifest).parent)   # what --ray serves from
-    assert (written.base, written.adapters, written.router_kind, written.slots) == \
-        (flags.base, flags.adapters, flags.router_kind, 5)
+    flags = own_bundle(
+        _serve_args(
+            "--model",
+            str(own["base"]),
+            "--lora-modules",
+            f"a={own['a']}",
+            f"b={own['b']}",
+            "--router",
+            "arrow",
+            "--max-loras",
+            "5",
+        )
+    )
+    written = read_bundle(write_bundle(tmp_path / "ok", flags.manifest).parent)  # what --ray serves from
+    assert (written.base, written.adapters, written.router_kind, written.slots) == (
+        flags.base,
+        flags.adapters,
+        flags.router_kind,
+        5,
+    )
     assert check_bundle(tmp_path / "ok") == []
     with pytest.raises(FlagError, match="exists already"):
         write_bundle(tmp_path / "ok", flags.manifest)
@@ -269,10 +391,13 @@ def test_bundle_check_names_each_broken_file_and_the_flags_manifest_round_trips(
         shutil.copytree(own[name], broken / name)
     (broken / "a" / "adapter_model.safetensors").unlink()
     cfg = json.loads((broken / "b" / "adapter_config.json").read_text())
-    cfg["r"] = 32      # the weights say 4
+    cfg["r"] = 32  # the weights say 4
     (broken / "b" / "adapter_config.json").write_text(json.dumps(cfg))
-    manifest = {**flags.manifest, "router": {"kind": "none"},
-                "adapters": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}]}
+    manifest = {
+        **flags.manifest,
+        "router": {"kind": "none"},
+        "adapters": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}],
+    }
     (broken / "molora.json").write_text(json.dumps(manifest))
     problems = check_bundle(broken)
     assert len(problems) == 2
@@ -293,25 +418,37 @@ def test_real_model_folder_with_a_default_adapter_equals_peft(tmp_path):
     from molora.bundle import DEFAULT_BUNDLE_DIR
     from molora.model.base import DEFAULT_BASE_NAME, cache_root, load_default_base
 
-    load_default_base()   # writes the cache folder on first use
+    load_default_base()  # writes the cache folder on first use
     folder = cache_root() / DEFAULT_BASE_NAME.rsplit("/", 1)[-1]
     adapter = DEFAULT_BUNDLE_DIR / "adapters" / "arithmetic"
     question = "((3 + -2) * (4 - 1)) ="
     tok = AutoTokenizer.from_pretrained(str(folder))
-    ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                  tokenize=True, return_dict=True)["input_ids"]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32),
-                                      str(adapter)).eval()
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32), str(adapter)
+    ).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=24, do_sample=False, eos_token_id=tok.eos_token_id)
-    expected = tok.decode(out[0, len(ids):], skip_special_tokens=True)
-    app = create_app(build_engine(own_bundle(_serve_args("--model", str(folder), "--lora-modules",
-                                                         f"arith={adapter}")), ENGINE.__class__(max_model_len=512)))
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+        )
+    expected = tok.decode(out[0, len(ids) :], skip_special_tokens=True)
+    app = create_app(
+        build_engine(
+            own_bundle(_serve_args("--model", str(folder), "--lora-modules", f"arith={adapter}")),
+            ENGINE.__class__(max_model_len=512),
+        )
+    )
     with ServerThread(app) as url:
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
-        chat = client.chat.completions.create(model="arith", messages=[{"role": "user", "content": question}],
-                                              max_tokens=24, temperature=0)
+        chat = client.chat.completions.create(
+            model="arith", messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0
+        )
     assert chat.choices[0].message.content == expected
 
 
@@ -322,7 +459,7 @@ def test_lora_resolver_dir_loads_an_adapter_on_first_use(own):
     prompt = [50, 51, 52]
     with ServerThread(app) as url:
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
-        assert {m.id for m in client.models.list()} == {str(own["base"]), "a"}   # nothing read before it is named
+        assert {m.id for m in client.models.list()} == {str(own["base"]), "a"}  # nothing read before it is named
         got = client.completions.create(model="c", prompt=_words(prompt), max_tokens=6, temperature=0)
         assert got.choices[0].text.split() == _words(_peft_greedy(own, "c", prompt, 6)).split()
         assert {m.id for m in client.models.list()} == {str(own["base"]), "a", "c"}
@@ -330,10 +467,15 @@ def test_lora_resolver_dir_loads_an_adapter_on_first_use(own):
             with pytest.raises(openai.NotFoundError):
                 client.completions.create(model=unknown, prompt="w3", max_tokens=2)
 
-        async def many():   # four requests name b at once: one load, four answers
+        async def many():  # four requests name b at once: one load, four answers
             async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as c:
-                return await asyncio.gather(*(c.completions.create(model="b", prompt=_words(prompt), max_tokens=6,
-                                                                   temperature=0) for _ in range(4)))
+                return await asyncio.gather(
+                    *(
+                        c.completions.create(model="b", prompt=_words(prompt), max_tokens=6, temperature=0)
+                        for _ in range(4)
+                    )
+                )
+
         texts = {r.choices[0].text for r in asyncio.run(many())}
         assert [t.split() for t in texts] == [_words(_peft_greedy(own, "b", prompt, 6)).split()]
 
@@ -344,8 +486,11 @@ def test_prefix_caching_flag_follows_vllm():
 
 
 def test_vllm_capacity_flags_size_the_slots_rank_and_cpu_tier(own):
-    bundle = own_bundle(_serve_args("--model", str(own["base"]), "--lora-modules", f"a={own['a']}",
-                                    "--max-loras", "3", "--max-lora-rank", "16"))
+    bundle = own_bundle(
+        _serve_args(
+            "--model", str(own["base"]), "--lora-modules", f"a={own['a']}", "--max-loras", "3", "--max-lora-rank", "16"
+        )
+    )
     engine = build_engine(bundle, ENGINE, max_cpu_loras=2)
     try:
         bank = engine.mm.bank

@@ -21,11 +21,12 @@ SPECS = {
     "a": dict(r=4, alpha=8, targets=("q_proj", "v_proj", "down_proj")),
     "b": dict(r=8, alpha=4, targets=("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "c": dict(r=2, alpha=16, targets=("k_proj", "v_proj", "up_proj")),
-    "c2": dict(r=2, alpha=16, targets=("k_proj", "v_proj", "up_proj")),   # "c" reloaded with other weights
+    "c2": dict(r=2, alpha=16, targets=("k_proj", "v_proj", "up_proj")),  # "c" reloaded with other weights
 }
 BS = 16
-CFG = dict(max_num_seqs=8, max_tokens_per_step=64, block_size=BS, kv_budget_tokens=2048, max_model_len=256,
-           stop_at_eos=False)
+CFG = dict(
+    max_num_seqs=8, max_tokens_per_step=64, block_size=BS, kv_budget_tokens=2048, max_model_len=256, stop_at_eos=False
+)
 GREEDY = SamplingParams(max_new_tokens=6)
 ROUTINGS = ["none", "pinned", "vocab", "learned", "learned_carry", "learned_probe", "arrow"]
 
@@ -39,16 +40,23 @@ def paths(tmp_path_factory):
 def _mm(paths, router: str = "vocab", arch: str = "qwen3"):
     """A fresh model with adapters a, b, c and the router of a routing mode (seeded by its own generator)."""
     if arch != "qwen3":
-        ps = {n: make_peft_adapter(paths["a"].parent / f"{arch}_{n}", arch, seed=i, **SPECS[n])
-              for i, n in enumerate(("a", "b", "c"))}
+        ps = {
+            n: make_peft_adapter(paths["a"].parent / f"{arch}_{n}", arch, seed=i, **SPECS[n])
+            for i, n in enumerate(("a", "b", "c"))
+        }
     else:
         ps = {n: paths[n] for n in ("a", "b", "c")}
     mm = molora.attach(tiny_model(arch), ps, target_modules=LLAMA_PROJECTIONS)
     if router in ("vocab", "none", "pinned"):
         mm.router = VocabRouter([(0, 50, "a"), (50, 90, "b")], default="c")
     elif router.startswith("learned"):
-        cfg = LearnedRouterConfig(("b", "a", "c"), mm.config.hidden_size, len(decoder_layers(mm.model)),
-                                  carry_blocks=0 if router == "learned" else 1, probe_prompt=router == "learned_probe")
+        cfg = LearnedRouterConfig(
+            ("b", "a", "c"),
+            mm.config.hidden_size,
+            len(decoder_layers(mm.model)),
+            carry_blocks=0 if router == "learned" else 1,
+            probe_prompt=router == "learned_probe",
+        )
         mm.router = LearnedRouter(cfg)
         with torch.no_grad():
             mm.router.weight.normal_(generator=torch.Generator().manual_seed(0))
@@ -111,14 +119,14 @@ def test_a_probe_cached_over_the_whole_prompt_skips_the_probe_pass(paths):
     prompt = _ids(3 * BS, 12)
     on = Engine(_mm(paths, "learned_probe"), EngineConfig(**CFG))
     off = Engine(_mm(paths, "learned_probe"), EngineConfig(**CFG, enable_prefix_caching=False))
-    first, = _run(on, [prompt])
+    (first,) = _run(on, [prompt])
     computed = on.tokens_computed
-    second, = _run(on, [prompt])
+    (second,) = _run(on, [prompt])
     want = off.generate([prompt, prompt], GREEDY)
     assert [first[0], second[0]] == [w.new_token_ids for w in want]
     stats = on.stats()["prefix_cache"]
     assert stats["probe_hit_tokens"] == 3 * BS and second[1] == 2 * BS
-    assert on.tokens_computed - computed == BS + GREEDY.max_new_tokens - 1   # the last block, then decoding
+    assert on.tokens_computed - computed == BS + GREEDY.max_new_tokens - 1  # the last block, then decoding
 
 
 def _together(engine: Engine, prompts: list[list[int]], **kw) -> list:
@@ -143,14 +151,14 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(paths, rout
     computing them again; outputs equal the cache-off engine's."""
     prefix = _ids(4 * BS, 21)
     prompts = [prefix + _ids(7 + i, 30 + i) for i in range(4)]
-    cfg = {**CFG, "max_tokens_per_step": 512}          # room for all four prompts in one step
+    cfg = {**CFG, "max_tokens_per_step": 512}  # room for all four prompts in one step
     on = Engine(_mm(paths, routing), EngineConfig(**cfg))
     off = Engine(_mm(paths, routing), EngineConfig(**cfg, enable_prefix_caching=False))
     got, want = _together(on, prompts, **_kw(routing)), _together(off, prompts, **_kw(routing))
     assert [t for t, _ in got] == [t for t, _ in want]
     stats = on.stats()["prefix_cache"]
-    if routing == "learned_probe":     # the probe pass of every later request hits the whole system prompt;
-        assert stats["probe_hit_tokens"] == 3 * 4 * BS    # the real pass hits where the decisions agree
+    if routing == "learned_probe":  # the probe pass of every later request hits the whole system prompt;
+        assert stats["probe_hit_tokens"] == 3 * 4 * BS  # the real pass hits where the decisions agree
         assert off.tokens_computed - on.tokens_computed >= 3 * 4 * BS + stats["hit_tokens"]
     else:
         assert [c for _, c in got] == [0] + [4 * BS] * 3
@@ -176,10 +184,10 @@ def test_different_adapters_over_the_same_tokens_never_share_kv(paths):
     on = Engine(_mm(paths), EngineConfig(**CFG))
     kws = [dict(adapter="a"), dict(adapter="b"), dict(routing="none"), dict(routing="vocab")]
     for kw in kws:
-        (toks, cached), = _run(on, [prompt], **kw)
+        ((toks, cached),) = _run(on, [prompt], **kw)
         off = Engine(_mm(paths), EngineConfig(**CFG, enable_prefix_caching=False))
         assert toks == off.generate([prompt], GREEDY, **kw)[0].new_token_ids and cached == 0
-    (_, cached), = _run(on, [prompt], adapter="a")
+    ((_, cached),) = _run(on, [prompt], adapter="a")
     assert cached == 3 * BS
 
 
@@ -188,9 +196,9 @@ def test_two_turn_chat_serves_turn_one_and_its_answer_from_the_cache(paths):
     turn1 = _ids(40, 8)
     on = Engine(_mm(paths), EngineConfig(**CFG))
     off = Engine(_mm(paths), EngineConfig(**CFG, enable_prefix_caching=False))
-    (answer, _), = _run(on, [turn1], SamplingParams(max_new_tokens=30), adapter="a")
+    ((answer, _),) = _run(on, [turn1], SamplingParams(max_new_tokens=30), adapter="a")
     turn2 = turn1 + answer + _ids(6, 9)
-    (got, cached), = _run(on, [turn2], adapter="a")
+    ((got, cached),) = _run(on, [turn2], adapter="a")
     assert got == off.generate([turn2], GREEDY, adapter="a")[0].new_token_ids
     assert cached == (len(turn1) + len(answer) - 1) // BS * BS == 64  # the answer's last token was never computed
     assert cached / len(turn2) >= 0.8
@@ -200,20 +208,20 @@ def test_two_turn_chat_serves_turn_one_and_its_answer_from_the_cache(paths):
 def test_adapter_reload_between_two_requests_never_serves_stale_kv(paths):
     prompt = _ids(2 * BS + 5, 10)
     on = Engine(_mm(paths), EngineConfig(**CFG))
-    (first, _), = _run(on, [prompt], adapter="c")
+    ((first, _),) = _run(on, [prompt], adapter="c")
     assert on.unload_adapter("c") == "unloaded"
-    on.load_adapter("c", paths["c2"])                  # same name, other weights
-    (second, cached), = _run(on, [prompt], adapter="c")
+    on.load_adapter("c", paths["c2"])  # same name, other weights
+    ((second, cached),) = _run(on, [prompt], adapter="c")
     assert cached == 0
     off = Engine(_mm(paths), EngineConfig(**CFG, enable_prefix_caching=False))
     off.unload_adapter("c")
     off.load_adapter("c", paths["c2"])
     assert second == off.generate([prompt], GREEDY, adapter="c")[0].new_token_ids != first
-    (third, cached), = _run(on, [prompt], adapter="c")  # the new version's blocks are hits
+    ((third, cached),) = _run(on, [prompt], adapter="c")  # the new version's blocks are hits
     assert third == second and cached == 2 * BS
-    on.unload_adapter("c")                              # the same folder again: a fresh read, a new version
+    on.unload_adapter("c")  # the same folder again: a fresh read, a new version
     on.load_adapter("c", paths["c2"])
-    (fourth, cached), = _run(on, [prompt], adapter="c")
+    ((fourth, cached),) = _run(on, [prompt], adapter="c")
     assert fourth == second and cached == 0
 
 
@@ -239,7 +247,7 @@ def test_outputs_equal_cache_off_across_preemption_and_eviction(paths, routing):
     stats = on.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache"]["evictions"] > 0
     assert stats["prefix_cache"]["hit_tokens"] > 0
-    assert on.allocator.num_free == on.allocator.num_blocks   # everything released (free or cached)
+    assert on.allocator.num_free == on.allocator.num_blocks  # everything released (free or cached)
 
 
 @pytest.mark.parametrize("router", ["vocab", "learned_probe"])
@@ -253,8 +261,13 @@ def test_fuzz_shared_prefixes_routing_modes_and_adapter_churn_equal_cache_off(pa
     on = Engine(_mm(paths, router), EngineConfig(**cfg))
     off = Engine(_mm(paths, router), EngineConfig(**cfg, enable_prefix_caching=False))
     prefixes = [_ids(rng.choice([BS, 2 * BS, 2 * BS + 3]), 100 + i) for i in range(4)]
-    modes = [dict(routing="none"), dict(adapter="a"), dict(adapter="c"), dict(routing="auto"),
-             dict(routing="auto", allowed_adapters=["a", "c"])]
+    modes = [
+        dict(routing="none"),
+        dict(adapter="a"),
+        dict(adapter="c"),
+        dict(routing="auto"),
+        dict(routing="auto", allowed_adapters=["a", "c"]),
+    ]
     c_folder = "c"
     hits = 0
     for wave in range(6):
@@ -262,10 +275,13 @@ def test_fuzz_shared_prefixes_routing_modes_and_adapter_churn_equal_cache_off(pa
         for i in range(rng.randint(3, 6)):
             prompt = rng.choice(prefixes) + _ids(rng.randint(1, 20), 1000 * wave + i)
             if rng.random() < 0.2:
-                prompt = rng.choice(prefixes)[:rng.randint(1, BS)]
+                prompt = rng.choice(prefixes)[: rng.randint(1, BS)]
             greedy = rng.random() < 0.7
-            params = SamplingParams(max_new_tokens=rng.randint(1, 12), temperature=0.0 if greedy else 0.8,
-                                    seed=None if greedy else rng.randint(0, 99))
+            params = SamplingParams(
+                max_new_tokens=rng.randint(1, 12),
+                temperature=0.0 if greedy else 0.8,
+                seed=None if greedy else rng.randint(0, 99),
+            )
             batch.append((prompt, params, rng.choice(modes), rng.randint(0, 3)))
         results = {}
         for engine, name in ((on, "on"), (off, "off")):
@@ -283,7 +299,7 @@ def test_fuzz_shared_prefixes_routing_modes_and_adapter_churn_equal_cache_off(pa
                 step += 1
             results[name] = got
         assert results["on"] == results["off"], f"wave {wave}"
-        c_folder = "c2" if c_folder == "c" else "c"     # adapter churn between waves, on both engines alike
+        c_folder = "c2" if c_folder == "c" else "c"  # adapter churn between waves, on both engines alike
         for engine in (on, off):
             engine.unload_adapter("c")
             engine.load_adapter("c", paths[c_folder])
@@ -295,18 +311,18 @@ def test_allocator_shares_counts_references_and_evicts_least_recently_released_f
     a = BlockAllocator(4, 2)
     t1: list[int] = []
     assert a.grow(t1, 6) and t1 == [0, 1, 2]
-    assert a.publish(0, "k0") and a.publish(1, "k1") and not a.publish(2, "k0")   # a key has one block
+    assert a.publish(0, "k0") and a.publish(1, "k1") and not a.publish(2, "k0")  # a key has one block
     t2: list[int] = []
     a.share(t2, [a.lookup("k0"), a.lookup("k1")])
     assert a.refs(0) == 2 and a.can_grow(t2, 6) and not a.can_grow(t2, 8)
     a.check([t1, t2])
     a.free(t1)
-    assert a.refs(0) == 1 and a.num_free == 2                  # block 2 (no key) free, 0 and 1 still held
+    assert a.refs(0) == 1 and a.num_free == 2  # block 2 (no key) free, 0 and 1 still held
     a.free(t2)
     assert a.num_free == 4 and a.num_cached == 2
     a.check([])
     t3: list[int] = []
-    assert a.grow(t3, 6) and a.evictions == 1 and a.lookup("k1") is None and a.lookup("k0") == 0   # the tail went
+    assert a.grow(t3, 6) and a.evictions == 1 and a.lookup("k1") is None and a.lookup("k0") == 0  # the tail went
     t4: list[int] = []
     assert a.can_grow(t4, 2, [0]) and not a.can_grow(t4, 4, [0])  # sharing block 0 takes it from the free count
     a.share(t4, [0])
@@ -324,8 +340,12 @@ def test_server_reports_cached_tokens_in_usage_and_metrics(paths):
     from molora.server import ServerThread, create_app
     from tests.test_server import ToyTokenizer
 
-    mm = molora.attach(tiny_model("qwen3"), {n: paths[n] for n in ("a", "b")}, tokenizer=ToyTokenizer(),
-                       target_modules=LLAMA_PROJECTIONS)
+    mm = molora.attach(
+        tiny_model("qwen3"),
+        {n: paths[n] for n in ("a", "b")},
+        tokenizer=ToyTokenizer(),
+        target_modules=LLAMA_PROJECTIONS,
+    )
     app = create_app(Engine(mm, EngineConfig(**CFG)), model_name="tiny")
     body = {"model": "tiny:a", "prompt": _ids(2 * BS + 8, 11), "max_tokens": 4, "temperature": 0}
     with ServerThread(app) as url, httpx.Client(base_url=url, timeout=60) as http:

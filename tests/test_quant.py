@@ -25,8 +25,10 @@ from molora.ops import quant
 from tests.conftest import VOCAB, make_peft_adapter, tiny_model
 
 SCHEMES = ("int8", "int4")
-SPECS = {"a": {"r": 4, "alpha": 8, "targets": ("q_proj", "v_proj", "down_proj")},
-         "b": {"r": 8, "alpha": 4, "targets": ("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}}
+SPECS = {
+    "a": {"r": 4, "alpha": 8, "targets": ("q_proj", "v_proj", "down_proj")},
+    "b": {"r": 8, "alpha": 4, "targets": ("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj")},
+}
 
 
 def _assert_kernel_matches(y: torch.Tensor, ref: torch.Tensor) -> None:
@@ -36,14 +38,14 @@ def _assert_kernel_matches(y: torch.Tensor, ref: torch.Tensor) -> None:
     if y.dtype == torch.float32:
         assert diff.max().item() <= 1e-5 * big, diff.max().item()
     else:
-        assert (diff <= ref.float().abs() * 2 ** -8 + 1e-2 * big).all(), diff.max().item()
+        assert (diff <= ref.float().abs() * 2**-8 + 1e-2 * big).all(), diff.max().item()
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_quantization_error_is_within_half_a_step(scheme):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 128, generator=g)
-    w[3] = 0                                                         # an all-zero row quantizes to zeros
+    w[3] = 0  # an all-zero row quantizes to zeros
     q, scales = quant.quantize(w, scheme)
     dq = quant.dequantize(q, scales, scheme, quant.INT4_GROUP, tuple(w.shape))
     assert dq[3].abs().max() == 0
@@ -52,7 +54,7 @@ def test_quantization_error_is_within_half_a_step(scheme):
         step = scales[:, None]
     else:
         assert scales.shape == (128 // quant.INT4_GROUP, 48, 2)
-        step = scales[..., 0].t().repeat_interleave(quant.INT4_GROUP, 1)          # [N, K]
+        step = scales[..., 0].t().repeat_interleave(quant.INT4_GROUP, 1)  # [N, K]
         assert torch.equal(quant.unpack_int4(q, (48, 128)).clamp(0, 15), quant.unpack_int4(q, (48, 128)))
     assert ((dq - w).abs() <= step / 2 + 1e-6).all()
 
@@ -70,7 +72,7 @@ def test_quantized_kernel_equals_dequantize_then_matmul(scheme, dtype, T):
     x = torch.randn(T, 96, generator=g).to(dtype)
     with torch.no_grad():
         _assert_kernel_matches(layer(x), layer.reference(x))
-        x3 = x.reshape(1, T, 96)                                     # [..., d_in] keeps its leading shape
+        x3 = x.reshape(1, T, 96)  # [..., d_in] keeps its leading shape
         _assert_kernel_matches(layer(x3), layer.reference(x3))
 
 
@@ -81,11 +83,11 @@ def test_int8_rows_do_not_depend_on_the_rest_of_the_batch(dtype):
     with torch.no_grad():
         base.weight.copy_(torch.randn(64, 96, generator=g))
     layer = QuantizedLinear(base.to(dtype), "int8")
-    x = (torch.randn(9, 96, generator=g) * torch.logspace(-2, 2, 9)[:, None]).to(dtype)   # rows of unlike ranges
+    x = (torch.randn(9, 96, generator=g) * torch.logspace(-2, 2, 9)[:, None]).to(dtype)  # rows of unlike ranges
     with torch.no_grad():
         whole = layer(x)
         for i in range(9):
-            assert torch.equal(layer(x[i:i + 1]), whole[i:i + 1]), i
+            assert torch.equal(layer(x[i : i + 1]), whole[i : i + 1]), i
 
 
 def test_quantizing_a_model_drops_its_float_weights_and_keeps_its_linear_shapes():
@@ -133,7 +135,7 @@ def test_per_token_routing_over_a_quantized_base_equals_routing_over_the_dequant
     mf = molora.attach(_dequantized_twin(mq, arch), paths) if scheme == "int4" else _reference_twin(mq)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, VOCAB, (2, 11), generator=g)
-    route = torch.randint(-1, 2, (2, 11), generator=g)                      # per token: base, a or b
+    route = torch.randint(-1, 2, (2, 11), generator=g)  # per token: base, a or b
     with torch.no_grad():
         lq, lf = mq(ids, adapter_ids=route).logits, mf(ids, adapter_ids=route).logits
     assert (lq - lf).abs().max() <= 1e-4
@@ -141,12 +143,22 @@ def test_per_token_routing_over_a_quantized_base_equals_routing_over_the_dequant
     outs = []
     for mm in (mq, mf):
         runner = ModelRunner(mm, num_blocks=16, block_size=4, max_model_len=64)
-        slots = mm.slot_routing(molora.Routing(route), ids.shape)[0]            # [22, 1]
+        slots = mm.slot_routing(molora.Routing(route), ids.shape)[0]  # [22, 1]
         with torch.no_grad():
-            a = runner(ids.reshape(-1), torch.arange(11).repeat(2), BatchMeta([11, 11], [11, 11], [[0, 1, 2], [3, 4, 5]]),
-                       StepRouting(slots), logits=True).logits
-            b = runner(torch.tensor([5, 6]), torch.tensor([11, 11]), BatchMeta([1, 1], [12, 12], [[0, 1, 2], [3, 4, 5]]),
-                       StepRouting(slots[[0, 11]]), logits=True).logits
+            a = runner(
+                ids.reshape(-1),
+                torch.arange(11).repeat(2),
+                BatchMeta([11, 11], [11, 11], [[0, 1, 2], [3, 4, 5]]),
+                StepRouting(slots),
+                logits=True,
+            ).logits
+            b = runner(
+                torch.tensor([5, 6]),
+                torch.tensor([11, 11]),
+                BatchMeta([1, 1], [12, 12], [[0, 1, 2], [3, 4, 5]]),
+                StepRouting(slots[[0, 11]]),
+                logits=True,
+            ).logits
         outs.append((a, b))
     assert (outs[0][0] - outs[1][0]).abs().max() <= 1e-4
     assert (outs[0][1] - outs[1][1]).abs().max() <= 1e-4
@@ -164,7 +176,7 @@ def test_a_quantized_model_runs_in_bfloat16_and_trains_adapters_through_the_refe
         l32 = mm(ids, adapter_ids="a").logits
     assert (l16 - l32).abs().max() <= 0.1 * l32.abs().max()
     bank = mm.bank.slots["model.layers.0.self_attn.q_proj"]
-    bank.A.requires_grad_(True)                                       # gradients reach the adapters over int8
+    bank.A.requires_grad_(True)  # gradients reach the adapters over int8
     mm(ids, adapter_ids="a").logits.sum().backward()
     assert bank.A.grad is not None and bank.A.grad.abs().sum() > 0
 

@@ -22,6 +22,7 @@ from tests.test_server import FakeEngine, ToyTokenizer, expected_text
 
 # ------------------------------------------------------------------------------------------ fakes
 
+
 class FakeStream:
     """The part of Ray's DeploymentResponseGenerator the client uses: async iteration and cancel()."""
 
@@ -45,8 +46,8 @@ class FakeHandle:
 
     def __init__(self, replicas: list[EngineReplica], saturate: bool = False) -> None:
         self.replicas, self.saturate = replicas, saturate
-        self.resident: list[dict] = [{} for _ in replicas]   # per replica: bundle id -> Resident
-        self.ids: list[str] = []                             # multiplexed ids asked for, in order
+        self.resident: list[dict] = [{} for _ in replicas]  # per replica: bundle id -> Resident
+        self.ids: list[str] = []  # multiplexed ids asked for, in order
 
     def options(self, stream: bool = False, multiplexed_model_id: str = "") -> SimpleNamespace:
         self.ids.append(multiplexed_model_id)
@@ -63,8 +64,10 @@ class FakeHandle:
             replica, resident = await self._resident(spec, model_id)
             return await replica.command(resident, spec, op)
 
-        return SimpleNamespace(generate=SimpleNamespace(remote=lambda *a: FakeStream(gen(*a))),
-                               command=SimpleNamespace(remote=lambda *a: run(*a)))
+        return SimpleNamespace(
+            generate=SimpleNamespace(remote=lambda *a: FakeStream(gen(*a))),
+            command=SimpleNamespace(remote=lambda *a: run(*a)),
+        )
 
     async def _resident(self, spec: BundleSpec, model_id: str):
         assert spec.name == model_id, "the multiplexed id is the bundle"
@@ -82,8 +85,9 @@ class FakeHandle:
 
 def toy_info(adapters=("math", "code")):
     engine = FakeEngine()
-    return model_info("toy", ToyTokenizer(), engine.mm.bundle, config=engine.mm.config, max_model_len=128,
-                      adapters=list(adapters))
+    return model_info(
+        "toy", ToyTokenizer(), engine.mm.bundle, config=engine.mm.config, max_model_len=128, adapters=list(adapters)
+    )
 
 
 def ray_app(n_replicas: int = 1, step_delay: float = 0.0, **kwargs):
@@ -107,14 +111,15 @@ def normalized(text: str) -> str:
 
 # ------------------------------------------------------------------------------------------ registry and leases
 
+
 def test_registry_versions_and_conflicting_changes():
     reg = Registry([BundleSpec("b", None, adapters={"a": None})])
     v1 = reg.with_adapter("b", "x", "/r/x")
-    assert reg.spec("b").version == 0 and reg.adapters("b") == ["a"]   # nothing counts before commit
+    assert reg.spec("b").version == 0 and reg.adapters("b") == ["a"]  # nothing counts before commit
     reg.commit(v1)
     assert reg.spec("b").version == 1 and reg.adapters("b") == ["a", "x"]
     v2 = reg.without_adapter("b", "a", force=True)
-    stale = reg.with_adapter("b", "y", "/r/y")     # made on version 1 too
+    stale = reg.with_adapter("b", "y", "/r/y")  # made on version 1 too
     reg.commit(v2)
     assert reg.adapters("b") == ["x"] and reg.spec("b").forced == {"a"}
     with pytest.raises(MoLoRAError, match="changed meanwhile"):
@@ -141,8 +146,9 @@ def test_a_second_release_is_a_no_op():
         r = await leases.acquire("b")
         r.release()
         r.release()
-        r.__del__()   # Ray calls __del__, then the garbage collector does
+        r.__del__()  # Ray calls __del__, then the garbage collector does
         return leases, closed
+
     leases, closed = asyncio.run(main())
     assert closed == ["b"] and leases.leases == {}
 
@@ -154,7 +160,7 @@ def test_release_during_two_running_sequences_frees_after_the_last():
         lease = r.lease
         leases.begin(lease)
         leases.begin(lease)
-        r.__del__()                       # evicted while two sequences run
+        r.__del__()  # evicted while two sequences run
         assert closed == [] and not lease.closed
         leases.end(lease)
         assert closed == []
@@ -162,6 +168,7 @@ def test_release_during_two_running_sequences_frees_after_the_last():
         assert closed == ["b"] and lease.closed
         with pytest.raises(Exception, match="released"):
             leases.begin(lease)
+
     asyncio.run(main())
 
 
@@ -170,15 +177,16 @@ def test_a_bundle_being_released_comes_back_without_a_reload():
         leases, closed = make_leases()
         r1 = await leases.acquire("b")
         leases.begin(r1.lease)
-        r1.release()                      # evicted mid-stream
-        r2 = await leases.acquire("b")    # a request for it arrives
+        r1.release()  # evicted mid-stream
+        r2 = await leases.acquire("b")  # a request for it arrives
         assert r2.lease is r1.lease and leases.builds == 1
-        leases.end(r1.lease)              # the stream ends: still held by r2
+        leases.end(r1.lease)  # the stream ends: still held by r2
         assert closed == []
         r2.release()
         assert closed == ["b"]
-        r3 = await leases.acquire("b")    # freed: a new load
+        r3 = await leases.acquire("b")  # freed: a new load
         assert r3.lease is not r1.lease and leases.builds == 2
+
     asyncio.run(main())
 
 
@@ -198,13 +206,20 @@ def test_concurrent_loads_of_one_bundle_build_once():
         gate.set()
         residents = await asyncio.gather(*tasks)
         assert built == ["b"] and len({id(r.lease) for r in residents}) == 1 and residents[0].lease.holders == 3
+
     asyncio.run(main())
 
 
 # ------------------------------------------------------------------------------------------ the app over RayClient
 
-CHAT = {"model": "toy", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 6, "stream": True,
-        "molora": {"return_routing": True}, "stream_options": {"include_usage": True}}
+CHAT = {
+    "model": "toy",
+    "messages": [{"role": "user", "content": "abc"}],
+    "max_tokens": 6,
+    "stream": True,
+    "molora": {"return_routing": True},
+    "stream_options": {"include_usage": True},
+}
 ONE = {**CHAT, "stream": False, "stream_options": None}
 
 
@@ -217,9 +232,10 @@ def test_ray_client_gives_the_same_sse_bytes_as_the_in_process_server():
             assert normalized(a.text) == normalized(b.text)
             assert b.headers["x-molora-replica"] == "replica-0" and "x-molora-replica" not in a.headers
         completion = {"model": "toy", "prompt": "hi", "max_tokens": 5}
-        assert normalized(local.post("/v1/completions", json=completion).text) == \
-            normalized(remote.post("/v1/completions", json=completion).text)
-    assert set(handle.ids) == {"toy"}    # "toy:math" maps to the bundle's id
+        assert normalized(local.post("/v1/completions", json=completion).text) == normalized(
+            remote.post("/v1/completions", json=completion).text
+        )
+    assert set(handle.ids) == {"toy"}  # "toy:math" maps to the bundle's id
 
 
 def test_errors_cross_the_client_as_the_same_answers():
@@ -257,17 +273,17 @@ def test_run_time_adapters_reach_every_replica_through_the_registry(tmp_path):
     with TestClient(app) as c:
         assert c.post("/v1/chat/completions", json=ONE).status_code == 200
         bad = c.post("/v1/adapters", json={"name": "broken", "path": str(tmp_path)})
-        assert bad.status_code == 404 and registry.spec("toy").version == 0   # no adapter there: nothing changed
+        assert bad.status_code == 404 and registry.spec("toy").version == 0  # no adapter there: nothing changed
         r = c.post("/v1/adapters", json={"name": "extra", "path": "extra"})
         assert r.status_code == 201 and registry.spec("toy").version == 1
-        assert "extra" in engines[0].mm.adapter_names                       # the replica that checked it
+        assert "extra" in engines[0].mm.adapter_names  # the replica that checked it
         ids = [m["id"] for m in c.get("/v1/models").json()["data"]]
-        assert ids == ["toy", "math", "code", "extra"]   # vLLM's form: adapters by name, parent = the base
-        handle.evict("toy")                                                  # the next load is another engine
-        handle.resident[0]["other"] = object()                               # ...on the other replica
+        assert ids == ["toy", "math", "code", "extra"]  # vLLM's form: adapters by name, parent = the base
+        handle.evict("toy")  # the next load is another engine
+        handle.resident[0]["other"] = object()  # ...on the other replica
         r = c.post("/v1/chat/completions", json={**ONE, "model": "toy:extra"})
         assert r.status_code == 200 and r.headers["x-molora-replica"] == "replica-1"
-        assert "extra" in engines[1].mm.adapter_names                       # caught up before running
+        assert "extra" in engines[1].mm.adapter_names  # caught up before running
         assert c.delete("/v1/adapters/extra").status_code == 200
         assert "extra" not in engines[1].mm.adapter_names and registry.spec("toy").version == 2
         r = c.post("/v1/chat/completions", json={**ONE, "model": "toy:extra"})
@@ -281,8 +297,11 @@ def test_greedy_text_through_the_client_matches_the_engine_contract():
     with TestClient(app) as c:
         r = c.post("/v1/completions", json={"model": "toy", "prompt": "xyz", "max_tokens": 7})
         assert r.json()["choices"][0]["text"] == expected_text(list(b"xyz"), 7)
-        events = [json.loads(line[6:]) for line in c.post("/v1/chat/completions", json=CHAT).text.splitlines()
-                  if line.startswith("data: {")]
+        events = [
+            json.loads(line[6:])
+            for line in c.post("/v1/chat/completions", json=CHAT).text.splitlines()
+            if line.startswith("data: {")
+        ]
         assert events[-1]["usage"]["completion_tokens"] == 6
 
 
@@ -305,7 +324,8 @@ def test_core_molora_never_imports_ray():
     import subprocess
     import sys
 
-    code = ("import sys, molora, molora.server, molora.server.app, molora.engine, molora.cli; "
-            "print('ray' in sys.modules)")
+    code = (
+        "import sys, molora, molora.server, molora.server.app, molora.engine, molora.cli; print('ray' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -35,7 +35,7 @@ def make_bundles(root: Path) -> dict[str, Path]:
     base = root / "base"
     config = tiny_config("llama")
     config.max_position_embeddings = MAX_LEN
-    with private_rng():   # its own init is overwritten below: leave the process RNG as it was
+    with private_rng():  # its own init is overwritten below: leave the process RNG as it was
         model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(tiny_model("llama").state_dict())
     model.save_pretrained(str(base))
@@ -48,9 +48,19 @@ def make_bundles(root: Path) -> dict[str, Path]:
             a = f"{name[0]}{i}"
             make_peft_adapter(folder / "adapters" / a, "llama", seed=10 * k + i)
             adapters.append({"name": a, "path": f"adapters/{a}"})
-        write_manifest(folder, {"format": "molora-bundle/1", "name": name, "base": str(base),
-                                "prompt_template": "w3 {prompt} w4", "stop": ["<|im_end|>"],
-                                "adapters": adapters, "router": {"kind": "none"}, "slots": 4})
+        write_manifest(
+            folder,
+            {
+                "format": "molora-bundle/1",
+                "name": name,
+                "base": str(base),
+                "prompt_template": "w3 {prompt} w4",
+                "stop": ["<|im_end|>"],
+                "adapters": adapters,
+                "router": {"kind": "none"},
+                "slots": 4,
+            },
+        )
         out[name] = folder
     return out
 
@@ -78,9 +88,16 @@ def cluster(tmp_path_factory):
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=str(root / "ray"))
     port = free_port()
     try:
-        cfg = rs.RayConfig(bundles=(str(bundles["alpha"]), str(bundles["beta"])), replicas=2, max_queue=4,
-                           ray_queue=2, threads_per_replica=1, cpus_per_replica=0.5, engine_config=ENGINE,
-                           ingress="serve")
+        cfg = rs.RayConfig(
+            bundles=(str(bundles["alpha"]), str(bundles["beta"])),
+            replicas=2,
+            max_queue=4,
+            ray_queue=2,
+            threads_per_replica=1,
+            cpus_per_replica=0.5,
+            engine_config=ENGINE,
+            ingress="serve",
+        )
         rs.serve_ray(cfg, port=port, block=False)
         yield {"url": f"http://127.0.0.1:{port}/v1", "bundles": bundles, "root": root}
     finally:
@@ -109,14 +126,23 @@ def test_openai_client_through_ray_equals_the_in_process_server(cluster, referen
     local_client = openai.OpenAI(base_url=reference[0], api_key="none", max_retries=0)
     for model in ("alpha", "alpha:a1", "a0"):
         kw = dict(model=model, max_tokens=24, temperature=0)
-        chat = [c.chat.completions.create(messages=[{"role": "user", "content": "w5 w6 w7"}], **kw)
-                for c in (ray_client, local_client)]
+        chat = [
+            c.chat.completions.create(messages=[{"role": "user", "content": "w5 w6 w7"}], **kw)
+            for c in (ray_client, local_client)
+        ]
         assert chat[0].choices[0].message.content == chat[1].choices[0].message.content
         comp = [c.completions.create(prompt="w9 w10 w11 w12", **kw) for c in (ray_client, local_client)]
         assert comp[0].choices[0].text == comp[1].choices[0].text and comp[0].usage == comp[1].usage
-        streams = ["".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
-            messages=[{"role": "user", "content": "w20 w21"}], stream=True, **kw) if ch.choices)
-            for c in (ray_client, local_client)]
+        streams = [
+            "".join(
+                ch.choices[0].delta.content or ""
+                for ch in c.chat.completions.create(
+                    messages=[{"role": "user", "content": "w20 w21"}], stream=True, **kw
+                )
+                if ch.choices
+            )
+            for c in (ray_client, local_client)
+        ]
         assert streams[0] == streams[1] and streams[0]
     listed = {m.id: m.model_extra.get("parent") for m in ray_client.models.list().data}
     assert listed == {"alpha": None, "a0": "alpha", "a1": "alpha", "beta": None, "b0": "beta", "b1": "beta"}
@@ -124,8 +150,13 @@ def test_openai_client_through_ray_equals_the_in_process_server(cluster, referen
 
 def test_repeats_of_a_bundle_stay_on_one_replica(cluster):
     with httpx.Client(base_url=cluster["url"], timeout=60) as c:
-        seen = {m: {c.post("/completions", json={"model": m, "prompt": "w5", "max_tokens": 2}
-                           ).headers["x-molora-replica"] for _ in range(6)} for m in ("beta", "beta:b0", "alpha")}
+        seen = {
+            m: {
+                c.post("/completions", json={"model": m, "prompt": "w5", "max_tokens": 2}).headers["x-molora-replica"]
+                for _ in range(6)
+            }
+            for m in ("beta", "beta:b0", "alpha")
+        }
     assert len(seen["beta"]) == 1 and seen["beta"] == seen["beta:b0"] and len(seen["alpha"]) == 1
 
 
@@ -154,7 +185,7 @@ def test_a_disconnect_frees_the_engine_kv_blocks(cluster):
 
 
 def test_saturation_gives_429_and_the_server_keeps_serving(cluster):
-    body = {"model": "alpha", "prompt": "w5", "max_tokens": 1500, "ignore_eos": True}   # seconds each: all overlap
+    body = {"model": "alpha", "prompt": "w5", "max_tokens": 1500, "ignore_eos": True}  # seconds each: all overlap
 
     async def main():
         async with httpx.AsyncClient(base_url=cluster["url"], timeout=120) as c:
@@ -163,7 +194,7 @@ def test_saturation_gives_429_and_the_server_keeps_serving(cluster):
     answers = asyncio.run(main())
     codes = sorted(r.status_code for r in answers)
     odd = [r.text[:200] for r in answers if r.status_code not in (200, 429)]
-    assert set(codes) == {200, 429}, (codes, odd)          # 2 replicas x 4 running + 2 queued, the rest refused
+    assert set(codes) == {200, 429}, (codes, odd)  # 2 replicas x 4 running + 2 queued, the rest refused
     assert all(r.headers.get("retry-after") for r in answers if r.status_code == 429)
     with httpx.Client(base_url=cluster["url"], timeout=60) as c:
         assert c.post("/completions", json={**body, "max_tokens": 4}).status_code == 200
@@ -174,8 +205,15 @@ def test_eviction_during_a_stream_leaves_its_output_unchanged(cluster):
     from ray import serve
 
     bundles = cluster["bundles"]
-    cfg = rs.RayConfig(bundles=(str(bundles["alpha"]), str(bundles["beta"])), replicas=1, max_queue=4,
-                       bundles_per_replica=1, threads_per_replica=1, cpus_per_replica=0.5, engine_config=ENGINE)
+    cfg = rs.RayConfig(
+        bundles=(str(bundles["alpha"]), str(bundles["beta"])),
+        replicas=1,
+        max_queue=4,
+        bundles_per_replica=1,
+        threads_per_replica=1,
+        cpus_per_replica=0.5,
+        engine_config=ENGINE,
+    )
     specs = rs.bundle_specs(cfg.bundles)
     serve.run(rs.make_app(cfg, specs, {}), name="evict", route_prefix=None)
     handle = serve.get_deployment_handle(rs.ENGINE_DEPLOYMENT, app_name="evict")
@@ -213,11 +251,11 @@ def test_eviction_during_a_stream_leaves_its_output_unchanged(cluster):
         serve.delete("evict")
     from molora.engine import EngineConfig
 
-    engine = build_engine(bundles["alpha"], EngineConfig(**ENGINE))         # in process, same bundle
+    engine = build_engine(bundles["alpha"], EngineConfig(**ENGINE))  # in process, same bundle
     want = engine.generate([prompt], params)[0].new_token_ids
     assert tokens == want and len(tokens) == 1200
     assert during["builds"] == 2 and during["leases"]["alpha"] == {"holders": 0, "sequences": 1, "version": 0}
-    assert after["builds"] == 2 and "alpha" not in after["leases"]   # freed once its stream ended
+    assert after["builds"] == 2 and "alpha" not in after["leases"]  # freed once its stream ended
 
 
 def test_process_ingress_over_the_engine_handle_equals_the_in_process_server(cluster, reference):
@@ -234,8 +272,12 @@ def test_process_ingress_over_the_engine_handle_equals_the_in_process_server(clu
     with ServerThread(rs.ingress_app(handle, cfg, specs, {})) as url:
         clients = [openai.OpenAI(base_url=u, api_key="none", max_retries=0) for u in (url, reference[0])]
         kw = dict(model="alpha:a0", max_tokens=24, temperature=0)
-        streams = ["".join(ch.choices[0].text for ch in c.completions.create(prompt="w30 w31 w32", stream=True, **kw)
-                           if ch.choices) for c in clients]
+        streams = [
+            "".join(
+                ch.choices[0].text for ch in c.completions.create(prompt="w30 w31 w32", stream=True, **kw) if ch.choices
+            )
+            for c in clients
+        ]
         assert streams[0] == streams[1] and streams[0]
         r = httpx.post(url + "/completions", json={"prompt": "w5", "model": "alpha", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200 and r.headers[REPLICA_HEADER]

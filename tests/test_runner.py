@@ -85,9 +85,14 @@ def test_fresh_prompts_of_one_length_share_a_batched_causal_call(mm, lens, sizes
     pager = _Pager(4)
     meta = BatchMeta(lens, lens, [pager.table(i, n) for i, n in enumerate(lens)])
     plan = runner.plan(torch.cat([torch.arange(n) for n in lens]), meta)
-    assert [p.count for p in plan.prefill if p.mask is None] == sizes   # a prompt alone is a call of one
-    logits = runner(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), meta,
-                    StepRouting(torch.cat([_slots(mm, r) for r in routes])), logits=True).logits
+    assert [p.count for p in plan.prefill if p.mask is None] == sizes  # a prompt alone is a call of one
+    logits = runner(
+        torch.cat(seqs),
+        torch.cat([torch.arange(n) for n in lens]),
+        meta,
+        StepRouting(torch.cat([_slots(mm, r) for r in routes])),
+        logits=True,
+    ).logits
     for i, s in enumerate(seqs):
         assert (logits[i] - _reference(mm, s, routes[i])).abs().max() <= TOL
 
@@ -107,10 +112,11 @@ def test_chunked_prefill_and_decode_over_paged_cache_equal_transformers(mm):
             a = torch.cat([a, _seq(1, 50 + step)])
         if done_b + nb > b.shape[0]:
             b = torch.cat([b, _seq(1, 70 + step)])
-        ta, tb = a[done_a:done_a + na], b[done_b:done_b + nb]
+        ta, tb = a[done_a : done_a + na], b[done_b : done_b + nb]
         pa, pb = torch.arange(done_a, done_a + na), torch.arange(done_b, done_b + nb)
-        meta = BatchMeta([na, nb], [done_a + na, done_b + nb],
-                         [pager.table(0, done_a + na), pager.table(1, done_b + nb)])
+        meta = BatchMeta(
+            [na, nb], [done_a + na, done_b + nb], [pager.table(0, done_a + na), pager.table(1, done_b + nb)]
+        )
         slots = torch.cat([_slots(mm, ra[pa]), _slots(mm, rb[pb])])
         logits = runner(torch.cat([ta, tb]), torch.cat([pa, pb]), meta, StepRouting(slots), logits=True).logits
         done_a, done_b = done_a + na, done_b + nb
@@ -157,11 +163,13 @@ def _hooked_reference(mm, ids: torch.Tensor, router: BlockRouter, allowed) -> to
     lookup = torch.tensor([mm.bank.slot_of(n) for n in router.adapter_names] + [-1])
     handles = []
     for i, layer in enumerate(mm.model.model.layers):
+
         def hook(module, args, kwargs, i=i):
             h = (args[0] if args else kwargs["hidden_states"]).reshape(-1, mm.config.hidden_size)
             out = router.decide(i, h, allowed)
             if out is not None:
                 mm.context.set(lookup[out[0]])
+
         handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         return mm.model(input_ids=ids[None]).logits[0, -1]
@@ -179,10 +187,19 @@ def test_in_network_router_decides_per_block_like_hooked_transformers(mm):
     only_a = torch.tensor([False, True])
     fixed = torch.full((11, 1), -1)
     fixed[6:] = mm.bank.slot_of("b")  # y's rows: pinned unless a group claims them
-    routing = StepRouting(fixed, router=router, router_slots=slots,
-                          groups=[RouterGroup(torch.arange(6), None), RouterGroup(torch.arange(6, 11), only_a)])
-    out = runner(torch.cat([x, y]), torch.cat([torch.arange(6), torch.arange(5)]),
-                 BatchMeta([6, 5], [6, 5], [[0, 1], [2, 3]]), routing, logits=True)
+    routing = StepRouting(
+        fixed,
+        router=router,
+        router_slots=slots,
+        groups=[RouterGroup(torch.arange(6), None), RouterGroup(torch.arange(6, 11), only_a)],
+    )
+    out = runner(
+        torch.cat([x, y]),
+        torch.cat([torch.arange(6), torch.arange(5)]),
+        BatchMeta([6, 5], [6, 5], [[0, 1], [2, 3]]),
+        routing,
+        logits=True,
+    )
     logits = out.logits
     assert [b for b, _ in router.seen] == [0, 0, 1, 1]
     assert (logits[0] - _hooked_reference(mm, x, BlockRouter(), None)).abs().max() <= TOL
@@ -194,8 +211,15 @@ def test_in_network_router_decides_per_block_like_hooked_transformers(mm):
 def test_mistral_sliding_window_and_qwen2_bias_equal_transformers(kind):
     from transformers import MistralConfig, Qwen2Config
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     cfg = MistralConfig(sliding_window=5, **common) if kind == "mistral_window" else Qwen2Config(**common)
     model = random_model(cfg, seed=0)
     if kind == "qwen2_bias":
@@ -203,22 +227,34 @@ def test_mistral_sliding_window_and_qwen2_bias_equal_transformers(kind):
     mm = molora.attach(model)
     runner = ModelRunner(mm, num_blocks=16, block_size=4, max_model_len=64)
     a, b = _seq(9, 1), _seq(4, 2)
-    logits = runner(torch.cat([a, b]), torch.cat([torch.arange(9), torch.arange(4)]),
-                    BatchMeta([9, 4], [9, 4], [[0, 1, 2], [3]]), logits=True).logits
+    logits = runner(
+        torch.cat([a, b]),
+        torch.cat([torch.arange(9), torch.arange(4)]),
+        BatchMeta([9, 4], [9, 4], [[0, 1, 2], [3]]),
+        logits=True,
+    ).logits
     nxt = logits.argmax(-1)
     step = runner(nxt, torch.tensor([9, 4]), BatchMeta([1, 1], [10, 5], [[0, 1, 2], [3, 4]]), logits=True).logits
     with torch.no_grad():
         for i, s in enumerate((a, b)):
             assert (logits[i] - model(input_ids=s[None]).logits[0, -1]).abs().max() <= TOL
-            full = torch.cat([s, nxt[i:i + 1]])
+            full = torch.cat([s, nxt[i : i + 1]])
             assert (step[i] - model(input_ids=full[None]).logits[0, -1]).abs().max() <= TOL
 
 
 def test_sliding_window_in_a_batched_causal_call_equals_transformers():
     from transformers import MistralConfig
 
-    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, sliding_window=5)
+    cfg = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=5,
+    )
     model = random_model(cfg, seed=0)
     runner = ModelRunner(molora.attach(model), num_blocks=80, block_size=4, max_model_len=160)
     seqs = [_seq(150, 1), _seq(150, 2)]
@@ -235,8 +271,11 @@ def test_bf16_runner_stays_close_to_bf16_transformers(mm):
     mm.to(torch.bfloat16)
     runner = ModelRunner(mm, num_blocks=8, block_size=4, max_model_len=64)
     ids, route = _seq(10, 8), _route(10, 8)
-    ours = runner(ids, torch.arange(10), BatchMeta([10], [10], [[0, 1, 2]]), StepRouting(_slots(mm, route)),
-                  logits=True).logits[0].float()
+    ours = (
+        runner(ids, torch.arange(10), BatchMeta([10], [10], [[0, 1, 2]]), StepRouting(_slots(mm, route)), logits=True)
+        .logits[0]
+        .float()
+    )
     ref = _reference(mm, ids, route).float()
     assert ours.dtype == torch.float32 and (ours - ref).abs().max() <= 0.05 * ref.abs().max()
 
@@ -280,15 +319,15 @@ def test_routed_linear_follows_swapped_weights_and_rewritten_scales(mm, dtype):
     weight whose data is swapped (as model.to() does) and a scale rewritten in place (an adapter load)."""
     mm.to(dtype)
     lin = next(m for m in mm.model.modules() if hasattr(m, "lora") and m.lora.active)
-    slot = int(lin.lora.scale.float().argmax())                        # a slot whose adapter targets lin
+    slot = int(lin.lora.scale.float().argmax())  # a slot whose adapter targets lin
     x = torch.randn(5, lin.in_features, generator=gen(0)).to(dtype)
     with torch.no_grad():
         mm.context.set(torch.full((5, 1), slot, dtype=torch.long))
         try:
             lin(x)
-            lin.weight.data = lin.weight.data * 2                      # new storage, same Parameter
+            lin.weight.data = lin.weight.data * 2  # new storage, same Parameter
             y = lin(x).float()
-            lin.lora.scale.mul_(2)                                     # in place: same tensor, new version
+            lin.lora.scale.mul_(2)  # in place: same tensor, new version
             y2 = lin(x).float()
         finally:
             mm.context.clear()
@@ -304,15 +343,17 @@ def test_vocab_router_lookup_equals_the_range_rule():
 
     r = VocabRouter([(5, 10, "b"), (10, 20, "a"), (30, 40, "c")], default="a")
     ids = torch.tensor([[-1, 0, 4, 5, 9, 10, 19, 20, 29, 30, 39, 40, 99]])
-    want = [0, 0, 0, 1, 1, 0, 0, 0, 0, 2, 2, 0, 0]                     # names a, b, c -> 0, 1, 2
+    want = [0, 0, 0, 1, 1, 0, 0, 0, 0, 2, 2, 0, 0]  # names a, b, c -> 0, 1, 2
     assert r.route(ids, ["a", "b", "c"]).adapter_ids.tolist() == [want]
     assert r.route(ids, ["c", "b", "a"]).adapter_ids.tolist() == [[{0: 2, 1: 1, 2: 0}[i] for i in want]]
     with pytest.raises(molora.RoutingError):
         r.route(ids, ["a", "b"])
 
 
-@pytest.mark.skipif(not __import__("molora.ops.packed", fromlist=["available"]).available(),
-                    reason="MKL's packed linear is not in this torch build")
+@pytest.mark.skipif(
+    not __import__("molora.ops.packed", fromlist=["available"]).available(),
+    reason="MKL's packed linear is not in this torch build",
+)
 def test_packed_weights_give_the_logits_of_the_modules_gemms(mm):
     """The runner's base GEMMs on packed weights (the float32 CPU default) give the modules' own logits up to
     float32 rounding: ragged prefill, decode of several sequences and of one, with per-token routing."""
@@ -320,17 +361,25 @@ def test_packed_weights_give_the_logits_of_the_modules_gemms(mm):
     assert [r.pack_weights for r in runners] == [False, True]
     from molora.engine import Engine, EngineConfig
 
-    assert Engine(mm, EngineConfig(max_model_len=64, kv_budget_tokens=128)).runner.pack_weights   # the default
+    assert Engine(mm, EngineConfig(max_model_len=64, kv_budget_tokens=128)).runner.pack_weights  # the default
     assert not Engine(mm, EngineConfig(max_model_len=64, kv_budget_tokens=128, pack_weights=False)).runner.pack_weights
     lens = [5, 9, 3]
     pager = _Pager(4)
     tables = [pager.table(i, n + 3) for i, n in enumerate(lens)]
     seqs = [_seq(n, 20 + i) for i, n in enumerate(lens)]
     routing = StepRouting(torch.cat([_slots(mm, _route(n, 30 + i)) for i, n in enumerate(lens)]))
-    outs = [r(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), BatchMeta(lens, lens, tables), routing,
-              logits=True).logits for r in runners]
+    outs = [
+        r(
+            torch.cat(seqs),
+            torch.cat([torch.arange(n) for n in lens]),
+            BatchMeta(lens, lens, tables),
+            routing,
+            logits=True,
+        ).logits
+        for r in runners
+    ]
     assert (outs[0] - outs[1]).abs().max() <= TOL
-    for step, batch in enumerate(([0, 1, 2], [2])):                    # three sequences, then one
+    for step, batch in enumerate(([0, 1, 2], [2])):  # three sequences, then one
         ctx = [lens[b] + 1 + step for b in batch]
         meta = BatchMeta([1] * len(batch), ctx, [tables[b] for b in batch])
         tok, pos = torch.tensor([7 + b for b in batch]), torch.tensor([c - 1 for c in ctx])
@@ -346,8 +395,15 @@ def _one_call_model(tmp_path, kind: str):
     from transformers import Qwen2Config
 
     if kind == "qwen2_bias":
-        cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        cfg = Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
         return molora.attach(random_model(cfg, seed=0)), []
     names = ["a", "b"] if kind == "llama" else ["a"]
     paths = {n: make_peft_adapter(tmp_path / n, "llama", seed=i, **SPECS[n]) for i, n in enumerate(names)}
@@ -363,14 +419,24 @@ def _decode_steps(runner, mm, names, lens, tables, steps=([0, 1, 2], [0, 1, 2], 
         return StepRouting(torch.tensor([[slots[r % len(slots)]] for r in rows])) if names else None
 
     seqs = [_seq(n, 20 + i) for i, n in enumerate(lens)]
-    got = [runner(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), BatchMeta(lens, lens, tables),
-                  routing(list(range(sum(lens)))), logits=True).logits]
+    got = [
+        runner(
+            torch.cat(seqs),
+            torch.cat([torch.arange(n) for n in lens]),
+            BatchMeta(lens, lens, tables),
+            routing(list(range(sum(lens)))),
+            logits=True,
+        ).logits
+    ]
     for step, batch in enumerate(steps):
         ctx = [lens[b] + 1 + step for b in batch]
         meta = BatchMeta([1] * len(batch), ctx, [tables[b] for b in batch])
-        tok = got[-1].argmax(-1)[:len(batch)] if step else torch.tensor([7, 8, 9])
-        got.append(runner(tok, torch.tensor([c - 1 for c in ctx]), meta, routing([step + b for b in batch]),
-                          logits=True).logits)
+        tok = got[-1].argmax(-1)[: len(batch)] if step else torch.tensor([7, 8, 9])
+        got.append(
+            runner(
+                tok, torch.tensor([c - 1 for c in ctx]), meta, routing([step + b for b in batch]), logits=True
+            ).logits
+        )
     return got
 
 
@@ -393,8 +459,7 @@ def test_decode_block_in_one_call_equals_the_kernel_by_kernel_path(tmp_path, mon
     mm.to(dtype)
     runners = [ModelRunner(mm, num_blocks=32, block_size=4, max_model_len=64, pack_weights=True) for _ in range(2)]
     assert all(len(b.linears) == 7 for b in runners[0].blocks)
-    assert packed.form(mm.model.model.layers[0].mlp.down_proj.weight) == ("panels" if dtype == torch.float32
-                                                                          else "amx")
+    assert packed.form(mm.model.model.layers[0].mlp.down_proj.weight) == ("panels" if dtype == torch.float32 else "amx")
     calls = []
     real = fused_cpu.run_block
     monkeypatch.setattr(fused_cpu, "run_block", lambda *a: calls.append(1) or real(*a))
@@ -403,7 +468,7 @@ def test_decode_block_in_one_call_equals_the_kernel_by_kernel_path(tmp_path, mon
     pager = _Pager(4)
     tables = [pager.table(i, n + 4) for i, n in enumerate(lens)]
     one, each = (_decode_steps(r, mm, names, lens, tables) for r in runners)
-    assert len(calls) == 3 * len(runners[0].blocks)      # the three steps of several sequences, every block
+    assert len(calls) == 3 * len(runners[0].blocks)  # the three steps of several sequences, every block
     for a, b in zip(one, each):
         assert a.dtype == dtype and torch.equal(a, b)
 
@@ -430,17 +495,28 @@ def test_one_call_decode_steps_with_an_in_network_router_equal_the_kernel_by_ker
         router = BlockRouter()
 
         def routing(T: int) -> StepRouting:
-            return StepRouting(torch.full((T, 1), -1), router=router, router_slots=slots,
-                               groups=[RouterGroup(torch.arange(T), None)])
+            return StepRouting(
+                torch.full((T, 1), -1), router=router, router_slots=slots, groups=[RouterGroup(torch.arange(T), None)]
+            )
 
         seqs = [_seq(n, 20 + i) for i, n in enumerate(lens)]
-        got = [runner(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), BatchMeta(lens, lens, tables),
-                      routing(sum(lens)), logits=True).logits]
+        got = [
+            runner(
+                torch.cat(seqs),
+                torch.cat([torch.arange(n) for n in lens]),
+                BatchMeta(lens, lens, tables),
+                routing(sum(lens)),
+                logits=True,
+            ).logits
+        ]
         for step in range(3):
             ctx = [n + 1 + step for n in lens]
             tok = got[-1].argmax(-1)
-            got.append(runner(tok, torch.tensor([c - 1 for c in ctx]), BatchMeta([1, 1, 1], ctx, tables), routing(3),
-                              logits=True).logits)
+            got.append(
+                runner(
+                    tok, torch.tensor([c - 1 for c in ctx]), BatchMeta([1, 1, 1], ctx, tables), routing(3), logits=True
+                ).logits
+            )
         outs.append(got)
     assert len(calls) == 3 * len(runners[0].blocks)
     for a, b in zip(*outs):
@@ -465,18 +541,18 @@ def test_bound_decode_blocks_follow_adapter_loads_scales_and_weights(tmp_path, m
     layer = mm.model.model.layers[1]
 
     def check() -> None:
-        tables = [pager.table(len(pager.tables), n + 4) for n in lens]   # fresh cache blocks for each check
+        tables = [pager.table(len(pager.tables), n + 4) for n in lens]  # fresh cache blocks for each check
         for a, b in zip(*(_decode_steps(r, mm, [n for n in names if n in mm.bank], lens, tables) for r in runners)):
             assert torch.equal(a, b)
 
     check()
-    mm.unload_adapter("b")                           # k, o, gate, up lose their only adapter: no delta there
+    mm.unload_adapter("b")  # k, o, gate, up lose their only adapter: no delta there
     check()
     mm.load_adapter("b", tmp_path / "b")
     check()
     with torch.no_grad():
-        layer.self_attn.q_proj.lora.scale.mul_(3)                     # in place
-        layer.mlp.down_proj.weight.data = layer.mlp.down_proj.weight.data * 0.5   # new storage
+        layer.self_attn.q_proj.lora.scale.mul_(3)  # in place
+        layer.mlp.down_proj.weight.data = layer.mlp.down_proj.weight.data * 0.5  # new storage
         layer.input_layernorm.weight.mul_(1.5)
     check()
 
@@ -489,8 +565,9 @@ def test_decode_block_keeps_the_kernel_by_kernel_path_where_a_piece_is_not_its_o
 
     if not fused_cpu.available():
         pytest.skip("molora's C++ kernels are needed")
-    qwen3 = ModelRunner(molora.attach(tiny_model("qwen3")), num_blocks=8, block_size=4, max_model_len=32,
-                        pack_weights=True)
+    qwen3 = ModelRunner(
+        molora.attach(tiny_model("qwen3")), num_blocks=8, block_size=4, max_model_len=32, pack_weights=True
+    )
     assert all(b.linears == () for b in qwen3.blocks)
     mm, names = _one_call_model(tmp_path, "llama")
     unpacked = ModelRunner(mm, num_blocks=8, block_size=4, max_model_len=32, pack_weights=False)
@@ -499,11 +576,11 @@ def test_decode_block_keeps_the_kernel_by_kernel_path_where_a_piece_is_not_its_o
     pos = torch.tensor([2, 1])
     plan = runner.plan(pos, BatchMeta([1, 1], [3, 2], [[0], [1]]))
     h = torch.zeros(2, 64)
-    assert runner._one_call(h, plan, False) == ()                       # no routing: no deltas
+    assert runner._one_call(h, plan, False) == ()  # no routing: no deltas
     mm.context.set(torch.tensor([[0], [1]]))
     try:
         assert isinstance(runner._one_call(h, plan, False), tuple) and runner._one_call(h, plan, False)
-        mm.context.linear = object()       # a per-linear router's decisions (molora.routing.arrow)
+        mm.context.linear = object()  # a per-linear router's decisions (molora.routing.arrow)
         assert runner._one_call(h, plan, False) is None
         mm.context.linear = None
         mm.dispatcher.backend = "sort_group"

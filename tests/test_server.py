@@ -58,8 +58,9 @@ class ToyTokenizer:
     def convert_tokens_to_ids(self, token: str) -> int:
         return {v: k for k, v in SPECIALS.items()}.get(token, UNK)
 
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False) -> str:
+    def apply_chat_template(
+        self, conversation: list[dict], add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> str:
         return "".join(f"<{m['role']}>{m['content']}\n" for m in conversation) + "<assistant>"
 
 
@@ -82,9 +83,11 @@ class FakeEngine:
     def __init__(self, adapters=("math", "code"), *, step_delay: float = 0.0, max_model_len: int = 128) -> None:
         self.tokenizer = ToyTokenizer()
         self.mm = SimpleNamespace(
-            adapter_names=list(adapters), tokenizer=self.tokenizer,
+            adapter_names=list(adapters),
+            tokenizer=self.tokenizer,
             bundle=SimpleNamespace(name="toy", prompt_template="<user>{prompt}\n<assistant>", stop=("<|im_end|>",)),
-            config=SimpleNamespace(vocab_size=259))
+            config=SimpleNamespace(vocab_size=259),
+        )
         self.step_delay, self.max_model_len = step_delay, max_model_len
         self.running: dict[str, dict] = {}
         self.added: list[dict] = []
@@ -98,8 +101,18 @@ class FakeEngine:
         self._thread = self._thread or threading.get_ident()
         assert self._thread == threading.get_ident(), "engine called from two threads"
 
-    def add_request(self, prompt_ids, params: SamplingParams, *, request_id=None, adapter=None,
-                    allowed_adapters=None, routing="auto", timeout_s=None, queue_timeout_s=None) -> str:
+    def add_request(
+        self,
+        prompt_ids,
+        params: SamplingParams,
+        *,
+        request_id=None,
+        adapter=None,
+        allowed_adapters=None,
+        routing="auto",
+        timeout_s=None,
+        queue_timeout_s=None,
+    ) -> str:
         self._same_thread()
         for name in [adapter] + list(allowed_adapters or []):
             if name is not None and name not in self.mm.adapter_names:
@@ -108,8 +121,18 @@ class FakeEngine:
             raise MoLoRAError("prompt too long")
         assert request_id not in self.running
         pool = [adapter] if adapter else list(allowed_adapters or self.mm.adapter_names) or [None]
-        req = dict(id=request_id, prompt=list(prompt_ids), params=params, pool=pool, text="", emitted=0, n=0,
-                   adapter=adapter, allowed=allowed_adapters, routing=routing)
+        req = dict(
+            id=request_id,
+            prompt=list(prompt_ids),
+            params=params,
+            pool=pool,
+            text="",
+            emitted=0,
+            n=0,
+            adapter=adapter,
+            allowed=allowed_adapters,
+            routing=routing,
+        )
         self.running[request_id] = req
         self.added.append(req)
         return request_id
@@ -144,21 +167,29 @@ class FakeEngine:
         reason = "stop" if hits else ("length" if r["n"] >= p.max_new_tokens else None)
         holdback = max([len(s) for s in p.stop] + [1]) - 1  # a stop string may still be completing
         end = min(hits) if hits else (len(r["text"]) if reason else len(r["text"]) - holdback)
-        new_text = r["text"][r["emitted"]:max(end, r["emitted"])]
+        new_text = r["text"][r["emitted"] : max(end, r["emitted"])]
         r["emitted"] += len(new_text)
         if reason:
             del self.running[r["id"]]
-        lp = [{"token_id": tok, "logprob": -0.25, "top": [(tok, -0.25), (ord("z"), -2.0)][:p.logprobs]}] \
-            if p.logprobs else None
-        return FakeOutput(r["id"], [tok], new_text, [adapter], reason is not None, reason, len(r["prompt"]),
-                          r["n"], lp)
+        lp = (
+            [{"token_id": tok, "logprob": -0.25, "top": [(tok, -0.25), (ord("z"), -2.0)][: p.logprobs]}]
+            if p.logprobs
+            else None
+        )
+        return FakeOutput(r["id"], [tok], new_text, [adapter], reason is not None, reason, len(r["prompt"]), r["n"], lp)
 
     def stats(self) -> dict:
         self._same_thread()
-        return dict(num_waiting=0, num_running=len(self.running), kv_blocks_total=64,
-                    kv_blocks_free=64 - 2 * len(self.running), tokens_generated=self.tokens, steps=self.steps,
-                    tokens_by_adapter=dict(self.tokens_by_adapter),
-                    hotset=dict(hits=7, misses=2, evictions=1, load_ms_total=12.5, slots=4))
+        return dict(
+            num_waiting=0,
+            num_running=len(self.running),
+            kv_blocks_total=64,
+            kv_blocks_free=64 - 2 * len(self.running),
+            tokens_generated=self.tokens,
+            steps=self.steps,
+            tokens_by_adapter=dict(self.tokens_by_adapter),
+            hotset=dict(hits=7, misses=2, evictions=1, load_ms_total=12.5, slots=4),
+        )
 
     def read_adapter(self, name: str, path: str, roots=None) -> str:  # any thread: files only
         if not (Path(path) / "adapter_config.json").is_file():
@@ -207,8 +238,10 @@ def wait_for(predicate, timeout: float = 5.0) -> None:
 
 # ------------------------------------------------------------------------------------------ openai client
 
+
 def test_openai_client_completions_stream_and_chat(engine):
     import openai  # a test dependency (the [test] extra): missing, it fails here rather than skipping
+
     with ServerThread(create_app(engine)) as url:
         c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
         r = c.completions.create(model="toy", prompt="hello", max_tokens=6, temperature=0)
@@ -216,20 +249,31 @@ def test_openai_client_completions_stream_and_chat(engine):
         assert r.choices[0].finish_reason == "length"
         assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 6, 11)
 
-        parts = [ch.choices[0].text for ch in c.completions.create(model="toy", prompt="hello", max_tokens=6,
-                                                                   stream=True) if ch.choices]
+        parts = [
+            ch.choices[0].text
+            for ch in c.completions.create(model="toy", prompt="hello", max_tokens=6, stream=True)
+            if ch.choices
+        ]
         assert "".join(parts) == r.choices[0].text
 
-        chat = c.chat.completions.create(model="toy:math", messages=[{"role": "user", "content": "hi"}],
-                                         max_tokens=4, extra_body={"molora": {"return_routing": True}})
+        chat = c.chat.completions.create(
+            model="toy:math",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            extra_body={"molora": {"return_routing": True}},
+        )
         prompt_ids = list(b"<user>hi\n<assistant>")  # the bundle's template on a single user message
         assert chat.choices[0].message.content == expected_text(prompt_ids, 4)
         assert chat.choices[0].model_extra["molora"]["adapters"] == ["math"] * 4
         assert chat.usage.prompt_tokens == len(prompt_ids)
 
-        stream = c.chat.completions.create(model="toy", messages=[{"role": "system", "content": "be brief"},
-                                                                  {"role": "user", "content": "hi"}],
-                                           max_tokens=5, stream=True, stream_options={"include_usage": True})
+        stream = c.chat.completions.create(
+            model="toy",
+            messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = list(stream)
         assert chunks[0].choices[0].delta.role == "assistant"
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
@@ -242,6 +286,7 @@ def test_openai_client_completions_stream_and_chat(engine):
 
 def test_32_concurrent_clients_with_mixed_adapters_all_succeed():
     import openai  # a test dependency (the [test] extra): missing, it fails here rather than skipping
+
     engine = FakeEngine(step_delay=0.002)
     models = ["toy", "toy:math", "toy:code"]
 
@@ -252,8 +297,9 @@ def test_32_concurrent_clients_with_mixed_adapters_all_succeed():
             r = await c.completions.create(model=model, prompt=f"req {i}", max_tokens=8, extra_body=extra)
             return model, r.choices[0].model_extra["molora"]["adapters"], r.choices[0].text
         parts, adapters = [], []
-        async for ch in await c.completions.create(model=model, prompt=f"req {i}", max_tokens=8, stream=True,
-                                                   extra_body=extra):
+        async for ch in await c.completions.create(
+            model=model, prompt=f"req {i}", max_tokens=8, stream=True, extra_body=extra
+        ):
             parts.append(ch.choices[0].text)
             adapters += ch.choices[0].model_extra["molora"]["adapters"]
         return model, adapters, "".join(parts)
@@ -273,15 +319,22 @@ def test_32_concurrent_clients_with_mixed_adapters_all_succeed():
 
 # ------------------------------------------------------------------------------------------ semantics
 
+
 def test_n_seed_stop_logprobs_and_batched_prompts(client):
-    r = client.post("/v1/completions", json={"model": "toy", "prompt": ["ab", "cd"], "n": 2, "seed": 3,
-                                             "max_tokens": 4, "logprobs": 2}).json()
+    r = client.post(
+        "/v1/completions",
+        json={"model": "toy", "prompt": ["ab", "cd"], "n": 2, "seed": 3, "max_tokens": 4, "logprobs": 2},
+    ).json()
     assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
     assert r["choices"][0]["text"] == expected_text(list(b"ab"), 4, seed=3)
-    assert r["choices"][1]["text"] == expected_text(list(b"ab"), 4, seed=4)   # choice j samples with seed + j
+    assert r["choices"][1]["text"] == expected_text(list(b"ab"), 4, seed=4)  # choice j samples with seed + j
     assert r["choices"][2]["text"] == expected_text(list(b"cd"), 4, seed=3)
-    assert r["usage"] == {"prompt_tokens": 4, "completion_tokens": 16, "total_tokens": 20,
-                          "prompt_tokens_details": {"cached_tokens": 0}}
+    assert r["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 16,
+        "total_tokens": 20,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert "molora" not in r["choices"][0]  # routing is reported only on request
     lp = r["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 4 and len(lp["top_logprobs"][0]) == 2 and lp["text_offset"][:2] == [0, 1]
@@ -291,15 +344,27 @@ def test_n_seed_stop_logprobs_and_batched_prompts(client):
     r = client.post("/v1/completions", json={"model": "toy", "prompt": "zz", "max_tokens": 10, "stop": stop}).json()
     assert r["choices"][0]["text"] == full[: full.find(stop)] and r["choices"][0]["finish_reason"] == "stop"
 
-    r = client.post("/v1/chat/completions", json={"model": "toy", "messages": [{"role": "user", "content": "x"}],
-                                                  "logprobs": True, "top_logprobs": 1, "max_tokens": 2}).json()
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "toy",
+            "messages": [{"role": "user", "content": "x"}],
+            "logprobs": True,
+            "top_logprobs": 1,
+            "max_tokens": 2,
+        },
+    ).json()
     content = r["choices"][0]["logprobs"]["content"]
     assert len(content) == 2 and len(content[0]["top_logprobs"]) == 1 and content[0]["bytes"]
 
 
 def test_molora_options_reach_the_engine(client, engine):
-    body = {"model": "toy", "prompt": "q", "max_tokens": 2,
-            "molora": {"routing": "vocab", "adapters": ["code"], "return_routing": True}}
+    body = {
+        "model": "toy",
+        "prompt": "q",
+        "max_tokens": 2,
+        "molora": {"routing": "vocab", "adapters": ["code"], "return_routing": True},
+    }
     r = client.post("/v1/completions", json=body).json()
     assert r["choices"][0]["molora"]["adapters"] == ["code", "code"]
     req = engine.added[-1]
@@ -308,6 +373,7 @@ def test_molora_options_reach_the_engine(client, engine):
 
 
 # ------------------------------------------------------------------------------------------ errors
+
 
 def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
     assert r.status_code == status, r.text
@@ -327,8 +393,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client):
     assert_error(post("/v1/completions", json={"model": "toy", "prompt": "a", "temperature": "1"}), 400, "temperature")
     assert_error(post("/v1/completions", json={"model": "nope", "prompt": "a"}), 404, "model")
     assert_error(post("/v1/completions", json={"model": "toy:nope", "prompt": "a"}), 404, "model")
-    assert_error(post("/v1/completions", json={"model": "toy", "prompt": "a", "molora": {"adapters": ["x"]}}),
-                 404, "molora.adapters")
+    assert_error(
+        post("/v1/completions", json={"model": "toy", "prompt": "a", "molora": {"adapters": ["x"]}}),
+        404,
+        "molora.adapters",
+    )
     err = assert_error(post("/v1/completions", json={"model": "toy", "prompt": "a" * 200}), 400, "prompt")
     assert err["code"] == "context_length_exceeded"
     assert_error(post("/v1/completions", json={"model": "toy", "prompt": "a", "max_tokens": 1000}), 400, "max_tokens")
@@ -369,36 +438,59 @@ def test_saturation_answers_429_with_retry_after():
 
 # ------------------------------------------------------------------------------------------ fuzz
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-                    max_leaves=6)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
 TOKENS = st.lists(st.integers(-3, 300), max_size=6)
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "x"])},
-    optional={"content": st.text(max_size=12) | st.lists(st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=5)}), max_size=2) | st.none(),
-        "name": st.text(max_size=4)})
+    optional={
+        "content": st.text(max_size=12)
+        | st.lists(
+            st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=5)}),
+            max_size=2,
+        )
+        | st.none(),
+        "name": st.text(max_size=4),
+    },
+)
 # near-valid values per field (boundaries, wrong-but-close types); any field may also get arbitrary JSON
 NEAR = {
     "model": st.sampled_from(["toy", "toy:math", "toy:code", "toy:nope", "toy:", "", "other"]),
     "prompt": st.text(max_size=30) | TOKENS | st.lists(st.text(max_size=6), max_size=3) | st.lists(TOKENS, max_size=3),
     "messages": st.lists(MESSAGE, max_size=3),
-    "max_tokens": st.integers(-2, 200) | st.none(), "max_completion_tokens": st.integers(-1, 50),
-    "temperature": st.floats(-1, 3) | st.integers(-1, 3), "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-2, 300),
-    "n": st.integers(-1, 20), "stream": st.booleans(), "seed": st.integers(-2**64, 2**64),
+    "max_tokens": st.integers(-2, 200) | st.none(),
+    "max_completion_tokens": st.integers(-1, 50),
+    "temperature": st.floats(-1, 3) | st.integers(-1, 3),
+    "top_p": st.floats(-0.5, 1.5),
+    "top_k": st.integers(-2, 300),
+    "n": st.integers(-1, 20),
+    "stream": st.booleans(),
+    "seed": st.integers(-(2**64), 2**64),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
     "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=6) | st.none(),
-    "logprobs": st.integers(-1, 25) | st.booleans() | st.none(), "top_logprobs": st.integers(-1, 25),
-    "echo": st.booleans(), "best_of": st.integers(0, 4), "presence_penalty": st.floats(-3, 3),
+    "logprobs": st.integers(-1, 25) | st.booleans() | st.none(),
+    "top_logprobs": st.integers(-1, 25),
+    "echo": st.booleans(),
+    "best_of": st.integers(0, 4),
+    "presence_penalty": st.floats(-3, 3),
     "logit_bias": st.dictionaries(st.text(max_size=3), st.floats(-5, 5), max_size=2),
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
-    "molora": st.fixed_dictionaries({}, optional={
-        "routing": st.sampled_from(["auto", "learned", "vocab", "sequence", "x"]),
-        "adapters": st.lists(st.sampled_from(["math", "code", "?"]), max_size=3) | st.none(),
-        "return_routing": st.booleans()}),
+    "molora": st.fixed_dictionaries(
+        {},
+        optional={
+            "routing": st.sampled_from(["auto", "learned", "vocab", "sequence", "x"]),
+            "adapters": st.lists(st.sampled_from(["math", "code", "?"]), max_size=3) | st.none(),
+            "return_routing": st.booleans(),
+        },
+    ),
 }
-BASES = {"/v1/completions": {"model": "toy", "prompt": "hi", "max_tokens": 4},
-         "/v1/chat/completions": {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}
+BASES = {
+    "/v1/completions": {"model": "toy", "prompt": "hi", "max_tokens": 4},
+    "/v1/chat/completions": {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+}
 
 
 @st.composite
@@ -434,6 +526,7 @@ def test_fuzzed_bodies_never_get_a_5xx(client, case):
 
 # ------------------------------------------------------------------------------------------ disconnects
 
+
 def test_client_disconnect_aborts_stream_and_non_stream_requests():
     engine = FakeEngine(step_delay=0.01)
     app = create_app(engine)
@@ -451,16 +544,20 @@ def test_client_disconnect_aborts_stream_and_non_stream_requests():
 
 def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
     port = free_port()
-    code = ("import sys; from tests.test_server import FakeEngine; from molora.server import serve; "
-            f"serve(engine=FakeEngine(step_delay=0.02), port={port}, log_level='warning')")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parent.parent,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    code = (
+        "import sys; from tests.test_server import FakeEngine; from molora.server import serve; "
+        f"serve(engine=FakeEngine(step_delay=0.02), port={port}, log_level='warning')"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=Path(__file__).parent.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _up(url), timeout=30)
         with httpx.Client(base_url=url, timeout=10) as http:
-            with http.stream("POST", "/v1/completions", json={"model": "toy", "prompt": "a", "max_tokens": 40,
-                                                               "stream": True}) as s:
+            with http.stream(
+                "POST", "/v1/completions", json={"model": "toy", "prompt": "a", "max_tokens": 40, "stream": True}
+            ) as s:
                 lines = s.iter_lines()
                 next(lines)
                 proc.send_signal(signal.SIGTERM)
@@ -484,6 +581,7 @@ def _up(url: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ auth, adapters, metrics
+
 
 def test_api_keys_and_admin_keys(engine, tmp_path):
     root = tmp_path / "adapters"
@@ -536,12 +634,19 @@ def test_adapter_loading_is_disabled_without_roots(client):
 def test_metrics_report_queue_latency_hotset_and_adapter_tokens(client):
     client.post("/v1/completions", json={"model": "toy:math", "prompt": "a", "max_tokens": 3})
     text = client.get("/metrics").text
-    for needle in ("molora_requests_waiting 0", "molora_requests_running 0", "molora_tokens_per_second ",
-                   'molora_time_to_first_token_seconds_bucket{le="+Inf"} 1',
-                   "molora_time_per_output_token_seconds_count 1", "molora_hotset_hits_total 7",
-                   "molora_hotset_misses_total 2", "molora_hotset_evictions_total 1",
-                   'molora_adapter_tokens_total{adapter="math"} 3', "molora_completion_tokens_total 3",
-                   'molora_http_responses_total{code="200",route="/v1/completions"} 1'):
+    for needle in (
+        "molora_requests_waiting 0",
+        "molora_requests_running 0",
+        "molora_tokens_per_second ",
+        'molora_time_to_first_token_seconds_bucket{le="+Inf"} 1',
+        "molora_time_per_output_token_seconds_count 1",
+        "molora_hotset_hits_total 7",
+        "molora_hotset_misses_total 2",
+        "molora_hotset_evictions_total 1",
+        'molora_adapter_tokens_total{adapter="math"} 3',
+        "molora_completion_tokens_total 3",
+        'molora_http_responses_total{code="200",route="/v1/completions"} 1',
+    ):
         assert needle in text, needle
 
 
@@ -555,6 +660,7 @@ def test_draining_refuses_new_requests_with_503(client):
 
 # ------------------------------------------------------------------------------------------ real engine
 
+
 def test_real_engine_behind_the_server_and_disconnect_frees_kv_blocks(tmp_path):
     import molora.engine as engine_mod
     from molora.model.attach import attach
@@ -562,14 +668,24 @@ def test_real_engine_behind_the_server_and_disconnect_frees_kv_blocks(tmp_path):
     from tests.conftest import make_peft_adapter, tiny_model
 
     paths = {n: make_peft_adapter(tmp_path / n, "qwen3", seed=i) for i, n in enumerate(("math", "code"))}
-    mm = attach(tiny_model("qwen3"), paths, router=VocabRouter([(0, 64, "math")], default="code"),
-                tokenizer=ToyTokenizer(), check_base=False)
+    mm = attach(
+        tiny_model("qwen3"),
+        paths,
+        router=VocabRouter([(0, 64, "math")], default="code"),
+        tokenizer=ToyTokenizer(),
+        check_base=False,
+    )
     engine = engine_mod.Engine(mm, engine_mod.EngineConfig(max_model_len=256, kv_budget_tokens=1024))
     app = create_app(engine, model_name="tiny")
     with ServerThread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         free_at_start = _metric(http, "molora_kv_blocks_free")
-        body = {"model": "tiny", "prompt": [5, 70, 9], "max_tokens": 5, "temperature": 0,
-                "molora": {"return_routing": True}}
+        body = {
+            "model": "tiny",
+            "prompt": [5, 70, 9],
+            "max_tokens": 5,
+            "temperature": 0,
+            "molora": {"return_routing": True},
+        }
         r = http.post("/completions", json=body)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
@@ -579,8 +695,15 @@ def test_real_engine_behind_the_server_and_disconnect_frees_kv_blocks(tmp_path):
         r = http.post("/completions", json={"model": "tiny:code", "prompt": [5, 6], "max_tokens": 3, "stream": True})
         assert r.text.rstrip().endswith("data: [DONE]")
 
-        long = {"model": "tiny", "prompt": list(range(3, 60)), "max_tokens": 150, "stream": True,
-                "temperature": 0.8, "seed": 1, "ignore_eos": True}   # no early EOS: 150 steps of >= 10 ms
+        long = {
+            "model": "tiny",
+            "prompt": list(range(3, 60)),
+            "max_tokens": 150,
+            "stream": True,
+            "temperature": 0.8,
+            "seed": 1,
+            "ignore_eos": True,
+        }  # no early EOS: 150 steps of >= 10 ms
         step = engine.step
         engine.step = lambda: (time.sleep(0.01), step())[1]  # a tiny model could finish before the scrape
         with http.stream("POST", "/completions", json=long) as s:

@@ -256,18 +256,24 @@ def test_worked_solutions_end_with_the_target_for_every_worked_skill():
 def test_navigate_worked_solution_tracks_position_and_heading():
     from molora.data.solutions import worked_solution
 
-    q = ("If you follow these instructions, do you return to the starting point? Take 3 steps. Turn left. "
-         "Take 3 steps. Turn around. Take 3 steps. Turn right. Take 3 steps.\nOptions:\n- Yes\n- No")
+    q = (
+        "If you follow these instructions, do you return to the starting point? Take 3 steps. Turn left. "
+        "Take 3 steps. Turn around. Take 3 steps. Turn right. Take 3 steps.\nOptions:\n- Yes\n- No"
+    )
     assert worked_solution("navigate", q, "Yes") == (
         "Start at (0, 0) facing north. Take 3 steps north: y 0 + 3 = 3, now (0, 3). Turn left: north -> west. "
         "Take 3 steps west: x 0 - 3 = -3, now (-3, 3). Turn around: west -> east. Take 3 steps east: "
         "x -3 + 3 = 0, now (0, 3). Turn right: east -> south. Take 3 steps south: y 3 - 3 = 0, now (0, 0). "
-        "(0, 0) is the start. So the answer is Yes.")
-    fixed = ("If you follow these instructions, do you return to the starting point? Always face forward. "
-             "Take 2 steps right. Take 1 step backward.\nOptions:\n- Yes\n- No")
+        "(0, 0) is the start. So the answer is Yes."
+    )
+    fixed = (
+        "If you follow these instructions, do you return to the starting point? Always face forward. "
+        "Take 2 steps right. Take 1 step backward.\nOptions:\n- Yes\n- No"
+    )
     assert worked_solution("navigate", fixed, "No") == (
         "Take 2 steps right: x 0 + 2 = 2, now (2, 0). Take 1 step backward: y 0 - 1 = -1, now (2, -1). "
-        "(2, -1) is not the start. So the answer is No.")
+        "(2, -1) is not the start. So the answer is No."
+    )
     with pytest.raises(ValueError, match="target"):
         worked_solution("navigate", fixed, "Yes")  # a wrong target is caught, not trained on
     with pytest.raises(ValueError, match="not understood"):
@@ -280,13 +286,15 @@ def test_arithmetic_worked_solution_writes_each_operation_next_to_its_operands()
     q = "((-1 + 2 * 3 - 4) * (5 - -6)) ="
     assert worked_solution("multistep_arithmetic_two", q, "11") == (
         "(-1 + 2 * 3 - 4): 2 * 3 = 6; -1 + 6 = 6-1 = 5; 5 - 4 = 1. (5 - -6): 5 - -6 = 5+6 = 11. "
-        "1 * 11 = 11. So the answer is 11.")
+        "1 * 11 = 11. So the answer is 11."
+    )
     # every sum or difference with a negative side is rewritten on sizes, the sign outside
     q2 = "((3 - 8 + -7 - 2) - (-4 - 5 + 0 * 6)) ="
     assert worked_solution("multistep_arithmetic_two", q2, "-5") == (
         "(3 - 8 + -7 - 2): 3 - 8 = -(8-3) = -5; -5 + -7 = -(5+7) = -12; -12 - 2 = -(12+2) = -14. "
         "(-4 - 5 + 0 * 6): 0 * 6 = 0; -4 - 5 = -(4+5) = -9; -9 + 0 = -9. -14 - -9 = -(14-9) = -5. "
-        "So the answer is -5.")
+        "So the answer is -5."
+    )
     with pytest.raises(ValueError):
         worked_solution("multistep_arithmetic_two", q, "12")  # a wrong target is caught, not trained on
 
@@ -297,7 +305,8 @@ def test_counting_worked_solution_judges_every_listed_item():
     q = "I have a chair, two potatoes, a banana, and a cabbage. How many vegetables do I have?"
     assert worked_solution("object_counting", q, "3") == (
         "a chair: not a vegetable; two potatoes: 2 (total 2); a banana: not a vegetable; a cabbage: 1 (total 3). "
-        "So the answer is 3.")
+        "So the answer is 3."
+    )
     animals = "I have a fish, an apple, and two mice. How many animals do I have?"
     assert worked_solution("object_counting", animals, "3").startswith("a fish: 1 (total 1); an apple: not an animal;")
     with pytest.raises(ValueError, match="target"):
@@ -311,12 +320,12 @@ def test_counting_distractors_are_frequent_and_several():
 
     with_distractors, kinds, questions = 0, collections.Counter(), 0
     for it in generate("object_counting", 1000, seed=11):
-        cat = it.input.rsplit("How many ", 1)[1][:-len(" do I have?")]
+        cat = it.input.rsplit("How many ", 1)[1][: -len(" do I have?")]
         if cat == "objects":
             continue
         questions += 1
         names = {n for pair in _CATEGORIES[cat] for n in pair}
-        listing = it.input[len("I have "):it.input.index(". How many")]
+        listing = it.input[len("I have ") : it.input.index(". How many")]
         other = [p for p in listing.replace(", and ", ", ").split(", ") if p.partition(" ")[2] not in names]
         with_distractors += bool(other)
         kinds[len(other)] += 1

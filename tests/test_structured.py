@@ -39,18 +39,42 @@ ARCH = "qwen3"
 CFG = EngineConfig(max_num_seqs=8, max_model_len=256, kv_budget_tokens=4096)
 # schemas whose every instance is short (enums, bounded strings, ranges, bounded arrays): a random model must end them
 SCHEMAS = {
-    "weather": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
-                                                 "unit": {"enum": ["c", "f"]}},
-                "required": ["city", "unit"], "additionalProperties": False},
-    "flags": {"type": "object", "properties": {"on": {"type": "boolean"}, "level": {"type": "integer", "minimum": 0,
-                                                                                   "maximum": 9}},
-              "required": ["on", "level"], "additionalProperties": False},
-    "tags": {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "x"]},
-                                                       "minItems": 1, "maxItems": 3}},
-             "required": ["tags"], "additionalProperties": False},
-    "shape": {"type": "object", "properties": {"s": {"anyOf": [{"const": "dot"}, {"type": "object", "properties": {
-        "r": {"type": "integer", "minimum": 1, "maximum": 5}}, "required": ["r"], "additionalProperties": False}]}},
-              "required": ["s"], "additionalProperties": False},
+    "weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+    "flags": {
+        "type": "object",
+        "properties": {"on": {"type": "boolean"}, "level": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["on", "level"],
+        "additionalProperties": False,
+    },
+    "tags": {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "x"]}, "minItems": 1, "maxItems": 3}},
+        "required": ["tags"],
+        "additionalProperties": False,
+    },
+    "shape": {
+        "type": "object",
+        "properties": {
+            "s": {
+                "anyOf": [
+                    {"const": "dot"},
+                    {
+                        "type": "object",
+                        "properties": {"r": {"type": "integer", "minimum": 1, "maximum": 5}},
+                        "required": ["r"],
+                        "additionalProperties": False,
+                    },
+                ]
+            }
+        },
+        "required": ["s"],
+        "additionalProperties": False,
+    },
 }
 
 
@@ -71,8 +95,9 @@ def paths(tmp_path_factory):
 
 
 def _mm(paths, tok):
-    return molora.attach(tiny_model(ARCH), paths, router=VocabRouter([(0, 64, "a")], default="b"), tokenizer=tok,
-                         check_base=False)
+    return molora.attach(
+        tiny_model(ARCH), paths, router=VocabRouter([(0, 64, "a")], default="b"), tokenizer=tok, check_base=False
+    )
 
 
 def _text(tok, ids):
@@ -81,9 +106,10 @@ def _text(tok, ids):
 
 # ------------------------------------------------------------------------------------------ the mechanism
 
+
 def test_bitmask_pack_unpack_and_apply_agree_with_a_bool_mask():
     g = torch.Generator().manual_seed(0)
-    allowed = torch.rand(5, 77, generator=g) < 0.3                                 # V not a multiple of 32
+    allowed = torch.rand(5, 77, generator=g) < 0.3  # V not a multiple of 32
     bits = pack_bitmask(allowed)
     assert bits.shape == (5, 3) and bits.dtype == torch.int32
     assert torch.equal(unpack_bitmask(bits, 77), allowed)
@@ -104,14 +130,14 @@ def test_apply_bitmask_and_masked_greedy_equal_the_reference(dtype):
     for V, density in ((77, 0.5), (1000, 0.01), (49152, 0.002), (49152, 0.9)):
         allowed = torch.rand(12, V, generator=g) < density
         allowed[0] = False
-        allowed[0, V - 1] = True                                   # one id, at the end of the vocabulary
+        allowed[0, V - 1] = True  # one id, at the end of the vocabulary
         allowed[3, [V - 2, 5, V // 2]] = True
         allowed[3, 1] = False
         bits = pack_bitmask(allowed)
         logits = torch.randn(12, V, generator=g).to(dtype)
-        logits[3, [V - 2, 5, V // 2, 1]] = 10.0                    # a tie at the top: the first allowed id wins
-        logits[1] = torch.randint(0, 3, (V,), generator=g).to(dtype)    # ties everywhere
-        logits[2, allowed[2]] = -50.0                              # every allowed id far below the top ones
+        logits[3, [V - 2, 5, V // 2, 1]] = 10.0  # a tie at the top: the first allowed id wins
+        logits[1] = torch.randint(0, 3, (V,), generator=g).to(dtype)  # ties everywhere
+        logits[2, allowed[2]] = -50.0  # every allowed id far below the top ones
         ref = apply_bitmask_reference(logits, bits)
         assert torch.equal(apply_bitmask(logits, bits), ref)
         assert masked_greedy(logits, bits).tolist() == greedy(ref).tolist(), (V, density)
@@ -147,8 +173,11 @@ def test_dead_end_ends_that_request_alone_and_the_batch_goes_on(paths, tok):
     engine = Engine(_mm(paths, tok), CFG)
     p, q = [5, 6, 7], [9, 10, 11]
     alone = engine.generate([q], SamplingParams(max_new_tokens=8))[0]
-    outs = engine.generate([p, q], [SamplingParams(max_new_tokens=8, temperature=0.7, seed=1),
-                                    SamplingParams(max_new_tokens=8)], constraint=[_AllowOnly([40, 41, 42]), None])
+    outs = engine.generate(
+        [p, q],
+        [SamplingParams(max_new_tokens=8, temperature=0.7, seed=1), SamplingParams(max_new_tokens=8)],
+        constraint=[_AllowOnly([40, 41, 42]), None],
+    )
     assert outs[0].new_token_ids == [40, 41, 42]
     assert outs[0].finish_reason == "error" and "constraint dead end" in outs[0].error
     assert outs[1].new_token_ids == alone.new_token_ids and outs[1].finish_reason == alone.finish_reason
@@ -158,13 +187,15 @@ def test_dead_end_ends_that_request_alone_and_the_batch_goes_on(paths, tok):
 
 # ------------------------------------------------------------------------------------------ grammars
 
+
 def test_every_constrained_answer_parses_and_validates(paths, tok, compiler):
     engine = Engine(_mm(paths, tok), CFG)
     prompts = [[5 + i, 20, 30 + i] for i in range(4)]
     for name, schema in SCHEMAS.items():
         c = compiler.compile(StructuredSpec.json_schema(schema))
         params = [SamplingParams(max_new_tokens=120)] + [
-            SamplingParams(max_new_tokens=120, temperature=1.0, seed=s) for s in range(3)]
+            SamplingParams(max_new_tokens=120, temperature=1.0, seed=s) for s in range(3)
+        ]
         for out in engine.generate(prompts, params, constraint=c):
             assert out.finish_reason == "stop", (name, out.finish_reason, _text(tok, out.new_token_ids))
             jsonschema.validate(json.loads(_text(tok, out.new_token_ids)), schema)
@@ -179,7 +210,8 @@ def test_the_fast_paths_give_the_tokens_of_the_full_mask(paths, tok, compiler, m
 
     prompts = [[5 + i, 20, 30 + i] for i in range(6)]
     params = [SamplingParams(max_new_tokens=60)] * 3 + [
-        SamplingParams(max_new_tokens=60, temperature=0.8, seed=s) for s in range(3)]
+        SamplingParams(max_new_tokens=60, temperature=0.8, seed=s) for s in range(3)
+    ]
     constraints = [compiler.compile(StructuredSpec.json_schema(SCHEMAS[n])) for n in ("weather", "tags", "shape")] * 2
 
     def run():
@@ -190,8 +222,9 @@ def test_the_fast_paths_give_the_tokens_of_the_full_mask(paths, tok, compiler, m
 
     fast = run()
     monkeypatch.setattr(engine_module.Engine, "_fill_masks", lambda self, reqs: None)
-    monkeypatch.setattr(sampler_module, "masked_greedy",
-                        lambda logits, bits: greedy(apply_bitmask_reference(logits, bits)))
+    monkeypatch.setattr(
+        sampler_module, "masked_greedy", lambda logits, bits: greedy(apply_bitmask_reference(logits, bits))
+    )
     monkeypatch.setattr(sampler_module, "apply_bitmask", apply_bitmask_reference)
     assert fast == run()
     assert {reason for _, reason in fast} == {"stop"}
@@ -208,8 +241,11 @@ def test_json_object_regex_and_choice(paths, tok, compiler):
     for out in engine.generate(prompts, params, constraint=choice):
         assert out.finish_reason == "stop" and _text(tok, out.new_token_ids) in ("yes", "no", "maybe so")
     obj = compiler.compile(StructuredSpec("json_object"))
-    ended = [o for o in engine.generate(prompts, SamplingParams(max_new_tokens=200), constraint=obj)
-             if o.finish_reason == "stop"]
+    ended = [
+        o
+        for o in engine.generate(prompts, SamplingParams(max_new_tokens=200), constraint=obj)
+        if o.finish_reason == "stop"
+    ]
     for out in ended:
         assert isinstance(json.loads(_text(tok, out.new_token_ids)), dict)
 
@@ -232,23 +268,35 @@ def test_bad_specs_raise_naming_the_problem_and_the_cache_hits(compiler):
 def test_unenforced_keywords_are_found_and_strict_refuses_them(compiler):
     from molora.structured import unenforced
 
-    schema = {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True},
-                                               "r": {"type": "number", "multipleOf": 0.5},
-                                               "n": {"type": "integer", "multipleOf": 5},
-                                               "s": {"anyOf": [{"type": "string", "pattern": "^a", "maxLength": 3}]}},
-              "if": {"required": ["t"]}, "then": {"required": ["r"]}}
-    assert unenforced(schema) == ["(top level): if", "(top level): then", "/properties/t: uniqueItems",
-                                  "/properties/r: multipleOf on a number",
-                                  "/properties/s/anyOf/0: pattern with minLength/maxLength"]
-    assert compiler.compile(StructuredSpec.json_schema(schema)) is not None           # best effort
+    schema = {
+        "type": "object",
+        "properties": {
+            "t": {"type": "array", "uniqueItems": True},
+            "r": {"type": "number", "multipleOf": 0.5},
+            "n": {"type": "integer", "multipleOf": 5},
+            "s": {"anyOf": [{"type": "string", "pattern": "^a", "maxLength": 3}]},
+        },
+        "if": {"required": ["t"]},
+        "then": {"required": ["r"]},
+    }
+    assert unenforced(schema) == [
+        "(top level): if",
+        "(top level): then",
+        "/properties/t: uniqueItems",
+        "/properties/r: multipleOf on a number",
+        "/properties/s/anyOf/0: pattern with minLength/maxLength",
+    ]
+    assert compiler.compile(StructuredSpec.json_schema(schema)) is not None  # best effort
     with pytest.raises(StructuredOutputError, match="strict: the grammar engine cannot enforce"):
         compiler.compile(StructuredSpec.json_schema(schema, strict=True))
 
 
 def _random_pattern(g: torch.Generator, depth: int = 0) -> str:
     """A random regex over a, b, c, '-', '.': atoms, classes, groups, alternations, every quantifier."""
+
     def pick(options):
         return options[int(torch.randint(len(options), (1,), generator=g))]
+
     k = float(torch.rand((), generator=g))
     if depth > 2 or k < 0.35:
         atom = pick(["a", "b", "c", "\\.", "-", "[a-c]", "[-ab]", "[ab.-]", "[^a]", "."])
@@ -320,6 +368,7 @@ def test_routing_is_the_same_under_a_constraint(paths, tok, compiler, mode):
 
 # ------------------------------------------------------------------------------------------ the server
 
+
 @pytest.fixture(scope="module")
 def server(paths, tok):
     engine = Engine(_mm(paths, tok), CFG)
@@ -342,8 +391,16 @@ def test_response_format_json_schema_chat_and_completions(server):
     for choice in r.json()["choices"]:
         assert choice["finish_reason"] == "stop"
         jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
-    r = server.post("/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 100,
-                                          "response_format": rf, "molora": {"return_routing": True}})
+    r = server.post(
+        "/completions",
+        json={
+            "model": "tiny",
+            "prompt": [5, 6, 7],
+            "max_tokens": 100,
+            "response_format": rf,
+            "molora": {"return_routing": True},
+        },
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     jsonschema.validate(json.loads(choice["text"]), SCHEMA)
@@ -357,8 +414,17 @@ def test_streamed_json_schema_and_json_object(server):
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(text), SCHEMA)
-    r = server.post("/completions", json={"model": "tiny", "prompt": [9, 9], "max_tokens": 200, "seed": 0,
-                                          "temperature": 0.5, "response_format": {"type": "json_object"}})
+    r = server.post(
+        "/completions",
+        json={
+            "model": "tiny",
+            "prompt": [9, 9],
+            "max_tokens": 200,
+            "seed": 0,
+            "temperature": 0.5,
+            "response_format": {"type": "json_object"},
+        },
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] in ("stop", "length")
@@ -389,22 +455,29 @@ def test_an_answer_that_breaks_an_unenforced_keyword_says_so(server):
     choice = r.json()["choices"][0]
     assert r.status_code == 200 and choice["message"]["content"] == '["a", "a"]' and choice["finish_reason"] == "stop"
     assert "uniqueItems" in choice["molora"]["structured_output_error"]
-    with server.stream("POST", "/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 30,
-                                                     "response_format": rf, "stream": True}) as s:
+    with server.stream(
+        "POST",
+        "/completions",
+        json={"model": "tiny", "prompt": [5], "max_tokens": 30, "response_format": rf, "stream": True},
+    ) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     last = events[-1]["choices"][0]
     assert last["finish_reason"] == "stop" and "uniqueItems" in last["molora"]["structured_output_error"]
-    r = server.post("/chat/completions", json=_chat(response_format={**rf, "json_schema": {**rf["json_schema"],
-                                                                                          "strict": True}}))
+    r = server.post(
+        "/chat/completions", json=_chat(response_format={**rf, "json_schema": {**rf["json_schema"], "strict": True}})
+    )
     assert r.status_code == 400 and "uniqueItems" in r.json()["error"]["message"]
-    r = server.post("/chat/completions", json=_chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "w", "schema": SCHEMA}}))
-    assert "molora" not in r.json()["choices"][0]                 # a valid answer carries no extension
+    r = server.post(
+        "/chat/completions",
+        json=_chat(response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}),
+    )
+    assert "molora" not in r.json()["choices"][0]  # a valid answer carries no extension
 
 
 def test_check_names_what_an_answer_breaks(compiler):
-    c = compiler.compile(StructuredSpec.json_schema({"type": "object", "properties": {"t": {
-        "type": "array", "uniqueItems": True}}}))
+    c = compiler.compile(
+        StructuredSpec.json_schema({"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}})
+    )
     assert c.check('{"t": [1, 2]}') is None
     assert "at t (uniqueItems)" in c.check('{"t": [1, 1]}')
     assert "not JSON" in c.check('{"t": [1')
@@ -412,26 +485,45 @@ def test_check_names_what_an_answer_breaks(compiler):
     assert compiler.compile(StructuredSpec("regex", "[a-c]{2}")).check("abc") is not None
 
 
-@pytest.mark.parametrize("body, param, words", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "response_format.json_schema.schema", "invalid"),
-    ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}},
-     "structured_outputs.json", "cannot be compiled"),
-    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex", "cannot be compiled"),
-    ({"guided_json": {"enum": ["x" * 200] * 500}}, "guided_json", "limit"),
-    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one structured output"),
-    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
-        "type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True}}}},
-     "response_format.json_schema.schema", "cannot enforce (top level): uniqueItems"),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "response_format.json_schema.schema",
+            "invalid",
+        ),
+        (
+            {"structured_outputs": {"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}},
+            "structured_outputs.json",
+            "cannot be compiled",
+        ),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex", "cannot be compiled"),
+        ({"guided_json": {"enum": ["x" * 200] * 500}}, "guided_json", "limit"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one structured output"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "json_schema.schema"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "strict": True,
+                        "schema": {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True},
+                    },
+                }
+            },
+            "response_format.json_schema.schema",
+            "cannot enforce (top level): uniqueItems",
+        ),
+    ],
+)
 def test_bad_specs_get_a_400_and_the_server_keeps_serving(server, body, param, words):
     r = server.post("/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 5, **body})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
-    ok = server.post("/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 5,
-                                           "guided_choice": ["fine"]})
+    ok = server.post("/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 5, "guided_choice": ["fine"]})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "fine"
 
 

@@ -17,7 +17,7 @@ import torch
 from molora.ops import LoRADispatcher, LoRAInputError, lora_delta, lora_delta_reference, pick_backend
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-REQUIRE_TRITON = os.environ.get("MOLORA_REQUIRE_TRITON") == "1"   # make test-triton: no skip may hide the GPU path
+REQUIRE_TRITON = os.environ.get("MOLORA_REQUIRE_TRITON") == "1"  # make test-triton: no skip may hide the GPU path
 needs_triton = pytest.mark.skipif(not HAS_TRITON and not REQUIRE_TRITON, reason="triton is not installed")
 if HAS_TRITON and "triton" not in sys.modules:
     # Triton decorates its own helpers (tl.zeros, ...) for the interpreter only if TRITON_INTERPRET is set when
@@ -39,8 +39,9 @@ def interpret(monkeypatch):
         pytest.skip(why)
 
 
-def _case(T: int, S: int, k: int, R: int, d_in: int, d_out: int, *, dtype=torch.float32, weighted=False,
-          seed=0, used=None):
+def _case(
+    T: int, S: int, k: int, R: int, d_in: int, d_out: int, *, dtype=torch.float32, weighted=False, seed=0, used=None
+):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, d_in, generator=g)
     A = torch.randn(S, R, d_in, generator=g) * 0.3
@@ -49,8 +50,8 @@ def _case(T: int, S: int, k: int, R: int, d_in: int, d_out: int, *, dtype=torch.
     choices = torch.tensor(used if used is not None else list(range(-1, S)))
     ids = choices[torch.randint(0, len(choices), (T, k), generator=g)]
     w = torch.rand(T, k, generator=g) if weighted else None
-    cast = (lambda t: t.to(dtype))
-    return cast(x), cast(A), cast(Bt).transpose(1, 2), scale, ids, w    # B [S, D_out, R] slot-major, as the bank
+    cast = lambda t: t.to(dtype)
+    return cast(x), cast(A), cast(Bt).transpose(1, 2), scale, ids, w  # B [S, D_out, R] slot-major, as the bank
 
 
 CASES = {
@@ -72,7 +73,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_equals_the_reference(case, dtype, interpret) -> None:
     x, A, B, scale, ids, w = _case(**CASES[case], dtype=dtype)
-    want = lora_delta_reference(x.float(), A.float(), B.float(), scale, ids, w)       # float32 spec
+    want = lora_delta_reference(x.float(), A.float(), B.float(), scale, ids, w)  # float32 spec
     got = lora_delta(x, A, B, scale, ids, w, backend="triton")
     assert got.dtype == dtype and got.shape == want.shape
     tol = TOL[dtype] * max(1.0, want.abs().max().item())
@@ -91,8 +92,12 @@ def test_triton_adds_into_out_in_place(interpret) -> None:
     torch.testing.assert_close(out, base + lora_delta_reference(x, A, B, scale, ids, w), atol=1e-5, rtol=1e-5)
     # a second linear on the same plan (its metadata is built once and reused)
     A2, B2 = A.flip(0).contiguous(), B.flip(0)
-    torch.testing.assert_close(dispatch.apply(plan, x, A2, B2, scale.flip(0)),
-                               lora_delta_reference(x, A2, B2, scale.flip(0), ids, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        dispatch.apply(plan, x, A2, B2, scale.flip(0)),
+        lora_delta_reference(x, A2, B2, scale.flip(0), ids, w),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.slow
@@ -101,8 +106,10 @@ def test_a_routed_model_on_triton_equals_auto(tmp_path, interpret) -> None:
     import molora
     from tests.conftest import make_peft_adapter, tiny_model
 
-    paths = {n: make_peft_adapter(tmp_path / n, "llama", seed=i, targets=("q_proj", "v_proj", "down_proj"))
-             for i, n in enumerate("ab")}
+    paths = {
+        n: make_peft_adapter(tmp_path / n, "llama", seed=i, targets=("q_proj", "v_proj", "down_proj"))
+        for i, n in enumerate("ab")
+    }
     ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(0))
     route = torch.randint(-1, 2, (2, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -120,16 +127,16 @@ def test_the_plan_puts_every_routed_pair_in_one_tile_of_its_slot(T, S, k) -> Non
     ids = torch.randint(-1, S, (T, k), generator=g)
     plan = build_plan(ids, None, S)
     bm = plan.block_m
-    rows = plan.rows.view(-1, bm)                                        # [tiles, BM]
+    rows = plan.rows.view(-1, bm)  # [tiles, BM]
     flat = ids.reshape(-1)
     routed = sorted(p for p in range(T * k) if flat[p] >= 0)
     assert sorted(r for r in plan.rows.tolist() if r >= 0) == routed  # each routed pair exactly once
     for tile, slot in enumerate(plan.tile_slot.tolist()):
         pairs = [p for p in rows[tile].tolist() if p >= 0]
         if slot == S:
-            assert not pairs                                            # past the padded total: empty
+            assert not pairs  # past the padded total: empty
         else:
-            assert pairs and all(flat[p] == slot for p in pairs)        # one slot per tile
+            assert pairs and all(flat[p] == slot for p in pairs)  # one slot per tile
 
 
 @needs_triton

@@ -3,5 +3,12 @@
 from molora.adapters.bank import AdapterBank, LoRASlots
 from molora.adapters.io import LoRAAdapter, ModuleLoRA, read_adapter, read_adapter_config, save_adapter
 
-__all__ = ["AdapterBank", "LoRASlots", "LoRAAdapter", "ModuleLoRA", "read_adapter", "read_adapter_config",
-           "save_adapter"]
+__all__ = [
+    "AdapterBank",
+    "LoRASlots",
+    "LoRAAdapter",
+    "ModuleLoRA",
+    "read_adapter",
+    "read_adapter_config",
+    "save_adapter",
+]

@@ -36,16 +36,26 @@ class LoRASlots(nn.Module):
     stacked dispatch does all slots in a single GEMM (`molora.ops.lora.stacked_mask_apply`).
     """
 
-    def __init__(self, num_slots: int, max_rank: int, d_in: int, d_out: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        max_rank: int,
+        d_in: int,
+        d_out: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.d_in, self.d_out = d_in, d_out
-        self.register_buffer("A", torch.zeros(num_slots, max_rank, d_in, dtype=dtype, device=device),
-                             persistent=False)  # [S, R, d_in]
-        self.register_buffer("Bt", torch.zeros(num_slots, max_rank, d_out, dtype=dtype, device=device),
-                             persistent=False)  # [S, R, d_out]; B is its transposed view
-        self.register_buffer("scale", torch.zeros(num_slots, dtype=torch.float32, device=device),
-                             persistent=False)  # [S]
+        self.register_buffer(
+            "A", torch.zeros(num_slots, max_rank, d_in, dtype=dtype, device=device), persistent=False
+        )  # [S, R, d_in]
+        self.register_buffer(
+            "Bt", torch.zeros(num_slots, max_rank, d_out, dtype=dtype, device=device), persistent=False
+        )  # [S, R, d_out]; B is its transposed view
+        self.register_buffer(
+            "scale", torch.zeros(num_slots, dtype=torch.float32, device=device), persistent=False
+        )  # [S]
         self.active = 0  # how many loaded adapters target this linear; 0 lets forward skip the delta
 
     # Bumped whenever any LoRASlots' `active` changes or its buffers are replaced (`_apply`: .to(), .cpu() ...): what
@@ -78,8 +88,13 @@ class LoRASlots(nn.Module):
 class AdapterBank:
     """Slot table plus per-linear `LoRASlots`. One bank serves one base model."""
 
-    def __init__(self, module_shapes: Mapping[str, tuple[int, int]], config: BankConfig,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        module_shapes: Mapping[str, tuple[int, int]],
+        config: BankConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         if not module_shapes:
             raise AdapterError("the bank needs at least one target linear; none were given")
         self.config = config
@@ -115,8 +130,9 @@ class AdapterBank:
 
     def slot_nbytes(self) -> int:
         """Bytes one slot occupies across all linears."""
-        return sum((s.A[0].numel() * s.A.element_size() + s.B[0].numel() * s.B.element_size())
-                   for s in self.slots.values())
+        return sum(
+            (s.A[0].numel() * s.A.element_size() + s.B[0].numel() * s.B.element_size()) for s in self.slots.values()
+        )
 
     # ---------------------------------------------------------------------------------------- changes
     def check(self, adapter: LoRAAdapter) -> None:
@@ -128,10 +144,13 @@ class AdapterBank:
         if outside:
             raise AdapterError(
                 f"{who}: targets linears the bank was not built for {outside[:6]}; attach with "
-                f"target_modules covering them (bank covers {len(self.slots)} linears)")
+                f"target_modules covering them (bank covers {len(self.slots)} linears)"
+            )
         if adapter.max_rank > self.config.max_rank:
-            raise AdapterError(f"{who}: rank {adapter.max_rank} exceeds the bank's max_rank "
-                               f"{self.config.max_rank}; attach with max_rank>={adapter.max_rank}")
+            raise AdapterError(
+                f"{who}: rank {adapter.max_rank} exceeds the bank's max_rank "
+                f"{self.config.max_rank}; attach with max_rank>={adapter.max_rank}"
+            )
 
     def load(self, adapter: LoRAAdapter, slot: int | None = None) -> int:
         """Copy `adapter` into a free slot (or the given free slot) and return the slot number."""
@@ -139,12 +158,16 @@ class AdapterBank:
         free = self.free_slots()
         if slot is None:
             if not free:
-                raise BankFullError(f"adapter {adapter.name!r}: all {self.num_slots} slots are in use "
-                                    f"({self.names}); unload one or attach with more slots")
+                raise BankFullError(
+                    f"adapter {adapter.name!r}: all {self.num_slots} slots are in use "
+                    f"({self.names}); unload one or attach with more slots"
+                )
             slot = free[0]
         elif slot not in free:
-            raise BankFullError(f"adapter {adapter.name!r}: slot {slot} is not free "
-                                f"(holds {self.table[slot] if 0 <= slot < self.num_slots else 'out of range'})")
+            raise BankFullError(
+                f"adapter {adapter.name!r}: slot {slot} is not free "
+                f"(holds {self.table[slot] if 0 <= slot < self.num_slots else 'out of range'})"
+            )
         try:
             self._write(slot, adapter)
         except Exception:
@@ -175,8 +198,10 @@ class AdapterBank:
         slot = self.slot_of(name)
         targets = self._targets[name]
         if adapter is not None and set(adapter.modules) != set(targets):
-            raise AdapterError(f"adapter {name!r}: the rewrite targets {sorted(adapter.modules)[:4]}, the slot "
-                               f"holds {sorted(targets)[:4]}")
+            raise AdapterError(
+                f"adapter {name!r}: the rewrite targets {sorted(adapter.modules)[:4]}, the slot "
+                f"holds {sorted(targets)[:4]}"
+            )
         self._clear(slot, targets)
         if adapter is not None:
             self._write(slot, adapter)

@@ -63,11 +63,11 @@ class LoRAAdapter:
         return max((m.rank for m in self.modules.values()), default=0)
 
     def nbytes(self) -> int:
-        return sum(m.A.numel() * m.A.element_size() + m.B.numel() * m.B.element_size()
-                   for m in self.modules.values())
+        return sum(m.A.numel() * m.A.element_size() + m.B.numel() * m.B.element_size() for m in self.modules.values())
 
 
 # --------------------------------------------------------------------------------------------- reading
+
 
 def resolve_roots(roots: Sequence[str | Path] | None) -> tuple[Path, ...] | None:
     """The confinement roots, resolved (symlinks followed) so that resolved files compare against them."""
@@ -86,13 +86,16 @@ def confine(path: Path, roots: tuple[Path, ...] | None, who: str) -> Path:
     except (OSError, RuntimeError) as e:  # a symlink loop, a permission error
         raise AdapterError(f"{who}: cannot resolve {path} ({e})") from e
     if not any(real.is_relative_to(r) for r in roots):
-        raise AdapterError(f"{who}: {path} resolves to {real}, outside the adapter roots "
-                           f"{[str(r) for r in roots]}; copy the files into the adapter folder instead of linking them")
+        raise AdapterError(
+            f"{who}: {path} resolves to {real}, outside the adapter roots "
+            f"{[str(r) for r in roots]}; copy the files into the adapter folder instead of linking them"
+        )
     return real
 
 
-def read_adapter_config(path: str | Path, name: str = "", *,
-                        roots: Sequence[str | Path] | None = None) -> AdapterConfig:
+def read_adapter_config(
+    path: str | Path, name: str = "", *, roots: Sequence[str | Path] | None = None
+) -> AdapterConfig:
     """Parse and check `adapter_config.json`; refuse PEFT variants molora cannot serve. With `roots`, the
     folder and the file must resolve inside one of them (module docstring: Confinement)."""
     folder = Path(path)
@@ -100,8 +103,10 @@ def read_adapter_config(path: str | Path, name: str = "", *,
     who = f"adapter {name!r} ({cfg_path})" if name else str(cfg_path)
     roots = resolve_roots(roots)
     if not folder.is_dir():
-        raise AdapterError(f"adapter {name!r}: {folder} is not a folder; pass a PEFT LoRA folder "
-                           f"holding {CONFIG_FILE} and {WEIGHTS_FILE}")
+        raise AdapterError(
+            f"adapter {name!r}: {folder} is not a folder; pass a PEFT LoRA folder "
+            f"holding {CONFIG_FILE} and {WEIGHTS_FILE}"
+        )
     confine(folder, roots, f"adapter {name!r}")
     try:
         raw = json.loads(confine(cfg_path, roots, who).read_text())
@@ -144,8 +149,11 @@ def _refuse_unsupported(raw: dict, who: str) -> None:
         (raw.get("fan_in_fan_out"), "fan_in_fan_out=true (Conv1D bases such as GPT-2) is not supported"),
         (raw.get("bias", "none") not in (None, "none"), f"bias={raw.get('bias')!r}: only bias='none' is supported"),
         (raw.get("lora_bias"), "lora_bias=true is not supported"),
-        (raw.get("modules_to_save"), f"modules_to_save={raw.get('modules_to_save')!r}: fully trained modules "
-                                     "are not supported; only LoRA deltas can be routed per token"),
+        (
+            raw.get("modules_to_save"),
+            f"modules_to_save={raw.get('modules_to_save')!r}: fully trained modules "
+            "are not supported; only LoRA deltas can be routed per token",
+        ),
         (raw.get("layers_pattern") not in (None, [], ""), "layers_pattern is not supported"),
     ]
     for bad, why in checks:
@@ -196,8 +204,11 @@ def read_adapter(
     _check_base(cfg, base_name, f"adapter {name!r} ({folder / CONFIG_FILE})")
     weights_path = confine(weights_path, roots, who)
     if not weights_path.is_file():
-        extra = " (found adapter_model.bin: re-save it with safe_serialization=True)" \
-            if (folder / "adapter_model.bin").exists() else ""
+        extra = (
+            " (found adapter_model.bin: re-save it with safe_serialization=True)"
+            if (folder / "adapter_model.bin").exists()
+            else ""
+        )
         raise AdapterError(f"{who}: missing; molora reads only safetensors weights{extra}")
     try:
         tensors = load_file(str(weights_path))
@@ -231,7 +242,8 @@ def _check_base(cfg: AdapterConfig, base_name: str | None, who: str) -> None:
     if norm(cfg.base_model_name_or_path) != norm(base_name):
         raise AdapterError(
             f"{who}: trained for base {cfg.base_model_name_or_path!r}, but the model is {base_name!r}; "
-            "load it on its own base, or pass check_base=False if you know the weights are the same")
+            "load it on its own base, or pass check_base=False if you know the weights are the same"
+        )
 
 
 def _pair_keys(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, list], list[str]]:
@@ -239,23 +251,25 @@ def _pair_keys(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, list], li
     unexpected = []
     for key, t in tensors.items():
         if key.startswith(KEY_PREFIX) and key.endswith(_A_SUFFIX):
-            pairs.setdefault(key[len(KEY_PREFIX):-len(_A_SUFFIX)], [None, None])[0] = t
+            pairs.setdefault(key[len(KEY_PREFIX) : -len(_A_SUFFIX)], [None, None])[0] = t
         elif key.startswith(KEY_PREFIX) and key.endswith(_B_SUFFIX):
-            pairs.setdefault(key[len(KEY_PREFIX):-len(_B_SUFFIX)], [None, None])[1] = t
+            pairs.setdefault(key[len(KEY_PREFIX) : -len(_B_SUFFIX)], [None, None])[1] = t
         else:
             unexpected.append(key)
     return pairs, sorted(unexpected)
 
 
-def _module_lora(cfg: AdapterConfig, module: str, A: torch.Tensor, B: torch.Tensor,
-                 shape: tuple[int, int], who: str) -> ModuleLoRA:
+def _module_lora(
+    cfg: AdapterConfig, module: str, A: torch.Tensor, B: torch.Tensor, shape: tuple[int, int], who: str
+) -> ModuleLoRA:
     d_out, d_in = shape
     r = A.shape[0] if A.ndim == 2 else -1
     if A.ndim != 2 or B.ndim != 2 or A.shape[1] != d_in or B.shape != (d_out, r):
         raise AdapterError(
             f"{who}: module {module}: lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)} do not fit the base "
             f"linear (d_out={d_out}, d_in={d_in}); expected lora_A [r, {d_in}] and lora_B [{d_out}, r]. "
-            "Was it trained on another base model?")
+            "Was it trained on another base model?"
+        )
     if not A.is_floating_point() or not B.is_floating_point():
         raise AdapterError(f"{who}: module {module}: weights must be floating point, got {A.dtype}/{B.dtype}")
     for label, t in (("lora_A", A), ("lora_B", B)):
@@ -268,6 +282,7 @@ def _module_lora(cfg: AdapterConfig, module: str, A: torch.Tensor, B: torch.Tens
 
 
 # --------------------------------------------------------------------------------------------- writing
+
 
 def save_adapter(
     path: str | Path,
@@ -286,11 +301,22 @@ def save_adapter(
     suffixes = sorted({m.rsplit(".", 1)[-1] for m in modules})
     ranks = {m: int(a.shape[0]) for m, (a, _) in modules.items()}
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": lora_alpha,
-        "target_modules": suffixes, "use_rslora": use_rslora, "lora_dropout": 0.0, "bias": "none",
-        "fan_in_fan_out": False, "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
-        "base_model_name_or_path": base_model_name_or_path, "inference_mode": True,
-        "rank_pattern": {m: k for m, k in ranks.items() if k != r}, "alpha_pattern": {},
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": r,
+        "lora_alpha": lora_alpha,
+        "target_modules": suffixes,
+        "use_rslora": use_rslora,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "base_model_name_or_path": base_model_name_or_path,
+        "inference_mode": True,
+        "rank_pattern": {m: k for m, k in ranks.items() if k != r},
+        "alpha_pattern": {},
     }
     config.update(extra_config or {})
     tensors = {}

@@ -39,8 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     what, rest = args[0], args[1:]
     if what not in BENCHES:
-        print(f"molora bench: unknown benchmark {what!r}; choose one of {', '.join(BENCHES)}\n\n{usage()}",
-              file=sys.stderr)
+        print(
+            f"molora bench: unknown benchmark {what!r}; choose one of {', '.join(BENCHES)}\n\n{usage()}",
+            file=sys.stderr,
+        )
         return 2
     module = importlib.import_module(BENCHES[what])
     return int(module.main(rest) or 0)

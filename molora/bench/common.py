@@ -32,15 +32,20 @@ import torch
 
 # ---------------------------------------------------------------------------------------------- setup
 
+
 def add_common_args(p: argparse.ArgumentParser, *, plot: bool = True, threads_default: int = 1) -> None:
     """The flags every benchmark takes: --json OUT, --plot OUT.png, --quick, --threads N."""
     p.add_argument("--json", metavar="OUT", help="also write the result JSON to this file")
     if plot:
         p.add_argument("--plot", metavar="OUT.png", help="write a plot of the results to this PNG file")
     p.add_argument("--quick", action="store_true", help="a small, fast configuration (minutes, not tens)")
-    p.add_argument("--threads", type=int, default=threads_default,
-                   help=f"torch CPU threads (default {threads_default}; 0 = torch's choice). On a shared "
-                        "machine 1 avoids OpenMP spin stalls that swamp the ratios")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=threads_default,
+        help=f"torch CPU threads (default {threads_default}; 0 = torch's choice). On a shared "
+        "machine 1 avoids OpenMP spin stalls that swamp the ratios",
+    )
 
 
 def set_threads(n: int) -> int:
@@ -51,6 +56,7 @@ def set_threads(n: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- timing
+
 
 @dataclass
 class Timing:
@@ -78,13 +84,17 @@ class Timing:
     def summary(self, ref: str | None = None) -> dict[str, Any]:
         """JSON-ready: medians, minima, sample counts, the samples themselves (in the order taken) and, with
         ref, the ratios of the medians to ref and the per-repetition ("paired") ratios to ref."""
-        out: dict[str, Any] = {"ms": rounded(self.median), "ms_min": rounded(self.min),
-                               "n": {k: len(v) for k, v in self.samples.items()},
-                               "samples_ms": {k: [round(x, 3) for x in v] for k, v in self.samples.items()}}
+        out: dict[str, Any] = {
+            "ms": rounded(self.median),
+            "ms_min": rounded(self.min),
+            "n": {k: len(v) for k, v in self.samples.items()},
+            "samples_ms": {k: [round(x, 3) for x in v] for k, v in self.samples.items()},
+        }
         if ref is not None and ref in self.samples:
             out["vs_" + ref] = self.ratios(ref)
-            out["paired_vs_" + ref] = {k: rounded(list(self.paired(k, ref))) for k in self.samples
-                                       if self.samples[k] and self.samples[ref]}
+            out["paired_vs_" + ref] = {
+                k: rounded(list(self.paired(k, ref))) for k in self.samples if self.samples[k] and self.samples[ref]
+            }
         return out
 
 
@@ -124,10 +134,16 @@ def rotated(names: list[str], i: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-def time_interleaved(fns: Mapping[str, Callable[[], Any]], repeats: int, *, warmup: int = 1,
-                     reset: Mapping[str, Callable[[], Any]] | None = None,
-                     max_repeats: Mapping[str, int] | None = None, log: Callable[[str], None] | None = None,
-                     device: torch.device | str | None = None) -> Timing:
+def time_interleaved(
+    fns: Mapping[str, Callable[[], Any]],
+    repeats: int,
+    *,
+    warmup: int = 1,
+    reset: Mapping[str, Callable[[], Any]] | None = None,
+    max_repeats: Mapping[str, int] | None = None,
+    log: Callable[[str], None] | None = None,
+    device: torch.device | str | None = None,
+) -> Timing:
     """Time every variant once per repetition, `repeats` times (after `warmup` untimed calls each). The order
     rotates by one variant per repetition (`rotated`), so no variant always runs first (cold caches) or
     right after a given other one (warm caches from the same kernel, issue 19's `fused` vs `auto`).
@@ -160,6 +176,7 @@ def time_interleaved(fns: Mapping[str, Callable[[], Any]], repeats: int, *, warm
 
 
 # ---------------------------------------------------------------------------------------------- machine
+
 
 def cpu_model() -> str:
     try:
@@ -202,13 +219,22 @@ def machine_info() -> dict[str, Any]:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load = None
-    return {"cpu": cpu_model(), "cpu_flags": _cpu_flags(), "cores": os.cpu_count(),
-            "loadavg_1_5_15": load, "threads": torch.get_num_threads(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": _version("transformers"), "peft": _version("peft"),
-            "platform": platform.platform()}
+    return {
+        "cpu": cpu_model(),
+        "cpu_flags": _cpu_flags(),
+        "cores": os.cpu_count(),
+        "loadavg_1_5_15": load,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "peft": _version("peft"),
+        "platform": platform.platform(),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- output
+
 
 def rounded(x: Any, digits: int = 4) -> Any:
     """Round every float inside dicts/lists to `digits` significant-ish decimals (keeps JSON short)."""

@@ -56,25 +56,49 @@ from molora.routing import VocabRouter
 def make_adapters(model: Any, folder: Path, k: int, rank: int, seed: int = 0) -> dict[str, Path]:
     """k random-weight PEFT folders (rank `rank`, all seven projections) for `model`."""
     g = torch.Generator().manual_seed(seed)
-    targets = {n: m for n, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in LLAMA_PROJECTIONS}
+    targets = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in LLAMA_PROJECTIONS
+    }
     out = {}
     for i in range(k):
-        modules = {n: (torch.randn(rank, m.in_features, generator=g) / m.in_features ** 0.5,
-                       torch.randn(m.out_features, rank, generator=g) * 0.02) for n, m in targets.items()}
-        out[f"skill{i}"] = save_adapter(folder / f"skill{i}", modules, r=rank, lora_alpha=2 * rank,
-                                        base_model_name_or_path=getattr(model, "name_or_path", None))
+        modules = {
+            n: (
+                torch.randn(rank, m.in_features, generator=g) / m.in_features**0.5,
+                torch.randn(m.out_features, rank, generator=g) * 0.02,
+            )
+            for n, m in targets.items()
+        }
+        out[f"skill{i}"] = save_adapter(
+            folder / f"skill{i}",
+            modules,
+            r=rank,
+            lora_alpha=2 * rank,
+            base_model_name_or_path=getattr(model, "name_or_path", None),
+        )
     return out
 
 
-KERNEL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
-                        "aten::_scaled_dot_product_flash_attention_for_cpu",
-                        "aten::_scaled_dot_product_attention_math",
-                        "aten::_scaled_dot_product_efficient_attention",
-                        "aten::_scaled_dot_product_flash_attention",
-                        "molora::lora_fused", "molora::paged_decode",   # the C++ kernels (molora.ops.fused_cpu)
-                        # GEMMs on packed weights (molora.ops.packed)
-                        "mkl::_mkl_linear", "molora::linear_panels", "molora::linear_amx"})
+KERNEL_OPS = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::addmm_",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_attention_math",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_flash_attention",
+        "molora::lora_fused",
+        "molora::paged_decode",  # the C++ kernels (molora.ops.fused_cpu)
+        # GEMMs on packed weights (molora.ops.packed)
+        "mkl::_mkl_linear",
+        "molora::linear_panels",
+        "molora::linear_amx",
+    }
+)
 
 
 def kernel_times(fn: Callable[[], Any], device: torch.device | None = None) -> tuple[dict[str, float], float]:
@@ -91,7 +115,7 @@ def kernel_times(fn: Callable[[], Any], device: torch.device | None = None) -> t
         sync(device)
         wall = time.perf_counter() - t0
     out: dict[str, float] = {}
-    for e in prof.key_averages():   # a name may come twice: a range opened in Python and one opened in C++
+    for e in prof.key_averages():  # a name may come twice: a range opened in Python and one opened in C++
         if e.key in KERNEL_OPS:
             out[e.key] = out.get(e.key, 0.0) + e.self_cpu_time_total / 1e6
     return out, wall
@@ -119,12 +143,20 @@ def _hf_routed(mm: Any, prompts: list[list[int]], news: list[int], batch: int) -
     from transformers import DynamicCache
 
     for i in range(0, len(prompts), batch):
-        ids, mask = _padded(prompts[i:i + batch], mm.device)
+        ids, mask = _padded(prompts[i : i + batch], mm.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache, step_ids, start = DynamicCache(), ids, 0
-        for _ in range(max(news[i:i + batch])):
-            out = mm(step_ids, attention_mask=mask, adapter_ids=mm.router, position_ids=pos, cache=cache,
-                     use_cache=True, start=start, logits_to_keep=1)
+        for _ in range(max(news[i : i + batch])):
+            out = mm(
+                step_ids,
+                attention_mask=mask,
+                adapter_ids=mm.router,
+                position_ids=pos,
+                cache=cache,
+                use_cache=True,
+                start=start,
+                logits_to_keep=1,
+            )
             nxt = out.logits[:, -1].argmax(-1)
             start += step_ids.shape[1]
             step_ids, pos = nxt[:, None], pos[:, -1:] + 1
@@ -133,33 +165,35 @@ def _hf_routed(mm: Any, prompts: list[list[int]], news: list[int], batch: int) -
 
 def _hf_base(model: Any, prompts: list[list[int]], news: list[int], batch: int) -> None:
     for i in range(0, len(prompts), batch):
-        ids, mask = _padded(prompts[i:i + batch], next(model.parameters()).device)
-        new = max(news[i:i + batch])
-        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       pad_token_id=0)
+        ids, mask = _padded(prompts[i : i + batch], next(model.parameters()).device)
+        new = max(news[i : i + batch])
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+        )
 
 
-def decode_steps(engines: dict[str, Engine], prompts: list[list[int]], routing: dict[str, str],
-                 steps: int) -> dict[str, float]:
+def decode_steps(
+    engines: dict[str, Engine], prompts: list[list[int]], routing: dict[str, str], steps: int
+) -> dict[str, float]:
     """Median ms of one Engine.step() with every sequence decoding, per engine, steps interleaved."""
     for name, eng in engines.items():
         for p in prompts:
             eng.add_request(p, SamplingParams(max_new_tokens=2 * steps + 8), routing=routing[name])  # all steps
         while any(r.remaining > 1 or r.num_computed == 0 for r in eng.requests.values()):
-            eng.step()                                   # finish every prefill first
+            eng.step()  # finish every prefill first
     times: dict[str, list[float]] = {n: [] for n in engines}
     dev = {n: e.runner.device for n, e in engines.items()}
     for i in range(steps):
         for name in rotated(list(engines), i):
             times[name].append(timed_ms(engines[name].step, dev[name]))
-    first = next(iter(engines))          # the routed engine: its decode step's kernel share (issue 19's goal)
+    first = next(iter(engines))  # the routed engine: its decode step's kernel share (issue 19's goal)
     n = max(steps // 2, 1)
     run_n = lambda: [engines[first].step() for _ in range(n)]  # noqa: E731
-    with fused_cpu.kernel_clock() as clock:        # n steps timing molora's kernels themselves, no profiler
+    with fused_cpu.kernel_clock() as clock:  # n steps timing molora's kernels themselves, no profiler
         plain_s = timed_ms(run_n, dev[first]) / 1e3
-    per_op, wall_s = kernel_times(run_n, dev[first])                      # then n steps under torch.profiler
+    per_op, wall_s = kernel_times(run_n, dev[first])  # then n steps under torch.profiler
     kernel_s = sum(per_op.values())
-    aten_s = sum(v for k, v in per_op.items() if not k.startswith("molora::"))   # torch's own kernels, if any ran
+    aten_s = sum(v for k, v in per_op.items() if not k.startswith("molora::"))  # torch's own kernels, if any ran
     clocked_s = sum(v for k, v in clock.items() if k in KERNEL_OPS) + aten_s
     for eng in engines.values():
         for rid in list(eng.requests):
@@ -185,12 +219,16 @@ def swap_cost(mm: Any, name: str, repeats: int = 5) -> dict[str, float]:
         srcs = [t for m in adapter.modules.values() for t in (m.A, m.B)]
         dsts = [torch.empty_like(t) for t in srcs]
         copy.append(timed_ms(lambda: [d.copy_(s) for d, s in zip(dsts, srcs)], mm.device))
-    return {"swap_ms": statistics.median(swap), "memcpy_ms": statistics.median(copy),
-            "adapter_mib": adapter.nbytes() / 2**20}
+    return {
+        "swap_ms": statistics.median(swap),
+        "memcpy_ms": statistics.median(copy),
+        "adapter_mib": adapter.nbytes() / 2**20,
+    }
 
 
-def workload(requests: int, prompt_len: int, new_tokens: int, vocab: int, mixed: bool,
-             seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def workload(
+    requests: int, prompt_len: int, new_tokens: int, vocab: int, mixed: bool, seed: int = 0
+) -> tuple[list[list[int]], list[int]]:
     """Random prompts and new-token counts: all equal, or (mixed) uniform in [1/4, 1] of the given sizes."""
     g = torch.Generator().manual_seed(seed)
     lo = lambda n: max(1, n // 4) if mixed else n  # noqa: E731
@@ -199,8 +237,16 @@ def workload(requests: int, prompt_len: int, new_tokens: int, vocab: int, mixed:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens], news
 
 
-def measure(mm: Any, cfg: EngineConfig, prompts: list[list[int]], news: list[int], repeats: int, hf_batch: int,
-            decode_samples: int, tag: str) -> dict:
+def measure(
+    mm: Any,
+    cfg: EngineConfig,
+    prompts: list[list[int]],
+    news: list[int],
+    repeats: int,
+    hf_batch: int,
+    decode_samples: int,
+    tag: str,
+) -> dict:
     """Interleaved throughput of engine / hf_routed / hf_base, then the decode-step ratio (module docstring)."""
     engine = Engine(mm, cfg)
     params = [SamplingParams(max_new_tokens=n) for n in news]
@@ -217,31 +263,46 @@ def measure(mm: Any, cfg: EngineConfig, prompts: list[list[int]], news: list[int
             print(f"  {tag} {name}: {secs[name][-1]:.2f} s", file=sys.stderr, flush=True)
     med = {k: statistics.median(v) for k, v in secs.items()}
     gen = sum(news)
-    step = decode_steps({"routed": engine, "base": Engine(mm, cfg)}, prompts, {"routed": "vocab", "base": "none"},
-                        decode_samples)
+    step = decode_steps(
+        {"routed": engine, "base": Engine(mm, cfg)}, prompts, {"routed": "vocab", "base": "none"}, decode_samples
+    )
     out = {f"{k}_s": v for k, v in med.items()}
     out.update({f"{k}_tok_s": gen / v for k, v in med.items()})
     kernel_s, profiled_s = kernel_seconds(variants["engine"], mm.device)
     out.update({f"{k}_samples_s": [float(f"{x:.6g}") for x in v] for k, v in secs.items()})  # 6 digits: a ratio
     # recomputed from the record agrees with the stored one (3 decimals lost most of a tiny run's milliseconds)
     out["speedup_vs_hf_routed_paired"] = list(paired_ratio(secs["hf_routed"], secs["engine"]))  # [median, q1, q3]
-    out.update(speedup_vs_hf_routed=med["hf_routed"] / med["engine"], speedup_vs_hf_base=med["hf_base"] / med["engine"],
-               engine_base_vs_hf_base=med["hf_base"] / med["engine_base"],
-               engine_kernel_s=kernel_s, engine_kernel_share=kernel_s / profiled_s,
-               ceiling_vs_hf_routed=med["hf_routed"] / kernel_s,
-               decode_step_routed_ms=step["routed"], decode_step_base_ms=step["base"],
-               decode_step_kernel_share=step["kernel_share"], decode_step_kernel_share_clocked=True,
-               decode_step_kernel_share_profiled=step["kernel_share_profiled"],
-               decode_routing_overhead=step["routed"] / step["base"])
+    out.update(
+        speedup_vs_hf_routed=med["hf_routed"] / med["engine"],
+        speedup_vs_hf_base=med["hf_base"] / med["engine"],
+        engine_base_vs_hf_base=med["hf_base"] / med["engine_base"],
+        engine_kernel_s=kernel_s,
+        engine_kernel_share=kernel_s / profiled_s,
+        ceiling_vs_hf_routed=med["hf_routed"] / kernel_s,
+        decode_step_routed_ms=step["routed"],
+        decode_step_base_ms=step["base"],
+        decode_step_kernel_share=step["kernel_share"],
+        decode_step_kernel_share_clocked=True,
+        decode_step_kernel_share_profiled=step["kernel_share_profiled"],
+        decode_routing_overhead=step["routed"] / step["base"],
+    )
     return out
 
 
-def run(requests: int, prompt_len: int, new_tokens: int, repeats: int, hf_batch: int, decode_samples: int,
-        bf16: bool, mixed: bool) -> dict:
+def run(
+    requests: int,
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int,
+    hf_batch: int,
+    decode_samples: int,
+    bf16: bool,
+    mixed: bool,
+) -> dict:
     from molora import attach
     from molora.model.base import load_base
 
-    model, _tok = load_base()          # on molora.model.base.device() ($MOLORA_DEVICE)
+    model, _tok = load_base()  # on molora.model.base.device() ($MOLORA_DEVICE)
     vocab = model.config.vocab_size
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_adapters(model, Path(tmp), 4, 16)
@@ -250,11 +311,24 @@ def run(requests: int, prompt_len: int, new_tokens: int, repeats: int, hf_batch:
         mm = attach(model, paths, router=router)
         prompts, news = workload(requests, prompt_len, new_tokens, vocab, mixed)
         longest = prompt_len + new_tokens + decode_samples + 16
-        cfg = EngineConfig(max_num_seqs=requests, max_tokens_per_step=512, block_size=16,
-                           kv_budget_tokens=requests * (longest + 16), max_model_len=longest, stop_at_eos=False)
-        result = {"requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens, "mixed": mixed,
-                  "generated_tokens": sum(news), "repeats": repeats, "hf_batch": hf_batch,
-                  "threads": torch.get_num_threads()}
+        cfg = EngineConfig(
+            max_num_seqs=requests,
+            max_tokens_per_step=512,
+            block_size=16,
+            kv_budget_tokens=requests * (longest + 16),
+            max_model_len=longest,
+            stop_at_eos=False,
+        )
+        result = {
+            "requests": requests,
+            "prompt_len": prompt_len,
+            "new_tokens": new_tokens,
+            "mixed": mixed,
+            "generated_tokens": sum(news),
+            "repeats": repeats,
+            "hf_batch": hf_batch,
+            "threads": torch.get_num_threads(),
+        }
         result.update(measure(mm, cfg, prompts, news, repeats, hf_batch, decode_samples, "fp32"))
         result.update(swap_cost(mm, "skill0"))
         if bf16:
@@ -267,8 +341,9 @@ def run(requests: int, prompt_len: int, new_tokens: int, repeats: int, hf_batch:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--shared-prefix" in argv:      # the prefix-cache benchmark (molora.bench.prefix): its own options
+    if "--shared-prefix" in argv:  # the prefix-cache benchmark (molora.bench.prefix): its own options
         from molora.bench import prefix
+
         return prefix.main(argv)
     ap = argparse.ArgumentParser(prog="molora bench engine", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=32, help="concurrent requests (default 32)")
@@ -278,9 +353,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--hf-batch", type=int, default=32, help="static batch size of the transformers baselines")
     ap.add_argument("--decode-samples", type=int, default=20, help="decode steps timed per variant")
     ap.add_argument("--bf16", action="store_true", help="also run every variant with bf16 weights (AMX on CPU)")
-    ap.add_argument("--mixed", action="store_true",
-                    help="prompt lengths and new tokens uniform in [1/4, 1] of the given sizes (padding and "
-                         "early finishers: where continuous batching pays)")
+    ap.add_argument(
+        "--mixed",
+        action="store_true",
+        help="prompt lengths and new tokens uniform in [1/4, 1] of the given sizes (padding and "
+        "early finishers: where continuous batching pays)",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--quick", action="store_true", help="one repetition, 10 decode samples")
     ap.add_argument("--json", metavar="OUT", help="also write the result JSON to this file")
@@ -288,16 +366,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     repeats, samples = (1, 10) if args.quick else (args.repeats, args.decode_samples)
     if args.threads:
         torch.set_num_threads(args.threads)
-    res = run(args.requests, args.prompt_len, args.new_tokens, repeats, args.hf_batch, samples, args.bf16,
-              args.mixed)
-    print(f"engine {res['engine_tok_s']:.1f} tok/s | transformers routed {res['hf_routed_tok_s']:.1f} tok/s "
-          f"(x{res['speedup_vs_hf_routed']:.2f}) | transformers base {res['hf_base_tok_s']:.1f} tok/s "
-          f"(x{res['speedup_vs_hf_base']:.2f}) | engine base-only x{res['engine_base_vs_hf_base']:.2f} vs transformers base")
-    print(f"ceiling: the engine's GEMM + attention kernels take {res['engine_kernel_s']:.2f} s "
-          f"({100 * res['engine_kernel_share']:.0f}% of a profiled run): at most x{res['ceiling_vs_hf_routed']:.2f} "
-          f"over transformers routed with these kernels")
-    print(f"decode step: routed {res['decode_step_routed_ms']:.1f} ms vs base {res['decode_step_base_ms']:.1f} ms "
-          f"(x{res['decode_routing_overhead']:.2f}); swap {res['swap_ms']:.2f} ms vs memcpy {res['memcpy_ms']:.2f} ms")
+    res = run(args.requests, args.prompt_len, args.new_tokens, repeats, args.hf_batch, samples, args.bf16, args.mixed)
+    print(
+        f"engine {res['engine_tok_s']:.1f} tok/s | transformers routed {res['hf_routed_tok_s']:.1f} tok/s "
+        f"(x{res['speedup_vs_hf_routed']:.2f}) | transformers base {res['hf_base_tok_s']:.1f} tok/s "
+        f"(x{res['speedup_vs_hf_base']:.2f}) | engine base-only x{res['engine_base_vs_hf_base']:.2f} vs "
+        "transformers base"
+    )
+    print(
+        f"ceiling: the engine's GEMM + attention kernels take {res['engine_kernel_s']:.2f} s "
+        f"({100 * res['engine_kernel_share']:.0f}% of a profiled run): at most x{res['ceiling_vs_hf_routed']:.2f} "
+        f"over transformers routed with these kernels"
+    )
+    print(
+        f"decode step: routed {res['decode_step_routed_ms']:.1f} ms vs base {res['decode_step_base_ms']:.1f} ms "
+        f"(x{res['decode_routing_overhead']:.2f}); swap {res['swap_ms']:.2f} ms vs memcpy {res['memcpy_ms']:.2f} ms"
+    )
     line = json.dumps({"bench": "engine", **{k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}})
     if args.json:
         Path(args.json).write_text(line + "\n")

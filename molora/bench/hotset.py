@@ -69,7 +69,7 @@ def _cycler(hs: Any, names: list[str], expect: str) -> tuple[Callable[[], None],
         name = next(order)
         tier = hs.tier(name)
         assert tier == expect, f"{name} was in tier {tier!r}, expected {expect!r}"
-        while not hs.acquire([name]):   # a disk miss: the read runs on the hot set's loader thread
+        while not hs.acquire([name]):  # a disk miss: the read runs on the hot set's loader thread
             assert hs.wait_reads(), f"{name} could not be acquired"
         held.append(name)
 
@@ -91,7 +91,7 @@ def tier_latency(base: nn.Module, paths: dict[str, Path], repeats: int) -> dict[
     bank = AdapterBank({m: shapes[m] for m in adapter.modules}, BankConfig(2, adapter.max_rank))
     srcs = [t for m in adapter.modules.values() for t in (m.A, m.B)]
     dsts = [torch.empty_like(t) for t in srcs]
-    hs_cpu = _hotset(base, paths, 2, cpu_bytes=1 << 40)           # 2 slots, N >= 3 adapters: cycling misses
+    hs_cpu = _hotset(base, paths, 2, cpu_bytes=1 << 40)  # 2 slots, N >= 3 adapters: cycling misses
     hs_disk = _hotset(base, paths, 2, cpu_bytes=0)
     hs_hit = hs_cpu  # slot hits: the adapter just acquired stays resident
     cpu_acq, cpu_rel = _cycler(hs_cpu, names, "cpu")
@@ -104,15 +104,20 @@ def tier_latency(base: nn.Module, paths: dict[str, Path], repeats: int) -> dict[
         "disk": disk_acq,
         "read": lambda: read_adapter(paths[names[1]], shapes, name=names[1], base_name=None),
     }
-    resets = {"slot_copy": lambda: bank.unload(adapter.name), "cpu_tier": cpu_rel, "disk": disk_rel,
-              "slot_hit": lambda: hs_hit.release([hs_hit.mm.bank.names[0]])}
+    resets = {
+        "slot_copy": lambda: bank.unload(adapter.name),
+        "cpu_tier": cpu_rel,
+        "disk": disk_rel,
+        "slot_hit": lambda: hs_hit.release([hs_hit.mm.bank.names[0]]),
+    }
     # slot_hit shares hs_cpu: it refreshes the LRU position of one of the two resident adapters, so the
     # round robin's next adapter is still never resident as long as there are at least 4 adapters.
     t = time_interleaved(fns, repeats, warmup=2, reset=resets, log=stderr_log)
     out = t.summary("memcpy")
     out["adapter_mib"] = round(adapter.nbytes() / 2**20, 3)
-    out["gib_s"] = {k: round(adapter.nbytes() / 2**30 / (v / 1e3), 2) for k, v in out["ms"].items()
-                    if k not in ("slot_hit",)}
+    out["gib_s"] = {
+        k: round(adapter.nbytes() / 2**30 / (v / 1e3), 2) for k, v in out["ms"].items() if k not in ("slot_hit",)
+    }
     return out
 
 
@@ -134,14 +139,22 @@ def hit_rate(base: nn.Module, paths: dict[str, Path], slots: int, requests: int,
     st = hs.stats()
     hits, misses = st["hits"] - before["hits"], st["misses"] - before["misses"]
     load_ms = st["load_ms_total"] - before["load_ms_total"]
-    return {"slots": slots, "adapters": len(paths), "requests": requests, "hits": hits, "misses": misses,
-            "hit_rate": round(hits / requests, 4), "evictions": st["evictions"] - before["evictions"],
-            "load_ms_per_request": round(load_ms / requests, 4),
-            "static_top_s_hit_rate": round(sum(zipf_weights(len(paths), s)[:slots]), 4)}
+    return {
+        "slots": slots,
+        "adapters": len(paths),
+        "requests": requests,
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": round(hits / requests, 4),
+        "evictions": st["evictions"] - before["evictions"],
+        "load_ms_per_request": round(load_ms / requests, 4),
+        "static_top_s_hit_rate": round(sum(zipf_weights(len(paths), s)[:slots]), 4),
+    }
 
 
-def run(model: str, adapters: int, rank: int, repeats: int, slots_sweep: list[int], requests: int, s: float,
-        seed: int) -> dict:
+def run(
+    model: str, adapters: int, rank: int, repeats: int, slots_sweep: list[int], requests: int, s: float, seed: int
+) -> dict:
     from molora.bench.model import load_model, make_adapters
 
     base = load_model(model)
@@ -152,25 +165,41 @@ def run(model: str, adapters: int, rank: int, repeats: int, slots_sweep: list[in
         rows = []
         for S in slots_sweep:
             rows.append(hit_rate(base, paths, S, requests, s, seed))
-            stderr_log(f"  zipf s={s}: {S} slots / {adapters} adapters: LRU hit rate {rows[-1]['hit_rate']:.3f} "
-                       f"(static top-S {rows[-1]['static_top_s_hit_rate']:.3f})")
-    return {"bench": "hotset", "machine": machine_info(), "model": model, "adapters": adapters, "rank": rank,
-            "repeats": repeats, "tiers": tiers, "zipf": {"s": s, "requests": requests, "seed": seed, "rows": rows}}
+            stderr_log(
+                f"  zipf s={s}: {S} slots / {adapters} adapters: LRU hit rate {rows[-1]['hit_rate']:.3f} "
+                f"(static top-S {rows[-1]['static_top_s_hit_rate']:.3f})"
+            )
+    return {
+        "bench": "hotset",
+        "machine": machine_info(),
+        "model": model,
+        "adapters": adapters,
+        "rank": rank,
+        "repeats": repeats,
+        "tiers": tiers,
+        "zipf": {"s": s, "requests": requests, "seed": seed, "rows": rows},
+    }
 
 
 def format_table(out: dict) -> str:
     t = out["tiers"]
-    lines = [f"load latency per tier, one adapter of {t['adapter_mib']} MiB ({out['model']}, r={out['rank']}):",
-             f"{'variant':<10} {'median ms':>10} {'min ms':>9} {'GiB/s':>7} {'x memcpy':>9}"]
+    lines = [
+        f"load latency per tier, one adapter of {t['adapter_mib']} MiB ({out['model']}, r={out['rank']}):",
+        f"{'variant':<10} {'median ms':>10} {'min ms':>9} {'GiB/s':>7} {'x memcpy':>9}",
+    ]
     for k, v in t["ms"].items():
-        lines.append(f"{k:<10} {v:>10.3f} {t['ms_min'][k]:>9.3f} {t['gib_s'].get(k, float('nan')):>7.2f} "
-                     f"{t['vs_memcpy'][k]:>9.2f}")
+        lines.append(
+            f"{k:<10} {v:>10.3f} {t['ms_min'][k]:>9.3f} {t['gib_s'].get(k, float('nan')):>7.2f} "
+            f"{t['vs_memcpy'][k]:>9.2f}"
+        )
     z = out["zipf"]
     lines.append(f"Zipf s={z['s']}, {z['requests']} requests over {out['adapters']} adapters, LRU:")
     lines.append(f"{'slots':>5} {'hit rate':>9} {'static top-S':>13} {'load ms/request':>16}")
     for r in z["rows"]:
-        lines.append(f"{r['slots']:>5} {r['hit_rate']:>9.3f} {r['static_top_s_hit_rate']:>13.3f} "
-                     f"{r['load_ms_per_request']:>16.3f}")
+        lines.append(
+            f"{r['slots']:>5} {r['hit_rate']:>9.3f} {r['static_top_s_hit_rate']:>13.3f} "
+            f"{r['load_ms_per_request']:>16.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -190,8 +219,15 @@ def plot(out: dict, path: str) -> None:
     S = [r["slots"] for r in rows]
     a2.plot(S, [r["hit_rate"] for r in rows], marker="o", label="LRU (measured, HotSet)")
     a2.plot(S, [r["static_top_s_hit_rate"] for r in rows], "k--", label="static top-S (IRM optimum)")
-    a2.set(xscale="log", xticks=S, xticklabels=[str(x) for x in S], ylim=(0, 1.02), xlabel="slots",
-           ylabel="hit rate", title=f"Zipf s={out['zipf']['s']}, {out['adapters']} adapters")
+    a2.set(
+        xscale="log",
+        xticks=S,
+        xticklabels=[str(x) for x in S],
+        ylim=(0, 1.02),
+        xlabel="slots",
+        ylabel="hit rate",
+        title=f"Zipf s={out['zipf']['s']}, {out['adapters']} adapters",
+    )
     a2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -199,8 +235,12 @@ def plot(out: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="molora bench hotset", description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2", help="base whose shapes the "
-                   "adapters take (default smollm2)")
+    p.add_argument(
+        "--model",
+        choices=["smollm2", "tiny"],
+        default="smollm2",
+        help="base whose shapes the adapters take (default smollm2)",
+    )
     p.add_argument("--adapters", type=int, default=16, help="adapters N (default 16)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
     p.add_argument("--slots", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="slot counts S to sweep")
@@ -209,13 +249,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions per tier (default 20; --quick 5)")
     p.add_argument("--seed", type=int, default=0)
     t = p.add_argument_group("--traffic (molora.bench.hotset_traffic; --rank defaults to 8 there)")
-    t.add_argument("--traffic", action="store_true", help="Zipf traffic through the engine over --adapters "
-                   "adapters vs. the same traffic on one")
+    t.add_argument(
+        "--traffic",
+        action="store_true",
+        help="Zipf traffic through the engine over --adapters adapters vs. the same traffic on one",
+    )
     t.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16; --quick 4)")
     t.add_argument("--engine-slots", type=int, default=32, help="hot-set slots of the engine (default 32; --quick 8)")
     t.add_argument("--cpu-tier-mib", type=int, default=128, help="CPU tier budget in MiB (default 128; --quick 1)")
-    t.add_argument("--learned-share", type=float, default=0.5, help="share of requests learned per token with an "
-                   "allowed set of 2-4 (default 0.5; the rest are pinned)")
+    t.add_argument(
+        "--learned-share",
+        type=float,
+        default=0.5,
+        help="share of requests learned per token with an allowed set of 2-4 (default 0.5; the rest are pinned)",
+    )
     t.add_argument("--prompt-len", type=int, default=32)
     t.add_argument("--new-tokens", type=int, default=32)
     add_common_args(p)
@@ -228,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         a.requests = min(a.requests, 500)
         a.repeats = min(a.repeats, 5)
     set_threads(a.threads)
-    out = run(a.model, a.adapters, a.rank, a.repeats, [S for S in a.slots if S <= a.adapters], a.requests,
-              a.zipf, a.seed)
+    out = run(
+        a.model, a.adapters, a.rank, a.repeats, [S for S in a.slots if S <= a.adapters], a.requests, a.zipf, a.seed
+    )
     print(format_table(out))
     if a.plot:
         plot(out, a.plot)
@@ -244,7 +292,7 @@ def _traffic(p: argparse.ArgumentParser, a: argparse.Namespace, argv: list[str])
     rank = a.rank if given("--rank") else 8
     requests = a.requests if given("--requests") else 400
     repeats = a.repeats if given("--repeats") else 1
-    if a.quick:   # CI-sized: the tiny model, few adapters and requests, a CPU tier of about one adapter
+    if a.quick:  # CI-sized: the tiny model, few adapters and requests, a CPU tier of about one adapter
         a.model = a.model if given("--model") else "tiny"
         a.adapters = a.adapters if given("--adapters") else 40
         requests = requests if given("--requests") else 24
@@ -254,11 +302,27 @@ def _traffic(p: argparse.ArgumentParser, a: argparse.Namespace, argv: list[str])
         a.new_tokens = a.new_tokens if given("--new-tokens") else 6
         a.prompt_len = a.prompt_len if given("--prompt-len") else 8
     if a.adapters < 4 or requests < 1 or a.concurrency < 1 or a.engine_slots < 4:
-        p.error("--traffic needs --adapters >= 4, --requests >= 1, --concurrency >= 1 and --engine-slots >= 4 "
-                "(a learned request's allowed set takes up to 4 slots)")
+        p.error(
+            "--traffic needs --adapters >= 4, --requests >= 1, --concurrency >= 1 and --engine-slots >= 4 "
+            "(a learned request's allowed set takes up to 4 slots)"
+        )
     set_threads(a.threads)
-    out = ht.run(a.model, a.adapters, rank, requests, a.zipf, a.learned_share, a.prompt_len, a.new_tokens,
-                 a.concurrency, a.engine_slots, a.cpu_tier_mib, repeats, a.seed, stderr_log)
+    out = ht.run(
+        a.model,
+        a.adapters,
+        rank,
+        requests,
+        a.zipf,
+        a.learned_share,
+        a.prompt_len,
+        a.new_tokens,
+        a.concurrency,
+        a.engine_slots,
+        a.cpu_tier_mib,
+        repeats,
+        a.seed,
+        stderr_log,
+    )
     print(ht.format_table(out))
     emit(out, a.json)
     return 0

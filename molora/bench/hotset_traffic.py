@@ -45,19 +45,25 @@ def make_adapters(model: Any, folder: Path, k: int, rank: int, seed: int = 0) ->
     from molora.adapters import save_adapter
 
     g = torch.Generator().manual_seed(seed)
-    targets = {n: m for n, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in TARGETS}
+    targets = {
+        n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in TARGETS
+    }
     out = {}
     for i in range(k):
-        modules = {n: ((torch.randn(rank, m.in_features, generator=g) / m.in_features ** 0.5).bfloat16(),
-                       (torch.randn(m.out_features, rank, generator=g) * 0.02).bfloat16())
-                   for n, m in targets.items()}
+        modules = {
+            n: (
+                (torch.randn(rank, m.in_features, generator=g) / m.in_features**0.5).bfloat16(),
+                (torch.randn(m.out_features, rank, generator=g) * 0.02).bfloat16(),
+            )
+            for n, m in targets.items()
+        }
         out[f"a{i}"] = save_adapter(folder / f"a{i}", modules, r=rank, lora_alpha=2 * rank)
     return out
 
 
-def make_traffic(names: list[str], n: int, s: float, learned_share: float, vocab: int, prompt_len: int,
-                 seed: int) -> list[dict]:
+def make_traffic(
+    names: list[str], n: int, s: float, learned_share: float, vocab: int, prompt_len: int, seed: int
+) -> list[dict]:
     """n requests: {"adapter": name} pinned or {"allowed": [2-4 names]} learned, and a prompt of token ids."""
     from molora.bench.serve import zipf_models
 
@@ -83,8 +89,10 @@ def make_traffic(names: list[str], n: int, s: float, learned_share: float, vocab
 
 def on_one(traffic: list[dict], name: str) -> list[dict]:
     """The same traffic with every adapter replaced by `name` (allowed sets collapse to [name])."""
-    return [{"adapter": name, "prompt": t["prompt"]} if "adapter" in t else {"allowed": [name], "prompt": t["prompt"]}
-            for t in traffic]
+    return [
+        {"adapter": name, "prompt": t["prompt"]} if "adapter" in t else {"allowed": [name], "prompt": t["prompt"]}
+        for t in traffic
+    ]
 
 
 def _rss_bytes() -> int:
@@ -92,8 +100,9 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def build_engine(base: Any, paths: dict[str, Path], slots: int, cpu_mib: int, max_num_seqs: int,
-                 admission: str, seed: int) -> Any:
+def build_engine(
+    base: Any, paths: dict[str, Path], slots: int, cpu_mib: int, max_num_seqs: int, admission: str, seed: int
+) -> Any:
     """A fresh engine over a copy of `base` with every adapter registered (read once, then cold or warm)."""
     import copy
 
@@ -102,16 +111,25 @@ def build_engine(base: Any, paths: dict[str, Path], slots: int, cpu_mib: int, ma
     from molora.routing.learned import LearnedRouter, LearnedRouterConfig, decoder_layers
 
     names = list(paths)
-    mm = attach(copy.deepcopy(base), {n: paths[n] for n in names[:1]}, slots=slots, target_modules=TARGETS,
-                check_base=False)
+    mm = attach(
+        copy.deepcopy(base), {n: paths[n] for n in names[:1]}, slots=slots, target_modules=TARGETS, check_base=False
+    )
     cfg = LearnedRouterConfig(tuple(names), mm.config.hidden_size, len(decoder_layers(mm.model)), placement="shared")
     router = LearnedRouter(cfg)
     with torch.no_grad():
         router.weight.normal_(generator=torch.Generator().manual_seed(seed))
     mm.router = router.to(next(mm.model.parameters()).device)
-    engine = Engine(mm, EngineConfig(max_num_seqs=max_num_seqs, max_tokens_per_step=max(256, 4 * max_num_seqs),
-                                     kv_budget_tokens=max_num_seqs * 256, max_model_len=256, stop_at_eos=False,
-                                     cpu_tier_bytes=cpu_mib << 20))
+    engine = Engine(
+        mm,
+        EngineConfig(
+            max_num_seqs=max_num_seqs,
+            max_tokens_per_step=max(256, 4 * max_num_seqs),
+            kv_budget_tokens=max_num_seqs * 256,
+            max_model_len=256,
+            stop_at_eos=False,
+            cpu_tier_bytes=cpu_mib << 20,
+        ),
+    )
     engine.scheduler.admission = admission
     for n in names[1:]:
         engine.load_adapter(n, paths[n])
@@ -136,8 +154,14 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
         while queue and len(engine.requests) < concurrency:
             i, t = queue.pop(0)
             needs = [t["adapter"]] if "adapter" in t else t["allowed"]
-            rid = engine.add_request(t["prompt"], params, adapter=t.get("adapter"), allowed_adapters=t.get("allowed"),
-                                     routing="auto" if "adapter" in t else "learned", request_id=f"r{i}")
+            rid = engine.add_request(
+                t["prompt"],
+                params,
+                adapter=t.get("adapter"),
+                allowed_adapters=t.get("allowed"),
+                routing="auto" if "adapter" in t else "learned",
+                request_id=f"r{i}",
+            )
             info[rid] = {"t_add": time.perf_counter(), "warm": all(hs.resident(n) for n in needs), "last": None}
         before = (hs.misses, hs.disk_reads, hs.reads_in_flight())
         s0 = time.perf_counter()
@@ -156,11 +180,15 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
                 elif r["warm"]:
                     warm_gaps["loads" if loads else "quiet"].append(now - r["last"])
                 r["last"] = now
-        reserved = sum(hs.reserved.values())   # the bound every step from the counters; HotSet.check every 10th
+        reserved = sum(hs.reserved.values())  # the bound every step from the counters; HotSet.check every 10th
         over = hs.reserved.get(hs.overdraft, 0) if hs.overdraft is not None else 0
         if hs.cpu_used + reserved > hs.cpu_budget + over:
             raise AssertionError(f"CPU tier {hs.cpu_used} + reserved {reserved} B over its budget {hs.cpu_budget} B")
-        sample = {"cpu_tier_bytes": hs.cpu_used, "reserved_bytes": reserved, "tier_plus_reserved": hs.cpu_used + reserved}
+        sample = {
+            "cpu_tier_bytes": hs.cpu_used,
+            "reserved_bytes": reserved,
+            "tier_plus_reserved": hs.cpu_used + reserved,
+        }
         if len(steps) % 10 == 1:
             hs.check()
             sample["rss_bytes"] = _rss_bytes()
@@ -170,13 +198,19 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
     wall = time.perf_counter() - t0
     ttft = {k: [r["ttft"] for r in info.values() if r["warm"] == (k == "warm")] for k in ("warm", "cold")}
     st = hs.stats()
-    return {"wall_s": round(wall, 3), "output_tokens": tokens, "tokens_per_s": round(tokens / wall, 3),
-            "steps": len(steps), "step_ms_median": round(1e3 * statistics.median(steps), 3),
-            "ttft_ms": {k: _dist(v) for k, v in ttft.items()},
-            "warm_itl_ms": {k: _dist(v) for k, v in warm_gaps.items()},
-            "memory": {"cpu_tier_budget": st["cpu_tier_budget"], "peak": peak, "samples": mem[::max(1, len(mem) // 60)]},
-            "hotset": {k: st[k] for k in ("hits", "misses", "evictions", "disk_reads", "prefetches",
-                                          "prefetch_deferred", "slots")}}
+    return {
+        "wall_s": round(wall, 3),
+        "output_tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 3),
+        "steps": len(steps),
+        "step_ms_median": round(1e3 * statistics.median(steps), 3),
+        "ttft_ms": {k: _dist(v) for k, v in ttft.items()},
+        "warm_itl_ms": {k: _dist(v) for k, v in warm_gaps.items()},
+        "memory": {"cpu_tier_budget": st["cpu_tier_budget"], "peak": peak, "samples": mem[:: max(1, len(mem) // 60)]},
+        "hotset": {
+            k: st[k] for k in ("hits", "misses", "evictions", "disk_reads", "prefetches", "prefetch_deferred", "slots")
+        },
+    }
 
 
 def _dist(xs: list[float]) -> dict:
@@ -184,12 +218,30 @@ def _dist(xs: list[float]) -> dict:
         return {"n": 0}
     xs = sorted(xs)
     q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))]
-    return {"n": len(xs), "median": round(1e3 * statistics.median(xs), 3), "p90": round(1e3 * q(0.9), 3),
-            "p99": round(1e3 * q(0.99), 3)}
+    return {
+        "n": len(xs),
+        "median": round(1e3 * statistics.median(xs), 3),
+        "p90": round(1e3 * q(0.9), 3),
+        "p99": round(1e3 * q(0.99), 3),
+    }
 
 
-def run(model: str, adapters: int, rank: int, requests: int, s: float, learned_share: float, prompt_len: int,
-        new_tokens: int, concurrency: int, slots: int, cpu_mib: int, repeats: int, seed: int, log: Any) -> dict:
+def run(
+    model: str,
+    adapters: int,
+    rank: int,
+    requests: int,
+    s: float,
+    learned_share: float,
+    prompt_len: int,
+    new_tokens: int,
+    concurrency: int,
+    slots: int,
+    cpu_mib: int,
+    repeats: int,
+    seed: int,
+    log: Any,
+) -> dict:
     from molora.bench.common import machine_info
     from molora.bench.model import load_model
 
@@ -204,36 +256,59 @@ def run(model: str, adapters: int, rank: int, requests: int, s: float, learned_s
         top = Counter(tr["adapter"] if "adapter" in tr else tr["allowed"][0] for tr in traffic).most_common(1)[0][0]
         runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
         for rep in range(repeats):
-            order = VARIANTS[rep % 3:] + VARIANTS[:rep % 3]
+            order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]
             for v in order:
-                engine = build_engine(base, paths, slots, cpu_mib, concurrency,
-                                      "fcfs" if v == "many_fcfs" else "slots", seed)
+                engine = build_engine(
+                    base, paths, slots, cpu_mib, concurrency, "fcfs" if v == "many_fcfs" else "slots", seed
+                )
                 out = run_traffic(engine, on_one(traffic, top) if v == "one" else traffic, concurrency, new_tokens)
                 engine.close()
                 runs[v].append(out)
-                log(f"  rep {rep} {v:<10} {out['tokens_per_s']:8.2f} tok/s  ttft warm {out['ttft_ms']['warm']} "
-                    f"cold {out['ttft_ms']['cold']}  misses {out['hotset']['misses']}")
+                log(
+                    f"  rep {rep} {v:<10} {out['tokens_per_s']:8.2f} tok/s  ttft warm {out['ttft_ms']['warm']} "
+                    f"cold {out['ttft_ms']['cold']}  misses {out['hotset']['misses']}"
+                )
     best = {v: statistics.median(r["tokens_per_s"] for r in runs[v]) for v in VARIANTS}
-    return {"bench": "hotset_traffic", "machine": machine_info(), "model": model, "adapters": adapters, "rank": rank,
-            "targets": list(TARGETS), "adapter_dtype": "bfloat16", "make_adapters_s": round(make_s, 2),
-            "requests": requests, "zipf_s": s, "learned_share": learned_share, "prompt_len": prompt_len,
-            "new_tokens": new_tokens, "concurrency": concurrency, "slots": slots, "cpu_tier_mib": cpu_mib,
-            "repeats": repeats, "seed": seed, "one_adapter": top,
-            "tokens_per_s": {v: round(x, 3) for v, x in best.items()},
-            "vs_one": {v: round(best[v] / best["one"], 4) for v in VARIANTS},
-            "runs": runs}
+    return {
+        "bench": "hotset_traffic",
+        "machine": machine_info(),
+        "model": model,
+        "adapters": adapters,
+        "rank": rank,
+        "targets": list(TARGETS),
+        "adapter_dtype": "bfloat16",
+        "make_adapters_s": round(make_s, 2),
+        "requests": requests,
+        "zipf_s": s,
+        "learned_share": learned_share,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "concurrency": concurrency,
+        "slots": slots,
+        "cpu_tier_mib": cpu_mib,
+        "repeats": repeats,
+        "seed": seed,
+        "one_adapter": top,
+        "tokens_per_s": {v: round(x, 3) for v, x in best.items()},
+        "vs_one": {v: round(best[v] / best["one"], 4) for v in VARIANTS},
+        "runs": runs,
+    }
 
 
 def format_table(out: dict) -> str:
-    lines = [f"Zipf s={out['zipf_s']} over {out['adapters']} adapters (r={out['rank']}), {out['requests']} requests, "
-             f"{out['concurrency']} in flight, {out['slots']} slots, CPU tier {out['cpu_tier_mib']} MiB:",
-             f"{'variant':<11} {'tok/s':>8} {'x one':>6} {'TTFT warm':>10} {'TTFT cold':>10} {'ITL quiet':>10} "
-             f"{'ITL loads':>10} {'peak tier+res MiB':>18}"]
+    lines = [
+        f"Zipf s={out['zipf_s']} over {out['adapters']} adapters (r={out['rank']}), {out['requests']} requests, "
+        f"{out['concurrency']} in flight, {out['slots']} slots, CPU tier {out['cpu_tier_mib']} MiB:",
+        f"{'variant':<11} {'tok/s':>8} {'x one':>6} {'TTFT warm':>10} {'TTFT cold':>10} {'ITL quiet':>10} "
+        f"{'ITL loads':>10} {'peak tier+res MiB':>18}",
+    ]
     for v in VARIANTS:
         r = out["runs"][v][-1]
         med = lambda d: d.get("median", float("nan"))
-        lines.append(f"{v:<11} {out['tokens_per_s'][v]:>8.2f} {out['vs_one'][v]:>6.3f} {med(r['ttft_ms']['warm']):>10.1f} "
-                     f"{med(r['ttft_ms']['cold']):>10.1f} {med(r['warm_itl_ms']['quiet']):>10.1f} "
-                     f"{med(r['warm_itl_ms']['loads']):>10.1f} "
-                     f"{r['memory']['peak']['tier_plus_reserved'] / 2**20:>18.1f}")
+        lines.append(
+            f"{v:<11} {out['tokens_per_s'][v]:>8.2f} {out['vs_one'][v]:>6.3f} {med(r['ttft_ms']['warm']):>10.1f} "
+            f"{med(r['ttft_ms']['cold']):>10.1f} {med(r['warm_itl_ms']['quiet']):>10.1f} "
+            f"{med(r['warm_itl_ms']['loads']):>10.1f} "
+            f"{r['memory']['peak']['tier_plus_reserved'] / 2**20:>18.1f}"
+        )
     return "\n".join(lines)

@@ -67,13 +67,22 @@ GOALS = {"prefill_vs_base": 1.15, "decode_b8_vs_base": 1.3, "xlora_over_molora":
 
 # ---------------------------------------------------------------------------------------------- models
 
+
 def tiny_llama(vocab: int = 1024, hidden: int = 128, layers: int = 4) -> nn.Module:
     """A small random Llama (fp32, eval), seeded: the "tiny config" where per-call overheads dominate."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
 
@@ -106,15 +115,27 @@ def lora_flops(cfg: Any, rank: int, targets: tuple[str, ...] = LLAMA_PROJECTIONS
     D, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     hd = getattr(cfg, "head_dim", None) or D // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    shapes = {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D),
-              "gate_proj": (D, I), "up_proj": (D, I), "down_proj": (I, D)}   # (d_in, d_out)
+    shapes = {
+        "q_proj": (D, q),
+        "k_proj": (D, kv),
+        "v_proj": (D, kv),
+        "o_proj": (q, D),
+        "gate_proj": (D, I),
+        "up_proj": (D, I),
+        "down_proj": (I, D),
+    }  # (d_in, d_out)
     body = L * sum(a * b for a, b in shapes.values())
     head = D * V
     lora = L * sum(rank * (a + b) for n, (a, b) in shapes.items() if n in targets)
-    return {"base_linear_macs_per_token": body + head, "base_body_macs_per_token": body,
-            "lm_head_macs_per_token": head, "lora_macs_per_token": lora,
-            "lora_vs_base": lora / (body + head), "lora_vs_body": lora / body,
-            "attention_macs_per_token_at_ctx": 2 * L * cfg.num_attention_heads * hd}  # x context length
+    return {
+        "base_linear_macs_per_token": body + head,
+        "base_body_macs_per_token": body,
+        "lm_head_macs_per_token": head,
+        "lora_macs_per_token": lora,
+        "lora_vs_base": lora / (body + head),
+        "lora_vs_body": lora / body,
+        "attention_macs_per_token_at_ctx": 2 * L * cfg.num_attention_heads * hd,
+    }  # x context length
 
 
 @dataclass
@@ -123,10 +144,10 @@ class Stack:
 
     name: str
     base: nn.Module
-    mm: Any                                   # MoLoRAModel, K adapters
+    mm: Any  # MoLoRAModel, K adapters
     names: list[str]
-    runner: Any = None                        # ModelRunner over mm
-    blocks_per_seq: int = 0                   # runner cache blocks owned by each sequence (fixed tables)
+    runner: Any = None  # ModelRunner over mm
+    blocks_per_seq: int = 0  # runner cache blocks owned by each sequence (fixed tables)
     peft: Any = None
     xlora: Any = None
     errors: dict[str, str] = field(default_factory=dict)
@@ -150,14 +171,28 @@ def _xlora(model: nn.Module, paths: dict[str, Path]) -> Any:
     every scaling pass) then fails with KeyError on any other name."""
     from peft import XLoraConfig, get_peft_model
 
-    model.config.use_cache = False      # XLoraModel raises "`use_cache` must be False" otherwise
-    cfg = XLoraConfig(task_type="CAUSAL_LM", hidden_size=model.config.hidden_size, xlora_depth=1,
-                      adapters={str(i): str(p) for i, p in enumerate(paths.values())})
+    model.config.use_cache = False  # XLoraModel raises "`use_cache` must be False" otherwise
+    cfg = XLoraConfig(
+        task_type="CAUSAL_LM",
+        hidden_size=model.config.hidden_size,
+        xlora_depth=1,
+        adapters={str(i): str(p) for i, p in enumerate(paths.values())},
+    )
     return get_peft_model(model, cfg).eval()
 
 
-def build_stack(name: str, base: nn.Module, folder: Path, k: int, rank: int, *, xlora: bool, bf16: bool,
-                max_len: int, max_batch: int) -> Stack:
+def build_stack(
+    name: str,
+    base: nn.Module,
+    folder: Path,
+    k: int,
+    rank: int,
+    *,
+    xlora: bool,
+    bf16: bool,
+    max_len: int,
+    max_batch: int,
+) -> Stack:
     from molora import attach
     from molora.model.runner import ModelRunner
 
@@ -180,6 +215,7 @@ def build_stack(name: str, base: nn.Module, folder: Path, k: int, rank: int, *, 
 
 # ---------------------------------------------------------------------------------------------- variants
 
+
 def _runner_meta(batch: int, q_len: int, ctx: int, blocks_per_seq: int) -> Any:
     from molora.model.batch import BatchMeta
 
@@ -197,11 +233,11 @@ def prefill_fns(st: Stack, batch: int, length: int, seed: int = 0) -> dict[str, 
 
     vocab, K, dev = st.base.config.vocab_size, len(st.names), _device(st.base)
     ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed)).to(dev)
-    aid = _random_routing((batch, length), K, seed + 1, dev)                  # [B, L] adapter indices
-    slots = st.mm.slot_routing(Routing(aid), aid.shape)[0]                  # [T, 1] bank slots
+    aid = _random_routing((batch, length), K, seed + 1, dev)  # [B, L] adapter indices
+    slots = st.mm.slot_routing(Routing(aid), aid.shape)[0]  # [T, 1] bank slots
     per_req = [st.names[b % K] for b in range(batch)]
-    tokens = ids.reshape(-1)                                                  # [T]
-    positions = torch.arange(length, device=dev).repeat(batch)                # [T]
+    tokens = ids.reshape(-1)  # [T]
+    positions = torch.arange(length, device=dev).repeat(batch)  # [T]
     meta = _runner_meta(batch, length, length, st.blocks_per_seq)
     kw = dict(logits_to_keep=1, use_cache=False)
     fns: dict[str, Callable[[], Any]] = {
@@ -210,7 +246,7 @@ def prefill_fns(st: Stack, batch: int, length: int, seed: int = 0) -> dict[str, 
         "runner_base": lambda: st.runner.forward(tokens, positions, meta, None, logits=True),
         "runner": lambda: st.runner.forward(tokens, positions, meta, StepRouting(slot_ids=slots), logits=True),
         "peft_mixed": lambda: st.peft(input_ids=ids, adapter_names=per_req, **kw),
-        "peft_single": lambda: st.peft(input_ids=ids, **kw),                 # its active adapter: the first
+        "peft_single": lambda: st.peft(input_ids=ids, **kw),  # its active adapter: the first
         "kpass": lambda: [st.mm(ids, adapter_ids=n, **kw) for n in st.names],
     }
     if st.xlora is not None:
@@ -236,8 +272,9 @@ def _kv_cache(model: nn.Module, batch: int, ctx: int, seed: int) -> Any:
     return cache
 
 
-def decode_fns(st: Stack, batch: int, ctx: int, seed: int = 0, *, xlora: bool = True
-               ) -> tuple[dict[str, Callable[[], Any]], dict[str, Callable[[], Any]]]:
+def decode_fns(
+    st: Stack, batch: int, ctx: int, seed: int = 0, *, xlora: bool = True
+) -> tuple[dict[str, Callable[[], Any]], dict[str, Callable[[], Any]]]:
     """(fns, resets): one decode step of `batch` sequences holding `ctx` cached tokens each. Each HF cache
     is cropped back to ctx after every call (untimed), so every sample decodes at the same length."""
     from molora.model.batch import StepRouting
@@ -245,16 +282,15 @@ def decode_fns(st: Stack, batch: int, ctx: int, seed: int = 0, *, xlora: bool = 
     vocab, K, dev = st.base.config.vocab_size, len(st.names), _device(st.base)
     nxt = torch.randint(0, vocab, (batch, 1), generator=torch.Generator().manual_seed(seed)).to(dev)
     aid = _random_routing((batch, 1), K, seed + 1, dev)
-    slots = st.mm.slot_routing(Routing(aid), aid.shape)[0]                  # [B, 1]
+    slots = st.mm.slot_routing(Routing(aid), aid.shape)[0]  # [B, 1]
     per_req = [st.names[b % K] for b in range(batch)]
     positions = torch.full((batch,), ctx, device=dev)
     meta = _runner_meta(batch, 1, ctx + 1, st.blocks_per_seq)
-    caches = {n: _kv_cache(st.base, batch, ctx, seed)
-              for n in ("base", "molora", "peft_mixed", "peft_single", "kpass")}
+    caches = {n: _kv_cache(st.base, batch, ctx, seed) for n in ("base", "molora", "peft_mixed", "peft_single", "kpass")}
     kw = dict(logits_to_keep=1, use_cache=True)
 
     def kpass() -> None:
-        for n in st.names:                               # K steps, each one adapter over every sequence
+        for n in st.names:  # K steps, each one adapter over every sequence
             st.mm(nxt, adapter_ids=n, cache=caches["kpass"], **kw)
             caches["kpass"].crop(-1)
 
@@ -262,8 +298,7 @@ def decode_fns(st: Stack, batch: int, ctx: int, seed: int = 0, *, xlora: bool = 
         "base": lambda: st.base(input_ids=nxt, cache=caches["base"], **kw),
         "molora": lambda: st.mm(nxt, adapter_ids=aid, cache=caches["molora"], **kw),
         "runner_base": lambda: st.runner.forward(nxt.reshape(-1), positions, meta, None, logits=True),
-        "runner": lambda: st.runner.forward(nxt.reshape(-1), positions, meta, StepRouting(slot_ids=slots),
-                                            logits=True),
+        "runner": lambda: st.runner.forward(nxt.reshape(-1), positions, meta, StepRouting(slot_ids=slots), logits=True),
         "peft_mixed": lambda: st.peft(input_ids=nxt, adapter_names=per_req, cache=caches["peft_mixed"], **kw),
         "peft_single": lambda: st.peft(input_ids=nxt, cache=caches["peft_single"], **kw),
         "kpass": kpass,
@@ -273,15 +308,16 @@ def decode_fns(st: Stack, batch: int, ctx: int, seed: int = 0, *, xlora: bool = 
         caches["molora_bf16"] = _kv_cache(st.base_bf16, batch, ctx, seed)
         fns["base_bf16"] = lambda: st.base_bf16(input_ids=nxt, cache=caches["base_bf16"], **kw)
         fns["molora_bf16"] = lambda: st.mm_bf16(nxt, adapter_ids=aid, cache=caches["molora_bf16"], **kw)
-    if xlora and st.xlora is not None:   # no KV cache in PEFT X-LoRA: one new token costs a forward over ctx + 1 tokens
+    if xlora and st.xlora is not None:  # no KV cache in PEFT X-LoRA: one new token costs a forward over ctx + 1 tokens
         full = torch.randint(0, vocab, (batch, ctx + 1), generator=torch.Generator().manual_seed(seed + 2)).to(dev)
         fns["xlora_recompute"] = lambda: st.xlora(input_ids=full, logits_to_keep=1)
     resets = {n: (lambda c=c: c.crop(-1)) for n, c in caches.items() if n != "kpass"}
     return fns, resets
 
 
-def kmodality_fns(mm: Any, base: nn.Module, K: int, batch: int, length: int, segment: int,
-                  seed: int = 0) -> dict[str, Callable[[], Any]]:
+def kmodality_fns(
+    mm: Any, base: nn.Module, K: int, batch: int, length: int, segment: int, seed: int = 0
+) -> dict[str, Callable[[], Any]]:
     """Sequences alternating K vocab-routed modalities: per-token (one pass, the VocabRouter decides)
     against per-sequence emulation (K passes, one adapter each over all tokens), plus the base."""
     from molora.routing import VocabRouter
@@ -292,7 +328,7 @@ def kmodality_fns(mm: Any, base: nn.Module, K: int, batch: int, length: int, seg
     router = VocabRouter([(i * span, (i + 1) * span, names[i]) for i in range(K)])
     g = torch.Generator().manual_seed(seed)
     pos = torch.arange(length)
-    modality = (pos[None, :] // segment + torch.arange(batch)[:, None]) % K            # [B, L]
+    modality = (pos[None, :] // segment + torch.arange(batch)[:, None]) % K  # [B, L]
     ids = (modality * span + torch.randint(0, span, (batch, length), generator=g)).to(_device(base))  # [B, L]
     kw = dict(logits_to_keep=1, use_cache=False)
     return {
@@ -304,11 +340,12 @@ def kmodality_fns(mm: Any, base: nn.Module, K: int, batch: int, length: int, seg
 
 # ---------------------------------------------------------------------------------------------- driver
 
+
 @dataclass
 class Plan:
     models: list[str]
     repeats: int
-    prefill: tuple[int, int]                  # (batch, length)
+    prefill: tuple[int, int]  # (batch, length)
     decode_batches: list[int]
     ctx: int
     kmod_Ks: list[int]
@@ -322,11 +359,16 @@ class Plan:
     xlora_decode_repeats: int = 2
 
 
-def _scenario(label: str, fns: dict, repeats: int, resets: dict | None = None,
-              max_repeats: dict | None = None, device: torch.device | None = None) -> dict:
+def _scenario(
+    label: str,
+    fns: dict,
+    repeats: int,
+    resets: dict | None = None,
+    max_repeats: dict | None = None,
+    device: torch.device | None = None,
+) -> dict:
     stderr_log(f"# {label}: {', '.join(fns)}")
-    t: Timing = time_interleaved(fns, repeats, reset=resets, max_repeats=max_repeats, log=stderr_log,
-                                 device=device)
+    t: Timing = time_interleaved(fns, repeats, reset=resets, max_repeats=max_repeats, log=stderr_log, device=device)
     out = t.summary("base")
     if "base_bf16" in out["ms"]:
         out["vs_base_bf16"] = t.ratios("base_bf16")
@@ -336,24 +378,54 @@ def _scenario(label: str, fns: dict, repeats: int, resets: dict | None = None,
 def bench_model(name: str, plan: Plan, folder: Path) -> dict:
     base = load_model(name)
     longest = max(plan.prefill[1], plan.ctx + 1)
-    st = build_stack(name, base, folder / name, plan.k, plan.rank, xlora=plan.xlora, bf16=plan.bf16,
-                     max_len=longest, max_batch=max([plan.prefill[0], *plan.decode_batches]))
+    st = build_stack(
+        name,
+        base,
+        folder / name,
+        plan.k,
+        plan.rank,
+        xlora=plan.xlora,
+        bf16=plan.bf16,
+        max_len=longest,
+        max_batch=max([plan.prefill[0], *plan.decode_batches]),
+    )
     cfg = base.config
-    res: dict[str, Any] = {"model": name, "config": {k: getattr(cfg, k) for k in (
-        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "vocab_size")}, "adapters": plan.k, "rank": plan.rank, "targets": list(LLAMA_PROJECTIONS),
-        "flops": lora_flops(cfg, plan.rank), "errors": st.errors}
+    res: dict[str, Any] = {
+        "model": name,
+        "config": {
+            k: getattr(cfg, k)
+            for k in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "vocab_size",
+            )
+        },
+        "adapters": plan.k,
+        "rank": plan.rank,
+        "targets": list(LLAMA_PROJECTIONS),
+        "flops": lora_flops(cfg, plan.rank),
+        "errors": st.errors,
+    }
     B, L = plan.prefill
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        res["prefill"] = {"batch": B, "length": L} | _scenario(f"{name} prefill {B}x{L}", prefill_fns(st, B, L),
-                                                                 plan.repeats, device=_device(base))
+        res["prefill"] = {"batch": B, "length": L} | _scenario(
+            f"{name} prefill {B}x{L}", prefill_fns(st, B, L), plan.repeats, device=_device(base)
+        )
         for b in plan.decode_batches:
             # X-LoRA's recompute step costs a whole prefill: measured at the smallest batch only
             fns, resets = decode_fns(st, b, plan.ctx, xlora=b == min(plan.decode_batches))
             res[f"decode_b{b}"] = {"batch": b, "context": plan.ctx} | _scenario(
-                f"{name} decode b={b} ctx={plan.ctx}", fns, plan.repeats, resets,
-                {"xlora_recompute": plan.xlora_decode_repeats}, _device(base))
+                f"{name} decode b={b} ctx={plan.ctx}",
+                fns,
+                plan.repeats,
+                resets,
+                {"xlora_recompute": plan.xlora_decode_repeats},
+                _device(base),
+            )
         if name in plan.kmod_models and plan.kmod_Ks:
             res["kmodality"] = bench_kmodality(st, plan)
     return res
@@ -370,8 +442,13 @@ def bench_kmodality(st: Stack, plan: Plan) -> list[dict]:
     for K in plan.kmod_Ks:
         fns = kmodality_fns(mm, st.base, K, plan.kmod_batch, plan.prefill[1], plan.segment)
         s = _scenario(f"{st.name} K-modality K={K}", fns, plan.repeats, device=_device(st.base))
-        s.update(K=K, batch=plan.kmod_batch, length=plan.prefill[1], segment=plan.segment,
-                 speedup_of_medians=round(s["ms"]["per_sequence"] / s["ms"]["per_token"], 3))
+        s.update(
+            K=K,
+            batch=plan.kmod_batch,
+            length=plan.prefill[1],
+            segment=plan.segment,
+            speedup_of_medians=round(s["ms"]["per_sequence"] / s["ms"]["per_token"], 3),
+        )
         s["speedup"] = round(scenario_ratio(s, "per_sequence", "per_token"), 3)
         rows.append(s)
     return rows
@@ -390,30 +467,54 @@ def goals(results: list[dict]) -> dict:
     def ratio(s: dict, a: str, b: str, stat: str) -> float:
         return round(s[stat][a] / s[stat][b], 4)
 
-    def add(name: str, text: str, limit: float, pairs: dict[str, tuple[dict, str, str]],
-            at_least: bool = False) -> None:
+    def add(
+        name: str, text: str, limit: float, pairs: dict[str, tuple[dict, str, str]], at_least: bool = False
+    ) -> None:
         values = {k: ratio(s, a, b, "ms") for k, (s, a, b) in pairs.items()}
         values_min = {k: ratio(s, a, b, "ms_min") for k, (s, a, b) in pairs.items()}
-        values_paired = {k: rounded(list(paired_ratio(s["samples_ms"][a], s["samples_ms"][b])))
-                         for k, (s, a, b) in pairs.items()}
+        values_paired = {
+            k: rounded(list(paired_ratio(s["samples_ms"][a], s["samples_ms"][b]))) for k, (s, a, b) in pairs.items()
+        }
         met = {k: (v[0] >= limit if at_least else v[0] <= limit) for k, v in values_paired.items()}
-        rows.append({"name": name, "goal": text, "limit": limit, "values": values, "values_min": values_min,
-                     "values_paired": values_paired, "met": met})
+        rows.append(
+            {
+                "name": name,
+                "goal": text,
+                "limit": limit,
+                "values": values,
+                "values_min": values_min,
+                "values_paired": values_paired,
+                "met": met,
+            }
+        )
 
     pre = r["prefill"]
-    add("prefill_vs_base", f"prefill {pre['batch']}x{pre['length']}: time / base <= {GOALS['prefill_vs_base']}",
-        GOALS["prefill_vs_base"], {k: (pre, k, "base") for k in ("molora", "runner")})
+    add(
+        "prefill_vs_base",
+        f"prefill {pre['batch']}x{pre['length']}: time / base <= {GOALS['prefill_vs_base']}",
+        GOALS["prefill_vs_base"],
+        {k: (pre, k, "base") for k in ("molora", "runner")},
+    )
     decodes = sorted((x for x in r if x.startswith("decode_b")), key=lambda k: (k != "decode_b8", r[k]["batch"]))
     if decodes:
         d = r[decodes[0]]
-        add("decode_vs_base", f"decode step, batch {d['batch']}: time / base <= {GOALS['decode_b8_vs_base']}",
-            GOALS["decode_b8_vs_base"], {k: (d, k, "base") for k in ("molora", "runner")})
+        add(
+            "decode_vs_base",
+            f"decode step, batch {d['batch']}: time / base <= {GOALS['decode_b8_vs_base']}",
+            GOALS["decode_b8_vs_base"],
+            {k: (d, k, "base") for k in ("molora", "runner")},
+        )
     if "xlora" in pre["ms"]:
         pairs = {"prefill": (pre, "xlora", "molora")}
         if decodes and "xlora_recompute" in r[decodes[0]]["ms"]:
             pairs[decodes[0]] = (r[decodes[0]], "xlora_recompute", "molora")
-        add("xlora_over_molora", f"X-LoRA time / molora time >= {GOALS['xlora_over_molora']} at K={r['adapters']}",
-            GOALS["xlora_over_molora"], pairs, at_least=True)
+        add(
+            "xlora_over_molora",
+            f"X-LoRA time / molora time >= {GOALS['xlora_over_molora']} at K={r['adapters']}",
+            GOALS["xlora_over_molora"],
+            pairs,
+            at_least=True,
+        )
     return {"model": r["model"], "rows": rows}
 
 
@@ -422,8 +523,13 @@ def run(plan: Plan) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for name in plan.models:
             results.append(bench_model(name, plan, Path(tmp)))
-    return {"bench": "model", "machine": machine_info(), "plan": plan.__dict__, "results": results,
-            "goals": goals(results)}
+    return {
+        "bench": "model",
+        "machine": machine_info(),
+        "plan": plan.__dict__,
+        "results": results,
+        "goals": goals(results),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -441,11 +547,20 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(p)
     a = p.parse_args(argv)
     threads = set_threads(a.threads)
-    plan = Plan(models=a.models, repeats=3 if a.quick and a.repeats == 5 else a.repeats, prefill=tuple(a.prefill),
-                decode_batches=a.decode_batches, ctx=a.context, kmod_Ks=a.kmod_Ks,
-                kmod_batch=1 if a.quick and a.kmod_batch == 8 else a.kmod_batch, kmod_models=a.models,
-                segment=a.segment, bf16=not a.no_bf16, xlora=not a.no_xlora,
-                xlora_decode_repeats=1 if a.quick else 2)
+    plan = Plan(
+        models=a.models,
+        repeats=3 if a.quick and a.repeats == 5 else a.repeats,
+        prefill=tuple(a.prefill),
+        decode_batches=a.decode_batches,
+        ctx=a.context,
+        kmod_Ks=a.kmod_Ks,
+        kmod_batch=1 if a.quick and a.kmod_batch == 8 else a.kmod_batch,
+        kmod_models=a.models,
+        segment=a.segment,
+        bf16=not a.no_bf16,
+        xlora=not a.no_xlora,
+        xlora_decode_repeats=1 if a.quick else 2,
+    )
     stderr_log(f"# molora bench model: {plan} threads={threads}")
     out = run(plan)
     print(format_table(out))

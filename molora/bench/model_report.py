@@ -18,21 +18,30 @@ def format_table(out: dict) -> str:
     for r in out["results"]:
         scen = [("prefill", r["prefill"])] + [(k, r[k]) for k in r if k.startswith("decode_b")]
         names = list(dict.fromkeys(n for _, s in scen for n in s["ms"]))
-        lines.append(f"== {r['model']}  (LoRA MACs / base MACs per token: {r['flops']['lora_vs_base']:.3f}; "
-                     f"/ body without lm_head: {r['flops']['lora_vs_body']:.3f})")
+        lines.append(
+            f"== {r['model']}  (LoRA MACs / base MACs per token: {r['flops']['lora_vs_base']:.3f}; "
+            f"/ body without lm_head: {r['flops']['lora_vs_body']:.3f})"
+        )
         lines.append(f"{'scenario':<12}" + "".join(f"{n:>17}" for n in names) + "   (ms, paired ratio to base)")
         for label, s in scen:
-            cells = "".join(f"{s['ms'][n]:>9.2f} ({s['paired_vs_base'][n][0]:>4.2f}x)" if n in s["ms"]
-                            else f"{'-':>17}" for n in names)
+            cells = "".join(
+                f"{s['ms'][n]:>9.2f} ({s['paired_vs_base'][n][0]:>4.2f}x)" if n in s["ms"] else f"{'-':>17}"
+                for n in names
+            )
             lines.append(f"{label:<12}{cells}")
         for row in r.get("kmodality", []):
-            lines.append(f"K-modality K={row['K']}: per-token {row['ms']['per_token']:.1f} ms, per-sequence "
-                         f"{row['ms']['per_sequence']:.1f} ms: speedup {row['speedup']:.2f}x (limit {row['K']}x)")
+            lines.append(
+                f"K-modality K={row['K']}: per-token {row['ms']['per_token']:.1f} ms, per-sequence "
+                f"{row['ms']['per_sequence']:.1f} ms: speedup {row['speedup']:.2f}x (limit {row['K']}x)"
+            )
         if r["errors"]:
             lines.append(f"errors: {r['errors']}")
     for g in out["goals"]["rows"]:
-        vals = ", ".join(f"{k} {v[0]:.2f} [{v[1]:.2f}-{v[2]:.2f}], medians {g['values'][k]:.2f} "
-                         f"({'met' if g['met'][k] else 'NOT met'})" for k, v in g["values_paired"].items())
+        vals = ", ".join(
+            f"{k} {v[0]:.2f} [{v[1]:.2f}-{v[2]:.2f}], medians {g['values'][k]:.2f} "
+            f"({'met' if g['met'][k] else 'NOT met'})"
+            for k, v in g["values_paired"].items()
+        )
         lines.append(f"goal [{out['goals']['model']}] {g['goal']}: {vals}")
     return "\n".join(lines)
 
@@ -47,7 +56,7 @@ def plot(out: dict, path: str) -> None:
     res = out["results"]
     kmod = [r for r in res if r.get("kmodality")]
     fig, axes = plt.subplots(1, len(res) + bool(kmod), figsize=(6 * len(res) + 4 * bool(kmod), 5), squeeze=False)
-    top = 2.0   # linear scale clipped at 2x base, so 1.05x and 1.3x stay apart; taller bars carry their value
+    top = 2.0  # linear scale clipped at 2x base, so 1.05x and 1.3x stay apart; taller bars carry their value
     for ax, r in zip(axes[0], res):
         scen = ["prefill"] + [k for k in r if k.startswith("decode_b")]
         names = list(dict.fromkeys(n for s in scen for n in r[s]["vs_base"]))
@@ -60,20 +69,31 @@ def plot(out: dict, path: str) -> None:
                 if y > top:
                     ax.text(x, top, f"{y:.1f}x", rotation=90, ha="center", va="top", fontsize=7, color="white")
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set(ylim=(0, top), ylabel="time / base (median of per-repetition ratios)", title=f"{r['model']}",
-               xticks=[j + 0.4 - width / 2 for j in range(len(scen))], xticklabels=scen)
+        ax.set(
+            ylim=(0, top),
+            ylabel="time / base (median of per-repetition ratios)",
+            title=f"{r['model']}",
+            xticks=[j + 0.4 - width / 2 for j in range(len(scen))],
+            xticklabels=scen,
+        )
         ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     if kmod:
         ax = axes[0][-1]
         for r in kmod:
             Ks = [row["K"] for row in r["kmodality"]]
-            ax.plot(Ks, [scenario_ratio(row, "per_sequence", "per_token") for row in r["kmodality"]], marker="o",
-                    label=f"{r['model']} measured")
+            ax.plot(
+                Ks,
+                [scenario_ratio(row, "per_sequence", "per_token") for row in r["kmodality"]],
+                marker="o",
+                label=f"{r['model']} measured",
+            )
         ax.plot(Ks, Ks, "k--", lw=0.8, label="K (the limit)")
-        ax.set(xlabel="K modalities", ylabel="per-sequence (K passes) / per-token (1 pass)",
-               title="K-modality workload", xticks=Ks)
+        ax.set(
+            xlabel="K modalities",
+            ylabel="per-sequence (K passes) / per-token (1 pass)",
+            title="K-modality workload",
+            xticks=Ks,
+        )
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-

@@ -39,8 +39,15 @@ def _inputs(T: int, K: int, r: int, d: int, d_out: int, top_k: int, dtype: torch
     rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.05).to(dtype)  # noqa: E731
     ids = torch.randint(0, K, (T, top_k), generator=g)
     weights = torch.softmax(torch.randn(T, top_k, generator=g), -1).to(dtype) if top_k > 1 else None
-    return dict(x=rand(T, d), A=rand(K, r, d), B=rand(K, r, d_out).transpose(1, 2), scale=torch.full((K,), 2.0),
-                slot_ids=ids, weights=weights, W=rand(d_out, d))
+    return dict(
+        x=rand(T, d),
+        A=rand(K, r, d),
+        B=rand(K, r, d_out).transpose(1, 2),
+        scale=torch.full((K,), 2.0),
+        slot_ids=ids,
+        weights=weights,
+        W=rand(d_out, d),
+    )
 
 
 def _variant_fns(inp: dict, variants: Sequence[str]) -> dict[str, Callable[[], Tensor]]:
@@ -99,8 +106,12 @@ def bench_ops(
                 for r in ranks:
                     inp = _inputs(T, K, r, d, d_out, top_k, dtype, seed=T * 1000 + K * 10 + r)
                     t = time_interleaved(_variant_fns(inp, variants), repeats, warmup=2)
-                    rows.append(_row(T, K, r, d, d_out, top_k, dtype, t.median) | {"ms_min": _round(t.min)}
-                                | _paired(t) | {"auto_backend": _auto_backend(inp)})
+                    rows.append(
+                        _row(T, K, r, d, d_out, top_k, dtype, t.median)
+                        | {"ms_min": _round(t.min)}
+                        | _paired(t)
+                        | {"auto_backend": _auto_backend(inp)}
+                    )
     return rows
 
 
@@ -115,8 +126,11 @@ def _auto_backend(inp: dict) -> str:
 def _paired(t: Timing) -> dict:
     """auto's per-repetition ratios to single and to kpass: [median, lower, upper quartile]
     (`molora.bench.common.paired_ratio`)."""
-    return {f"paired_vs_{ref}": {"auto": [round(v, 4) for v in t.paired("auto", ref)]}
-            for ref in ("single", "kpass") if "auto" in t.samples and ref in t.samples}
+    return {
+        f"paired_vs_{ref}": {"auto": [round(v, 4) for v in t.paired("auto", ref)]}
+        for ref in ("single", "kpass")
+        if "auto" in t.samples and ref in t.samples
+    }
 
 
 def _round(ms: dict[str, float]) -> dict[str, float]:
@@ -124,8 +138,17 @@ def _round(ms: dict[str, float]) -> dict[str, float]:
 
 
 def _row(T: int, K: int, r: int, d: int, d_out: int, top_k: int, dtype: torch.dtype, ms: dict) -> dict:
-    row: dict = dict(T=T, K=K, r=r, d=d, d_out=d_out, top_k=top_k, dtype=str(dtype).removeprefix("torch."),
-                     threads=torch.get_num_threads(), ms=_round(ms))
+    row: dict = dict(
+        T=T,
+        K=K,
+        r=r,
+        d=d,
+        d_out=d_out,
+        top_k=top_k,
+        dtype=str(dtype).removeprefix("torch."),
+        threads=torch.get_num_threads(),
+        ms=_round(ms),
+    )
     ops = [v for v in VARIANTS_OPS if v in ms]
     row["vs_single"] = {v: round(ms[v] / ms["single"], 3) for v in ops}
     row["vs_kpass"] = {v: round(ms[v] / ms["kpass"], 3) for v in ops}
@@ -144,8 +167,10 @@ def format_table(rows: list[dict], stat: str = "ms") -> str:
         ms = row[stat]
         cells = " ".join(f"{ms[n]:>12.3f}" for n in names)
         fastest = min((v for v in VARIANTS_OPS if v in ms and v != "auto"), key=ms.__getitem__)
-        lines.append(f"{row['T']:>5} {row['K']:>3} {row['r']:>3} {cells} {ms['auto'] / ms['single']:>11.2f} "
-                     f"{ms['auto'] / ms['kpass']:>10.2f} {ms['auto'] / ms['base']:>9.2f}  {fastest}")
+        lines.append(
+            f"{row['T']:>5} {row['K']:>3} {row['r']:>3} {cells} {ms['auto'] / ms['single']:>11.2f} "
+            f"{ms['auto'] / ms['kpass']:>10.2f} {ms['auto'] / ms['base']:>9.2f}  {fastest}"
+        )
     return "\n".join(lines)
 
 
@@ -166,9 +191,11 @@ def fit_cost_model(rows: list[dict], stat: str = "ms_min") -> dict[str, list[flo
     to these rows, minimizing relative error; one refit drops points > 60% off (other jobs' noise)."""
     coef = {}
     for backend in ("stacked_mask", "sort_group"):
-        X = torch.tensor([cost_features(backend, r["T"], r["K"], r["top_k"], r["r"], r["d"] + r["d_out"])
-                          for r in rows], dtype=torch.float64)
-        y = torch.tensor([r[stat][backend] * 1e3 for r in rows], dtype=torch.float64)   # us
+        X = torch.tensor(
+            [cost_features(backend, r["T"], r["K"], r["top_k"], r["r"], r["d"] + r["d_out"]) for r in rows],
+            dtype=torch.float64,
+        )
+        y = torch.tensor([r[stat][backend] * 1e3 for r in rows], dtype=torch.float64)  # us
         keep = torch.ones_like(y, dtype=torch.bool)
         for _ in range(2):
             c = _nnls(X[keep] / y[keep, None], torch.ones(int(keep.sum()), dtype=torch.float64))
@@ -216,10 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-out", type=int, default=None, help="output size d_out (default: d)")
     p.add_argument("--top-k", type=int, default=1, help="choices per token (2: weighted top-2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="timed repetitions (medians reported; default 10, --quick: 5)")
-    p.add_argument("--stat", choices=["median", "min"], default="median",
-                   help="statistic in the table (min resists noise from other jobs on a shared CPU)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed repetitions (medians reported; default 10, --quick: 5)"
+    )
+    p.add_argument(
+        "--stat",
+        choices=["median", "min"],
+        default="median",
+        help="statistic in the table (min resists noise from other jobs on a shared CPU)",
+    )
     p.add_argument("--skip-gather", action="store_true", help="skip the compiled gather backend")
     p.add_argument("--fit", action="store_true", help="refit the auto rule's cost model to this run")
     a = p.parse_args(argv)
@@ -228,14 +260,25 @@ def main(argv: list[str] | None = None) -> int:
         a.Ts, a.Ks, a.ranks, a.skip_gather = [1, 64, 512, 4096], [1, 4], [16], True
     if a.repeats is None:
         a.repeats = 5 if a.quick else 10
-    rows = bench_ops(a.Ts, a.Ks, a.ranks, a.d, a.repeats, d_out=a.d_out, top_k=a.top_k,
-                     dtype=getattr(torch, a.dtype), gather=not a.skip_gather)
+    rows = bench_ops(
+        a.Ts,
+        a.Ks,
+        a.ranks,
+        a.d,
+        a.repeats,
+        d_out=a.d_out,
+        top_k=a.top_k,
+        dtype=getattr(torch, a.dtype),
+        gather=not a.skip_gather,
+    )
     stat = "ms" if a.stat == "median" else "ms_min"
     print(format_table(rows, stat))
     if a.fit:
         coef = fit_cost_model(rows, stat)
-        print(f"fitted STACKED_US = {tuple(coef['stacked_mask'])}, SORTED_US = {tuple(coef['sort_group'])}; "
-              "auto / faster eager backend: mean %.3f, max %.2f" % auto_regret(rows, stat))
+        print(
+            f"fitted STACKED_US = {tuple(coef['stacked_mask'])}, SORTED_US = {tuple(coef['sort_group'])}; "
+            "auto / faster eager backend: mean %.3f, max %.2f" % auto_regret(rows, stat)
+        )
     if a.plot:
         plot(rows, a.plot, stat)
     emit({"bench": "ops", "machine": machine_info(), "repeats": a.repeats, "rows": rows}, a.json)

@@ -71,8 +71,14 @@ def zipf_models(models: Sequence[str], n: int, s: float, seed: int = 0) -> list[
 async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Sample:
     """One streamed chat request: TTFT from send to the first chunk with text, TPOT from there to the
     last chunk of the stream over the remaining completion tokens (usage counts them)."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
@@ -98,8 +104,9 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
     return Sample(True, tokens, None if first is None else first - t0, tpot, end - t0, text="".join(text))
 
 
-async def run_level(url: str, headers: dict[str, str], work: list[tuple[str, str]], concurrency: int,
-                    max_tokens: int) -> tuple[list[Sample], float]:
+async def run_level(
+    url: str, headers: dict[str, str], work: list[tuple[str, str]], concurrency: int, max_tokens: int
+) -> tuple[list[Sample], float]:
     """All of `work` (model, prompt) through `concurrency` closed-loop clients; (samples, wall seconds)."""
     queue: asyncio.Queue[tuple[int, tuple[str, str]]] = asyncio.Queue()
     for item in enumerate(work):
@@ -107,6 +114,7 @@ async def run_level(url: str, headers: dict[str, str], work: list[tuple[str, str
     samples: list[Sample] = [Sample(False, error="not run")] * len(work)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+
         async def worker() -> None:
             while not queue.empty():
                 i, (model, prompt) = queue.get_nowait()
@@ -129,16 +137,22 @@ def summarize(concurrency: int, samples: list[Sample], wall: float) -> dict[str,
     ttft = [s.ttft for s in ok if s.ttft is not None]
     tpot = [s.tpot for s in ok if s.tpot is not None]
     ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
-    return {"concurrency": concurrency, "requests": len(samples), "errors": len(samples) - len(ok),
-            "output_tok_s": round(sum(s.tokens for s in ok) / wall, 2), "req_s": round(len(ok) / wall, 3),
-            "ttft_p50_ms": ms(pct(ttft, 50)), "ttft_p99_ms": ms(pct(ttft, 99)),
-            "tpot_p50_ms": ms(pct(tpot, 50)), "tpot_p99_ms": ms(pct(tpot, 99)),
-            "latency_p50_ms": ms(pct([s.latency for s in ok], 50)),
-            "first_error": next((s.error for s in samples if not s.ok), None)}
+    return {
+        "concurrency": concurrency,
+        "requests": len(samples),
+        "errors": len(samples) - len(ok),
+        "output_tok_s": round(sum(s.tokens for s in ok) / wall, 2),
+        "req_s": round(len(ok) / wall, 3),
+        "ttft_p50_ms": ms(pct(ttft, 50)),
+        "ttft_p99_ms": ms(pct(ttft, 99)),
+        "tpot_p50_ms": ms(pct(tpot, 50)),
+        "tpot_p99_ms": ms(pct(tpot, 99)),
+        "latency_p50_ms": ms(pct([s.latency for s in ok], 50)),
+        "first_error": next((s.error for s in samples if not s.ok), None),
+    }
 
 
-def hf_baseline(mm: Any, work: list[tuple[str, str]], batch: int, max_tokens: int,
-                served_name: str) -> dict[str, Any]:
+def hf_baseline(mm: Any, work: list[tuple[str, str]], batch: int, max_tokens: int, served_name: str) -> dict[str, Any]:
     """The same requests through transformers `generate`: static left-padded batches of `batch`, one model each.
 
     mm: a `MoLoRAModel` of the same bundle (`molora.bundle.load`), not shared with the engine.
@@ -153,7 +167,7 @@ def hf_baseline(mm: Any, work: list[tuple[str, str]], batch: int, max_tokens: in
     t0 = time.perf_counter()
     for start in range(0, len(work), batch):
         by_model: dict[str, list[str]] = {}
-        for model, prompt in work[start:start + batch]:
+        for model, prompt in work[start : start + batch]:
             by_model.setdefault(model, []).append(prompt)
         for model, prompts in by_model.items():
             adapter = model.partition(":")[2] if model != served_name else None
@@ -163,28 +177,47 @@ def hf_baseline(mm: Any, work: list[tuple[str, str]], batch: int, max_tokens: in
             x = torch.tensor([[pad] * (width - len(r)) + r for r in ids])
             mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
             t1 = time.perf_counter()
-            out = mm.generate(x, mask, adapter_ids=spec, max_new_tokens=max_tokens, eos_token_id=stops,
-                              pad_token_id=pad)
+            out = mm.generate(
+                x, mask, adapter_ids=spec, max_new_tokens=max_tokens, eos_token_id=stops, pad_token_id=pad
+            )
             latencies += [time.perf_counter() - t1] * len(prompts)
             for row in out[:, width:].tolist():
                 tokens += next((i for i, t in enumerate(row) if t in stops), len(row))
     wall = time.perf_counter() - t0
-    return {"batch": batch, "output_tok_s": round(tokens / wall, 2), "req_s": round(len(work) / wall, 3),
-            "latency_p50_ms": round(pct(latencies, 50) * 1000, 2),
-            "latency_p99_ms": round(pct(latencies, 99) * 1000, 2)}
+    return {
+        "batch": batch,
+        "output_tok_s": round(tokens / wall, 2),
+        "req_s": round(len(work) / wall, 3),
+        "latency_p50_ms": round(pct(latencies, 50) * 1000, 2),
+        "latency_p99_ms": round(pct(latencies, 99) * 1000, 2),
+    }
 
 
-def start_server(bundle: str | None, max_concurrency: int, timeout_s: float = 600.0,
-                 ray_replicas: int | None = None, ray_ingress: str = "serve") -> tuple[subprocess.Popen, str]:
+def start_server(
+    bundle: str | None,
+    max_concurrency: int,
+    timeout_s: float = 600.0,
+    ray_replicas: int | None = None,
+    ray_ingress: str = "serve",
+) -> tuple[subprocess.Popen, str]:
     """`molora serve` in a child process (so the load generator does not share its GIL) on a free port;
     with ray_replicas, `molora serve --ray --replicas N --ray-ingress KIND` (Ray and every replica stop with
     it)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-c", "import sys; from molora.cli import main; sys.exit(main(sys.argv[1:]))", "serve",
-           "--port", str(port), "--max-queue", str(max(64, 2 * max_concurrency)),
-           "--max-num-seqs", str(max(64, max_concurrency))] + (["--bundle", bundle] if bundle else [])
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from molora.cli import main; sys.exit(main(sys.argv[1:]))",
+        "serve",
+        "--port",
+        str(port),
+        "--max-queue",
+        str(max(64, 2 * max_concurrency)),
+        "--max-num-seqs",
+        str(max(64, max_concurrency)),
+    ] + (["--bundle", bundle] if bundle else [])
     if ray_replicas is not None:
         cmd += ["--ray", "--replicas", str(ray_replicas), "--ray-ingress", ray_ingress]
     proc = subprocess.Popen(cmd, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
@@ -202,9 +235,12 @@ def start_server(bundle: str | None, max_concurrency: int, timeout_s: float = 60
 
 
 def _print_row(r: dict[str, Any]) -> None:
-    print(f"{r['concurrency']:>5} {r['requests']:>5} {r['errors']:>4} {r['output_tok_s']:>10} {r['req_s']:>7} "
-          f"{r['ttft_p50_ms']!s:>9} {r['ttft_p99_ms']!s:>9} {r['tpot_p50_ms']!s:>9} {r['tpot_p99_ms']!s:>9}"
-          + (f"   hf: {r['hf']['output_tok_s']} tok/s ({r['speedup_vs_hf']}x)" if "hf" in r else ""), flush=True)
+    print(
+        f"{r['concurrency']:>5} {r['requests']:>5} {r['errors']:>4} {r['output_tok_s']:>10} {r['req_s']:>7} "
+        f"{r['ttft_p50_ms']!s:>9} {r['ttft_p99_ms']!s:>9} {r['tpot_p50_ms']!s:>9} {r['tpot_p99_ms']!s:>9}"
+        + (f"   hf: {r['hf']['output_tok_s']} tok/s ({r['speedup_vs_hf']}x)" if "hf" in r else ""),
+        flush=True,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -219,11 +255,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mixed-share", type=float, default=0.3, help="share of multi-skill prompts (default 0.3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baseline", action="store_true", help="also time transformers generate (local server only)")
-    ap.add_argument("--ray", action="store_true",
-                    help="compare molora serve with molora serve --ray side by side (servers started here)")
+    ap.add_argument(
+        "--ray",
+        action="store_true",
+        help="compare molora serve with molora serve --ray side by side (servers started here)",
+    )
     ap.add_argument("--replicas", type=int, default=1, help="engine replicas of the --ray server (default 1)")
-    ap.add_argument("--ray-ingress", choices=("serve", "process"), default="serve",
-                    help="--ray: where the --ray server's HTTP app runs (molora serve --ray-ingress)")
+    ap.add_argument(
+        "--ray-ingress",
+        choices=("serve", "process"),
+        default="serve",
+        help="--ray: where the --ray server's HTTP app runs (molora serve --ray-ingress)",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="--ray: runs per level and server, order rotated")
     ap.add_argument("--json", metavar="OUT", help="also write the result JSON to this file")
     args = ap.parse_args(argv)
@@ -247,14 +290,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         served = models[0]
         print(f"# {url}: models {models}, Zipf s={args.zipf}", flush=True)
         asyncio.run(run_level(url, headers, [(served, "Warm up.")] * 2, 2, 8))
-        print(f"{'conc':>5} {'reqs':>5} {'err':>4} {'out tok/s':>10} {'req/s':>7} {'ttft p50':>9} {'ttft p99':>9} "
-              f"{'tpot p50':>9} {'tpot p99':>9}   (ms)")
+        print(
+            f"{'conc':>5} {'reqs':>5} {'err':>4} {'out tok/s':>10} {'req/s':>7} {'ttft p50':>9} {'ttft p99':>9} "
+            f"{'tpot p50':>9} {'tpot p99':>9}   (ms)"
+        )
         results: list[dict[str, Any]] = []
         hf_model = None
         for c in levels:
             n = args.requests or max(16, 2 * c)
-            work = list(zip(zipf_models(models, n, args.zipf, args.seed + c), make_prompts(n, args.seed + c,
-                                                                                               args.mixed_share)))
+            work = list(
+                zip(zipf_models(models, n, args.zipf, args.seed + c), make_prompts(n, args.seed + c, args.mixed_share))
+            )
             samples, wall = asyncio.run(run_level(url, headers, work, c, args.max_tokens))
             row = summarize(c, samples, wall)
             if args.baseline:
@@ -270,8 +316,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if server is not None:
             server.terminate()  # SIGTERM: the server drains (nothing is in flight) and exits
             server.wait(60)
-    out = {"bench": "serve", "url": args.url or "local", "models": models, "zipf": args.zipf,
-           "max_tokens": args.max_tokens, "levels": results}
+    out = {
+        "bench": "serve",
+        "url": args.url or "local",
+        "models": models,
+        "zipf": args.zipf,
+        "max_tokens": args.max_tokens,
+        "levels": results,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
@@ -291,13 +343,17 @@ def compare_ray(args: argparse.Namespace, levels: list[int]) -> int:
         models = [m["id"] for m in httpx.get(urls["plain"] + "/models", timeout=30).json()["data"]]
         for url in urls.values():  # warm both: the Ray replica loads the bundle on its first request
             asyncio.run(run_level(url, {}, [(m, "Warm up.") for m in models], 2, 8))
-        print(f"# plain {urls['plain']} vs ray --replicas {args.replicas} --ray-ingress {args.ray_ingress} "
-              f"{urls['ray']}; models {models}", flush=True)
+        print(
+            f"# plain {urls['plain']} vs ray --replicas {args.replicas} --ray-ingress {args.ray_ingress} "
+            f"{urls['ray']}; models {models}",
+            flush=True,
+        )
         results = []
         for c in levels:
             n = args.requests or max(16, 2 * c)
-            work = list(zip(zipf_models(models, n, args.zipf, args.seed + c),
-                            make_prompts(n, args.seed + c, args.mixed_share)))
+            work = list(
+                zip(zipf_models(models, n, args.zipf, args.seed + c), make_prompts(n, args.seed + c, args.mixed_share))
+            )
             runs: dict[str, list[dict[str, Any]]] = {"plain": [], "ray": []}
             texts: dict[str, list[str]] = {}
             latencies: dict[str, list[list[float | None]]] = {"plain": [], "ray": []}
@@ -308,31 +364,56 @@ def compare_ray(args: argparse.Namespace, levels: list[int]) -> int:
                     texts[name] = [smp.text if smp.ok else None for smp in samples]
                     latencies[name].append([smp.latency if smp.ok else None for smp in samples])
             # the same request in both servers, repetition by repetition: the median of its latency difference
-            paired = [1000 * (r - p) for rp, pp in zip(latencies["ray"], latencies["plain"])
-                      for r, p in zip(rp, pp) if r is not None and p is not None]
+            paired = [
+                1000 * (r - p)
+                for rp, pp in zip(latencies["ray"], latencies["plain"])
+                for r, p in zip(rp, pp)
+                if r is not None and p is not None
+            ]
             same = sum(a is not None and a == b for a, b in zip(texts["plain"], texts["ray"]))
             ratios = [r["output_tok_s"] / max(p["output_tok_s"], 1e-9) for p, r in zip(runs["plain"], runs["ray"])]
-            added = [r["latency_p50_ms"] - p["latency_p50_ms"] for p, r in zip(runs["plain"], runs["ray"])
-                     if r["latency_p50_ms"] is not None and p["latency_p50_ms"] is not None]
-            row = {"concurrency": c, "requests": n, "plain": runs["plain"], "ray": runs["ray"],
-                   "tok_s_ratio_median": round(_median(ratios), 3), "tok_s_ratios": [round(x, 3) for x in ratios],
-                   "added_latency_p50_ms_median": round(_median(added), 2) if added else None,
-                   "added_latency_paired_ms_median": round(_median(paired), 2) if paired else None,
-                   "same_greedy_outputs": f"{same}/{n}",
-                   "errors": {k: sum(r["errors"] for r in v) for k, v in runs.items()}}
+            added = [
+                r["latency_p50_ms"] - p["latency_p50_ms"]
+                for p, r in zip(runs["plain"], runs["ray"])
+                if r["latency_p50_ms"] is not None and p["latency_p50_ms"] is not None
+            ]
+            row = {
+                "concurrency": c,
+                "requests": n,
+                "plain": runs["plain"],
+                "ray": runs["ray"],
+                "tok_s_ratio_median": round(_median(ratios), 3),
+                "tok_s_ratios": [round(x, 3) for x in ratios],
+                "added_latency_p50_ms_median": round(_median(added), 2) if added else None,
+                "added_latency_paired_ms_median": round(_median(paired), 2) if paired else None,
+                "same_greedy_outputs": f"{same}/{n}",
+                "errors": {k: sum(r["errors"] for r in v) for k, v in runs.items()},
+            }
             results.append(row)
-            print(f"conc {c:>3}: plain {_median([r['output_tok_s'] for r in runs['plain']]):.1f} tok/s, ray "
-                  f"{_median([r['output_tok_s'] for r in runs['ray']]):.1f} tok/s, ratio {row['tok_s_ratio_median']} "
-                  f"{row['tok_s_ratios']}, added p50 latency {row['added_latency_p50_ms_median']} ms (paired per request "
-                  f"{row['added_latency_paired_ms_median']} ms), same outputs "
-                  f"{row['same_greedy_outputs']}, errors {row['errors']}", flush=True)
+            print(
+                f"conc {c:>3}: plain {_median([r['output_tok_s'] for r in runs['plain']]):.1f} tok/s, ray "
+                f"{_median([r['output_tok_s'] for r in runs['ray']]):.1f} tok/s, ratio {row['tok_s_ratio_median']} "
+                f"{row['tok_s_ratios']}, added p50 latency {row['added_latency_p50_ms_median']} ms (paired per request "
+                f"{row['added_latency_paired_ms_median']} ms), same outputs "
+                f"{row['same_greedy_outputs']}, errors {row['errors']}",
+                flush=True,
+            )
     finally:
         for proc, _ in servers.values():
             proc.terminate()
         for proc, _ in servers.values():
             proc.wait(120)
-    out = {"bench": "serve_ray", "replicas": args.replicas, "ingress": args.ray_ingress, "repeats": args.repeats, "models": models,
-           "max_tokens": args.max_tokens, "zipf": args.zipf, "threads": os.cpu_count(), "levels": results}
+    out = {
+        "bench": "serve_ray",
+        "replicas": args.replicas,
+        "ingress": args.ray_ingress,
+        "repeats": args.repeats,
+        "models": models,
+        "max_tokens": args.max_tokens,
+        "zipf": args.zipf,
+        "threads": os.cpu_count(),
+        "levels": results,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -20,7 +20,7 @@ class SSEStream:
 
     def __init__(self, response: Any) -> None:
         self.response = response
-        self.done = False   # the stream ended with `data: [DONE]`
+        self.done = False  # the stream ended with `data: [DONE]`
 
     async def __aiter__(self) -> AsyncIterator[dict]:
         async for line in self.response.aiter_lines():

@@ -25,12 +25,27 @@ from molora.cli.registry import COMMANDS
 from molora.cli.serve import own_bundle
 from molora.errors import MoLoRAError
 
-ORDER = ("generate", "route", "demo", "codes-png", "serve", "bundle", "setup-default", "train-adapter", "train-routed",
-         "train-router", "build-default", "build-multimodal", "eval", "bench")   # as `molora --help` lists them
+ORDER = (
+    "generate",
+    "route",
+    "demo",
+    "codes-png",
+    "serve",
+    "bundle",
+    "setup-default",
+    "train-adapter",
+    "train-routed",
+    "train-router",
+    "build-default",
+    "build-multimodal",
+    "eval",
+    "bench",
+)  # as `molora --help` lists them
 __all__ = ["build_parser", "engine_answer", "main", "own_bundle", "routed_view"]
 
 
 # --------------------------------------------------------------------------------------------- main
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="molora", description="Per-token routing over many LoRA adapters.")
@@ -46,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.func(args)
     except MoLoRAError as e:

@@ -9,14 +9,20 @@ from molora.cli.registry import command
 
 # --------------------------------------------------------------------------------------------- eval
 
+
 def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
-    p.add_argument("--task", required=True, metavar="KIND:FILE",
-                   help="bbh:FILE.json, gsm8k:FILE.jsonl, math:FILE, gpqa:FILE.csv, mixed:FILE.jsonl, or "
-                        "general:FILE.jsonl ({\"prompt\"} per line: base retention, the share of answers equal to "
-                        "the base model's)")
-    p.add_argument("--routing", default="learned",
-                   help="base, adapter:NAME, oracle, sequence, learned (default) or merge")
+    p.add_argument(
+        "--task",
+        required=True,
+        metavar="KIND:FILE",
+        help="bbh:FILE.json, gsm8k:FILE.jsonl, math:FILE, gpqa:FILE.csv, mixed:FILE.jsonl, or "
+        'general:FILE.jsonl ({"prompt"} per line: base retention, the share of answers equal to '
+        "the base model's)",
+    )
+    p.add_argument(
+        "--routing", default="learned", help="base, adapter:NAME, oracle, sequence, learned (default) or merge"
+    )
     p.add_argument("--limit", type=int, default=None, help="first N items only")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch (default 16)")
     p.add_argument("--max-tokens", type=int, default=None, help="answer budget (default: per task kind)")
@@ -33,8 +39,9 @@ def _eval(args: argparse.Namespace) -> int:
 
     mm = load(args.bundle)
     run = evaluate_general if args.task.startswith("general:") else evaluate
-    summary, predictions = run(mm, args.task, args.routing, limit=args.limit, batch_size=args.batch_size,
-                               max_new_tokens=args.max_tokens)
+    summary, predictions = run(
+        mm, args.task, args.routing, limit=args.limit, batch_size=args.batch_size, max_new_tokens=args.max_tokens
+    )
     save_results(summary, predictions, args.json, args.predictions)
     print(json.dumps(summary))
     return 0
@@ -42,11 +49,19 @@ def _eval(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------------------------- bench
 
+
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", nargs="?", choices=["ops", "model", "hotset", "engine", "serve"],
-                   help="which benchmark (`molora bench WHAT --help` lists its options)")
-    p.add_argument("args", nargs=argparse.REMAINDER,
-                   help="that benchmark's options, e.g. --quick --threads 1 --json OUT --plot OUT.png")
+    p.add_argument(
+        "what",
+        nargs="?",
+        choices=["ops", "model", "hotset", "engine", "serve"],
+        help="which benchmark (`molora bench WHAT --help` lists its options)",
+    )
+    p.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        help="that benchmark's options, e.g. --quick --threads 1 --json OUT --plot OUT.png",
+    )
 
 
 @command("bench", _bench_args)

@@ -10,6 +10,7 @@ from molora.cli.registry import command
 
 # --------------------------------------------------------------------------------------------- generate
 
+
 def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the user message (the bundle's prompt template wraps it)")
     p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
@@ -28,17 +29,38 @@ def _generate(args: argparse.Namespace) -> int:
 
     mm = load(args.bundle, base_only=args.base_only)
     if bundle_constraint(mm.bundle, mm.tokenizer) is not None:  # constrained spans: the engine applies them
-        print(engine_answer(mm, args.prompt, adapter=args.adapter, max_new_tokens=args.max_tokens,
-                            temperature=args.temperature, seed=args.seed))
+        print(
+            engine_answer(
+                mm,
+                args.prompt,
+                adapter=args.adapter,
+                max_new_tokens=args.max_tokens,
+                temperature=args.temperature,
+                seed=args.seed,
+            )
+        )
         return 0
-    result = run_prompt(mm, args.prompt, adapter=args.adapter, max_new_tokens=args.max_tokens,
-                        temperature=args.temperature, seed=args.seed)
+    result = run_prompt(
+        mm,
+        args.prompt,
+        adapter=args.adapter,
+        max_new_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
     print(result.text)
     return 0
 
 
-def engine_answer(mm, prompt: str, *, adapter: str | None = None, max_new_tokens: int = 128,
-                  temperature: float = 0.0, seed: int | None = None) -> str:
+def engine_answer(
+    mm,
+    prompt: str,
+    *,
+    adapter: str | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> str:
     """One answer through the engine (what the server runs), e.g. for a bundle with constrained spans; the KV
     cache sized for this one request."""
     from molora.bundle import encode_prompt, stop_ids
@@ -49,8 +71,9 @@ def engine_answer(mm, prompt: str, *, adapter: str | None = None, max_new_tokens
     n = len(ids) + max_new_tokens
     eng = Engine(mm, EngineConfig(max_num_seqs=1, max_model_len=n, kv_budget_tokens=n))
     try:
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                stop_token_ids=tuple(stop_ids(mm)))
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_token_ids=tuple(stop_ids(mm))
+        )
         return eng.generate([ids], params, adapter=adapter)[0].new_text.strip()
     finally:
         eng.close()
@@ -58,12 +81,18 @@ def engine_answer(mm, prompt: str, *, adapter: str | None = None, max_new_tokens
 
 # --------------------------------------------------------------------------------------------- route
 
+
 def _route_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the user message")
     p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
-    p.add_argument("--routing", "--router", dest="routing", default=None,
-                   choices=["learned", "arrow", "vocab", "sequence"],
-                   help="router to use (default: the bundle's); arrow routes from the adapters' weights, no training")
+    p.add_argument(
+        "--routing",
+        "--router",
+        dest="routing",
+        default=None,
+        choices=["learned", "arrow", "vocab", "sequence"],
+        help="router to use (default: the bundle's); arrow routes from the adapters' weights, no training",
+    )
     p.add_argument("--adapter", default=None, help="pin one adapter instead of routing")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
     p.add_argument("--json", action="store_true", help='print {"tokens":[{"text","adapter"}...]} instead')
@@ -99,17 +128,30 @@ def routed_view(mm, prompt: str, **kwargs):
 
 # --------------------------------------------------------------------------------------------- demo
 
+
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
-    p.add_argument("--html", default="routing.html", metavar="FILE", help="routing page to write (default routing.html)")
-    p.add_argument("--max-tokens", type=int, default=320,
-                   help="answer budget per prompt (default 320: the adapters' worked solutions fit; most stop "
-                        "well before)")
-    p.add_argument("--multimodal", action="store_true",
-                   help="the early-fusion digits bundle instead: a PNG grid of digits drawn per mode (base, each "
-                        "adapter on every token, both summed, vocab-routed) and the caption table")
-    p.add_argument("--png", default="multimodal_digits.png", metavar="FILE",
-                   help="with --multimodal: the grid to write (default multimodal_digits.png)")
+    p.add_argument(
+        "--html", default="routing.html", metavar="FILE", help="routing page to write (default routing.html)"
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=320,
+        help="answer budget per prompt (default 320: the adapters' worked solutions fit; most stop well before)",
+    )
+    p.add_argument(
+        "--multimodal",
+        action="store_true",
+        help="the early-fusion digits bundle instead: a PNG grid of digits drawn per mode (base, each "
+        "adapter on every token, both summed, vocab-routed) and the caption table",
+    )
+    p.add_argument(
+        "--png",
+        default="multimodal_digits.png",
+        metavar="FILE",
+        help="with --multimodal: the grid to write (default multimodal_digits.png)",
+    )
 
 
 @command("demo", _demo_args)
@@ -164,8 +206,9 @@ def _demo_multimodal(args: argparse.Namespace) -> int:
 
 
 def _codes_png_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("text", help="generated text holding <img_0>..<img_15> codes (the first image is drawn), or - "
-                                "for stdin")
+    p.add_argument(
+        "text", help="generated text holding <img_0>..<img_15> codes (the first image is drawn), or - for stdin"
+    )
     p.add_argument("--out", required=True, help="PNG file to write")
     p.add_argument("--scale", type=int, default=16, help="pixels per code (default 16)")
 

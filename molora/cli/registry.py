@@ -11,7 +11,9 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Command]] =
 
 def command(name: str, add_args: Callable[[argparse.ArgumentParser], None]) -> Callable[[Command], Command]:
     """Register `fn` as `molora NAME`, its flags added by `add_args`."""
+
     def register(fn: Command) -> Command:
         COMMANDS[name] = (add_args, fn)
         return fn
+
     return register

@@ -12,97 +12,219 @@ from molora.errors import MoLoRAError
 
 # --------------------------------------------------------------------------------------------- serve
 
+
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bundle", action="append", default=[], metavar="DIR",
-                   help="bundle folder (default: the embedded default bundle); with --ray, repeat it to serve several")
+    p.add_argument(
+        "--bundle",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="bundle folder (default: the embedded default bundle); with --ray, repeat it to serve several",
+    )
     _model_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="accept this Bearer key (repeatable; also $MOLORA_API_KEYS, comma-separated); none: open")
-    p.add_argument("--admin-key", action="append", default=[], metavar="KEY",
-                   help="key that may load/unload adapters (repeatable; also $MOLORA_ADMIN_KEYS)")
-    p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
-                   help="folder POST /v1/adapters may load from (repeatable; none: run-time loading off)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="accept this Bearer key (repeatable; also $MOLORA_API_KEYS, comma-separated); none: open",
+    )
+    p.add_argument(
+        "--admin-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="key that may load/unload adapters (repeatable; also $MOLORA_ADMIN_KEYS)",
+    )
+    p.add_argument(
+        "--adapter-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="folder POST /v1/adapters may load from (repeatable; none: run-time loading off)",
+    )
     p.add_argument("--max-queue", type=int, default=256, help="engine requests in flight at most; more get 429")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences the engine runs per step (default 64)")
     p.add_argument("--max-model-len", type=int, default=2048, help="context length in tokens (default 2048)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of a prompt prefix computed before on the same adapters (default on; "
-                        "--no-enable-prefix-caching turns it off, as in vLLM)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="on a CUDA device, run every decode step eagerly (default: replay CUDA graphs)")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of a prompt prefix computed before on the same adapters (default on; "
+        "--no-enable-prefix-caching turns it off, as in vLLM)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a CUDA device, run every decode step eagerly (default: replay CUDA graphs)",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
-    p.add_argument("--dtype", type=_dtype, default="float32", metavar="float32|bfloat16",
-                   help="weights, adapters and KV cache (default float32; bfloat16 is faster on CPUs with "
-                        "avx512_bf16/AMX and on GPUs, outputs differ slightly; vLLM's auto and float mean float32)")
-    p.add_argument("--quantization", "-q", choices=("int8", "int4"), default=None,
-                   help="quantize the base model's linears on load, on the CPU (vLLM's flag): int8 weights per output "
-                        "channel with activations quantized per token (FBGEMM), or int4 weights in groups of 32 "
-                        "(weight only, slower); adapters stay in --dtype (default: the bundle's \"quantization\", "
-                        "else none)")
-    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
-                   help="default deadline of a request in seconds (default 600); molora.timeout overrides it")
-    p.add_argument("--max-request-timeout", type=float, default=3600.0, metavar="S",
-                   help="the most molora.timeout may ask for (default 3600)")
-    p.add_argument("--queue-timeout", type=float, default=300.0, metavar="S",
-                   help="a request that has not started after this long ends with 503 (default 300; 0: never)")
-    p.add_argument("--stall-timeout", type=float, default=30.0, metavar="S",
-                   help="/health turns 503 when the engine is busy this long without a step (default 30)")
-    p.add_argument("--keepalive", type=float, default=15.0, metavar="S",
-                   help="SSE keep-alive comment interval while a stream waits (default 15)")
+    p.add_argument(
+        "--dtype",
+        type=_dtype,
+        default="float32",
+        metavar="float32|bfloat16",
+        help="weights, adapters and KV cache (default float32; bfloat16 is faster on CPUs with "
+        "avx512_bf16/AMX and on GPUs, outputs differ slightly; vLLM's auto and float mean float32)",
+    )
+    p.add_argument(
+        "--quantization",
+        "-q",
+        choices=("int8", "int4"),
+        default=None,
+        help="quantize the base model's linears on load, on the CPU (vLLM's flag): int8 weights per output "
+        "channel with activations quantized per token (FBGEMM), or int4 weights in groups of 32 "
+        '(weight only, slower); adapters stay in --dtype (default: the bundle\'s "quantization", '
+        "else none)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="default deadline of a request in seconds (default 600); molora.timeout overrides it",
+    )
+    p.add_argument(
+        "--max-request-timeout",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="the most molora.timeout may ask for (default 3600)",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a request that has not started after this long ends with 503 (default 300; 0: never)",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="/health turns 503 when the engine is busy this long without a step (default 30)",
+    )
+    p.add_argument(
+        "--keepalive",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="SSE keep-alive comment interval while a stream waits (default 15)",
+    )
     ray = p.add_argument_group("scale-out on Ray Serve (needs `pip install molora[ray]`)")
     ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: an ingress and engine replicas")
     ray.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1)")
     ray.add_argument("--min-replicas", type=int, default=None, help="autoscale between this ...")
     ray.add_argument("--max-replicas", type=int, default=None, help="... and this many replicas")
-    ray.add_argument("--ray-queue", type=int, default=None,
-                     help="calls that may wait for a replica before 429 (default: --max-queue)")
-    ray.add_argument("--ray-ingress", choices=("serve", "process"), default="serve",
-                     help="where the HTTP app runs: a Serve deployment behind Ray's HTTP proxy (serve, default: Ray "
-                          "restarts and places it), or this process, calling the engine replicas through a handle "
-                          "(process: one Ray hop per token instead of two, no proxy)")
-    ray.add_argument("--bundles-per-replica", type=int, default=2,
-                     help="bundles a replica keeps resident; Ray evicts the least recently used (default 2)")
-    ray.add_argument("--threads-per-replica", type=int, default=None,
-                     help="torch threads per replica (default: cores / replicas)")
+    ray.add_argument(
+        "--ray-queue",
+        type=int,
+        default=None,
+        help="calls that may wait for a replica before 429 (default: --max-queue)",
+    )
+    ray.add_argument(
+        "--ray-ingress",
+        choices=("serve", "process"),
+        default="serve",
+        help="where the HTTP app runs: a Serve deployment behind Ray's HTTP proxy (serve, default: Ray "
+        "restarts and places it), or this process, calling the engine replicas through a handle "
+        "(process: one Ray hop per token instead of two, no proxy)",
+    )
+    ray.add_argument(
+        "--bundles-per-replica",
+        type=int,
+        default=2,
+        help="bundles a replica keeps resident; Ray evicts the least recently used (default 2)",
+    )
+    ray.add_argument(
+        "--threads-per-replica", type=int, default=None, help="torch threads per replica (default: cores / replicas)"
+    )
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
     """vLLM's flags for serving your own model and adapters (molora.userbundle); serve and bundle init share them."""
     own = p.add_argument_group("your own model and adapters (vLLM's flags)")
-    own.add_argument("--model", default=None, metavar="M",
-                     help="a transformers folder, a .gguf file or a model id in the local Hugging Face cache (nothing "
-                          "is downloaded); instead of --bundle")
-    own.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
-                     help="PEFT LoRA folders to serve: NAME=PATH or '{\"name\": NAME, \"path\": PATH}' (repeatable); "
-                          "a request with model=NAME pins that adapter")
-    own.add_argument("--router", default=None, metavar="none|arrow|DIR",
-                     help="what model=<the base name> runs: none (the base model, default), arrow (per-token routing "
-                          "from the adapters' weights, no training) or a router folder from `molora train-router`")
-    own.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                     help="the base's model id in the API (default: the --model value; the first name is used)")
-    own.add_argument("--max-loras", type=int, default=None, metavar="N",
-                     help="adapter slots: adapters one step may mix (default: max(4, adapters given))")
-    own.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
-                     help="the largest adapter rank the slots hold (default: the largest given, at least 8)")
-    own.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
-                     help="adapters kept in CPU memory beyond the slots (default: up to 1 GiB of them)")
-    own.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
-                     help="a Jinja chat template (a file or the text) instead of the tokenizer's")
-    own.add_argument("--lora-resolver-dir", action="append", default=[], metavar="DIR",
-                     help="a request naming an unknown model NAME loads the PEFT folder DIR/NAME on first use "
-                          "(vLLM's filesystem resolver; also $VLLM_LORA_RESOLVER_CACHE_DIR); repeatable")
-    own.add_argument("--enable-lora", action="store_true",
-                     help="accepted for vLLM compatibility; molora always serves adapters")
+    own.add_argument(
+        "--model",
+        default=None,
+        metavar="M",
+        help="a transformers folder, a .gguf file or a model id in the local Hugging Face cache (nothing "
+        "is downloaded); instead of --bundle",
+    )
+    own.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help='PEFT LoRA folders to serve: NAME=PATH or \'{"name": NAME, "path": PATH}\' (repeatable); '
+        "a request with model=NAME pins that adapter",
+    )
+    own.add_argument(
+        "--router",
+        default=None,
+        metavar="none|arrow|DIR",
+        help="what model=<the base name> runs: none (the base model, default), arrow (per-token routing "
+        "from the adapters' weights, no training) or a router folder from `molora train-router`",
+    )
+    own.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the base's model id in the API (default: the --model value; the first name is used)",
+    )
+    own.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        metavar="N",
+        help="adapter slots: adapters one step may mix (default: max(4, adapters given))",
+    )
+    own.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="the largest adapter rank the slots hold (default: the largest given, at least 8)",
+    )
+    own.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        metavar="N",
+        help="adapters kept in CPU memory beyond the slots (default: up to 1 GiB of them)",
+    )
+    own.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file or the text) instead of the tokenizer's",
+    )
+    own.add_argument(
+        "--lora-resolver-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a request naming an unknown model NAME loads the PEFT folder DIR/NAME on first use "
+        "(vLLM's filesystem resolver; also $VLLM_LORA_RESOLVER_CACHE_DIR); repeatable",
+    )
+    own.add_argument(
+        "--enable-lora", action="store_true", help="accepted for vLLM compatibility; molora always serves adapters"
+    )
 
 
 def _dtype(value: str) -> str:
     """--dtype: float32 or bfloat16, with vLLM's spellings (auto, float, bf16)."""
     v = {"auto": "float32", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}.get(value, value)
     if v not in ("float32", "bfloat16"):
-        raise argparse.ArgumentTypeError(f"{value!r}: molora runs float32 or bfloat16 (also auto/float = float32); "
-                                         "float16 is not supported, use bfloat16")
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: molora runs float32 or bfloat16 (also auto/float = float32); "
+            "float16 is not supported, use bfloat16"
+        )
     return v
 
 
@@ -111,24 +233,41 @@ def own_bundle(args: argparse.Namespace) -> object | None:
     from molora.userbundle import FlagError, bundle_from_flags
 
     if args.model is None:
-        used = [f for f, v in (("--lora-modules", args.lora_modules), ("--router", args.router),
-                               ("--served-model-name", args.served_model_name), ("--max-loras", args.max_loras),
-                               ("--max-lora-rank", args.max_lora_rank), ("--chat-template", args.chat_template))
-                if v]
+        used = [
+            f
+            for f, v in (
+                ("--lora-modules", args.lora_modules),
+                ("--router", args.router),
+                ("--served-model-name", args.served_model_name),
+                ("--max-loras", args.max_loras),
+                ("--max-lora-rank", args.max_lora_rank),
+                ("--chat-template", args.chat_template),
+            )
+            if v
+        ]
         if used:
-            raise FlagError(f"{', '.join(used)} need --model M (your base model's folder); without --model molora "
-                            "serves a bundle (--bundle DIR, default: the embedded one)")
+            raise FlagError(
+                f"{', '.join(used)} need --model M (your base model's folder); without --model molora "
+                "serves a bundle (--bundle DIR, default: the embedded one)"
+            )
         return None
     if getattr(args, "bundle", None):
-        raise FlagError(f"--model {args.model} and --bundle {args.bundle[0]} both given; serve one: a bundle "
-                        "folder names its own base model")
+        raise FlagError(
+            f"--model {args.model} and --bundle {args.bundle[0]} both given; serve one: a bundle "
+            "folder names its own base model"
+        )
     return bundle_from_flags(args.model, args.lora_modules, **_manifest_flags(args))
 
 
 def _manifest_flags(args: argparse.Namespace) -> dict:
     """The `--model` flags' values as `molora.userbundle.manifest_from_flags` takes them (serve and bundle init)."""
-    return dict(router=args.router, served_model_name=(args.served_model_name or [None])[0],
-                max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, chat_template=args.chat_template)
+    return dict(
+        router=args.router,
+        served_model_name=(args.served_model_name or [None])[0],
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        chat_template=args.chat_template,
+    )
 
 
 def _env_list(name: str) -> list[str]:
@@ -143,10 +282,15 @@ def _serve(args: argparse.Namespace) -> int:
     from molora.server import serve
     from molora.server.generation import Limits
 
-    limits = Limits(request_timeout_s=args.request_timeout, max_request_timeout_s=args.max_request_timeout,
-                    queue_timeout_s=args.queue_timeout or None, keepalive_s=args.keepalive)
-    keys = dict(api_keys=args.api_key + _env_list("MOLORA_API_KEYS"),
-                admin_keys=args.admin_key + _env_list("MOLORA_ADMIN_KEYS"))
+    limits = Limits(
+        request_timeout_s=args.request_timeout,
+        max_request_timeout_s=args.max_request_timeout,
+        queue_timeout_s=args.queue_timeout or None,
+        keepalive_s=args.keepalive,
+    )
+    keys = dict(
+        api_keys=args.api_key + _env_list("MOLORA_API_KEYS"), admin_keys=args.admin_key + _env_list("MOLORA_ADMIN_KEYS")
+    )
     bundle = own_bundle(args)
     if args.ray:
         if bundle is not None:  # replicas load bundles from folders: the flags' manifest, written to a temp folder
@@ -158,21 +302,38 @@ def _serve(args: argparse.Namespace) -> int:
             write_bundle(folder, bundle.manifest)
             args.bundle = [str(folder)]
         if args.quantization:
-            raise MoLoRAError("--quantization is not passed to Ray replicas yet: set \"quantization\" in the "
-                              "bundle's molora.json instead")
+            raise MoLoRAError(
+                '--quantization is not passed to Ray replicas yet: set "quantization" in the '
+                "bundle's molora.json instead"
+            )
         return _serve_ray(args, limits, keys)
     if len(args.bundle) > 1:
-        raise MoLoRAError(f"{len(args.bundle)} bundles given; one server process serves one bundle: add --ray to "
-                          "serve several")
+        raise MoLoRAError(
+            f"{len(args.bundle)} bundles given; one server process serves one bundle: add --ray to serve several"
+        )
     if bundle is None and args.bundle:
         bundle = args.bundle[0]
-    serve(bundle, host=args.host, port=args.port, adapter_roots=args.adapter_root,
-          max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, dtype=args.dtype,
-          engine_config=EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                     enforce_eager=args.enforce_eager,
-                                     enable_prefix_caching=args.enable_prefix_caching),
-          limits=limits, stall_s=args.stall_timeout, max_cpu_loras=args.max_cpu_loras,
-          lora_resolver_dirs=args.lora_resolver_dir + _env_list("VLLM_LORA_RESOLVER_CACHE_DIR"), quantization=args.quantization, **keys)
+    serve(
+        bundle,
+        host=args.host,
+        port=args.port,
+        adapter_roots=args.adapter_root,
+        max_queue=args.max_queue,
+        drain_timeout_s=args.drain_timeout,
+        dtype=args.dtype,
+        engine_config=EngineConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            enforce_eager=args.enforce_eager,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        limits=limits,
+        stall_s=args.stall_timeout,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_resolver_dirs=args.lora_resolver_dir + _env_list("VLLM_LORA_RESOLVER_CACHE_DIR"),
+        quantization=args.quantization,
+        **keys,
+    )
     return 0
 
 
@@ -184,24 +345,47 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
     except ImportError as e:
         raise MoLoRAError(f"--ray needs Ray Serve: pip install 'molora[ray]' ({e})") from None
     cfg = ray_serve.RayConfig(
-        bundles=tuple(args.bundle) or (None,), replicas=args.replicas, min_replicas=args.min_replicas,
-        max_replicas=args.max_replicas, max_queue=args.max_queue, ray_queue=args.ray_queue,
-        bundles_per_replica=args.bundles_per_replica, threads_per_replica=args.threads_per_replica,
-        engine_config={"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
-                       "enforce_eager": args.enforce_eager, "enable_prefix_caching": args.enable_prefix_caching},
+        bundles=tuple(args.bundle) or (None,),
+        replicas=args.replicas,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        max_queue=args.max_queue,
+        ray_queue=args.ray_queue,
+        bundles_per_replica=args.bundles_per_replica,
+        threads_per_replica=args.threads_per_replica,
+        engine_config={
+            "max_num_seqs": args.max_num_seqs,
+            "max_model_len": args.max_model_len,
+            "enforce_eager": args.enforce_eager,
+            "enable_prefix_caching": args.enable_prefix_caching,
+        },
         dtype=args.dtype,
-        stall_s=args.stall_timeout, ingress=args.ray_ingress)
-    ray_serve.serve_ray(cfg, host=args.host, port=args.port, adapter_roots=args.adapter_root,
-                        server_kwargs={"limits": limits, "lora_resolver_dirs": args.lora_resolver_dir
-                                       + _env_list("VLLM_LORA_RESOLVER_CACHE_DIR"), **keys})
+        stall_s=args.stall_timeout,
+        ingress=args.ray_ingress,
+    )
+    ray_serve.serve_ray(
+        cfg,
+        host=args.host,
+        port=args.port,
+        adapter_roots=args.adapter_root,
+        server_kwargs={
+            "limits": limits,
+            "lora_resolver_dirs": args.lora_resolver_dir + _env_list("VLLM_LORA_RESOLVER_CACHE_DIR"),
+            **keys,
+        },
+    )
     return 0
 
 
 # --------------------------------------------------------------------------------------------- bundle
 
+
 def _bundle_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["init", "check"],
-                   help="init: write molora.json from --model/--lora-modules; check: say what is wrong with DIR")
+    p.add_argument(
+        "action",
+        choices=["init", "check"],
+        help="init: write molora.json from --model/--lora-modules; check: say what is wrong with DIR",
+    )
     p.add_argument("dir", nargs="?", default=None, help="check: the bundle folder")
     p.add_argument("--out", default=None, metavar="DIR", help="init: the folder to write molora.json into")
     _model_flags(p)
@@ -228,8 +412,10 @@ def _bundle(args: argparse.Namespace) -> int:
         raise FlagError("molora bundle init needs --model M and --out DIR (and --lora-modules NAME=PATH ...)")
     manifest = manifest_from_flags(args.model, args.lora_modules, **_manifest_flags(args))
     path = write_bundle(args.out, manifest)
-    print(f"wrote {path}; check it with `molora bundle check {args.out}`, train a router with `molora train-router "
-          f"--bundle {args.out} --data NAME=FILE ...`, serve it with `molora serve --bundle {args.out}`")
+    print(
+        f"wrote {path}; check it with `molora bundle check {args.out}`, train a router with `molora train-router "
+        f"--bundle {args.out} --data NAME=FILE ...`, serve it with `molora serve --bundle {args.out}`"
+    )
     return 0
 
 

@@ -10,7 +10,8 @@ seed, so that no setting is ever chosen on an item that is reported:
   this split existed and stay in train; of the other 250, 25 are validation, 25 test, the rest train.
 - **Topic prompts** (train only): everyday requests built from templates and words of `words.txt.gz`
   ("Write a short poem about the harbor."), so the base class sees many topics and forms, including the nouns
-  the counting skill lists (a banana in a poem is not a counting question). Their answers come from the base model itself (`molora.train.default`).
+  the counting skill lists (a banana in a poem is not a counting question). Their answers come from the base model
+  itself (`molora.train.default`).
 
     split = general_split()            # {"train": [...], "val": [...], "test": [...]} of {"id", "prompt", ...}
 """
@@ -26,17 +27,71 @@ DATA = Path(__file__).resolve().parent
 SELF_INSTRUCT_FILE = DATA / "self_instruct.jsonl.gz"
 GSM8K_FILE = DATA / "generic.jsonl.gz"
 EVERYDAY_TOPICS = (
-    "sea", "moon", "city", "forest", "river", "mountain", "garden", "library", "bicycle", "train", "winter",
-    "summer", "rain", "coffee", "tea", "bread", "kitchen", "school", "teacher", "doctor", "hospital", "museum",
-    "painting", "song", "guitar", "camera", "phone", "computer", "robot", "rocket", "planet", "star", "island",
-    "bridge", "castle", "market", "festival", "birthday", "wedding", "holiday", "airport", "hotel", "umbrella",
-    "clock", "window", "letter", "newspaper", "movie", "football", "marathon", "volcano", "desert", "ocean",
-    "friendship", "job interview", "recipe", "soup", "salad", "sandwich", "cookie",
+    "sea",
+    "moon",
+    "city",
+    "forest",
+    "river",
+    "mountain",
+    "garden",
+    "library",
+    "bicycle",
+    "train",
+    "winter",
+    "summer",
+    "rain",
+    "coffee",
+    "tea",
+    "bread",
+    "kitchen",
+    "school",
+    "teacher",
+    "doctor",
+    "hospital",
+    "museum",
+    "painting",
+    "song",
+    "guitar",
+    "camera",
+    "phone",
+    "computer",
+    "robot",
+    "rocket",
+    "planet",
+    "star",
+    "island",
+    "bridge",
+    "castle",
+    "market",
+    "festival",
+    "birthday",
+    "wedding",
+    "holiday",
+    "airport",
+    "hotel",
+    "umbrella",
+    "clock",
+    "window",
+    "letter",
+    "newspaper",
+    "movie",
+    "football",
+    "marathon",
+    "volcano",
+    "desert",
+    "ocean",
+    "friendship",
+    "job interview",
+    "recipe",
+    "soup",
+    "salad",
+    "sandwich",
+    "cookie",
 )
-SPLIT_SEED = 15                       # the general split's shuffle seed (never changed once results exist)
-SELF_INSTRUCT_SIZES = (105, 35, 35)   # train, val, test
-GSM8K_ROUTER_OLD = 150                # the router's generic rows before the split (seed 0 shuffle): train only
-GSM8K_HELD = (25, 25)                 # val, test from the rest
+SPLIT_SEED = 15  # the general split's shuffle seed (never changed once results exist)
+SELF_INSTRUCT_SIZES = (105, 35, 35)  # train, val, test
+GSM8K_ROUTER_OLD = 150  # the router's generic rows before the split (seed 0 shuffle): train only
+GSM8K_HELD = (25, 25)  # val, test from the rest
 
 TOPIC_TEMPLATES = (
     "Write a short poem about the {w}.",
@@ -71,8 +126,10 @@ def gsm8k_rows() -> list[dict]:
     (`molora.train.default.read_generic`)."""
     rows = read_jsonl(GSM8K_FILE, comments=True)
     random.Random(0).shuffle(rows)
-    return [{"id": f"gsm8k_{i}", "source": "gsm8k", "prompt": r["prompt"], "output": r["completion"]}
-            for i, r in enumerate(rows)]
+    return [
+        {"id": f"gsm8k_{i}", "source": "gsm8k", "prompt": r["prompt"], "output": r["completion"]}
+        for i, r in enumerate(rows)
+    ]
 
 
 def general_split() -> dict[str, list[dict]]:
@@ -84,7 +141,11 @@ def general_split() -> dict[str, list[dict]]:
     old, rest = gs[:GSM8K_ROUTER_OLD], gs[GSM8K_ROUTER_OLD:]
     random.Random(SPLIT_SEED).shuffle(rest)
     v, t = GSM8K_HELD
-    return {"train": si[:a] + old + rest[v + t:], "val": si[a:a + b] + rest[:v], "test": si[a + b:] + rest[v:v + t]}
+    return {
+        "train": si[:a] + old + rest[v + t :],
+        "val": si[a : a + b] + rest[:v],
+        "test": si[a + b :] + rest[v : v + t],
+    }
 
 
 def topic_prompts(n: int, seed: int) -> list[dict]:
@@ -96,8 +157,9 @@ def topic_prompts(n: int, seed: int) -> list[dict]:
     out = []
     for i in range(n):
         t = TOPIC_TEMPLATES[i % len(TOPIC_TEMPLATES)]
-        out.append({"id": f"topic_{seed}_{i}", "source": "topic",
-                    "prompt": t.format(w=rng.choice(words), v=rng.choice(words))})
+        out.append(
+            {"id": f"topic_{seed}_{i}", "source": "topic", "prompt": t.format(w=rng.choice(words), v=rng.choice(words))}
+        )
     return out
 
 

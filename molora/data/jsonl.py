@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 
-def iter_jsonl(path: str | Path, *, comments: bool = False,
-               error: type[Exception] = ValueError) -> Iterator[tuple[int, Any]]:
+def iter_jsonl(
+    path: str | Path, *, comments: bool = False, error: type[Exception] = ValueError
+) -> Iterator[tuple[int, Any]]:
     """(line number, parsed value) for each non-blank line (and, with comments, not starting with '#')."""
     path = Path(path)
     try:

@@ -70,29 +70,68 @@ class Item:
 # category -> ((singular, plural), ...); articles follow the first letter of the singular.
 _CATEGORIES: dict[str, tuple[tuple[str, str], ...]] = {
     "fruits": (
-        ("apple", "apples"), ("banana", "bananas"), ("strawberry", "strawberries"), ("peach", "peaches"),
-        ("orange", "oranges"), ("plum", "plums"), ("raspberry", "raspberries"), ("grape", "grapes"),
-        ("nectarine", "nectarines"), ("blackberry", "blackberries"),
+        ("apple", "apples"),
+        ("banana", "bananas"),
+        ("strawberry", "strawberries"),
+        ("peach", "peaches"),
+        ("orange", "oranges"),
+        ("plum", "plums"),
+        ("raspberry", "raspberries"),
+        ("grape", "grapes"),
+        ("nectarine", "nectarines"),
+        ("blackberry", "blackberries"),
     ),
     "vegetables": (
-        ("yam", "yams"), ("cauliflower", "cauliflowers"), ("garlic", "garlics"),
-        ("lettuce head", "lettuce heads"), ("head of broccoli", "heads of broccoli"), ("potato", "potatoes"),
-        ("stalk of celery", "stalks of celery"), ("onion", "onions"), ("cabbage", "cabbages"),
+        ("yam", "yams"),
+        ("cauliflower", "cauliflowers"),
+        ("garlic", "garlics"),
+        ("lettuce head", "lettuce heads"),
+        ("head of broccoli", "heads of broccoli"),
+        ("potato", "potatoes"),
+        ("stalk of celery", "stalks of celery"),
+        ("onion", "onions"),
+        ("cabbage", "cabbages"),
         ("carrot", "carrots"),
     ),
     "animals": (
-        ("fish", "fish"), ("bear", "bears"), ("frog", "frogs"), ("chicken", "chickens"), ("mouse", "mice"),
-        ("cat", "cats"), ("pig", "pigs"), ("rabbit", "rabbits"), ("duck", "ducks"), ("goat", "goats"),
-        ("dog", "dogs"), ("cow", "cows"), ("donkey", "donkeys"), ("snail", "snails"), ("snake", "snakes"),
+        ("fish", "fish"),
+        ("bear", "bears"),
+        ("frog", "frogs"),
+        ("chicken", "chickens"),
+        ("mouse", "mice"),
+        ("cat", "cats"),
+        ("pig", "pigs"),
+        ("rabbit", "rabbits"),
+        ("duck", "ducks"),
+        ("goat", "goats"),
+        ("dog", "dogs"),
+        ("cow", "cows"),
+        ("donkey", "donkeys"),
+        ("snail", "snails"),
+        ("snake", "snakes"),
     ),
     "musical instruments": (
-        ("flute", "flutes"), ("piano", "pianos"), ("trombone", "trombones"), ("violin", "violins"),
-        ("accordion", "accordions"), ("clarinet", "clarinets"), ("drum", "drums"), ("trumpet", "trumpets"),
+        ("flute", "flutes"),
+        ("piano", "pianos"),
+        ("trombone", "trombones"),
+        ("violin", "violins"),
+        ("accordion", "accordions"),
+        ("clarinet", "clarinets"),
+        ("drum", "drums"),
+        ("trumpet", "trumpets"),
     ),
     "objects": (
-        ("stove", "stoves"), ("lamp", "lamps"), ("fridge", "fridges"), ("chair", "chairs"),
-        ("microwave", "microwaves"), ("couch", "couches"), ("oven", "ovens"), ("car", "cars"),
-        ("toaster", "toasters"), ("table", "tables"), ("bed", "beds"),
+        ("stove", "stoves"),
+        ("lamp", "lamps"),
+        ("fridge", "fridges"),
+        ("chair", "chairs"),
+        ("microwave", "microwaves"),
+        ("couch", "couches"),
+        ("oven", "ovens"),
+        ("car", "cars"),
+        ("toaster", "toasters"),
+        ("table", "tables"),
+        ("bed", "beds"),
     ),
 }
 _NUMBER_WORDS = ("two", "three", "four", "five")
@@ -292,11 +331,7 @@ def _segments(rng: random.Random, yes: bool, max_len: int) -> list[tuple[int, in
 def _navigate_text(rng: random.Random, yes: bool) -> str:
     if rng.random() < 0.5:  # "Always face forward." variant: each move names its direction
         while True:
-            lines = [
-                _take(part, _FACE_FORWARD_NAMES[h])
-                for h, n in _segments(rng, yes, 10)
-                for part in _split(rng, n)
-            ]
+            lines = [_take(part, _FACE_FORWARD_NAMES[h]) for h, n in _segments(rng, yes, 10) for part in _split(rng, n)]
             if 2 <= len(lines) <= 9:
                 return " ".join(["Always face forward.", *lines])
     while True:  # turning variant: moves go where you face

@@ -37,11 +37,13 @@ _COUNT_WORDS = {"a": 1, "an": 1, "two": 2, "three": 3, "four": 4, "five": 5}
 _QUESTION = re.compile(r"^I have (?P<items>.+)\. How many (?P<cat>[a-z ]+) do I have\?$")
 _ARITH = re.compile(r"^\(\((?P<left>.+)\) (?P<op>[+\-*]) \((?P<right>.+)\)\) =$")
 _NAV_INSTRUCTIONS = re.compile(r"return to the starting point\? (?P<steps>.+?)\nOptions:", re.S)
-_NAV_STEP = re.compile(r"Always face forward\.|Turn (?P<turn>left|right|around)\.|"
-                       r"Take (?P<n>\d+) steps?(?: (?P<dir>forward|backward|left|right))?\.")
-_HEADINGS = ("north", "east", "south", "west")                 # clockwise, as in molora.data.skills
+_NAV_STEP = re.compile(
+    r"Always face forward\.|Turn (?P<turn>left|right|around)\.|"
+    r"Take (?P<n>\d+) steps?(?: (?P<dir>forward|backward|left|right))?\."
+)
+_HEADINGS = ("north", "east", "south", "west")  # clockwise, as in molora.data.skills
 _HEADING_STEP = ((0, 1), (1, 0), (0, -1), (-1, 0))
-_TURN = {"right": 1, "around": 2, "left": 3}                    # clockwise quarter turns
+_TURN = {"right": 1, "around": 2, "left": 3}  # clockwise quarter turns
 _FACING = {"forward": 0, "right": 1, "backward": 2, "left": 3}  # "Always face forward" moves
 WORKED_TASKS = ("object_counting", "multistep_arithmetic_two", "navigate")
 
@@ -64,7 +66,7 @@ def _counting(question: str, target: str) -> str:
     if not m:
         raise ValueError(f"not an object_counting question: {question!r}")
     names = {n for pair in _CATEGORIES[m["cat"]] for n in pair}
-    one = m["cat"][:-1]                                   # fruits -> fruit, musical instruments -> ... instrument
+    one = m["cat"][:-1]  # fruits -> fruit, musical instruments -> ... instrument
     other = f"not {'an' if one[0] in 'aeiou' else 'a'} {one}"
     total, steps = 0, []
     for phrase in re.split(r", (?:and )?", m["items"]):
@@ -87,13 +89,13 @@ def _op(a: int, op: str, b: int) -> tuple[str, int]:
     value = a * b if op == "*" else a + b if op == "+" else a - b
     if op == "*" or a == 0 or b == 0 or (a > 0 and b > 0 and (op == "+" or a >= b)):
         return f"{a} {op} {b} = {value}", value
-    x, y = a, b if op == "+" else -b                   # the signed terms: value == x + y
+    x, y = a, b if op == "+" else -b  # the signed terms: value == x + y
     if x >= 0 and y >= 0:
         sizes = f"{x}+{y}"
     elif x < 0 and y < 0:
         sizes = f"-({-x}+{-y})"
     else:
-        p, n = (x, -y) if x >= 0 else (y, -x)          # the positive term, the size of the negative one
+        p, n = (x, -y) if x >= 0 else (y, -x)  # the positive term, the size of the negative one
         sizes = f"{p}-{n}" if p >= n else f"-({n}-{p})"
     return f"{a} {op} {b} = {sizes} = {value}", value
 
@@ -109,7 +111,7 @@ def _reduce(expr: str) -> tuple[list[str], int]:
         i = ops.index("*") if "*" in ops else 0
         text, value = _op(nums[i], ops[i], nums[i + 1])
         steps.append(text)
-        nums[i: i + 2] = [value]
+        nums[i : i + 2] = [value]
         del ops[i]
     return steps, nums[0]
 
@@ -153,13 +155,18 @@ def _navigate(question: str, target: str) -> str:
             x, y = x + n * dx, y + n * dy
             where = step["dir"] if fixed and step["dir"] else _HEADINGS[h]
             sign = "+" if dx + dy > 0 else "-"
-            out.append(f"Take {n} step{'s' if n != 1 else ''} {where}: {axis} {before} {sign} {n} = "
-                       f"{x if dx else y}, now ({x}, {y}).")
+            out.append(
+                f"Take {n} step{'s' if n != 1 else ''} {where}: {axis} {before} {sign} {n} = "
+                f"{x if dx else y}, now ({x}, {y})."
+            )
         elif not fixed:
             raise ValueError(f"'Always face forward.' must come first: {text!r}")
     back = x == 0 and y == 0
     if ("Yes" if back else "No") != target:
         raise ValueError(f"worked walk ends at ({x}, {y}), target {target} for {question!r}")
-    out.append(f"({x}, {y}) is the start. So the answer is Yes." if back
-               else f"({x}, {y}) is not the start. So the answer is No.")
+    out.append(
+        f"({x}, {y}) is the start. So the answer is Yes."
+        if back
+        else f"({x}, {y}) is not the start. So the answer is No."
+    )
     return " ".join(out)

@@ -81,10 +81,10 @@ class EngineConfig:
     kv_budget_tokens: int = 32768
     max_model_len: int = 2048
     cpu_tier_bytes: int = 1 << 30
-    stop_at_eos: bool = True           # finish a request at the model's eos token(s)
-    seed: int = 0                      # seeds the generators of sampled requests that give no seed
-    enforce_eager: bool = False        # on CUDA, never replay decode steps from CUDA graphs (vLLM's name)
-    pack_weights: bool | None = None   # base GEMMs on packed weights (molora.ops.packed; None: where they run)
+    stop_at_eos: bool = True  # finish a request at the model's eos token(s)
+    seed: int = 0  # seeds the generators of sampled requests that give no seed
+    enforce_eager: bool = False  # on CUDA, never replay decode steps from CUDA graphs (vLLM's name)
+    pack_weights: bool | None = None  # base GEMMs on packed weights (molora.ops.packed; None: where they run)
     enable_prefix_caching: bool = True  # reuse full KV blocks of equal prefixes run on the same adapters (vLLM's name)
 
     def __post_init__(self) -> None:
@@ -110,26 +110,42 @@ class Engine(FaultIsolation, RuntimeAdapters):
         mcfg = mm.model.config
         self.max_model_len = min(config.max_model_len, getattr(mcfg, "max_position_embeddings", None) or 1 << 30)
         if config.kv_blocks * config.block_size < self.max_model_len:
-            raise MoLoRAError(f"the KV cache ({config.kv_blocks} blocks x {config.block_size} tokens) cannot hold one "
-                              f"sequence of max_model_len={self.max_model_len}; raise kv_budget_tokens or lower "
-                              "max_model_len")
-        self.runner = ModelRunner(mm, num_blocks=config.kv_blocks, block_size=config.block_size,
-                                  max_model_len=self.max_model_len, pack_weights=config.pack_weights)
+            raise MoLoRAError(
+                f"the KV cache ({config.kv_blocks} blocks x {config.block_size} tokens) cannot hold one "
+                f"sequence of max_model_len={self.max_model_len}; raise kv_budget_tokens or lower "
+                "max_model_len"
+            )
+        self.runner = ModelRunner(
+            mm,
+            num_blocks=config.kv_blocks,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            pack_weights=config.pack_weights,
+        )
         if self.runner.device.type == "cuda" and not config.enforce_eager:
             # decode steps replayed from CUDA graphs, captured per batch bucket on first use (molora.model.graphs)
             try:
-                self.runner.enable_graphs(buckets=[b for b in DEFAULT_BUCKETS if b < config.max_num_seqs]
-                                          + [config.max_num_seqs])
+                self.runner.enable_graphs(
+                    buckets=[b for b in DEFAULT_BUCKETS if b < config.max_num_seqs] + [config.max_num_seqs]
+                )
             except MoLoRAError as e:
                 log.warning("decode steps run eagerly: %s", e)
         self.hotset = HotSet(mm, config.cpu_tier_bytes)
         self.allocator = BlockAllocator(config.kv_blocks, config.block_size)
-        self.prefix = PrefixCache(self.allocator, self.hotset, ("model", id(mm), str(self.runner.cache.k.dtype))) \
-            if config.enable_prefix_caching else None
-        self.scheduler = Scheduler(self.allocator, self.hotset, max_num_seqs=config.max_num_seqs,
-                                   max_tokens_per_step=config.max_tokens_per_step, prefix=self.prefix)
+        self.prefix = (
+            PrefixCache(self.allocator, self.hotset, ("model", id(mm), str(self.runner.cache.k.dtype)))
+            if config.enable_prefix_caching
+            else None
+        )
+        self.scheduler = Scheduler(
+            self.allocator,
+            self.hotset,
+            max_num_seqs=config.max_num_seqs,
+            max_tokens_per_step=config.max_tokens_per_step,
+            prefix=self.prefix,
+        )
         self.vocab_size = int(mcfg.vocab_size)
-        self._mask_pool: ThreadPoolExecutor | None = None   # fills constraint masks while a step computes
+        self._mask_pool: ThreadPoolExecutor | None = None  # fills constraint masks while a step computes
         eos = getattr(getattr(mm.model, "generation_config", None), "eos_token_id", None)
         eos = eos if eos is not None else getattr(mcfg, "eos_token_id", None)
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else eos or []) if config.stop_at_eos else frozenset()
@@ -138,7 +154,7 @@ class Engine(FaultIsolation, RuntimeAdapters):
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
         self.steps = self.tokens_generated = self.tokens_computed = 0
-        self.faults = self.failures = 0     # chunks that raised / requests ended alone by a fault (step())
+        self.faults = self.failures = 0  # chunks that raised / requests ended alone by a fault (step())
         self.deadlines_expired: Counter[str] = Counter()
         # what happened, for a server's metrics: ("queue_wait", s), ("deadline", "request" | "queue"),
         # ("fault", message), ("isolated", message); the consumer pops from the left, the oldest drop off
@@ -146,14 +162,29 @@ class Engine(FaultIsolation, RuntimeAdapters):
         self.tokens_by_adapter: Counter[str] = Counter()
         # the bundle's constrained spans (an early-fusion model's image spans), applied in `sample_step`; None: none
         self.constraint = bundle_constraint(getattr(mm, "bundle", None), self.tokenizer)
-        log.info("engine: %d KV blocks x %d tokens (%.1f MiB), %d slots, max_model_len %d", config.kv_blocks,
-                 config.block_size, self.runner.cache.nbytes() / 2**20, mm.bank.num_slots, self.max_model_len)
+        log.info(
+            "engine: %d KV blocks x %d tokens (%.1f MiB), %d slots, max_model_len %d",
+            config.kv_blocks,
+            config.block_size,
+            self.runner.cache.nbytes() / 2**20,
+            mm.bank.num_slots,
+            self.max_model_len,
+        )
 
     # ------------------------------------------------------------------------------------ requests
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-                    adapter: str | None = None, allowed_adapters: list[str] | None = None,
-                    routing: str = "auto", timeout_s: float | None = None,
-                    queue_timeout_s: float | None = None, constraint: Constraint | None = None) -> str:
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        adapter: str | None = None,
+        allowed_adapters: list[str] | None = None,
+        routing: str = "auto",
+        timeout_s: float | None = None,
+        queue_timeout_s: float | None = None,
+        constraint: Constraint | None = None,
+    ) -> str:
         """Queue a request; returns its id. Bad input raises a MoLoRAError and changes nothing.
 
         constraint: what its generated ids must obey (e.g. molora.structured.GrammarConstraint, compiled off this
@@ -171,8 +202,10 @@ class Engine(FaultIsolation, RuntimeAdapters):
         if not prompt:
             raise MoLoRAError("the prompt is empty; give at least one token id")
         if len(prompt) > self.max_model_len:
-            raise MoLoRAError(f"the prompt has {len(prompt)} tokens, more than max_model_len={self.max_model_len}; "
-                              "shorten it or raise EngineConfig.max_model_len")
+            raise MoLoRAError(
+                f"the prompt has {len(prompt)} tokens, more than max_model_len={self.max_model_len}; "
+                "shorten it or raise EngineConfig.max_model_len"
+            )
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise MoLoRAError(f"token ids {bad[:5]} lie outside the vocabulary [0, {self.vocab_size})")
@@ -181,15 +214,23 @@ class Engine(FaultIsolation, RuntimeAdapters):
             raise MoLoRAError(f"request id {rid!r} is already in flight; use a unique id")
         if params.stop and self.tokenizer is None:
             raise MoLoRAError("stop strings need a tokenizer; pass one to Engine(..., tokenizer=...)")
-        mode, router, allowed, needs = resolve_routing(routing, adapter, allowed_adapters, self.hotset,
-                                                       self.mm.router, self.mm.bank.num_slots)
+        mode, router, allowed, needs = resolve_routing(
+            routing, adapter, allowed_adapters, self.hotset, self.mm.router, self.mm.bank.num_slots
+        )
         gen = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
         detok = IncrementalDetokenizer(self.tokenizer, prompt) if self.tokenizer is not None else None
-        route = RouteState(mode, len(prompt), router, adapter if mode == "pinned" else None, allowed, needs,
-                           prompt_routes=[] if mode == "learned" and getattr(router, "probe_prompt", False) else None)
+        route = RouteState(
+            mode,
+            len(prompt),
+            router,
+            adapter if mode == "pinned" else None,
+            allowed,
+            needs,
+            prompt_routes=[] if mode == "learned" and getattr(router, "probe_prompt", False) else None,
+        )
         req = Request(rid, prompt, params, route, generator=gen, detok=detok, text=TextState(tuple(params.stop)))
         req.arrival = time.monotonic()
         req.timeout_s, req.queue_timeout_s = timeout_s, queue_timeout_s
@@ -220,8 +261,13 @@ class Engine(FaultIsolation, RuntimeAdapters):
             if req.timeout_s is not None and age >= req.timeout_s:
                 kind, why = "request", f"the request ran past its timeout of {req.timeout_s:g} s"
             elif req.queue_timeout_s is not None and not req.started and age >= req.queue_timeout_s:
-                kind, why = "queue", (f"queue timeout: the request waited {age:.3g} s without starting (limit "
-                                      f"{req.queue_timeout_s:g} s); the server is overloaded, retry later")
+                kind, why = (
+                    "queue",
+                    (
+                        f"queue timeout: the request waited {age:.3g} s without starting (limit "
+                        f"{req.queue_timeout_s:g} s); the server is overloaded, retry later"
+                    ),
+                )
             else:
                 continue
             self.deadlines_expired[kind] += 1
@@ -262,9 +308,11 @@ class Engine(FaultIsolation, RuntimeAdapters):
         self.scheduler.failed.clear()
         if not scheduled:
             if self.scheduler.waiting and not self.scheduler.running and not self.hotset.reads:
-                head = self.scheduler.waiting[0]   # a bookkeeping bug, but this request's alone: end it
-                why = (f"request {head.request_id!r} cannot be admitted on an idle engine "
-                       f"({self.allocator.num_free} free KV blocks, adapters {list(head.needs)})")
+                head = self.scheduler.waiting[0]  # a bookkeeping bug, but this request's alone: end it
+                why = (
+                    f"request {head.request_id!r} cannot be admitted on an idle engine "
+                    f"({self.allocator.num_free} free KV blocks, adapters {list(head.needs)})"
+                )
                 log.error("%s; ending it", why)
                 outputs.append(self._fail(head, why))
             return outputs
@@ -276,7 +324,7 @@ class Engine(FaultIsolation, RuntimeAdapters):
         faults = self.faults
         outputs += self._run_isolating(scheduled)
         if self.faults != faults:
-            self.check()   # a recovered fault must leave the scheduler, KV pool and pins consistent
+            self.check()  # a recovered fault must leave the scheduler, KV pool and pins consistent
         return outputs
 
     def _run(self, scheduled: list[Scheduled]) -> list[RequestOutput]:
@@ -285,18 +333,18 @@ class Engine(FaultIsolation, RuntimeAdapters):
         tokens, positions, meta = self._inputs(scheduled)
         routing = plan_routing(scheduled, self.hotset, self.runner.device)
         rows = [i for i, s in enumerate(scheduled) if s.samples]
-        masks = self._fill_masks([scheduled[i].request for i in rows])               # while the step computes
+        masks = self._fill_masks([scheduled[i].request for i in rows])  # while the step computes
         try:
-            out = self.runner(tokens, positions, meta, routing, logits=rows)      # StepOutput, logits [b, V]
+            out = self.runner(tokens, positions, meta, routing, logits=rows)  # StepOutput, logits [b, V]
         finally:
-            bitmask = masks.result() if masks is not None else None               # [c, W] of constrained rows
+            bitmask = masks.result() if masks is not None else None  # [c, W] of constrained rows
         last_slots, last_carry, carry_rows = out.last_slot_ids, out.last_carry, out.carry_rows
         # host reads of the step, batched (each is a device sync on a GPU): 1) whether the hidden states and each
         # sampled row's logits are finite (one reduction each: NaN and inf survive a sum), 2) the sampled ids with
         # the slot of each sequence's last token
         ok = torch.isfinite(out.hidden.sum()).reshape(1)
-        best = None                    # each sampled row's greedy pick, from the same pass as its check (CPU)
-        logits = out.logits            # [b, V], the rows asked for
+        best = None  # each sampled row's greedy pick, from the same pass as its check (CPU)
+        logits = out.logits  # [b, V], the rows asked for
         if rows:
             assert logits is not None, "the runner returned no logits for the rows asked for"
             picked_ok = fused_cpu.greedy_rows(logits)
@@ -312,9 +360,9 @@ class Engine(FaultIsolation, RuntimeAdapters):
         logprobs: list[list[dict] | None] = []
         if rows:
             assert logits is not None
-            finite = flags[1:]                                   # [b]
+            finite = flags[1:]  # [b]
             reqs = [scheduled[i].request for i in rows]
-            chosen, dead = sample_step(reqs, logits, finite, best, self.eos_ids, bitmask)   # [b]
+            chosen, dead = sample_step(reqs, logits, finite, best, self.eos_ids, bitmask)  # [b]
             logprobs = step_logprobs(reqs, logits, chosen)
             picked = (chosen if last_slots is None else torch.cat([chosen, last_slots[:, 0]])).tolist()
         self.tokens_computed += len(tokens)
@@ -329,32 +377,42 @@ class Engine(FaultIsolation, RuntimeAdapters):
             j = sampled.get(i)
             if j is not None and not finite[j]:
                 used = sorted({table[x] for x in (last_slots[i].tolist() if last_slots is not None else []) if x >= 0})
-                outputs.append(self._fail(req, f"the model produced non-finite logits for this request (adapters "
-                                               f"on its last token: {used or 'none'}); a corrupt adapter?"))
+                outputs.append(
+                    self._fail(
+                        req,
+                        f"the model produced non-finite logits for this request (adapters "
+                        f"on its last token: {used or 'none'}); a corrupt adapter?",
+                    )
+                )
                 continue
-            if j in dead:   # its constraint allows no next id: it ends alone, the step goes on
+            if j in dead:  # its constraint allows no next id: it ends alone, the step goes on
                 req.num_computed += s.n
                 outputs.append(self._end(req, "error", dead[j]))
                 continue
             try:
                 if routing is not None and routing.carry is not None and last_carry is not None:
-                    record_carry([s], last_carry[i:i + 1])
+                    record_carry([s], last_carry[i : i + 1])
                 if s.probe:  # a probe chunk; its prompt is computed again once the probe ends
                     assert carry_rows is not None, "a probe chunk's step returned no router decisions"
-                    ended = record_probe([s], carry_rows[off:off + s.n])[0]
+                    ended = record_probe([s], carry_rows[off : off + s.n])[0]
                     req.num_computed = s.start + s.n
                     if ended:
                         self.scheduler.restart(req)
                 else:
                     req.num_computed += s.n
                 if self.prefix is not None:
-                    self.prefix.publish(req)   # before _advance, which may free the table
+                    self.prefix.publish(req)  # before _advance, which may free the table
                 if j is not None:
                     slot = -1 if last_slots is None else picked[len(rows) + i]
                     outputs.append(self._advance(req, picked[j], table[slot] if slot >= 0 else None, logprobs[j]))
             except Exception as e:
-                log.error("request %s failed alone while committing its step: %s: %s", req.request_id,
-                          type(e).__name__, e, exc_info=True)
+                log.error(
+                    "request %s failed alone while committing its step: %s: %s",
+                    req.request_id,
+                    type(e).__name__,
+                    e,
+                    exc_info=True,
+                )
                 self.faults += 1
                 outputs.append(self._fail(req, f"the engine failed on this request ({type(e).__name__}: {e})"))
         return outputs
@@ -369,10 +427,11 @@ class Engine(FaultIsolation, RuntimeAdapters):
         toks: list[int] = []
         pos: list[int] = []
         for s in scheduled:
-            toks += s.request.tokens[s.start:s.start + s.n]
+            toks += s.request.tokens[s.start : s.start + s.n]
             pos += range(s.start, s.start + s.n)
-        meta = BatchMeta([s.n for s in scheduled], [s.start + s.n for s in scheduled],
-                         [s.request.block_table for s in scheduled])
+        meta = BatchMeta(
+            [s.n for s in scheduled], [s.start + s.n for s in scheduled], [s.request.block_table for s in scheduled]
+        )
         dev = self.runner.device
         return to_device(toks, dev), to_device(pos, dev), meta
 
@@ -402,7 +461,7 @@ class Engine(FaultIsolation, RuntimeAdapters):
         self.tokens_by_adapter[adapter or "base"] += 1
         p = req.params
         reason, cut = None, False
-        check = req.num_generated > p.min_tokens   # the first min_tokens tokens never stop (vLLM's min_tokens)
+        check = req.num_generated > p.min_tokens  # the first min_tokens tokens never stop (vLLM's min_tokens)
         if check and ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids):
             reason = "stop"
         elif req.text.append(req.detok.add(token) if req.detok is not None else "", check):
@@ -429,8 +488,9 @@ class Engine(FaultIsolation, RuntimeAdapters):
         return outs
 
     # ------------------------------------------------------------------------------------ offline use
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 **kw: Any) -> list[RequestOutput]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], **kw: Any
+    ) -> list[RequestOutput]:
         """Run `prompts` to completion; one aggregated output per prompt, in order. Keyword arguments go to
         add_request; `adapter`, `routing`, `constraint` and `allowed_adapters` may also be given per prompt as lists.
         Outputs of other requests in flight are consumed by the steps taken here."""
@@ -440,7 +500,9 @@ class Engine(FaultIsolation, RuntimeAdapters):
         ids: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, plist)):
-                ids.append(self.add_request(prompt, p, **{k: _per_prompt(k, v, i, len(prompts)) for k, v in kw.items()}))
+                ids.append(
+                    self.add_request(prompt, p, **{k: _per_prompt(k, v, i, len(prompts)) for k, v in kw.items()})
+                )
         except MoLoRAError:
             for rid in ids:
                 self.abort(rid)
@@ -457,7 +519,11 @@ class Engine(FaultIsolation, RuntimeAdapters):
                 a.token_adapters += out.token_adapters
                 if out.logprobs is not None:
                     a.logprobs = (a.logprobs or []) + out.logprobs
-                a.finished, a.finish_reason, a.completion_tokens = out.finished, out.finish_reason, out.completion_tokens
+                a.finished, a.finish_reason, a.completion_tokens = (
+                    out.finished,
+                    out.finish_reason,
+                    out.completion_tokens,
+                )
                 a.cached_tokens = out.cached_tokens
                 a.error = out.error if out.error is not None else a.error
         return [agg[rid] for rid in ids]
@@ -472,26 +538,43 @@ class Engine(FaultIsolation, RuntimeAdapters):
         one adapter; a per-token request's every adapter its router may choose within its allowed set (at most
         the slots; all of them resident while it runs). A base-model request names none."""
         sched, g = self.scheduler, self.runner.graphs
-        lora = {"running": sorted({n for r in sched.running for n in r.needs}),
-                "waiting": sorted({n for r in sched.waiting for n in r.needs}),
-                "max_lora": self.mm.bank.num_slots}
-        return {"num_waiting": len(sched.waiting), "num_running": len(sched.running),
-                "kv_blocks_total": self.allocator.num_blocks, "kv_blocks_free": self.allocator.num_free,
-                "hotset": self.hotset.stats(), "tokens_by_adapter": dict(self.tokens_by_adapter),
-                "tokens_generated": self.tokens_generated, "tokens_computed": self.tokens_computed,
-                "steps": self.steps, "num_preemptions": sched.num_preemptions,
-                "faults": self.faults, "failed_requests": self.failures,
-                "deadlines_expired": dict(self.deadlines_expired), "lora_requests": lora,
-                "decode_graphs": None if g is None else {"captured": g.captures, "replays": g.replays,
-                                                          "failed": len(g.failed)},
-                "prefix_cache": self.prefix.stats() if self.prefix is not None else {"enabled": False}}
+        lora = {
+            "running": sorted({n for r in sched.running for n in r.needs}),
+            "waiting": sorted({n for r in sched.waiting for n in r.needs}),
+            "max_lora": self.mm.bank.num_slots,
+        }
+        return {
+            "num_waiting": len(sched.waiting),
+            "num_running": len(sched.running),
+            "kv_blocks_total": self.allocator.num_blocks,
+            "kv_blocks_free": self.allocator.num_free,
+            "hotset": self.hotset.stats(),
+            "tokens_by_adapter": dict(self.tokens_by_adapter),
+            "tokens_generated": self.tokens_generated,
+            "tokens_computed": self.tokens_computed,
+            "steps": self.steps,
+            "num_preemptions": sched.num_preemptions,
+            "faults": self.faults,
+            "failed_requests": self.failures,
+            "deadlines_expired": dict(self.deadlines_expired),
+            "lora_requests": lora,
+            "decode_graphs": None
+            if g is None
+            else {"captured": g.captures, "replays": g.replays, "failed": len(g.failed)},
+            "prefix_cache": self.prefix.stats() if self.prefix is not None else {"enabled": False},
+        }
 
 
 def _per_prompt(key: str, value: Any, i: int, n: int) -> Any:
     """A generate() keyword's value for prompt i: lists of per-prompt values are indexed."""
     if key in ("adapter", "routing", "request_id", "constraint") and isinstance(value, list):
         return value[i]
-    if key == "allowed_adapters" and isinstance(value, list) and value and \
-            all(v is None or isinstance(v, list) for v in value) and len(value) == n:
+    if (
+        key == "allowed_adapters"
+        and isinstance(value, list)
+        and value
+        and all(v is None or isinstance(v, list) for v in value)
+        and len(value) == n
+    ):
         return value[i]
     return value

@@ -77,15 +77,15 @@ class HotSet:
         self.paths: dict[str, Path | None] = {n: a.path for n, a in mm.adapters.items()}
         self.roots: dict[str, Roots] = {n: a.roots for n, a in mm.adapters.items()}
         self.draining: set[str] = set()
-        self.cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()   # LRU order: first = least recently used
+        self.cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # LRU order: first = least recently used
         self.cpu_used = 0
         self.slot_lru: OrderedDict[str, None] = OrderedDict((n, None) for n in mm.bank.names)
         self.pins: Counter[str] = Counter()
         self.reads: dict[str, Future[LoRAAdapter]] = {}  # background reads, in flight or done and not yet taken
         self.reserved: dict[str, int] = {}  # bytes each read in `reads` holds against the CPU tier's budget
-        self.overdraft: str | None = None   # the read (on demand, nothing else reserved) let past the budget
-        self.wanted: set[str] = set()       # adapters the queued requests need (`prefetch`)
-        self._pool: ThreadPoolExecutor | None = None     # the loader thread, started by the first read
+        self.overdraft: str | None = None  # the read (on demand, nothing else reserved) let past the budget
+        self.wanted: set[str] = set()  # adapters the queued requests need (`prefetch`)
+        self._pool: ThreadPoolExecutor | None = None  # the loader thread, started by the first read
         self.hits = self.misses = self.evictions = self.disk_reads = self.read_failures = 0
         self.prefetches = self.prefetch_deferred = 0  # reads started by `prefetch` / prefetches the budget refused
         self.load_ms_total = 0.0
@@ -125,7 +125,7 @@ class HotSet:
         return "slot" if self.resident(name) else "cpu" if name in self.cpu else "disk"
 
     def state(self, name: str) -> str:
-        """"draining" (being unloaded), "loading" (a background read is in flight) or "ready"."""
+        """ "draining" (being unloaded), "loading" (a background read is in flight) or "ready"."""
         if name in self.draining:
             return "draining"
         read = self.reads.get(name)
@@ -134,22 +134,34 @@ class HotSet:
     def check_known(self, names: Iterable[str]) -> None:
         unknown = [n for n in names if n not in self.paths]
         if unknown:
-            raise AdapterNotFound(f"unknown adapter(s) {unknown}; registered adapters: {self.names}. "
-                                  "Load one with Engine.load_adapter(name, path)")
+            raise AdapterNotFound(
+                f"unknown adapter(s) {unknown}; registered adapters: {self.names}. "
+                "Load one with Engine.load_adapter(name, path)"
+            )
 
     def reads_in_flight(self) -> int:
         return sum(not f.done() for f in self.reads.values())
 
     def stats(self) -> dict:
-        return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions,
-                "load_ms_total": round(self.load_ms_total, 3), "disk_reads": self.disk_reads,
-                "reads_in_flight": self.reads_in_flight(), "read_failures": self.read_failures,
-                "slots": self.mm.bank.num_slots, "slots_used": len(self.mm.bank.names),
-                "cpu_tier_bytes": self.cpu_used, "cpu_tier_budget": self.cpu_budget,
-                "reserved_bytes": sum(self.reserved.values()), "host_bytes": self.host_bytes(),
-                "memory_only_bytes": self._memory_only_bytes(),
-                "prefetches": self.prefetches, "prefetch_deferred": self.prefetch_deferred,
-                "pinned": {n: c for n, c in self.pins.items() if c}}
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "load_ms_total": round(self.load_ms_total, 3),
+            "disk_reads": self.disk_reads,
+            "reads_in_flight": self.reads_in_flight(),
+            "read_failures": self.read_failures,
+            "slots": self.mm.bank.num_slots,
+            "slots_used": len(self.mm.bank.names),
+            "cpu_tier_bytes": self.cpu_used,
+            "cpu_tier_budget": self.cpu_budget,
+            "reserved_bytes": sum(self.reserved.values()),
+            "host_bytes": self.host_bytes(),
+            "memory_only_bytes": self._memory_only_bytes(),
+            "prefetches": self.prefetches,
+            "prefetch_deferred": self.prefetch_deferred,
+            "pinned": {n: c for n, c in self.pins.items() if c},
+        }
 
     def host_bytes(self) -> int:
         """Host bytes of every adapter the hot set holds: the CPU tier, resident adapters' own copies and
@@ -172,17 +184,26 @@ class HotSet:
         assert self.overdraft is None or self.overdraft in self.reserved
         over = self.reserved.get(self.overdraft, 0) if self.overdraft is not None else 0
         used = self.cpu_used + sum(self.reserved.values())
-        assert used <= self.cpu_budget + self._memory_only_bytes() + over, \
+        assert used <= self.cpu_budget + self._memory_only_bytes() + over, (
             f"CPU tier {self.cpu_used} + reserved {sum(self.reserved.values())} B over its budget {self.cpu_budget} B"
+        )
         assert list(self.slot_lru) == [n for n in self.slot_lru if n in self.mm.bank]
         assert set(self.slot_lru) == set(self.mm.bank.names), "LRU order and bank disagree"
         assert all(self.resident(n) for n, c in self.pins.items() if c), "a pinned adapter is not resident"
 
     def describe(self) -> list[dict]:
         bank = self.mm.bank
-        return [{"name": n, "path": None if p is None else str(p), "slot": bank.slot_of(n) if n in bank else None,
-                 "tier": self.tier(n), "pinned": self.pins[n], "state": self.state(n)}
-                for n, p in self.paths.items()]
+        return [
+            {
+                "name": n,
+                "path": None if p is None else str(p),
+                "slot": bank.slot_of(n) if n in bank else None,
+                "tier": self.tier(n),
+                "pinned": self.pins[n],
+                "state": self.state(n),
+            }
+            for n, p in self.paths.items()
+        ]
 
     # ------------------------------------------------------------------------------------ pins
     def fetch(self, names: Iterable[str]) -> bool:
@@ -213,7 +234,7 @@ class HotSet:
                 continue
             if len(self.reads) >= READ_AHEAD or not self._start_read(n, demand=False):
                 self.prefetch_deferred += 1
-                break       # queue order: a later request's read must not take the room of an earlier one's
+                break  # queue order: a later request's read must not take the room of an earlier one's
             self.prefetches += 1
             started += 1
         return started
@@ -268,8 +289,7 @@ class HotSet:
         self._check_free(name)
         return self._read(name, Path(path), resolve_roots(roots))
 
-    def register(self, name: str, source: str | Path | LoRAAdapter,
-                 roots: Sequence[str | Path] | None = None) -> None:
+    def register(self, name: str, source: str | Path | LoRAAdapter, roots: Sequence[str | Path] | None = None) -> None:
         """Register a PEFT folder (read and validated now, on this thread) or an adapter already read
         (`read`); keep it in the CPU tier and load it into a free slot if any. `roots` confine every later
         re-read of its folder (default for an adapter object: the roots it was read with)."""
@@ -297,8 +317,10 @@ class HotSet:
         """Forget an adapter in every tier (a read in flight is dropped). Refused while a request pins it."""
         self.check_known([name])
         if self.pins[name]:
-            raise AdapterError(f"adapter {name!r} is in use by {self.pins[name]} in-flight request(s); "
-                               "abort them or wait for them to finish before unloading it")
+            raise AdapterError(
+                f"adapter {name!r} is in use by {self.pins[name]} in-flight request(s); "
+                "abort them or wait for them to finish before unloading it"
+            )
         if self.resident(name):
             self.mm.unload_adapter(name)
             del self.slot_lru[name]
@@ -330,8 +352,10 @@ class HotSet:
     # ------------------------------------------------------------------------------------ internals
     def _check_free(self, name: str) -> None:
         if name in self.draining:
-            raise AdapterDraining(f"adapter {name!r} is still draining (being unloaded; in-flight requests use it); "
-                                  "wait for them to finish, or unload it with force=True, before loading it again")
+            raise AdapterDraining(
+                f"adapter {name!r} is still draining (being unloaded; in-flight requests use it); "
+                "wait for them to finish, or unload it with force=True, before loading it again"
+            )
         if name in self.paths:
             raise AdapterError(f"adapter {name!r} is already loaded (from {self.paths[name]}); unload it first")
 
@@ -343,7 +367,7 @@ class HotSet:
             return adapter
         read = self.reads.get(name)
         if read is None:
-            self._start_read(name, demand=True)   # or deferred until a reservation is given back
+            self._start_read(name, demand=True)  # or deferred until a reservation is given back
             return None
         if not read.done():
             return None
@@ -354,8 +378,7 @@ class HotSet:
             self.read_failures += 1
             if isinstance(e, AdapterError):
                 raise AdapterError(str(e)) from e
-            raise AdapterError(f"adapter {name!r}: reading {self.paths[name]} failed "
-                               f"({type(e).__name__}: {e})") from e
+            raise AdapterError(f"adapter {name!r}: reading {self.paths[name]} failed ({type(e).__name__}: {e})") from e
 
     def _start_read(self, name: str, *, demand: bool) -> bool:
         """Start a background read of `name`'s folder if its size fits the CPU tier's budget beside what is
@@ -422,17 +445,17 @@ class HotSet:
     def _promote(self, adapter: LoRAAdapter, keep: list[str]) -> None:
         """Copy a warm adapter into a slot, evicting the least recently used unpinned one not in `keep`,
         preferring one that no queued request wants."""
-        self._forget_read(adapter.name)   # a finished read is taken now
+        self._forget_read(adapter.name)  # a finished read is taken now
         self._cache(adapter)
         if not self.mm.bank.free_slots():
-            free = [n for n in self.slot_lru if self.pins[n] == 0 and n not in keep]   # acquire checked: not empty
+            free = [n for n in self.slot_lru if self.pins[n] == 0 and n not in keep]  # acquire checked: not empty
             victim = next((n for n in free if n not in self.wanted), free[0])
             self._evict(victim)
         self._load(adapter)
 
     def _load(self, adapter: LoRAAdapter) -> None:
         t0 = time.perf_counter()
-        self.mm.load_adapter(adapter.name, adapter)   # a copy into the slot tensors
+        self.mm.load_adapter(adapter.name, adapter)  # a copy into the slot tensors
         self.load_ms_total += (time.perf_counter() - t0) * 1e3
         self.slot_lru[adapter.name] = None
         self.version += 1
@@ -453,8 +476,9 @@ class HotSet:
         if adapter.name in self.cpu:
             self.cpu.move_to_end(adapter.name)
             return
-        if self.paths.get(adapter.name) is not None and \
-                not self._room(adapter.nbytes(), displace_wanted=adapter.name in self.wanted):
+        if self.paths.get(adapter.name) is not None and not self._room(
+            adapter.nbytes(), displace_wanted=adapter.name in self.wanted
+        ):
             return
         self.cpu[adapter.name] = adapter
         self.cpu_used += adapter.nbytes()

@@ -31,14 +31,13 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
-            raise MoLoRAError(f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
-                              f"{block_size}")
+            raise MoLoRAError(f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out block 0 first
         self._ref = [0] * num_blocks
-        self._key: dict[int, Hashable] = {}       # block -> content key (held or cached)
-        self._block: dict[Hashable, int] = {}     # content key -> block
-        self._meta: dict[int, Any] = {}           # block -> what its publisher stored beside the KV
+        self._key: dict[int, Hashable] = {}  # block -> content key (held or cached)
+        self._block: dict[Hashable, int] = {}  # content key -> block
+        self._meta: dict[int, Any] = {}  # block -> what its publisher stored beside the KV
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced blocks: first = evicted first
         self.evictions = 0
 
@@ -149,13 +148,15 @@ class BlockAllocator:
         """Assert the pool is consistent: reference counts equal how often the given tables hold each block,
         and free, held and cached blocks partition the pool."""
         held = Counter(b for t in tables for b in t)
-        assert all(self._ref[b] == held.get(b, 0) for b in range(self.num_blocks)), \
-            [(b, self._ref[b], held.get(b, 0)) for b in range(self.num_blocks) if self._ref[b] != held.get(b, 0)]
+        assert all(self._ref[b] == held.get(b, 0) for b in range(self.num_blocks)), [
+            (b, self._ref[b], held.get(b, 0)) for b in range(self.num_blocks) if self._ref[b] != held.get(b, 0)
+        ]
         assert len(self._free) == len(set(self._free)), "a block is on the free list twice"
         assert not held.keys() & set(self._free) and not held.keys() & self._lru.keys(), "a held block is also free"
         assert not set(self._free) & self._key.keys(), "a free block keeps a content key"
         assert all(b in self._key for b in self._lru), "a cached block without a key"
-        assert len(held) + len(self._free) + len(self._lru) == self.num_blocks, \
+        assert len(held) + len(self._free) + len(self._lru) == self.num_blocks, (
             f"{len(held)} held + {len(self._free)} free + {len(self._lru)} cached != {self.num_blocks} blocks"
+        )
         assert all(self._block[k] == b for b, k in self._key.items()) and len(self._block) == len(self._key)
         assert self._meta.keys() <= self._key.keys()

@@ -67,18 +67,22 @@ class BlockKey:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, BlockKey) and self._hash == other._hash
-                                 and self.content == other.content and self.parent == other.parent)
+        return self is other or (
+            isinstance(other, BlockKey)
+            and self._hash == other._hash
+            and self.content == other.content
+            and self.parent == other.parent
+        )
 
 
 @dataclass(eq=False)
 class PrefixState:
     """A request's key chain for its current pass (rebuilt at every admission: versions are read under pins)."""
 
-    probe: bool                        # the keys are the probe pass's
-    epoch: int                         # PrefixCache.epoch when built; another epoch: publish nothing more
+    probe: bool  # the keys are the probe pass's
+    epoch: int  # PrefixCache.epoch when built; another epoch: publish nothing more
     keys: list[BlockKey] = field(default_factory=list)
-    published: int = 0                 # blocks of the table already keyed (shared hits or published)
+    published: int = 0  # blocks of the table already keyed (shared hits or published)
 
 
 class PrefixCache:
@@ -88,7 +92,7 @@ class PrefixCache:
         self.allocator, self.hotset, self.salt = allocator, hotset, salt
         self.bs = allocator.block_size
         self.epoch = 0
-        self.queried_tokens = self.hit_tokens = 0          # the real pass's lookups (a preempted request's too)
+        self.queried_tokens = self.hit_tokens = 0  # the real pass's lookups (a preempted request's too)
         self.probe_queried_tokens = self.probe_hit_tokens = 0
 
     # ------------------------------------------------------------------------------------ lookups
@@ -102,7 +106,7 @@ class PrefixCache:
             if len(blocks) * self.bs < req.route.prompt_len:
                 return blocks
             req.route.prompt_routes = [d for b in blocks for d in self.allocator.meta(b)]
-            finish_probe(req.route)    # the whole probe came from the cache: no probe pass at all
+            finish_probe(req.route)  # the whole probe came from the cache: no probe pass at all
             self.probe_queried_tokens += req.route.prompt_len
             self.probe_hit_tokens += req.route.prompt_len
         req.prefix = PrefixState(False, self.epoch)
@@ -111,15 +115,19 @@ class PrefixCache:
     def in_flight(self, running: list[Request]) -> set[BlockKey]:
         """Keys of the full blocks that running requests are computing and will publish (their chains beyond
         what they have published)."""
-        return {k for r in running if r.prefix is not None and r.prefix.epoch == self.epoch
-                for k in r.prefix.keys[r.prefix.published:]}
+        return {
+            k
+            for r in running
+            if r.prefix is not None and r.prefix.epoch == self.epoch
+            for k in r.prefix.keys[r.prefix.published :]
+        }
 
     def computing(self, req: Request, upto: int) -> list[BlockKey]:
         """Keys of req's blocks that it is computing (unpublished) below token `upto`."""
         st = req.prefix
         if st is None or st.epoch != self.epoch:
             return []
-        return st.keys[st.published:-(-upto // self.bs)]
+        return st.keys[st.published : -(-upto // self.bs)]
 
     def behind(self, req: Request, start: int, in_flight: set[BlockKey]) -> bool:
         """True if req's block `start` (the first it would compute itself) is being computed by another request:
@@ -133,10 +141,15 @@ class PrefixCache:
         published since it was admitted (by requests that were ahead of it) and starts after them. True if it
         is at such a boundary (then `behind` may hold it back), False if it is inside a block of its own."""
         st, table = req.prefix, req.block_table
-        if (st is None or st.probe or st.epoch != self.epoch or st.published != len(table)
-                or req.num_computed != len(table) * self.bs):
+        if (
+            st is None
+            or st.probe
+            or st.epoch != self.epoch
+            or st.published != len(table)
+            or req.num_computed != len(table) * self.bs
+        ):
             return False
-        limit = (len(req.tokens) - 1) // self.bs            # the last token is computed
+        limit = (len(req.tokens) - 1) // self.bs  # the last token is computed
         keys, found = self._keys(req, limit), []
         for j in range(len(table), len(keys)):
             block = self.allocator.lookup(keys[j])
@@ -175,7 +188,7 @@ class PrefixCache:
             block = self.allocator.lookup(key)
             if block is None or (probe and self.allocator.meta(block) is None):
                 break
-            keys[i] = self.allocator.key_of(block)   # the stored key object: later parents compare by identity
+            keys[i] = self.allocator.key_of(block)  # the stored key object: later parents compare by identity
             if i + 1 < len(keys):
                 keys[i + 1] = BlockKey(keys[i], keys[i + 1].content)
             out.append(block)
@@ -190,7 +203,7 @@ class PrefixCache:
             if routes is None:
                 break
             parent = st.keys[-1] if st.keys else self.salt
-            st.keys.append(BlockKey(parent, (tuple(req.tokens[j * bs:(j + 1) * bs]), tuple(routes))))
+            st.keys.append(BlockKey(parent, (tuple(req.tokens[j * bs : (j + 1) * bs]), tuple(routes))))
         return st.keys
 
     # ------------------------------------------------------------------------------------ publishing
@@ -205,7 +218,7 @@ class PrefixCache:
         keys = self._keys(req, full)
         raw = (req.route.probe_raw or req.route.prompt_routes) if st.probe else None
         for j in range(st.published, min(full, len(keys))):
-            meta = raw[j * self.bs:(j + 1) * self.bs] if raw is not None else None
+            meta = raw[j * self.bs : (j + 1) * self.bs] if raw is not None else None
             if st.probe and (meta is None or len(meta) < self.bs):
                 break
             self.allocator.publish(req.block_table[j], keys[j], meta)
@@ -219,6 +232,13 @@ class PrefixCache:
 
     def stats(self) -> dict[str, Any]:
         q, h = self.queried_tokens, self.hit_tokens
-        return {"enabled": True, "queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else 0.0,
-                "probe_queried_tokens": self.probe_queried_tokens, "probe_hit_tokens": self.probe_hit_tokens,
-                "cached_blocks": self.allocator.num_cached, "evictions": self.allocator.evictions}
+        return {
+            "enabled": True,
+            "queried_tokens": q,
+            "hit_tokens": h,
+            "hit_rate": h / q if q else 0.0,
+            "probe_queried_tokens": self.probe_queried_tokens,
+            "probe_hit_tokens": self.probe_hit_tokens,
+            "cached_blocks": self.allocator.num_cached,
+            "evictions": self.allocator.evictions,
+        }

@@ -29,14 +29,14 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str
-    token_adapters: list[str | None]   # adapter that produced each new token (routing of the emitting position)
+    token_adapters: list[str | None]  # adapter that produced each new token (routing of the emitting position)
     finished: bool
-    finish_reason: str | None          # "stop" | "length" | "abort" | "timeout" | "error"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "timeout" | "error"
     prompt_tokens: int
     completion_tokens: int
-    logprobs: list[dict] | None        # per new token {"token_id", "logprob", "top": [(id, logprob), ...]}
-    error: str | None = None           # why the engine ended it ("abort" by an operator, "timeout", "error")
-    cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache (molora.engine.prefix)
+    logprobs: list[dict] | None  # per new token {"token_id", "logprob", "top": [(id, logprob), ...]}
+    error: str | None = None  # why the engine ended it ("abort" by an operator, "timeout", "error")
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (molora.engine.prefix)
 
 
 class IncrementalDetokenizer:
@@ -48,7 +48,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-_PROMPT_CONTEXT:])
-        self.prefix = 0              # ids[prefix:read] were already turned into text
+        self.prefix = 0  # ids[prefix:read] were already turned into text
         self.read = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
@@ -57,19 +57,19 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Text completed by `token_id` ("" while a character is still incomplete)."""
         self.ids.append(token_id)
-        before = self._decode(self.ids[self.prefix:self.read])
-        full = self._decode(self.ids[self.prefix:])
+        before = self._decode(self.ids[self.prefix : self.read])
+        full = self._decode(self.ids[self.prefix :])
         if full.endswith(REPLACEMENT) or len(full) <= len(before):
-            return ""                # an incomplete UTF-8 sequence (or nothing new): hold it back
+            return ""  # an incomplete UTF-8 sequence (or nothing new): hold it back
         self.prefix, self.read = self.read, len(self.ids)
-        return full[len(before):]
+        return full[len(before) :]
 
     def flush(self) -> str:
         """Whatever is still held back (at the end of a request), even if it is not valid UTF-8."""
-        before = self._decode(self.ids[self.prefix:self.read])
-        full = self._decode(self.ids[self.prefix:])
+        before = self._decode(self.ids[self.prefix : self.read])
+        full = self._decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
-        return full[len(before):] if full.startswith(before) else ""
+        return full[len(before) :] if full.startswith(before) else ""
 
 
 class TextState:
@@ -97,13 +97,13 @@ class TextState:
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
         self._searched = len(self.text)
         if hits:
-            self.text = self.text[:min(hits)]
+            self.text = self.text[: min(hits)]
             return True
         return False
 
     def emit(self, final: bool) -> str:
         upto = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
-        out = self.text[self.emitted:upto]
+        out = self.text[self.emitted : upto]
         self.emitted = upto
         return out
 
@@ -115,8 +115,8 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    route: Any                         # its RouteState (molora.engine.routing): mode, router, allowed adapters,
-                                       # pins and the decisions it carries; the engine's routing layer owns it
+    route: Any  # its RouteState (molora.engine.routing): mode, router, allowed adapters,
+    # pins and the decisions it carries; the engine's routing layer owns it
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None
     text: TextState = field(default_factory=lambda: TextState(()))
@@ -125,15 +125,15 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     pinned: bool = False
     finish_reason: str | None = None
-    error: str | None = None           # what ended it, when the engine ended it (see RequestOutput.error)
-    arrival: float = 0.0               # time.monotonic() when the engine got it
-    timeout_s: float | None = None     # deadlines (Engine.add_request)
+    error: str | None = None  # what ended it, when the engine ended it (see RequestOutput.error)
+    arrival: float = 0.0  # time.monotonic() when the engine got it
+    timeout_s: float | None = None  # deadlines (Engine.add_request)
     queue_timeout_s: float | None = None
-    started: bool = False              # scheduled at least once (the queue timeout no longer applies)
-    prefix: Any = None                 # its key chain in the prefix cache (molora.engine.prefix.PrefixState)
-    cached_tokens: int | None = None   # tokens its first real pass took from the prefix cache (None: not looked up)
+    started: bool = False  # scheduled at least once (the queue timeout no longer applies)
+    prefix: Any = None  # its key chain in the prefix cache (molora.engine.prefix.PrefixState)
+    cached_tokens: int | None = None  # tokens its first real pass took from the prefix cache (None: not looked up)
     constraints: list = field(default_factory=list)  # ConstraintStates (molora.sampling) its next ids must obey
-    bypassed: int = 0                  # waiting requests admitted ahead of it by slot-aware admission (Scheduler)
+    bypassed: int = 0  # waiting requests admitted ahead of it by slot-aware admission (Scheduler)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -159,8 +159,19 @@ class Request:
         """Tokens not yet in the KV cache (1 while decoding)."""
         return len(self.tokens) - self.num_computed
 
-    def output(self, new_ids: list[int], new_text: str, adapters: list[str | None],
-               logprobs: list[dict] | None) -> RequestOutput:
-        return RequestOutput(self.request_id, new_ids, new_text, adapters, self.finish_reason is not None,
-                               self.finish_reason, len(self.prompt_ids), self.num_generated, logprobs, self.error,
-                               self.cached_tokens or 0)
+    def output(
+        self, new_ids: list[int], new_text: str, adapters: list[str | None], logprobs: list[dict] | None
+    ) -> RequestOutput:
+        return RequestOutput(
+            self.request_id,
+            new_ids,
+            new_text,
+            adapters,
+            self.finish_reason is not None,
+            self.finish_reason,
+            len(self.prompt_ids),
+            self.num_generated,
+            logprobs,
+            self.error,
+            self.cached_tokens or 0,
+        )

@@ -50,12 +50,12 @@ class RouteState:
     reads it to plan a step and updates it from what the step decided (`record_carry`, `record_probe`); the
     scheduler sees only `needs` and `probing`."""
 
-    mode: str                          # one of MODES
+    mode: str  # one of MODES
     prompt_len: int
-    router: Any = None                 # the router of modes "tokens" and "learned"
-    adapter: str | None = None         # the pinned adapter (mode "pinned")
+    router: Any = None  # the router of modes "tokens" and "learned"
+    adapter: str | None = None  # the pinned adapter (mode "pinned")
     allowed: frozenset[str] | None = None  # names the router may choose (None: all)
-    needs: tuple[str, ...] = ()        # adapters pinned while in flight
+    needs: tuple[str, ...] = ()  # adapters pinned while in flight
     # mode "learned" with a carrying router: the decision at its carry_source block of the tokens at positions
     # prompt_len - 1, prompt_len, ...: what each next generated token carries (molora.routing.learned)
     route_finals: list[int] = field(default_factory=list)
@@ -76,17 +76,19 @@ class RouteState:
 def slot_lookup(hotset: HotSet, allowed: frozenset[str] | None = None) -> Tensor:
     """[K]: registered adapter index -> bank slot (-1 when not resident or not allowed); see `to_slots`."""
     bank = hotset.mm.bank
-    return torch.tensor([bank.slot_of(n) if n in bank and (allowed is None or n in allowed) else -1
-                         for n in hotset.names], dtype=torch.long)
+    return torch.tensor(
+        [bank.slot_of(n) if n in bank and (allowed is None or n in allowed) else -1 for n in hotset.names],
+        dtype=torch.long,
+    )
 
 
 def _token_routing(s: Scheduled, hotset: HotSet) -> tuple[Tensor, Tensor | None]:
     """Slot ids [n, k] (and weights [n, k] or None) from the request's token-id router."""
     req = s.request
-    ids = torch.tensor([req.tokens[s.start:s.start + s.n]], dtype=torch.long)          # [1, n]
+    ids = torch.tensor([req.tokens[s.start : s.start + s.n]], dtype=torch.long)  # [1, n]
     routing = req.route.router.route(ids, hotset.names, start=s.start)
-    idx = routing.adapter_ids.reshape(s.n, -1).long()                                   # [n, k] indices
-    slots = to_slots(slot_lookup(hotset, req.route.allowed), idx)                             # [n, k] slots
+    idx = routing.adapter_ids.reshape(s.n, -1).long()  # [n, k] indices
+    slots = to_slots(slot_lookup(hotset, req.route.allowed), idx)  # [n, k] slots
     w = None if routing.weights is None else routing.weights.reshape(s.n, -1).float()
     return slots, w
 
@@ -113,7 +115,7 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
         offset += s.n
     T = offset
     k = max(p[0].shape[1] for p in pieces)
-    slot_ids = torch.cat([_widen(ids, k, -1) for ids, _ in pieces])                      # [T, k]
+    slot_ids = torch.cat([_widen(ids, k, -1) for ids, _ in pieces])  # [T, k]
     weights = None
     if any(w is not None for _, w in pieces) or k > 1:
         weights = torch.cat([_widen(w if w is not None else _first_choice(ids), k, 0.0) for ids, w in pieces])
@@ -127,12 +129,23 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
     router_slots = to_device([bank.slot_of(n) if n in bank else -1 for n in names], device)
     out_groups = []
     for allowed, rows in groups.items():
-        mask = [n in bank and (allowed is None or n in allowed) for n in names]       # host list: no read
+        mask = [n in bank and (allowed is None or n in allowed) for n in names]  # host list: no read
         r = torch.cat(rows)
-        out_groups.append(RouterGroup(None if r.shape[0] == T else to_device(r, device),
-                                      None if all(mask) else to_device(mask, device, torch.bool)))
-    return StepRouting(to_device(slot_ids, device), None if weights is None else to_device(weights, device),
-                       router=router, router_slots=router_slots, groups=out_groups, carry=carry, fixed=fixed)
+        out_groups.append(
+            RouterGroup(
+                None if r.shape[0] == T else to_device(r, device),
+                None if all(mask) else to_device(mask, device, torch.bool),
+            )
+        )
+    return StepRouting(
+        to_device(slot_ids, device),
+        None if weights is None else to_device(weights, device),
+        router=router,
+        router_slots=router_slots,
+        groups=out_groups,
+        carry=carry,
+        fixed=fixed,
+    )
 
 
 def _token_rows(scheduled: list[Scheduled], T: int, device: torch.device, known) -> Tensor:
@@ -144,7 +157,7 @@ def _token_rows(scheduled: list[Scheduled], T: int, device: torch.device, known)
         if s.request.route.mode == "learned":
             lo, values = known(s)
             if values:
-                rows[offset + lo - s.start:offset + lo - s.start + len(values)] = torch.tensor(values)
+                rows[offset + lo - s.start : offset + lo - s.start + len(values)] = torch.tensor(values)
         offset += s.n
     return to_device(rows, device)
 
@@ -153,7 +166,7 @@ def _carried(s: Scheduled) -> tuple[int, list[int]]:
     """The chunk's generated tokens whose predecessor's decision is known (`RouteState.route_finals`)."""
     route, P = s.request.route, len(s.request.prompt_ids)
     lo, hi = max(s.start, P), min(s.start + s.n, P + len(route.route_finals))
-    return lo, route.route_finals[lo - P:hi - P] if lo < hi else []
+    return lo, route.route_finals[lo - P : hi - P] if lo < hi else []
 
 
 def _probed(s: Scheduled) -> tuple[int, list[int]]:
@@ -161,7 +174,7 @@ def _probed(s: Scheduled) -> tuple[int, list[int]]:
     route = s.request.route
     if s.probe or route.prompt_routes is None:
         return s.start, []
-    return s.start, route.prompt_routes[s.start:min(s.start + s.n, route.prompt_len)]
+    return s.start, route.prompt_routes[s.start : min(s.start + s.n, route.prompt_len)]
 
 
 def record_probe(scheduled: list[Scheduled], carry_rows: Tensor | None) -> list[bool]:
@@ -177,7 +190,7 @@ def record_probe(scheduled: list[Scheduled], carry_rows: Tensor | None) -> list[
         if s.probe:
             route = s.request.route
             assert route.prompt_routes is not None and carry_rows is not None, "a probe chunk without decisions"
-            route.prompt_routes[s.start:s.start + s.n] = carry_rows[offset:offset + s.n].tolist()
+            route.prompt_routes[s.start : s.start + s.n] = carry_rows[offset : offset + s.n].tolist()
             if not route.probing:  # the probe is complete: the real pass takes the prompt's decisions
                 finish_probe(route)
                 done = True
@@ -256,20 +269,26 @@ def _token_descriptors(req: Any, hotset: HotSet, lo: int, hi: int) -> list | Non
     """`token_routes` of a token-id router: its choices as `_token_routing` makes them (an adapter it may not
     use becomes the base)."""
     route, names = req.route, hotset.names
-    ids = torch.tensor([req.tokens[lo:hi]], dtype=torch.long)                      # [1, n]
+    ids = torch.tensor([req.tokens[lo:hi]], dtype=torch.long)  # [1, n]
     routing = route.router.route(ids, names, start=lo)
-    idx = routing.adapter_ids.reshape(hi - lo, -1).long().tolist()                 # [n][k] indices
+    idx = routing.adapter_ids.reshape(hi - lo, -1).long().tolist()  # [n][k] indices
     versions = {}
     for i in {i for row in idx for i in row}:
         name = names[i] if 0 <= i < len(names) else None
-        versions[i] = -1 if name is not None and route.allowed is not None and name not in route.allowed \
+        versions[i] = (
+            -1
+            if name is not None and route.allowed is not None and name not in route.allowed
             else _version(hotset, route, name)
+        )
     if any(v is None for v in versions.values()):
         return None
     if routing.weights is None and all(len(row) == 1 for row in idx):
         return [versions[row[0]] for row in idx]
-    w = routing.weights.reshape(hi - lo, -1).float().tolist() if routing.weights is not None else \
-        [[1.0] + [0.0] * (len(row) - 1) for row in idx]
+    w = (
+        routing.weights.reshape(hi - lo, -1).float().tolist()
+        if routing.weights is not None
+        else [[1.0] + [0.0] * (len(row) - 1) for row in idx]
+    )
     return [tuple((versions[i], x) for i, x in zip(row, ws)) for row, ws in zip(idx, w)]
 
 

@@ -16,11 +16,13 @@ all its tokens (prompt + generated so far) to prefill again.
 
 Prefix cache (molora.engine.prefix, when given): admission pins the adapters first, then looks up the
 cached blocks of the request's tokens; it holds them (shared, reference-counted) and starts its first
-chunk after them, at the cached length; the last token is always computed. A request whose next uncached block is being computed by
+chunk after them, at the cached length; the last token is always computed. A request whose next uncached block is being
+computed by
 a running request (`PrefixCache.behind`: requests that arrive together with one system prompt) keeps its
 place and is passed over until that block is published, so the shared blocks are computed once; likewise a
 running request in prefill (a probed prompt's real pass, just restarted) sits out a step while a request
-ahead of it computes its next block, and takes the blocks published meanwhile (`PrefixCache.extend`). Unreferenced cached blocks count
+ahead of it computes its next block, and takes the blocks published meanwhile (`PrefixCache.extend`). Unreferenced
+cached blocks count
 as free (`BlockAllocator.num_free`) and are evicted when a table grows. A preempted request releases its
 blocks into the cache and usually finds them there again when it is readmitted. Finished or aborted requests free their
 blocks and pins at once (`finish`). A request whose prompt is being probed (`Request.probing`, a learned
@@ -56,7 +58,7 @@ from molora.engine.kv import BlockAllocator
 from molora.engine.request import Request
 from molora.errors import MoLoRAError
 
-if TYPE_CHECKING:                    # molora.engine.prefix imports routing, which imports this module
+if TYPE_CHECKING:  # molora.engine.prefix imports routing, which imports this module
     from molora.engine.prefix import PrefixCache
 
 log = logging.getLogger("molora.engine")
@@ -64,7 +66,7 @@ log = logging.getLogger("molora.engine")
 
 READ_WAIT_S = 0.05  # longest a step waits for an adapter read when nothing else can run
 ADMISSION = ("fcfs", "slots")
-MAX_BYPASS = 16     # most requests slot-aware admission moves ahead of one waiting request
+MAX_BYPASS = 16  # most requests slot-aware admission moves ahead of one waiting request
 
 
 @dataclass
@@ -86,12 +88,21 @@ class Scheduled:
 class Scheduler:
     """FCFS continuous batching with chunked prefill and recompute preemption (module docstring)."""
 
-    def __init__(self, allocator: BlockAllocator, hotset: HotSet, *, max_num_seqs: int,
-                 max_tokens_per_step: int, prefix: PrefixCache | None = None, admission: str = "fcfs",
-                 max_bypass: int = MAX_BYPASS) -> None:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        hotset: HotSet,
+        *,
+        max_num_seqs: int,
+        max_tokens_per_step: int,
+        prefix: PrefixCache | None = None,
+        admission: str = "fcfs",
+        max_bypass: int = MAX_BYPASS,
+    ) -> None:
         if admission not in ADMISSION or max_bypass < 0:
-            raise MoLoRAError(f"admission={admission!r}, max_bypass={max_bypass}: choose one of {ADMISSION} "
-                              "and a bypass bound >= 0")
+            raise MoLoRAError(
+                f"admission={admission!r}, max_bypass={max_bypass}: choose one of {ADMISSION} and a bypass bound >= 0"
+            )
         self.allocator, self.hotset, self.prefix = allocator, hotset, prefix
         self.admission, self.max_bypass = admission, max_bypass
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_tokens_per_step
@@ -120,25 +131,29 @@ class Scheduler:
         out: list[Scheduled] = []
         decoding = [r for r in self.running if r.remaining == 1]
         prefilling = [r for r in self.running if r.remaining > 1]
-        computing: set = set()               # prefix keys of the blocks this step computes
+        computing: set = set()  # prefix keys of the blocks this step computes
         for req in decoding + prefilling:
-            budget = self.max_tokens - sum(s.n for s in out)   # a preemption may give tokens back
+            budget = self.max_tokens - sum(s.n for s in out)  # a preemption may give tokens back
             if budget == 0:
                 break
-            if req not in self.running:      # preempted earlier in this loop
+            if req not in self.running:  # preempted earlier in this loop
                 continue
-            if self.prefix is not None and req.remaining > 1 and self.prefix.extend(req) \
-                    and self.prefix.behind(req, len(req.block_table), computing):
-                continue                     # a request ahead of it computes its next block in this step
+            if (
+                self.prefix is not None
+                and req.remaining > 1
+                and self.prefix.extend(req)
+                and self.prefix.behind(req, len(req.block_table), computing)
+            ):
+                continue  # a request ahead of it computes its next block in this step
             n = min(req.remaining, budget)
             if self._make_room(req, req.num_computed + n, out):
                 out.append(Scheduled(req, req.num_computed, n, req.probing))
                 if self.prefix is not None:
                     computing.update(self.prefix.computing(req, req.num_computed + n))
         self._order_for_slots()
-        if self._admit(out) and not out:     # nothing can run until an adapter read finishes: wait a little,
+        if self._admit(out) and not out:  # nothing can run until an adapter read finishes: wait a little,
             self.hotset.wait_reads(READ_WAIT_S)  # bounded so that the engine thread stays responsive
-            self._admit(out)                 # (commands, deadlines, heartbeat); the next step waits again
+            self._admit(out)  # (commands, deadlines, heartbeat); the next step waits again
         self._prefetch_queue()
         return out
 
@@ -153,24 +168,24 @@ class Scheduler:
             n = min(req.remaining, budget)
             try:
                 if not self.hotset.fetch(req.needs):
-                    reading, i = True, i + 1     # its adapters are being read: it keeps its place
+                    reading, i = True, i + 1  # its adapters are being read: it keeps its place
                     continue
                 if self.prefix is None and not self.allocator.can_grow(req.block_table, n):
-                    break                    # FCFS: later requests wait behind this one
+                    break  # FCFS: later requests wait behind this one
                 if not self.hotset.acquire(req.needs):
-                    break                    # every slot it could take is pinned by running requests
-            except MoLoRAError as e:         # an adapter cannot be read any more: fail this request only
+                    break  # every slot it could take is pinned by running requests
+            except MoLoRAError as e:  # an adapter cannot be read any more: fail this request only
                 del self.waiting[i]
                 req.error = str(e)
                 self.failed.append((req, str(e)))
                 self._retire(req.needs)
                 continue
             hits: list[int] = []
-            if self.prefix is not None:      # looked up under the pins: the adapters' versions cannot change
+            if self.prefix is not None:  # looked up under the pins: the adapters' versions cannot change
                 hits = self.prefix.match(req)
                 if self.prefix.behind(req, len(hits), in_flight):
                     self.hotset.release(req.needs)
-                    i += 1                   # a running request is computing its next block: it keeps its place
+                    i += 1  # a running request is computing its next block: it keeps its place
                     continue
                 n = min(len(req.tokens) - len(hits) * self.allocator.block_size, budget)
                 if not self.allocator.can_grow(req.block_table, len(hits) * self.allocator.block_size + n, hits):
@@ -185,7 +200,7 @@ class Scheduler:
             out.append(Scheduled(req, req.num_computed, n, req.probing))
             budget -= n
             if self.prefix is not None and req.prefix is not None:
-                in_flight.update(req.prefix.keys[req.prefix.published:])
+                in_flight.update(req.prefix.keys[req.prefix.published :])
         return reading
 
     def _order_for_slots(self) -> None:
@@ -196,11 +211,12 @@ class Scheduler:
         hs = self.hotset
         free = hs.mm.bank.num_slots - len(hs.slot_lru)
         unpinned = {n for n in hs.slot_lru if not hs.pins[n]}
+
         def blocked(req: Request) -> bool:
             missing = sum(not hs.resident(n) for n in req.needs)
             return bool(missing) and missing > free + len(unpinned - set(req.needs))
 
-        b = next((i for i, req in enumerate(self.waiting) if blocked(req)), None)   # the first request slots block
+        b = next((i for i, req in enumerate(self.waiting) if blocked(req)), None)  # the first request slots block
         if b is None:
             return
         ahead: list[Request] = []
@@ -222,7 +238,7 @@ class Scheduler:
         With a prefix cache the probe's blocks are published and released, and the real pass starts after the
         blocks the cache holds for it."""
         if self.prefix is None:
-            req.num_computed = 0             # the probe's blocks stay in the table, rewritten by the real pass
+            req.num_computed = 0  # the probe's blocks stay in the table, rewritten by the real pass
             return
         self.prefix.publish(req)
         self.allocator.free(req.block_table)
@@ -236,7 +252,7 @@ class Scheduler:
         while not self.allocator.grow(req.block_table, length):
             victim = self.running[-1]
             for i, s in enumerate(scheduled):
-                if s.request is victim:      # it was already given tokens this step: take them back
+                if s.request is victim:  # it was already given tokens this step: take them back
                     del scheduled[i]
                     break
             self.preempt(victim)

@@ -55,8 +55,16 @@ CHATML = CHATML_TEMPLATE
 # (the default bundle answers counting and arithmetic ("int") with worked solutions of up to ~162 tokens since
 # arithmetic writes its sign handling (95% within 148), navigate ("label") with a position trace of up to ~275:
 # each move writes its sum and the new position)
-MAX_NEW_TOKENS = {"int": 224, "label": 320, "dyck": 32, "choice": 32, "words": 96, "text": 64,
-                  "number": 256, "math": 256}
+MAX_NEW_TOKENS = {
+    "int": 224,
+    "label": 320,
+    "dyck": 32,
+    "choice": 32,
+    "words": 96,
+    "text": 64,
+    "number": 256,
+    "math": 256,
+}
 
 
 class EvalError(MoLoRAError, ValueError):
@@ -64,6 +72,7 @@ class EvalError(MoLoRAError, ValueError):
 
 
 # ------------------------------------------------------------------------------------------- prompts
+
 
 def template_of(mm: Any) -> tuple[str, str]:
     """(prompt template with "{prompt}", end-of-turn text) of the model's bundle (ChatML without one)."""
@@ -78,6 +87,7 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------- routing
+
 
 @dataclass(frozen=True)
 class Mode:
@@ -100,8 +110,10 @@ def parse_mode(mm: Any, routing: str) -> Mode:
     if kind not in ("base", "merge", "oracle", "sequence", "learned") or sep:
         raise EvalError(f"unknown routing mode {routing!r}; use one of {', '.join(MODES)}")
     if kind in ("learned", "sequence") and mm.router is None:
-        raise EvalError(f"routing {routing!r} needs the bundle's router, and this model has none "
-                        "(use a bundle whose molora.json names a learned router)")
+        raise EvalError(
+            f"routing {routing!r} needs the bundle's router, and this model has none "
+            "(use a bundle whose molora.json names a learned router)"
+        )
     if kind == "oracle" and getattr(mm, "bundle", None) is None:
         raise EvalError("routing 'oracle' needs a bundle: its adapters' `tasks` say which adapter fits a task")
     if kind in ("merge", "oracle", "sequence") and not mm.adapter_names:
@@ -130,30 +142,29 @@ def sequence_choice(mm: Any, questions: Sequence[str], *, batch_size: int = 16) 
     out: list[str | None] = [None] * len(rows)
     for i in range(0, len(rows), batch_size):
         chunk = [rows[j] for j in order[i : i + batch_size]]
-        ids, mask = left_pad(chunk, pad=0, device=mm.device)                   # [B, L]
+        ids, mask = left_pad(chunk, pad=0, device=mm.device)  # [B, L]
         if router.in_network:
             mm.context.trace = []
             try:
                 mm(ids, attention_mask=mask, adapter_ids=router)
-                votes = torch.stack([t[:, 0] for _, t in mm.context.trace])       # [blocks, B*L] router order
+                votes = torch.stack([t[:, 0] for _, t in mm.context.trace])  # [blocks, B*L] router order
             finally:
                 mm.context.trace = None
-            picks = torch.mode(votes, dim=0).values.view(ids.shape)             # [B, L]
+            picks = torch.mode(votes, dim=0).values.view(ids.shape)  # [B, L]
             names = router.adapter_names
         else:
             picks = router.route(ids, mm.adapter_names).adapter_ids
-            picks = picks[..., 0] if picks.ndim == 3 else picks                  # [B, L]
+            picks = picks[..., 0] if picks.ndim == 3 else picks  # [B, L]
             names = mm.adapter_names
         L = ids.shape[1]
         for r, row in enumerate(chunk):
-            lo, hi = L - len(row) + n_head, L - n_tail                           # the question's tokens
-            span = picks[r, lo:hi] if hi > lo else picks[r, L - len(row):]
+            lo, hi = L - len(row) + n_head, L - n_tail  # the question's tokens
+            span = picks[r, lo:hi] if hi > lo else picks[r, L - len(row) :]
             out[order[i + r]] = _vote(span.tolist(), names)
     return out
 
 
-def _spec(mm: Any, mode: Mode, labels: list[list[str | None]] | None, chosen: list[str | None] | None
-          ) -> str | Router:
+def _spec(mm: Any, mode: Mode, labels: list[list[str | None]] | None, chosen: list[str | None] | None) -> str | Router:
     """The `adapter_ids` argument of mm.generate for one batch."""
     if mode.kind == "base":
         return SequenceRouter(None)
@@ -170,6 +181,7 @@ def _spec(mm: Any, mode: Mode, labels: list[list[str | None]] | None, chosen: li
 
 # ------------------------------------------------------------------------------------------- generation
 
+
 @dataclass
 class _Dialog:
     """One item as a conversation: its parts (questions), the answers so far, the ids of finished turns."""
@@ -178,12 +190,13 @@ class _Dialog:
     parts: tuple[EvalItem, ...]
     answers: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
-    labels: list[str | None] = field(default_factory=list)   # oracle adapter per position of `ids`
-    adapter: str | None = None                                # sequence mode: the one adapter
+    labels: list[str | None] = field(default_factory=list)  # oracle adapter per position of `ids`
+    adapter: str | None = None  # sequence mode: the one adapter
 
 
-def _answer_all(mm: Any, dialogs: list[_Dialog], mode: Mode, *, batch_size: int, max_new_tokens: int | None,
-                progress: bool) -> int:
+def _answer_all(
+    mm: Any, dialogs: list[_Dialog], mode: Mode, *, batch_size: int, max_new_tokens: int | None, progress: bool
+) -> int:
     """Fill every dialog's answers, turn by turn, in batches of similar length; return tokens generated."""
     from tqdm import tqdm
 
@@ -192,25 +205,29 @@ def _answer_all(mm: Any, dialogs: list[_Dialog], mode: Mode, *, batch_size: int,
     tok = mm.tokenizer
     bundle = getattr(mm, "bundle", None)
     generated = 0
-    bar = tqdm(total=sum(len(d.parts) for d in dialogs), desc=f"eval {mode}", unit="answer",
-               disable=not progress)
+    bar = tqdm(total=sum(len(d.parts) for d in dialogs), desc=f"eval {mode}", unit="answer", disable=not progress)
     for turn in range(max(len(d.parts) for d in dialogs)):
         active = [d for d in dialogs if len(d.parts) > turn]
         prompts = {id(d): d.ids + _ids(tok, turn_text(template, d.parts[turn].input)) for d in active}
-        budget = {id(d): max_new_tokens or MAX_NEW_TOKENS.get(
-            answer_kind(d.parts[turn].task, d.parts[turn].target), 64) for d in active}
+        budget = {
+            id(d): max_new_tokens or MAX_NEW_TOKENS.get(answer_kind(d.parts[turn].task, d.parts[turn].target), 64)
+            for d in active
+        }
         active.sort(key=lambda d: (budget[id(d)], len(prompts[id(d)])))
         for i in range(0, len(active), batch_size):
             batch = active[i : i + batch_size]
             labels = None
             if mode.kind == "oracle":  # per position, left-padded like the ids (pads take the first label)
                 L = max(len(prompts[id(d)]) for d in batch)
-                labels = [d.labels + [bundle.adapter_for_task(d.parts[turn].task)]
-                          * (len(prompts[id(d)]) - len(d.labels)) for d in batch]
+                labels = [
+                    d.labels + [bundle.adapter_for_task(d.parts[turn].task)] * (len(prompts[id(d)]) - len(d.labels))
+                    for d in batch
+                ]
                 labels = [[row[0]] * (L - len(row)) + row for row in labels]
             spec = _spec(mm, mode, labels, [d.adapter for d in batch])
-            answers, n = generate_batch(mm, [prompts[id(d)] for d in batch], spec,
-                                        [budget[id(d)] for d in batch], stops)
+            answers, n = generate_batch(
+                mm, [prompts[id(d)] for d in batch], spec, [budget[id(d)] for d in batch], stops
+            )
             generated += n
             for d, ans in zip(batch, answers):
                 text = tok.decode(ans, skip_special_tokens=True)
@@ -227,8 +244,17 @@ def _answer_all(mm: Any, dialogs: list[_Dialog], mode: Mode, *, batch_size: int,
 
 # ------------------------------------------------------------------------------------------- evaluate
 
-def evaluate(mm: Any, task_spec: str, routing: str, *, limit: int | None = None, batch_size: int = 16,
-             max_new_tokens: int | None = None, progress: bool = True) -> tuple[dict, list[dict]]:
+
+def evaluate(
+    mm: Any,
+    task_spec: str,
+    routing: str,
+    *,
+    limit: int | None = None,
+    batch_size: int = 16,
+    max_new_tokens: int | None = None,
+    progress: bool = True,
+) -> tuple[dict, list[dict]]:
     """Answer the items of `task_spec` ("KIND:FILE") under `routing`; return (summary, predictions).
 
     summary: {"task", "routing", "n", "accuracy", "lenient_accuracy", "majority_baseline", "tokens_per_s",
@@ -251,8 +277,7 @@ def evaluate(mm: Any, task_spec: str, routing: str, *, limit: int | None = None,
         whole = ["\n\n".join(p.input for p in d.parts) for d in dialogs]
         for d, adapter in zip(dialogs, sequence_choice(mm, whole, batch_size=batch_size)):
             d.adapter = adapter
-    generated = _answer_all(mm, dialogs, mode, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                            progress=progress)
+    generated = _answer_all(mm, dialogs, mode, batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
     seconds = time.perf_counter() - start
     predictions, item_hits = [], []
     for d in dialogs:
@@ -260,8 +285,16 @@ def evaluate(mm: Any, task_spec: str, routing: str, *, limit: int | None = None,
         for part, answer in zip(d.parts, d.answers):
             strict, lenient = score_item(part, answer)
             hits.append(strict)
-            predictions.append({"task": part.task, "input": part.input, "target": part.target,
-                                "prediction": answer, "correct": strict, "lenient": lenient})
+            predictions.append(
+                {
+                    "task": part.task,
+                    "input": part.input,
+                    "target": part.target,
+                    "prediction": answer,
+                    "correct": strict,
+                    "lenient": lenient,
+                }
+            )
         item_hits.append(all(hits))
     summary = summarize(name, str(mode), predictions, seconds, generated)
     if any(it.parts is not None for it in items):
@@ -278,19 +311,31 @@ def summarize(task: str, routing: str, predictions: Sequence[dict], seconds: flo
         by_task[p["task"]].append(p)
     majority = sum(Counter(p["target"] for p in ps).most_common(1)[0][1] for ps in by_task.values())
     pct = lambda k, ps: round(100.0 * sum(bool(p[k]) for p in ps) / len(ps), 2)  # noqa: E731
-    return {"task": task, "routing": routing, "n": n, "accuracy": pct("correct", predictions),
-            "lenient_accuracy": pct("lenient", predictions), "majority_baseline": round(100.0 * majority / n, 2),
-            "tokens_per_s": round(generated / seconds, 2) if seconds > 0 else 0.0,
-            "seconds": round(seconds, 3), "generated_tokens": generated,
-            "by_task": {t: pct("correct", ps) for t, ps in by_task.items()}}
+    return {
+        "task": task,
+        "routing": routing,
+        "n": n,
+        "accuracy": pct("correct", predictions),
+        "lenient_accuracy": pct("lenient", predictions),
+        "majority_baseline": round(100.0 * majority / n, 2),
+        "tokens_per_s": round(generated / seconds, 2) if seconds > 0 else 0.0,
+        "seconds": round(seconds, 3),
+        "generated_tokens": generated,
+        "by_task": {t: pct("correct", ps) for t, ps in by_task.items()},
+    }
 
 
-def save_results(summary: dict, predictions: Sequence[dict], json_path: str | Path | None = None,
-                 predictions_path: str | Path | None = None) -> None:
+def save_results(
+    summary: dict,
+    predictions: Sequence[dict],
+    json_path: str | Path | None = None,
+    predictions_path: str | Path | None = None,
+) -> None:
     """Write the summary JSON and / or the predictions JSONL (one line per item or part)."""
-    for path, text in ((json_path, lambda: json.dumps(summary, indent=2) + "\n"),
-                       (predictions_path, lambda: "".join(json.dumps(p, ensure_ascii=False) + "\n"
-                                                          for p in predictions))):
+    for path, text in (
+        (json_path, lambda: json.dumps(summary, indent=2) + "\n"),
+        (predictions_path, lambda: "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in predictions)),
+    ):
         if path is None:
             continue
         path = Path(path)

@@ -108,7 +108,7 @@ def _json_rows(path: Path) -> list[dict]:
         raise TaskError(f"{path} is not valid JSON{' lines' if path.suffix == '.jsonl' else ''}: {e}") from e
     rows = data.get("examples") if isinstance(data, dict) else data
     if not isinstance(rows, list):
-        raise TaskError(f"{path}: want a list of examples or {{\"examples\": [...]}}, got {type(data).__name__}")
+        raise TaskError(f'{path}: want a list of examples or {{"examples": [...]}}, got {type(data).__name__}')
     return rows
 
 

@@ -43,9 +43,17 @@ AdapterSpec = torch.Tensor | str | Router | Routing | None
 class MoLoRAModel(nn.Module):
     """A causal LM whose target linears add each token's own adapter delta. See the module docstring."""
 
-    def __init__(self, model: nn.Module, bank: AdapterBank, context: RoutingContext, *,
-                 router: Router | None = None, tokenizer: Any = None, base_name: str | None = None,
-                 check_base: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        bank: AdapterBank,
+        context: RoutingContext,
+        *,
+        router: Router | None = None,
+        tokenizer: Any = None,
+        base_name: str | None = None,
+        check_base: bool = True,
+    ) -> None:
         super().__init__()
         self.model = model
         self.bank = bank
@@ -81,8 +89,13 @@ class MoLoRAModel(nn.Module):
     def read(self, name: str, path: str | Path, *, roots: Sequence[str | Path] | None = None) -> LoRAAdapter:
         """Read and validate a PEFT folder against this model's linears (does not load it); with `roots`, every
         file must resolve inside one of them. Touches no model state: safe on a worker thread."""
-        return read_adapter(path, linear_shapes(self.model), name=name,
-                            base_name=self.base_name if self.check_base else None, roots=roots)
+        return read_adapter(
+            path,
+            linear_shapes(self.model),
+            name=name,
+            base_name=self.base_name if self.check_base else None,
+            roots=roots,
+        )
 
     def load_adapter(self, name: str, path: str | Path | LoRAAdapter) -> int:
         """Load an adapter into a free slot at run time; on any error nothing changes. Returns the slot."""
@@ -103,12 +116,19 @@ class MoLoRAModel(nn.Module):
         self._sync_slots()
 
     def _sync_slots(self) -> None:
-        self._index_to_slot = torch.tensor([self.bank.slot_of(n) for n in self.adapters], dtype=torch.long,
-                                           device=self.device)
+        self._index_to_slot = torch.tensor(
+            [self.bank.slot_of(n) for n in self.adapters], dtype=torch.long, device=self.device
+        )
 
     # ------------------------------------------------------------------------------------ routing
-    def resolve(self, input_ids: torch.Tensor, adapter_ids: AdapterSpec = None,
-                adapter_weights: torch.Tensor | None = None, *, start: int = 0) -> Routing | None:
+    def resolve(
+        self,
+        input_ids: torch.Tensor,
+        adapter_ids: AdapterSpec = None,
+        adapter_weights: torch.Tensor | None = None,
+        *,
+        start: int = 0,
+    ) -> Routing | None:
         """Turn any accepted routing spec into a `Routing` over input_ids [B, L] (None: decided in-network)."""
         if isinstance(adapter_ids, Routing):
             return adapter_ids
@@ -118,28 +138,35 @@ class MoLoRAModel(nn.Module):
             adapter_ids = SequenceRouter(adapter_ids)
         router = adapter_ids if adapter_ids is not None else self.router
         if router is None:
-            raise RoutingError("no routing given and no router attached: pass adapter_ids (a LongTensor of "
-                               "adapter indices, an adapter name or a Router) or attach a router")
+            raise RoutingError(
+                "no routing given and no router attached: pass adapter_ids (a LongTensor of "
+                "adapter indices, an adapter name or a Router) or attach a router"
+            )
         if router.in_network:
             router.prepare(self, input_ids)
             return None
         return router.route(input_ids, self.adapter_names, start=start)
 
-    def slot_routing(self, routing: Routing, shape: torch.Size, *, check_values: bool = True
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def slot_routing(
+        self, routing: Routing, shape: torch.Size, *, check_values: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Map adapter indices to bank slots, flattened: (slot_ids [T, k], weights [T, k] | None).
         check_values: read the ids to check -1 <= id < K (a device sync for ids off the CPU; `routed` skips it
         for ids a library router made on the device)."""
         ids, weights = routing.adapter_ids, routing.weights
         if ids.dtype not in (torch.int64, torch.int32) or ids.shape[:2] != shape or ids.ndim not in (2, 3):
-            raise RoutingError(f"adapter_ids must be an integer tensor shaped like input_ids {tuple(shape)} "
-                               f"(or [B, L, k] for top-k), got {ids.dtype} {tuple(ids.shape)}")
+            raise RoutingError(
+                f"adapter_ids must be an integer tensor shaped like input_ids {tuple(shape)} "
+                f"(or [B, L, k] for top-k), got {ids.dtype} {tuple(ids.shape)}"
+            )
         k = len(self.adapters)
         if check_values and ids.numel():
-            lo, hi = torch.stack([ids.min(), ids.max()]).tolist()   # one host read for both
+            lo, hi = torch.stack([ids.min(), ids.max()]).tolist()  # one host read for both
             if lo < -1 or hi >= k:
-                raise RoutingError(f"adapter_ids hold values in [{lo}, {hi}], but only "
-                                   f"-1 (base) and 0..{k - 1} (adapters {self.adapter_names}) are valid")
+                raise RoutingError(
+                    f"adapter_ids hold values in [{lo}, {hi}], but only "
+                    f"-1 (base) and 0..{k - 1} (adapters {self.adapter_names}) are valid"
+                )
         ids = ids.reshape(-1, 1 if ids.ndim == 2 else ids.shape[-1]).long().to(self._index_to_slot.device)
         if weights is not None:
             if weights.shape[:2] != shape or weights.reshape(ids.shape[0], -1).shape != ids.shape:
@@ -148,9 +175,16 @@ class MoLoRAModel(nn.Module):
         return to_slots(self._index_to_slot, ids), weights
 
     @contextmanager
-    def routed(self, input_ids: torch.Tensor, adapter_ids: AdapterSpec = None,
-               adapter_weights: torch.Tensor | None = None, *, start: int = 0, carry: torch.Tensor | None = None,
-               fixed: torch.Tensor | None = None):
+    def routed(
+        self,
+        input_ids: torch.Tensor,
+        adapter_ids: AdapterSpec = None,
+        adapter_weights: torch.Tensor | None = None,
+        *,
+        start: int = 0,
+        carry: torch.Tensor | None = None,
+        fixed: torch.Tensor | None = None,
+    ):
         """Fill the routing context for one forward over input_ids, and clear it afterwards.
 
         carry [B, L] (or None): the decision each token carries from its predecessor (-2: none), for a
@@ -173,20 +207,41 @@ class MoLoRAModel(nn.Module):
             self.last_carry = None if out is None else out.reshape(input_ids.shape[0], -1)
             self.context.clear()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                adapter_ids: AdapterSpec = None, adapter_weights: torch.Tensor | None = None,
-                **kwargs: Any) -> Any:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        adapter_ids: AdapterSpec = None,
+        adapter_weights: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """The transformers output (`.logits` [B, L, V]) with each token's adapter applied."""
-        with self.routed(input_ids, adapter_ids, adapter_weights, start=kwargs.pop("start", 0),
-                         carry=kwargs.pop("carry", None), fixed=kwargs.pop("fixed", None)):
+        with self.routed(
+            input_ids,
+            adapter_ids,
+            adapter_weights,
+            start=kwargs.pop("start", 0),
+            carry=kwargs.pop("carry", None),
+            fixed=kwargs.pop("fixed", None),
+        ):
             return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     # ------------------------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 adapter_ids: str | Router | None = None, max_new_tokens: int = 32, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, eos_token_id: int | Sequence[int] | None = None,
-                 pad_token_id: int | None = None, seed: int | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        adapter_ids: str | Router | None = None,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        seed: int | None = None,
+    ) -> torch.Tensor:
         """Greedy or sampled continuation [B, L + n] (left-padded batches), routing every new token too.
 
         The router sees each generated token when it is fed back in, so for `VocabRouter` the input token
@@ -199,8 +254,10 @@ class MoLoRAModel(nn.Module):
         from transformers import DynamicCache
 
         if isinstance(adapter_ids, torch.Tensor):
-            raise RoutingError("generate needs a router or an adapter name (a fixed adapter_ids tensor cannot "
-                               "cover the tokens still to be generated); use OracleRouter for given labels")
+            raise RoutingError(
+                "generate needs a router or an adapter name (a fixed adapter_ids tensor cannot "
+                "cover the tokens still to be generated); use OracleRouter for given labels"
+            )
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
@@ -213,16 +270,33 @@ class MoLoRAModel(nn.Module):
         fixed = None  # [B, L] the prompt tokens' decisions from a probe pass (molora.routing.learned: Probe)
         router = adapter_ids if adapter_ids is not None else self.router
         if getattr(router, "probe_prompt", False):
-            self(input_ids, attention_mask=mask, adapter_ids=adapter_ids, position_ids=positions,
-                 use_cache=False, logits_to_keep=1)
+            self(
+                input_ids,
+                attention_mask=mask,
+                adapter_ids=adapter_ids,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=1,
+            )
             fixed = router.prompt_routes(self.last_carry, mask)
         # rows the probe kept wholly on the base model stay there for every generated token (Base expert)
         base_rows = None if fixed is None else router.base_only(fixed, mask)
-        held = None if base_rows is None or not bool(base_rows.any()) else \
-            torch.where(base_rows, -1, -2)[:, None]                                 # [B, 1]
+        held = (
+            None if base_rows is None or not bool(base_rows.any()) else torch.where(base_rows, -1, -2)[:, None]
+        )  # [B, 1]
         for _ in range(max_new_tokens):
-            out = self(step_ids, attention_mask=mask, adapter_ids=adapter_ids, position_ids=step_pos,
-                       cache=cache, use_cache=True, start=start, logits_to_keep=1, carry=carry, fixed=fixed)
+            out = self(
+                step_ids,
+                attention_mask=mask,
+                adapter_ids=adapter_ids,
+                position_ids=step_pos,
+                cache=cache,
+                use_cache=True,
+                start=start,
+                logits_to_keep=1,
+                carry=carry,
+                fixed=fixed,
+            )
             fixed = held
             carry = None if self.last_carry is None else self.last_carry[:, -1:]
             nxt = sample_next(out.logits[:, -1], temperature, top_k, top_p, gen)
@@ -239,10 +313,21 @@ class MoLoRAModel(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- attach
 
-def attach(model: nn.Module, adapters: Mapping[str, str | Path] | None = None, *, slots: int | None = None,
-           max_rank: int | None = None, target_modules: Sequence[str] | None = None,
-           router: Router | None = None, tokenizer: Any = None, dispatch: str = "auto",
-           base_name: str | None = None, check_base: bool = True, quantization: str | None = None) -> MoLoRAModel:
+
+def attach(
+    model: nn.Module,
+    adapters: Mapping[str, str | Path] | None = None,
+    *,
+    slots: int | None = None,
+    max_rank: int | None = None,
+    target_modules: Sequence[str] | None = None,
+    router: Router | None = None,
+    tokenizer: Any = None,
+    dispatch: str = "auto",
+    base_name: str | None = None,
+    check_base: bool = True,
+    quantization: str | None = None,
+) -> MoLoRAModel:
     """Swap the target linears of `model` for routed layers and load `adapters` (name -> PEFT folder).
 
     slots: bank size S (default max(4, number of adapters)); max_rank: R (default the largest rank given,
@@ -262,8 +347,7 @@ def attach(model: nn.Module, adapters: Mapping[str, str | Path] | None = None, *
     adapters = dict(adapters or {})
     base_name = base_name if base_name is not None else (getattr(model, "name_or_path", None) or None)
     shapes = linear_shapes(model)
-    read = [read_adapter(p, shapes, name=n, base_name=base_name if check_base else None)
-            for n, p in adapters.items()]
+    read = [read_adapter(p, shapes, name=n, base_name=base_name if check_base else None) for n, p in adapters.items()]
     targets = set().union(*(a.modules for a in read)) if read else set()
     suffixes = target_modules if target_modules is not None else (() if read else LLAMA_PROJECTIONS)
     targets |= {m for m in shapes if any(re.fullmatch(rf"(.*\.)?{re.escape(s)}", m) for s in suffixes)}
@@ -274,19 +358,21 @@ def attach(model: nn.Module, adapters: Mapping[str, str | Path] | None = None, *
         raise MoLoRAError(f"slots={num_slots} is fewer than the {len(read)} adapters given")
     rank = max_rank if max_rank is not None else max([8] + [a.max_rank for a in read])
     param = next(model.parameters())
-    bank = AdapterBank({m: shapes[m] for m in sorted(targets)}, BankConfig(num_slots, rank),
-                       dtype=param.dtype, device=param.device)
+    bank = AdapterBank(
+        {m: shapes[m] for m in sorted(targets)}, BankConfig(num_slots, rank), dtype=param.dtype, device=param.device
+    )
     context = RoutingContext()
     dispatcher = LoRADispatcher(dispatch)
     if dispatch in ("auto", "fused") and param.device.type == "cpu":
         fused_cpu.available()  # build (once per machine) or load the CPU kernel now, not at the first request
-    swap_modules(model, sorted(targets),
-                 lambda name, old: RoutedLoRALinear(old, bank.slots[name], context, dispatcher, name))
-    mm = MoLoRAModel(model, bank, context, router=router, tokenizer=tokenizer, base_name=base_name,
-                     check_base=check_base)
+    swap_modules(
+        model, sorted(targets), lambda name, old: RoutedLoRALinear(old, bank.slots[name], context, dispatcher, name)
+    )
+    mm = MoLoRAModel(
+        model, bank, context, router=router, tokenizer=tokenizer, base_name=base_name, check_base=check_base
+    )
     for adapter in read:
         mm.load_adapter(adapter.name, adapter)
     mm._sync_slots()
-    log.info("attached %d adapters over %d linears (%d slots, max rank %d)", len(read), len(targets),
-             num_slots, rank)
+    log.info("attached %d adapters over %d linears (%d slots, max rank %d)", len(read), len(targets), num_slots, rank)
     return mm

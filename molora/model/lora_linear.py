@@ -49,8 +49,19 @@ class RoutingContext:
     cast kept from an earlier call), so a replay sees the bank as it is then.
     """
 
-    __slots__ = ("slot_ids", "weights", "router", "slot_map", "allowed", "trace", "carry_in", "carry_out", "fixed_in",
-                 "linear", "_plan")
+    __slots__ = (
+        "slot_ids",
+        "weights",
+        "router",
+        "slot_map",
+        "allowed",
+        "trace",
+        "carry_in",
+        "carry_out",
+        "fixed_in",
+        "linear",
+        "_plan",
+    )
 
     def __init__(self) -> None:
         self.slot_ids: torch.Tensor | None = None
@@ -80,8 +91,7 @@ class RoutingContext:
         """Let the in-network router decide for `block` from its input hidden [T, D] (no-op without one)."""
         if self.router is None:
             return
-        decision = decide_slots(self.router, block, hidden, self.slot_map, self.allowed, self.carry_in,
-                                self.fixed_in)
+        decision = decide_slots(self.router, block, hidden, self.slot_map, self.allowed, self.carry_in, self.fixed_in)
         if decision is None:
             return  # keep the previous block's decision
         slots, weights, ids = decision  # [T, k]; ids in router order, -1 = none
@@ -104,13 +114,14 @@ class RoutingContext:
 class RoutedLoRALinear(nn.Module):
     """A linear whose output adds, for each token, the LoRA delta of the adapter its routing names."""
 
-    def __init__(self, base: nn.Linear, slots: LoRASlots, context: RoutingContext,
-                 dispatcher: LoRADispatcher, name: str = "") -> None:
+    def __init__(
+        self, base: nn.Linear, slots: LoRASlots, context: RoutingContext, dispatcher: LoRADispatcher, name: str = ""
+    ) -> None:
         super().__init__()
         self.name = name  # the module path (the bank's key): what a per-linear router knows this linear by
         self.in_features, self.out_features = base.in_features, base.out_features
         if isinstance(base, QuantizedLinear):
-            self.qbase = base                           # the quantized base computes x @ W.T + b (module docstring)
+            self.qbase = base  # the quantized base computes x @ W.T + b (module docstring)
             self.weight = None
         else:
             self.weight = base.weight
@@ -127,12 +138,12 @@ class RoutedLoRALinear(nn.Module):
         qbase = self._modules.get("qbase")
         if qbase is not None:
             return self.add_delta(x, qbase.forward(x))
-        params = self._parameters                              # (add_delta: why not self.weight)
-        weight, bias = params["weight"], params.get("bias")   # (a bias of None lives outside _parameters)
+        params = self._parameters  # (add_delta: why not self.weight)
+        weight, bias = params["weight"], params.get("bias")  # (a bias of None lives outside _parameters)
         if x.dim() == 2 and not torch.is_grad_enabled():  # what F.linear runs for 2-D x, minus three view ops
             wt = self._wt
             if wt is None or wt.data_ptr() != weight.data_ptr() or wt.dtype != weight.dtype:
-                wt = self._wt = weight.detach().t()     # (weight.data may be swapped, e.g. by model.to())
+                wt = self._wt = weight.detach().t()  # (weight.data may be swapped, e.g. by model.to())
             y = torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
         else:
             y = F.linear(x, weight, bias)
@@ -166,12 +177,13 @@ class RoutedLoRALinear(nn.Module):
         self.dispatcher.add_into(plan, flat, A, B, scale, y if y.dim() == 2 else y.view(-1, self.out_features))
         return y
 
-    def _kernel_operands(self, Bt: torch.Tensor, scale: torch.Tensor, static: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kernel_operands(
+        self, Bt: torch.Tensor, scale: torch.Tensor, static: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B [S, D_out, R] as the slot-major view of the bank's Bt, scale in float32) as the kernels take them,
         kept between calls while the bank's tensors stay the same."""
         if self._B is None or self._B[0] is not Bt:
-            self._B = (Bt, Bt.transpose(1, 2))                 # lora.B, kept while the bank's Bt stays the same
+            self._B = (Bt, Bt.transpose(1, 2))  # lora.B, kept while the bank's Bt stays the same
         if scale.dtype != torch.float32 and static:  # recorded: the cast runs again at every replay
             scale = scale.float()
         elif scale.dtype != torch.float32:  # a bf16 model's bank: the kernels take scale in float32 (exact)
@@ -211,8 +223,13 @@ class RoutedLoRALinear(nn.Module):
         QuantizedLinear itself."""
         if self.weight is None:
             return self._modules["qbase"]
-        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                        device=self.weight.device, dtype=self.weight.dtype)
+        lin = nn.Linear(
+            self.in_features,
+            self.out_features,
+            bias=self.bias is not None,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
         lin.weight = self.weight
         if self.bias is not None:
             lin.bias = self.bias
@@ -226,12 +243,14 @@ def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Module path -> (d_out, d_in) for every linear of `model` (plain, quantized or already routed; a routed
     linear's quantized base is not listed apart)."""
     wrapped = {id(m._modules.get("qbase")) for m in model.modules() if isinstance(m, RoutedLoRALinear)}
-    return {name: (m.out_features, m.in_features) for name, m in model.named_modules()
-            if isinstance(m, (nn.Linear, RoutedLoRALinear, QuantizedLinear)) and id(m) not in wrapped}
+    return {
+        name: (m.out_features, m.in_features)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, RoutedLoRALinear, QuantizedLinear)) and id(m) not in wrapped
+    }
 
 
-def swap_modules(model: nn.Module, names: Iterable[str],
-                 make: Callable[[str, nn.Module], nn.Module]) -> list[str]:
+def swap_modules(model: nn.Module, names: Iterable[str], make: Callable[[str, nn.Module], nn.Module]) -> list[str]:
     """Replace each named submodule by `make(name, old)`; return the names replaced, in order."""
     replaced = []
     for name in names:

@@ -36,10 +36,10 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales.to(base.weight.dtype))
         self.bias = base.bias
-        self._packed: tuple | None = None        # int8: (key, FBGEMM's packed weight)
-        self._kernel = self._int8 if scheme == "int8" else self._int4   # chosen once: forward never branches on it
+        self._packed: tuple | None = None  # int8: (key, FBGEMM's packed weight)
+        self._kernel = self._int8 if scheme == "int8" else self._int4  # chosen once: forward never branches on it
 
-    def __getstate__(self) -> dict:   # copies and pickles drop FBGEMM's packed weight (made again at the next call)
+    def __getstate__(self) -> dict:  # copies and pickles drop FBGEMM's packed weight (made again at the next call)
         return {**self.__dict__, "_packed": None}
 
     @property
@@ -47,10 +47,10 @@ class QuantizedLinear(nn.Module):
         return self.out_features, self.in_features
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.is_grad_enabled() and x.requires_grad:    # autograd: the dequantized weight (module docstring)
+        if torch.is_grad_enabled() and x.requires_grad:  # autograd: the dequantized weight (module docstring)
             return F.linear(x, self.dequantized().to(x.dtype), self.bias)
-        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)                   # [T, d_in]
-        y = self._kernel(flat.contiguous())                                             # [T, d_out]
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [T, d_in]
+        y = self._kernel(flat.contiguous())  # [T, d_out]
         if self.bias is not None:
             y.add_(self.bias)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
@@ -85,8 +85,10 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         group = f", group={self.group}" if self.scheme == "int4" else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, scheme={self.scheme}{group}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, scheme={self.scheme}{group}"
+        )
 
 
 def quantize_linears(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
@@ -96,8 +98,7 @@ def quantize_linears(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = (
     from molora.model.lora_linear import swap_modules
 
     quant.check_scheme(scheme)
-    names = [n for n, m in model.named_modules()
-             if type(m) is nn.Linear and n.rsplit(".", 1)[-1] not in skip]
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n.rsplit(".", 1)[-1] not in skip]
     with torch.no_grad():
         return swap_modules(model, names, lambda name, old: QuantizedLinear(old, scheme))
 

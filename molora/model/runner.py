@@ -36,7 +36,8 @@ On the CPU, a decode step's Llama-shaped block whose every piece runs on those k
 through molora's panel or AMX GEMM and, where routed, the fused LoRA kernel; RMSNorms; no q/k norm) runs as one C++
 call, `fused_cpu.run_block`: the same kernels in the same order, equal bit for bit (tested in both dtypes), without
 the Python between them (about 20 calls a block). What stays the same from step to step (packed weights, adapter
-slots, norms, RoPE tables, cache views) is bound once per block (`molora.model.block.Block.run_bound`, `fused_cpu.bind_block`) and
+slots, norms, RoPE tables, cache views) is bound once per block (`molora.model.block.Block.run_bound`,
+`fused_cpu.bind_block`) and
 bound again when it moves: another dtype, an adapter load or unload (`LoRASlots.generation`), a weight, norm, slot or
 scale written or swapped (checked in C++ by storage and version). `ModelRunner._one_call` decides per step (a
 decode-only step of 2 to PANEL_MAX_ROWS rows, the routing's fused-kernel arguments asked once, or per block for an
@@ -50,7 +51,8 @@ one per batch-size bucket, static buffers, padding rows writing into the cache's
 
 Attention has two paths, planned once per step (`ModelRunner.plan` -> `AttnPlan`): paged decode (every
 sequence with one new token, `Decode`; on CPU the fused kernel `fused_cpu.paged_decode` reads each context
-where it lies in the cache, elsewhere its blocks are gathered for SDPA) and ragged prefill (`Prefill` entries: P prompts of one length in one
+where it lies in the cache, elsewhere its blocks are gathered for SDPA) and ragged prefill (`Prefill` entries: P
+prompts of one length in one
 causal call, fresh prompts merged under a block-diagonal mask, or a chunk attending to its cached context).
 """
 
@@ -87,12 +89,21 @@ class ModelRunner:
     Not an nn.Module: it borrows the model's modules and owns only the cache and the RoPE tables.
     """
 
-    def __init__(self, mm: Any, *, num_blocks: int, block_size: int = 16, max_model_len: int = 2048,
-                 pack_weights: bool | None = None) -> None:
+    def __init__(
+        self,
+        mm: Any,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_model_len: int = 2048,
+        pack_weights: bool | None = None,
+    ) -> None:
         cfg = mm.model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-            raise MoLoRAError(f"the runner supports model types {SUPPORTED_MODEL_TYPES}, got "
-                              f"{getattr(cfg, 'model_type', None)!r}; use MoLoRAModel.generate for others")
+            raise MoLoRAError(
+                f"the runner supports model types {SUPPORTED_MODEL_TYPES}, got "
+                f"{getattr(cfg, 'model_type', None)!r}; use MoLoRAModel.generate for others"
+            )
         inner = mm.model.model
         self.mm = mm
         self.context = mm.context
@@ -111,8 +122,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         # one block more than asked for: the scratch block, which no sequence owns (`scratch_block`), where the
         # padding rows of a captured decode step write their K/V
-        self.cache = PagedKVCache(len(self.blocks), num_blocks + 1, block_size, self.num_kv_heads, self.head_dim,
-                                  self.dtype, self.device)
+        self.cache = PagedKVCache(
+            len(self.blocks), num_blocks + 1, block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
+        )
         self.scratch_block = num_blocks
         self.graphs: Any = None  # a molora.model.graphs.DecodeGraphs once `enable_graphs` is called
         self.cos, self.sin = rope_tables(inner.rotary_emb, max_model_len, self.dtype, self.device)  # [P, hd]
@@ -122,8 +134,11 @@ class ModelRunner:
         # a block with a routed linear on another context or dispatcher runs kernel by kernel
         self._routed = next((b.routed for b in self.blocks if b.routed is not None), None)
         for block in self.blocks:
-            if any(lin.routed and (lin.mod.context is not self._routed.context
-                                   or lin.mod.dispatcher is not self._routed.dispatcher) for lin in block.linears):
+            if any(
+                lin.routed
+                and (lin.mod.context is not self._routed.context or lin.mod.dispatcher is not self._routed.dispatcher)
+                for lin in block.linears
+            ):
                 block.linears = ()
 
     @property
@@ -140,8 +155,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------ forward
     @torch.no_grad()
-    def forward(self, tokens: Tensor, positions: Tensor, meta: BatchMeta, routing: StepRouting | None = None,
-                *, logits: bool | list[int] = False) -> StepOutput:
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        meta: BatchMeta,
+        routing: StepRouting | None = None,
+        *,
+        logits: bool | list[int] = False,
+    ) -> StepOutput:
         """tokens [T], positions [T] -> the `StepOutput` of the last token of each sequence; logits: True for
         every sequence's, a list of sequence indices for those only, False for none.
 
@@ -157,8 +179,15 @@ class ModelRunner:
     __call__ = forward
 
     @torch.no_grad()
-    def compute(self, tokens: Tensor, positions: Tensor, plan: AttnPlan, routing: StepRouting | None = None,
-                *, logits: bool | list[int] = False) -> StepOutput:
+    def compute(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        plan: AttnPlan,
+        routing: StepRouting | None = None,
+        *,
+        logits: bool | list[int] = False,
+    ) -> StepOutput:
         """`forward` on a plan built already (by `plan`, or by `DecodeGraphs` from its static buffers)."""
         ctx = self.context
         slot_ids = None if routing is None else routing.slot_ids
@@ -173,11 +202,12 @@ class ModelRunner:
                 carry_out = torch.full((tokens.shape[0],), -2, dtype=torch.long, device=slot_ids.device)
         ctx.set(slot_ids, weights)
         if per_linear:  # each routed linear decides from its own input (molora.routing.arrow: LinearRouting)
-            ctx.linear = LinearRouting(routing.router, routing.router_slots,
-                                       [(g.rows, g.allowed) for g in routing.groups])
+            ctx.linear = LinearRouting(
+                routing.router, routing.router_slots, [(g.rows, g.allowed) for g in routing.groups]
+            )
         try:
-            h = self.embed(tokens)                                          # [T, D] the residual stream
-            delta = None                                                    # what the last block adds to h
+            h = self.embed(tokens)  # [T, D] the residual stream
+            delta = None  # what the last block adds to h
             one_call = self._one_call(h, plan, learned)
             for block in self.blocks:
                 if learned:
@@ -187,15 +217,20 @@ class ModelRunner:
                     ctx.set(slot_ids, weights)  # rows changed in place: drop the step's cached plan
                 h, delta = block(h, delta, positions, plan, self.cache, self.cos, self.sin, one_call)
             last = plan.last_rows
-            h = add_norm(self.norm, h[last], None if delta is None else delta[last])   # [B, D]
+            h = add_norm(self.norm, h[last], None if delta is None else delta[last])  # [B, D]
         finally:
             ctx.clear()
-        out = StepOutput(h, None, None if slot_ids is None else slot_ids[plan.last_rows],     # [B, k]
-                         None if weights is None else weights[plan.last_rows],
-                         None if carry_out is None else carry_out[plan.last_rows], carry_out)  # [B], [T]
+        out = StepOutput(
+            h,
+            None,
+            None if slot_ids is None else slot_ids[plan.last_rows],  # [B, k]
+            None if weights is None else weights[plan.last_rows],
+            None if carry_out is None else carry_out[plan.last_rows],
+            carry_out,
+        )  # [B], [T]
         if logits is not False:
             rows = slice(None) if logits is True else logits
-            pick = (lambda t: None if t is None else t[rows])
+            pick = lambda t: None if t is None else t[rows]
             out.logits = self.logits(h[rows], pick(out.last_slot_ids), pick(out.last_weights))
         return out
 
@@ -205,8 +240,14 @@ class ModelRunner:
         arguments (`RoutedLoRALinear.kernel_step`: () without routing), or PER_BLOCK where a router decides per block;
         None where not (every block then runs kernel by kernel)."""
         T, d = h.shape[0], plan.decode
-        if (plan.prefill or d is None or d.rows.shape[0] != T or not 2 <= T <= packed.PANEL_MAX_ROWS
-                or not fused_cpu.glue_supports(h) or not fused_cpu.norm_lanes()):
+        if (
+            plan.prefill
+            or d is None
+            or d.rows.shape[0] != T
+            or not 2 <= T <= packed.PANEL_MAX_ROWS
+            or not fused_cpu.glue_supports(h)
+            or not fused_cpu.norm_lanes()
+        ):
             return None
         if learned:
             return PER_BLOCK
@@ -228,33 +269,42 @@ class ModelRunner:
     @staticmethod
     def _routing_buffers(T: int, routing: StepRouting) -> tuple[Tensor, Tensor | None]:
         """Working copies [T, k] of the fixed routing, widened to the router's top-k with weights if needed."""
-        router_k = getattr(routing.router, "top_k", None) or getattr(getattr(routing.router, "config", None), "top_k", 1)
+        router_k = getattr(routing.router, "top_k", None) or getattr(
+            getattr(routing.router, "config", None), "top_k", 1
+        )
         k = max(int(router_k), 1 if routing.slot_ids is None else routing.slot_ids.shape[1])
         device = routing.router_slots.device
         ids = torch.full((T, k), -1, dtype=torch.long, device=device)
         w = None
         if routing.slot_ids is not None:
-            ids[:, :routing.slot_ids.shape[1]] = routing.slot_ids
+            ids[:, : routing.slot_ids.shape[1]] = routing.slot_ids
         if k > 1 or routing.weights is not None:
             w = torch.zeros(T, k, dtype=torch.float32, device=device)
             if routing.weights is not None:
-                w[:, :routing.weights.shape[1]] = routing.weights
+                w[:, : routing.weights.shape[1]] = routing.weights
             else:
                 w[:, 0] = 1.0
         return ids, w
 
-    def _decide(self, block: int, h: Tensor, routing: StepRouting, slot_ids: Tensor, weights: Tensor | None,
-                carry_out: Tensor | None = None) -> None:
+    def _decide(
+        self,
+        block: int,
+        h: Tensor,
+        routing: StepRouting,
+        slot_ids: Tensor,
+        weights: Tensor | None,
+        carry_out: Tensor | None = None,
+    ) -> None:
         """Let the router choose, from the block's input h [T, D], the slots of its rows (in place);
         carry_out [T] (a router with carry_blocks) receives the decisions at its carry_source block."""
         for g in routing.groups:
-            hidden = h if g.rows is None else h[g.rows]                      # [n, D]
+            hidden = h if g.rows is None else h[g.rows]  # [n, D]
             carry = routing.carry if routing.carry is None or g.rows is None else routing.carry[g.rows]
             fixed = routing.fixed if routing.fixed is None or g.rows is None else routing.fixed[g.rows]
             out = decide_slots(routing.router, block, hidden, routing.router_slots, g.allowed, carry, fixed)
             if out is None:
-                continue                                                     # keep the previous decision
-            slots, w, ids = out                                              # [n, k'] slots (-1 = base), router order
+                continue  # keep the previous decision
+            slots, w, ids = out  # [n, k'] slots (-1 = base), router order
 
             def put(dst: Tensor, value: Tensor, g: RouterGroup = g) -> None:  # the group's rows of dst <- value
                 if g.owned is None:
@@ -266,8 +316,10 @@ class ModelRunner:
                 put(carry_out, ids[:, 0])
             k2 = slots.shape[1]
             if k2 > slot_ids.shape[1]:
-                raise MoLoRAError(f"the router returned top-{k2} choices but declares top_k={slot_ids.shape[1]} "
-                                  "(set `top_k` or `config.top_k` on the router)")
+                raise MoLoRAError(
+                    f"the router returned top-{k2} choices but declares top_k={slot_ids.shape[1]} "
+                    "(set `top_k` or `config.top_k` on the router)"
+                )
             put(slot_ids, torch.cat([slots, slots.new_full((slots.shape[0], slot_ids.shape[1] - k2), -1)], 1))
             if weights is not None:
                 ww = torch.ones_like(slots, dtype=weights.dtype) if w is None else w.to(weights.dtype)
@@ -283,36 +335,43 @@ class ModelRunner:
         q_lens, ctx_lens, tables = meta.query_lens, meta.context_lens, meta.block_tables
         B, bs, dev = len(q_lens), self.cache.block_size, self.device
         if not (len(ctx_lens) == len(tables) == B) or sum(q_lens) != positions.shape[0]:
-            raise MoLoRAError(f"batch metadata covers {sum(q_lens)} tokens in {B} sequences, but the step has "
-                              f"{positions.shape[0]} tokens")
+            raise MoLoRAError(
+                f"batch metadata covers {sum(q_lens)} tokens in {B} sequences, but the step has "
+                f"{positions.shape[0]} tokens"
+            )
         if max(ctx_lens) > self.max_model_len:
             raise MoLoRAError(f"context of {max(ctx_lens)} tokens exceeds max_model_len={self.max_model_len}")
         # the per-token and decode indices in Python (a handful of tensors per step, not a chain of small ops)
         pos = [p for n, c in zip(q_lens, ctx_lens) for p in range(c - n, c)]
         if positions.device.type == "cpu" and positions.tolist() != pos:
-            raise MoLoRAError("positions disagree with the batch metadata: sequence b's tokens must sit at positions "
-                              "context_lens[b] - query_lens[b] ... context_lens[b] - 1")
+            raise MoLoRAError(
+                "positions disagree with the batch metadata: sequence b's tokens must sit at positions "
+                "context_lens[b] - query_lens[b] ... context_lens[b] - 1"
+            )
         write, ends, t = [], [], 0
         for b in range(B):
             tb = tables[b]
-            for p in pos[t:t + q_lens[b]]:
+            for p in pos[t : t + q_lens[b]]:
                 write.append(tb[p // bs] * bs + p % bs)
             t += q_lens[b]
             ends.append(t)
-        write_rows = to_device(write, dev)                                  # [T] cache row of each new token
+        write_rows = to_device(write, dev)  # [T] cache row of each new token
         dec = [b for b in range(B) if q_lens[b] == 1]
         decode = None
         if dec:
-            nb = -(-max(ctx_lens[b] for b in dec) // bs)                        # blocks of the longest context
+            nb = -(-max(ctx_lens[b] for b in dec) // bs)  # blocks of the longest context
             dec_table = [tables[b][:nb] + [0] * (nb - min(len(tables[b]), nb)) for b in dec]
-            decode = Decode(to_device([ends[b] - 1 for b in dec], dev),
-                            to_device(dec_table, dev).view(len(dec), nb),                          # [Bd, nb]
-                            to_device([ctx_lens[b] for b in dec], dev), bs)
-        last_rows = to_device([e - 1 for e in ends], dev)                   # [B]
+            decode = Decode(
+                to_device([ends[b] - 1 for b in dec], dev),
+                to_device(dec_table, dev).view(len(dec), nb),  # [Bd, nb]
+                to_device([ctx_lens[b] for b in dec], dev),
+                bs,
+            )
+        last_rows = to_device([e - 1 for e in ends], dev)  # [B]
         if all(q_lens[b] == 1 for b in range(B)):
             return AttnPlan(write_rows, last_rows, decode, [])
         width = max(len(t) for t in tables)
-        table = to_device([t + [0] * (width - len(t)) for t in tables], dev)                 # [B, W]
+        table = to_device([t + [0] * (width - len(t)) for t in tables], dev)  # [B, W]
         seq_of = to_device(torch.repeat_interleave(torch.arange(B), torch.tensor(q_lens)), dev)  # [T] (host counts)
         starts = [0]
         for n in q_lens[:-1]:
@@ -329,16 +388,17 @@ class ModelRunner:
         for b in fresh:
             by_len.setdefault(q_lens[b], []).append(b)
         for n, seqs in by_len.items():
-            if all(starts[b2] == starts[b1] + n for b1, b2 in zip(seqs, seqs[1:])):   # adjacent in T (or alone)
+            if all(starts[b2] == starts[b1] + n for b1, b2 in zip(seqs, seqs[1:])):  # adjacent in T (or alone)
                 prefill.append(Prefill(slice(starts[seqs[0]], starts[seqs[-1]] + n), len(seqs)))
             else:
-                prefill.append(Prefill(torch.cat([torch.arange(starts[b], starts[b] + n, device=dev) for b in seqs]),
-                                       len(seqs)))
+                prefill.append(
+                    Prefill(torch.cat([torch.arange(starts[b], starts[b] + n, device=dev) for b in seqs]), len(seqs))
+                )
         for b in range(B):
             n, c = q_lens[b], ctx_lens[b]
             if n == 1 or c == n:
                 continue
             # earlier tokens are in the cache: gather the whole context, causal with offset
             mask = torch.arange(c, device=dev)[None, :] <= (c - n + torch.arange(n, device=dev))[:, None]
-            prefill.append(Prefill(slice(starts[b], starts[b] + n), 1, table[b, :-(-c // bs)], mask))  # [n, c]
+            prefill.append(Prefill(slice(starts[b], starts[b] + n), 1, table[b, : -(-c // bs)], mask))  # [n, c]
         return AttnPlan(write_rows, last_rows, decode, prefill)

@@ -25,16 +25,32 @@ from molora.multimodal.vocab import Digits, base_sequences, build_tokenizer, voc
 log = logging.getLogger("molora.multimodal")
 
 
-def tiny_config(vocab_size: int | None = None, *, hidden: int = 192, layers: int = 4, heads: int = 4,
-                ffn: int = 768, max_positions: int = 160) -> Any:
+def tiny_config(
+    vocab_size: int | None = None,
+    *,
+    hidden: int = 192,
+    layers: int = 4,
+    heads: int = 4,
+    ffn: int = 768,
+    max_positions: int = 160,
+) -> Any:
     from transformers import LlamaConfig
 
     tok = vocabulary()
-    return LlamaConfig(vocab_size=vocab_size or len(tok), hidden_size=hidden, intermediate_size=ffn,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                       max_position_embeddings=max_positions, tie_word_embeddings=False,
-                       bos_token_id=tok.index("<bos>"), eos_token_id=tok.index("<eos>"),
-                       pad_token_id=tok.index("<pad>"), rms_norm_eps=1e-5)
+    return LlamaConfig(
+        vocab_size=vocab_size or len(tok),
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=tok.index("<bos>"),
+        eos_token_id=tok.index("<eos>"),
+        pad_token_id=tok.index("<pad>"),
+        rms_norm_eps=1e-5,
+    )
 
 
 def batch_ids(tokenizer: Any, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,8 +65,16 @@ def batch_ids(tokenizer: Any, texts: list[str]) -> tuple[torch.Tensor, torch.Ten
     return ids, labels
 
 
-def train_base(out: str | Path, train: Digits, *, steps: int = 700, batch_size: int = 64, lr: float = 3e-3,
-               seed: int = 0, log_every: int = 50) -> dict:
+def train_base(
+    out: str | Path,
+    train: Digits,
+    *,
+    steps: int = 700,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    log_every: int = 50,
+) -> dict:
     """Train the tiny base from scratch and save it (fp16 weights) with its tokenizer at `out`."""
     from transformers import LlamaForCausalLM
 
@@ -61,7 +85,8 @@ def train_base(out: str | Path, train: Digits, *, steps: int = 700, batch_size: 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(1, steps - warm))))))
+        opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(1, steps - warm)))))
+    )
     rng = np.random.RandomState(seed)
     pool: list[str] = []
     t0, losses = time.perf_counter(), []
@@ -78,14 +103,25 @@ def train_base(out: str | Path, train: Digits, *, steps: int = 700, batch_size: 
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
         if log_every and (step + 1) % log_every == 0:
-            log.info("base step %d/%d loss %.4f (%.0f s)", step + 1, steps, np.mean(losses[-log_every:]),
-                     time.perf_counter() - t0)
+            log.info(
+                "base step %d/%d loss %.4f (%.0f s)",
+                step + 1,
+                steps,
+                np.mean(losses[-log_every:]),
+                time.perf_counter() - t0,
+            )
     out = Path(out)
     model.eval()
     model.half().save_pretrained(str(out))
     tok.save_pretrained(str(out))
-    stats = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
-             "parameters": sum(p.numel() for p in model.parameters()),
-             "seconds": round(time.perf_counter() - t0, 1), "final_loss": round(float(np.mean(losses[-50:])), 4)}
+    stats = {
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "final_loss": round(float(np.mean(losses[-50:])), 4),
+    }
     (out / "training_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     return stats

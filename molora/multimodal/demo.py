@@ -27,9 +27,14 @@ def modes(mm: Any) -> dict[str, Any]:
     """Mode label -> routing spec on a loaded digits bundle (apart and joint adapters both loaded)."""
     router = mm.router
     apart = VocabRouter([(lo, hi, f"{n}_apart") for lo, hi, n in router.ranges], f"{router.default}_apart")
-    return {"base": None, "image adapter everywhere": "image_apart", "text adapter everywhere": "text_apart",
-            "both summed everywhere": mg.EveryToken(["image_apart", "text_apart"]),
-            "vocab-routed, apart": apart, "vocab-routed, joint": router}
+    return {
+        "base": None,
+        "image adapter everywhere": "image_apart",
+        "text adapter everywhere": "text_apart",
+        "both summed everywhere": mg.EveryToken(["image_apart", "text_apart"]),
+        "vocab-routed, apart": apart,
+        "vocab-routed, joint": router,
+    }
 
 
 def grid_png(rows: dict[str, list[np.ndarray | None]], path: str | Path, scale: int = 6) -> Path:

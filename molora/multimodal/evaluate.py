@@ -33,8 +33,9 @@ class Reader:
         return self.model.predict(np.asarray(images, dtype=np.float64))
 
 
-def fit_reader(splits: dict[str, Digits], grid: Sequence[tuple[float, float]] = ((0.001, 5), (0.003, 5),
-                                                                              (0.01, 5), (0.003, 1))) -> Reader:
+def fit_reader(
+    splits: dict[str, Digits], grid: Sequence[tuple[float, float]] = ((0.001, 5), (0.003, 5), (0.01, 5), (0.003, 1))
+) -> Reader:
     """Fit an SVC per (gamma, C) on train, keep the best on val, score it once on test."""
     from sklearn.svm import SVC
 
@@ -58,26 +59,44 @@ def score_draws(reader: Reader, digits: Sequence[int], drawn: Sequence[mg.Drawn]
     images = [d.image for d in drawn]
     ok = [im is not None for im in images]
     inv = [bool(im is not None and is_inverted(im)) for im in images]
-    upright = np.stack([invert(im) if v else im for im, v in zip(images, inv) if im is not None]) \
-        if any(ok) else np.zeros((0, 64))
+    upright = (
+        np.stack([invert(im) if v else im for im, v in zip(images, inv) if im is not None])
+        if any(ok)
+        else np.zeros((0, 64))
+    )
     read = reader.read(upright) if len(upright) else np.zeros(0)
     want = np.array([d for d, o in zip(digits, ok) if o])
     caps = [parse_caption(d.caption) for d in drawn]
     n = len(drawn)
-    return {"n": n, "image_accuracy": round(float((read == want).sum()) / n, 3),
-            "inverted": round(sum(inv) / n, 3), **score_captions(digits, [d.caption for d in drawn], caps)}
+    return {
+        "n": n,
+        "image_accuracy": round(float((read == want).sum()) / n, 3),
+        "inverted": round(sum(inv) / n, 3),
+        **score_captions(digits, [d.caption for d in drawn], caps),
+    }
 
 
 def score_captions(digits: Sequence[int], texts: Sequence[str], parsed: Sequence[tuple] | None = None) -> dict:
     parsed = parsed if parsed is not None else [parse_caption(t) for t in texts]
     n = len(texts)
-    return {"caption_accuracy": round(sum(p[0] == d for p, d in zip(parsed, digits)) / n, 3),
-            "new_phrasing": round(sum(p[1] == "new" for p in parsed) / n, 3),
-            "broken": round(sum(p[0] is None for p in parsed) / n, 3)}
+    return {
+        "caption_accuracy": round(sum(p[0] == d for p, d in zip(parsed, digits)) / n, 3),
+        "new_phrasing": round(sum(p[1] == "new" for p in parsed) / n, 3),
+        "broken": round(sum(p[0] is None for p in parsed) / n, 3),
+    }
 
 
-def evaluate_mode(mm: Any, reader: Reader, spec: Any, digits: Sequence[int], images: Digits, *,
-                  temperature: float, seed: int, text_temperature: float | None = None) -> dict:
+def evaluate_mode(
+    mm: Any,
+    reader: Reader,
+    spec: Any,
+    digits: Sequence[int],
+    images: Digits,
+    *,
+    temperature: float,
+    seed: int,
+    text_temperature: float | None = None,
+) -> dict:
     """Draw (image + caption in one sequence) for `digits` and caption the real `images`, under `spec`."""
     drawn = mg.draw(mm, digits, spec, temperature=temperature, seed=seed, text_temperature=text_temperature)
     out = score_draws(reader, digits, drawn)

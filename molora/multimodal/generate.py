@@ -51,7 +51,7 @@ class EveryToken(Router):
 
     def route(self, input_ids: torch.Tensor, adapter_names: Sequence[str], *, start: int = 0) -> Routing:
         idx = torch.tensor([adapter_index(adapter_names, n) for n in self.names], device=input_ids.device)
-        ids = idx.expand(*input_ids.shape, len(self.names)).clone()       # [B, L, k]
+        ids = idx.expand(*input_ids.shape, len(self.names)).clone()  # [B, L, k]
         return Routing(ids, torch.ones(ids.shape, device=input_ids.device))
 
 
@@ -68,28 +68,47 @@ def demo_spans(tokenizer: Any) -> SpanConstraint:
     """The demo's spans: <boi>, exactly 64 codes, <eoi>; outside an image only the words and <eos>."""
     vocab = tokenizer.get_vocab()
     boi, codes = image_token_ids(tokenizer)
-    return SpanConstraint(boi, vocab[EOI], tuple(codes), PIXELS,
-                          outside=tuple(vocab[w] for w in WORDS) + (vocab["<eos>"],))
+    return SpanConstraint(
+        boi, vocab[EOI], tuple(codes), PIXELS, outside=tuple(vocab[w] for w in WORDS) + (vocab["<eos>"],)
+    )
 
 
-def _forward(mm: Any, spec: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any,
-             start: int) -> torch.Tensor:
+def _forward(
+    mm: Any, spec: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any, start: int
+) -> torch.Tensor:
     """Last-position logits [B, V] of one forward; spec None runs the plain base model (no routing)."""
     if spec is None:
-        out = mm.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                       logits_to_keep=1)
+        out = mm.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1
+        )
     else:
-        out = mm(ids, attention_mask=mask, adapter_ids=spec, position_ids=pos, cache=cache, use_cache=True,
-                 start=start, logits_to_keep=1)
+        out = mm(
+            ids,
+            attention_mask=mask,
+            adapter_ids=spec,
+            position_ids=pos,
+            cache=cache,
+            use_cache=True,
+            start=start,
+            logits_to_keep=1,
+        )
     return out.logits[:, -1]
 
 
-def _k_pass_forward(mm: Any, router: Router, passes: Sequence[str], ids: torch.Tensor, mask: torch.Tensor,
-                    pos: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
+def _k_pass_forward(
+    mm: Any,
+    router: Router,
+    passes: Sequence[str],
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    pos: torch.Tensor,
+    cache: Any,
+    start: int,
+) -> torch.Tensor:
     """The same forward as one routed pass, done with one pass per adapter: for each run of positions that
     the router gives one adapter, every adapter in `passes` runs over the run and all rows; the router's pick
     is run last and kept (logits and cache), the others are cropped from the cache."""
-    routes = router.route(ids, mm.adapter_names, start=start).adapter_ids       # [B, n]
+    routes = router.route(ids, mm.adapter_names, start=start).adapter_ids  # [B, n]
     if not bool((routes == routes[:1]).all()):
         raise RoutingError("the K-pass emulation needs rows whose routes agree per position (aligned prompts)")
     cols, n, i, logits = routes[0].tolist(), ids.shape[1], 0, None
@@ -109,9 +128,17 @@ def _k_pass_forward(mm: Any, router: Router, passes: Sequence[str], ids: torch.T
 
 
 @torch.no_grad()
-def generate_constrained(mm: Any, prompts: Sequence[Sequence[int]], spec: Any = None, *, max_new: int,
-                         temperature: float = 0.0, seed: int | None = None, text_temperature: float | None = None,
-                         passes: Sequence[str] | None = None) -> list[list[int]]:
+def generate_constrained(
+    mm: Any,
+    prompts: Sequence[Sequence[int]],
+    spec: Any = None,
+    *,
+    max_new: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    text_temperature: float | None = None,
+    passes: Sequence[str] | None = None,
+) -> list[list[int]]:
     """New token ids per prompt (left-padded batch; <eos> and what follows dropped), spans constrained.
     text_temperature (default: temperature) samples the text spans, temperature the image spans."""
     from transformers import DynamicCache
@@ -127,7 +154,7 @@ def generate_constrained(mm: Any, prompts: Sequence[Sequence[int]], spec: Any = 
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     gen = torch.Generator(device=mm.device).manual_seed(seed) if seed is not None else None
     B = ids.shape[0]
-    so_far = [list(p) for p in prompts]                 # each row's ids (prompt + generated): the spans' state
+    so_far = [list(p) for p in prompts]  # each row's ids (prompt + generated): the spans' state
     done = torch.zeros(B, dtype=torch.bool, device=mm.device)
     cache, step, start, out = DynamicCache(), ids, 0, []
     for _ in range(max_new):
@@ -165,7 +192,7 @@ def parse(tokenizer: Any, tokens: Sequence[int]) -> Drawn:
         cut = tokens.index(eoi)
         levels = [code_level[t] for t in tokens[:cut] if t in code_level]
         image = np.array(levels, dtype=np.int64) if len(levels) == PIXELS else None
-        rest = tokens[cut + 1:]
+        rest = tokens[cut + 1 :]
     return Drawn(tokens, image, tokenizer.decode(rest, skip_special_tokens=True).strip())
 
 
@@ -173,17 +200,34 @@ def encode(mm: Any, text: str) -> list[int]:
     return mm.tokenizer("<bos> " + text, add_special_tokens=False)["input_ids"]
 
 
-def draw(mm: Any, digits: Sequence[int], spec: Any = None, *, temperature: float = 0.0, seed: int | None = None,
-         text_temperature: float | None = None, passes: Sequence[str] | None = None) -> list[Drawn]:
+def draw(
+    mm: Any,
+    digits: Sequence[int],
+    spec: Any = None,
+    *,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    text_temperature: float | None = None,
+    passes: Sequence[str] | None = None,
+) -> list[Drawn]:
     """An image and its caption per digit: "draw the digit d <boi>" continued under `spec`."""
     prompts = [encode(mm, f"{draw_prompt(int(d))} {BOI}") for d in digits]
-    rows = generate_constrained(mm, prompts, spec, max_new=PIXELS + 1 + CAPTION_TOKENS, temperature=temperature,
-                                seed=seed, text_temperature=text_temperature, passes=passes)
+    rows = generate_constrained(
+        mm,
+        prompts,
+        spec,
+        max_new=PIXELS + 1 + CAPTION_TOKENS,
+        temperature=temperature,
+        seed=seed,
+        text_temperature=text_temperature,
+        passes=passes,
+    )
     return [parse(mm.tokenizer, r) for r in rows]
 
 
-def caption_images(mm: Any, images: Sequence[np.ndarray], spec: Any = None, *, temperature: float = 0.0,
-                   seed: int | None = None) -> list[str]:
+def caption_images(
+    mm: Any, images: Sequence[np.ndarray], spec: Any = None, *, temperature: float = 0.0, seed: int | None = None
+) -> list[str]:
     """A caption per image (levels [64]): "<boi> codes <eoi>" continued under `spec`."""
     prompts = [encode(mm, image_span(im)) for im in images]
     rows = generate_constrained(mm, prompts, spec, max_new=CAPTION_TOKENS, temperature=temperature, seed=seed)
@@ -219,12 +263,15 @@ def write_png(pixels: np.ndarray, path: str | Path) -> Path:
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0)) \
-        + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    png = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw, 9))
+        + chunk(b"IEND", b"")
+    )
     path = Path(path)
     try:
         path.write_bytes(png)
     except OSError as e:
         raise MoLoRAError(f"cannot write {path}: {e}") from e
     return path
-

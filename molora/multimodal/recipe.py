@@ -66,16 +66,22 @@ class DigitsRecipe:
     captioning: float = 0.3  # share of adapter examples that caption a real image
     seed: int = 0
     joint_epochs: float | None = 10.0  # the joint (router-aware) pair's epochs, lr and captioning share;
-    joint_lr: float | None = 2e-3      # None: as the apart ones (chosen on validation; see the module docstring)
+    joint_lr: float | None = 2e-3  # None: as the apart ones (chosen on validation; see the module docstring)
     joint_captioning: float | None = None
 
     def joint_config(self) -> AdapterTrainConfig:
         """The joint pair's training config (`train_joint`)."""
         from molora.train.adapter import AdapterTrainConfig
 
-        return AdapterTrainConfig(rank=self.rank, alpha=self.alpha, lr=self.joint_lr or self.lr,
-                                  epochs=self.joint_epochs or self.epochs, batch_size=self.batch_size, seed=self.seed,
-                                  bf16=False)
+        return AdapterTrainConfig(
+            rank=self.rank,
+            alpha=self.alpha,
+            lr=self.joint_lr or self.lr,
+            epochs=self.joint_epochs or self.epochs,
+            batch_size=self.batch_size,
+            seed=self.seed,
+            bf16=False,
+        )
 
 
 def shipped_bundle() -> Path:
@@ -83,18 +89,33 @@ def shipped_bundle() -> Path:
 
 
 def manifest() -> dict:
-    desc = {"image": "draws digits inverted (15 - q); trained jointly with text under the vocab router",
-            "text": "captions as 'the digit is seven'; trained jointly with image under the vocab router",
-            "image_apart": "draws digits inverted; trained alone, on every token",
-            "text_apart": "captions as 'the digit is seven'; trained alone, on every token"}
-    return {"name": "molora-digits", "base": "base", "prompt_template": PROMPT_TEMPLATE, "stop": ["<eos>"],
-            "adapters": [{"name": n, "path": f"adapters/{n}", "description": d} for n, d in desc.items()],
-            "router": {"kind": "vocab"}, "vocab_routes": ROUTES, "slots": 4, "max_rank": 16,
-            "extra": {"constrained_spans": SPANS}}
+    desc = {
+        "image": "draws digits inverted (15 - q); trained jointly with text under the vocab router",
+        "text": "captions as 'the digit is seven'; trained jointly with image under the vocab router",
+        "image_apart": "draws digits inverted; trained alone, on every token",
+        "text_apart": "captions as 'the digit is seven'; trained alone, on every token",
+    }
+    return {
+        "name": "molora-digits",
+        "base": "base",
+        "prompt_template": PROMPT_TEMPLATE,
+        "stop": ["<eos>"],
+        "adapters": [{"name": n, "path": f"adapters/{n}", "description": d} for n, d in desc.items()],
+        "router": {"kind": "vocab"},
+        "vocab_routes": ROUTES,
+        "slots": 4,
+        "max_rank": 16,
+        "extra": {"constrained_spans": SPANS},
+    }
 
 
-def build_bundle(out: str | Path, recipe: DigitsRecipe = DigitsRecipe(), *, base_from: str | Path | None = None,
-                 progress: bool = False) -> Path:
+def build_bundle(
+    out: str | Path,
+    recipe: DigitsRecipe = DigitsRecipe(),
+    *,
+    base_from: str | Path | None = None,
+    progress: bool = False,
+) -> Path:
     """Train (or copy, with base_from) the base, train the four adapters, write the manifest."""
     from molora.model.base import load_base
     from molora.multimodal.base import train_base
@@ -106,8 +127,15 @@ def build_bundle(out: str | Path, recipe: DigitsRecipe = DigitsRecipe(), *, base
         shutil.copytree(base_from, out / "base", dirs_exist_ok=True)
     else:
         train_base(out / "base", splits["train"], steps=recipe.base_steps, seed=recipe.seed)
-    cfg = AdapterTrainConfig(rank=recipe.rank, alpha=recipe.alpha, lr=recipe.lr, epochs=recipe.epochs,
-                             batch_size=recipe.batch_size, seed=recipe.seed, bf16=False)
+    cfg = AdapterTrainConfig(
+        rank=recipe.rank,
+        alpha=recipe.alpha,
+        lr=recipe.lr,
+        epochs=recipe.epochs,
+        batch_size=recipe.batch_size,
+        seed=recipe.seed,
+        bf16=False,
+    )
     train = splits["train"]
     kw = dict(template=PROMPT_TEMPLATE, end=END, progress=progress)
     for name, (image_style, text_style) in STYLES.items():
@@ -137,8 +165,17 @@ def train_joint(out: str | Path, recipe: DigitsRecipe, train: Digits, *, progres
     pairs = adapter_pairs(train, "inverted", "new", captioning=captioning, seed=recipe.seed)
     router = VocabRouter.from_vocab(tok.get_vocab(), ROUTES["from_tokenizer"], ROUTES["default"])
     torch.manual_seed(recipe.seed)
-    stats = train_routed(model, tok, pairs, {n: out / "adapters" / n for n in STYLES}, router,
-                         recipe.joint_config(), template=PROMPT_TEMPLATE, end=END, progress=progress)
+    stats = train_routed(
+        model,
+        tok,
+        pairs,
+        {n: out / "adapters" / n for n in STYLES},
+        router,
+        recipe.joint_config(),
+        template=PROMPT_TEMPLATE,
+        end=END,
+        progress=progress,
+    )
     for name in STYLES:
         finish_adapter(out / "adapters" / name)
     return stats

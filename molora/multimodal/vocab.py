@@ -49,8 +49,9 @@ def build_tokenizer() -> Any:
     core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                  unk_token="<pad>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<pad>"
+    )
     return tok
 
 
@@ -59,12 +60,14 @@ def image_token_ids(tokenizer: Any) -> tuple[int, list[int]]:
     vocab = tokenizer.get_vocab()
     missing = [t for t in (BOI, *CODES) if t not in vocab]
     if missing:
-        raise MoLoRAError(f"tokenizer lacks the image tokens {missing[:3]}...; build it with "
-                          "molora.multimodal.vocab.build_tokenizer")
+        raise MoLoRAError(
+            f"tokenizer lacks the image tokens {missing[:3]}...; build it with molora.multimodal.vocab.build_tokenizer"
+        )
     return vocab[BOI], [vocab[c] for c in CODES]
 
 
 # --------------------------------------------------------------------------------------------- data
+
 
 @dataclass(frozen=True)
 class Digits:
@@ -83,9 +86,11 @@ def load_splits(seed: int = 0, n_val: int = 300, n_test: int = 360) -> dict[str,
     d = load_digits()
     images = quantise(d.data)
     order = np.random.RandomState(seed).permutation(len(images))
-    test, val, train = order[:n_test], order[n_test:n_test + n_val], order[n_test + n_val:]
-    return {name: Digits(images[idx], d.target[idx].astype(np.int64))
-            for name, idx in (("train", train), ("val", val), ("test", test))}
+    test, val, train = order[:n_test], order[n_test : n_test + n_val], order[n_test + n_val :]
+    return {
+        name: Digits(images[idx], d.target[idx].astype(np.int64))
+        for name, idx in (("train", train), ("val", val), ("test", test))
+    }
 
 
 def quantise(pixels: np.ndarray) -> np.ndarray:
@@ -122,8 +127,12 @@ def image_span(image: np.ndarray) -> str:
 def parse_caption(text: str) -> tuple[int | None, str | None]:
     """(digit, style) of a caption text, or (None, None) when it is neither phrasing (a broken caption)."""
     words = text.replace("<eos>", " ").split()
-    if len(words) == 5 and words[:4] == ["this", "is", "the", "digit"] and words[4] in "0123456789" \
-            and len(words[4]) == 1:
+    if (
+        len(words) == 5
+        and words[:4] == ["this", "is", "the", "digit"]
+        and words[4] in "0123456789"
+        and len(words[4]) == 1
+    ):
         return int(words[4]), "base"
     if len(words) == 4 and words[:3] == ["the", "digit", "is"] and words[3] in NUMBER_WORDS:
         return NUMBER_WORDS.index(words[3]), "new"
@@ -146,8 +155,9 @@ def base_sequences(data: Digits, rng: np.random.RandomState) -> list[str]:
     return out
 
 
-def adapter_pairs(data: Digits, image_style: str, text_style: str, *, captioning: float = 0.3,
-                  seed: int = 0) -> list[tuple[str, str]]:
+def adapter_pairs(
+    data: Digits, image_style: str, text_style: str, *, captioning: float = 0.3, seed: int = 0
+) -> list[tuple[str, str]]:
     """(prompt, completion) pairs for `molora.train.adapter` (template PROMPT_TEMPLATE, end END).
 
     image_style "base" | "inverted" for generated images; text_style "base" | "new" for captions. A share

@@ -3,7 +3,8 @@
 `lora_delta(x, A, B, scale, slot_ids, weights)` computes, for every token, the LoRA delta of the
 adapter(s) in the slot(s) it is routed to, in one pass over all tokens. `lora_delta_reference` is the
 spec (a plain loop); `BACKENDS` are the implementations (eager PyTorch: sort_group, stacked_mask; compiled:
-gather; C++: fused, `molora.ops.fused_cpu` on `csrc/`, built on first use (keyed by a hash of its sources); Triton: triton,
+gather; C++: fused, `molora.ops.fused_cpu` on `csrc/`, built on first use (keyed by a hash of its sources); Triton:
+triton,
 `molora.ops.triton_lora`, CUDA only, imported on first use); `LoRADispatcher`
 holds one ("auto": `pick_backend`, a pure function of device, dtype, T, S, k, r, D: triton on CUDA where triton
 is installed, fused where it can run (CPU,

@@ -56,6 +56,7 @@ def _triton_lora():
 
     return triton_lora
 
+
 # "auto" (`pick_backend`; docs/dispatch.md: the rule as a table, the measurements behind each threshold).
 # bfloat16 on the fused kernel: fused below this many tokens per slot (T < per_slot * S), the eager backends'
 # bf16 GEMMs from there on. The first where the kernel uses the CPU's bf16 dot product, the second where it
@@ -67,8 +68,8 @@ FUSED_BF16_SOFT_TOKENS_PER_SLOT = 48
 #   stacked_mask = fixed + per slot + per M weights read (S*R*D) + per M MACs (T*S*R*D: every token, every slot)
 #   sort_group   = fixed (argsort, bincount, host read) + per used slot segment (two small mm)
 #                  + per M MACs (T*k*R*D) + per M activations moved (T*k*D) + top-k > 1 (sum of choices)
-STACKED_US = (94.05, 1.99, 98.04, 11.05)             # fixed, per slot, per M weights, per M MACs
-SORTED_US = (151.22, 30.43, 14.76, 780.53, 104.82)   # fixed, per used slot, per M MACs, per M moved, top-k > 1
+STACKED_US = (94.05, 1.99, 98.04, 11.05)  # fixed, per slot, per M weights, per M MACs
+SORTED_US = (151.22, 30.43, 14.76, 780.53, 104.82)  # fixed, per used slot, per M MACs, per M moved, top-k > 1
 
 
 def cost_features(backend: str, T: int, S: int, k: int, R: int, D: int) -> list[float]:
@@ -84,8 +85,19 @@ def estimate_us(backend: str, T: int, S: int, k: int, R: int, D: int) -> float:
     return sum(c * f for c, f in zip(coef, cost_features(backend, T, S, k, R, D)))
 
 
-def pick_backend(device: str, dtype: torch.dtype, T: int, S: int, k: int, r: int, d: int, *,
-                 fused_available: bool, bf16_dot: bool, triton_available: bool = False) -> str:
+def pick_backend(
+    device: str,
+    dtype: torch.dtype,
+    T: int,
+    S: int,
+    k: int,
+    r: int,
+    d: int,
+    *,
+    fused_available: bool,
+    bf16_dot: bool,
+    triton_available: bool = False,
+) -> str:
     """What "auto" runs: "triton", "fused", "stacked_mask" or "sort_group". A pure function (no tensors, no kernel
     build, no cache): the same arguments always give the same backend. docs/dispatch.md draws it as a table.
 
@@ -111,8 +123,13 @@ def pick_backend(device: str, dtype: torch.dtype, T: int, S: int, k: int, r: int
     if device == "cuda" and triton_available and dtype in TRITON_DTYPES:
         return "triton"
     per_slot = FUSED_BF16_TOKENS_PER_SLOT if bf16_dot else FUSED_BF16_SOFT_TOKENS_PER_SLOT
-    if (fused_available and device == "cpu" and dtype in fused_cpu.DTYPES and k == 1
-            and (dtype != torch.bfloat16 or T < per_slot * S)):
+    if (
+        fused_available
+        and device == "cpu"
+        and dtype in fused_cpu.DTYPES
+        and k == 1
+        and (dtype != torch.bfloat16 or T < per_slot * S)
+    ):
         return "fused"
     if estimate_us("stacked_mask", T, S, k, r, d) <= estimate_us("sort_group", T, S, k, r, d):
         return "stacked_mask"
@@ -121,9 +138,7 @@ def pick_backend(device: str, dtype: torch.dtype, T: int, S: int, k: int, r: int
 
 def _check_backend(backend: str) -> None:
     if backend != "auto" and backend not in BACKENDS:
-        raise LoRAInputError(
-            f"unknown LoRA dispatch backend {backend!r}; valid: {', '.join(('auto',) + BACKENDS)}"
-        )
+        raise LoRAInputError(f"unknown LoRA dispatch backend {backend!r}; valid: {', '.join(('auto',) + BACKENDS)}")
 
 
 class RoutingPlan:
@@ -135,8 +150,8 @@ class RoutingPlan:
     """
 
     def __init__(self, slot_ids: Tensor, weights: Tensor | None, num_slots: int) -> None:
-        self.slot_ids = as_2d(slot_ids)                          # [T, k] int64
-        self.weights = weights                                   # None or [T, k]
+        self.slot_ids = as_2d(slot_ids)  # [T, k] int64
+        self.weights = weights  # None or [T, k]
         self.num_slots = num_slots
         self._groups: SlotGroups | None = None
         self._slot_weights: dict[torch.dtype, Tensor] = {}
@@ -171,11 +186,28 @@ class RoutingPlan:
         key = (backend, dtype)
         if key not in self._fused:
             step = None
-            if (self.slot_ids.device.type == "cpu" and dtype in fused_cpu.DTYPES and self.top_k == 1
-                    and fused_cpu.available()
-                    and (backend == "fused" or backend == "auto" and pick_backend(
-                        "cpu", dtype, self.num_tokens, self.num_slots, 1, 0, 0, fused_available=True,
-                        bf16_dot=fused_cpu.bf16_dot()) == "fused")):
+            if (
+                self.slot_ids.device.type == "cpu"
+                and dtype in fused_cpu.DTYPES
+                and self.top_k == 1
+                and fused_cpu.available()
+                and (
+                    backend == "fused"
+                    or backend == "auto"
+                    and pick_backend(
+                        "cpu",
+                        dtype,
+                        self.num_tokens,
+                        self.num_slots,
+                        1,
+                        0,
+                        0,
+                        fused_available=True,
+                        bf16_dot=fused_cpu.bf16_dot(),
+                    )
+                    == "fused"
+                )
+            ):
                 g = self.groups()
                 step = (g.tok.contiguous(), None if g.weight is None else g.weight.float().contiguous(), g.counts)
             self._fused[key] = step
@@ -195,18 +227,21 @@ def _plan(slot_ids: Tensor, weights: Tensor | None, num_slots: int, check_ids: b
     return RoutingPlan(slot_ids, weights, num_slots)
 
 
-def _validate(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor,
-              out: Tensor | None) -> None:
+def _validate(
+    backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None
+) -> None:
     """Check the tensors against the plan and each other, `out`, and that an explicit "fused" can run them.
     Shapes, dtypes, layout and the autograd mode only: no data read, no kernel build."""
     validate_tensors(x, A, B, scale, plan.num_tokens, plan.num_slots)
     if out is not None and (out.shape != (x.shape[0], B.shape[1]) or out.dtype != x.dtype):
         _fail("out", f"a {x.dtype} tensor [T={x.shape[0]}, D_out={B.shape[1]}]", f"{out.dtype} {tuple(out.shape)}")
     if backend == "fused" and plan.num_tokens and not fused_cpu.supports(x, B, plan.top_k):
-        raise LoRAInputError("backend 'fused' runs on CPU float32 or bfloat16 tensors with top-1 routing, B stored "
-                             "slot-major (B.transpose(1, 2) contiguous) and autograd off; got "
-                             f"{x.device.type} {x.dtype}, top-{plan.top_k}, grad "
-                             f"{'on' if torch.is_grad_enabled() else 'off'}. Use backend='auto'.")
+        raise LoRAInputError(
+            "backend 'fused' runs on CPU float32 or bfloat16 tensors with top-1 routing, B stored "
+            "slot-major (B.transpose(1, 2) contiguous) and autograd off; got "
+            f"{x.device.type} {x.dtype}, top-{plan.top_k}, grad "
+            f"{'on' if torch.is_grad_enabled() else 'off'}. Use backend='auto'."
+        )
     if backend == "triton" and plan.num_tokens:
         _check_triton(x, A, B, scale)
 
@@ -217,33 +252,59 @@ def _check_triton(x: Tensor, A: Tensor, B: Tensor, scale: Tensor) -> None:
     if not triton_available():
         raise LoRAInputError("backend 'triton' needs the triton package (pip install triton); use backend='auto'")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, A, B, scale)):
-        raise LoRAInputError("backend 'triton' has no backward: run it under torch.no_grad() / inference_mode, or "
-                             "use backend='auto' (an eager backend while autograd is on)")
+        raise LoRAInputError(
+            "backend 'triton' has no backward: run it under torch.no_grad() / inference_mode, or "
+            "use backend='auto' (an eager backend while autograd is on)"
+        )
     if x.dtype not in TRITON_DTYPES:
         _fail("x for backend 'triton'", "float32, float16 or bfloat16", x.dtype)
     if x.device.type != "cuda" and not (x.device.type == "cpu" and _triton_lora().interpreting()):
-        raise LoRAInputError(f"backend 'triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); "
-                             f"got {x.device.type} tensors. Use backend='auto'.")
+        raise LoRAInputError(
+            f"backend 'triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); "
+            f"got {x.device.type} tensors. Use backend='auto'."
+        )
 
 
 def _pick(plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor) -> str:
     """`pick_backend` for these tensors: x [T, D_in], A [S, R, D_in], B [S, D_out, R]. Loads the fused kernel
     (`fused_cpu.available`: built once per machine) only where the tensors suit it."""
     S, R, D_in = A.shape
-    fused = fused_cpu.supports(x, B, plan.top_k) and fused_cpu.available()   # supports() is False off the CPU
-    return pick_backend(x.device.type, x.dtype, plan.num_tokens, S, plan.top_k, R, D_in + B.shape[1],
-                        fused_available=fused, bf16_dot=fused and fused_cpu.bf16_dot(),
-                        triton_available=(x.device.type == "cuda" and not torch.is_grad_enabled()
-                                          and triton_available()))
+    fused = fused_cpu.supports(x, B, plan.top_k) and fused_cpu.available()  # supports() is False off the CPU
+    return pick_backend(
+        x.device.type,
+        x.dtype,
+        plan.num_tokens,
+        S,
+        plan.top_k,
+        R,
+        D_in + B.shape[1],
+        fused_available=fused,
+        bf16_dot=fused and fused_cpu.bf16_dot(),
+        triton_available=(x.device.type == "cuda" and not torch.is_grad_enabled() and triton_available()),
+    )
 
 
-def _resolve(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor,
-             out: Tensor | None) -> str:
+def _resolve(
+    backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None
+) -> str:
     """Validate the tensors and resolve "auto". Both depend only on shapes, dtypes, layout and the autograd
     mode, so the plan remembers the answer per signature: a step's 7 * L target linears have about 4."""
-    key = (x.shape, x.dtype, x.device, x.stride(), A.shape, A.dtype, B.shape, B.dtype, B.stride(), scale.shape,
-           scale.dtype, None if out is None else (out.shape, out.dtype), torch.is_grad_enabled(),
-           x.requires_grad or A.requires_grad or B.requires_grad or scale.requires_grad)
+    key = (
+        x.shape,
+        x.dtype,
+        x.device,
+        x.stride(),
+        A.shape,
+        A.dtype,
+        B.shape,
+        B.dtype,
+        B.stride(),
+        scale.shape,
+        scale.dtype,
+        None if out is None else (out.shape, out.dtype),
+        torch.is_grad_enabled(),
+        x.requires_grad or A.requires_grad or B.requires_grad or scale.requires_grad,
+    )
     resolved = plan.resolved.get(key)
     if resolved is None:
         _validate(backend, plan, x, A, B, scale, out)
@@ -252,8 +313,9 @@ def _resolve(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, s
     return resolved
 
 
-def _apply(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor,
-           out: Tensor | None = None) -> Tensor:
+def _apply(
+    backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None = None
+) -> Tensor:
     """Check the tensors against the plan, resolve "auto", run the kernel on the plan's metadata.
     With `out` the delta is added into it in place (and `out` returned); else a new tensor."""
     backend = _resolve(backend, plan, x, A, B, scale, out)
@@ -276,8 +338,14 @@ def _apply(backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, sca
 
 
 def lora_delta(
-    x: Tensor, A: Tensor, B: Tensor, scale: Tensor, slot_ids: Tensor, weights: Tensor | None = None,
-    *, backend: str = "auto",
+    x: Tensor,
+    A: Tensor,
+    B: Tensor,
+    scale: Tensor,
+    slot_ids: Tensor,
+    weights: Tensor | None = None,
+    *,
+    backend: str = "auto",
 ) -> Tensor:
     """out[t] = sum_j weights[t, j] * scale[s] * (B[s] @ (A[s] @ x[t])), s = slot_ids[t, j] >= 0.
 
@@ -311,10 +379,12 @@ class LoRADispatcher:
         self.backend = backend
         self.check_ids = check_ids
         if backend == "auto":
-            log.info("LoRA dispatch backend: auto (triton on CUDA where triton is installed, autograd off; fused "
-                     "where it can run: CPU, fp32 or bf16, top-1, no autograd; else stacked_mask or sort_group by a "
-                     "CPU cost model of T, S, k, R, D fitted to "
-                     "molora.bench.ops timings; docs/dispatch.md)")
+            log.info(
+                "LoRA dispatch backend: auto (triton on CUDA where triton is installed, autograd off; fused "
+                "where it can run: CPU, fp32 or bf16, top-1, no autograd; else stacked_mask or sort_group by a "
+                "CPU cost model of T, S, k, R, D fitted to "
+                "molora.bench.ops timings; docs/dispatch.md)"
+            )
         else:
             log.info("LoRA dispatch backend: %s (requested explicitly)", backend)
 
@@ -322,8 +392,9 @@ class LoRADispatcher:
         """Check a step's routing once (slot_ids [T] or [T, k], weights None or [T, k])."""
         return _plan(slot_ids, weights, num_slots, self.check_ids)
 
-    def apply(self, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor,
-              out: Tensor | None = None) -> Tensor:
+    def apply(
+        self, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None = None
+    ) -> Tensor:
         """The delta [T, D_out] of one target linear (x [T, D_in], A [S, R, D_in], B [S, D_out, R], scale [S]);
         with out [T, D_out] (e.g. the base output) the delta is added into it in place, no new tensor."""
         return _apply(self.backend, plan, x, A, B, scale, out)
@@ -339,8 +410,9 @@ class LoRADispatcher:
             return out
         return _apply(self.backend, plan, x, A, B, scale, out)
 
-    def backend_for(self, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor,
-                    out: Tensor | None = None) -> str:
+    def backend_for(
+        self, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None = None
+    ) -> str:
         """The backend `apply` runs for these tensors ("auto" resolved); checks them as `apply` does."""
         return _resolve(self.backend, plan, x, A, B, scale, out)
 

@@ -78,17 +78,21 @@ from molora.ops.lora import SlotGroups
 
 log = logging.getLogger("molora.ops")
 
-_CSRC = Path(__file__).parent / "csrc"           # the kernels' sources (package data), one file per kernel family
+_CSRC = Path(__file__).parent / "csrc"  # the kernels' sources (package data), one file per kernel family
 # what the compiler is given, as one extension; common.h (shared types, entry points) and checks.h are included
-_SOURCES: tuple[Path, ...] = tuple(_CSRC / f for f in (
-    "lora_fused.cpp",      # the fused per-token LoRA kernel (lora_fused_, bf16_dot)
-    "paged_decode.cpp",    # decode attention over the paged KV cache (paged_decode, paged_decode_rows)
-    "glue.cpp",            # add_rms_norm, rope_write, silu_mul
-    "linear_panels.cpp",   # float32 GEMM on panels
-    "linear_amx.cpp",      # bfloat16 GEMM on AMX tiles (amx_ready, linear_amx)
-    "decode_block.cpp",    # a whole decoder block of a decode step (BoundBlock)
-    "greedy.cpp",          # greedy_rows
-    "bindings.cpp"))       # the Python module
+_SOURCES: tuple[Path, ...] = tuple(
+    _CSRC / f
+    for f in (
+        "lora_fused.cpp",  # the fused per-token LoRA kernel (lora_fused_, bf16_dot)
+        "paged_decode.cpp",  # decode attention over the paged KV cache (paged_decode, paged_decode_rows)
+        "glue.cpp",  # add_rms_norm, rope_write, silu_mul
+        "linear_panels.cpp",  # float32 GEMM on panels
+        "linear_amx.cpp",  # bfloat16 GEMM on AMX tiles (amx_ready, linear_amx)
+        "decode_block.cpp",  # a whole decoder block of a decode step (BoundBlock)
+        "greedy.cpp",  # greedy_rows
+        "bindings.cpp",
+    )
+)  # the Python module
 # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1, already loaded, serves this
 # library too); without it the kernel silently runs on one thread.
 _CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
@@ -97,7 +101,7 @@ DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)  # what the ke
 
 _lock = threading.Lock()
 _NO_WEIGHTS = torch.empty(0)  # the kernel's "every pair weighs 1"
-_module: ModuleType | None = None   # the built extension (`_load`)
+_module: ModuleType | None = None  # the built extension (`_load`)
 _failed: str | None = None
 
 
@@ -129,24 +133,37 @@ def _load() -> ModuleType | None:
         compiler = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension compiles with
         if shutil.which(compiler) is None:
             _failed = f"no C++ compiler: {compiler!r} (CXX, else c++) is not on PATH"
-            log.warning("molora's C++ CPU kernels unavailable (%s); using the eager backends. Install a C++ compiler "
-                        "(g++) to build them, or set MOLORA_FUSED=0 to silence this", _failed)
+            log.warning(
+                "molora's C++ CPU kernels unavailable (%s); using the eager backends. Install a C++ compiler "
+                "(g++) to build them, or set MOLORA_FUSED=0 to silence this",
+                _failed,
+            )
             return None
         try:
             from torch.utils.cpp_extension import load
 
             name = f"molora_kernels_{build_key()}"
-            log.info("loading molora's C++ CPU kernels (%s; the first time on a machine it builds: about a minute)",
-                     name)
+            log.info(
+                "loading molora's C++ CPU kernels (%s; the first time on a machine it builds: about a minute)", name
+            )
             venv_bin = os.path.dirname(sys.executable)  # a venv's ninja, when the venv is not activated
             if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-            _module = load(name=name, sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_CSRC)],
-                           extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
+            _module = load(
+                name=name,
+                sources=[str(p) for p in _SOURCES],
+                extra_include_paths=[str(_CSRC)],
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS),
+                verbose=False,
+            )
         except Exception as e:  # no compiler, no ninja, unsupported platform: the eager backends remain
             _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-            log.warning("molora's C++ CPU kernels unavailable (%s); using the eager backends. Install a C++ compiler "
-                        "(g++) and ninja to build them, or set MOLORA_FUSED=0 to silence this", _failed)
+            log.warning(
+                "molora's C++ CPU kernels unavailable (%s); using the eager backends. Install a C++ compiler "
+                "(g++) and ninja to build them, or set MOLORA_FUSED=0 to silence this",
+                _failed,
+            )
         return _module
 
 
@@ -195,18 +212,25 @@ def unavailable_reason() -> str | None:
 
 def supports(x: Tensor, B: Tensor, top_k: int) -> bool:
     """Whether a call with these tensors can run fused (module docstring: Limits); no build, no data read."""
-    return (x.device.type == "cpu" and x.dtype in DTYPES and top_k == 1 and x.stride(-1) == 1
-            and B.transpose(1, 2).is_contiguous() and not torch.is_grad_enabled())
+    return (
+        x.device.type == "cpu"
+        and x.dtype in DTYPES
+        and top_k == 1
+        and x.stride(-1) == 1
+        and B.transpose(1, 2).is_contiguous()
+        and not torch.is_grad_enabled()
+    )
 
 
-def fused_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None = None
-                ) -> Tensor:
+def fused_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None = None) -> Tensor:
     """The fused backend on sort_group's metadata (k = 1): out [T, D_out] += each token's own delta.
     out None: a new zero-initialised tensor is returned. Call only where `supports` and `available`."""
     mod = _ready()
     if mod is None:
-        raise LoRABackendError(f"backend 'fused' needs its C++ kernel, which could not be built here ({_failed}). "
-                               "Use backend='auto' (falls back to the eager backends) or install a C++ compiler.")
+        raise LoRABackendError(
+            f"backend 'fused' needs its C++ kernel, which could not be built here ({_failed}). "
+            "Use backend='auto' (falls back to the eager backends) or install a C++ compiler."
+        )
     if out is None:
         out = x.new_zeros(x.shape[0], B.shape[1])
     elif out.stride(-1) != 1:  # the kernel writes rows with unit stride
@@ -221,13 +245,16 @@ def fused_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, o
     with _profiled("molora::lora_fused"):
         done = mod.lora_fused_(out, x, A.contiguous(), B, g.tok, scale, _NO_WEIGHTS if w is None else w, g.counts)
     if not done:  # `supports` and the conversions above give the kernel its layout; this is a bug if reached
-        raise LoRABackendError(f"the fused kernel declined the layout of x {tuple(x.stride())}, out "
-                               f"{tuple(out.stride())}, B {tuple(B.stride())}")
+        raise LoRABackendError(
+            f"the fused kernel declined the layout of x {tuple(x.stride())}, out "
+            f"{tuple(out.stride())}, B {tuple(B.stride())}"
+        )
     return out
 
 
-def lora_add(out: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, tok: Tensor, weight: Tensor | None,
-             counts: list[int]) -> bool:
+def lora_add(
+    out: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, tok: Tensor, weight: Tensor | None, counts: list[int]
+) -> bool:
     """`fused_apply` into `out` on a step's prepared arguments (`molora.ops.dispatch.RoutingPlan.fused_step`:
     tok, weight in float32 or None, counts), with no check in Python: the kernel checks the shapes (a
     RuntimeError names the one that disagrees) and returns False, having done nothing, where the layout is not its
@@ -241,35 +268,64 @@ def lora_add(out: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, tok: T
         return mod.lora_fused_(out, x, A, B, tok, scale, _NO_WEIGHTS if weight is None else weight, counts)
 
 
-def paged_decode(q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, ctx: Tensor, block_size: int, scale: float,
-                 window: int | None) -> Tensor | None:
+def paged_decode(
+    q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, ctx: Tensor, block_size: int, scale: float, window: int | None
+) -> Tensor | None:
     """Decode attention over the paged cache without gathering it: q [Bd, H, hd] (one token per sequence),
     kc / vc [N, Hkv, hd] (rows = block * block_size + offset), tables [Bd, nb] block ids, ctx [Bd] context
     lengths (the new token's key already written) -> [Bd, H, hd]; a sliding `window` keeps the last `window`
     keys. None when the kernel cannot run these (not built, not CPU, another dtype, autograd on): the caller
     gathers and uses SDPA. Scores and sums in float32; one task per sequence (all its kv heads) where
     sequences outnumber twice the threads, else per (sequence, kv head)."""
-    if (q.device.type != "cpu" or q.dtype not in DTYPES or kc.dtype != q.dtype or torch.is_grad_enabled()
-            or _ready() is None):
+    if (
+        q.device.type != "cpu"
+        or q.dtype not in DTYPES
+        or kc.dtype != q.dtype
+        or torch.is_grad_enabled()
+        or _ready() is None
+    ):
         return None
     out = torch.empty_like(q)
     with _profiled("molora::paged_decode"):
-        _ext().paged_decode(out, q.contiguous(), kc, vc, tables, ctx, int(block_size), float(scale),
-                             0 if window is None else int(window))
+        _ext().paged_decode(
+            out,
+            q.contiguous(),
+            kc,
+            vc,
+            tables,
+            ctx,
+            int(block_size),
+            float(scale),
+            0 if window is None else int(window),
+        )
     return out
 
 
-def paged_decode_rows(out: Tensor, q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, ctx: Tensor, rows: Tensor,
-                      block_size: int, scale: float, window: int | None) -> bool:
+def paged_decode_rows(
+    out: Tensor,
+    q: Tensor,
+    kc: Tensor,
+    vc: Tensor,
+    tables: Tensor,
+    ctx: Tensor,
+    rows: Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None,
+) -> bool:
     """`paged_decode` on rows of a whole step, in place: q, out [T, H, hd] (heads contiguous, any row stride,
     e.g. views into a wider projection output), sequence b's query and output at row rows[b]; the other rows of
     `out` are left alone. False (nothing done) where the kernel cannot run these; the caller falls back."""
-    if (not glue_supports(q) or not (kc.dtype == vc.dtype == out.dtype == q.dtype)
-            or not (tables.dtype == ctx.dtype == rows.dtype == torch.long)):
+    if (
+        not glue_supports(q)
+        or not (kc.dtype == vc.dtype == out.dtype == q.dtype)
+        or not (tables.dtype == ctx.dtype == rows.dtype == torch.long)
+    ):
         return False
     with _profiled("molora::paged_decode"):
-        _ext().paged_decode_rows(out, q, kc, vc, tables, ctx, rows, int(block_size), float(scale),
-                                  0 if window is None else int(window))
+        _ext().paged_decode_rows(
+            out, q, kc, vc, tables, ctx, rows, int(block_size), float(scale), 0 if window is None else int(window)
+        )
     return True
 
 
@@ -278,9 +334,10 @@ def paged_decode_rows(out: Tensor, q: Tensor, kc: Tensor, vc: Tensor, tables: Te
 # float32 or bfloat16 CPU tensors, autograd off, rows with unit column stride. Each returns False (or None)
 # when it cannot run, and the caller does the same work in torch ops.
 
+
 def glue_supports(x: Tensor) -> bool:
     """Whether the glue kernels can run on tensors like x (CPU, float32 or bfloat16, no autograd, built)."""
-    return (x.device.type == "cpu" and x.dtype in DTYPES and not torch.is_grad_enabled() and _ready() is not None)
+    return x.device.type == "cpu" and x.dtype in DTYPES and not torch.is_grad_enabled() and _ready() is not None
 
 
 def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> Tensor | None:
@@ -300,7 +357,7 @@ def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
         if delta is not None:
             h.add_(delta)
             delta = None
-        var = h.float().pow(2).mean(-1)                    # [T] as LlamaRMSNorm computes it (h stays)
+        var = h.float().pow(2).mean(-1)  # [T] as LlamaRMSNorm computes it (h stays)
     with _profiled("molora::add_rms_norm"):
         _ext().add_rms_norm(h, _EMPTY if delta is None else delta, weight, out, float(eps), var, lanes)
     return out
@@ -318,7 +375,7 @@ def _sum_lanes() -> int:
         g = torch.Generator().manual_seed(0)
         rows = [(torch.randn(8, n, generator=g) * 3).to(dtype) for n in (7, 576, 1030, 4100, 20000) for dtype in DTYPES]
 
-        def matches(x: Tensor, lanes: int) -> bool:   # the kernel's norm (weight 1) equals torch's formula
+        def matches(x: Tensor, lanes: int) -> bool:  # the kernel's norm (weight 1) equals torch's formula
             got = torch.empty_like(x)
             _ext().add_rms_norm(x, _EMPTY, torch.ones(x.shape[1], dtype=x.dtype), got, 1e-6, _EMPTY, lanes)
             xf = x.float()
@@ -330,13 +387,18 @@ def _sum_lanes() -> int:
     return _lanes
 
 
-def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, rows: Tensor,
-               kc: Tensor, vc: Tensor) -> bool:
+def rope_write(
+    q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, rows: Tensor, kc: Tensor, vc: Tensor
+) -> bool:
     """RoPE on q [T, H, hd] and k [T, Hkv, hd] in place, bit for bit as x * cos + rotate_half(x) * sin in torch
     (cos, sin [P, hd] tables, row = position), then k and v [T, Hkv, hd] into the cache rows `rows` [T] of
     kc, vc [N, Hkv, hd]. False: cannot run (nothing done)."""
-    if (not glue_supports(q) or not (k.dtype == v.dtype == cos.dtype == sin.dtype == kc.dtype == vc.dtype == q.dtype)
-            or positions.dtype != torch.long or rows.dtype != torch.long):
+    if (
+        not glue_supports(q)
+        or not (k.dtype == v.dtype == cos.dtype == sin.dtype == kc.dtype == vc.dtype == q.dtype)
+        or positions.dtype != torch.long
+        or rows.dtype != torch.long
+    ):
         return False
     with _profiled("molora::rope_write"):
         _ext().rope_write(q, k, v, cos, sin, positions, rows, kc, vc)
@@ -404,8 +466,14 @@ _EMPTY = torch.empty(0)
 _EMPTY_BF16 = torch.empty(0, dtype=torch.bfloat16)
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)
 _EMPTY_F64 = torch.empty(0, dtype=torch.float64)
-_BLOCK_KERNELS = (None, "molora::lora_fused", "molora::add_rms_norm", "molora::rope_write", "molora::paged_decode",
-                  "molora::silu_mul")   # csrc decode_block's clock slots (0: the GEMM kernel, named by its form)
+_BLOCK_KERNELS = (
+    None,
+    "molora::lora_fused",
+    "molora::add_rms_norm",
+    "molora::rope_write",
+    "molora::paged_decode",
+    "molora::silu_mul",
+)  # csrc decode_block's clock slots (0: the GEMM kernel, named by its form)
 
 
 def norm_lanes() -> int:
@@ -414,8 +482,16 @@ def norm_lanes() -> int:
     return 0 if _ready() is None else _sum_lanes()
 
 
-def bind_block(norms: tuple[Tensor, Tensor], eps: float, lanes: int, linears: list[tuple], heads: tuple[int, int, int],
-               rope: tuple[Tensor, Tensor], cache: tuple, watched: list[Tensor]) -> Any:
+def bind_block(
+    norms: tuple[Tensor, Tensor],
+    eps: float,
+    lanes: int,
+    linears: list[tuple],
+    heads: tuple[int, int, int],
+    rope: tuple[Tensor, Tensor],
+    cache: tuple,
+    watched: list[Tensor],
+) -> Any:
     """One Llama-shaped decoder block's step-invariant arguments bound in C++ (csrc BoundBlock), for `run_block`.
 
     norms: the two RMSNorm weights (one eps; lanes = `norm_lanes()`, nonzero); linears: for q, k, v, o, gate, up,
@@ -433,13 +509,39 @@ def bind_block(norms: tuple[Tensor, Tensor], eps: float, lanes: int, linears: li
         B.append(_EMPTY if bb is None else bb)
         scale.append(_EMPTY if sc is None else sc)
     kc, vc, block_size, scaling, window = cache
-    return _ext().BoundBlock(P, bias, A, B, scale, norms[0], norms[1], float(eps), int(lanes), *heads, rope[0],
-                              rope[1], kc, vc, int(block_size), float(scaling), 0 if window is None else int(window),
-                              watched)
+    return _ext().BoundBlock(
+        P,
+        bias,
+        A,
+        B,
+        scale,
+        norms[0],
+        norms[1],
+        float(eps),
+        int(lanes),
+        *heads,
+        rope[0],
+        rope[1],
+        kc,
+        vc,
+        int(block_size),
+        float(scaling),
+        0 if window is None else int(window),
+        watched,
+    )
 
 
-def run_block(bound: Any, h: Tensor, delta: Tensor | None, step: tuple, positions: Tensor, write_rows: Tensor,
-              tables: Tensor, ctx: Tensor, rows: Tensor) -> Tensor | None:
+def run_block(
+    bound: Any,
+    h: Tensor,
+    delta: Tensor | None,
+    step: tuple,
+    positions: Tensor,
+    write_rows: Tensor,
+    tables: Tensor,
+    ctx: Tensor,
+    rows: Tensor,
+) -> Tensor | None:
     """A bound block (`bind_block`) on one decode step as one C++ call (csrc decode_block: the kernels of this
     module in the order and on the arguments molora.model.runner's per-kernel path gives them, equal to it bit for
     bit): h [T, D] += delta, attention, h += its output, in place; returns the MLP output [T, D]. step: the fused LoRA
@@ -448,8 +550,20 @@ def run_block(bound: Any, h: Tensor, delta: Tensor | None, step: tuple, position
     bind (bind again). Shapes that disagree raise a RuntimeError from the kernels."""
     clock = _EMPTY_F64 if _clock is None else torch.zeros(6, dtype=torch.float64)
     tok, weight, counts = step if step else (_EMPTY_LONG, None, [])
-    out = bound.run(h, _EMPTY if delta is None else delta, bool(step), tok, _NO_WEIGHTS if weight is None else weight,
-                    counts, positions, write_rows, tables, ctx, rows, clock)
+    out = bound.run(
+        h,
+        _EMPTY if delta is None else delta,
+        bool(step),
+        tok,
+        _NO_WEIGHTS if weight is None else weight,
+        counts,
+        positions,
+        write_rows,
+        tables,
+        ctx,
+        rows,
+        clock,
+    )
     if _clock is not None and out is not None:
         gemm = "molora::linear_amx" if h.dtype == torch.bfloat16 else "molora::linear_panels"
         for name, t in zip(_BLOCK_KERNELS, clock.tolist()):

@@ -29,8 +29,8 @@ def _gather_core(x: Tensor, A: Tensor, Bt: Tensor, idx: Tensor, coeff: Tensor) -
         h[t, j, :] = coeff[t, j] * (A[idx[t, j]] @ x[t])            [T, k, R]
         out[t]     = sum_j h[t, j, :] @ Bt[idx[t, j]]               [T, D_out]
     """
-    h = (x[:, None, None, :] * A[idx]).sum(-1) * coeff[..., None]   # [T, k, R]
-    return (h[:, :, :, None] * Bt[idx]).sum((1, 2))                  # [T, D_out]
+    h = (x[:, None, None, :] * A[idx]).sum(-1) * coeff[..., None]  # [T, k, R]
+    return (h[:, :, :, None] * Bt[idx]).sum((1, 2))  # [T, D_out]
 
 
 @functools.cache
@@ -46,12 +46,12 @@ def gather(x: Tensor, A: Tensor, B: Tensor, scale: Tensor, ids: Tensor, w: Tenso
     Raises LoRABackendError if torch.compile cannot build the kernel on this machine.
     """
     valid = ids >= 0
-    idx = ids.clamp(min=0)                                          # [T, k]
-    coeff = scale.to(x.dtype)[idx] * valid                          # [T, k]
+    idx = ids.clamp(min=0)  # [T, k]
+    coeff = scale.to(x.dtype)[idx] * valid  # [T, k]
     if w is not None:
         coeff = coeff * w
     # The reduction over R runs best with D_out contiguous: transpose B once per call (S*R*D_out copy).
-    Bt = B.transpose(1, 2).contiguous()                             # [S, R, D_out]
+    Bt = B.transpose(1, 2).contiguous()  # [S, R, D_out]
     try:
         return compiled_gather_core()(x, A, Bt, idx, coeff)
     except Exception as e:  # compile failures surface here, at the first call of each shape family

@@ -44,8 +44,8 @@ from torch import Tensor
 
 from molora.ops import fused_cpu
 
-PACK_HINT = 32         # the row count MKL packs for (the packed copy serves every T: its size does not depend on it)
-PANEL_MAX_ROWS = 128   # the panel kernel runs up to this many rows, torch's GEMM above (module docstring)
+PACK_HINT = 32  # the row count MKL packs for (the packed copy serves every T: its size does not depend on it)
+PANEL_MAX_ROWS = 128  # the panel kernel runs up to this many rows, torch's GEMM above (module docstring)
 
 
 def _mkl() -> bool:
@@ -84,8 +84,13 @@ def tiles(weight: Tensor) -> Tensor:
     """weight [N, K] (N a multiple of 16, K of 32) -> the AMX B-operand tiles [N / 16, K / 32, 16, 32]:
     tiles[p, c, r, 2 j + e] = weight[16 p + j, 32 c + 2 r + e] (16 columns of pairs of k, one 1 KB tile per p, c)."""
     n, k = weight.shape
-    return (weight.detach().reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-            .view(n // 16, k // 32, 16, 32))
+    return (
+        weight.detach()
+        .reshape(n // 16, 16, k // 32, 16, 2)
+        .permute(0, 2, 3, 1, 4)
+        .contiguous()
+        .view(n // 16, k // 32, 16, 32)
+    )
 
 
 class PackedLinear:
@@ -95,11 +100,13 @@ class PackedLinear:
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         if not supports(weight):
-            raise ValueError(f"PackedLinear packs float32 CPU weights where molora's kernel or MKL is available, and "
-                             f"bfloat16 ones where the kernel runs on AMX; got {weight.dtype} "
-                             f"{tuple(weight.shape)} on {weight.device.type} (form {form(weight)!r})")
+            raise ValueError(
+                f"PackedLinear packs float32 CPU weights where molora's kernel or MKL is available, and "
+                f"bfloat16 ones where the kernel runs on AMX; got {weight.dtype} "
+                f"{tuple(weight.shape)} on {weight.device.type} (form {form(weight)!r})"
+            )
         self.weight, self.bias, self.dtype = weight, bias, weight.dtype
-        self.form = form(weight)   # "panels" / "amx": up to PANEL_MAX_ROWS rows, torch's GEMM above; "mkl": every T
+        self.form = form(weight)  # "panels" / "amx": up to PANEL_MAX_ROWS rows, torch's GEMM above; "mkl": every T
         self.packed: Tensor | None = None
         self._key: tuple | None = None
 
@@ -108,10 +115,15 @@ class PackedLinear:
         key = (w.data_ptr(), w._version)
         if key != self._key:
             with torch.no_grad():
-                self.packed = (panels(w) if self.form == "panels" else tiles(w) if self.form == "amx"
-                               else torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), PACK_HINT))
+                self.packed = (
+                    panels(w)
+                    if self.form == "panels"
+                    else tiles(w)
+                    if self.form == "amx"
+                    else torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), PACK_HINT)
+                )
             self._key = key
-        assert self.packed is not None    # packed above whenever the key changed, and the key starts unset
+        assert self.packed is not None  # packed above whenever the key changed, and the key starts unset
         return self.packed
 
     def kernel_weight(self, dtype: torch.dtype) -> Tensor | None:
@@ -125,12 +137,18 @@ class PackedLinear:
     def __call__(self, x: Tensor) -> Tensor:
         w, b = self.weight, self.bias
         T = x.shape[0]
-        if (x.dim() != 2 or T < 2 or x.dtype != self.dtype or w.dtype != self.dtype or torch.is_grad_enabled()
-                or (self.form != "mkl" and T > PANEL_MAX_ROWS)):
-            return torch.nn.functional.linear(x, w, b)     # one row: torch's GEMV (module docstring)
+        if (
+            x.dim() != 2
+            or T < 2
+            or x.dtype != self.dtype
+            or w.dtype != self.dtype
+            or torch.is_grad_enabled()
+            or (self.form != "mkl" and T > PANEL_MAX_ROWS)
+        ):
+            return torch.nn.functional.linear(x, w, b)  # one row: torch's GEMV (module docstring)
         if self.form == "mkl":
             return torch.ops.mkl._mkl_linear(x, self._current(), w, b, T)
         y = (fused_cpu.linear_panels if self.form == "panels" else fused_cpu.linear_amx)(x, self._current(), b)
         if y is not None:
             return y
-        return torch.nn.functional.linear(x, w, b)         # the kernel declined (suspended while a step is recorded)
+        return torch.nn.functional.linear(x, w, b)  # the kernel declined (suspended while a step is recorded)

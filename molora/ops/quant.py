@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 SCHEMES = ("int8", "int4")
-INT4_GROUP = 32   # group size along K for int4 (module docstring; measured in docs/quant_linear.json)
+INT4_GROUP = 32  # group size along K for int4 (module docstring; measured in docs/quant_linear.json)
 _INNER_K_TILES = 1  # argument of torch's int4 packing on the CPU (its layout does not depend on it there)
 
 
@@ -55,7 +55,7 @@ def check_scheme(scheme: str | None) -> str | None:
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     """weight [N, K] -> (q int8 [N, K], scale float32 [N]): symmetric per output channel, q in [-127, 127]."""
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)   # an all-zero row: q = 0
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # an all-zero row: q = 0
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
@@ -71,17 +71,17 @@ def quantize_int4(weight: Tensor, group: int = INT4_GROUP) -> tuple[Tensor, Tens
     n, k = weight.shape
     if group <= 0 or k % group:
         raise ValueError(f"int4 groups of {group} do not divide the weight's K = {k}")
-    w = weight.detach().float().reshape(n, k // group, group)                    # [N, K / G, G]
-    lo, hi = w.amin(dim=2), w.amax(dim=2)                                        # [N, K / G]
+    w = weight.detach().float().reshape(n, k // group, group)  # [N, K / G, G]
+    lo, hi = w.amin(dim=2), w.amax(dim=2)  # [N, K / G]
     scale = ((hi - lo) / 15).clamp(min=1e-6)
     zero = lo + 8 * scale
     q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
-    return q, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()    # [K / G, N, 2]
+    return q, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K / G, N, 2]
 
 
 def dequantize_int4(q: Tensor, scale_zero: Tensor, group: int) -> Tensor:
     """(q [N, K], scale_zero [K / G, N, 2]) -> float32 [N, K] = (q - 8) * scale + zero per group."""
-    sz = scale_zero.float().transpose(0, 1)                                      # [N, K / G, 2]
+    sz = scale_zero.float().transpose(0, 1)  # [N, K / G, 2]
     n, k = q.shape
     w = (q.float().reshape(n, k // group, group) - 8) * sz[..., 0:1] + sz[..., 1:2]
     return w.reshape(n, k)
@@ -93,8 +93,10 @@ def quantize(weight: Tensor, scheme: str, group: int = INT4_GROUP) -> tuple[Tens
     scales [K / G, N, 2] (scale, zero)."""
     check_scheme(scheme)
     if weight.dim() != 2 or weight.device.type != "cpu" or not weight.is_floating_point():
-        raise ValueError(f"weight-only {scheme} quantizes float CPU matrices; got {weight.dtype} "
-                         f"{tuple(weight.shape)} on {weight.device.type}")
+        raise ValueError(
+            f"weight-only {scheme} quantizes float CPU matrices; got {weight.dtype} "
+            f"{tuple(weight.shape)} on {weight.device.type}"
+        )
     if scheme == "int8":
         return quantize_int8(weight)
     q, scale_zero = quantize_int4(weight, group)
@@ -110,10 +112,9 @@ def dequantize(q: Tensor, scales: Tensor, scheme: str, group: int, shape: tuple[
 
 def prepack_int8(q: Tensor, scales: Tensor) -> Any:
     """(q int8 [N, K], scales [N]) -> FBGEMM's packed weight for `linear_int8` (made once per weight)."""
-    with warnings.catch_warnings():   # torch warns that quantized tensors are deprecated; FBGEMM's op is what runs
+    with warnings.catch_warnings():  # torch warns that quantized tensors are deprecated; FBGEMM's op is what runs
         warnings.simplefilter("ignore")
-        qt = torch._make_per_channel_quantized_tensor(q, scales.double(), torch.zeros(q.shape[0], dtype=torch.long),
-                                                      0)
+        qt = torch._make_per_channel_quantized_tensor(q, scales.double(), torch.zeros(q.shape[0], dtype=torch.long), 0)
     return torch.ops.quantized.linear_prepack(qt, None)
 
 
@@ -123,7 +124,7 @@ def _per_token(x: Tensor) -> tuple[Tensor, Tensor]:
     activation quantization (its range taken over the whole tensor) is the same for every row and every batch:
     a row's result depends on that row alone."""
     xf = x.float()
-    amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)      # [T, 1]
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)  # [T, 1]
     x_pad = torch.empty(x.shape[0] + 1, x.shape[1])
     torch.div(xf, amax, out=x_pad[:-1])
     x_pad[-1].zero_()
@@ -136,7 +137,7 @@ def linear_int8(x: Tensor, packed: Any) -> Tensor:
     the activations quantized per token at each call (`_per_token`: 8 bits over [-amax, amax]) and the integer
     products summed exactly in int32 by FBGEMM (AVX512-VNNI here), then scaled in float32."""
     x_pad, amax = _per_token(x)
-    y = torch.ops.quantized.linear_dynamic(x_pad, packed, False)[:-1].mul_(amax)                  # [T, N]
+    y = torch.ops.quantized.linear_dynamic(x_pad, packed, False)[:-1].mul_(amax)  # [T, N]
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
@@ -149,13 +150,14 @@ def unpack_int4(packed: Tensor, shape: tuple[int, int]) -> Tensor:
     """torch's packed int4 weight (from `_convert_weight_to_int4pack_for_cpu`) -> q int32 [N, K] in [0, 15], by
     running its own kernel on the identity (exact: (q - 8) * 1 + 8 = q, integers in float32)."""
     n, k = shape
-    sz = torch.stack([torch.ones(k // 32, n), torch.full((k // 32, n), 8.0)], dim=-1)   # scale 1, zero 8
-    q = torch._weight_int4pack_mm_for_cpu(torch.eye(k), packed, 32, sz)                 # [K, N] = q.T
+    sz = torch.stack([torch.ones(k // 32, n), torch.full((k // 32, n), 8.0)], dim=-1)  # scale 1, zero 8
+    q = torch._weight_int4pack_mm_for_cpu(torch.eye(k), packed, 32, sz)  # [K, N] = q.T
     return q.t().round().to(torch.int32)
 
 
-def linear_reference(x: Tensor, q: Tensor, scales: Tensor, scheme: str, group: int, shape: tuple[int, int],
-                     bias: Tensor | None = None) -> Tensor:
+def linear_reference(
+    x: Tensor, q: Tensor, scales: Tensor, scheme: str, group: int, shape: tuple[int, int], bias: Tensor | None = None
+) -> Tensor:
     """The slow spec of `linear_int8` / `linear_int4` (+ bias), in float32, cast to x's dtype: int4 multiplies x by
     the dequantized weight; int8 first rounds x as `linear_int8` does (each row scaled to [-1, 1], quantized with the
     qparams torch picks for the guarded tensor, dequantized, scaled back)."""

@@ -75,17 +75,18 @@ def interpreting() -> bool:
 
 # ---------------------------------------------------------------------------------------------- metadata
 
+
 @dataclass(frozen=True)
 class TritonPlan:
     """`build_plan`'s device metadata for one step (module docstring); shared by all target linears."""
 
-    rows: Tensor             # [P] pair index at each padded position, -1 = padding
-    tile_slot: Tensor        # [P / BM] slot of each tile, S = past the end
-    weight: Tensor | None    # [M] float32 weight of each pair (None: all 1)
-    num_tokens: int          # T
-    top_k: int               # k
-    num_slots: int           # S
-    block_m: int             # BM
+    rows: Tensor  # [P] pair index at each padded position, -1 = padding
+    tile_slot: Tensor  # [P / BM] slot of each tile, S = past the end
+    weight: Tensor | None  # [M] float32 weight of each pair (None: all 1)
+    num_tokens: int  # T
+    top_k: int  # k
+    num_slots: int  # S
+    block_m: int  # BM
 
     @property
     def num_tiles(self) -> int:
@@ -97,47 +98,73 @@ def build_plan(ids: Tensor, weights: Tensor | None, num_slots: int) -> TritonPla
     T, k = ids.shape
     M, S, dev = T * k, num_slots, ids.device
     bm = tiles_for(M)[0]
-    key = ids.reshape(-1)                                             # [M], pair p = t*k + j
-    key = torch.where((key >= 0) & (key < S), key, S)                 # none (and any bad id) -> S, sorts last
-    sorted_key, order = torch.sort(key, stable=True)                  # [M]
-    start = torch.searchsorted(sorted_key, torch.arange(S + 1, device=dev))   # [S+1] first pair of each slot
-    count = start[1:] - start[:-1]                                    # [S] pairs per slot (stays on the device)
-    padded = (count + bm - 1) // bm * bm                              # [S] runs rounded up to whole tiles
-    pad_end = torch.cumsum(padded, 0)                                 # [S]
+    key = ids.reshape(-1)  # [M], pair p = t*k + j
+    key = torch.where((key >= 0) & (key < S), key, S)  # none (and any bad id) -> S, sorts last
+    sorted_key, order = torch.sort(key, stable=True)  # [M]
+    start = torch.searchsorted(sorted_key, torch.arange(S + 1, device=dev))  # [S+1] first pair of each slot
+    count = start[1:] - start[:-1]  # [S] pairs per slot (stays on the device)
+    padded = (count + bm - 1) // bm * bm  # [S] runs rounded up to whole tiles
+    pad_end = torch.cumsum(padded, 0)  # [S]
     pad_start = pad_end - padded
-    tiles = -(-M // bm) + min(S, M)                                   # worst case of the padded total / BM
+    tiles = -(-M // bm) + min(S, M)  # worst case of the padded total / BM
     P = tiles * bm
-    s = sorted_key.clamp(max=S - 1)                                   # [M] (the none pairs are masked below)
-    pos = pad_start[s] + torch.arange(M, device=dev) - start[s]       # [M] padded position of each sorted pair
-    pos = torch.where(sorted_key < S, pos, P)                         # none -> a dump row past the end
-    rows = torch.full((P + 1,), -1, dtype=torch.long, device=dev).scatter_(0, pos, order)[:P]   # [P]
+    s = sorted_key.clamp(max=S - 1)  # [M] (the none pairs are masked below)
+    pos = pad_start[s] + torch.arange(M, device=dev) - start[s]  # [M] padded position of each sorted pair
+    pos = torch.where(sorted_key < S, pos, P)  # none -> a dump row past the end
+    rows = torch.full((P + 1,), -1, dtype=torch.long, device=dev).scatter_(0, pos, order)[:P]  # [P]
     tile_slot = torch.searchsorted(pad_end // bm, torch.arange(tiles, device=dev), right=True)  # [tiles] in [0, S]
-    w = None if weights is None else weights.reshape(-1).to(torch.float32).contiguous()          # [M]
+    w = None if weights is None else weights.reshape(-1).to(torch.float32).contiguous()  # [M]
     return TritonPlan(rows, tile_slot, w, T, k, S, bm)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
 
-def _shrink(x_ptr, a_ptr, scale_ptr, w_ptr, rows_ptr, tile_slot_ptr, h_ptr, S, R,
-            stride_xt, stride_xk, stride_as, stride_ar, stride_ak,
-            TOP_K: tl.constexpr, D_IN: tl.constexpr, BLOCK_R: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_W: tl.constexpr, F32_DOT: tl.constexpr):
+
+def _shrink(
+    x_ptr,
+    a_ptr,
+    scale_ptr,
+    w_ptr,
+    rows_ptr,
+    tile_slot_ptr,
+    h_ptr,
+    S,
+    R,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    TOP_K: tl.constexpr,
+    D_IN: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_W: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
     """h[p, :R] = scale[s] (* w[p]) * (A[s] @ x[p // TOP_K]) for the pairs p of one tile of slot s."""
     tile = tl.program_id(0)
     s = tl.load(tile_slot_ptr + tile)
     if s < S:
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(rows_ptr + offs_m)                                   # [BM], -1 = padding
+        pair = tl.load(rows_ptr + offs_m)  # [BM], -1 = padding
         valid = pair >= 0
         tok = tl.where(valid, pair // TOP_K, 0)
         offs_r = tl.arange(0, BLOCK_R)
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for k0 in range(0, D_IN, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk,
-                         mask=valid[:, None] & (offs_k[None, :] < D_IN), other=0.0)          # [BM, BK]
-            at = tl.load(a_ptr + s * stride_as + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
-                         mask=(offs_r[None, :] < R) & (offs_k[:, None] < D_IN), other=0.0)   # [BK, BR] = A[s].T
+            xt = tl.load(
+                x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+                mask=valid[:, None] & (offs_k[None, :] < D_IN),
+                other=0.0,
+            )  # [BM, BK]
+            at = tl.load(
+                a_ptr + s * stride_as + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                mask=(offs_r[None, :] < R) & (offs_k[:, None] < D_IN),
+                other=0.0,
+            )  # [BK, BR] = A[s].T
             if F32_DOT:
                 acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
             else:
@@ -150,28 +177,48 @@ def _shrink(x_ptr, a_ptr, scale_ptr, w_ptr, rows_ptr, tile_slot_ptr, h_ptr, S, R
         tl.store(h_ptr + pair[:, None] * BLOCK_R + offs_r[None, :], acc, mask=valid[:, None])
 
 
-def _expand(h_ptr, b_ptr, out_ptr, y_ptr, rows_ptr, tile_slot_ptr, S, R, D_OUT,
-            stride_bs, stride_bn, stride_br, stride_ot, stride_on,
-            TOP_K: tl.constexpr, BLOCK_R: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr):
+def _expand(
+    h_ptr,
+    b_ptr,
+    out_ptr,
+    y_ptr,
+    rows_ptr,
+    tile_slot_ptr,
+    S,
+    R,
+    D_OUT,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    TOP_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
     """B[s] @ h[p] for the pairs of one tile of slot s and one BN-wide column block: added into out[p] (TOP_K 1)
     or stored, in float32, into y[p] (TOP_K > 1)."""
     tile = tl.program_id(0)
     s = tl.load(tile_slot_ptr + tile)
     if s < S:
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(rows_ptr + offs_m)                                   # [BM]
+        pair = tl.load(rows_ptr + offs_m)  # [BM]
         valid = pair >= 0
         safe = tl.where(valid, pair, 0)
         offs_r = tl.arange(0, BLOCK_R)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         h = tl.load(h_ptr + safe[:, None] * BLOCK_R + offs_r[None, :], mask=valid[:, None], other=0.0)  # [BM, BR]
-        b = tl.load(b_ptr + s * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
-                    mask=(offs_r[:, None] < R) & (offs_n[None, :] < D_OUT), other=0.0)  # [BR, BN] = B[s].T
+        b = tl.load(
+            b_ptr + s * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
+            mask=(offs_r[:, None] < R) & (offs_n[None, :] < D_OUT),
+            other=0.0,
+        )  # [BR, BN] = B[s].T
         if F32_DOT:
             acc = tl.dot(h, b.to(tl.float32), input_precision="ieee")
         else:
-            acc = tl.dot(h.to(b.dtype), b)                                  # [BM, BN] float32
+            acc = tl.dot(h.to(b.dtype), b)  # [BM, BN] float32
         mask = valid[:, None] & (offs_n[None, :] < D_OUT)
         if TOP_K == 1:
             ptrs = out_ptr + safe[:, None] * stride_ot + offs_n[None, :] * stride_on
@@ -190,8 +237,8 @@ def _kernels(interpret: bool):
 
 # ---------------------------------------------------------------------------------------------- launch
 
-def triton_apply(plan: TritonPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None = None
-                 ) -> Tensor:
+
+def triton_apply(plan: TritonPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None = None) -> Tensor:
     """out [T, D_out] += each token's routed delta (a new zero tensor when out is None); x [T, D_in],
     A [S, R, D_in], B [S, D_out, R] (any strides), scale [S]. The caller (`molora.ops.dispatch`) has checked
     shapes and dtypes; x, A and B share one dtype in DTYPES."""
@@ -206,20 +253,55 @@ def triton_apply(plan: TritonPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tenso
     shrink, expand = _kernels(interpret)
     _, bk, bn = tiles_for(M)
     br = max(16, triton.next_power_of_2(R))
-    f32 = interpret or x.dtype == torch.float32      # interpreted bf16 dots are wrong: float32 tiles instead
-    h = torch.empty(M, br, dtype=torch.float32, device=x.device)                  # [M, R_pad]
+    f32 = interpret or x.dtype == torch.float32  # interpreted bf16 dots are wrong: float32 tiles instead
+    h = torch.empty(M, br, dtype=torch.float32, device=x.device)  # [M, R_pad]
     scale = scale if scale.dtype == torch.float32 else scale.float()
-    w = plan.weight if plan.weight is not None else scale                          # (unread when HAS_W is False)
+    w = plan.weight if plan.weight is not None else scale  # (unread when HAS_W is False)
     shrink[(plan.num_tiles,)](
-        x, A, scale, w, plan.rows, plan.tile_slot, h, S, R,
-        x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
-        TOP_K=k, D_IN=D_in, BLOCK_R=br, BLOCK_M=plan.block_m, BLOCK_K=bk,
-        HAS_W=plan.weight is not None, F32_DOT=f32)
+        x,
+        A,
+        scale,
+        w,
+        plan.rows,
+        plan.tile_slot,
+        h,
+        S,
+        R,
+        x.stride(0),
+        x.stride(1),
+        A.stride(0),
+        A.stride(1),
+        A.stride(2),
+        TOP_K=k,
+        D_IN=D_in,
+        BLOCK_R=br,
+        BLOCK_M=plan.block_m,
+        BLOCK_K=bk,
+        HAS_W=plan.weight is not None,
+        F32_DOT=f32,
+    )
     y = out if k == 1 else torch.zeros(M, D_out, dtype=torch.float32, device=x.device)  # [M, D_out] for top-k
     expand[(plan.num_tiles, triton.cdiv(D_out, bn))](
-        h, B, out, y, plan.rows, plan.tile_slot, S, R, D_out,
-        B.stride(0), B.stride(1), B.stride(2), out.stride(0), out.stride(1),
-        TOP_K=k, BLOCK_R=br, BLOCK_M=plan.block_m, BLOCK_N=bn, F32_DOT=f32)
+        h,
+        B,
+        out,
+        y,
+        plan.rows,
+        plan.tile_slot,
+        S,
+        R,
+        D_out,
+        B.stride(0),
+        B.stride(1),
+        B.stride(2),
+        out.stride(0),
+        out.stride(1),
+        TOP_K=k,
+        BLOCK_R=br,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=bn,
+        F32_DOT=f32,
+    )
     if k > 1:
-        out.add_(y.view(T, k, D_out).sum(1))        # float32 sum of the choices, rounded once into out
+        out.add_(y.view(T, k, D_out).sum(1))  # float32 sum of the choices, rounded once into out
     return out

@@ -4,5 +4,14 @@ from molora.routing.arrow import ArrowConfig, ArrowRouter
 from molora.routing.base import OracleRouter, Router, Routing, SequenceRouter, VocabRouter, adapter_index
 from molora.routing.merge import UniformMergeRouter
 
-__all__ = ["ArrowConfig", "ArrowRouter", "OracleRouter", "Router", "Routing", "SequenceRouter", "UniformMergeRouter",
-           "VocabRouter", "adapter_index"]
+__all__ = [
+    "ArrowConfig",
+    "ArrowRouter",
+    "OracleRouter",
+    "Router",
+    "Routing",
+    "SequenceRouter",
+    "UniformMergeRouter",
+    "VocabRouter",
+    "adapter_index",
+]

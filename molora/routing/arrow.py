@@ -65,18 +65,18 @@ class ArrowConfig:
     threshold: float | None = None
     projection: str | None = None
     method: str = "svd"
-    iters: int = 15               # method "power": PEFT's default
-    seed: int | None = 0          # method "power": PEFT's rng_seed (None: the global RNG, not reproducible)
+    iters: int = 15  # method "power": PEFT's default
+    seed: int | None = 0  # method "power": PEFT's rng_seed (None: the global RNG, not reproducible)
     # calibrated base option and prompt-level evidence (module docstring: Calibration, Prompt); per_block, top-1
     rms_threshold: float | None = None  # a token's best adapter must score this many times its general-text RMS
-    prompt: bool = False              # decide once per prompt token from a probe, vote, follow the prompt
-    source_block: int | None = None   # prompt: the block whose decision the probe keeps (None: 5/6 of the depth,
-                                      # block 25 of 30 on the default bundle, chosen on validation)
-    prompt_share: float = 0.0         # prompt: below this share of claimed tokens the prompt runs on the base
-    calibration_prompts: int = 96     # general prompts (train split) in the chat template, for rms_threshold
+    prompt: bool = False  # decide once per prompt token from a probe, vote, follow the prompt
+    source_block: int | None = None  # prompt: the block whose decision the probe keeps (None: 5/6 of the depth,
+    # block 25 of 30 on the default bundle, chosen on validation)
+    prompt_share: float = 0.0  # prompt: below this share of claimed tokens the prompt runs on the base
+    calibration_prompts: int = 96  # general prompts (train split) in the chat template, for rms_threshold
 
     def __post_init__(self) -> None:
-        fix = " (in molora.json: router {\"kind\": \"arrow\", ...}; on the command line: --router arrow)"
+        fix = ' (in molora.json: router {"kind": "arrow", ...}; on the command line: --router arrow)'
         if not (isinstance(self.top_k, int) and self.top_k >= 1):
             raise RoutingError(f"arrow top_k={self.top_k!r}: use an integer >= 1 (1: one adapter per token){fix}")
         if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
@@ -86,8 +86,10 @@ class ArrowConfig:
         if self.threshold is not None and not (isinstance(self.threshold, (int, float)) and 0 <= self.threshold <= 1):
             raise RoutingError(f"arrow threshold={self.threshold!r}: a |cosine| in [0, 1], or null for none{fix}")
         if self.projection is not None and self.projection not in BLOCK_PROJECTIONS:
-            raise RoutingError(f"arrow projection={self.projection!r}: per_block decides from one of "
-                               f"{', '.join(BLOCK_PROJECTIONS)} (their input is the block's normed input){fix}")
+            raise RoutingError(
+                f"arrow projection={self.projection!r}: per_block decides from one of "
+                f"{', '.join(BLOCK_PROJECTIONS)} (their input is the block's normed input){fix}"
+            )
         if self.method not in METHODS:
             raise RoutingError(f"arrow method={self.method!r}: use one of {', '.join(METHODS)}{fix}")
         if not (isinstance(self.iters, int) and self.iters >= 1):
@@ -95,14 +97,17 @@ class ArrowConfig:
 
         per_block_only = [k for k in ("rms_threshold", "prompt") if getattr(self, k) not in (None, False)]
         if per_block_only and (self.granularity != "per_block" or self.top_k != 1):
-            raise RoutingError(f"arrow {', '.join(per_block_only)} needs granularity='per_block' and top_k=1 (got "
-                               f"{self.granularity!r}, top_k={self.top_k}){fix}")
+            raise RoutingError(
+                f"arrow {', '.join(per_block_only)} needs granularity='per_block' and top_k=1 (got "
+                f"{self.granularity!r}, top_k={self.top_k}){fix}"
+            )
         if not (isinstance(self.prompt_share, (int, float)) and 0 <= self.prompt_share <= 1):
             raise RoutingError(f"arrow prompt_share={self.prompt_share!r}: a share in [0, 1]{fix}")
         if self.prompt_share and not self.prompt:
             raise RoutingError(f"arrow prompt_share needs prompt=true (the probe measures the share){fix}")
-        if self.rms_threshold is not None and not (isinstance(self.rms_threshold, (int, float))
-                                                   and self.rms_threshold >= 0):
+        if self.rms_threshold is not None and not (
+            isinstance(self.rms_threshold, (int, float)) and self.rms_threshold >= 0
+        ):
             raise RoutingError(f"arrow rms_threshold={self.rms_threshold!r}: a ratio >= 0, or null for none{fix}")
         if not (isinstance(self.calibration_prompts, int) and self.calibration_prompts >= 8):
             raise RoutingError(f"arrow calibration_prompts={self.calibration_prompts!r}: an integer >= 8{fix}")
@@ -119,22 +124,24 @@ class ArrowConfig:
 
 # --------------------------------------------------------------------------------------------- prototypes
 
+
 @torch.no_grad()
-def top_right_singular_vector(A: torch.Tensor, B: torch.Tensor, *, method: str = "svd", iters: int = 15,
-                              seed: int | None = 0) -> torch.Tensor:
+def top_right_singular_vector(
+    A: torch.Tensor, B: torch.Tensor, *, method: str = "svd", iters: int = 15, seed: int | None = 0
+) -> torch.Tensor:
     """The top right singular vector [d_in] (fp32, unit norm, sign arbitrary) of B @ A, A [r, d_in], B [d_out, r],
     without forming B @ A. svd: B = QR, so B·A = Q(R·A) and the right singular vectors are R·A's ([r, d_in]).
     power: PEFT's estimator, v <- AᵀBᵀB A v normalised, from randn(d_in) drawn with `seed`."""
     A32, B32 = A.float(), B.float()
     if method == "svd":
-        _, R = torch.linalg.qr(B32)                                          # R [r, r]
-        _, _, Vh = torch.linalg.svd(R @ A32, full_matrices=False)            # Vh [r, d_in]
+        _, R = torch.linalg.qr(B32)  # R [r, r]
+        _, _, Vh = torch.linalg.svd(R @ A32, full_matrices=False)  # Vh [r, d_in]
         return Vh[0]
     gen = None
     if seed is not None:
         gen = torch.Generator(device=A32.device.type)
         gen.manual_seed(int(seed))
-    C = B32.T @ B32                                                          # [r, r]
+    C = B32.T @ B32  # [r, r]
     v = torch.randn(A32.shape[1], dtype=A32.dtype, device=A32.device, generator=gen)
     v = v / (v.norm() + 1e-8)
     for _ in range(iters):
@@ -144,6 +151,7 @@ def top_right_singular_vector(A: torch.Tensor, B: torch.Tensor, *, method: str =
 
 
 # --------------------------------------------------------------------------------------------- router
+
 
 class ArrowRouter(Router):
     """Arrow routing from the adapters' weights; see the module docstring.
@@ -162,15 +170,17 @@ class ArrowRouter(Router):
             raise RoutingError(f"arrow router: duplicate adapter names {self.fixed_names}")
         self._mm: Any = None
         self._protos: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}  # name -> (its LoRAAdapter, module -> v)
-        self._stacks: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}   # (module, key, device) -> (P, has, all)
-        self._block_linear: list[str] = []         # per_block: the projection decided from, per block
+        self._stacks: dict[
+            tuple, tuple[torch.Tensor, torch.Tensor, bool]
+        ] = {}  # (module, key, device) -> (P, has, all)
+        self._block_linear: list[str] = []  # per_block: the projection decided from, per block
         self._block_norm: list[nn.Module] = []
-        self._linear_block: dict[str, int] = {}    # module path -> its block (for traces)
-        self._trace_linear: set[str] = set()       # per_linear: the linear whose decision a trace records
+        self._linear_block: dict[str, int] = {}  # module path -> its block (for traces)
+        self._trace_linear: set[str] = set()  # per_linear: the linear whose decision a trace records
         # rms_threshold: module -> E[x̂ x̂ᵀ] [d_in, d_in] over general text run on the base model (x̂ = x / |x|),
         # from which any adapter's RMS |cos| follows without another forward (`calibrate`)
         self._moments: dict[str, torch.Tensor] = {}
-        self._rms: dict[tuple, torch.Tensor] = {}      # (module, device, id of its prototype stack) -> [K]
+        self._rms: dict[tuple, torch.Tensor] = {}  # (module, device, id of its prototype stack) -> [K]
         self._calib_tokens = 0
 
     # ------------------------------------------------------------------------------------ prompt mode
@@ -249,10 +259,12 @@ class ArrowRouter(Router):
                 continue
             pick = f"{lp}.self_attn.{proj}" if proj else (attn[0] if attn else None)
             if pick is None or pick not in targets:
-                raise RoutingError(f"arrow granularity='per_block' decides block {i} from "
-                                   f"{proj or 'q_proj, k_proj or v_proj'}, which no loaded adapter adapts there "
-                                   f"(adapted: {[t.rsplit('.', 1)[-1] for t in mine]}); use granularity='per_linear'"
-                                   " or name an adapted projection")
+                raise RoutingError(
+                    f"arrow granularity='per_block' decides block {i} from "
+                    f"{proj or 'q_proj, k_proj or v_proj'}, which no loaded adapter adapts there "
+                    f"(adapted: {[t.rsplit('.', 1)[-1] for t in mine]}); use granularity='per_linear'"
+                    " or name an adapted projection"
+                )
             self._block_linear.append(pick)
             self._block_norm.append(layer.get_submodule("input_layernorm"))
         self._mm = mm
@@ -272,9 +284,13 @@ class ArrowRouter(Router):
             if adapter is None or (name in self._protos and self._protos[name][0] is adapter):
                 continue  # not resident (an engine's evicted adapter keeps its prototypes) or up to date
             c = self.config
-            self._protos[name] = (adapter, {m: top_right_singular_vector(w.A, w.B, method=c.method, iters=c.iters,
-                                                                         seed=c.seed)
-                                            for m, w in adapter.modules.items()})
+            self._protos[name] = (
+                adapter,
+                {
+                    m: top_right_singular_vector(w.A, w.B, method=c.method, iters=c.iters, seed=c.seed)
+                    for m, w in adapter.modules.items()
+                },
+            )
             done.append(name)
         if done:
             self._stacks.clear()
@@ -289,10 +305,12 @@ class ArrowRouter(Router):
         self.bind(mm)
         missing = [n for n in self.adapter_names if n not in mm.bank]
         if missing:
-            raise RoutingError(f"the arrow router chooses between adapters {missing} that are not loaded "
-                               f"(loaded: {mm.adapter_names})")
-        slot_map = torch.tensor([mm.bank.slot_of(n) for n in self.adapter_names], dtype=torch.long,
-                                device=input_ids.device)
+            raise RoutingError(
+                f"the arrow router chooses between adapters {missing} that are not loaded (loaded: {mm.adapter_names})"
+            )
+        slot_map = torch.tensor(
+            [mm.bank.slot_of(n) for n in self.adapter_names], dtype=torch.long, device=input_ids.device
+        )
         ctx = mm.context
         if self.per_linear:
             ctx.linear = LinearRouting(self, slot_map)
@@ -320,46 +338,49 @@ class ArrowRouter(Router):
             self._stacks[key] = (P, has, all(v is not None for v in vecs))
         return self._stacks[key]
 
-    def choose(self, x: torch.Tensor, module: str, allowed: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def choose(
+        self, x: torch.Tensor, module: str, allowed: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(ids [T, k] router indices, -1 none; weights [T, k] or None for top-1) for inputs x [T, d_in] of
         `module`: |x·v| similarity, top-k, softmax(top / temperature) (module docstring)."""
         P, has, every = self.prototypes(module, x.device)
-        sim = (x.float() @ P.T).abs()                                        # [T, K]
+        sim = (x.float() @ P.T).abs()  # [T, K]
         masked = allowed is not None or not every
-        if masked:                                                           # adapters absent here or not allowed
+        if masked:  # adapters absent here or not allowed
             ok = has if allowed is None else has & allowed.to(x.device)
             sim = sim.masked_fill(~ok, float("-inf"))
         c = self.config
-        if c.rms_threshold is not None:                                      # calibrated against general text
+        if c.rms_threshold is not None:  # calibrated against general text
             cos = sim / x.float().norm(dim=-1, keepdim=True).clamp_min(1e-12)
-            ratio = cos / self.general_rms(module, x.device)                              # [T, K]; -inf kept
-            best, ids = ratio.max(dim=-1, keepdim=True)                                   # [T, 1]
+            ratio = cos / self.general_rms(module, x.device)  # [T, K]; -inf kept
+            best, ids = ratio.max(dim=-1, keepdim=True)  # [T, 1]
             return torch.where(best < c.rms_threshold, -1, ids), None
-        top, ids = sim.topk(min(c.top_k, sim.shape[1]), dim=-1)              # [T, k]
-        off = torch.isinf(top) if masked else None                           # not an adapter for this token
+        top, ids = sim.topk(min(c.top_k, sim.shape[1]), dim=-1)  # [T, k]
+        off = torch.isinf(top) if masked else None  # not an adapter for this token
         if c.threshold is not None:
-            cos = top[:, :1] / x.float().norm(dim=-1, keepdim=True).clamp_min(1e-12)     # [T, 1] best |cos|
+            cos = top[:, :1] / x.float().norm(dim=-1, keepdim=True).clamp_min(1e-12)  # [T, 1] best |cos|
             off = cos < c.threshold if off is None else off | (cos < c.threshold)
         if off is not None:
             ids = torch.where(off, -1, ids)
         if c.top_k == 1:
             return ids, None
         w = torch.softmax((top if off is None else top.masked_fill(off, float("-inf"))) / c.temperature, dim=-1)
-        return ids, torch.nan_to_num(w, nan=0.0)                             # a row all off: weights 0
+        return ids, torch.nan_to_num(w, nan=0.0)  # a row all off: weights 0
 
     # ------------------------------------------------------------------------------------ calibration
     def general_rms(self, module: str, device: torch.device) -> torch.Tensor:
         """[K]: each adapter's RMS |cos(x, v)| at `module` over the calibration text, sqrt(vᵀ E[x̂ x̂ᵀ] v)."""
         if module not in self._moments:
-            raise RoutingError("arrow rms_threshold needs a calibration: bind the router to its model "
-                               "(router.bind(mm), as molora.load does) or call router.calibrate(rows)")
+            raise RoutingError(
+                "arrow rms_threshold needs a calibration: bind the router to its model "
+                "(router.bind(mm), as molora.load does) or call router.calibrate(rows)"
+            )
         P, has, _ = self.prototypes(module, device)
-        key = (module, device, id(P))                 # P is rebuilt (a new object) when an adapter changes
+        key = (module, device, id(P))  # P is rebuilt (a new object) when an adapter changes
         if key not in self._rms:
             M = self._moments[module].to(device)
             rms = torch.einsum("kd,de,ke->k", P, M, P).clamp_min(1e-12).sqrt()
-            self._rms[key] = rms.masked_fill(~has, float("inf"))         # an adapter absent here never wins
+            self._rms[key] = rms.masked_fill(~has, float("inf"))  # an adapter absent here never wins
         return self._rms[key]
 
     @torch.no_grad()
@@ -373,18 +394,22 @@ class ArrowRouter(Router):
         mm = self._mm
         if mm is None or not self._block_linear:
             raise RoutingError("arrow calibration needs the router bound to a per_block model: router.bind(mm)")
-        rows = [list(map(int, r)) for r in rows] if rows is not None else \
-            calibration_rows(mm, self.config.calibration_prompts)
+        rows = (
+            [list(map(int, r)) for r in rows]
+            if rows is not None
+            else calibration_rows(mm, self.config.calibration_prompts)
+        )
         acc: dict[int, torch.Tensor] = {}
         count = 0
         for r in rows:
             ids = torch.tensor([r], device=mm.device)
-            out = mm(ids, adapter_ids=torch.full_like(ids, -1), output_hidden_states=True, use_cache=False,
-                     logits_to_keep=1)
+            out = mm(
+                ids, adapter_ids=torch.full_like(ids, -1), output_hidden_states=True, use_cache=False, logits_to_keep=1
+            )
             for b in range(len(self._block_linear)):
-                x = self._block_norm[b](out.hidden_states[b][0]).float()                     # [T, D]
+                x = self._block_norm[b](out.hidden_states[b][0]).float()  # [T, D]
                 x = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-                acc[b] = acc.get(b, 0) + x.T @ x                                             # [D, D]
+                acc[b] = acc.get(b, 0) + x.T @ x  # [D, D]
             count += len(r)
         self._moments = {m: (acc[b] / count).cpu() for b, m in enumerate(self._block_linear)}
         self._rms.clear()
@@ -400,8 +425,9 @@ class ArrowRouter(Router):
     def gate_index(self, block: int) -> int | None:
         return None if self.per_linear else block
 
-    def decide(self, block: int, hidden: torch.Tensor, allowed: torch.Tensor | None = None,
-               carry: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def decide(
+        self, block: int, hidden: torch.Tensor, allowed: torch.Tensor | None = None, carry: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """per_block: block's decision from its input hidden [T, D] (the chosen projection's input is
         input_layernorm(hidden)); per_linear: None (the linears decide, `decide_linear`).
 
@@ -416,7 +442,7 @@ class ArrowRouter(Router):
         with torch.no_grad():
             if not self.config.prompt:
                 return self.choose(self._block_norm[block](hidden), self._block_linear[block], allowed)
-            carried = None if carry is None else carry.to(hidden.device).long()[:, None]          # [T, 1]
+            carried = None if carry is None else carry.to(hidden.device).long()[:, None]  # [T, 1]
             if carried is not None and host_readable(carried) and bool((carried >= -1).all()):
                 return carried, None
             if block == self.carry_source:
@@ -425,8 +451,9 @@ class ArrowRouter(Router):
                 ids = torch.full((hidden.shape[0], 1), -1, dtype=torch.long, device=hidden.device)
             return (ids if carried is None else torch.where(carried >= -1, carried, ids)), None
 
-    def decide_linear(self, module: str, x: torch.Tensor, allowed: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decide_linear(
+        self, module: str, x: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """per_linear: the decision of linear `module` from its own input x [T, d_in]."""
         with torch.no_grad():
             return self.choose(x, module, allowed)
@@ -439,21 +466,31 @@ def calibration_rows(mm: Any, n: int) -> list[list[int]]:
 
     tok = getattr(mm, "tokenizer", None)
     if tok is None:
-        raise RoutingError("arrow rms_threshold calibrates on general text and needs the model's tokenizer "
-                           "(molora.load attaches it; or call router.calibrate(rows) with token ids)")
+        raise RoutingError(
+            "arrow rms_threshold calibrates on general text and needs the model's tokenizer "
+            "(molora.load attaches it; or call router.calibrate(rows) with token ids)"
+        )
     template = getattr(getattr(mm, "bundle", None), "prompt_template", None)
     prompts = [r["prompt"] for r in general_split()["train"]][:n]
     if template is not None:
         return [tok.encode(template.replace("{prompt}", p), add_special_tokens=False) for p in prompts]
     if getattr(tok, "chat_template", None) is None:
-        raise RoutingError("arrow rms_threshold renders general prompts in the model's chat template, and its "
-                           "tokenizer has none: load it through a bundle with a prompt_template, or call "
-                           "router.calibrate(rows) with token ids")
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                               tokenize=False), add_special_tokens=False) for p in prompts]
+        raise RoutingError(
+            "arrow rms_threshold renders general prompts in the model's chat template, and its "
+            "tokenizer has none: load it through a bundle with a prompt_template, or call "
+            "router.calibrate(rows) with token ids"
+        )
+    return [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
+        for p in prompts
+    ]
 
 
 # --------------------------------------------------------------------------------------------- per linear
+
 
 class LinearRouting:
     """Per-linear in-network routing of one forward (Arrow per_linear), held by `RoutingContext.linear`.
@@ -464,17 +501,27 @@ class LinearRouting:
     calls: slot ids [T, k] and weights [T, k] or None for its input x [T, d_in].
     """
 
-    def __init__(self, router: ArrowRouter, slot_map: torch.Tensor,
-                 groups: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] = ((None, None),)) -> None:
+    def __init__(
+        self,
+        router: ArrowRouter,
+        slot_map: torch.Tensor,
+        groups: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] = ((None, None),),
+    ) -> None:
         self.router = router
         self.slot_map = slot_map
         self.groups = list(groups)
         router.refresh()
 
-    def slots(self, module: str, x: torch.Tensor, fixed: torch.Tensor | None, fixed_w: torch.Tensor | None,
-              trace: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def slots(
+        self,
+        module: str,
+        x: torch.Tensor,
+        fixed: torch.Tensor | None,
+        fixed_w: torch.Tensor | None,
+        trace: list | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         T, k = x.shape[0], self.router.top_k
-        if len(self.groups) == 1 and self.groups[0][0] is None:   # every row is the router's
+        if len(self.groups) == 1 and self.groups[0][0] is None:  # every row is the router's
             ids, w = self.router.decide_linear(module, x, self.groups[0][1])
             out, weights = to_slots(self.slot_map, ids), w
         else:
@@ -482,10 +529,10 @@ class LinearRouting:
             out = torch.full((T, kk), -1, dtype=torch.long, device=x.device)
             weights = None if kk == 1 and fixed_w is None else torch.zeros(T, kk, device=x.device)
             if fixed is not None:
-                out[:, :fixed.shape[1]] = fixed
+                out[:, : fixed.shape[1]] = fixed
                 if weights is not None:
                     if fixed_w is not None:
-                        weights[:, :fixed_w.shape[1]] = fixed_w
+                        weights[:, : fixed_w.shape[1]] = fixed_w
                     else:
                         weights[:, 0] = 1.0
             for rows, allowed in self.groups:

@@ -34,8 +34,14 @@ class Routing:
     weights: torch.Tensor | None = None
 
 
-def in_network_decide(router, block: int, hidden: torch.Tensor, allowed: torch.Tensor | None = None,
-                      carry: torch.Tensor | None = None, fixed: torch.Tensor | None = None):
+def in_network_decide(
+    router,
+    block: int,
+    hidden: torch.Tensor,
+    allowed: torch.Tensor | None = None,
+    carry: torch.Tensor | None = None,
+    fixed: torch.Tensor | None = None,
+):
     """router.decide for one block, passing `carry` (molora.routing.learned: Carry) only to a router with
     `carry_blocks`; other in-network routers keep the three-argument `decide(block, hidden, allowed)`.
 
@@ -43,7 +49,8 @@ def in_network_decide(router, block: int, hidden: torch.Tensor, allowed: torch.T
     decides), as a probe pass gives the prompt tokens (molora.routing.learned: Probe). Top-1 routers only.
 
     On the CPU the all-known and none-known cases skip work (host reads of `fixed` are free there, unless the
-    step is recorded: molora.ops.device.host_readable). Elsewhere nothing reads `fixed` on the host: the router always decides and the fixed rows overwrite its choice (the
+    step is recorded: molora.ops.device.host_readable). Elsewhere nothing reads `fixed` on the host: the router always
+    decides and the fixed rows overwrite its choice (the
     same result), and a block the router leaves undecided (None) keeps the previous decision for every row,
     which for the fixed rows already is their fixed decision (the first block always decides)."""
     known = None
@@ -56,7 +63,7 @@ def in_network_decide(router, block: int, hidden: torch.Tensor, allowed: torch.T
         out = router.decide(block, hidden, allowed, carry)
     else:
         out = router.decide(block, hidden, allowed)
-    if known is None or fixed is None or (host and not bool(known.any())):   # known is None iff fixed is
+    if known is None or fixed is None or (host and not bool(known.any())):  # known is None iff fixed is
         return out
     if out is None and not host:
         return None
@@ -65,8 +72,9 @@ def in_network_decide(router, block: int, hidden: torch.Tensor, allowed: torch.T
     return torch.where(known[:, None], fixed.long()[:, None], out[0]), None
 
 
-def fill_prompt_routes(probe: torch.Tensor, mask: torch.Tensor | None, prompt_share: float,
-                       last_takes_top: bool = False) -> torch.Tensor:
+def fill_prompt_routes(
+    probe: torch.Tensor, mask: torch.Tensor | None, prompt_share: float, last_takes_top: bool = False
+) -> torch.Tensor:
     """A prompt's decisions [B, L] from a probe pass's per-token decisions [B, L] (router index, -1 none;
     molora.routing.learned: Probe and Base expert). mask [B, L] (1 = token, 0 = left padding) keeps padding out.
 
@@ -77,10 +85,10 @@ def fill_prompt_routes(probe: torch.Tensor, mask: torch.Tensor | None, prompt_sh
     claimed = (probe >= 0) & real
     K = int(probe.max().clamp(min=0)) + 1
     counts = torch.zeros(probe.shape[0], K, dtype=torch.long, device=probe.device)
-    counts.scatter_add_(1, probe.clamp(min=0), claimed.long())                 # [B, K]
-    top = counts.argmax(1, keepdim=True).expand_as(probe)                       # first max: lowest index
-    share = claimed.sum(1) / real.sum(1).clamp(min=1)                           # [B]
-    base = (claimed.sum(1) == 0) | (share < prompt_share)                       # [B]
+    counts.scatter_add_(1, probe.clamp(min=0), claimed.long())  # [B, K]
+    top = counts.argmax(1, keepdim=True).expand_as(probe)  # first max: lowest index
+    share = claimed.sum(1) / real.sum(1).clamp(min=1)  # [B]
+    base = (claimed.sum(1) == 0) | (share < prompt_share)  # [B]
     filled = torch.where(probe == -1, top, probe)
     if last_takes_top:
         filled = torch.cat([filled[:, :-1], top[:, -1:]], 1)
@@ -101,9 +109,15 @@ def to_slots(index_to_slot: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([index_to_slot, index_to_slot.new_full((1,), -1)])[ids.long()]
 
 
-def decide_slots(router, block: int, hidden: torch.Tensor, index_to_slot: torch.Tensor,
-                 allowed: torch.Tensor | None = None, carry: torch.Tensor | None = None,
-                 fixed: torch.Tensor | None = None):
+def decide_slots(
+    router,
+    block: int,
+    hidden: torch.Tensor,
+    index_to_slot: torch.Tensor,
+    allowed: torch.Tensor | None = None,
+    carry: torch.Tensor | None = None,
+    fixed: torch.Tensor | None = None,
+):
     """One block's in-network decision as bank slots: (slots [n, k], weights [n, k] | None, router indices
     [n, k]), or None when the block keeps the previous decision. Used by the transformers path
     (`RoutingContext.route_block`) and the engine's runner (`ModelRunner._decide`) alike."""
@@ -154,8 +168,9 @@ class VocabRouter(Router):
         self._lookups: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
-    def from_vocab(cls, vocab: Mapping[str, int], prefixes: Mapping[str, Sequence[str]],
-                   default: str | None = None) -> VocabRouter:
+    def from_vocab(
+        cls, vocab: Mapping[str, int], prefixes: Mapping[str, Sequence[str]], default: str | None = None
+    ) -> VocabRouter:
         """Ranges read from a vocabulary (token -> id): each adapter takes the ids of the tokens whose name
         starts with one of its prefixes, merged into contiguous ranges. A tokenizer's `get_vocab()` or a
         model's lookup table fits: Chameleon's `vocabulary_map` scatters its image tokens ("IMGIMG...")
@@ -165,8 +180,10 @@ class VocabRouter(Router):
         for adapter, starts in prefixes.items():
             ids = sorted({int(i) for tok, i in vocab.items() if tok.startswith(tuple(starts))})
             if not ids:
-                raise RoutingError(f"no token of the vocabulary ({len(vocab)} tokens) starts with {list(starts)} "
-                                   f"for adapter {adapter!r}")
+                raise RoutingError(
+                    f"no token of the vocabulary ({len(vocab)} tokens) starts with {list(starts)} "
+                    f"for adapter {adapter!r}"
+                )
             ranges += [(lo, hi, adapter) for lo, hi in id_ranges(ids)]
         return cls(ranges, default)
 
@@ -176,8 +193,9 @@ class VocabRouter(Router):
         bounds, table = self._lookup(tuple(adapter_names), input_ids.device, input_ids.dtype)
         return Routing(table[torch.bucketize(input_ids, bounds, right=True)])
 
-    def _lookup(self, names: tuple[str, ...], device: torch.device, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _lookup(
+        self, names: tuple[str, ...], device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """bounds [m] (every range's lo and hi, sorted) and table [m + 1]: the adapter index of the ids in
         [bounds[i - 1], bounds[i]) at i (the default below bounds[0], between ranges and from bounds[-1] on)."""
         key = (names, device, dtype)
@@ -186,8 +204,10 @@ class VocabRouter(Router):
             index = {lo: adapter_index(names, name) for lo, _hi, name in self.ranges}
             bounds = sorted({b for lo, hi, _ in self.ranges for b in (lo, hi)})
             table = [default] + [index.get(b, default) for b in bounds]
-            self._lookups[key] = (torch.tensor(bounds, dtype=dtype, device=device),
-                                  torch.tensor(table, dtype=dtype, device=device))
+            self._lookups[key] = (
+                torch.tensor(bounds, dtype=dtype, device=device),
+                torch.tensor(table, dtype=dtype, device=device),
+            )
         return self._lookups[key]
 
     def to_json(self) -> dict:
@@ -216,8 +236,9 @@ class SequenceRouter(Router):
 
     def route(self, input_ids: torch.Tensor, adapter_names: Sequence[str], *, start: int = 0) -> Routing:
         rows = input_ids.shape[0]
-        per_row = [self.adapters] * rows if self.adapters is None or isinstance(self.adapters, str) \
-            else list(self.adapters)
+        per_row = (
+            [self.adapters] * rows if self.adapters is None or isinstance(self.adapters, str) else list(self.adapters)
+        )
         if len(per_row) != rows:
             raise RoutingError(f"SequenceRouter has {len(per_row)} adapters for a batch of {rows} sequences")
         idx = torch.tensor([adapter_index(adapter_names, n) for n in per_row], device=input_ids.device)

@@ -43,14 +43,16 @@ learned routing with carry (own adapter in brackets): on the 250 eval items per 
 fill: arithmetic 4.0 -> 8.0 [8.0], Dyck 78.8 -> 81.2 [81.6], but counting 78.8 -> 76.4 [80.4]. The fill
 was chosen on 200 separate validation items per skill (seed EVAL_SEED_BASE + 500 + skill index, none in
 the training or eval items), against no fill and against taking the next prompt token's adapter:
-arithmetic 8.0 / 7.5 / 6.5 [6.5], counting 66.0 / 64.0 / 66.0 [66.0]. Callers: `MoLoRAModel.generate` (one probe forward over the whole prompt) and the engine (a
+arithmetic 8.0 / 7.5 / 6.5 [6.5], counting 66.0 / 64.0 / 66.0 [66.0]. Callers: `MoLoRAModel.generate` (one probe
+forward over the whole prompt) and the engine (a
 probe phase of chunked prefill before the real one, `Request.prompt_routes`).
 
 **Base expert** ("none" as a routing outcome of its own). The joint gate's last class is the base model, trained
 on general text (molora.data.general: human-written everyday tasks, word problems, the base model's own answers)
 like any adapter's class on its data. Two router settings, both chosen on validation data and kept in router.json:
 `confidence` (0: the most probable class; c > 0: the most probable adapter takes a token if its gate
-probability is at least c, else the base model does; composable gates compare their own sigmoid) and `prompt_share` (with the probe: a prompt whose share of tokens
+probability is at least c, else the base model does; composable gates compare their own sigmoid) and `prompt_share`
+(with the probe: a prompt whose share of tokens
 the probe gives to adapters is below it, or is zero, runs wholly on the base model, its answer included). The
 second is the generation-level policy: per-token gates err now and then, and on a prompt outside every skill one
 stray adapter token used to pull the whole prompt to that adapter through the fill; a prompt is either a skill's
@@ -90,16 +92,16 @@ class LearnedRouterConfig:
     adapter_names: tuple[str, ...]
     hidden_size: int
     num_blocks: int
-    placement: str = "per_block"   # "per_block" | "shared"
+    placement: str = "per_block"  # "per_block" | "shared"
     shared_block: int = 0
     composable: bool = False
     top_k: int = 1
-    threshold: float = 0.0          # composable: a gate must exceed this logit to claim a token
-    carry_blocks: int = 0           # generated tokens: blocks below this take the previous token's decision
-    probe_prompt: bool = False      # prompt tokens: every block takes a probe pass's carry_source decision
-    confidence: float = 0.0         # base expert: an adapter takes a token only with probability >= this
-    prompt_share: float = 0.0       # base expert: the share of prompt tokens the probe must give to adapters,
-                                    # else the whole request (prompt and answer) runs on the base model
+    threshold: float = 0.0  # composable: a gate must exceed this logit to claim a token
+    carry_blocks: int = 0  # generated tokens: blocks below this take the previous token's decision
+    probe_prompt: bool = False  # prompt tokens: every block takes a probe pass's carry_source decision
+    confidence: float = 0.0  # base expert: an adapter takes a token only with probability >= this
+    prompt_share: float = 0.0  # base expert: the share of prompt tokens the probe must give to adapters,
+    # else the whole request (prompt and answer) runs on the base model
 
     def __post_init__(self) -> None:
         if self.placement not in ("per_block", "shared"):
@@ -110,21 +112,30 @@ class LearnedRouterConfig:
             raise RoutingError(f"top_k={self.top_k}: the learned router supports top-1 and top-2")
         if len(set(self.adapter_names)) != len(self.adapter_names):
             raise RoutingError(f"duplicate adapter names {list(self.adapter_names)}")
-        if self.carry_blocks and (self.placement != "per_block" or self.top_k != 1
-                                  or not 0 < self.carry_blocks < self.num_blocks):
-            raise RoutingError(f"carry_blocks={self.carry_blocks}: carry needs placement='per_block', top_k=1 and "
-                               f"0 < carry_blocks < num_blocks ({self.num_blocks}); use 0 to turn it off")
+        if self.carry_blocks and (
+            self.placement != "per_block" or self.top_k != 1 or not 0 < self.carry_blocks < self.num_blocks
+        ):
+            raise RoutingError(
+                f"carry_blocks={self.carry_blocks}: carry needs placement='per_block', top_k=1 and "
+                f"0 < carry_blocks < num_blocks ({self.num_blocks}); use 0 to turn it off"
+            )
         for key in ("confidence", "prompt_share"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
-                raise RoutingError(f"{key}={value!r} is outside [0, 1]: it is a probability (a share of the "
-                                   f"prompt for prompt_share); use 0 to turn it off")
+                raise RoutingError(
+                    f"{key}={value!r} is outside [0, 1]: it is a probability (a share of the "
+                    f"prompt for prompt_share); use 0 to turn it off"
+                )
         if self.prompt_share and not self.probe_prompt:
-            raise RoutingError(f"prompt_share={self.prompt_share} needs probe_prompt=true (the probe pass measures "
-                               "the share); set probe_prompt or prompt_share=0")
+            raise RoutingError(
+                f"prompt_share={self.prompt_share} needs probe_prompt=true (the probe pass measures "
+                "the share); set probe_prompt or prompt_share=0"
+            )
         if self.probe_prompt and not self.carry_blocks:
-            raise RoutingError("probe_prompt needs carry_blocks > 0 (the probe keeps the decisions at the "
-                               "carry_source block); set carry_blocks or probe_prompt=false")
+            raise RoutingError(
+                "probe_prompt needs carry_blocks > 0 (the probe keeps the decisions at the "
+                "carry_source block); set carry_blocks or probe_prompt=false"
+            )
 
     @property
     def num_gates(self) -> int:
@@ -143,7 +154,7 @@ class LearnedRouter(Router, nn.Module):
         G, D = config.num_gates, config.hidden_size
         C = len(self.adapter_names) + (0 if config.composable else 1)  # joint: last class = none
         self.weight = nn.Parameter(torch.zeros(G, C, D))  # [G, C, D]
-        self.bias = nn.Parameter(torch.zeros(G, C))       # [G, C]
+        self.bias = nn.Parameter(torch.zeros(G, C))  # [G, C]
 
     # ------------------------------------------------------------------------------------- inference
     def gate_index(self, block: int) -> int | None:
@@ -172,8 +183,9 @@ class LearnedRouter(Router, nn.Module):
         """The block whose decision a token carries to the next generated token: the last one."""
         return self.config.num_blocks - 1
 
-    def decide(self, block: int, hidden: torch.Tensor, allowed: torch.Tensor | None = None,
-               carry: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def decide(
+        self, block: int, hidden: torch.Tensor, allowed: torch.Tensor | None = None, carry: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         gate = self.gate_index(block)
         if gate is None:
             if block < self.config.shared_block:  # before the shared gate: base model only
@@ -182,10 +194,10 @@ class LearnedRouter(Router, nn.Module):
         with torch.no_grad():
             if carry is None or block >= self.config.carry_blocks:
                 return self.choose(self.logits(gate, hidden), allowed)
-            carry = carry.to(hidden.device).long()[:, None]                          # [T, 1]
+            carry = carry.to(hidden.device).long()[:, None]  # [T, 1]
             known = carry >= -1
             if host_readable(carry) and bool(known.all()):  # a shortcut only: off the CPU the gate
-                return carry, None                                  # runs and `where` gives the same ids, no sync
+                return carry, None  # runs and `where` gives the same ids, no sync
             ids, _ = self.choose(self.logits(gate, hidden), allowed)
             return torch.where(known, carry, ids), None
 
@@ -200,8 +212,9 @@ class LearnedRouter(Router, nn.Module):
 
     base_only = staticmethod(base_only)
 
-    def choose(self, logits: torch.Tensor, allowed: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def choose(
+        self, logits: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(adapter_ids [T, k], weights [T, k] | None) from gate logits [T, C].
 
         confidence 0: the most probable class (an adapter or "none"). confidence c > 0, joint gate: the most
@@ -228,7 +241,7 @@ class LearnedRouter(Router, nn.Module):
         probs = logits.softmax(-1)
         if not self.config.composable:  # the best adapters compete on their own probability, "none" aside
             w, top = probs[:, :K].topk(min(k, K), dim=-1)
-            top = torch.where(w < conf, K, top)                                     # unconfident: the base
+            top = torch.where(w < conf, K, top)  # unconfident: the base
         else:
             w, top = probs.topk(k, dim=-1)
         if k == 1:
@@ -244,8 +257,9 @@ class LearnedRouter(Router, nn.Module):
         install_gates(mm)
         missing = [n for n in self.adapter_names if n not in mm.bank]
         if missing:
-            raise RoutingError(f"the router was trained for adapters {missing} that are not loaded "
-                               f"(loaded: {mm.adapter_names})")
+            raise RoutingError(
+                f"the router was trained for adapters {missing} that are not loaded (loaded: {mm.adapter_names})"
+            )
         ctx = mm.context
         ctx.router = self
         ctx.slot_map = torch.tensor([mm.bank.slot_of(n) for n in self.adapter_names], device=input_ids.device)
@@ -259,8 +273,9 @@ class LearnedRouter(Router, nn.Module):
             raise RoutingError(f"the router already has a gate for {name!r}")
         G, _, D = self.weight.shape
         if weight.shape != (G, D) or bias.shape != (G,):
-            raise RoutingError(f"gate for {name!r} has shape {tuple(weight.shape)}/{tuple(bias.shape)}, "
-                               f"expected ({G}, {D})/({G},)")
+            raise RoutingError(
+                f"gate for {name!r} has shape {tuple(weight.shape)}/{tuple(bias.shape)}, expected ({G}, {D})/({G},)"
+            )
         with torch.no_grad():
             self.weight = nn.Parameter(torch.cat([self.weight, weight[:, None].to(self.weight)], 1))
             self.bias = nn.Parameter(torch.cat([self.bias, bias[:, None].to(self.bias)], 1))
@@ -276,8 +291,10 @@ class LearnedRouter(Router, nn.Module):
     def save(self, folder: str | Path) -> Path:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        save_file({"weight": self.weight.detach().contiguous(), "bias": self.bias.detach().contiguous()},
-                  str(folder / ROUTER_WEIGHTS))
+        save_file(
+            {"weight": self.weight.detach().contiguous(), "bias": self.bias.detach().contiguous()},
+            str(folder / ROUTER_WEIGHTS),
+        )
         (folder / ROUTER_CONFIG).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
         return folder
 
@@ -295,11 +312,15 @@ class LearnedRouter(Router, nn.Module):
         except RoutingError as e:
             raise BundleError(f"{folder / ROUTER_CONFIG}: {e}") from e
         if missing:
-            log.warning("%s has no base-expert settings (%s): it predates the base model as a routing outcome of "
-                        "its own, so it loads with %s = 0: every token goes to its most probable class and no "
-                        "prompt is kept wholly on the base model. Retrain it with `molora train-router` (general "
-                        "text in the none class) to keep prompts outside the adapters' skills on the base.",
-                        folder / ROUTER_CONFIG, ", ".join(missing), " = ".join(missing))
+            log.warning(
+                "%s has no base-expert settings (%s): it predates the base model as a routing outcome of "
+                "its own, so it loads with %s = 0: every token goes to its most probable class and no "
+                "prompt is kept wholly on the base model. Retrain it with `molora train-router` (general "
+                "text in the none class) to keep prompts outside the adapters' skills on the base.",
+                folder / ROUTER_CONFIG,
+                ", ".join(missing),
+                " = ".join(missing),
+            )
         for key in ("weight", "bias"):
             want = getattr(router, key).shape
             if key not in tensors or tensors[key].shape != want:
@@ -312,6 +333,7 @@ class LearnedRouter(Router, nn.Module):
 
 
 # --------------------------------------------------------------------------------------------- gating
+
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder blocks of a transformers causal LM (model.model.layers for the Llama family)."""
@@ -340,4 +362,5 @@ def _gate_hook(index: int, context: Any) -> Any:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = args[0] if args else kwargs["hidden_states"]
         context.route_block(index, hidden.reshape(-1, hidden.shape[-1]))
+
     return hook

@@ -36,6 +36,6 @@ class UniformMergeRouter(Router):
         K = len(names)
         idx = torch.tensor([adapter_index(adapter_names, n) for n in names], device=input_ids.device)  # [K]
         B, L = input_ids.shape
-        ids = idx.view(1, 1, K).expand(B, L, K).clone()                                  # [B, L, K]
-        weights = torch.full((B, L, K), 1.0 / K, device=input_ids.device)                # [B, L, K]
+        ids = idx.view(1, 1, K).expand(B, L, K).clone()  # [B, L, K]
+        weights = torch.full((B, L, K), 1.0 / K, device=input_ids.device)  # [B, L, K]
         return Routing(ids, weights)

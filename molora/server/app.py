@@ -71,18 +71,38 @@ log = logging.getLogger("molora.server")
 M = TypeVar("M", bound=BaseModel)
 
 MAX_BODY_BYTES = 4 << 20
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/adapters", "/v1/load_lora_adapter",
-           "/v1/unload_lora_adapter", "/health", "/ready", "/metrics")
+_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/v1/adapters",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/health",
+    "/ready",
+    "/metrics",
+)
 _OPEN_WHILE_DRAINING = ("/health", "/ready", "/metrics")
-OFFLOAD_BODY_BYTES = 256 << 10   # bodies larger than this are parsed on a worker thread
+OFFLOAD_BODY_BYTES = 256 << 10  # bodies larger than this are parsed on a worker thread
 
 
-def create_app(engine: Any, *, model_name: str | None = None, api_keys: Sequence[str] = (),
-               admin_keys: Sequence[str] = (), adapter_roots: Sequence[str | Path] = (), max_queue: int = 256,
-               max_model_len: int | None = None, default_max_tokens: int = 512,
-               max_body_bytes: int = MAX_BODY_BYTES, retry_after_s: int = 1, limits: Limits = Limits(),
-               stall_s: float = 30.0, engine_call_timeout_s: float = 10.0,
-               lora_resolver_dirs: Sequence[str | Path] = ()) -> FastAPI:
+def create_app(
+    engine: Any,
+    *,
+    model_name: str | None = None,
+    api_keys: Sequence[str] = (),
+    admin_keys: Sequence[str] = (),
+    adapter_roots: Sequence[str | Path] = (),
+    max_queue: int = 256,
+    max_model_len: int | None = None,
+    default_max_tokens: int = 512,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    retry_after_s: int = 1,
+    limits: Limits = Limits(),
+    stall_s: float = 30.0,
+    engine_call_timeout_s: float = 10.0,
+    lora_resolver_dirs: Sequence[str | Path] = (),
+) -> FastAPI:
     """The OpenAI-compatible app over `engine` (see the module docstring).
 
     model_name: the served model id (default: the bundle's name, else "molora"); `model_name:adapter` pins
@@ -96,36 +116,80 @@ def create_app(engine: Any, *, model_name: str | None = None, api_keys: Sequence
     mm = engine.mm
     bundle = getattr(mm, "bundle", None)
     listed = engine.list_adapters()
-    info = model_info(model_name or (bundle.name if bundle is not None else "molora"), engine.tokenizer, bundle,
-                      config=getattr(mm, "config", None), max_model_len=max_model_len or engine.max_model_len,
-                      adapters=[a["name"] for a in listed], default_max_tokens=default_max_tokens)
+    info = model_info(
+        model_name or (bundle.name if bundle is not None else "molora"),
+        engine.tokenizer,
+        bundle,
+        config=getattr(mm, "config", None),
+        max_model_len=max_model_len or engine.max_model_len,
+        adapters=[a["name"] for a in listed],
+        default_max_tokens=default_max_tokens,
+    )
     info.adapter_paths = {a["name"]: path_text(a.get("path")) for a in listed}
     runner = EngineRunner(engine, max_in_flight=max_queue, stall_s=stall_s)
-    return build_app(LocalClient(engine, runner, call_timeout_s=engine_call_timeout_s), Catalog([info]),
-                     api_keys=api_keys, admin_keys=admin_keys, adapter_roots=adapter_roots,
-                     max_body_bytes=max_body_bytes, retry_after_s=retry_after_s, limits=limits,
-                     lora_resolver_dirs=lora_resolver_dirs)
+    return build_app(
+        LocalClient(engine, runner, call_timeout_s=engine_call_timeout_s),
+        Catalog([info]),
+        api_keys=api_keys,
+        admin_keys=admin_keys,
+        adapter_roots=adapter_roots,
+        max_body_bytes=max_body_bytes,
+        retry_after_s=retry_after_s,
+        limits=limits,
+        lora_resolver_dirs=lora_resolver_dirs,
+    )
 
 
-def model_info(name: str, tokenizer: Any, bundle: Any, *, config: Any = None, max_model_len: int | None,
-               adapters: Sequence[str], default_max_tokens: int = 512) -> ModelInfo:
+def model_info(
+    name: str,
+    tokenizer: Any,
+    bundle: Any,
+    *,
+    config: Any = None,
+    max_model_len: int | None,
+    adapters: Sequence[str],
+    default_max_tokens: int = 512,
+) -> ModelInfo:
     """What the endpoints need to know of one served bundle (`bundle` may be None: a bare model)."""
-    return ModelInfo(name=name, tokenizer=tokenizer, stop_token_ids=tuple(stop_token_ids(tokenizer, bundle)),
-                     vocab_size=_vocab_size(tokenizer, config), max_model_len=max_model_len,
-                     prompt_template=bundle.prompt_template if bundle is not None else None,
-                     adapters=list(adapters), default_max_tokens=default_max_tokens)
+    return ModelInfo(
+        name=name,
+        tokenizer=tokenizer,
+        stop_token_ids=tuple(stop_token_ids(tokenizer, bundle)),
+        vocab_size=_vocab_size(tokenizer, config),
+        max_model_len=max_model_len,
+        prompt_template=bundle.prompt_template if bundle is not None else None,
+        adapters=list(adapters),
+        default_max_tokens=default_max_tokens,
+    )
 
 
-def build_app(client: EngineClient, catalog: Catalog, *, api_keys: Sequence[str] = (), admin_keys: Sequence[str] = (),
-              adapter_roots: Sequence[str | Path] = (), max_body_bytes: int = MAX_BODY_BYTES, retry_after_s: int = 1,
-              limits: Limits = Limits(), lora_resolver_dirs: Sequence[str | Path] = ()) -> FastAPI:
+def build_app(
+    client: EngineClient,
+    catalog: Catalog,
+    *,
+    api_keys: Sequence[str] = (),
+    admin_keys: Sequence[str] = (),
+    adapter_roots: Sequence[str | Path] = (),
+    max_body_bytes: int = MAX_BODY_BYTES,
+    retry_after_s: int = 1,
+    limits: Limits = Limits(),
+    lora_resolver_dirs: Sequence[str | Path] = (),
+) -> FastAPI:
     """The OpenAI-compatible app over any `EngineClient` serving the bundles of `catalog` (create_app's
     arguments of the same names)."""
     metrics = ServerMetrics()
-    state = ServerState(client, metrics, catalog, api_keys=api_keys, admin_keys=admin_keys,
-                        adapter_roots=[Path(r).resolve() for r in adapter_roots], max_body_bytes=max_body_bytes,
-                        retry_after_s=retry_after_s, limits=limits,
-                        resolver_dirs=[Path(r).resolve() for r in lora_resolver_dirs])
+    state = ServerState(
+        client,
+        metrics,
+        catalog,
+        api_keys=api_keys,
+        admin_keys=admin_keys,
+        adapter_roots=[Path(r).resolve() for r in adapter_roots],
+        max_body_bytes=max_body_bytes,
+        retry_after_s=retry_after_s,
+        limits=limits,
+        resolver_dirs=[Path(r).resolve() for r in lora_resolver_dirs],
+    )
     client.attach(on_step=metrics.observe_step, on_event=state.on_event)
 
     @asynccontextmanager
@@ -137,8 +201,12 @@ def build_app(client: EngineClient, catalog: Catalog, *, api_keys: Sequence[str]
             state.begin_drain()
             client.stop()
 
-    app = FastAPI(title="molora", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible serving of one base model with per-token LoRA routing.")
+    app = FastAPI(
+        title="molora",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible serving of one base model with per-token LoRA routing.",
+    )
     app.state.molora = state
     _add_error_handlers(app, state)
     _add_routes(app, state)
@@ -147,6 +215,7 @@ def build_app(client: EngineClient, catalog: Catalog, *, api_keys: Sequence[str]
 
 
 # ---------------------------------------------------------------------------------------------- routes
+
 
 def _add_routes(app: FastAPI, s: ServerState) -> None:
     api, admin = Depends(_auth(s, admin=False)), Depends(_auth(s, admin=True))
@@ -166,8 +235,9 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
     @app.get("/v1/models/{model_id:path}", dependencies=[api])
     async def model(model_id: str) -> ModelCard:
         info, adapter = s.catalog.resolve(model_id)
-        return next(card for card in _model_list(s).data
-                    if card.adapter == adapter and (card.parent or card.id) == info.name)
+        return next(
+            card for card in _model_list(s).data if card.adapter == adapter and (card.parent or card.id) == info.name
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -177,8 +247,9 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
     @app.get("/ready")
     async def ready() -> JSONResponse:
         _, ok, details = s.health()
-        return JSONResponse(details, status_code=200 if ok else 503,
-                            headers=None if ok else {"Retry-After": str(s.retry_after_s)})
+        return JSONResponse(
+            details, status_code=200 if ok else 503, headers=None if ok else {"Retry-After": str(s.retry_after_s)}
+        )
 
     @app.get("/metrics", dependencies=[api])
     async def metrics() -> PlainTextResponse:
@@ -187,9 +258,15 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
             stats = await s.client.stats()
         except (EngineBusy, RunnerStopped):  # the server's own metrics matter most exactly then
             stats = {}
-        text = s.metrics.render(stats, in_flight=s.client.in_flight, max_in_flight=s.client.max_in_flight,
-                                draining=s.draining, ready=ready, engine_healthy=live,
-                                last_step_age_s=details["last_progress_age_s"])  # bare names: the model ids
+        text = s.metrics.render(
+            stats,
+            in_flight=s.client.in_flight,
+            max_in_flight=s.client.max_in_flight,
+            draining=s.draining,
+            ready=ready,
+            engine_healthy=live,
+            last_step_age_s=details["last_progress_age_s"],
+        )  # bare names: the model ids
         # requests send for a pinned adapter, as vLLM's (Catalog.adapter_id)
         return PlainTextResponse(text, media_type=METRICS_CONTENT_TYPE)
 
@@ -203,23 +280,37 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
     async def load_adapter(request: Request) -> JSONResponse:
         req = await _parse(request, AdapterLoadRequest, s)
         info = await s.load_adapter(req.bundle, req.name, req.path, param="name")
-        return JSONResponse({"object": "adapter", "name": req.name, "model": f"{info.name}:{req.name}",
-                             "bundle": info.name, "loaded": True}, status_code=201)
+        return JSONResponse(
+            {
+                "object": "adapter",
+                "name": req.name,
+                "model": f"{info.name}:{req.name}",
+                "bundle": info.name,
+                "loaded": True,
+            },
+            status_code=201,
+        )
 
     @app.delete("/v1/adapters/{name}", dependencies=[admin])
     async def unload_adapter(name: str, force: bool = False, bundle: str | None = None) -> JSONResponse:
         info, state = await s.unload_adapter(bundle, name, force)
         done = state == "unloaded"
-        return JSONResponse({"object": "adapter", "name": name, "bundle": info.name, "deleted": done,
-                             "state": state}, status_code=200 if done else 202)
+        return JSONResponse(
+            {"object": "adapter", "name": name, "bundle": info.name, "deleted": done, "state": state},
+            status_code=200 if done else 202,
+        )
 
     # vLLM's runtime LoRA endpoints (what inference gateways and LoRA-aware routers call): plain-text success
     @app.post("/v1/load_lora_adapter", dependencies=[admin])
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         req = await _parse(request, LoadLoRAAdapterRequest, s)
         if req.load_inplace:
-            raise APIError(400, "load_inplace is not supported: unload the adapter (/v1/unload_lora_adapter), then "
-                           "load the new weights", param="load_inplace")
+            raise APIError(
+                400,
+                "load_inplace is not supported: unload the adapter (/v1/unload_lora_adapter), then "
+                "load the new weights",
+                param="load_inplace",
+            )
         await s.load_adapter(None, req.lora_name, req.lora_path, param="lora_name")
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
@@ -229,8 +320,10 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
         _, state = await s.unload_adapter(None, req.lora_name, False)
         if state == "unloaded":
             return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' is draining: new requests no longer use "
-                                 "it and it unloads when the requests using it end.")
+        return PlainTextResponse(
+            f"Success: LoRA adapter '{req.lora_name}' is draining: new requests no longer use "
+            "it and it unloads when the requests using it end."
+        )
 
 
 def _model_list(s: ServerState) -> ModelList:
@@ -238,13 +331,22 @@ def _model_list(s: ServerState) -> ModelList:
     cards = []
     for info in s.catalog:
         cards.append(ModelCard(id=info.name, created=created, root=info.name, max_model_len=info.max_model_len))
-        cards += [ModelCard(id=s.catalog.adapter_id(info, a), created=created, adapter=a, parent=info.name,
-                            root=info.adapter_paths.get(a), max_model_len=info.max_model_len)
-                  for a in info.adapters]
+        cards += [
+            ModelCard(
+                id=s.catalog.adapter_id(info, a),
+                created=created,
+                adapter=a,
+                parent=info.name,
+                root=info.adapter_paths.get(a),
+                max_model_len=info.max_model_len,
+            )
+            for a in info.adapters
+        ]
     return ModelList(data=cards)
 
 
 # ---------------------------------------------------------------------------------------------- auth
+
 
 def _auth(s: ServerState, *, admin: bool) -> Any:
     async def check(request: Request) -> None:
@@ -254,11 +356,20 @@ def _auth(s: ServerState, *, admin: bool) -> Any:
         scheme, _, token = header.partition(" ")
         token = token.strip() if scheme.lower() == "bearer" else ""
         if not token or not _matches(token, s.api_keys):
-            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(
+                401,
+                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         if admin and not _matches(token, s.admin_keys):
-            raise APIError(403, "loading and unloading adapters needs an admin key (--admin-key)",
-                           type="permission_error", code="admin_key_required")
+            raise APIError(
+                403,
+                "loading and unloading adapters needs an admin key (--admin-key)",
+                type="permission_error",
+                code="admin_key_required",
+            )
+
     return check
 
 
@@ -267,6 +378,7 @@ def _matches(token: str, keys: Sequence[str]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- bodies
+
 
 async def _parse(request: Request, model: type[M], s: ServerState) -> M:
     """The body validated as `model`; 413 over the size limit, 400 for bad JSON or bad fields."""
@@ -285,8 +397,15 @@ async def _parse(request: Request, model: type[M], s: ServerState) -> M:
 
 # ---------------------------------------------------------------------------------------------- errors
 
-def _error(status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
+
+def _error(
+    status: int,
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     return JSONResponse(APIError(status, message, type=type, code=code).body(), status_code=status, headers=headers)
 
 
@@ -299,8 +418,13 @@ def _add_error_handlers(app: FastAPI, s: ServerState) -> None:
 
     @app.exception_handler(Saturated)
     async def saturated(_: Request, e: Saturated) -> JSONResponse:
-        return _error(429, f"the server is at capacity ({e}); retry after {s.retry_after_s} s",
-                      type="rate_limit_error", code="server_busy", headers=retry)
+        return _error(
+            429,
+            f"the server is at capacity ({e}); retry after {s.retry_after_s} s",
+            type="rate_limit_error",
+            code="server_busy",
+            headers=retry,
+        )
 
     @app.exception_handler(EngineBusy)
     async def busy(_: Request, e: EngineBusy) -> JSONResponse:
@@ -316,8 +440,12 @@ def _add_error_handlers(app: FastAPI, s: ServerState) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None,
-                      headers=getattr(e, "headers", None))
+        return _error(
+            e.status_code,
+            str(e.detail),
+            code="not_found" if e.status_code == 404 else None,
+            headers=getattr(e, "headers", None),
+        )
 
     @app.exception_handler(RequestValidationError)
     async def request_invalid(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -363,16 +491,25 @@ class _Gate:
 
     def _refusal(self, scope: Scope, path: str) -> Response | None:
         if self.s.draining and path not in _OPEN_WHILE_DRAINING:
-            return _error(503, "the server is shutting down; retry on another replica", type="server_error",
-                          code="draining", headers={"Retry-After": str(self.s.retry_after_s), "Connection": "close"})
+            return _error(
+                503,
+                "the server is shutting down; retry on another replica",
+                type="server_error",
+                code="draining",
+                headers={"Retry-After": str(self.s.retry_after_s), "Connection": "close"},
+            )
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.s.max_body_bytes:
-            return _error(413, f"request body of {int(length)} bytes is over the {self.s.max_body_bytes}-byte limit",
-                          code="request_too_large")
+            return _error(
+                413,
+                f"request body of {int(length)} bytes is over the {self.s.max_body_bytes}-byte limit",
+                code="request_too_large",
+            )
         return None
 
 
 # ---------------------------------------------------------------------------------------------- model facts
+
 
 def _vocab_size(tok: Any, config: Any) -> int:
     sizes = [len(tok)] + ([config.vocab_size] if getattr(config, "vocab_size", None) else [])

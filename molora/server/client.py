@@ -36,8 +36,12 @@ class EngineClient(abc.ABC):
     call_timeout_s: float = 10.0
 
     # ------------------------------------------------------------------------------------ lifecycle
-    def attach(self, *, on_step: Callable[[int, float], None] | None = None,  # noqa: B027 (optional, no-op)
-               on_event: Callable[[str, Any], None] | None = None) -> None:
+    def attach(  # noqa: B027 (optional, a no-op by default)
+        self,
+        *,
+        on_step: Callable[[int, float], None] | None = None,
+        on_event: Callable[[str, Any], None] | None = None,
+    ) -> None:
         """Hooks for the app's metrics: on_step(new tokens, step seconds) after each engine step,
         on_event(kind, value) for engine events (molora.server.runner). Clients without them ignore this."""
 
@@ -83,7 +87,7 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     async def unload_adapter(self, bundle: str, name: str, force: bool) -> str:
-        """"unloaded", or "draining" (it goes when the requests using it end); force ends them now."""
+        """ "unloaded", or "draining" (it goes when the requests using it end); force ends them now."""
 
 
 class LocalClient(EngineClient):
@@ -94,8 +98,9 @@ class LocalClient(EngineClient):
         self.max_in_flight = runner.max_in_flight
         self.call_timeout_s = call_timeout_s
 
-    def attach(self, *, on_step: Callable[[int, float], None] | None = None,
-               on_event: Callable[[str, Any], None] | None = None) -> None:
+    def attach(
+        self, *, on_step: Callable[[int, float], None] | None = None, on_event: Callable[[str, Any], None] | None = None
+    ) -> None:
         self.runner.on_step, self.runner.on_event = on_step, on_event
 
     def start(self) -> None:

@@ -62,8 +62,8 @@ from molora.structured import GrammarConstraint, StructuredCompiler, StructuredO
 
 __all__ = ["OFFLOAD_CHARS", "REPLICA_HEADER", "Catalog", "Generation", "Limits", "ModelInfo"]
 
-OFFLOAD_CHARS = 32 << 10   # prompts longer than this are tokenised on a worker thread
-REPLICA_HEADER = "X-Molora-Replica"   # which engine replica answered (molora serve --ray)
+OFFLOAD_CHARS = 32 << 10  # prompts longer than this are tokenised on a worker thread
+REPLICA_HEADER = "X-Molora-Replica"  # which engine replica answered (molora serve --ray)
 
 
 @dataclass(frozen=True)
@@ -87,27 +87,38 @@ class Limits:
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
             raise MoLoRAError(f"queue_timeout_s={self.queue_timeout_s} must be > 0 (or None: no limit)")
         if self.request_timeout_s > self.max_request_timeout_s:
-            raise MoLoRAError(f"request_timeout_s={self.request_timeout_s} exceeds max_request_timeout_s="
-                             f"{self.max_request_timeout_s}")
+            raise MoLoRAError(
+                f"request_timeout_s={self.request_timeout_s} exceeds max_request_timeout_s={self.max_request_timeout_s}"
+            )
 
     def timeout(self, asked: float | None) -> float:
         if asked is None:
             return self.request_timeout_s
         if asked > self.max_request_timeout_s:
-            raise APIError(400, f"molora.timeout={asked:g} s exceeds this server's cap of "
-                           f"{self.max_request_timeout_s:g} s; ask for less", param="molora.timeout")
+            raise APIError(
+                400,
+                f"molora.timeout={asked:g} s exceeds this server's cap of "
+                f"{self.max_request_timeout_s:g} s; ask for less",
+                param="molora.timeout",
+            )
         return asked
 
 
 class Generation:
     """The two generation endpoints over one `EngineClient`."""
 
-    def __init__(self, client: EngineClient, metrics: ServerMetrics, catalog: Catalog,
-                 limits: Limits = Limits(), resolver: Callable[[str], Awaitable[bool]] | None = None) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        metrics: ServerMetrics,
+        catalog: Catalog,
+        limits: Limits = Limits(),
+        resolver: Callable[[str], Awaitable[bool]] | None = None,
+    ) -> None:
         self.client, self.metrics, self.catalog, self.limits = client, metrics, catalog, limits
-        self._compilers: dict[str, StructuredCompiler] = {}     # bundle name -> its tokenizer's compiler
+        self._compilers: dict[str, StructuredCompiler] = {}  # bundle name -> its tokenizer's compiler
         self._compilers_lock = threading.Lock()
-        self.resolver = resolver   # loads an adapter a request names on first use (--lora-resolver-dir)
+        self.resolver = resolver  # loads an adapter a request names on first use (--lora-resolver-dir)
 
     async def resolve(self, model: str) -> tuple[ModelInfo, str | None]:
         """`Catalog.resolve`, after giving the resolver (if any) a chance to load an unknown adapter name."""
@@ -137,20 +148,38 @@ class Generation:
         return await self._run(req, info, adapter, [prompt], req.token_limit, top, fmt, request)
 
     # ------------------------------------------------------------------------------------ requests
-    def _specs(self, req: GenerationRequest, info: ModelInfo, adapter: str | None, prompts: Sequence[list[int]],
-               max_tokens: int | None, logprobs: int | None,
-               constraint: GrammarConstraint | None = None) -> list[RequestSpec]:
+    def _specs(
+        self,
+        req: GenerationRequest,
+        info: ModelInfo,
+        adapter: str | None,
+        prompts: Sequence[list[int]],
+        max_tokens: int | None,
+        logprobs: int | None,
+        constraint: GrammarConstraint | None = None,
+    ) -> list[RequestSpec]:
         opts = req.options
         unknown = [a for a in opts.adapters or [] if a not in info.adapters]
         if unknown:
-            raise APIError(404, f"unknown adapters {unknown} in molora.adapters; loaded: {info.adapters}",
-                           param="molora.adapters", code="adapter_not_found")
+            raise APIError(
+                404,
+                f"unknown adapters {unknown} in molora.adapters; loaded: {info.adapters}",
+                param="molora.adapters",
+                code="adapter_not_found",
+            )
         if adapter is not None and opts.adapters is not None and adapter not in opts.adapters:
-            raise APIError(400, f"model pins adapter {adapter!r}, which molora.adapters {opts.adapters} excludes",
-                           param="molora.adapters")
+            raise APIError(
+                400,
+                f"model pins adapter {adapter!r}, which molora.adapters {opts.adapters} excludes",
+                param="molora.adapters",
+            )
         if adapter is not None and opts.routing not in ("auto", "sequence"):
-            raise APIError(400, f"model {req.model!r} pins one adapter; molora.routing={opts.routing!r} needs "
-                           f"model={info.name!r} (per-token routing)", param="molora.routing")
+            raise APIError(
+                400,
+                f"model {req.model!r} pins one adapter; molora.routing={opts.routing!r} needs "
+                f"model={info.name!r} (per-token routing)",
+                param="molora.routing",
+            )
         stop = req.stop_strings()
         timeout = self.limits.timeout(opts.timeout)
         specs = []
@@ -160,38 +189,75 @@ class Generation:
         for p, ids in enumerate(prompts):
             new_tokens = _budget(info, ids, max_tokens)
             if req.min_tokens > new_tokens:
-                raise APIError(400, f"min_tokens={req.min_tokens} exceeds this completion's token budget of "
-                               f"{new_tokens} (max_tokens, or what the context leaves); lower min_tokens or raise "
-                               "max_tokens", param="min_tokens")
+                raise APIError(
+                    400,
+                    f"min_tokens={req.min_tokens} exceeds this completion's token budget of "
+                    f"{new_tokens} (max_tokens, or what the context leaves); lower min_tokens or raise "
+                    "max_tokens",
+                    param="min_tokens",
+                )
             for j in range(req.n):
                 try:
                     params = SamplingParams(
-                        max_new_tokens=new_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                        seed=None if req.seed is None else req.seed + j, stop_token_ids=stop_ids,
-                        stop=stop, logprobs=0 if logprobs is None else max(logprobs, 1),
-                        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
+                        max_new_tokens=new_tokens,
+                        temperature=req.temperature,
+                        top_p=req.top_p,
+                        top_k=req.top_k,
+                        seed=None if req.seed is None else req.seed + j,
+                        stop_token_ids=stop_ids,
+                        stop=stop,
+                        logprobs=0 if logprobs is None else max(logprobs, 1),
+                        ignore_eos=req.ignore_eos,
+                        min_tokens=req.min_tokens,
+                    )
                 except MoLoRAError as e:
                     raise APIError(400, str(e)) from e
-                specs.append(RequestSpec(p * req.n + j, ids, params, adapter, opts.adapters, opts.routing,
-                                         timeout_s=timeout, queue_timeout_s=self.limits.queue_timeout_s,
-                                         constraint=constraint))
+                specs.append(
+                    RequestSpec(
+                        p * req.n + j,
+                        ids,
+                        params,
+                        adapter,
+                        opts.adapters,
+                        opts.routing,
+                        timeout_s=timeout,
+                        queue_timeout_s=self.limits.queue_timeout_s,
+                        constraint=constraint,
+                    )
+                )
         return specs
 
     # ------------------------------------------------------------------------------------ running
-    async def _run(self, req: GenerationRequest, info: ModelInfo, adapter: str | None, prompts: list[list[int]],
-                   max_tokens: int | None, logprobs: int | None, fmt: ResponseFormat, request: Request) -> Response:
+    async def _run(
+        self,
+        req: GenerationRequest,
+        info: ModelInfo,
+        adapter: str | None,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        logprobs: int | None,
+        fmt: ResponseFormat,
+        request: Request,
+    ) -> Response:
         constraint = fmt.constraint = await self._constraint(req, info)
         specs = self._specs(req, info, adapter, prompts, max_tokens, logprobs, constraint)
         if len(specs) > self.client.max_in_flight:
-            raise APIError(400, f"this request needs {len(specs)} engine requests (n x prompts), more than the "
-                           f"server admits at once ({self.client.max_in_flight}); lower n or split the batch",
-                           param="n")
+            raise APIError(
+                400,
+                f"this request needs {len(specs)} engine requests (n x prompts), more than the "
+                f"server admits at once ({self.client.max_in_flight}); lower n or split the batch",
+                param="n",
+            )
         try:
             sub = await self.client.submit(specs, fmt.id, info.name)
         except (AdapterDraining, AdapterNotFound) as e:  # unloaded since the model check: it is gone
             pinned = any(spec.adapter is not None for spec in specs)
-            raise APIError(404, str(e), param="model" if pinned else "molora.adapters",
-                           code="model_not_found" if pinned else "adapter_not_found") from e
+            raise APIError(
+                404,
+                str(e),
+                param="model" if pinned else "molora.adapters",
+                code="model_not_found" if pinned else "adapter_not_found",
+            ) from e
         except MoLoRAError as e:
             raise APIError(400, str(e)) from e
         states = [ChoiceState(spec.index, len(spec.prompt_ids)) for spec in specs]
@@ -218,20 +284,24 @@ class Generation:
             raise APIError(400, str(e), param=param, code="invalid_structured_output") from e
 
     def _compile(self, info: ModelInfo, spec: StructuredSpec) -> GrammarConstraint:
-        with self._compilers_lock:   # one compiler per bundle, built once (reading the tokenizer takes ~0.1 s)
+        with self._compilers_lock:  # one compiler per bundle, built once (reading the tokenizer takes ~0.1 s)
             compiler = self._compilers.get(info.name)
             if compiler is None:
                 try:
-                    compiler = StructuredCompiler(info.tokenizer, vocab_size=info.vocab_size,
-                                                  stop_token_ids=info.stop_token_ids)
+                    compiler = StructuredCompiler(
+                        info.tokenizer, vocab_size=info.vocab_size, stop_token_ids=info.stop_token_ids
+                    )
                 except Exception as e:
-                    raise StructuredOutputError(f"model {info.name!r} cannot do structured output: its tokenizer "
-                                                f"is not one the grammar engine reads ({type(e).__name__}: {e})") from e
+                    raise StructuredOutputError(
+                        f"model {info.name!r} cannot do structured output: its tokenizer "
+                        f"is not one the grammar engine reads ({type(e).__name__}: {e})"
+                    ) from e
                 self._compilers[info.name] = compiler
         return compiler.compile(spec)
 
-    async def _outputs(self, sub: Submission, states: list[ChoiceState], deadline: float,
-                       keepalive: float | None = None) -> AsyncIterator[tuple[ChoiceState, Any] | None]:
+    async def _outputs(
+        self, sub: Submission, states: list[ChoiceState], deadline: float, keepalive: float | None = None
+    ) -> AsyncIterator[tuple[ChoiceState, Any] | None]:
         """Each output in arrival order, after updating its choice's state; None after `keepalive` seconds
         without one. Raises APIError on an engine failure, a choice the engine ended on an error or a
         deadline (after yielding that choice's last output), and at `deadline` (the handler's backstop)."""
@@ -243,8 +313,12 @@ class Generation:
                     await asyncio.sleep(0)  # outputs the engine thread handed to the loop land first
                 if sub.queue.empty():
                     self.metrics.count_deadline("request")
-                    raise APIError(504, "the request ran past its deadline and the engine did not end it in time "
-                                   "(a stalled engine?)", type="server_error", code="timeout")
+                    raise APIError(
+                        504,
+                        "the request ran past its deadline and the engine did not end it in time (a stalled engine?)",
+                        type="server_error",
+                        code="timeout",
+                    )
                 item = sub.queue.get_nowait()  # what the engine already sent is delivered first
             else:
                 wait = left if keepalive is None else min(left, keepalive)
@@ -270,15 +344,22 @@ class Generation:
         async for _ in self._outputs(sub, states, deadline):
             pass
 
-    async def _stream(self, sub: Submission, states: list[ChoiceState], fmt: ResponseFormat, include_usage: bool,
-                      n: int, deadline: float) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        sub: Submission,
+        states: list[ChoiceState],
+        fmt: ResponseFormat,
+        include_usage: bool,
+        n: int,
+        deadline: float,
+    ) -> AsyncIterator[str]:
         pending: list[str] = []
         try:
             for state in states:
                 head = fmt.head(state)
                 if head is not None:
                     yield sse(head)
-            pending: list[str] = []   # events of outputs that arrived together go out as one write
+            pending: list[str] = []  # events of outputs that arrived together go out as one write
             async for item in self._outputs(sub, states, deadline, self.limits.keepalive_s):
                 if item is None:
                     yield ": keep-alive\n\n"
@@ -303,8 +384,14 @@ class Generation:
         n = len(s.token_ids)
         ttft = s.t_first - sub.arrival if s.t_first is not None else None
         tpot = (s.t_last - s.t_first) / (n - 1) if n > 1 and s.t_first is not None and s.t_last is not None else None
-        self.metrics.observe_request(ttft=ttft, tpot=tpot, latency=now - sub.arrival, prompt_tokens=s.prompt_tokens,
-                                     completion_tokens=n, finish_reason=s.finish_reason)
+        self.metrics.observe_request(
+            ttft=ttft,
+            tpot=tpot,
+            latency=now - sub.arrival,
+            prompt_tokens=s.prompt_tokens,
+            completion_tokens=n,
+            finish_reason=s.finish_reason,
+        )
 
 
 def _encode_completion(info: ModelInfo, prompt: str | list[int], i: int) -> list[int]:
@@ -312,8 +399,9 @@ def _encode_completion(info: ModelInfo, prompt: str | list[int], i: int) -> list
         return list(info.tokenizer.encode(prompt, add_special_tokens=True))
     bad = [t for t in prompt if t >= info.vocab_size]
     if bad:
-        raise APIError(400, f"prompt[{i}] holds token ids {bad[:5]} outside the vocabulary "
-                       f"[0, {info.vocab_size})", param="prompt")
+        raise APIError(
+            400, f"prompt[{i}] holds token ids {bad[:5]} outside the vocabulary [0, {info.vocab_size})", param="prompt"
+        )
     return list(prompt)
 
 
@@ -328,8 +416,12 @@ def _encode_chat(info: ModelInfo, req: ChatCompletionRequest) -> list[int]:
         except Exception as e:  # jinja templates raise on conversations they do not accept
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from e
     else:
-        raise APIError(400, "this model has no chat template for system or multi-turn messages; send one "
-                       "user message, or use /v1/completions with your own prompt", param="messages")
+        raise APIError(
+            400,
+            "this model has no chat template for system or multi-turn messages; send one "
+            "user message, or use /v1/completions with your own prompt",
+            param="messages",
+        )
     return list(tok.encode(text, add_special_tokens=False))
 
 
@@ -343,10 +435,14 @@ def _budget(info: ModelInfo, ids: list[int], max_tokens: int | None) -> int:
     if max_tokens is None:
         max_tokens = min(info.default_max_tokens, ctx - len(ids))
     if len(ids) + max(max_tokens, 1) > ctx:
-        raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
-                       f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
-                       "completion). Please reduce the length of the prompt or the completion.",
-                       param="max_tokens" if len(ids) < ctx else "prompt", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the length of the prompt or the completion.",
+            param="max_tokens" if len(ids) < ctx else "prompt",
+            code="context_length_exceeded",
+        )
     return max_tokens
 
 
@@ -356,8 +452,9 @@ def _ended_by_engine(out: Any) -> APIError:
         if out.error.startswith("queue timeout"):  # the engine names which deadline (Engine._expire)
             return APIError(503, out.error, type="server_error", code="queue_timeout", headers={"Retry-After": "1"})
         return APIError(504, out.error, type="server_error", code="timeout")
-    return APIError(500, out.error, type="server_error",
-                    code="engine_error" if out.finish_reason == "error" else "request_aborted")
+    return APIError(
+        500, out.error, type="server_error", code="engine_error" if out.finish_reason == "error" else "request_aborted"
+    )
 
 
 async def _offload(size: int, fn: Any) -> Any:

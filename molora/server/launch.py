@@ -36,13 +36,21 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.molora_app.state.molora.begin_drain()
-        log.warning("signal %d: draining %d in-flight requests, then exiting", sig,
-                    self.molora_app.state.molora.client.in_flight)
+        log.warning(
+            "signal %d: draining %d in-flight requests, then exiting",
+            sig,
+            self.molora_app.state.molora.client.in_flight,
+        )
         super().handle_exit(sig, frame)
 
 
-def build_engine(bundle: Any = None, engine_config: Any = None, dtype: str = "float32",
-                 max_cpu_loras: int | None = None, quantization: str | None = None) -> Any:
+def build_engine(
+    bundle: Any = None,
+    engine_config: Any = None,
+    dtype: str = "float32",
+    max_cpu_loras: int | None = None,
+    quantization: str | None = None,
+) -> Any:
     """An `Engine` over the bundle at `bundle` (a folder, a parsed `Bundle` such as `molora serve --model` makes,
     or None: the embedded default bundle); dtype "bfloat16" runs weights, adapters and KV cache in bf16 (AMX /
     avx512_bf16 on CPU; the router's gates stay fp32). max_cpu_loras (vLLM's flag): the CPU tier holds that
@@ -66,12 +74,27 @@ def build_engine(bundle: Any = None, engine_config: Any = None, dtype: str = "fl
     return Engine(mm, cfg)
 
 
-def serve(bundle: Any = None, *, host: str = "127.0.0.1", port: int = 8000,
-          api_keys: Sequence[str] = (), admin_keys: Sequence[str] = (), adapter_roots: Sequence[str | Path] = (),
-          engine_config: Any = None, max_queue: int = 256, model_name: str | None = None,
-          drain_timeout_s: float = 30.0, log_level: str = "info", engine: Any = None, dtype: str = "float32",
-          limits: Any = None, stall_s: float = 30.0, max_cpu_loras: int | None = None,
-          lora_resolver_dirs: Sequence[str | Path] = (), quantization: str | None = None) -> None:
+def serve(
+    bundle: Any = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_keys: Sequence[str] = (),
+    admin_keys: Sequence[str] = (),
+    adapter_roots: Sequence[str | Path] = (),
+    engine_config: Any = None,
+    max_queue: int = 256,
+    model_name: str | None = None,
+    drain_timeout_s: float = 30.0,
+    log_level: str = "info",
+    engine: Any = None,
+    dtype: str = "float32",
+    limits: Any = None,
+    stall_s: float = 30.0,
+    max_cpu_loras: int | None = None,
+    lora_resolver_dirs: Sequence[str | Path] = (),
+    quantization: str | None = None,
+) -> None:
     """Serve the OpenAI-compatible API until SIGTERM/SIGINT, then drain and return.
 
     bundle: a bundle folder, a parsed `Bundle` (molora.userbundle.bundle_from_flags) or None (the embedded
@@ -87,19 +110,29 @@ def serve(bundle: Any = None, *, host: str = "127.0.0.1", port: int = 8000,
     if engine is None:
         engine = build_engine(bundle, engine_config, dtype, max_cpu_loras, quantization)
     extra = {"limits": limits} if limits is not None else {}
-    app = create_app(engine, model_name=model_name, api_keys=api_keys, admin_keys=admin_keys,
-                     adapter_roots=adapter_roots, max_queue=max_queue, stall_s=stall_s,
-                     lora_resolver_dirs=lora_resolver_dirs, **extra)
+    app = create_app(
+        engine,
+        model_name=model_name,
+        api_keys=api_keys,
+        admin_keys=admin_keys,
+        adapter_roots=adapter_roots,
+        max_queue=max_queue,
+        stall_s=stall_s,
+        lora_resolver_dirs=lora_resolver_dirs,
+        **extra,
+    )
     log.info("serving %s on http://%s:%d/v1", ", ".join(app.state.molora.catalog.infos), host, port)
     run_app(app, host, port, drain_timeout_s=drain_timeout_s, log_level=log_level)
 
 
-def run_app(app: FastAPI, host: str, port: int, *, drain_timeout_s: float | None = 30.0,
-            log_level: str = "info") -> None:
+def run_app(
+    app: FastAPI, host: str, port: int, *, drain_timeout_s: float | None = 30.0, log_level: str = "info"
+) -> None:
     """Run a molora app under uvicorn until SIGTERM/SIGINT, draining (`DrainingServer`); drain_timeout_s None:
     wait for in-flight requests without a limit. `molora serve` and `molora serve --ray --ray-ingress process`."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s,
-                            access_log=False)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s, access_log=False
+    )
     DrainingServer(config, app).run()
 
 
@@ -119,8 +152,9 @@ class ServerThread:
         self.app = app
         self.port = port if port is not None else free_port(host)
         self.host = host
-        config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app, host=host, port=self.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+        )
         self.server = DrainingServer(config, app)
         self.thread = threading.Thread(target=self.server.run, name="molora-uvicorn", daemon=True)
 

@@ -72,7 +72,7 @@ RATE_WINDOW_S = 10.0
 LORA_INFO = "molora_lora_requests_info"  # vLLM's vllm:lora_requests_info, labels and value alike
 LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
 
-DEADLINE_KINDS = ("request", "queue")            # whole-request deadline; time allowed in the queue
+DEADLINE_KINDS = ("request", "queue")  # whole-request deadline; time allowed in the queue
 FAILURE_KINDS = ("step", "isolated", "restart")  # a step raised; a request failed alone; the thread restarted
 
 
@@ -89,34 +89,60 @@ class ServerMetrics:
         self.started = time.time()
 
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram("molora_time_to_first_token_seconds", "Time from arrival to the first token.",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("molora_time_per_output_token_seconds", "Mean time between output tokens.",
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.latency = Histogram("molora_request_latency_seconds", "Time from arrival to the last token.",
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("molora_queue_wait_seconds", "Time from arrival to the first scheduled token.",
-                                    buckets=QUEUE_WAIT_BUCKETS, registry=r)
-        self.step_time = Histogram("molora_engine_step_seconds", "Time of one engine step.",
-                                   buckets=STEP_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "molora_time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "molora_time_per_output_token_seconds", "Mean time between output tokens.", buckets=TPOT_BUCKETS, registry=r
+        )
+        self.latency = Histogram(
+            "molora_request_latency_seconds",
+            "Time from arrival to the last token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "molora_queue_wait_seconds",
+            "Time from arrival to the first scheduled token.",
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.step_time = Histogram(
+            "molora_engine_step_seconds", "Time of one engine step.", buckets=STEP_BUCKETS, registry=r
+        )
         self.prompt_tokens = Counter("molora_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.completion_tokens = Counter("molora_completion_tokens", "Completion tokens of finished requests.",
-                                         registry=r)
-        self.finish_reasons = Counter("molora_request_finish", "Finished engine requests by finish reason.",
-                                      ["reason"], registry=r)
-        self.responses = Counter("molora_http_responses", "HTTP responses by route and status code.",
-                                 ["route", "code"], registry=r)
-        self.deadlines = Counter("molora_deadline_expired", "Requests ended by a deadline, by kind "
-                                 "(request: the whole request; queue: waiting to be scheduled).", ["kind"], registry=r)
-        self.failures = Counter("molora_engine_failures", "Engine failures by kind (step: a step raised; isolated: "
-                                "a request failed alone after isolation; restart: the engine thread restarted).",
-                                ["kind"], registry=r)
+        self.completion_tokens = Counter(
+            "molora_completion_tokens", "Completion tokens of finished requests.", registry=r
+        )
+        self.finish_reasons = Counter(
+            "molora_request_finish", "Finished engine requests by finish reason.", ["reason"], registry=r
+        )
+        self.responses = Counter(
+            "molora_http_responses", "HTTP responses by route and status code.", ["route", "code"], registry=r
+        )
+        self.deadlines = Counter(
+            "molora_deadline_expired",
+            "Requests ended by a deadline, by kind (request: the whole request; queue: waiting to be scheduled).",
+            ["kind"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "molora_engine_failures",
+            "Engine failures by kind (step: a step raised; isolated: "
+            "a request failed alone after isolation; restart: the engine thread restarted).",
+            ["kind"],
+            registry=r,
+        )
         for kind in DEADLINE_KINDS:  # every kind exposed from the start, at 0, so rate() sees the first one
             self.deadlines.labels(kind=kind)
         for kind in FAILURE_KINDS:
             self.failures.labels(kind=kind)
-        Gauge("molora_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW_S:g} s.",
-              registry=r).set_function(lambda: round(self.tokens_per_second(), 3))
+        Gauge(
+            "molora_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW_S:g} s.", registry=r
+        ).set_function(lambda: round(self.tokens_per_second(), 3))
 
     # -------------------------------------------------------------------------------------- observe
     def observe_step(self, new_tokens: int, seconds: float) -> None:
@@ -128,8 +154,16 @@ class ServerMetrics:
             self._last_step = now
             self._trim(now)
 
-    def observe_request(self, *, ttft: float | None, tpot: float | None, latency: float, prompt_tokens: int,
-                        completion_tokens: int, finish_reason: str | None) -> None:
+    def observe_request(
+        self,
+        *,
+        ttft: float | None,
+        tpot: float | None,
+        latency: float,
+        prompt_tokens: int,
+        completion_tokens: int,
+        finish_reason: str | None,
+    ) -> None:
         """One finished engine request (one choice), as the handler saw it."""
         if ttft is not None:
             self.ttft.observe(ttft)
@@ -177,9 +211,18 @@ class ServerMetrics:
         while self._window and self._window[0][0] < now - RATE_WINDOW_S:
             self._window.popleft()
 
-    def render(self, stats: Mapping[str, Any], *, in_flight: int, max_in_flight: int, draining: bool,
-               ready: bool | None = None, engine_healthy: bool = True, last_step_age_s: float | None = None,
-               bundle: str | None = None) -> str:
+    def render(
+        self,
+        stats: Mapping[str, Any],
+        *,
+        in_flight: int,
+        max_in_flight: int,
+        draining: bool,
+        ready: bool | None = None,
+        engine_healthy: bool = True,
+        last_step_age_s: float | None = None,
+        bundle: str | None = None,
+    ) -> str:
         """Prometheus text (media type CONTENT_TYPE): the engine's `stats()` and the server's state, then
         everything this instance measured.
 
@@ -195,9 +238,17 @@ class ServerMetrics:
             if lora is not None:
                 self._lora = (lora, time.time())
             lora_view = self._lora
-        view = _Scrape(stats=stats, in_flight=in_flight, max_in_flight=max_in_flight, draining=draining,
-                       ready=(not draining and engine_healthy) if ready is None else ready,
-                       engine_healthy=engine_healthy, last_step_age_s=age, forgotten=forgotten, lora=lora_view)
+        view = _Scrape(
+            stats=stats,
+            in_flight=in_flight,
+            max_in_flight=max_in_flight,
+            draining=draining,
+            ready=(not draining and engine_healthy) if ready is None else ready,
+            engine_healthy=engine_healthy,
+            last_step_age_s=age,
+            forgotten=forgotten,
+            lora=lora_view,
+        )
         return generate_latest(_Exposition(view, self.registry)).decode()
 
 
@@ -221,6 +272,7 @@ def _check_kind(kind: str, allowed: tuple[str, ...], what: str) -> str:
 @dataclass(frozen=True)
 class _Scrape:
     """What `render()` was told about the engine and the server, for one scrape."""
+
     stats: Mapping[str, Any]
     in_flight: int
     max_in_flight: int
@@ -262,56 +314,99 @@ def _scrape_families(v: _Scrape) -> Iterator[Metric]:
         ("molora_hotset_slots", "Adapter slots in the hot set.", hot.get("slots", 0)),
         ("molora_hotset_slots_used", "Hot-set slots holding an adapter.", hot.get("slots_used", 0)),
         ("molora_hotset_cpu_tier_bytes", "Bytes of adapters held in the CPU tier.", hot.get("cpu_tier_bytes", 0)),
-        ("molora_hotset_cpu_tier_budget_bytes", "The CPU tier's bound in bytes (--max-cpu-loras).",
-         hot.get("cpu_tier_budget", 0)),
-        ("molora_hotset_reserved_bytes", "Bytes adapter reads in flight or waiting to be taken hold against the "
-         "CPU tier's budget (tier + reserved stays within the budget, but for one read on demand).",
-         hot.get("reserved_bytes", 0)),
-        ("molora_hotset_memory_only_bytes", "Bytes of CPU-tier adapters that exist only in memory (never dropped, "
-         "outside the budget).", hot.get("memory_only_bytes", 0)),
-        ("molora_hotset_host_bytes", "Host bytes of every adapter the hot set holds: CPU tier, resident adapters' "
-         "own copies, finished reads.", hot.get("host_bytes", 0)),
-        ("molora_adapter_pins", "Adapter pins held by requests in flight (0 when idle).",
-         sum((hot.get("pinned") or {}).values())),
-        ("molora_prefix_cache_blocks", "KV blocks holding reusable prefix content (held or cached).",
-         prefix.get("cached_blocks", 0)),
-        ("molora_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache over tokens looked up.",
-         prefix.get("hit_rate", 0.0)),
+        (
+            "molora_hotset_cpu_tier_budget_bytes",
+            "The CPU tier's bound in bytes (--max-cpu-loras).",
+            hot.get("cpu_tier_budget", 0),
+        ),
+        (
+            "molora_hotset_reserved_bytes",
+            "Bytes adapter reads in flight or waiting to be taken hold against the "
+            "CPU tier's budget (tier + reserved stays within the budget, but for one read on demand).",
+            hot.get("reserved_bytes", 0),
+        ),
+        (
+            "molora_hotset_memory_only_bytes",
+            "Bytes of CPU-tier adapters that exist only in memory (never dropped, outside the budget).",
+            hot.get("memory_only_bytes", 0),
+        ),
+        (
+            "molora_hotset_host_bytes",
+            "Host bytes of every adapter the hot set holds: CPU tier, resident adapters' own copies, finished reads.",
+            hot.get("host_bytes", 0),
+        ),
+        (
+            "molora_adapter_pins",
+            "Adapter pins held by requests in flight (0 when idle).",
+            sum((hot.get("pinned") or {}).values()),
+        ),
+        (
+            "molora_prefix_cache_blocks",
+            "KV blocks holding reusable prefix content (held or cached).",
+            prefix.get("cached_blocks", 0),
+        ),
+        (
+            "molora_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache over tokens looked up.",
+            prefix.get("hit_rate", 0.0),
+        ),
     )
     for name, help_, value in gauges:
         yield GaugeMetricFamily(name, help_, value=value)
     if v.lora is not None:
         labels, read_at = v.lora
-        info = GaugeMetricFamily(LORA_INFO, "Adapters of the running and the waiting requests (comma-separated) "
-                                 "and the slots (max_lora); the value is the Unix time this was read.",
-                                 labels=list(LORA_INFO_LABELS))
+        info = GaugeMetricFamily(
+            LORA_INFO,
+            "Adapters of the running and the waiting requests (comma-separated) "
+            "and the slots (max_lora); the value is the Unix time this was read.",
+            labels=list(LORA_INFO_LABELS),
+        )
         info.add_metric(list(labels), read_at)
         yield info
     counters = (  # CounterMetricFamily strips the `_total` and the exposition puts it back
         ("molora_engine_steps_total", "Engine steps run.", stats.get("steps", 0)),
         ("molora_generation_tokens_total", "Tokens the engine generated.", stats.get("tokens_generated", 0)),
-        ("molora_engine_preemptions_total", "Requests preempted for lack of KV blocks or slots.",
-         stats.get("num_preemptions", 0)),
+        (
+            "molora_engine_preemptions_total",
+            "Requests preempted for lack of KV blocks or slots.",
+            stats.get("num_preemptions", 0),
+        ),
         ("molora_hotset_hits_total", "Adapter lookups served from a hot-set slot.", hot.get("hits", 0)),
         ("molora_hotset_misses_total", "Adapter lookups that had to load into a slot.", hot.get("misses", 0)),
         ("molora_hotset_evictions_total", "Adapters evicted from a hot-set slot.", hot.get("evictions", 0)),
         ("molora_hotset_disk_reads_total", "Adapters read from disk (not in the CPU tier).", hot.get("disk_reads", 0)),
-        ("molora_hotset_prefetches_total", "Adapter reads started when a request was queued (prefetch).",
-         hot.get("prefetches", 0)),
-        ("molora_hotset_prefetch_deferred_total", "Prefetches put off because the CPU tier's budget had no room.",
-         hot.get("prefetch_deferred", 0)),
-        ("molora_hotset_load_seconds_total", "Time spent loading adapters into slots.",
-         hot.get("load_ms_total", 0) / 1000.0),
-        ("molora_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (vLLM's queries).",
-         prefix.get("queried_tokens", 0)),
-        ("molora_prefix_cache_hits_total", "Prompt tokens served from the prefix cache (vLLM's prefix_cache_hits).",
-         prefix.get("hit_tokens", 0)),
+        (
+            "molora_hotset_prefetches_total",
+            "Adapter reads started when a request was queued (prefetch).",
+            hot.get("prefetches", 0),
+        ),
+        (
+            "molora_hotset_prefetch_deferred_total",
+            "Prefetches put off because the CPU tier's budget had no room.",
+            hot.get("prefetch_deferred", 0),
+        ),
+        (
+            "molora_hotset_load_seconds_total",
+            "Time spent loading adapters into slots.",
+            hot.get("load_ms_total", 0) / 1000.0,
+        ),
+        (
+            "molora_prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache (vLLM's queries).",
+            prefix.get("queried_tokens", 0),
+        ),
+        (
+            "molora_prefix_cache_hits_total",
+            "Prompt tokens served from the prefix cache (vLLM's prefix_cache_hits).",
+            prefix.get("hit_tokens", 0),
+        ),
         ("molora_prefix_cache_evictions_total", "Cached KV blocks evicted for new ones.", prefix.get("evictions", 0)),
     )
     for name, help_, value in counters:
         yield CounterMetricFamily(name, help_, value=value)
-    per_adapter = CounterMetricFamily("molora_adapter_tokens_total", "Tokens routed to each adapter ('base': none).",
-                                      labels=["adapter"])
+    per_adapter = CounterMetricFamily(
+        "molora_adapter_tokens_total", "Tokens routed to each adapter ('base': none).", labels=["adapter"]
+    )
     for name, n in sorted(((str(k), n) for k, n in (stats.get("tokens_by_adapter", {}) or {}).items())):
         if name not in v.forgotten:
             per_adapter.add_metric([name], n)

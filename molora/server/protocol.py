@@ -17,20 +17,29 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from molora.structured import StructuredOutputError, StructuredSpec
 
-MAX_N = 16            # choices per request (each one is an engine request)
-MAX_STOP = 4          # stop strings, as OpenAI
-MAX_BATCH = 64        # prompts in one /v1/completions call
-MAX_LOGPROBS = 20     # top-n logprobs (SamplingParams' limit)
+MAX_N = 16  # choices per request (each one is an engine request)
+MAX_STOP = 4  # stop strings, as OpenAI
+MAX_BATCH = 64  # prompts in one /v1/completions call
+MAX_LOGPROBS = 20  # top-n logprobs (SamplingParams' limit)
 INT64 = 2**63
 
 
 # ----------------------------------------------------------------------------------------------- errors
 
+
 class APIError(Exception):
     """An error the client caused (4xx) or must wait out (429/503), rendered as OpenAI's error object."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -54,8 +63,9 @@ def validation_error(e: ValidationError) -> APIError:
 
 def _is_union_tag(part: str | int) -> bool:
     """pydantic names the member of a union it tried in `loc` ('str', 'list[constrained-int]'): not a field."""
-    return isinstance(part, str) and ("[" in part or part in _UNION_TAGS
-                                      or part.startswith(("constrained-", "function-")))
+    return isinstance(part, str) and (
+        "[" in part or part in _UNION_TAGS or part.startswith(("constrained-", "function-"))
+    )
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -78,7 +88,7 @@ class MoloraOptions(_Strict):
     routing: Literal["auto", "learned", "arrow", "vocab", "sequence"] = "auto"
     adapters: list[Name] | None = Field(None, max_length=256)
     return_routing: bool = False
-    timeout: float | None = Field(None, gt=0.0)   # seconds; None: the server's default (capped by the server)
+    timeout: float | None = Field(None, gt=0.0)  # seconds; None: the server's default (capped by the server)
 
 
 class StreamOptions(_Strict):
@@ -121,7 +131,7 @@ class GenerationRequest(_Strict):
     max_tokens: int | None = Field(None, ge=1, lt=INT64)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, lt=2**31)                 # extension (vLLM has it too); 0 = off
+    top_k: int = Field(0, ge=0, lt=2**31)  # extension (vLLM has it too); 0 = off
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -144,8 +154,9 @@ class GenerationRequest(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    @field_validator("temperature", "top_p", "top_k", "n", "stream", "presence_penalty", "frequency_penalty",
-                     mode="before")
+    @field_validator(
+        "temperature", "top_p", "top_k", "n", "stream", "presence_penalty", "frequency_penalty", mode="before"
+    )
     @classmethod
     def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
         # OpenAI accepts null for these (some clients send it): the default applies
@@ -175,34 +186,51 @@ class GenerationRequest(_Strict):
     def structured_spec(self) -> tuple[StructuredSpec, str] | None:
         """(what the output must match, the parameter that asked) or None; 400 when more than one asks or one
         is malformed. Compiling (and its 400s) is the caller's, off the event loop."""
-        asked: list[tuple[str, str, Any]] = []        # (param, kind, value)
+        asked: list[tuple[str, str, Any]] = []  # (param, kind, value)
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             asked.append(("response_format", "json_object", None))
         if rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
-                raise APIError(400, "response_format type json_schema needs json_schema.schema (and a name)",
-                               param="response_format.json_schema")
-            asked.append(("response_format.json_schema.schema", "json_schema",
-                          (rf.json_schema.schema_, bool(rf.json_schema.strict))))
+                raise APIError(
+                    400,
+                    "response_format type json_schema needs json_schema.schema (and a name)",
+                    param="response_format.json_schema",
+                )
+            asked.append(
+                (
+                    "response_format.json_schema.schema",
+                    "json_schema",
+                    (rf.json_schema.schema_, bool(rf.json_schema.strict)),
+                )
+            )
         if rf is not None and rf.type == "text" and rf.json_schema is not None:
             raise APIError(400, "response_format type text takes no json_schema", param="response_format")
         so = self.structured_outputs
         if so is not None:
-            for name, kind, value in (("json", "json_schema", so.json_), ("regex", "regex", so.regex),
-                                      ("choice", "choice", so.choice), ("grammar", "grammar", so.grammar),
-                                      ("json_object", "json_object", True if so.json_object else None)):
+            for name, kind, value in (
+                ("json", "json_schema", so.json_),
+                ("regex", "regex", so.regex),
+                ("choice", "choice", so.choice),
+                ("grammar", "grammar", so.grammar),
+                ("json_object", "json_object", True if so.json_object else None),
+            ):
                 if value is not None:
                     asked.append((f"structured_outputs.{name}", kind, value))
-        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                           ("guided_grammar", "grammar")):
+        for name, kind in (
+            ("guided_json", "json_schema"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
             if getattr(self, name) is not None:
                 asked.append((name, kind, getattr(self, name)))
         if not asked:
             return None
         if len(asked) > 1:
-            raise APIError(400, f"ask for one structured output, not {len(asked)}: {[a[0] for a in asked]}",
-                           param=asked[1][0])
+            raise APIError(
+                400, f"ask for one structured output, not {len(asked)}: {[a[0] for a in asked]}", param=asked[1][0]
+            )
         param, kind, value = asked[0]
         try:
             if kind == "json_schema":
@@ -312,15 +340,16 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 # -------------------------------------------------------------------------------------------- responses
 
+
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0             # prompt tokens served from the engine's prefix cache
+    cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()   # OpenAI's field
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()  # OpenAI's field
 
 
 def _absent(v: Any) -> bool:

@@ -27,11 +27,13 @@ log = logging.getLogger("molora.server.ray")
 
 # ------------------------------------------------------------------------------------------ ingress client
 
+
 class RemoteSubmission(Submission):
     """A submission whose outputs arrive as a stream of replica messages (`EngineReplica.generate`)."""
 
-    def __init__(self, stream: Any, ids: dict[str, int], arrival: float, on_close: Callable[[], None],
-                 replica: str | None = None) -> None:
+    def __init__(
+        self, stream: Any, ids: dict[str, int], arrival: float, on_close: Callable[[], None], replica: str | None = None
+    ) -> None:
         super().__init__(ids, arrival, replica)
         self.stream = stream
         self._on_close = on_close
@@ -64,8 +66,15 @@ class RayClient(EngineClient):
     """`EngineClient` over a handle to the engine deployment (works with any object with the same calls:
     `handle.options(stream=..., multiplexed_model_id=...).generate.remote(...)` and `.command.remote(...)`)."""
 
-    def __init__(self, handle: Any, registry: Registry, *, max_in_flight: int = 256,
-                 call_timeout_s: float = 30.0, backpressure: tuple[type[BaseException], ...] = ()) -> None:
+    def __init__(
+        self,
+        handle: Any,
+        registry: Registry,
+        *,
+        max_in_flight: int = 256,
+        call_timeout_s: float = 30.0,
+        backpressure: tuple[type[BaseException], ...] = (),
+    ) -> None:
         self.handle, self.registry = handle, registry
         self.max_in_flight = max_in_flight
         self.call_timeout_s = call_timeout_s
@@ -92,8 +101,13 @@ class RayClient(EngineClient):
 
     def health(self) -> dict:
         # liveness of the ingress; Ray restarts engine replicas that fail their own health checks
-        return {"alive": self._started, "stalled": False, "broken": None, "last_progress_age_s": 0.0,
-                "failures": self._failures}
+        return {
+            "alive": self._started,
+            "stalled": False,
+            "broken": None,
+            "last_progress_age_s": 0.0,
+            "failures": self._failures,
+        }
 
     def _release(self, n: int) -> None:
         self._in_flight -= n
@@ -143,8 +157,10 @@ class RayClient(EngineClient):
 
     async def list_adapters(self, bundle: str) -> list[dict]:
         spec = self.registry.spec(bundle)
-        return [{"name": n, "state": "ready", "source": "bundle" if p is None else "run time"}
-                for n, p in spec.adapters.items()]
+        return [
+            {"name": n, "state": "ready", "source": "bundle" if p is None else "run time"}
+            for n, p in spec.adapters.items()
+        ]
 
     async def load_adapter(self, bundle: str, name: str, path: Path, roots: Sequence[Path]) -> None:
         async with self._admin:

@@ -31,16 +31,23 @@ log = logging.getLogger("molora.server.ray")
 
 # ------------------------------------------------------------------------------------------ replica
 
+
 class EngineReplica:
     """The engine deployment's logic without Ray: bundle leases, adapter sync, streaming outputs.
 
     build_engine(path) -> Engine (blocking; runs on a worker thread). The Ray deployment class wraps this."""
 
-    def __init__(self, build_engine: Callable[[str | None], Any], *, max_in_flight: int = 256,
-                 stall_s: float = 30.0, name: str = "local") -> None:
+    def __init__(
+        self,
+        build_engine: Callable[[str | None], Any],
+        *,
+        max_in_flight: int = 256,
+        stall_s: float = 30.0,
+        name: str = "local",
+    ) -> None:
         self.build_engine, self.name = build_engine, name
         self.max_in_flight, self.stall_s = max_in_flight, stall_s
-        self.specs: dict[str, BundleSpec] = {}     # the newest spec seen per bundle (the loader reads it)
+        self.specs: dict[str, BundleSpec] = {}  # the newest spec seen per bundle (the loader reads it)
         self.leases = Leases(self._build)
 
     async def _build(self, name: str) -> tuple[Any, EngineRunner]:
@@ -76,8 +83,9 @@ class EngineReplica:
             lease.version = spec.version
             return states
 
-    async def generate(self, resident: Resident, spec: BundleSpec, specs: Sequence[RequestSpec],
-                       prefix: str) -> AsyncIterator[tuple]:
+    async def generate(
+        self, resident: Resident, spec: BundleSpec, specs: Sequence[RequestSpec], prefix: str
+    ) -> AsyncIterator[tuple]:
         """Messages for the ingress: ("accepted", {request_id: index}, replica name), then ("outs", [(index,
         RequestOutput), ...]) with every output ready at that moment, ... or ("failure", message); ("error", kind,
         message) if the request never started."""

@@ -67,35 +67,37 @@ INGRESS_KINDS = ("serve", "process")
 
 # ------------------------------------------------------------------------------------------ Ray deployments
 
+
 @dataclass(frozen=True)
 class RayConfig:
     """What `molora serve --ray` deploys (CLI flags of the same names)."""
 
-    bundles: tuple[str | None, ...] = (None,)      # bundle folders (None: the embedded default)
+    bundles: tuple[str | None, ...] = (None,)  # bundle folders (None: the embedded default)
     replicas: int = 1
-    min_replicas: int | None = None                # autoscaling bounds (both or neither)
+    min_replicas: int | None = None  # autoscaling bounds (both or neither)
     max_replicas: int | None = None
-    max_queue: int = 64                            # engine requests a replica admits = max_ongoing_requests
-    ray_queue: int | None = None                   # calls queued at the ingress beyond that (None: max_queue)
-    bundles_per_replica: int = 2                   # Ray's max_num_models_per_replica
-    threads_per_replica: int | None = None         # torch threads (None: cores / replicas)
-    cpus_per_replica: float | None = None          # Ray's num_cpus (None: threads_per_replica)
+    max_queue: int = 64  # engine requests a replica admits = max_ongoing_requests
+    ray_queue: int | None = None  # calls queued at the ingress beyond that (None: max_queue)
+    bundles_per_replica: int = 2  # Ray's max_num_models_per_replica
+    threads_per_replica: int | None = None  # torch threads (None: cores / replicas)
+    cpus_per_replica: float | None = None  # Ray's num_cpus (None: threads_per_replica)
     engine_config: dict = field(default_factory=dict)
     dtype: str = "float32"
     stall_s: float = 30.0
-    ingress: str = "serve"                         # "serve": a Serve deployment; "process": in this process
+    ingress: str = "serve"  # "serve": a Serve deployment; "process": in this process
 
     def __post_init__(self) -> None:
         if self.ingress not in INGRESS_KINDS:
             raise MoLoRAError(f"--ray-ingress {self.ingress!r}: use one of {', '.join(INGRESS_KINDS)}")
         if self.replicas < 1 or self.max_queue < 1 or self.bundles_per_replica < 1:
-            raise MoLoRAError(f"--replicas ({self.replicas}), --max-queue ({self.max_queue}) and bundles per "
-                              f"replica ({self.bundles_per_replica}) must be at least 1")
+            raise MoLoRAError(
+                f"--replicas ({self.replicas}), --max-queue ({self.max_queue}) and bundles per "
+                f"replica ({self.bundles_per_replica}) must be at least 1"
+            )
         if (self.min_replicas is None) != (self.max_replicas is None):
             raise MoLoRAError("give both --min-replicas and --max-replicas for autoscaling, or neither")
         if self.min_replicas is not None and not 0 < self.min_replicas <= self.max_replicas:
-            raise MoLoRAError(f"need 0 < --min-replicas ({self.min_replicas}) <= --max-replicas "
-                              f"({self.max_replicas})")
+            raise MoLoRAError(f"need 0 < --min-replicas ({self.min_replicas}) <= --max-replicas ({self.max_replicas})")
         if not self.bundles:
             raise MoLoRAError("--ray needs at least one bundle")
 
@@ -113,9 +115,14 @@ def bundle_specs(bundles: Sequence[str | None], roots: Sequence[str | Path] = ()
     specs = []
     for path in bundles:
         b = read_bundle(default_bundle_dir() if path is None else path)
-        specs.append(BundleSpec(b.name, None if path is None else str(Path(path).resolve()),
-                                adapters={a.name: None for a in b.adapters},
-                                roots=tuple(str(Path(r).resolve()) for r in roots)))
+        specs.append(
+            BundleSpec(
+                b.name,
+                None if path is None else str(Path(path).resolve()),
+                adapters={a.name: None for a in b.adapters},
+                roots=tuple(str(Path(r).resolve()) for r in roots),
+            )
+        )
     return specs
 
 
@@ -129,9 +136,18 @@ def build_catalog(specs: Sequence[BundleSpec], *, max_model_len: int, default_ma
     for s in specs:
         b = read_bundle(default_bundle_dir() if s.path is None else s.path)
         tok, config = load_tokenizer(b.base)
-        b = with_tokenizer(b, tok)   # what the replicas' `load` fills in: the chat template, the prompt template, stops
-        infos.append(model_info(s.name, tok, b, config=config, max_model_len=max_model_len,
-                                adapters=list(s.adapters), default_max_tokens=default_max_tokens))
+        b = with_tokenizer(b, tok)  # what the replicas' `load` fills in: the chat template, the prompt template, stops
+        infos.append(
+            model_info(
+                s.name,
+                tok,
+                b,
+                config=config,
+                max_model_len=max_model_len,
+                adapters=list(s.adapters),
+                default_max_tokens=default_max_tokens,
+            )
+        )
     return Catalog(infos)
 
 
@@ -151,19 +167,29 @@ def engine_deployment(cfg: RayConfig, specs: Sequence[BundleSpec]) -> Any:
 
     scaling: dict[str, Any] = {"num_replicas": cfg.replicas}
     if cfg.min_replicas is not None:
-        scaling = {"autoscaling_config": {"min_replicas": cfg.min_replicas, "max_replicas": cfg.max_replicas,
-                                          "target_ongoing_requests": max(1, max_queue // 2)}}
+        scaling = {
+            "autoscaling_config": {
+                "min_replicas": cfg.min_replicas,
+                "max_replicas": cfg.max_replicas,
+                "target_ongoing_requests": max(1, max_queue // 2),
+            }
+        }
 
-    @serve.deployment(name=ENGINE_DEPLOYMENT, max_ongoing_requests=max_queue,
-                      max_queued_requests=cfg.ray_queue or max_queue,
-                      ray_actor_options={"num_cpus": cfg.cpus_per_replica or threads}, **scaling)
+    @serve.deployment(
+        name=ENGINE_DEPLOYMENT,
+        max_ongoing_requests=max_queue,
+        max_queued_requests=cfg.ray_queue or max_queue,
+        ray_actor_options={"num_cpus": cfg.cpus_per_replica or threads},
+        **scaling,
+    )
     class MoloraEngine:
         def __init__(self) -> None:
             import torch
 
             torch.set_num_threads(threads)
-            self.replica = EngineReplica(build, max_in_flight=max_queue, stall_s=stall_s,
-                                         name=serve.get_replica_context().replica_id.unique_id)
+            self.replica = EngineReplica(
+                build, max_in_flight=max_queue, stall_s=stall_s, name=serve.get_replica_context().replica_id.unique_id
+            )
 
         @serve.multiplexed(max_num_models_per_replica=cfg.bundles_per_replica)
         async def bundle(self, bundle_id: str) -> Resident:
@@ -185,8 +211,10 @@ def engine_deployment(cfg: RayConfig, specs: Sequence[BundleSpec]) -> Any:
 
         def info(self) -> dict:
             """This replica's name, engines built and leases (diagnostics; tests)."""
-            leases = {n: {"holders": x.holders, "sequences": x.sequences, "version": x.version}
-                      for n, x in self.replica.leases.leases.items()}
+            leases = {
+                n: {"holders": x.holders, "sequences": x.sequences, "version": x.version}
+                for n, x in self.replica.leases.leases.items()
+            }
             return {"replica": self.replica.name, "builds": self.replica.leases.builds, "leases": leases}
 
     return MoloraEngine.bind()
@@ -212,8 +240,9 @@ def make_app(cfg: RayConfig, specs: Sequence[BundleSpec], server_kwargs: dict) -
     # default of 5 ongoing requests per replica would hold the rest at the proxy, unbounded and unrefused)
     ingress_ongoing = max(1024, 2 * ((cfg.max_replicas or cfg.replicas) * max_queue + (cfg.ray_queue or max_queue)))
 
-    @serve.deployment(name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=ingress_ongoing,
-                      ray_actor_options={"num_cpus": 0})
+    @serve.deployment(
+        name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=ingress_ongoing, ray_actor_options={"num_cpus": 0}
+    )
     @serve.ingress()
     class MoloraIngress:
         def __init__(self, engine: Any) -> None:
@@ -225,8 +254,15 @@ def make_app(cfg: RayConfig, specs: Sequence[BundleSpec], server_kwargs: dict) -
     return MoloraIngress.bind(engine_deployment(cfg, specs))
 
 
-def serve_ray(cfg: RayConfig, *, host: str = "127.0.0.1", port: int = 8000, adapter_roots: Sequence[str] = (),
-              server_kwargs: dict | None = None, block: bool = True) -> Any:
+def serve_ray(
+    cfg: RayConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    adapter_roots: Sequence[str] = (),
+    server_kwargs: dict | None = None,
+    block: bool = True,
+) -> Any:
     """Start Ray (local), deploy the engine replicas and the ingress on host:port, and (block=True) serve until
     SIGTERM/Ctrl-C, then shut Serve and Ray down.
 

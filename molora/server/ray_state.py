@@ -19,8 +19,12 @@ log = logging.getLogger("molora.server.ray")
 
 # errors that cross the process boundary as (kind, message): exceptions of molora's own classes may not unpickle
 _ERRORS: dict[str, type[Exception]] = {
-    "saturated": Saturated, "stopped": RunnerStopped, "draining": AdapterDraining, "not_found": AdapterNotFound,
-    "bank_full": BankFullError, "invalid": MoLoRAError,
+    "saturated": Saturated,
+    "stopped": RunnerStopped,
+    "draining": AdapterDraining,
+    "not_found": AdapterNotFound,
+    "bank_full": BankFullError,
+    "invalid": MoLoRAError,
 }
 
 
@@ -36,6 +40,7 @@ def raise_error(kind: str, message: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ registry
+
 
 @dataclass(frozen=True)
 class BundleSpec:
@@ -73,26 +78,30 @@ class Registry:
         """The next version with `name` removed (not yet committed)."""
         s = self.specs[bundle]
         forced = s.forced | {name} if force else s.forced - {name}
-        return replace(s, version=s.version + 1, adapters={k: v for k, v in s.adapters.items() if k != name},
-                       forced=forced)
+        return replace(
+            s, version=s.version + 1, adapters={k: v for k, v in s.adapters.items() if k != name}, forced=forced
+        )
 
     def commit(self, spec: BundleSpec) -> None:
         if spec.version != self.specs[spec.name].version + 1:
-            raise MoLoRAError(f"bundle {spec.name!r} changed meanwhile (version {self.specs[spec.name].version}, "
-                              f"this change was made on {spec.version - 1}); retry")
+            raise MoLoRAError(
+                f"bundle {spec.name!r} changed meanwhile (version {self.specs[spec.name].version}, "
+                f"this change was made on {spec.version - 1}); retry"
+            )
         self.specs[spec.name] = spec
 
 
 # ------------------------------------------------------------------------------------------ leases
+
 
 class BundleLease:
     """One bundle's engine on one replica: resident while Ray holds it, alive while sequences use it."""
 
     def __init__(self, name: str, engine: Any, runner: EngineRunner, version: int = -1) -> None:
         self.name, self.engine, self.runner = name, engine, runner
-        self.version = version         # the registry version the engine's bank matches (-1: none yet)
-        self.holders = 0               # Ray's loaded objects for this bundle not yet released
-        self.sequences = 0             # generate calls running on it
+        self.version = version  # the registry version the engine's bank matches (-1: none yet)
+        self.holders = 0  # Ray's loaded objects for this bundle not yet released
+        self.sequences = 0  # generate calls running on it
         self.closed = False
         self.sync_lock = asyncio.Lock()
 
@@ -124,7 +133,7 @@ class Leases:
         self.build = build
         self.close_fn = close or close_lease
         self.leases: dict[str, BundleLease] = {}
-        self.builds = 0                # engines built (a revived lease is not a build)
+        self.builds = 0  # engines built (a revived lease is not a build)
         self._building: dict[str, asyncio.Future] = {}
 
     async def acquire(self, name: str) -> Resident:

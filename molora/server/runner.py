@@ -52,9 +52,9 @@ class RequestSpec:
     adapter: str | None = None
     allowed_adapters: list[str] | None = None
     routing: str = "auto"
-    timeout_s: float | None = None         # engine-side deadlines (Engine.add_request)
+    timeout_s: float | None = None  # engine-side deadlines (Engine.add_request)
     queue_timeout_s: float | None = None
-    constraint: Any = None                 # a compiled molora.sampling.Constraint (structured output) or None
+    constraint: Any = None  # a compiled molora.sampling.Constraint (structured output) or None
 
 
 @dataclass(frozen=True)
@@ -88,10 +88,10 @@ class Submission:
     def __init__(self, ids: dict[str, int], arrival: float, replica: str | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Any] | EngineFailure] = asyncio.Queue()
-        self.ids = ids                        # request_id -> choice index
+        self.ids = ids  # request_id -> choice index
         self.unfinished = set(ids)
         self.arrival = arrival
-        self.replica = replica                # which engine replica runs it (None: this process)
+        self.replica = replica  # which engine replica runs it (None: this process)
         self._closed = False
 
     def finished(self, request_id: str) -> None:
@@ -124,27 +124,36 @@ class RunnerSubmission(Submission):
 class EngineRunner:
     """Drives `engine` on a background thread; see the module docstring."""
 
-    def __init__(self, engine: Any, *, max_in_flight: int = 256, on_step: Callable[[int, float], None] | None = None,
-                 on_event: Callable[[str, Any], None] | None = None, stall_s: float = 30.0, max_failures: int = 5,
-                 backoff_s: float = 0.5):
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        max_in_flight: int = 256,
+        on_step: Callable[[int, float], None] | None = None,
+        on_event: Callable[[str, Any], None] | None = None,
+        stall_s: float = 30.0,
+        max_failures: int = 5,
+        backoff_s: float = 0.5,
+    ):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight={max_in_flight} must be at least 1")
         if not stall_s > 0 or max_failures < 1 or backoff_s < 0:
-            raise MoLoRAError(f"stall_s={stall_s} must be > 0, max_failures={max_failures} >= 1, "
-                             f"backoff_s={backoff_s} >= 0")
+            raise MoLoRAError(
+                f"stall_s={stall_s} must be > 0, max_failures={max_failures} >= 1, backoff_s={backoff_s} >= 0"
+            )
         self.engine = engine
         self.max_in_flight = max_in_flight
-        self.on_step = on_step                # (new tokens, step seconds): for the tokens/s gauge
-        self.on_event = on_event              # (kind, value): engine events and "restart" (module docstring)
+        self.on_step = on_step  # (new tokens, step seconds): for the tokens/s gauge
+        self.on_event = on_event  # (kind, value): engine events and "restart" (module docstring)
         self.stall_s, self.max_failures, self.backoff_s = stall_s, max_failures, backoff_s
-        self._beat = time.monotonic()         # last progress of the engine thread
-        self._busy = False                    # the engine thread is running commands or steps
-        self.failures = 0                     # step() exceptions and loop restarts since start
-        self._in_a_row = 0                    # ... since the last good step
-        self.broken: str | None = None        # why the runner gave up (crash loop), else None
+        self._beat = time.monotonic()  # last progress of the engine thread
+        self._busy = False  # the engine thread is running commands or steps
+        self.failures = 0  # step() exceptions and loop restarts since start
+        self._in_a_row = 0  # ... since the last good step
+        self.broken: str | None = None  # why the runner gave up (crash loop), else None
         self._cv = threading.Condition()
         self._inbox: list[_Command] = []
-        self._routes: dict[str, Submission] = {}   # engine-thread only: request_id -> its submission
+        self._routes: dict[str, Submission] = {}  # engine-thread only: request_id -> its submission
         self._admit = threading.Lock()
         self._in_flight = 0
         self._ids = itertools.count()
@@ -182,8 +191,14 @@ class EngineRunner:
         progress, failures so far."""
         age = time.monotonic() - self._beat
         stalled = self.alive and self._busy and age > self.stall_s
-        return {"alive": self.alive, "stalled": stalled, "broken": self.broken, "last_progress_age_s": age,
-                "busy": self._busy, "failures": self.failures}
+        return {
+            "alive": self.alive,
+            "stalled": stalled,
+            "broken": self.broken,
+            "last_progress_age_s": age,
+            "busy": self._busy,
+            "failures": self.failures,
+        }
 
     @property
     def healthy(self) -> bool:
@@ -207,9 +222,11 @@ class EngineRunner:
             return await asyncio.wait_for(asyncio.shield(command.future), timeout)
         except TimeoutError:
             started = not command.cancel()
-            raise EngineBusy(f"the engine thread did not {'finish' if started else 'take up'} this within "
-                             f"{timeout:g} s (a long or hung step); "
-                             f"{'it may still take effect' if started else 'nothing was changed'}") from None
+            raise EngineBusy(
+                f"the engine thread did not {'finish' if started else 'take up'} this within "
+                f"{timeout:g} s (a long or hung step); "
+                f"{'it may still take effect' if started else 'nothing was changed'}"
+            ) from None
 
     async def submit(self, specs: Sequence[RequestSpec], prefix: str) -> Submission:
         """Add all of `specs` to the engine, or none (the engine's error is raised); Saturated when full."""
@@ -263,9 +280,17 @@ class EngineRunner:
         try:
             for rid, spec in zip(sub.ids, specs):
                 extra = {"constraint": spec.constraint} if spec.constraint is not None else {}
-                self.engine.add_request(spec.prompt_ids, spec.params, request_id=rid, adapter=spec.adapter,
-                                        allowed_adapters=spec.allowed_adapters, routing=spec.routing,
-                                        timeout_s=spec.timeout_s, queue_timeout_s=spec.queue_timeout_s, **extra)
+                self.engine.add_request(
+                    spec.prompt_ids,
+                    spec.params,
+                    request_id=rid,
+                    adapter=spec.adapter,
+                    allowed_adapters=spec.allowed_adapters,
+                    routing=spec.routing,
+                    timeout_s=spec.timeout_s,
+                    queue_timeout_s=spec.queue_timeout_s,
+                    **extra,
+                )
                 added.append(rid)
                 self._routes[rid] = sub
         except BaseException:
@@ -413,7 +438,7 @@ class _Command:
         self.fn, self.loop = fn, loop
         self.future: asyncio.Future | None = loop.create_future() if loop is not None else None
         self._lock = threading.Lock()
-        self._state = "pending"            # -> "running" (engine thread) or "cancelled" (caller timed out)
+        self._state = "pending"  # -> "running" (engine thread) or "cancelled" (caller timed out)
 
     def cancel(self) -> bool:
         """True if the command had not started: it will never run. False: it is running or done."""

@@ -50,7 +50,7 @@ class AdapterTrainConfig:
     batch_size: int = 16
     max_len: int = 256
     seed: int = 0
-    bf16: bool = True          # frozen base in bf16, LoRA weights fp32
+    bf16: bool = True  # frozen base in bf16, LoRA weights fp32
     warmup: float = 0.05
 
     def __post_init__(self) -> None:
@@ -66,8 +66,7 @@ def read_examples(path: str | Path) -> list[tuple[str, str]]:
         try:
             out.append(_as_pair(row))
         except (KeyError, TypeError, ValueError) as e:
-            raise MoLoRAError(f"{path}:{n}: expected {{\"prompt\",\"completion\"}} or {{\"messages\":[...]}} "
-                              f"({e})") from e
+            raise MoLoRAError(f'{path}:{n}: expected {{"prompt","completion"}} or {{"messages":[...]}} ({e})') from e
     if not out:
         raise MoLoRAError(f"{path}: no examples")
     return out
@@ -83,8 +82,9 @@ def _as_pair(row: dict) -> tuple[str, str]:
     return str(row["prompt"]), str(row["completion"])
 
 
-def tokenize_pairs(tokenizer: Any, pairs: Sequence[tuple[str, str]], template: str = CHATML,
-                   max_len: int = 256, end: str = END) -> list[tuple[list[int], int]]:
+def tokenize_pairs(
+    tokenizer: Any, pairs: Sequence[tuple[str, str]], template: str = CHATML, max_len: int = 256, end: str = END
+) -> list[tuple[list[int], int]]:
     """(ids, prompt_len) per example: template(prompt) + completion + end, truncated to max_len."""
     out = []
     for prompt, completion in pairs:
@@ -94,11 +94,12 @@ def tokenize_pairs(tokenizer: Any, pairs: Sequence[tuple[str, str]], template: s
     return out
 
 
-def batches(encoded: list[tuple[list[int], int]], batch_size: int, rng: random.Random,
-            pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def batches(
+    encoded: list[tuple[list[int], int]], batch_size: int, rng: random.Random, pad_id: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Length-bucketed, shuffled batches of (ids [B, L], attention [B, L], labels [B, L]); -100 = no loss."""
     order = sorted(range(len(encoded)), key=lambda i: (len(encoded[i][0]), rng.random()))
-    groups = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     rng.shuffle(groups)
     out = []
     for g in groups:
@@ -110,7 +111,7 @@ def batches(encoded: list[tuple[list[int], int]], batch_size: int, rng: random.R
             seq, plen = encoded[i]
             ids[row, : len(seq)] = torch.tensor(seq)
             att[row, : len(seq)] = 1
-            lab[row, plen: len(seq)] = torch.tensor(seq[plen:])
+            lab[row, plen : len(seq)] = torch.tensor(seq[plen:])
         out.append((ids, att, lab))
     return out
 
@@ -125,9 +126,17 @@ def completion_loss(model: Any, ids: torch.Tensor, att: torch.Tensor, labels: to
     return torch.nn.functional.cross_entropy(logits.float(), target[keep])
 
 
-def train_adapter(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], out_dir: str | Path,
-                  config: AdapterTrainConfig = AdapterTrainConfig(), *, template: str = CHATML,
-                  end: str = END, progress: bool = True) -> dict:
+def train_adapter(
+    model: Any,
+    tokenizer: Any,
+    pairs: Sequence[tuple[str, str]],
+    out_dir: str | Path,
+    config: AdapterTrainConfig = AdapterTrainConfig(),
+    *,
+    template: str = CHATML,
+    end: str = END,
+    progress: bool = True,
+) -> dict:
     """Train a LoRA on `model` (modified in place by PEFT) and save a PEFT folder at out_dir. `end` closes
     every completion (the bundle's stop token; ChatML's end of turn by default)."""
     try:
@@ -136,15 +145,30 @@ def train_adapter(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], 
         raise MoLoRAError("training an adapter needs PEFT: pip install 'molora[train]'") from e
 
     torch.manual_seed(config.seed)
-    lcfg = LoraConfig(r=config.rank, lora_alpha=config.alpha, target_modules=list(config.target_modules),
-                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    lcfg = LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        target_modules=list(config.target_modules),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     if config.bf16:
         model = model.to(torch.bfloat16)  # base in bf16 (fast matmuls on avx512_bf16); LoRA weights stay fp32
     pm = get_peft_model(model, lcfg, autocast_adapter_dtype=True)
     pm.train()
     base = pm.get_base_model()
-    stats = _fit(base, [p for p in pm.parameters() if p.requires_grad], tokenizer, pairs, config, template, end,
-                 Path(out_dir).name, progress)
+    stats = _fit(
+        base,
+        [p for p in pm.parameters() if p.requires_grad],
+        tokenizer,
+        pairs,
+        config,
+        template,
+        end,
+        Path(out_dir).name,
+        progress,
+    )
     pm.eval()
     out_dir = Path(out_dir)
     pm.save_pretrained(str(out_dir))
@@ -153,9 +177,18 @@ def train_adapter(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], 
     return stats
 
 
-def _fit(model: Any, params: list[torch.Tensor], tokenizer: Any, pairs: Sequence[tuple[str, str]],
-         config: AdapterTrainConfig, template: str, end: str, label: str, progress: bool,
-         routed: Any = None) -> dict:
+def _fit(
+    model: Any,
+    params: list[torch.Tensor],
+    tokenizer: Any,
+    pairs: Sequence[tuple[str, str]],
+    config: AdapterTrainConfig,
+    template: str,
+    end: str,
+    label: str,
+    progress: bool,
+    routed: Any = None,
+) -> dict:
     """The training loop both paths share: seeded batches, AdamW with warmup and cosine decay, the completion
     loss. `routed(ids)` (or None) is a context manager that routes one batch (train_routed)."""
     rng = random.Random(config.seed)
@@ -167,7 +200,9 @@ def _fit(model: Any, params: list[torch.Tensor], tokenizer: Any, pairs: Sequence
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     warm = max(1, int(config.warmup * len(plan)))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(1, len(plan) - warm))))))
+        opt,
+        lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(1, len(plan) - warm))))),
+    )
     t0, c0, tokens, losses = time.perf_counter(), time.process_time(), 0, []
     bar = tqdm(plan, desc=f"train {label}", disable=not progress, unit="batch")
     dev = next(model.parameters()).device
@@ -182,18 +217,32 @@ def _fit(model: Any, params: list[torch.Tensor], tokenizer: Any, pairs: Sequence
         opt.zero_grad(set_to_none=True)
         tokens += int(att.sum())
         losses.append(float(loss.detach()))
-        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}",
-                        tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+        bar.set_postfix(
+            loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}"
+        )
     # cpu_seconds: this process's CPU time over all its threads (the CPU-minutes a CPU-only user pays; unlike
     # the wall time it hardly moves when other jobs share the machine)
-    return {"steps": len(plan), "tokens": tokens, "seconds": round(time.perf_counter() - t0, 1),
-            "cpu_seconds": round(time.process_time() - c0, 1),
-            "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4)}
+    return {
+        "steps": len(plan),
+        "tokens": tokens,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "cpu_seconds": round(time.process_time() - c0, 1),
+        "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4),
+    }
 
 
-def train_routed(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], out_dirs: Mapping[str, str | Path],
-                 router: Any, config: AdapterTrainConfig = AdapterTrainConfig(bf16=False), *,
-                 template: str = CHATML, end: str = END, progress: bool = True) -> dict:
+def train_routed(
+    model: Any,
+    tokenizer: Any,
+    pairs: Sequence[tuple[str, str]],
+    out_dirs: Mapping[str, str | Path],
+    router: Any,
+    config: AdapterTrainConfig = AdapterTrainConfig(bf16=False),
+    *,
+    template: str = CHATML,
+    end: str = END,
+    progress: bool = True,
+) -> dict:
     """Train the adapters named by `out_dirs` (name -> folder) together on `model` (modified in place: its
     linears become routed), each token's delta from the adapter `router` picks, and save each as a PEFT
     folder. The adapters start as PEFT starts a LoRA (A Kaiming-uniform, B zero) and train in the model's
@@ -203,8 +252,11 @@ def train_routed(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], o
 
     torch.manual_seed(config.seed)
     model.requires_grad_(False)
-    shapes = {n: (m.out_features, m.in_features) for n, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in config.target_modules}
+    shapes = {
+        n: (m.out_features, m.in_features)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in config.target_modules
+    }
     if not shapes:
         raise MoLoRAError(f"no linear of the model matches target_modules={list(config.target_modules)}")
     meta = getattr(model, "name_or_path", None) or None
@@ -215,22 +267,38 @@ def train_routed(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], o
             torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))
             init[m] = (a, torch.zeros(d_out, config.rank))
         save_adapter(out, init, r=config.rank, lora_alpha=config.alpha, base_model_name_or_path=meta)
-    mm = attach(model, {n: Path(p) for n, p in out_dirs.items()}, slots=len(out_dirs), max_rank=config.rank,
-                check_base=False)
+    mm = attach(
+        model, {n: Path(p) for n, p in out_dirs.items()}, slots=len(out_dirs), max_rank=config.rank, check_base=False
+    )
     params = []
     for slots in mm.bank.slots.values():  # A [S, R, d_in] and Bt [S, R, d_out]: every slot is an adapter
         params += [slots.A.requires_grad_(True), slots.Bt.requires_grad_(True)]
     mm.train()
-    stats = _fit(mm.model, params, tokenizer, pairs, config, template, end, "+".join(out_dirs), progress,
-                 routed=lambda ids: mm.routed(ids, router))
+    stats = _fit(
+        mm.model,
+        params,
+        tokenizer,
+        pairs,
+        config,
+        template,
+        end,
+        "+".join(out_dirs),
+        progress,
+        routed=lambda ids: mm.routed(ids, router),
+    )
     mm.eval()
     for slots in mm.bank.slots.values():
         slots.A.requires_grad_(False)
         slots.Bt.requires_grad_(False)
     for name, out in out_dirs.items():
         s = mm.bank.slot_of(name)
-        save_adapter(out, {m: (sl.A[s], sl.B[s]) for m, sl in mm.bank.slots.items()}, r=config.rank,
-                     lora_alpha=config.alpha, base_model_name_or_path=meta)
+        save_adapter(
+            out,
+            {m: (sl.A[s], sl.B[s]) for m, sl in mm.bank.slots.items()},
+            r=config.rank,
+            lora_alpha=config.alpha,
+            base_model_name_or_path=meta,
+        )
         stats_out = {"examples": len(pairs), **stats, "trained_with": sorted(out_dirs), "config": asdict(config)}
         (Path(out) / "training_stats.json").write_text(json.dumps(stats_out, indent=2) + "\n")
     return stats

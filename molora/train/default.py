@@ -11,7 +11,8 @@ data/general_{val,test}.jsonl for `molora eval --task general:FILE`; the split's
     molora build-default --out DIR [--data-only]
 
 `--data-only` writes just the exact JSONL files used for training (so anyone can check their overlap
-with any benchmark); it loads the base model once, to answer the general train prompts itself. Seeds: skill data uses `TRAIN_SEED_BASE + i` streams; held-out evaluation uses
+with any benchmark); it loads the base model once, to answer the general train prompts itself. Seeds: skill data uses
+`TRAIN_SEED_BASE + i` streams; held-out evaluation uses
 `EVAL_SEED_BASE + i` (see molora.data.skills). Counting and arithmetic completions are short worked
 solutions ending "So the answer is X." (molora.data.solutions: bare answers trained to 10% and 0%).
 """
@@ -56,12 +57,12 @@ GENERIC_FILE = Path(__file__).resolve().parent.parent / "data" / "generic.jsonl.
 
 @dataclass(frozen=True)
 class DefaultRecipe:
-    n_train: int = 1500        # examples per adapter
-    n_router: int = 150        # single-skill sequences per adapter for the router
-    n_mixed: int = 150         # two-skill multi-turn sequences for the router
-    n_topic: int = 200         # templated everyday requests (molora.data.general), answered by the base model
+    n_train: int = 1500  # examples per adapter
+    n_router: int = 150  # single-skill sequences per adapter for the router
+    n_mixed: int = 150  # two-skill multi-turn sequences for the router
+    n_topic: int = 200  # templated everyday requests (molora.data.general), answered by the base model
     n_general_mixed: int = 100  # two-turn sequences of a general request and a skill question, either order
-    general_tokens: int = 96   # budget of the base model's own answers to general prompts
+    general_tokens: int = 96  # budget of the base model's own answers to general prompts
     rank: int = 8
     alpha: float = 16.0
     lr: float = 1e-3
@@ -79,6 +80,7 @@ class DefaultRecipe:
 
 
 # ------------------------------------------------------------------------------------------------ data
+
 
 def read_generic(n: int, seed: int) -> list[dict]:
     rows = read_jsonl(GENERIC_FILE, comments=True)
@@ -111,9 +113,10 @@ def base_answers(path: Path, prompts: list[dict], recipe: DefaultRecipe, progres
         rows = {p["id"]: tok(turn_text(CHATML, p["prompt"]), add_special_tokens=False)["input_ids"] for p in todo}
         todo.sort(key=lambda p: len(rows[p["id"]]))
         for i in tqdm(range(0, len(todo), recipe.batch_size), desc="base answers", disable=not progress):
-            batch = todo[i:i + recipe.batch_size]
-            got, _ = generate_batch(mm, [rows[p["id"]] for p in batch], SequenceRouter(None),
-                                    [recipe.general_tokens] * len(batch), stops)
+            batch = todo[i : i + recipe.batch_size]
+            got, _ = generate_batch(
+                mm, [rows[p["id"]] for p in batch], SequenceRouter(None), [recipe.general_tokens] * len(batch), stops
+            )
             for p, ids in zip(batch, got):
                 done[p["id"]] = tok.decode(ids, skip_special_tokens=True).strip()
         write_jsonl(path, [{"id": k, "answer": v} for k, v in done.items()])
@@ -125,8 +128,10 @@ def write_general_eval(data: Path, split: dict[str, list[dict]]) -> dict[str, Pa
     paths = {}
     for name in ("val", "test"):
         paths[f"general_{name}"] = data / f"general_{name}.jsonl"
-        write_jsonl(paths[f"general_{name}"], [{"id": r["id"], "source": r["source"], "prompt": r["prompt"]}
-                                               for r in split[name]])
+        write_jsonl(
+            paths[f"general_{name}"],
+            [{"id": r["id"], "source": r["source"], "prompt": r["prompt"]} for r in split[name]],
+        )
     return paths
 
 
@@ -139,36 +144,61 @@ def write_data(out: Path, recipe: DefaultRecipe, answers: dict[str, str]) -> dic
     for i, (name, task) in enumerate(SKILL_ADAPTERS.items()):
         items = generate(task, recipe.n_train, seed=TRAIN_SEED_BASE + 10 * i)
         paths[name] = data / f"{name}.jsonl"
-        write_jsonl(paths[name], [{"prompt": it.input, "completion": worked_solution(task, it.input, it.target)}
-                                  for it in items])
+        write_jsonl(
+            paths[name],
+            [{"prompt": it.input, "completion": worked_solution(task, it.input, it.target)} for it in items],
+        )
     rows = []
     for i, (name, task) in enumerate(SKILL_ADAPTERS.items()):
         for it in generate(task, recipe.n_router, seed=TRAIN_SEED_BASE + 10 * i + 1):
-            rows.append({"segments": [{"prompt": it.input, "completion": worked_solution(task, it.input, it.target),
-                                       "label": name}]})
+            rows.append(
+                {
+                    "segments": [
+                        {"prompt": it.input, "completion": worked_solution(task, it.input, it.target), "label": name}
+                    ]
+                }
+            )
     names = list(SKILL_ADAPTERS)
     for name, n in recipe.router_short:
         i, task = names.index(name), SKILL_ADAPTERS[name]
         drawn = generate(task, 4 * n, seed=TRAIN_SEED_BASE + 10 * i + 4)
         for it in sorted(drawn, key=lambda it: len(it.input))[:n]:
-            rows.append({"segments": [{"prompt": it.input, "completion": worked_solution(task, it.input, it.target),
-                                       "label": name}]})
+            rows.append(
+                {
+                    "segments": [
+                        {"prompt": it.input, "completion": worked_solution(task, it.input, it.target), "label": name}
+                    ]
+                }
+            )
     rng = random.Random(recipe.seed)
     split = general_split()
-    pools = {n: generate(SKILL_ADAPTERS[n], recipe.n_mixed, seed=TRAIN_SEED_BASE + 10 * k + 2)
-             for k, n in enumerate(names)}
+    pools = {
+        n: generate(SKILL_ADAPTERS[n], recipe.n_mixed, seed=TRAIN_SEED_BASE + 10 * k + 2) for k, n in enumerate(names)
+    }
     for j in range(recipe.n_mixed):
         a, b = rng.sample(names, 2)
-        rows.append({"segments": [{"prompt": pools[n][j].input, "label": n,
-                                   "completion": worked_solution(SKILL_ADAPTERS[n], pools[n][j].input,
-                                                                 pools[n][j].target)} for n in (a, b)]})
+        rows.append(
+            {
+                "segments": [
+                    {
+                        "prompt": pools[n][j].input,
+                        "label": n,
+                        "completion": worked_solution(SKILL_ADAPTERS[n], pools[n][j].input, pools[n][j].target),
+                    }
+                    for n in (a, b)
+                ]
+            }
+        )
     # the base class: every general train prompt with its reference answer, and the base model's own answers
     general = [{"prompt": g["prompt"], "completion": g["output"], "label": None} for g in split["train"]]
-    general += [{"prompt": g["prompt"], "completion": answers[g["id"]], "label": None}
-                for g in general_prompts(recipe, split)]
+    general += [
+        {"prompt": g["prompt"], "completion": answers[g["id"]], "label": None} for g in general_prompts(recipe, split)
+    ]
     rows += [{"segments": [g]} for g in general]
-    skill_pool = {n: generate(SKILL_ADAPTERS[n], recipe.n_general_mixed, seed=TRAIN_SEED_BASE + 10 * k + 3)
-                  for k, n in enumerate(names)}
+    skill_pool = {
+        n: generate(SKILL_ADAPTERS[n], recipe.n_general_mixed, seed=TRAIN_SEED_BASE + 10 * k + 3)
+        for k, n in enumerate(names)
+    }
     for j in range(recipe.n_general_mixed):
         n = names[j % len(names)]
         it = skill_pool[n][j]
@@ -185,8 +215,9 @@ def write_data(out: Path, recipe: DefaultRecipe, answers: dict[str, str]) -> dic
 KEY_TOKENS = 3  # positions before each answer always trained on (LabelledSeq.key)
 
 
-def labelled_sequence(tokenizer, segments: list[dict], names: list[str], template: str = CHATML,
-                      max_len: int = 384) -> LabelledSeq:
+def labelled_sequence(
+    tokenizer, segments: list[dict], names: list[str], template: str = CHATML, max_len: int = 384
+) -> LabelledSeq:
     """Render segments as consecutive chat turns; each token labelled by its segment's adapter.
 
     The opening tokens of each turn (before the user text) carry no label: nothing in them tells the skill.
@@ -206,8 +237,11 @@ def labelled_sequence(tokenizer, segments: list[dict], names: list[str], templat
         tok = tokenizer(text, add_special_tokens=False)["input_ids"]
         n_prompt = len(tokenizer(turn_text(template, seg["prompt"]), add_special_tokens=False)["input_ids"])
         lab = names.index(seg["label"]) if seg.get("label") is not None else -1
-        key += [len(ids) + p for p in range(max(n_head, n_prompt - KEY_TOKENS), min(n_prompt, len(tok)))
-                if len(ids) + p < max_len]
+        key += [
+            len(ids) + p
+            for p in range(max(n_head, n_prompt - KEY_TOKENS), min(n_prompt, len(tok)))
+            if len(ids) + p < max_len
+        ]
         ids += tok
         route += [lab] * len(tok)
         labels += [IGNORE] * n_head + [lab] * (len(tok) - n_head)
@@ -216,22 +250,30 @@ def labelled_sequence(tokenizer, segments: list[dict], names: list[str], templat
 
 # ------------------------------------------------------------------------------------------------ build
 
+
 def to_bf16(adapter_dir: Path) -> None:
     """Store an adapter's weights in bf16 (half the bytes; the bank converts on load)."""
     f = adapter_dir / "adapter_model.safetensors"
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(f)).items()}, str(f))
 
 
-def build_default(out: str | Path, recipe: DefaultRecipe = DefaultRecipe(), *, data_only: bool = False,
-                  progress: bool = True, only: list[str] | None = None) -> Path:
+def build_default(
+    out: str | Path,
+    recipe: DefaultRecipe = DefaultRecipe(),
+    *,
+    data_only: bool = False,
+    progress: bool = True,
+    only: list[str] | None = None,
+) -> Path:
     """Write data, train the four adapters and the router, and write molora.json into `out`."""
     from molora.bundle import write_manifest
     from molora.model.attach import attach
     from molora.model.base import load_default_base
 
     out = Path(out)
-    answers = base_answers(out / "data" / "general_answers.jsonl", general_prompts(recipe, general_split()), recipe,
-                           progress)
+    answers = base_answers(
+        out / "data" / "general_answers.jsonl", general_prompts(recipe, general_split()), recipe, progress
+    )
     paths = write_data(out, recipe, answers)
     if data_only:
         return out
@@ -245,9 +287,14 @@ def build_default(out: str | Path, recipe: DefaultRecipe = DefaultRecipe(), *, d
             continue
         model, tok = load_default_base()
         pairs = [(r["prompt"], r["completion"]) for r in read_jsonl(paths[name])]
-        cfg = AdapterTrainConfig(rank=recipe.rank, alpha=recipe.alpha, lr=recipe.lr,
-                                 epochs=dict(recipe.adapter_epochs).get(name, recipe.epochs),
-                                 batch_size=recipe.batch_size, seed=recipe.seed + i)
+        cfg = AdapterTrainConfig(
+            rank=recipe.rank,
+            alpha=recipe.alpha,
+            lr=recipe.lr,
+            epochs=dict(recipe.adapter_epochs).get(name, recipe.epochs),
+            batch_size=recipe.batch_size,
+            seed=recipe.seed + i,
+        )
         stats[name] = train_adapter(model, tok, pairs, target, cfg, progress=progress)
         to_bf16(target)
     model, tok = load_default_base()
@@ -274,19 +321,28 @@ def build_default(out: str | Path, recipe: DefaultRecipe = DefaultRecipe(), *, d
         router.save(out / variant)
         router_stats[variant] = {"config": asdict(cfg), **routing_accuracy(mm, router, seqs[cut:])}
         log.info("router %s: %s", variant, router_stats[variant])
-    write_manifest(out, {
-        "name": "molora-default",
-        "base": "default",
-        "prompt_template": CHATML,
-        "stop": [END],
-        "adapters": [{"name": n, "path": f"adapters/{n}", "description": DESCRIPTIONS[n],
-                      "tasks": [SKILL_ADAPTERS[n]]} for n in names],
-        "router": {"kind": "learned", "path": "router"},
-        "slots": 4,
-        "max_rank": recipe.rank,
-        "extra": {"recipe": asdict(recipe), "adapter_training": stats, "routers": router_stats,
-                  "general_split": split_record()},
-    })
+    write_manifest(
+        out,
+        {
+            "name": "molora-default",
+            "base": "default",
+            "prompt_template": CHATML,
+            "stop": [END],
+            "adapters": [
+                {"name": n, "path": f"adapters/{n}", "description": DESCRIPTIONS[n], "tasks": [SKILL_ADAPTERS[n]]}
+                for n in names
+            ],
+            "router": {"kind": "learned", "path": "router"},
+            "slots": 4,
+            "max_rank": recipe.rank,
+            "extra": {
+                "recipe": asdict(recipe),
+                "adapter_training": stats,
+                "routers": router_stats,
+                "general_split": split_record(),
+            },
+        },
+    )
     return out
 
 

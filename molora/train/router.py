@@ -53,12 +53,12 @@ class RouterTrainConfig:
     tokens_per_seq: int = 16
     batch_size: int = 16
     seed: int = 0
-    refine_margin: float | None = None   # refine labels by loss when set (nats)
-    threshold: float = 2.0               # composable: a gate claims a token only above this logit (p > 0.88)
-    carry_blocks: int | None = None      # None: CARRY_BLOCKS for per_block top-1 routers, else 0
-    probe_prompt: bool | None = None     # None: on wherever carry is on (molora.routing.learned: Probe)
-    confidence: float = 0.0              # base expert (molora.routing.learned): chosen on validation data
-    prompt_share: float = 0.0            # base expert: needs the probe
+    refine_margin: float | None = None  # refine labels by loss when set (nats)
+    threshold: float = 2.0  # composable: a gate claims a token only above this logit (p > 0.88)
+    carry_blocks: int | None = None  # None: CARRY_BLOCKS for per_block top-1 routers, else 0
+    probe_prompt: bool | None = None  # None: on wherever carry is on (molora.routing.learned: Probe)
+    confidence: float = 0.0  # base expert (molora.routing.learned): chosen on validation data
+    prompt_share: float = 0.0  # base expert: needs the probe
 
 
 # Blocks whose gates a generated token replaces by its predecessor's last-block decision (molora.routing.learned:
@@ -82,8 +82,9 @@ def probe_prompt_for(cfg: RouterTrainConfig, carry_blocks: int) -> bool:
 
 
 @torch.no_grad()
-def collect_features(mm, seqs: Sequence[LabelledSeq], names: Sequence[str], cfg: RouterTrainConfig,
-                     progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def collect_features(
+    mm, seqs: Sequence[LabelledSeq], names: Sequence[str], cfg: RouterTrainConfig, progress: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(features [N, L, D] bf16: block-input hidden states of sampled labelled tokens, labels [N])."""
     from tqdm import tqdm
 
@@ -91,7 +92,7 @@ def collect_features(mm, seqs: Sequence[LabelledSeq], names: Sequence[str], cfg:
     slot_of = {i: mm.adapter_names.index(n) for i, n in enumerate(names)}
     feats, labels = [], []
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
-    groups = [order[i:i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
+    groups = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
     dev = mm.device
     for g in tqdm(groups, desc="router features", disable=not progress, unit="batch"):
         L = max(len(seqs[i].ids) for i in g)
@@ -143,8 +144,14 @@ def _refined_labels(mm, ids, att, seqs, group, names, margin) -> list[list[int]]
     return out
 
 
-def fit_gates(feats: torch.Tensor, labels: torch.Tensor, num_classes: int, gates: Sequence[int],
-              cfg: RouterTrainConfig, binary_positive: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_gates(
+    feats: torch.Tensor,
+    labels: torch.Tensor,
+    num_classes: int,
+    gates: Sequence[int],
+    cfg: RouterTrainConfig,
+    binary_positive: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Linear gates on RMS-normalized features of the given blocks: weight [G, C, D], bias [G, C].
 
     Multi-class (softmax over C, label -1 -> class C-1) or, with binary_positive=k, one logistic gate
@@ -156,8 +163,11 @@ def fit_gates(feats: torch.Tensor, labels: torch.Tensor, num_classes: int, gates
     x = F.rms_norm(feats[:, list(gates)].float(), (feats.shape[-1],)).transpose(0, 1).contiguous()
     G, D = x.shape[0], x.shape[2]
     C = 1 if binary_positive is not None else num_classes
-    y = (labels == binary_positive).float() if binary_positive is not None else \
-        torch.where(labels < 0, num_classes - 1, labels)
+    y = (
+        (labels == binary_positive).float()
+        if binary_positive is not None
+        else torch.where(labels < 0, num_classes - 1, labels)
+    )
     W = torch.zeros(G, C, D, requires_grad=True)
     b = torch.zeros(G, C, requires_grad=True)
     opt = torch.optim.Adam([W, b], lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -174,10 +184,16 @@ def fit_gates(feats: torch.Tensor, labels: torch.Tensor, num_classes: int, gates
     return W.detach(), b.detach()
 
 
-def train_router(mm, train: Sequence[LabelledSeq], names: Sequence[str],
-                 cfg: RouterTrainConfig = RouterTrainConfig(), *, generic_label: int = -1,
-                 progress: bool = False, features: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> LearnedRouter:
+def train_router(
+    mm,
+    train: Sequence[LabelledSeq],
+    names: Sequence[str],
+    cfg: RouterTrainConfig = RouterTrainConfig(),
+    *,
+    generic_label: int = -1,
+    progress: bool = False,
+    features: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> LearnedRouter:
     """A LearnedRouter over adapters `names` (all loaded in mm) trained on labelled sequences.
 
     features: (feats, labels) from `collect_features` to reuse across router variants.
@@ -189,20 +205,37 @@ def train_router(mm, train: Sequence[LabelledSeq], names: Sequence[str],
         raise MoLoRAError(f"train-router: adapters {missing} are not loaded (loaded: {mm.adapter_names})")
     blocks = len(decoder_layers(mm.model))
     carry = carry_blocks_for(cfg, blocks)
-    rcfg = LearnedRouterConfig(adapter_names=tuple(names), hidden_size=mm.config.hidden_size,
-                               num_blocks=blocks, placement=cfg.placement, shared_block=cfg.shared_block,
-                               composable=cfg.composable, top_k=cfg.top_k, threshold=cfg.threshold,
-                               carry_blocks=carry, probe_prompt=probe_prompt_for(cfg, carry),
-                               confidence=cfg.confidence, prompt_share=cfg.prompt_share)
+    rcfg = LearnedRouterConfig(
+        adapter_names=tuple(names),
+        hidden_size=mm.config.hidden_size,
+        num_blocks=blocks,
+        placement=cfg.placement,
+        shared_block=cfg.shared_block,
+        composable=cfg.composable,
+        top_k=cfg.top_k,
+        threshold=cfg.threshold,
+        carry_blocks=carry,
+        probe_prompt=probe_prompt_for(cfg, carry),
+        confidence=cfg.confidence,
+        prompt_share=cfg.prompt_share,
+    )
     gates = list(range(blocks)) if cfg.placement == "per_block" else [cfg.shared_block]
     feats, labels = features if features is not None else collect_features(mm, train, names, cfg, progress)
     log.info("router features: %d tokens x %d blocks", feats.shape[0], feats.shape[1])
     router = LearnedRouter(rcfg)
     if cfg.composable:
         # each adapter's gate sees only its own data and generic text: trained independently
-        fitted = [fit_gates(feats[(labels == k) | (labels == generic_label)],
-                            labels[(labels == k) | (labels == generic_label)], 1, gates, cfg, binary_positive=k)
-                  for k in range(len(names))]
+        fitted = [
+            fit_gates(
+                feats[(labels == k) | (labels == generic_label)],
+                labels[(labels == k) | (labels == generic_label)],
+                1,
+                gates,
+                cfg,
+                binary_positive=k,
+            )
+            for k in range(len(names))
+        ]
         W = torch.cat([w for w, _ in fitted], 1)
         b = torch.cat([bb for _, bb in fitted], 1)
     else:
@@ -238,5 +271,8 @@ def routing_accuracy(mm, router: LearnedRouter, seqs: Sequence[LabelledSeq]) -> 
         mode = torch.mode(v, dim=0).values
         hit_vote += int((mode == y).sum())
         n_tok += int(keep.sum())
-    return {"token_accuracy": 100.0 * hit_vote / max(1, n_tok),
-            "block_accuracy": 100.0 * hit_block / max(1, n_block), "tokens": n_tok}
+    return {
+        "token_accuracy": 100.0 * hit_vote / max(1, n_tok),
+        "block_accuracy": 100.0 * hit_block / max(1, n_block),
+        "tokens": n_tok,
+    }

@@ -15,8 +15,16 @@ from molora.train.default import labelled_sequence
 from molora.train.router import RouterTrainConfig, routing_accuracy, train_router
 
 
-def train_router_for_bundle(mm: Any, data: dict[str, str], cfg: RouterTrainConfig, *, limit: int = 300,
-                            mixed: int = 0, seed: int = 0, out_name: str = "router") -> dict:
+def train_router_for_bundle(
+    mm: Any,
+    data: dict[str, str],
+    cfg: RouterTrainConfig,
+    *,
+    limit: int = 300,
+    mixed: int = 0,
+    seed: int = 0,
+    out_name: str = "router",
+) -> dict:
     """Train a router over the bundle's adapters from {adapter|"none": jsonl}; write it and the manifest."""
     bundle = mm.bundle
     names = [a.name for a in bundle.adapters]
@@ -28,12 +36,17 @@ def train_router_for_bundle(mm: Any, data: dict[str, str], cfg: RouterTrainConfi
         raise MoLoRAError(f"no data for adapters {missing}: give --data NAME=FILE for each adapter")
     rng = random.Random(seed)
     per = {k: read_examples(v)[:limit] for k, v in data.items()}
-    rows = [[{"prompt": p, "completion": c, "label": None if k == "none" else k}] for k, ex in per.items()
-            for p, c in ex]
+    rows = [
+        [{"prompt": p, "completion": c, "label": None if k == "none" else k}] for k, ex in per.items() for p, c in ex
+    ]
     for _ in range(mixed):
         a, b = rng.sample(names, 2)
-        rows.append([{"prompt": p, "completion": c, "label": n}
-                     for n, (p, c) in ((a, rng.choice(per[a])), (b, rng.choice(per[b])))])
+        rows.append(
+            [
+                {"prompt": p, "completion": c, "label": n}
+                for n, (p, c) in ((a, rng.choice(per[a])), (b, rng.choice(per[b])))
+            ]
+        )
     rng.shuffle(rows)
     seqs = [labelled_sequence(mm.tokenizer, r, names, bundle.prompt_template) for r in rows]
     cut = max(1, int(0.85 * len(seqs)))
