@@ -644,14 +644,15 @@ def hotset_traffic_section(docs: Path) -> list[str]:
         f"{r['concurrency']} in flight (closed loop), {r['slots']} slots, a CPU tier of {r['cpu_tier_mib']} MiB. "
         f"**one**: the same traffic with every adapter replaced by the most popular one (`{r['one_adapter']}`). "
         f"Each variant a fresh engine, order rotated, {r['repeats']} repetition(s), median. Warm: every adapter "
-        "of the request resident when it was queued; ITL: gaps between a warm request's tokens on steps with "
-        "adapter loads or reads vs. without. "
+        "of the request resident when it was queued; ITL: gaps between a warm request's tokens, by the step that "
+        "ended them: decode only (quiet), prefill of admitted requests without a load (admits), an adapter load "
+        "or read (loads; such steps usually also prefill the cold requests they admit). "
         f"CPU: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, load average {m['loadavg_1_5_15']} "
         "at the start.",
         "",
         "| variant | output tok/s | × one | TTFT warm ms | TTFT cold ms | cold / warm | warm ITL quiet ms | "
-        "warm ITL loads ms (p99) | step ms | peak tier + reserved MiB (budget) | peak RSS MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "warm ITL admits ms | warm ITL loads ms (p99) | step ms | peak tier + reserved MiB (budget) | peak RSS MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v, runs in r["runs"].items():
         x = runs[-1]
@@ -661,7 +662,8 @@ def hotset_traffic_section(docs: Path) -> list[str]:
         pk, mem = x["memory"]["peak"], x["memory"]
         lines.append(
             f"| {v} | {r['tokens_per_s'][v]:.1f} | {r['vs_one'][v]:.3f} | {med(w)} | {med(c)} | {ratio} | "
-            f"{med(x['warm_itl_ms']['quiet'])} | {med(il)} ({il.get('p99', '–')}) | {x['step_ms_median']:.1f} | "
+            f"{med(x['warm_itl_ms']['quiet'])} | {med(x['warm_itl_ms'].get('admits', {}))} | {med(il)} "
+            f"({il.get('p99', '–')}) | {x['step_ms_median']:.1f} | "
             f"{pk['tier_plus_reserved'] / 2**20:.1f} ({mem['cpu_tier_budget'] / 2**20:.0f}) | "
             f"{pk['rss_bytes'] / 2**20:.0f} |"
         )
