@@ -718,3 +718,24 @@ def test_real_engine_behind_the_server_and_disconnect_frees_kv_blocks(tmp_path):
 def _metric(http: httpx.Client, name: str) -> float:
     text = httpx.get(str(http.base_url).removesuffix("/v1/") + "/metrics").text
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_models_list_pages_with_limit_and_after(client):
+    """GET /v1/models unchanged without paging; ?limit / ?after walk it in order with OpenAI's cursor fields."""
+    full = client.get("/v1/models").json()
+    assert set(full) == {"object", "data"} and len(full["data"]) >= 3
+    ids = [m["id"] for m in full["data"]]
+    seen, after = [], None
+    while True:
+        page = client.get("/v1/models", params={"limit": 2, **({"after": after} if after else {})}).json()
+        seen += [m["id"] for m in page["data"]]
+        assert page["first_id"] == page["data"][0]["id"] and page["last_id"] == page["data"][-1]["id"]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert seen == ids
+    last = client.get("/v1/models", params={"after": ids[-1]}).json()
+    assert last["data"] == [] and last["has_more"] is False and "first_id" not in last
+    assert_error(client.get("/v1/models", params={"limit": 0}), 400, "limit")
+    assert_error(client.get("/v1/models", params={"after": "no-such-model"}), 400, "after")
+    assert client.get("/v1/models", params={"limit": "many"}).status_code == 400

@@ -188,7 +188,9 @@ class PrefixCache:
             block = self.allocator.lookup(key)
             if block is None or (probe and self.allocator.meta(block) is None):
                 break
-            keys[i] = self.allocator.key_of(block)  # the stored key object: later parents compare by identity
+            stored = self.allocator.key_of(block)  # the stored key object: later parents compare by identity
+            assert isinstance(stored, BlockKey), f"cached block {block} holds a key of another kind: {stored!r}"
+            keys[i] = stored
             if i + 1 < len(keys):
                 keys[i + 1] = BlockKey(keys[i], keys[i + 1].content)
             out.append(block)

@@ -229,8 +229,9 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
         return await s.generation.chat(await _parse(request, ChatCompletionRequest, s), request)
 
     @app.get("/v1/models", dependencies=[api])
-    async def models() -> ModelList:
-        return _model_list(s)
+    async def models(limit: int | None = None, after: str | None = None) -> ModelList:
+        full = _model_list(s)
+        return full if limit is None and after is None else _page(full, limit, after)
 
     @app.get("/v1/models/{model_id:path}", dependencies=[api])
     async def model(model_id: str) -> ModelCard:
@@ -324,6 +325,33 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
             f"Success: LoRA adapter '{req.lora_name}' is draining: new requests no longer use "
             "it and it unloads when the requests using it end."
         )
+
+
+MAX_MODELS_PAGE = 1000
+
+
+def _page(full: ModelList, limit: int | None, after: str | None) -> ModelList:
+    """One page of `full`: the models after the id `after` (none: from the first), at most `limit` of them."""
+    if limit is not None and not 1 <= limit <= MAX_MODELS_PAGE:
+        raise APIError(400, f"limit={limit}: give 1..{MAX_MODELS_PAGE} models per page", param="limit")
+    data = full.data
+    if after is not None:
+        ids = [card.id for card in data]
+        if after not in ids:
+            raise APIError(
+                400,
+                f"after={after!r} is not a model id of this server (it may have been unloaded); "
+                "start again without after",
+                param="after",
+            )
+        data = data[ids.index(after) + 1 :]
+    page = data if limit is None else data[:limit]
+    return ModelList(
+        data=page,
+        first_id=page[0].id if page else None,
+        last_id=page[-1].id if page else None,
+        has_more=len(page) < len(data),
+    )
 
 
 def _model_list(s: ServerState) -> ModelList:

@@ -474,5 +474,11 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """GET /v1/models. With `?limit=N` and/or `?after=ID` (a server with thousands of adapters) one page, with
+    the cursor fields of OpenAI's paginated lists; without them every model and no cursor fields."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    first_id: str | None = Field(None, exclude_if=_absent)
+    last_id: str | None = Field(None, exclude_if=_absent)
+    has_more: bool | None = Field(None, exclude_if=_absent)
