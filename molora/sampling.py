@@ -173,8 +173,7 @@ def masked_greedy(logits: torch.Tensor, bitmask: torch.Tensor, candidates: int =
     `candidates` picks: a row's refused pick is set to -inf in a copy of the refused rows and they pick again
     (max's first index, so ids come in greedy's order: value descending, then id); rows refused `candidates`
     times take the argmax over their allowed ids (`_allowed_argmax`). One more pick reads the rows once, the full mask
-    about four times (copy, mask,
-    max); topk(8) took 9 to 18 ms for fp32 [32, 49152] on this CPU, one max 0.6 to 0.8 ms.
+    about four times (copy, mask, max); topk(8) took 9 to 18 ms for fp32 [32, 49152] on this CPU, one max 0.6 to 0.8 ms.
     logits [B, V], bitmask [B, W] int32."""
     out = greedy(logits)  # [B]
     todo = (~is_allowed(bitmask, out)).nonzero().flatten()  # [r] rows refused

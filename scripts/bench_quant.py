@@ -1,7 +1,7 @@
 """Engine throughput on a quantized base: int8 and int4 against float32 and bfloat16, interleaved, in one process.
 
-    python scripts/bench_quant.py [--requests 16] [--prompt-len 64] [--new-tokens 32] [--repeats 3] [--json
-    docs/quant.json]
+    python scripts/bench_quant.py [--requests 16] [--prompt-len 64] [--new-tokens 32] [--repeats 3]
+        [--json docs/quant.json]
 
 The engine bench's workload (molora.bench.engine: SmolLM2-135M, 4 random r=16 adapters on all seven projections, a
 VocabRouter over 4 vocabulary ranges, so every step routes per token over all adapters; random prompts, greedy, eos

@@ -5,9 +5,8 @@
 For each skill file DIR/<task>.json (BBH format, e.g. make_results.py's held-out data) and each repetition,
 evaluates the first --limit items under learned routing with the probe, learned routing without it (the same
 router, `probe_prompt` off) and the task's own adapter, in turn (interleaved, so load on the machine falls on
-all three alike). Prints one JSON line (and writes it to --out): per variant the summed seconds, answer tokens,
-tokens/s and
-accuracy.
+all three alike). Prints one JSON line (and writes it to --out): per variant the summed seconds, answer tokens, tokens/s
+and accuracy.
 """
 
 from __future__ import annotations

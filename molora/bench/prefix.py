@@ -4,9 +4,8 @@
 
 Setup: the embedded default bundle (SmolLM2-135M-Instruct, 4 trained adapters, its learned router: per-block
 gates, carry, a probe pass over the prompt, the base expert), fp32 (or --dtype bfloat16), greedy, eos ignored (every
-variant does
-the same work). Two engines over the one model, alike but for `enable_prefix_caching`; the cache-on engine's
-cache is emptied before every run, so each run computes the shared prompt once (a cold start, the least the
+variant does the same work). Two engines over the one model, alike but for `enable_prefix_caching`; the cache-on
+engine's cache is emptied before every run, so each run computes the shared prompt once (a cold start, the least the
 cache gives: a server that served the prompt before starts warm).
 
   shared_prefix  N requests arrive at once, each `<system prompt of P tokens><its own question of about Q

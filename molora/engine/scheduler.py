@@ -17,16 +17,14 @@ all its tokens (prompt + generated so far) to prefill again.
 Prefix cache (molora.engine.prefix, when given): admission pins the adapters first, then looks up the
 cached blocks of the request's tokens; it holds them (shared, reference-counted) and starts its first
 chunk after them, at the cached length; the last token is always computed. A request whose next uncached block is being
-computed by
-a running request (`PrefixCache.behind`: requests that arrive together with one system prompt) keeps its
-place and is passed over until that block is published, so the shared blocks are computed once; likewise a
-running request in prefill (a probed prompt's real pass, just restarted) sits out a step while a request
-ahead of it computes its next block, and takes the blocks published meanwhile (`PrefixCache.extend`). Unreferenced
-cached blocks count
-as free (`BlockAllocator.num_free`) and are evicted when a table grows. A preempted request releases its
-blocks into the cache and usually finds them there again when it is readmitted. Finished or aborted requests free their
-blocks and pins at once (`finish`). A request whose prompt is being probed (`Request.probing`, a learned
-router's probe pass) is prefilled like any other; its chunks are marked `probe` and sample nothing.
+computed by a running request (`PrefixCache.behind`: requests that arrive together with one system prompt) keeps its
+place and is passed over until that block is published, so the shared blocks are computed once; likewise a running
+request in prefill (a probed prompt's real pass, just restarted) sits out a step while a request ahead of it computes
+its next block, and takes the blocks published meanwhile (`PrefixCache.extend`). Unreferenced cached blocks count as
+free (`BlockAllocator.num_free`) and are evicted when a table grows. A preempted request releases its blocks into the
+cache and usually finds them there again when it is readmitted. Finished or aborted requests free their blocks and pins
+at once (`finish`). A request whose prompt is being probed (`Request.probing`, a learned router's probe pass) is
+prefilled like any other; its chunks are marked `probe` and sample nothing.
 
 Slot-aware admission (`admission="slots"`; the default stays "fcfs" until a quiet run of the traffic bench
 shows it wins, see below): when the first waiting request

@@ -5,8 +5,7 @@
 FILE is JSONL, one prompt per line: {"prompt": "..."} (optional "id" and "source" are carried into the
 predictions; an optional "system" message renders the prompt with the tokenizer's chat template, as the server
 does for a chat with a system message). Each prompt is answered greedily twice in identical batches, once on the base
-model and once
-under `routing`, with the same answer budget (`max_new_tokens`, default 64), and three figures come back:
+model and once under `routing`, with the same answer budget (`max_new_tokens`, default 64), and three figures come back:
 
     retention                 % of prompts whose answer (up to the budget) equals the base model's, token for token
     empty_where_base_answers  % of prompts the base model answers (non-empty) that come back empty

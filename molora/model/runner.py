@@ -37,13 +37,12 @@ through molora's panel or AMX GEMM and, where routed, the fused LoRA kernel; RMS
 call, `fused_cpu.run_block`: the same kernels in the same order, equal bit for bit (tested in both dtypes), without
 the Python between them (about 20 calls a block). What stays the same from step to step (packed weights, adapter
 slots, norms, RoPE tables, cache views) is bound once per block (`molora.model.block.Block.run_bound`,
-`fused_cpu.bind_block`) and
-bound again when it moves: another dtype, an adapter load or unload (`LoRASlots.generation`), a weight, norm, slot or
-scale written or swapped (checked in C++ by storage and version). `ModelRunner._one_call` decides per step (a
-decode-only step of 2 to PANEL_MAX_ROWS rows, the routing's fused-kernel arguments asked once, or per block for an
-in-network router). Measured on the engine bench's routed batch-32 decode step (SmolLM2-135M, 2 threads, one
-process, steps alternating with the kernel-by-kernel path): 0.81x the time in bfloat16 and 0.86x in float32, greedy
-outputs equal. Prefill and mixed steps, and anything else, take the kernel-by-kernel path.
+`fused_cpu.bind_block`) and bound again when it moves: another dtype, an adapter load or unload
+(`LoRASlots.generation`), a weight, norm, slot or scale written or swapped (checked in C++ by storage and version).
+`ModelRunner._one_call` decides per step (a decode-only step of 2 to PANEL_MAX_ROWS rows, the routing's fused-kernel
+arguments asked once, or per block for an in-network router). Measured on the engine bench's routed batch-32 decode step
+(SmolLM2-135M, 2 threads, one process, steps alternating with the kernel-by-kernel path): 0.81x the time in bfloat16 and
+0.86x in float32, greedy outputs equal. Prefill and mixed steps, and anything else, take the kernel-by-kernel path.
 
 A decode step can instead be replayed from a captured graph (`enable_graphs`, molora.model.graphs: CUDA graphs,
 one per batch-size bucket, static buffers, padding rows writing into the cache's one spare block,
@@ -51,9 +50,9 @@ one per batch-size bucket, static buffers, padding rows writing into the cache's
 
 Attention has two paths, planned once per step (`ModelRunner.plan` -> `AttnPlan`): paged decode (every
 sequence with one new token, `Decode`; on CPU the fused kernel `fused_cpu.paged_decode` reads each context
-where it lies in the cache, elsewhere its blocks are gathered for SDPA) and ragged prefill (`Prefill` entries: P
-prompts of one length in one
-causal call, fresh prompts merged under a block-diagonal mask, or a chunk attending to its cached context).
+where it lies in the cache, elsewhere its blocks are gathered for SDPA) and ragged prefill (`Prefill` entries: P prompts
+of one length in one causal call, fresh prompts merged under a block-diagonal mask, or a chunk attending to its cached
+context).
 """
 
 from __future__ import annotations

@@ -48,11 +48,11 @@ def in_network_decide(
     fixed [T] (or None): a decision that holds at every block (router index, -1 none; -2 where the router
     decides), as a probe pass gives the prompt tokens (molora.routing.learned: Probe). Top-1 routers only.
 
-    On the CPU the all-known and none-known cases skip work (host reads of `fixed` are free there, unless the
-    step is recorded: molora.ops.device.host_readable). Elsewhere nothing reads `fixed` on the host: the router always
-    decides and the fixed rows overwrite its choice (the
-    same result), and a block the router leaves undecided (None) keeps the previous decision for every row,
-    which for the fixed rows already is their fixed decision (the first block always decides)."""
+    On the CPU the all-known and none-known cases skip work (host reads of `fixed` are free there, unless the step is
+    recorded: molora.ops.device.host_readable). Elsewhere nothing reads `fixed` on the host: the router always decides
+    and the fixed rows overwrite its choice (the same result), and a block the router leaves undecided (None) keeps the
+    previous decision for every row, which for the fixed rows already is their fixed decision (the first block always
+    decides)."""
     known = None
     host = fixed is None or host_readable(fixed)
     if fixed is not None:

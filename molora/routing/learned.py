@@ -43,22 +43,20 @@ learned routing with carry (own adapter in brackets): on the 250 eval items per 
 fill: arithmetic 4.0 -> 8.0 [8.0], Dyck 78.8 -> 81.2 [81.6], but counting 78.8 -> 76.4 [80.4]. The fill
 was chosen on 200 separate validation items per skill (seed EVAL_SEED_BASE + 500 + skill index, none in
 the training or eval items), against no fill and against taking the next prompt token's adapter:
-arithmetic 8.0 / 7.5 / 6.5 [6.5], counting 66.0 / 64.0 / 66.0 [66.0]. Callers: `MoLoRAModel.generate` (one probe
-forward over the whole prompt) and the engine (a
-probe phase of chunked prefill before the real one, `Request.prompt_routes`).
+arithmetic 8.0 / 7.5 / 6.5 [6.5], counting 66.0 / 64.0 / 66.0 [66.0]. Callers: `MoLoRAModel.generate` (one probe forward
+over the whole prompt) and the engine (a probe phase of chunked prefill before the real one, `Request.prompt_routes`).
 
 **Base expert** ("none" as a routing outcome of its own). The joint gate's last class is the base model, trained
 on general text (molora.data.general: human-written everyday tasks, word problems, the base model's own answers)
 like any adapter's class on its data. Two router settings, both chosen on validation data and kept in router.json:
 `confidence` (0: the most probable class; c > 0: the most probable adapter takes a token if its gate
 probability is at least c, else the base model does; composable gates compare their own sigmoid) and `prompt_share`
-(with the probe: a prompt whose share of tokens
-the probe gives to adapters is below it, or is zero, runs wholly on the base model, its answer included). The
-second is the generation-level policy: per-token gates err now and then, and on a prompt outside every skill one
-stray adapter token used to pull the whole prompt to that adapter through the fill; a prompt is either a skill's
-(routed per token, filled, carried) or nobody's (the base model's exact answer). A mixed prompt holds enough
-skill tokens to stay routed. `MoLoRAModel.generate` holds such rows on the base for every generated token; the
-engine turns such a request's mode to "none".
+(with the probe: a prompt whose share of tokens the probe gives to adapters is below it, or is zero, runs wholly on the
+base model, its answer included). The second is the generation-level policy: per-token gates err now and then, and on a
+prompt outside every skill one stray adapter token used to pull the whole prompt to that adapter through the fill; a
+prompt is either a skill's (routed per token, filled, carried) or nobody's (the base model's exact answer). A mixed
+prompt holds enough skill tokens to stay routed. `MoLoRAModel.generate` holds such rows on the base for every generated
+token; the engine turns such a request's mode to "none".
 """
 
 from __future__ import annotations

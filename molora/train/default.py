@@ -12,9 +12,9 @@ data/general_{val,test}.jsonl for `molora eval --task general:FILE`; the split's
 
 `--data-only` writes just the exact JSONL files used for training (so anyone can check their overlap
 with any benchmark); it loads the base model once, to answer the general train prompts itself. Seeds: skill data uses
-`TRAIN_SEED_BASE + i` streams; held-out evaluation uses
-`EVAL_SEED_BASE + i` (see molora.data.skills). Counting and arithmetic completions are short worked
-solutions ending "So the answer is X." (molora.data.solutions: bare answers trained to 10% and 0%).
+`TRAIN_SEED_BASE + i` streams; held-out evaluation uses `EVAL_SEED_BASE + i` (see molora.data.skills). Counting and
+arithmetic completions are short worked solutions ending "So the answer is X." (molora.data.solutions: bare answers
+trained to 10% and 0%).
 """
 
 from __future__ import annotations
