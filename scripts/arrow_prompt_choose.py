@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         items, _ = held_out(t, a.n_val, banned, split="val")
         prompts += [(t, _ids(mm.tokenizer, turn_text(template, it.input))) for it in items]
     prompts += [("general", _ids(mm.tokenizer, turn_text(template, r["prompt"]))) for r in general_split()["val"]]
-    router = ArrowRouter(ArrowConfig(granularity="per_block", rms_threshold=1.0, prompt=True), names).bind(mm)
+    # calibrated at every block (prompt=False), so that the grid can try several source blocks
+    router = ArrowRouter(ArrowConfig(granularity="per_block", rms_threshold=1.0), names).bind(mm)
     L = len(router._block_linear)
     blocks = sorted({L // 3, L // 2, (2 * L) // 3, (5 * L) // 6, L - 1})
     # the calibration prompts themselves (general train split, unlabelled): each adapter's prompt-level vote
@@ -72,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             per = {}
             for b in blocks:
                 module = router._block_linear[b]
-                h = router._block_norm[b](out.hidden_states[b][0]).float()
-                P, _, _ = router.prototypes(module, h.device)
-                cos = (h @ P.T).abs() / h.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-                per[b] = cos / router.general_rms(module, h.device)
+                per[b] = router.general_ratio(module, router._block_norm[b](out.hidden_states[b][0]).float())
             ratios.append(per)
     if a.save:
         torch.save(

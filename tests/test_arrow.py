@@ -17,6 +17,9 @@ from molora.routing.arrow import top_right_singular_vector
 from tests.conftest import VOCAB, gen, make_peft_adapter, tiny_model, tiny_tokenizer
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ENGINE = EngineConfig(
+    max_num_seqs=4, max_tokens_per_step=32, block_size=4, kv_budget_tokens=512, max_model_len=128, stop_at_eos=False
+)
 
 
 @pytest.fixture(scope="module")
@@ -240,17 +243,7 @@ def test_per_block_without_an_adapted_attention_projection_is_refused(tmp_path):
 def test_engine_equals_generate_and_respects_allowed_adapters(adapters, gran):
     mm = _mm(adapters, n=3)
     mm.router = ArrowRouter(ArrowConfig(granularity=gran, top_k=2), ["e0", "e1", "e2"]).bind(mm)
-    engine = Engine(
-        mm,
-        EngineConfig(
-            max_num_seqs=4,
-            max_tokens_per_step=32,
-            block_size=4,
-            kv_budget_tokens=512,
-            max_model_len=128,
-            stop_at_eos=False,
-        ),
-    )
+    engine = Engine(mm, ENGINE)
     p, q = _ids(8, (13,)).tolist(), _ids(9, (7,)).tolist()
     params = SamplingParams(max_new_tokens=5)
     outs = engine.generate(
@@ -348,24 +341,14 @@ def test_prompt_mode_engine_equals_generate_and_generation_follows_the_prompt(ad
     mm = _mm(adapters, n=3)
     cfg = ArrowConfig(granularity="per_block", prompt=True, rms_threshold=0.0, source_block=-1)
     mm.router = ArrowRouter(cfg, ["e0", "e1", "e2"]).bind(mm, _calib_rows())
-    engine = Engine(
-        mm,
-        EngineConfig(
-            max_num_seqs=4,
-            max_tokens_per_step=32,
-            block_size=4,
-            kv_budget_tokens=512,
-            max_model_len=128,
-            stop_at_eos=False,
-        ),
-    )
+    engine = Engine(mm, ENGINE)
     p, q = _ids(8, (13,)).tolist(), _ids(9, (7,)).tolist()
     params = SamplingParams(max_new_tokens=5)
     outs = engine.generate([p, q], params, routing="auto")
     for prompt, out in zip([p, q], outs):
         ref = mm.generate(torch.tensor([prompt]), adapter_ids=mm.router, max_new_tokens=5)[0, len(prompt) :].tolist()
         assert out.new_token_ids == ref
-    # the prompt's vote decides the answer: equal to pinning the most voted adapter for the generated tokens
+    # the prompt's vote decides the answer: its last token (which the answer carries) takes the most voted adapter
     mm(torch.tensor([p]), adapter_ids=mm.router, use_cache=False)  # a probe forward (every token unknown)
     votes = mm.last_carry[0]
     routes = mm.router.prompt_routes(votes[None])[0]
@@ -374,17 +357,7 @@ def test_prompt_mode_engine_equals_generate_and_generation_follows_the_prompt(ad
     mm.router = ArrowRouter(
         ArrowConfig(granularity="per_block", prompt=True, rms_threshold=1e6), ["e0", "e1", "e2"]
     ).bind(mm, _calib_rows())
-    e2 = Engine(
-        mm,
-        EngineConfig(
-            max_num_seqs=2,
-            max_tokens_per_step=32,
-            block_size=4,
-            kv_budget_tokens=256,
-            max_model_len=128,
-            stop_at_eos=False,
-        ),
-    )
+    e2 = Engine(mm, ENGINE)
     got, base = e2.generate([p, p], params, routing=["auto", "none"])
     assert got.new_token_ids == base.new_token_ids
     assert got.new_token_ids != outs[0].new_token_ids  # the routed answer differed: the test can tell

@@ -197,8 +197,8 @@ class Scheduler:
             self.running.append(req)
             out.append(Scheduled(req, req.num_computed, n, req.probing))
             budget -= n
-            if self.prefix is not None and req.prefix is not None:
-                in_flight.update(req.prefix.keys[req.prefix.published :])
+            if self.prefix is not None:
+                in_flight |= self.prefix.in_flight([req])
         return reading
 
     def _order_for_slots(self) -> None:

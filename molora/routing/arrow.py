@@ -25,6 +25,18 @@ Two granularities (`ArrowConfig.granularity`):
 `threshold` (off by default, as in PEFT): a token whose best |cos(x, v)| (the similarity divided by |x|, so
 a scale-free number in [0, 1]) is below it stays on the base model (-1) at that linear or block.
 
+**Calibration** (`rms_threshold`, per_block top-1): a raw |cos| means different things for different adapters
+(a prototype along a common direction fires on every token), so each adapter's |cos| is divided by its RMS over
+general text run on the base model (`calibrate`: train-split general prompts in the model's chat template, no
+labels), and a token whose best ratio is below the threshold stays on the base model. The router keeps
+E[x̂ x̂ᵀ] of the deciding projection's unit-norm inputs, so an adapter loaded later is scored without a forward.
+
+**Prompt** (`prompt`, with the engine's and `generate`'s probe pass, as the learned router's Probe): the probe
+runs the base model and decides each prompt token at `source_block` only; the prompt votes
+(`molora.routing.base.fill_prompt_routes`: a token that chose nothing takes the majority, the last token takes it
+too, so the answer carries it), and a prompt with fewer than `prompt_share` of its tokens claimed runs wholly on
+the base model. `--router arrow` serves this mode with settings chosen on validation (docs/results.md).
+
 Prototypes are computed from the adapters' weights once per adapter and recomputed when an adapter of the same
 name is loaded again (a new `LoRAAdapter` object in `mm.adapters`); `method` "svd" takes the exact vector
 (QR of B, then the SVD of the small R·A), "power" PEFT's estimator (power iteration on AᵀBᵀBA from a seeded
@@ -351,8 +363,7 @@ class ArrowRouter(Router):
             sim = sim.masked_fill(~ok, float("-inf"))
         c = self.config
         if c.rms_threshold is not None:  # calibrated against general text
-            cos = sim / x.float().norm(dim=-1, keepdim=True).clamp_min(1e-12)
-            ratio = cos / self.general_rms(module, x.device)  # [T, K]; -inf kept
+            ratio = self.general_ratio(module, x, sim)  # [T, K]; -inf kept
             best, ids = ratio.max(dim=-1, keepdim=True)  # [T, 1]
             return torch.where(best < c.rms_threshold, -1, ids), None
         top, ids = sim.topk(min(c.top_k, sim.shape[1]), dim=-1)  # [T, k]
@@ -383,9 +394,19 @@ class ArrowRouter(Router):
             self._rms[key] = rms.masked_fill(~has, float("inf"))  # an adapter absent here never wins
         return self._rms[key]
 
+    def general_ratio(self, module: str, x: torch.Tensor, sim: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, K]: |cos(x, v)| of inputs x [T, d_in] of `module` over each adapter's general-text RMS (`general_rms`);
+        sim [T, K]: |x·v| if already computed (masked entries -inf stay -inf)."""
+        if sim is None:
+            P, _, _ = self.prototypes(module, x.device)
+            sim = (x.float() @ P.T).abs()
+        cos = sim / x.float().norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        return cos / self.general_rms(module, x.device)
+
     @torch.no_grad()
     def calibrate(self, rows: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
-        """Measure what an ordinary token looks like at every block's deciding projection: E[x̂ x̂ᵀ] over the tokens
+        """Measure what an ordinary token looks like at the deciding projection of every block that decides (with
+        `prompt`, only `carry_source`): E[x̂ x̂ᵀ] over the tokens
         of general text run on the base model (x̂ the unit-norm input). No labels and no adapter data: the text is
         general prompts of the train split (molora.data.general: Self-Instruct and templated everyday requests)
         in the model's own chat template, template tokens included (the commonest tokens a served prompt has).
@@ -399,6 +420,7 @@ class ArrowRouter(Router):
             if rows is not None
             else calibration_rows(mm, self.config.calibration_prompts)
         )
+        blocks = [self.carry_source] if self.config.prompt else range(len(self._block_linear))  # those that decide
         acc: dict[int, torch.Tensor] = {}
         count = 0
         for r in rows:
@@ -406,12 +428,12 @@ class ArrowRouter(Router):
             out = mm(
                 ids, adapter_ids=torch.full_like(ids, -1), output_hidden_states=True, use_cache=False, logits_to_keep=1
             )
-            for b in range(len(self._block_linear)):
+            for b in blocks:
                 x = self._block_norm[b](out.hidden_states[b][0]).float()  # [T, D]
                 x = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
                 acc[b] = acc.get(b, 0) + x.T @ x  # [D, D]
             count += len(r)
-        self._moments = {m: (acc[b] / count).cpu() for b, m in enumerate(self._block_linear)}
+        self._moments = {self._block_linear[b]: (acc[b] / count).cpu() for b in blocks}
         self._rms.clear()
         self._calib_tokens = count
         log.info("arrow: calibrated on %d tokens of general text (%d prompts)", count, len(rows))
