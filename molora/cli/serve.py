@@ -134,6 +134,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "(process: one Ray hop per token instead of two, no proxy)",
     )
     ray.add_argument(
+        "--ray-placement",
+        choices=("adapters", "bundle"),
+        default="adapters",
+        help="which replica runs a call: among those holding its bundle, the one whose hot set holds most of "
+        "the adapters the call may use (adapters, default), or Ray's own choice by bundle alone (bundle)",
+    )
+    ray.add_argument(
         "--bundles-per-replica",
         type=int,
         default=2,
@@ -362,6 +369,7 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
         dtype=args.dtype,
         stall_s=args.stall_timeout,
         ingress=args.ray_ingress,
+        placement=args.ray_placement,
     )
     ray_serve.serve_ray(
         cfg,
