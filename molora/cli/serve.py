@@ -220,6 +220,14 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         "(vLLM's filesystem resolver; also $VLLM_LORA_RESOLVER_CACHE_DIR); repeatable",
     )
     own.add_argument(
+        "--lora-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="every PEFT subfolder DIR/NAME is adapter NAME from the start, listed by /v1/models; only its "
+        "adapter_config.json is read until a request needs it; repeatable",
+    )
+    own.add_argument(
         "--enable-lora", action="store_true", help="accepted for vLLM compatibility; molora always serves adapters"
     )
 
@@ -313,6 +321,11 @@ def _serve(args: argparse.Namespace) -> int:
                 '--quantization is not passed to Ray replicas yet: set "quantization" in the '
                 "bundle's molora.json instead"
             )
+        if args.lora_dir:
+            raise MoLoRAError(
+                "--lora-dir is not passed to Ray replicas yet: load the adapters at run time (POST /v1/adapters) "
+                "or serve without --ray"
+            )
         return _serve_ray(args, limits, keys)
     if len(args.bundle) > 1:
         raise MoLoRAError(
@@ -339,6 +352,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_cpu_loras=args.max_cpu_loras,
         lora_resolver_dirs=args.lora_resolver_dir + _env_list("VLLM_LORA_RESOLVER_CACHE_DIR"),
         quantization=args.quantization,
+        lora_dirs=args.lora_dir,
         **keys,
     )
     return 0
