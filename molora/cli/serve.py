@@ -56,6 +56,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "--no-enable-prefix-caching turns it off, as in vLLM)",
     )
     p.add_argument(
+        "--admission",
+        choices=("fcfs", "slots"),
+        default="fcfs",
+        help="order in which waiting requests start: fcfs (default), or slots: requests whose adapters are all in "
+        "slots pass one that waits for a slot, at most 16 times each (molora.engine.scheduler)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="on a CUDA device, run every decode step eagerly (default: replay CUDA graphs)",
@@ -346,6 +353,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             enforce_eager=args.enforce_eager,
             enable_prefix_caching=args.enable_prefix_caching,
+            admission=args.admission,
         ),
         limits=limits,
         stall_s=args.stall_timeout,
@@ -379,6 +387,7 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
             "max_model_len": args.max_model_len,
             "enforce_eager": args.enforce_eager,
             "enable_prefix_caching": args.enable_prefix_caching,
+            "admission": args.admission,
         },
         dtype=args.dtype,
         stall_s=args.stall_timeout,
