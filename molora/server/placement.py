@@ -3,14 +3,15 @@ the request needs and the adapters each replica holds. Pure logic, no Ray (`molo
 Ray Serve's `RequestRouter`).
 
 Why: the multiplexed id is the bundle (`molora.server.ray_serve`), so Ray's own routing treats every replica that
-holds the bundle alike; but within a bundle of more adapters than slots the replicas' hot sets differ, and a request
-that lands where its adapters are cold waits for a read and a slot copy, and evicts adapters another request wanted.
+holds the bundle alike; but once a bundle's engines know more adapters than they have slots (run-time adapters), the
+replicas' hot sets differ, and a request that lands where its adapters are cold waits for a copy from the CPU tier or
+a read from disk, and evicts adapters another request wanted.
 
 A request **needs** its allowed set (`needed_adapters`): the pinned adapter, or the adapters its routing may pick
 (its `allowed_adapters`, else every adapter of the bundle); `routing="none"`, or no router, needs none.
 
 A replica **holds** (`Placement.view`) what it last reported (`replica_stats`, through Ray's `record_routing_stats`
-every few seconds): the adapters in its slots and the ones its queued requests will load ("hot"), and its CPU tier
+every second): the adapters in its slots and the ones its queued requests will load ("hot"), and its CPU tier
 ("warm"), joined with the adapters this router sent it after that report (the newest `num_slots` of them): a burst
 of one adapter set must not spread over every replica before the next report arrives.
 
@@ -124,9 +125,8 @@ class Placement:
         entry = report.get("bundles", {}).get(bundle, {})
         since = report.get("t", float("-inf"))
         sent = self.sent.get(replica, {}).get(bundle, {})
-        for n in [
-            n for n, t in sent.items() if t + self.grace_s <= since
-        ]:  # the report already shows them (or their eviction)
+        covered = [n for n, t in sent.items() if t + self.grace_s <= since]  # the report shows them (or their eviction)
+        for n in covered:
             del sent[n]
         newest = list(sent)[::-1]
         if "num_slots" in entry:
