@@ -11,6 +11,7 @@ import molora
 from molora.config import SamplingParams
 from molora.engine import Engine, EngineConfig
 from molora.engine.hotset import folder_bytes
+from molora.errors import MoLoRAError
 from tests.conftest import VOCAB, make_peft_adapter, tiny_model
 
 ARCH = "qwen3"
@@ -131,9 +132,9 @@ def test_slot_aware_admission_lets_warm_requests_pass_a_blocked_cold_one_a_bound
     """One slot, pinned by a long x0 request: a cold x1 request cannot start; the x0 requests queued behind it
     need no slot. "slots" admits max_bypass of them ahead of it, then it waits its turn; "fcfs" admits none."""
     mm = molora.attach(tiny_model(ARCH), {"x0": folders["x0"]}, slots=1)
-    engine = Engine(mm, EngineConfig(**CFG, cpu_tier_bytes=1 << 24))
+    engine = Engine(mm, EngineConfig(**CFG, cpu_tier_bytes=1 << 24, admission=admission))
     engine.load_adapter("x1", str(folders["x1"]))
-    engine.scheduler.admission, engine.scheduler.max_bypass = admission, 2
+    engine.scheduler.max_bypass = 2
     first: dict[str, int] = {}
     got: dict[str, list[int]] = {}
 
@@ -156,3 +157,12 @@ def test_slot_aware_admission_lets_warm_requests_pass_a_blocked_cold_one_a_bound
     order = sorted(["cold", *warm], key=lambda r: first[r])
     assert order == (["w0", "w1", "cold", "w2", "w3", "w4"] if admission == "slots" else ["cold", *warm])
     assert got["cold"] == reference["x1", 1] and all(got[w] == reference["x0", 2] for w in warm)
+
+
+def test_admission_is_an_engine_setting_and_a_serve_flag():
+    from molora.cli import build_parser
+
+    with pytest.raises(MoLoRAError, match=r"EngineConfig.admission='lifo': choose one of fcfs, slots"):
+        EngineConfig(admission="lifo")
+    assert build_parser().parse_args(["serve"]).admission == "fcfs"
+    assert build_parser().parse_args(["serve", "--admission", "slots"]).admission == "slots"

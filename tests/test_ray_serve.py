@@ -285,6 +285,71 @@ def test_process_ingress_over_the_engine_handle_equals_the_in_process_server(clu
         assert bad.status_code == 404
 
 
+async def _pinned_call(client, adapter: str, i: int) -> tuple[str, bool]:
+    """One call pinned to `adapter` through `client`, drained: (its replica, whether its adapter was in a slot)."""
+    from molora.server.runner import RequestSpec
+
+    before = {r: list(x) for r, x in client.placements.items()}
+    sub = await client.submit([RequestSpec(0, [5, 6, 7], SamplingParams(max_new_tokens=2), adapter)], f"p{i}", "delta")
+    try:
+        while sub.unfinished:
+            item = await sub.queue.get()
+            assert isinstance(item, tuple), item
+            if item[1].finished:
+                sub.finished(item[1].request_id)
+    finally:
+        sub.close()
+    hits = client.placements[sub.replica][1] - before.get(sub.replica, [0, 0])[1]
+    return sub.replica, bool(hits)
+
+
+@pytest.mark.slow
+def test_a_call_goes_to_the_replica_whose_slots_hold_its_adapter(cluster):
+    """--ray-placement adapters: six adapters (two in the bundle, four loaded at run time), two slots per replica,
+    two replicas holding the bundle; a call
+    pinned to the adapter the previous call used finds it in a slot (Ray's choice by bundle alone picks either
+    replica, and the other one does not hold it)."""
+    from ray import serve
+
+    from molora.server.ray_client import RayClient
+    from molora.server.ray_state import Registry
+
+    folder = cluster["root"] / "delta"
+    names = [f"d{i}" for i in range(6)]
+    for i, a in enumerate(names):
+        make_peft_adapter(folder / "adapters" / a, "llama", seed=40 + i)
+    manifest = {"format": "molora-bundle/1", "name": "delta", "base": str(cluster["bundles"]["alpha"].parent / "base")}
+    manifest |= {"adapters": [{"name": a, "path": f"adapters/{a}"} for a in names[:2]], "router": {"kind": "none"}}
+    write_manifest(folder, {**manifest, "prompt_template": "w3 {prompt} w4", "slots": 2})
+    cfg = rs.RayConfig(
+        bundles=(str(folder),),
+        replicas=2,
+        max_queue=2,
+        ray_queue=16,
+        threads_per_replica=1,
+        cpus_per_replica=0.5,
+        engine_config=ENGINE,
+    )
+    specs = rs.bundle_specs(cfg.bundles)
+    handle = serve.run(rs.engine_deployment(cfg, specs), name="placement", route_prefix=None)
+    try:
+
+        async def go() -> list[tuple[str, bool]]:
+            client = RayClient(handle, Registry(specs))
+            for a in names[2:]:  # a bundle holds at most its slots' worth: the rest come at run time, as by POST
+                await client.load_adapter("delta", a, folder / "adapters" / a, [folder])
+            await asyncio.gather(*(_pinned_call(client, "d0", i) for i in range(6)))  # a burst: both take the bundle
+            assert len(client.placements) == 2, client.placements
+            return [await _pinned_call(client, a, 10 + i) for i, a in enumerate(["d1", "d1", "d2", "d2", "d3", "d3"])]
+
+        calls = asyncio.run(go())
+    finally:
+        serve.delete("placement")
+    repeats = calls[1::2]
+    assert all(hit for _, hit in repeats), calls
+    assert [r for r, _ in repeats] == [r for r, _ in calls[0::2]], calls  # the repeat went where the first went
+
+
 def test_ray_config_rejects_an_unknown_ingress():
     with pytest.raises(rs.MoLoRAError, match="--ray-ingress 'proxy'"):
         rs.RayConfig(ingress="proxy")

@@ -77,11 +77,35 @@ class FakeOutput:
     logprobs: list[dict] | None
 
 
+class FakeHotSet:
+    """The parts of `HotSet` that Ray placement reads: `num_slots` slots in LRU order (a request's adapters are
+    loaded when it is added), no CPU tier."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.mm = SimpleNamespace(bank=SimpleNamespace(names=[], num_slots=num_slots))
+        self.wanted: set[str] = set()
+        self.cpu: dict = {}
+
+    def resident(self, name: str) -> bool:
+        return name in self.mm.bank.names
+
+    def use(self, names) -> None:
+        slots = self.mm.bank.names
+        for n in names:
+            if n in slots:
+                slots.remove(n)
+            slots.append(n)
+        del slots[: max(0, len(slots) - self.mm.bank.num_slots)]
+
+
 class FakeEngine:
     """The engine contract, deterministic: token k of a request is ALPHABET[(sum(prompt) + seed + k) % 11]."""
 
-    def __init__(self, adapters=("math", "code"), *, step_delay: float = 0.0, max_model_len: int = 128) -> None:
+    def __init__(
+        self, adapters=("math", "code"), *, step_delay: float = 0.0, max_model_len: int = 128, num_slots: int = 8
+    ) -> None:
         self.tokenizer = ToyTokenizer()
+        self.hotset = FakeHotSet(num_slots)
         self.mm = SimpleNamespace(
             adapter_names=list(adapters),
             tokenizer=self.tokenizer,
@@ -121,6 +145,7 @@ class FakeEngine:
             raise MoLoRAError("prompt too long")
         assert request_id not in self.running
         pool = [adapter] if adapter else list(allowed_adapters or self.mm.adapter_names) or [None]
+        self.hotset.use([a for a in pool if a is not None])
         req = dict(
             id=request_id,
             prompt=list(prompt_ids),

@@ -140,16 +140,20 @@ class AdapterBank:
         who = f"adapter {adapter.name!r}" + (f" ({adapter.path})" if adapter.path else "")
         if adapter.name in self.table:
             raise AdapterError(f"{who}: an adapter of that name is already loaded; unload it first")
-        outside = sorted(set(adapter.modules) - set(self.slots))
+        self.check_ranks(who, {m: lora.rank for m, lora in adapter.modules.items()})
+
+    def check_ranks(self, who: str, ranks: Mapping[str, int]) -> None:
+        """Raise AdapterError unless adapter `who` with {module path: rank} fits this bank's linears and max_rank."""
+        outside = sorted(set(ranks) - set(self.slots))
         if outside:
             raise AdapterError(
                 f"{who}: targets linears the bank was not built for {outside[:6]}; attach with "
                 f"target_modules covering them (bank covers {len(self.slots)} linears)"
             )
-        if adapter.max_rank > self.config.max_rank:
+        rank = max(ranks.values(), default=0)
+        if rank > self.config.max_rank:
             raise AdapterError(
-                f"{who}: rank {adapter.max_rank} exceeds the bank's max_rank "
-                f"{self.config.max_rank}; attach with max_rank>={adapter.max_rank}"
+                f"{who}: rank {rank} exceeds the bank's max_rank {self.config.max_rank}; attach with max_rank>={rank}"
             )
 
     def load(self, adapter: LoRAAdapter, slot: int | None = None) -> int:

@@ -235,6 +235,39 @@ def read_adapter(
     return LoRAAdapter(name=name, path=folder, config=cfg, modules=modules, roots=roots)
 
 
+def read_adapter_ranks(
+    path: str | Path,
+    module_shapes: Mapping[str, tuple[int, int]],
+    *,
+    name: str | None = None,
+    base_name: str | None = None,
+    roots: Sequence[str | Path] | None = None,
+) -> dict[str, int]:
+    """What `adapter_config.json` alone says: {module path: rank} of the base model's linears the adapter
+    adapts, by PEFT's matching rules. Checks the config as `read_adapter` does (variant, base, confinement);
+    never opens the weights file, so registering thousands of adapters costs one small JSON read each."""
+    folder = Path(path)
+    name = name or folder.name
+    cfg = read_adapter_config(folder, name, roots=resolve_roots(roots))
+    _check_base(cfg, base_name, f"adapter {name!r} ({folder / CONFIG_FILE})")
+    modules = _expected_modules(cfg, module_shapes)
+    if not modules:
+        raise AdapterError(
+            f"adapter {name!r} ({folder / CONFIG_FILE}): target_modules {cfg.target_modules!r} match none of the "
+            "base model's linears"
+        )
+    return {m: cfg.rank_and_alpha(m)[0] for m in sorted(modules)}
+
+
+def scan_adapter_dir(folder: str | Path) -> dict[str, Path]:
+    """{subfolder name: subfolder} of every subfolder of `folder` that holds an `adapter_config.json`, by name;
+    files and other subfolders are passed over. AdapterError if `folder` is not a folder."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise AdapterError(f"adapter folder {root} is not a folder; pass a folder of PEFT LoRA folders")
+    return {p.name: p for p in sorted(root.iterdir()) if (p / CONFIG_FILE).is_file()}
+
+
 def _check_base(cfg: AdapterConfig, base_name: str | None, who: str) -> None:
     if not base_name or not cfg.base_model_name_or_path:
         return

@@ -128,9 +128,9 @@ def build_engine(
             max_model_len=256,
             stop_at_eos=False,
             cpu_tier_bytes=cpu_mib << 20,
+            admission=admission,
         ),
     )
-    engine.scheduler.admission = admission
     for n in names[1:]:
         engine.load_adapter(n, paths[n])
     return engine

@@ -56,6 +56,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "--no-enable-prefix-caching turns it off, as in vLLM)",
     )
     p.add_argument(
+        "--admission",
+        choices=("fcfs", "slots"),
+        default="fcfs",
+        help="order in which waiting requests start: fcfs (default), or slots: requests whose adapters are all in "
+        "slots pass one that waits for a slot, at most 16 times each (molora.engine.scheduler)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="on a CUDA device, run every decode step eagerly (default: replay CUDA graphs)",
@@ -132,6 +139,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         help="where the HTTP app runs: a Serve deployment behind Ray's HTTP proxy (serve, default: Ray "
         "restarts and places it), or this process, calling the engine replicas through a handle "
         "(process: one Ray hop per token instead of two, no proxy)",
+    )
+    ray.add_argument(
+        "--ray-placement",
+        choices=("adapters", "bundle"),
+        default="adapters",
+        help="which replica runs a call: among those holding its bundle, the one whose hot set holds most of "
+        "the adapters the call may use (adapters, default), or Ray's own choice by bundle alone (bundle)",
     )
     ray.add_argument(
         "--bundles-per-replica",
@@ -211,6 +225,14 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a request naming an unknown model NAME loads the PEFT folder DIR/NAME on first use "
         "(vLLM's filesystem resolver; also $VLLM_LORA_RESOLVER_CACHE_DIR); repeatable",
+    )
+    own.add_argument(
+        "--lora-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="every PEFT subfolder DIR/NAME is adapter NAME from the start, listed by /v1/models; only its "
+        "adapter_config.json is read until a request needs it; repeatable",
     )
     own.add_argument(
         "--enable-lora", action="store_true", help="accepted for vLLM compatibility; molora always serves adapters"
@@ -306,6 +328,11 @@ def _serve(args: argparse.Namespace) -> int:
                 '--quantization is not passed to Ray replicas yet: set "quantization" in the '
                 "bundle's molora.json instead"
             )
+        if args.lora_dir:
+            raise MoLoRAError(
+                "--lora-dir is not passed to Ray replicas yet: load the adapters at run time (POST /v1/adapters) "
+                "or serve without --ray"
+            )
         return _serve_ray(args, limits, keys)
     if len(args.bundle) > 1:
         raise MoLoRAError(
@@ -326,12 +353,14 @@ def _serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             enforce_eager=args.enforce_eager,
             enable_prefix_caching=args.enable_prefix_caching,
+            admission=args.admission,
         ),
         limits=limits,
         stall_s=args.stall_timeout,
         max_cpu_loras=args.max_cpu_loras,
         lora_resolver_dirs=args.lora_resolver_dir + _env_list("VLLM_LORA_RESOLVER_CACHE_DIR"),
         quantization=args.quantization,
+        lora_dirs=args.lora_dir,
         **keys,
     )
     return 0
@@ -358,10 +387,12 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
             "max_model_len": args.max_model_len,
             "enforce_eager": args.enforce_eager,
             "enable_prefix_caching": args.enable_prefix_caching,
+            "admission": args.admission,
         },
         dtype=args.dtype,
         stall_s=args.stall_timeout,
         ingress=args.ray_ingress,
+        placement=args.ray_placement,
     )
     ray_serve.serve_ray(
         cfg,

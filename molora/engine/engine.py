@@ -55,7 +55,7 @@ from molora.engine.request import IncrementalDetokenizer, Request, RequestOutput
 from molora.engine.routing import RouteState, plan_routing, record_carry, record_probe
 from molora.engine.runtime_adapters import RuntimeAdapters
 from molora.engine.sampler import sample_step, step_logprobs
-from molora.engine.scheduler import Scheduled, Scheduler
+from molora.engine.scheduler import ADMISSION, Scheduled, Scheduler
 from molora.errors import MoLoRAError
 from molora.model.batch import BatchMeta
 from molora.model.graphs import DEFAULT_BUCKETS
@@ -86,8 +86,11 @@ class EngineConfig:
     enforce_eager: bool = False  # on CUDA, never replay decode steps from CUDA graphs (vLLM's name)
     pack_weights: bool | None = None  # base GEMMs on packed weights (molora.ops.packed; None: where they run)
     enable_prefix_caching: bool = True  # reuse full KV blocks of equal prefixes run on the same adapters (vLLM's name)
+    admission: str = "fcfs"  # "slots": warm requests pass a slot-blocked one (molora.engine.scheduler)
 
     def __post_init__(self) -> None:
+        if self.admission not in ADMISSION:
+            raise MoLoRAError(f"EngineConfig.admission={self.admission!r}: choose one of {', '.join(ADMISSION)}")
         for name in ("max_num_seqs", "max_tokens_per_step", "block_size", "kv_budget_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise MoLoRAError(f"EngineConfig.{name}={getattr(self, name)} must be at least 1")
@@ -143,6 +146,7 @@ class Engine(FaultIsolation, RuntimeAdapters):
             max_num_seqs=config.max_num_seqs,
             max_tokens_per_step=config.max_tokens_per_step,
             prefix=self.prefix,
+            admission=config.admission,
         )
         self.vocab_size = int(mcfg.vocab_size)
         self._mask_pool: ThreadPoolExecutor | None = None  # fills constraint masks while a step computes

@@ -308,6 +308,12 @@ class HotSet:
         if self.mm.bank.free_slots():
             self._load(adapter)
 
+    def register_cold(self, name: str, path: Path, roots: Roots) -> None:
+        """Register a folder whose config the caller checked (`MoLoRAModel.read_ranks`) without reading its weights:
+        it sits in no tier until a request needs it, then a miss reads it on the loader thread like any cold one."""
+        self._check_free(name)
+        self.paths[name], self.roots[name] = path, roots
+
     def drain(self, name: str) -> None:
         """Mark a registered adapter as being unloaded: the scheduler unregisters it after its last user."""
         self.check_known([name])

@@ -11,13 +11,15 @@ Knows adapter names, folders and the requests that use them; nothing about KV, s
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from molora.adapters.io import LoRAAdapter
+from molora.adapters.io import LoRAAdapter, resolve_roots
 from molora.engine.hotset import HotSet
 from molora.engine.scheduler import Scheduler
+from molora.errors import AdapterError
+from molora.model.lora_linear import linear_shapes
 
 log = logging.getLogger("molora.engine")
 
@@ -50,6 +52,28 @@ class RuntimeAdapters:
         re-read of the folder (an adapter from read_adapter keeps the roots it was read with). Refused, with
         nothing changed, for a bad folder, a name in use, or a name still draining."""
         self.hotset.register(name, source, roots)
+
+    def register_adapters(
+        self, folders: Mapping[str, str | Path], *, roots: Sequence[str | Path] | None = None
+    ) -> None:
+        """Make PEFT folders known by name without reading their weights (thousands at start: a directory of
+        adapters, `molora.adapters.io.scan_adapter_dir`). Each `adapter_config.json` is read and checked against
+        the model and the bank now, all before any is registered: one bad folder or a name in use refuses them
+        all, nothing changed. A weights file is read when a request first needs it (on the loader thread, as for
+        any adapter in no tier); one that turns out bad fails that request and is read again next time. `roots`
+        confine every read of the folders."""
+        hs = self.hotset
+        confined = resolve_roots(roots)
+        taken = sorted(n for n in folders if n in hs.paths or n in hs.draining)
+        if taken:
+            raise AdapterError(f"adapter names already registered {taken[:8]}; unload them or rename the folders")
+        shapes = linear_shapes(hs.mm.model)
+        for name, path in folders.items():
+            ranks = hs.mm.read_ranks(name, path, roots=confined, shapes=shapes)
+            hs.mm.bank.check_ranks(f"adapter {name!r} ({path})", ranks)
+        for name, path in folders.items():
+            hs.register_cold(name, Path(path), confined)
+        log.info("%d adapters registered (configs read; weights on first use)", len(folders))
 
     def unload_adapter(self: _EngineParts, name: str, force: bool = False) -> str:
         """Unload an adapter: "unloaded" when it is gone now, "draining" when requests in flight (running or

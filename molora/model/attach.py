@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from molora.adapters.bank import AdapterBank
-from molora.adapters.io import LoRAAdapter, read_adapter
+from molora.adapters.io import LoRAAdapter, read_adapter, read_adapter_ranks
 from molora.config import LLAMA_PROJECTIONS, BankConfig
 from molora.errors import AdapterError, MoLoRAError, RoutingError
 from molora.model.lora_linear import RoutedLoRALinear, RoutingContext, linear_shapes, swap_modules
@@ -92,6 +92,25 @@ class MoLoRAModel(nn.Module):
         return read_adapter(
             path,
             linear_shapes(self.model),
+            name=name,
+            base_name=self.base_name if self.check_base else None,
+            roots=roots,
+        )
+
+    def read_ranks(
+        self,
+        name: str,
+        path: str | Path,
+        *,
+        roots: Sequence[str | Path] | None = None,
+        shapes: Mapping[str, tuple[int, int]] | None = None,
+    ) -> dict[str, int]:
+        """{module path: rank} of the linears a PEFT folder's config adapts in this model, checked as `read` does
+        but without reading the weights (`molora.adapters.io.read_adapter_ranks`). shapes: `linear_shapes` of
+        the model, when the caller checks many folders (computed here otherwise)."""
+        return read_adapter_ranks(
+            path,
+            linear_shapes(self.model) if shapes is None else shapes,
             name=name,
             base_name=self.base_name if self.check_base else None,
             roots=roots,

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from molora.errors import MoLoRAError
 from molora.server.app import create_app
+from molora.server.state import ADAPTER_NAME
 
 log = logging.getLogger("molora.server")
 
@@ -74,6 +75,29 @@ def build_engine(
     return Engine(mm, cfg)
 
 
+def register_lora_dirs(engine: Any, dirs: Sequence[str | Path]) -> list[str]:
+    """Register every PEFT subfolder of each of `dirs` as an adapter named after it, reading only its
+    `adapter_config.json` (`Engine.register_adapters`: the weights on first use); each folder confines its own
+    adapters' reads. Returns the names, in order. MoLoRAError (nothing registered from that folder on) for a
+    missing folder, a subfolder name an adapter may not have, a name given twice, or a bad config."""
+    from molora.adapters.io import scan_adapter_dir
+
+    names: list[str] = []
+    for d in dirs:
+        root = Path(d).resolve()
+        found = scan_adapter_dir(root)
+        bad = [n for n in found if not ADAPTER_NAME.fullmatch(n)]
+        if bad:
+            raise MoLoRAError(
+                f"--lora-dir {d}: subfolder names {bad[:8]} are not adapter names (letters, digits, '_', '.', '-'; "
+                "at most 64); rename them"
+            )
+        engine.register_adapters(found, roots=[root])
+        names += list(found)
+        log.info("--lora-dir %s: %d adapters registered (weights read on first use)", d, len(found))
+    return names
+
+
 def serve(
     bundle: Any = None,
     *,
@@ -94,12 +118,14 @@ def serve(
     max_cpu_loras: int | None = None,
     lora_resolver_dirs: Sequence[str | Path] = (),
     quantization: str | None = None,
+    lora_dirs: Sequence[str | Path] = (),
 ) -> None:
     """Serve the OpenAI-compatible API until SIGTERM/SIGINT, then drain and return.
 
     bundle: a bundle folder, a parsed `Bundle` (molora.userbundle.bundle_from_flags) or None (the embedded
     default); engine: an already built engine instead. max_cpu_loras, quantization: see `build_engine`.
     lora_resolver_dirs: folders whose subfolder NAME loads as adapter NAME when a request first names it.
+    lora_dirs: folders whose every subfolder NAME is adapter NAME from the start (`register_lora_dirs`).
     api_keys / admin_keys: Bearer keys (none: an open server; admin keys also work as API keys).
     adapter_roots: folders that POST /v1/adapters may load from (none: run-time loading disabled).
     limits: request deadlines, queue timeout, SSE keep-alive (molora.server.generation.Limits; None: defaults).
@@ -109,6 +135,7 @@ def serve(
         log.warning("serving on %s without API keys: anyone who can reach this port can use it (--api-key)", host)
     if engine is None:
         engine = build_engine(bundle, engine_config, dtype, max_cpu_loras, quantization)
+    register_lora_dirs(engine, lora_dirs)
     extra = {"limits": limits} if limits is not None else {}
     app = create_app(
         engine,

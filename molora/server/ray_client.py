@@ -84,6 +84,8 @@ class RayClient(EngineClient):
         self._failures = 0
         self._admin = asyncio.Lock()
         self._handles: dict[str, Any] = {}
+        # placement record: replica -> [calls accepted, calls whose adapters were all in a slot on arrival]
+        self.placements: dict[str, list[int]] = {}
 
     def start(self) -> None:
         self._started = True
@@ -138,6 +140,9 @@ class RayClient(EngineClient):
         if first[0] == "error":
             raise_error(first[1], first[2])
         self._in_flight += len(specs)
+        placed = self.placements.setdefault(first[2], [0, 0])
+        placed[0] += 1
+        placed[1] += bool(first[3])
         return RemoteSubmission(stream, first[1], arrival, lambda n=len(specs): self._release(n), first[2])
 
     async def _command(self, bundle: str, spec: BundleSpec, op: str) -> Any:

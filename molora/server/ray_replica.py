@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from molora.errors import AdapterNotFound, MoLoRAError
 from molora.server.client import load_into
+from molora.server.placement import all_resident, hotset_entry, needed_adapters, replica_stats
 from molora.server.ray_state import (
     BundleLease,
     BundleSpec,
@@ -19,6 +21,7 @@ from molora.server.ray_state import (
     error_kind,
 )
 from molora.server.runner import (
+    EngineBusy,
     EngineFailure,
     EngineRunner,
     RequestSpec,
@@ -86,9 +89,10 @@ class EngineReplica:
     async def generate(
         self, resident: Resident, spec: BundleSpec, specs: Sequence[RequestSpec], prefix: str
     ) -> AsyncIterator[tuple]:
-        """Messages for the ingress: ("accepted", {request_id: index}, replica name), then ("outs", [(index,
-        RequestOutput), ...]) with every output ready at that moment, ... or ("failure", message); ("error", kind,
-        message) if the request never started."""
+        """Messages for the ingress: ("accepted", {request_id: index}, replica name, whether every adapter the
+        call needs was in a slot when it arrived), then ("outs", [(index, RequestOutput), ...]) with every output
+        ready at that moment, ... or ("failure", message); ("error", kind, message) if the request never
+        started."""
         lease = resident.lease
         try:
             self.leases.begin(lease)
@@ -98,12 +102,21 @@ class EngineReplica:
         try:
             try:
                 await self.sync(lease, spec)
-                sub = await lease.runner.submit(specs, prefix)
+                found = await self._check_resident(lease, needed_adapters(spec.adapters, specs, routed=spec.routed))
+                try:
+                    sub = await lease.runner.submit(specs, prefix)
+                except BaseException:
+                    found.cancel()
+                    raise
             except (MoLoRAError, Saturated, RunnerStopped) as e:
                 yield ("error", error_kind(e), str(e))
                 return
             try:
-                yield ("accepted", dict(sub.ids), self.name)
+                try:
+                    hit = await found
+                except (RunnerStopped, EngineBusy):  # the engine stopped meanwhile: its failure reaches sub
+                    hit = False
+                yield ("accepted", dict(sub.ids), self.name, hit)
                 while sub.unfinished:
                     items = [await sub.queue.get()]
                     while not sub.queue.empty():  # outputs that piled up while the last message was in transit:
@@ -125,6 +138,14 @@ class EngineReplica:
         finally:
             self.leases.end(lease)
 
+    async def _check_resident(self, lease: BundleLease, need: frozenset[str]) -> asyncio.Future:
+        """Whether `need` is all in slots, checked on the engine thread just before the call's requests are added
+        (posted first, so both run in the same pause between steps): the placement record's hit."""
+        engine = lease.engine
+        found = asyncio.ensure_future(lease.runner.call(lambda: all_resident(engine.hotset, need)))
+        await asyncio.sleep(0)  # the task runs up to its post
+        return found
+
     async def command(self, resident: Resident, spec: BundleSpec, op: str) -> tuple:
         """("ok", result) or ("error", kind, message): op "sync" applies `spec` now (adapter POST/DELETE),
         "stats" and "list_adapters" read the engine."""
@@ -145,3 +166,17 @@ class EngineReplica:
             return ("error", error_kind(e), str(e))
         finally:
             self.leases.end(lease)
+
+    async def stats(self, timeout: float = 5.0) -> dict:
+        """This replica's report for Ray's router (`molora.server.placement.replica_stats`): what each live
+        bundle's hot set holds. A bundle whose engine does not answer within `timeout` is left out."""
+        entries = {}
+        for name, lease in list(self.leases.leases.items()):
+            if lease.closed:
+                continue
+            engine = lease.engine
+            try:
+                entries[name] = await lease.runner.call(lambda e=engine: hotset_entry(e.hotset), timeout=timeout)
+            except (MoLoRAError, RunnerStopped, EngineBusy) as e:
+                log.debug("no placement report for bundle %s: %s", name, e)
+        return replica_stats(entries, time.time())

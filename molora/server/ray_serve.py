@@ -1,6 +1,8 @@
-"""Scale-out on Ray Serve: `molora serve --ray`. The only module that imports ray (the `molora[ray]` extra).
+"""Scale-out on Ray Serve: `molora serve --ray`. With `molora.server.ray_router`, the only modules that import ray
+(the `molora[ray]` extra).
 
     molora serve --ray --replicas 2 [--bundle A --bundle B] [--min-replicas 1 --max-replicas 4]
+                 [--ray-placement adapters|bundle]
 
 Two tiers (../docs/scaleout.md says why, with what was measured):
 
@@ -14,8 +16,13 @@ Two tiers (../docs/scaleout.md says why, with what was measured):
   process, its own slot bank, KV cache and tiers) behind `@serve.multiplexed`. The multiplexed model id is the
   **bundle**, never the adapter: per-token routing may pick any adapter of the bundle at any token, so the whole
   bundle must be resident where the request runs (`model="bundle:adapter"` maps to the bundle's id too).
-  Repeats of a bundle go to the replica that holds it; a bundle spills to another replica only when its
-  holder is at `max_ongoing_requests` (set to the engine's admission limit, `--max-queue`).
+  Repeats of a bundle go to a replica that holds it; a bundle spills to another replica only when its
+  holders are at `max_ongoing_requests` (set to the engine's admission limit, `--max-queue`).
+- **Placement by adapter set** (`molora.server.ray_router.AdapterSetRouter`, the deployment's request router):
+  among the replicas that hold the bundle, a call goes to the one whose hot set holds most of the adapters it
+  needs (its pinned adapter, or the adapters its routing may pick), unless that replica is overloaded; each
+  replica reports its hot sets through `record_routing_stats` every second (`molora.server.placement`).
+  `--ray-placement bundle` keeps Ray's default router (the bundle alone decides).
 
 Bundle leases (`Leases`): Ray's per-replica LRU evicts a bundle by dropping the object the loader returned,
 calling its `__del__` (twice: Serve, then garbage collection) even while a stream of that bundle runs. So an
@@ -63,6 +70,7 @@ ENGINE_DEPLOYMENT = "MoloraEngine"
 INGRESS_DEPLOYMENT = "MoloraIngress"
 APP_NAME = "molora"
 INGRESS_KINDS = ("serve", "process")
+PLACEMENTS = ("adapters", "bundle")
 
 
 # ------------------------------------------------------------------------------------------ Ray deployments
@@ -85,10 +93,13 @@ class RayConfig:
     dtype: str = "float32"
     stall_s: float = 30.0
     ingress: str = "serve"  # "serve": a Serve deployment; "process": in this process
+    placement: str = "adapters"  # "adapters": AdapterSetRouter; "bundle": Ray's default router (by bundle only)
 
     def __post_init__(self) -> None:
         if self.ingress not in INGRESS_KINDS:
             raise MoLoRAError(f"--ray-ingress {self.ingress!r}: use one of {', '.join(INGRESS_KINDS)}")
+        if self.placement not in PLACEMENTS:
+            raise MoLoRAError(f"--ray-placement {self.placement!r}: use one of {', '.join(PLACEMENTS)}")
         if self.replicas < 1 or self.max_queue < 1 or self.bundles_per_replica < 1:
             raise MoLoRAError(
                 f"--replicas ({self.replicas}), --max-queue ({self.max_queue}) and bundles per "
@@ -121,6 +132,7 @@ def bundle_specs(bundles: Sequence[str | None], roots: Sequence[str | Path] = ()
                 None if path is None else str(Path(path).resolve()),
                 adapters={a.name: None for a in b.adapters},
                 roots=tuple(str(Path(r).resolve()) for r in roots),
+                routed=b.router_kind != "none",
             )
         )
     return specs
@@ -180,6 +192,7 @@ def engine_deployment(cfg: RayConfig, specs: Sequence[BundleSpec]) -> Any:
         max_ongoing_requests=max_queue,
         max_queued_requests=cfg.ray_queue or max_queue,
         ray_actor_options={"num_cpus": cfg.cpus_per_replica or threads},
+        **router_config(cfg.placement),
         **scaling,
     )
     class MoloraEngine:
@@ -209,6 +222,10 @@ def engine_deployment(cfg: RayConfig, specs: Sequence[BundleSpec]) -> Any:
         async def command(self, spec: BundleSpec, op: str) -> tuple:
             return await self.replica.command(await self._resident(spec), spec, op)
 
+        async def record_routing_stats(self) -> dict:
+            """What this replica's hot sets hold, for the ingress's `AdapterSetRouter` (Ray polls it)."""
+            return await self.replica.stats()
+
         def info(self) -> dict:
             """This replica's name, engines built and leases (diagnostics; tests)."""
             leases = {
@@ -218,6 +235,22 @@ def engine_deployment(cfg: RayConfig, specs: Sequence[BundleSpec]) -> Any:
             return {"replica": self.replica.name, "builds": self.replica.leases.builds, "leases": leases}
 
     return MoloraEngine.bind()
+
+
+def router_config(placement: str) -> dict:
+    """The engine deployment's request router options for `--ray-placement` (none: Ray's default router)."""
+    if placement == "bundle":
+        return {}
+    from ray.serve.config import RequestRouterConfig
+
+    from molora.server.ray_router import STATS_PERIOD_S, AdapterSetRouter
+
+    config = RequestRouterConfig(
+        request_router_class=AdapterSetRouter,
+        request_routing_stats_period_s=STATS_PERIOD_S,
+        request_routing_stats_timeout_s=10 * STATS_PERIOD_S,
+    )
+    return {"request_router_config": config}
 
 
 def ingress_app(handle: Any, cfg: RayConfig, specs: Sequence[BundleSpec], server_kwargs: dict) -> Any:

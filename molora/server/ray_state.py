@@ -47,7 +47,8 @@ class BundleSpec:
     """One version of a served bundle: where it is, and the adapters it must hold.
 
     adapters: name -> folder (None: the bundle's own adapter, loaded with it). forced: removed adapters whose
-    requests end now rather than drain. roots: the folders run-time adapters must lie under."""
+    requests end now rather than drain. roots: the folders run-time adapters must lie under. routed: the bundle
+    has a router (placement: an unpinned request of a bundle without one needs no adapter)."""
 
     name: str
     path: str | None
@@ -55,6 +56,7 @@ class BundleSpec:
     adapters: dict[str, str | None] = field(default_factory=dict)
     forced: frozenset[str] = frozenset()
     roots: tuple[str, ...] = ()
+    routed: bool = True
 
 
 class Registry:
