@@ -138,3 +138,91 @@ def test_absent_llama_cpp_skips_with_a_message(monkeypatch, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["skipped"] == peer.MISSING
     assert engine_bench.main(["--peer", "vllm"]) == 2
     assert "llama.cpp" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ a real llama.cpp (when built)
+
+
+def tiny_llama_gguf(model: torch.nn.Module, path):
+    """The tiny transformers Llama as a llama.cpp GGUF (F32, a stand-in vocabulary of VOCAB plain tokens, q/k rows
+    permuted as llama.cpp's converter does): what convert_hf_to_gguf.py would write, enough for llama.cpp to run."""
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    rope_theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(rope_theta))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    w.add_token_types([int(gguf.TokenType.NORMAL)] * cfg.vocab_size)
+    w.add_token_merges(["t 0"])
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    for key, t in model.state_dict().items():
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        name = names.get_name(key, try_suffixes=(".weight",))
+        if ".attn_q." in name:
+            t = permute_rows(t, cfg.num_attention_heads)
+        elif ".attn_k." in name:
+            t = permute_rows(t, cfg.num_key_value_heads)
+        w.add_tensor(name, t.float().contiguous().numpy())
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+@torch.no_grad()
+def greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        ids = list(p)
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        out.append(ids[len(p) :])
+    return out
+
+
+def test_llama_cpp_repeats_the_transformers_greedy_tokens_with_and_without_a_converted_lora(tmp_path):
+    llama = peer.load_llama_cpp()
+    if llama is None:
+        pytest.skip(peer.MISSING)
+    model = tiny_model("llama")
+    with torch.no_grad():  # a sharper next-token distribution: no near-ties for float noise to flip
+        model.model.embed_tokens.weight.mul_(40.0)
+    cfg = model.config
+    base = tiny_llama_gguf(model, tmp_path / "tiny.gguf")
+    adapter = tiny_adapter(tmp_path)
+    lora = lora_to_gguf(adapter, tmp_path / "lora.gguf", cfg.num_attention_heads, cfg.num_key_value_heads, 2)
+    g = gen(5)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (11, 7, 13)]
+    ref = greedy(model, prompts, 6)
+    merged = tiny_model("llama")
+    with torch.no_grad():
+        merged.model.embed_tokens.weight.mul_(40.0)
+        mods = dict(merged.named_modules())
+        for name, m in adapter.modules.items():
+            mods[name].weight += m.scale * m.B @ m.A
+    ref_lora = greedy(merged, prompts, 6)
+    assert ref != ref_lora  # the LoRA changes the greedy tokens: the comparison below can see a wrong conversion
+    # n_batch 16: the prompts (31 tokens) need two decodes, so prefill chunks and decode tokens share batches
+    p = peer.LlamaCppPeer(llama, base, n_seq=3, seq_len=32, n_batch=16, threads=1, kv_type="F32", lora_path=lora)
+    try:
+        p.use_lora(False)
+        assert p.generate(prompts, [6, 6, 6]) == ref
+        p.use_lora(True)
+        assert p.generate(prompts, [6, 6, 6]) == ref_lora
+        p.use_lora(False)
+        assert p.generate(prompts, [6, 3, 1]) == [r[:n] for r, n in zip(ref, (6, 3, 1))]
+    finally:
+        p.close()
