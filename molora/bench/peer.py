@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import logging
 import statistics
 import sys
 import tempfile
@@ -401,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from molora.model.base import cache_root
 
+    logging.getLogger("llama-cpp-python").setLevel(logging.WARNING)  # llama.cpp's load chatter off, warnings kept
     cache = args.cache or cache_root() / "peer"
     rec = run(llama, args.variants, args.requests, args.prompt_len, args.new_tokens, args.repeats, args.threads, cache)
     print("\n".join(summary_lines(rec)), flush=True)
