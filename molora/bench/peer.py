@@ -28,12 +28,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import logging
+import json
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from molora.bench.common import emit, machine_info, paired_ratio, rotated, stderr_log
+from molora.bench.common import emit, machine_info, paired_ratio, rotated, rounded, stderr_log
 from molora.bench.peer_gguf import head_counts, lora_to_gguf, tensor_types, write_float_gguf
 from molora.errors import MoLoRAError
 
@@ -218,6 +218,24 @@ class LlamaCppPeer:
         ll.llama_model_free(self.model)
 
 
+_LOG_CALLBACK: list[Any] = []  # the ctypes callback llama.cpp holds a pointer to: kept alive for the process
+
+
+def quiet_llama_log(llama: ModuleType) -> None:
+    """llama.cpp's log (model loading: some hundred lines per model) to stderr from warnings up only. ggml.h's levels:
+    DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (continues the previous line); the binding's own logger maps them
+    one level off and prints INFO as a warning. Called by `main` only: importing this module changes nothing."""
+    last = [0]
+
+    def log(level: int, text: bytes, _user: Any) -> None:
+        last[0] = last[0] if level == 5 else level
+        if last[0] >= 3:
+            print(text.decode(errors="replace"), end="", file=sys.stderr, flush=True)
+
+    _LOG_CALLBACK[:] = [llama.llama_log_callback(log)]
+    llama.llama_log_set(_LOG_CALLBACK[0], ctypes.c_void_p(0))
+
+
 def llama_info(llama: ModuleType) -> dict[str, Any]:
     """What llama.cpp was: the binding's version (it pins one llama.cpp commit) and llama.cpp's system info."""
     return {
@@ -303,7 +321,7 @@ def measure_variant(
 
 def run(
     llama: ModuleType, variants: Sequence[str], requests: int, prompt_len: int, new_tokens: int, repeats: int,
-    threads: int, cache: Path,
+    threads: int, cache: Path, on_variant: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     from molora.adapters.io import read_adapter
     from molora.bench.engine import make_adapters, workload
@@ -353,10 +371,13 @@ def run(
             ),
         }
         for name in variants:
-            stderr_log(f"# {name}: molora {VARIANTS[name]} vs {files[name].name}")
+            v = VARIANTS[name]
+            stderr_log(f"# {name}: molora {v.dtype} {v.quantization or ''} vs {files[name].name}, KV {v.kv_type}")
             record["variants"][name] = measure_variant(name, llama, files[name], lora_folder, lora_gguf, work)
             gc.collect()  # the variant's model and engine go before the next one loads
-    record["machine"]["loadavg_after"] = machine_info()["loadavg_1_5_15"]
+            record["machine"]["loadavg_after"] = machine_info()["loadavg_1_5_15"]
+            if on_variant is not None:  # e.g. write the record so far: a long run stopped early keeps its variants
+                on_variant(record)
     return record
 
 
@@ -402,9 +423,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from molora.model.base import cache_root
 
-    logging.getLogger("llama-cpp-python").setLevel(logging.WARNING)  # llama.cpp's load chatter off, warnings kept
+    quiet_llama_log(llama)
     cache = args.cache or cache_root() / "peer"
-    rec = run(llama, args.variants, args.requests, args.prompt_len, args.new_tokens, args.repeats, args.threads, cache)
+    save = (lambda r: Path(args.json).write_text(json.dumps(rounded(r), indent=1) + "\n")) if args.json else None
+    a = args
+    rec = run(llama, a.variants, a.requests, a.prompt_len, a.new_tokens, a.repeats, a.threads, cache, save)
     print("\n".join(summary_lines(rec)), flush=True)
     emit(rec, args.json)
     return 0
