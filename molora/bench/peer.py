@@ -52,6 +52,11 @@ MISSING = (
 )
 LLAMA_FTYPES = {"F32": 0, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}  # llama.h's llama_ftype
 GGML_TYPES = {"F32": 0, "F16": 1, "BF16": 30}  # ggml.h's ggml_type, for the KV cache
+# llama.cpp's extra buffer types (weights repacked for AMX or its CPU_REPACK kernels) are off by default here: with them
+# on, llama_decode on a Q8_0 or Q4_0 model crashed (SIGSEGV) every time in this process on this CPU (AMX_INT8), with one
+# or two sequences, flash attention on or off, unified KV or not, while llama-cpp-python's high-level `Llama` ran the
+# same file in the same process; the cause was not found. Off, llama.cpp runs its plain CPU kernels on the same types.
+EXTRA_BUFTS_NOTE = "off: with them on, llama_decode crashed on Q8_0/Q4_0 in this process (cause not found)"
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
 
@@ -133,11 +138,13 @@ class LlamaCppPeer:
         threads: int,
         kv_type: str,
         lora_path: Path | None = None,
+        extra_bufts: bool = True,
     ) -> None:
         self.llama, self.n_batch = llama, n_batch
         llama.llama_backend_init()
         mp = llama.llama_model_default_params()
         mp.n_gpu_layers = 0
+        mp.use_extra_bufts = extra_bufts  # llama.cpp's repacked weight layouts (AMX, CPU_REPACK): see EXTRA_BUFTS_NOTE
         self.model = llama.llama_model_load_from_file(str(model_path).encode(), mp)
         if not self.model:
             raise MoLoRAError(f"llama.cpp cannot load {model_path} (its log above says why)")
@@ -273,7 +280,7 @@ def measure_variant(
     seq_len = max(len(p) for p in prompts) + max(news) + 16
     peer = LlamaCppPeer(
         llama, gguf, n_seq=len(prompts), seq_len=seq_len, n_batch=512, threads=threads, kv_type=v.kv_type,
-        lora_path=lora_gguf,
+        lora_path=lora_gguf, extra_bufts=work["extra_bufts"],
     )  # fmt: skip
     params = [SamplingParams(max_new_tokens=n) for n in news]
     fns = {
@@ -314,6 +321,7 @@ def measure_variant(
         "lora_cost_llama": pair("llama.cpp_lora", "llama.cpp"),
         "greedy_agreement": agreement(outs["molora"], outs["llama.cpp"]),
         "greedy_agreement_lora": agreement(outs["molora_lora"], outs["llama.cpp_lora"]),
+        "lora_changed_molora_tokens": 1 - agreement(outs["molora"], outs["molora_lora"]),  # > 0: the LoRA is seen
         "identical_requests": sum(a == b for a, b in zip(outs["molora"], outs["llama.cpp"])),
         "identical_requests_lora": sum(a == b for a, b in zip(outs["molora_lora"], outs["llama.cpp_lora"])),
     }
@@ -321,7 +329,7 @@ def measure_variant(
 
 def run(
     llama: ModuleType, variants: Sequence[str], requests: int, prompt_len: int, new_tokens: int, repeats: int,
-    threads: int, cache: Path, on_variant: Callable[[dict[str, Any]], None] | None = None,
+    threads: int, cache: Path, extra_bufts: bool = False, on_variant: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     from molora.adapters.io import read_adapter
     from molora.bench.engine import make_adapters, workload
@@ -337,7 +345,13 @@ def run(
     record: dict[str, Any] = {
         "bench": "peer",
         "machine": {**machine_info(), "cpu_flags_all": _cpu_flags()},
-        "llama_cpp": {**llama_info(llama), "n_threads": threads, "n_batch": 512, "api": "llama_batch/llama_decode"},
+        "llama_cpp": {
+            **llama_info(llama),
+            "n_threads": threads,
+            "n_batch": 512,
+            "api": "llama_batch/llama_decode",
+            "extra_bufts": extra_bufts if extra_bufts else EXTRA_BUFTS_NOTE,
+        },
         "source_gguf": {"file": src.name, "tensor_types": tensor_types(src)},
         "requests": requests,
         "prompt_len": prompt_len,
@@ -361,6 +375,7 @@ def run(
             "news": news,
             "threads": threads,
             "repeats": repeats,
+            "extra_bufts": extra_bufts,
             "engine_config": EngineConfig(
                 max_num_seqs=requests,
                 max_tokens_per_step=512,
@@ -414,6 +429,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (default 3)")
     ap.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads (default 2)")
     ap.add_argument("--cache", type=Path, help="where the GGUF files are made (default $MOLORA_CACHE/peer)")
+    ap.add_argument(
+        "--llama-extra-bufts",
+        action="store_true",
+        help="let llama.cpp repack weights (AMX, CPU_REPACK); off by default: it crashed on Q8_0/Q4_0 here",
+    )
     ap.add_argument("--json", metavar="OUT", help="also write the record to this file")
     args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     llama = load_llama_cpp()
@@ -427,7 +447,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache = args.cache or cache_root() / "peer"
     save = (lambda r: Path(args.json).write_text(json.dumps(rounded(r), indent=1) + "\n")) if args.json else None
     a = args
-    rec = run(llama, a.variants, a.requests, a.prompt_len, a.new_tokens, a.repeats, a.threads, cache, save)
+    rec = run(
+        llama,
+        a.variants,
+        a.requests,
+        a.prompt_len,
+        a.new_tokens,
+        a.repeats,
+        a.threads,
+        cache,
+        a.llama_extra_bufts,
+        save,
+    )
     print("\n".join(summary_lines(rec)), flush=True)
     emit(rec, args.json)
     return 0
