@@ -226,3 +226,17 @@ def test_llama_cpp_repeats_the_transformers_greedy_tokens_with_and_without_a_con
         assert p.generate(prompts, [6, 3, 1]) == [r[:n] for r, n in zip(ref, (6, 3, 1))]
     finally:
         p.close()
+
+
+def test_the_docs_section_renders_every_variant_of_the_committed_record():
+    from tests.conftest import ROOT, load_script
+
+    rec = json.loads((ROOT / "docs" / "peer_llamacpp.json").read_text())
+    lines = load_script("make_peer").section(ROOT / "docs")
+    text = "\n".join(lines)
+    assert lines[0].startswith("## llama.cpp as a peer")
+    assert f"llama-cpp-python {rec['llama_cpp']['llama_cpp_python']}" in text
+    assert f"{rec['llama_cpp']['n_threads']} thread(s)" in text
+    for name, v in rec["variants"].items():
+        row = next(x for x in lines if x.startswith(f"| {name} | {v['llama.cpp']['gguf_type']} |"))
+        assert f"{v['tok_s']['molora']:.1f}" in row and f"{v['llama_over_molora'][0]:.2f}x" in row
