@@ -53,10 +53,13 @@ MISSING = (
 LLAMA_FTYPES = {"F32": 0, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}  # llama.h's llama_ftype
 GGML_TYPES = {"F32": 0, "F16": 1, "BF16": 30}  # ggml.h's ggml_type, for the KV cache
 # llama.cpp's extra buffer types (weights repacked for AMX or its CPU_REPACK kernels) are off by default here: with them
-# on, llama_decode on a Q8_0 or Q4_0 model crashed (SIGSEGV) every time in this process on this CPU (AMX_INT8), with one
-# or two sequences, flash attention on or off, unified KV or not, while llama-cpp-python's high-level `Llama` ran the
-# same file in the same process; the cause was not found. Off, llama.cpp runs its plain CPU kernels on the same types.
-EXTRA_BUFTS_NOTE = "off: with them on, llama_decode crashed on Q8_0/Q4_0 in this process (cause not found)"
+# on, llama_decode on a Q8_0 or Q4_0 model crashes (SIGSEGV) on this CPU (AMX_INT8) as soon as a batch holds more than a
+# few tokens, in llama-cpp-python 0.3.36's own high-level `Llama` too, in a venv without torch: a llama.cpp issue of
+# this build, not of this runner. Off, llama.cpp runs its plain CPU kernels on the same types.
+EXTRA_BUFTS_NOTE = (
+    "off: with them on, llama_decode crashed (SIGSEGV) on Q8_0/Q4_0 with multi-token batches, also in "
+    "llama-cpp-python's own Llama without torch"
+)
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
 
