@@ -1,7 +1,7 @@
 """llama.cpp as a peer: the same token ids through molora's Engine and llama.cpp, alternating, at matching precisions.
 
     molora bench peer [--variants fp32 bf16 int8 int4] [--requests 16] [--prompt-len 64] [--new-tokens 32]
-        [--repeats 3] [--threads 2] [--cache DIR] [--json OUT]
+        [--repeats 3] [--threads 1] [--cache DIR] [--json OUT]
     molora bench engine --peer llama.cpp [same options]
 
 llama.cpp runs through `llama-cpp-python` (optional: `pip install 'molora[peer]'`, a source build of llama.cpp);
@@ -430,7 +430,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
     ap.add_argument("--new-tokens", type=int, default=32, help="greedy new tokens per request (default 32)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (default 3)")
-    ap.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads (default 2)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch and llama.cpp threads (default 1: at 2 on a loaded 2-core machine both stall in OpenMP barriers)",
+    )
     ap.add_argument("--cache", type=Path, help="where the GGUF files are made (default $MOLORA_CACHE/peer)")
     ap.add_argument(
         "--llama-extra-bufts",
