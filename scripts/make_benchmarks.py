@@ -1087,6 +1087,7 @@ def render(records: dict[str, dict], out: Path, docs: Path, script_cmd: str, not
     lines += hotset_traffic_section(docs)
     lines += prefix_cache_section(docs)
     lines += quant_section(docs)
+    lines += peer_section(docs)
     lines += commands_section(records, script_cmd)
     lines += [
         "## Not covered here",
@@ -1104,6 +1105,14 @@ def render(records: dict[str, dict], out: Path, docs: Path, script_cmd: str, not
 def quant_section(docs: Path) -> list[str]:
     """The quantized-base section (scripts/make_quant.py renders it from docs/quant.json and docs/quant_linear.json)."""
     spec = importlib.util.spec_from_file_location("make_quant", Path(__file__).with_name("make_quant.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.section(docs)
+
+
+def peer_section(docs: Path) -> list[str]:
+    """The llama.cpp peer section (scripts/make_peer.py renders it from docs/peer_llamacpp.json)."""
+    spec = importlib.util.spec_from_file_location("make_peer", Path(__file__).with_name("make_peer.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.section(docs)

@@ -5,6 +5,7 @@
     molora bench hotset  [--quick] ...     adapter load latency per tier, LRU hit rate under Zipf
     molora bench engine  [--quick] ...     continuous batching vs transformers (--shared-prefix: prefix cache)
     molora bench serve   [...]             load generator against the OpenAI-compatible server
+    molora bench peer    [...]             the engine against llama.cpp at matching precisions (optional peer)
 
 Each module is imported only when chosen (they pull in different dependencies) and ends its stdout with
 one JSON line. `molora bench WHAT --help` lists that benchmark's options.
@@ -22,12 +23,13 @@ BENCHES: dict[str, str] = {
     "hotset": "molora.bench.hotset",
     "engine": "molora.bench.engine",
     "serve": "molora.bench.serve",
+    "peer": "molora.bench.peer",
 }
 
 
 def usage() -> str:
     lines = ["usage: molora bench {" + ",".join(BENCHES) + "} [options]", ""]
-    lines += [line for line in __doc__.splitlines()[2:8] if line.strip()]
+    lines += [line for line in __doc__.splitlines()[2:9] if line.strip()]
     return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 
     python -m molora.bench.engine [--quick] [--json OUT]
     python -m molora.bench.engine --shared-prefix [...]   the prefix-cache benchmark (molora.bench.prefix)
+    python -m molora.bench.engine --peer llama.cpp [...]  against llama.cpp, same prompts (molora.bench.peer)
 
 Setup: SmolLM2-135M (the embedded default), 4 random-weight adapters (r=16, all seven projections, written
 with `save_adapter` into a temp dir), a VocabRouter splitting the vocabulary into 4 ranges (per-token
@@ -345,6 +346,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from molora.bench import prefix
 
         return prefix.main(argv)
+    if "--peer" in argv:  # llama.cpp as a peer (molora.bench.peer): its own options
+        from molora.bench import peer
+
+        i = argv.index("--peer")
+        if argv[i + 1 : i + 2] != ["llama.cpp"]:
+            print("molora bench engine: --peer takes one value, llama.cpp", file=sys.stderr)
+            return 2
+        return peer.main(argv[:i] + argv[i + 2 :])
     ap = argparse.ArgumentParser(prog="molora bench engine", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=32, help="concurrent requests (default 32)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")

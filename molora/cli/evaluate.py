@@ -54,7 +54,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "what",
         nargs="?",
-        choices=["ops", "model", "hotset", "engine", "serve"],
+        choices=["ops", "model", "hotset", "engine", "serve", "peer"],
         help="which benchmark (`molora bench WHAT --help` lists its options)",
     )
     p.add_argument(
@@ -66,7 +66,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
 @command("bench", _bench_args)
 def _bench(args: argparse.Namespace) -> int:
-    """Performance benchmarks: ops, model, hotset, engine, serve (each ends with one JSON line)."""
+    """Performance benchmarks: ops, model, hotset, engine, serve, peer (each ends with one JSON line)."""
     from molora.bench.cli import main as bench_main
 
     return bench_main([args.what, *args.args] if args.what else [])

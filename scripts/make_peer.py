@@ -1,0 +1,99 @@
+"""The llama.cpp section of docs/benchmarks.md from its record (docs/peer_llamacpp.json).
+
+    python scripts/make_peer.py [--check]       # = scripts/make_benchmarks.py --render-only (or --check)
+
+docs/peer_llamacpp.json comes from `molora bench peer --json docs/peer_llamacpp.json` (molora.bench.peer).
+`section` renders the lines; scripts/make_benchmarks.py, which renders the whole page, places them. This script
+measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def variant_table(rec: dict) -> list[str]:
+    out = [
+        "| molora | llama.cpp | molora tok/s | llama.cpp tok/s | llama.cpp / molora time | + LoRA: molora | "
+        "+ LoRA: llama.cpp | + LoRA: llama.cpp / molora | LoRA cost molora / llama.cpp | greedy agree (LoRA) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, v in rec["variants"].items():
+        t, ll = v["tok_s"], v["llama.cpp"]
+        out.append(
+            f"| {name} | {ll['gguf_type']} | {t['molora']:.1f} | {t['llama.cpp']:.1f} | "
+            f"{v['llama_over_molora'][0]:.2f}x | {t['molora_lora']:.1f} | {t['llama.cpp_lora']:.1f} | "
+            f"{v['llama_over_molora_lora'][0]:.2f}x | {v['lora_cost_molora'][0]:.2f}x / {v['lora_cost_llama'][0]:.2f}x"
+            f" | {v['greedy_agreement']:.2f} ({v['greedy_agreement_lora']:.2f}) |"
+        )
+    return out
+
+
+def files_table(rec: dict) -> list[str]:
+    out = [
+        "| variant | molora weights MB | GGUF file MB | GGUF tensor types | llama.cpp KV cache |",
+        "|---|---:|---:|---|---|",
+    ]
+    for name, v in rec["variants"].items():
+        ll = v["llama.cpp"]
+        types = ", ".join(f"{k} x{n}" for k, n in ll["tensor_types"].items())
+        mol = v["molora"]["dtype"] + (f", {v['molora']['quantization']}" if v["molora"]["quantization"] else "")
+        out.append(
+            f"| {name} ({mol}) | {v['molora']['weight_bytes'] / 1e6:.1f} | {ll['file_bytes'] / 1e6:.1f} | {types} | "
+            f"{ll['kv_type']} |"
+        )
+    return out
+
+
+def section(docs: Path) -> list[str]:
+    """The "llama.cpp as a peer" section from docs/peer_llamacpp.json (no lines while the record is missing)."""
+    path = docs / "peer_llamacpp.json"
+    if not path.is_file():
+        return []
+    rec = json.loads(path.read_text())
+    m, ll = rec["machine"], rec["llama_cpp"]
+    head = (
+        f"Measured on {m['cpu']} ({', '.join(m['cpu_flags_all'])}), {m['cores']} cores shared with other work (load "
+        f"average {m['loadavg_1_5_15']} before, {m['loadavg_after']} after): read the ratios, not the absolute "
+        f"figures. llama.cpp through llama-cpp-python {ll['llama_cpp_python']} ({ll['api']}, one sequence id per "
+        f"request, n_batch {ll['n_batch']}; its repacked weight layouts for AMX / CPU_REPACK: {ll['extra_bufts']}), "
+        f"{ll['n_threads']} thread(s) on both sides. {rec['requests']} requests x "
+        f"({rec['prompt_len']} prompt + {rec['new_tokens']} new tokens), random token ids, greedy, eos ignored, the "
+        f"same ids to both; medians of {rec['repeats']} repetitions with the four systems' order rotated; ratios "
+        "are paired per repetition (> 1: molora is faster; LoRA cost > 1: the LoRA slows it down). LoRA: "
+        f"{rec['lora']}, converted for llama.cpp by `molora.bench.peer_gguf`. Float GGUFs: {rec['float_files']}; "
+        f"quantized ones: {rec['quantized_files']}. Greedy agree: the share of molora's tokens llama.cpp repeats "
+        "before the first difference (meaningful where the precisions match). Record: `molora bench peer --json "
+        "docs/peer_llamacpp.json`; rendered by `scripts/make_peer.py`."
+    )
+    return [
+        "## llama.cpp as a peer (`molora bench peer`)",
+        "",
+        head,
+        "",
+        *variant_table(rec),
+        "",
+        *files_table(rec),
+        "",
+        f"llama.cpp system info: `{ll['system_info']}`",
+        "",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="only say whether docs/benchmarks.md is stale")
+    a = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_benchmarks
+
+    return make_benchmarks.main(["--check"] if a.check else ["--render-only"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
