@@ -261,7 +261,8 @@ class StructuredCompiler:
 def unenforced(schema: Any, path: str = "") -> list[str]:
     """Where `schema` uses what the engine accepts but does not enforce ("path: keyword"), in document order:
     the keywords of UNENFORCED, multipleOf on numbers that are not integers, pattern with minLength/maxLength,
-    oneOf whose branches are not provably disjoint (xgrammar then enforces anyOf)."""
+    oneOf whose branches are not provably disjoint (xgrammar then enforces anyOf), allOf but a lone branch with
+    nothing beside it (xgrammar 0.2.9 keeps one part of an allOf and drops the rest; measured)."""
     out: list[str] = []
     if isinstance(schema, dict):
         here = path or "(top level)"
@@ -272,6 +273,8 @@ def unenforced(schema: Any, path: str = "") -> list[str]:
             out.append(f"{here}: pattern with minLength/maxLength")
         if isinstance(schema.get("oneOf"), list) and not _disjoint(schema["oneOf"]):
             out.append(f"{here}: oneOf (enforced as anyOf: an answer may match two branches)")
+        if isinstance(schema.get("allOf"), list) and (len(schema["allOf"]) > 1 or set(schema) - _ANNOTATIONS):
+            out.append(f"{here}: allOf (not merged: an answer may break all but one part)")
         for k, v in schema.items():
             if k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(
                 v, dict
@@ -285,6 +288,11 @@ def unenforced(schema: Any, path: str = "") -> list[str]:
                 for i, sub in enumerate(v):
                     out += unenforced(sub, f"{path}/{k}/{i}")
     return out
+
+
+# keywords that constrain nothing: a lone allOf branch beside only these is the whole schema (xgrammar enforces it)
+_ANNOTATIONS = {"allOf", "title", "description", "$schema", "$id", "$comment", "default", "examples", "$defs"}
+_ANNOTATIONS |= {"definitions"}
 
 
 _GROUP_OPTIONAL = re.compile(r"\?\??|\{0,(\d*)\}\??")  # what may follow a group's ")": ?, {0,1}, {0,n}, {0,}

@@ -291,6 +291,32 @@ def test_unenforced_keywords_are_found_and_strict_refuses_them(compiler):
         compiler.compile(StructuredSpec.json_schema(schema, strict=True))
 
 
+def test_allof_is_enforced_only_as_a_lone_branch(compiler):
+    from molora.structured import unenforced
+
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+    two = {"allOf": [obj, {"required": ["a", "b"]}]}
+    beside = {**obj, "allOf": [{"required": ["a", "b"]}]}
+    lone = {"title": "t", "allOf": [{**obj, "required": ["a"]}]}
+    assert (
+        unenforced(two)
+        == unenforced(beside)
+        == ["(top level): allOf (not merged: an answer may break all but one part)"]
+    )
+    assert unenforced(lone) == []
+    for schema in (two, beside):
+        with pytest.raises(StructuredOutputError, match="allOf"):
+            compiler.compile(StructuredSpec.json_schema(schema, strict=True))
+    # what the flag is about: the engine's grammar accepts an object that breaks the allOf's "required"
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    loose = xgr.Grammar.from_json_schema(json.dumps(beside))
+    assert _is_grammar_accept_string(loose, '{"a": 1}')
+    strict = xgr.Grammar.from_json_schema(json.dumps(lone))
+    assert not _is_grammar_accept_string(strict, "{}") and _is_grammar_accept_string(strict, '{"a": 1}')
+
+
 def _random_pattern(g: torch.Generator, depth: int = 0) -> str:
     """A random regex over a, b, c, '-', '.': atoms, classes, groups, alternations, every quantifier."""
 
