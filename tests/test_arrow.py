@@ -13,7 +13,7 @@ from molora.config import SamplingParams
 from molora.engine import Engine, EngineConfig
 from molora.errors import BundleError, RoutingError
 from molora.routing import ArrowConfig, ArrowRouter, VocabRouter
-from molora.routing.arrow import top_right_singular_vector
+from molora.routing.arrow_protos import top_right_singular_vector
 from tests.conftest import VOCAB, gen, make_peft_adapter, tiny_model, tiny_tokenizer
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
