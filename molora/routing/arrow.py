@@ -35,7 +35,9 @@ E[x̂ x̂ᵀ] of the deciding projection's unit-norm inputs, so an adapter loade
 runs the base model and decides each prompt token at `source_block` only; the prompt votes
 (`molora.routing.base.fill_prompt_routes`: a token that chose nothing takes the majority, the last token takes it
 too, so the answer carries it), and a prompt with fewer than `prompt_share` of its tokens claimed runs wholly on
-the base model. `--router arrow` serves this mode with settings chosen on validation (docs/results.md).
+the base model. `prompt_window` limits the vote to the prompt's last tokens, so that in a conversation the latest
+question, not the history, picks the answer's adapter. `--router arrow` serves this mode with settings chosen on
+validation (docs/results.md).
 
 Prototypes are computed from the adapters' weights once per adapter and recomputed when an adapter of the same
 name is loaded again (a new `LoRAAdapter` object in `mm.adapters`); `method` "svd" takes the exact vector
@@ -86,6 +88,7 @@ class ArrowConfig:
     source_block: int | None = None  # prompt: the block whose decision the probe keeps (None: 5/6 of the depth,
     # block 25 of 30 on the default bundle, chosen on validation)
     prompt_share: float = 0.0  # prompt: below this share of claimed tokens the prompt runs on the base
+    prompt_window: int | None = None  # prompt: the vote counts the prompt's last this many tokens (None: all)
     calibration_prompts: int = 96  # general prompts (train split) in the chat template, for rms_threshold
 
     def __post_init__(self) -> None:
@@ -116,6 +119,12 @@ class ArrowConfig:
             )
         if not (isinstance(self.prompt_share, (int, float)) and 0 <= self.prompt_share <= 1):
             raise RoutingError(f"arrow prompt_share={self.prompt_share!r}: a share in [0, 1]{fix}")
+        if self.prompt_window is not None and not (
+            self.prompt and isinstance(self.prompt_window, int) and self.prompt_window >= 1
+        ):
+            raise RoutingError(
+                f"arrow prompt_window={self.prompt_window!r}: a token count >= 1 with prompt=true, or null{fix}"
+            )
         if self.prompt_share and not self.prompt:
             raise RoutingError(f"arrow prompt_share needs prompt=true (the probe measures the share){fix}")
         if self.rms_threshold is not None and not (
@@ -192,7 +201,8 @@ class ArrowRouter(Router):
         """The prompt tokens' decisions [B, L] from the probe's [B, L] (molora.routing.base.fill_prompt_routes);
         the last token of each prompt takes the prompt's own adapter, so its answer (which carries that last
         decision) runs on the adapter most of the prompt chose, not on whatever its final template token scored."""
-        return fill_prompt_routes(probe, mask, self.config.prompt_share, last_takes_top=True)
+        c = self.config
+        return fill_prompt_routes(probe, mask, c.prompt_share, last_takes_top=True, window=c.prompt_window)
 
     base_only = staticmethod(base_only)
 
