@@ -7,10 +7,10 @@ interleaved.
 
 For each skill, the first --limit validation items (`molora.eval.heldout` split "val") are answered by
 `molora.eval.runner.evaluate` (batched greedy generation, probe pass included) once under the Arrow router and once
-under the skill's own adapter, the order rotated every pair (style.md 18). Per (skill, repetition) pair the
-ratio of seconds and the ratio of seconds per answer token; the record keeps the medians, every pair, the load
-average before and after, and the machine. The answers differ in length where routing differs, so the per-token
-ratio is the cost of the routing itself and the seconds ratio what a user waits.
+under the skill's own adapter, the order rotated every pair (style.md 18), after one untimed item under each.
+Per (skill, repetition) pair the ratio of seconds and the ratio of seconds per answer token; the record keeps the
+medians, every pair, the load average before and after, and the machine. The answers differ in length where
+routing differs, so the per-token ratio is the cost of the routing itself and the seconds ratio what a user waits.
 """
 
 from __future__ import annotations
@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         mm.router = r
 
     pairs = []
+    warm = work / "warmup.json"  # one untimed item under each variant first: the first forwards of a process pay
+    write_bbh_file(warm, held_out(tasks[0], 1, banned, split="val")[0])  # for allocations and thread pools
+    for r, mode in ((router, "learned"), (learned, f"adapter:{mm.bundle.adapter_for_task(tasks[0])}")):
+        use(r)
+        evaluate(mm, f"bbh:{warm}", mode, batch_size=1, progress=False)
+    use(learned)
     for t in tasks:
         items, _ = held_out(t, a.limit, banned, split="val")
         path = work / f"val_{t}.json"

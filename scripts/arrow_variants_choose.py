@@ -24,7 +24,8 @@ Choice: among settings that keep >= 95% of general validation prompts on the bas
 of skill prompts sent to their own adapter (ties: mixed items' second turn, plain prototypes, the router's
 calibration, the whole prompt). `oracle_bounds` (per variant, block, calibration and score): the most skill prompts
 any per-adapter thresholds could send home at the same 95%, thresholds fitted with the validation labels -- what
-the scores allow at best, not a setting anyone could choose without labels.
+the scores allow at best, not a setting anyone could choose without labels. The record's `grid` keeps the best
+value of each group of settings (all but the rule's value), `settings_searched` counts every setting scored.
 """
 
 from __future__ import annotations
@@ -251,6 +252,17 @@ def main(argv: list[str] | None = None) -> int:
                 row = {**key, "rule": rule, "value": value}
                 row.update(hit_rates(labels, destinations(S, rule, limit, score != "energy"), tasks, own))
                 grid.append(row)
+    # the record keeps, per group (all but the rule's value), the best value at >= 95% general retention (the
+    # value keeping the most general prompts home where none reaches it): the frontier the choice is made on
+    group = ("variant", "block", "calibration", "score", "window", "rule")
+    frontier: dict[tuple, dict] = {}
+    for r in grid:
+        k = tuple(r[g] for g in group)
+        rank = (r["general"] >= 95, r["skills_mean"] if r["general"] >= 95 else r["general"], r["mixed_turn2"])
+        if k not in frontier or rank > frontier[k][0]:
+            frontier[k] = (rank, r)
+    searched = len(grid)
+    grid = [r for _, r in frontier.values()]
     ok = [r for r in grid if r["general"] >= 95] or grid
     best = max(
         ok,
@@ -277,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         "blocks": f["blocks"],
         "num_blocks": f["num_blocks"],
         "general_budget": budget,
+        "settings_searched": searched,
         "oracle_bounds": bounds,
         "grid": grid,
         "best_per_variant": best_of,

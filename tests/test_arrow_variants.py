@@ -52,3 +52,63 @@ def test_oracle_bound_fits_per_adapter_thresholds_within_the_general_budget(av):
     assert none == {"a": 50.0, "b": 100.0, "skills_mean": 75.0}  # 0.2 would take the general 0.3
     one = av.oracle_bound(labels, S, ["a", "b"], own, budget=1)
     assert one == {"a": 100.0, "b": 100.0, "skills_mean": 100.0}
+
+
+def _pair(task, first, arrow_s, own_s, arrow_tokens, own_tokens):
+    return {
+        "task": task,
+        "repeat": 0,
+        "first": first,
+        "arrow_s": arrow_s,
+        "own_s": own_s,
+        "arrow_tokens": arrow_tokens,
+        "own_tokens": own_tokens,
+        "time_ratio": round(arrow_s / own_s, 3),
+        "per_token_ratio": round((arrow_s / arrow_tokens) / (own_s / own_tokens), 3),
+    }
+
+
+def test_cost_section_judges_the_median_time_ratio_against_the_goal():
+    cost = load_script("arrow_cost")
+    rec = {
+        "command": "python scripts/arrow_cost.py ...",
+        "date": "2026-12-03",
+        "machine": {"cpu": "cpu", "cores": 2},
+        "loadavg_before": [1.0, 1.0, 1.0],
+        "loadavg_after": [2.0, 2.0, 2.0],
+        "limit": 4,
+        "repeats": 1,
+        "pairs": [_pair("a", "arrow", 12.0, 10.0, 100, 100), _pair("b", "own", 30.0, 10.0, 200, 100)],
+        "median_time_ratio": 1.2,
+        "median_per_token_ratio": 1.35,
+    }
+    text = "\n".join(cost.render_section(rec))
+    assert (
+        "**1.20x** (goal <= 1.25x: met)" in text and "| b | 0 | own | 30.0 | 10.0 | 200 | 100 | 3.00 | 1.50 |" in text
+    )
+    rec["median_time_ratio"] = 1.3
+    assert "goal <= 1.25x: not met" in "\n".join(cost.render_section(rec))
+
+
+def test_prompt_section_renders_mixed_items_and_their_goal():
+    ev = load_script("arrow_prompt_eval")
+    mode = {"n": 24, "accuracy": 50.0, "seconds": 1.0, "generated_tokens": 10}
+    rec = {
+        "command": "python scripts/arrow_prompt_eval.py ...",
+        "date": "2026-12-03",
+        "fingerprint": "f",
+        "config": {"source_block": -5, "rms_threshold": 2.0, "prompt_share": 0.2, "prompt_window": 64},
+        "skills": {"t": {"arrow_prompt": mode, "learned": mode}},
+        "general": {"arrow_prompt": {"retention": 100.0, "empty_where_base_answers": 0.0, "adapter_token_share": 0.0}},
+        "n": 24,
+        "n_general": 40,
+        "n_mixed": 12,
+        "mixed": {
+            "arrow_prompt": {"accuracy": 45.0, "item_accuracy": 20.0},
+            "sequence": {"accuracy": 40.0, "item_accuracy": 10.0},
+        },
+    }
+    text = "\n".join(ev.render_section(rec))
+    assert "| arrow_prompt | 45.0 | 20.0 |" in text and "+5.0 points, not met" in text
+    rec["mixed"]["arrow_prompt"]["accuracy"] = 50.0
+    assert "+10.0 points, met" in "\n".join(ev.render_section(rec))
