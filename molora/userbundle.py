@@ -108,15 +108,22 @@ def read_chat_template(value: str | None) -> str | None:
     )
 
 
-# `--router arrow`: what scripts/arrow_prompt_choose.py chose on validation (docs/arrow_prompt_choice.json: block 25
-# of 30 = 5/6 of the depth, the default source_block; scored once on test in docs/arrow_prompt.json)
-ARROW_ROUTER = {"kind": "arrow", "granularity": "per_block", "prompt": True, "rms_threshold": 2.0, "prompt_share": 0.2}
+# `--router arrow`: what scripts/arrow_variants_choose.py chose on validation (docs/arrow_variants_choice.json: block
+# 25 of 30 = 5/6 of the depth, the default source_block; scored once on test in docs/arrow_prompt.json)
+ARROW_ROUTER = {
+    "kind": "arrow",
+    "granularity": "per_block",
+    "prompt": True,
+    "rms_threshold": 2.0,
+    "prompt_share": 0.2,
+    "prompt_window": 64,
+}
 
 
 def router_entry(value: str | None) -> dict:
     """`--router`: none (default: the base name runs the base model), arrow (data-free routing from the adapters'
     weights: prompt-level Arrow with a base option calibrated on general text, the settings chosen on validation
-    in docs/arrow_prompt_choice.json) or the folder of a router trained by `molora train-router`."""
+    in docs/arrow_variants_choice.json) or the folder of a router trained by `molora train-router`."""
     if value in (None, "none"):
         return {"kind": "none"}
     if value == "arrow":

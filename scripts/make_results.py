@@ -640,6 +640,7 @@ SECTIONS = [
     ("arith_ops_val_after.json", "arith_ops.py"),
     ("arrow.json", "make_arrow.py"),
     ("arrow_prompt.json", "arrow_prompt_eval.py"),
+    ("arrow_cost.json", "arrow_cost.py"),
     ("multimodal.json", "make_multimodal.py"),
 ]
 

@@ -13,7 +13,7 @@ from molora.config import SamplingParams
 from molora.engine import Engine, EngineConfig
 from molora.errors import BundleError, RoutingError
 from molora.routing import ArrowConfig, ArrowRouter, VocabRouter
-from molora.routing.arrow import top_right_singular_vector
+from molora.routing.arrow_protos import top_right_singular_vector
 from tests.conftest import VOCAB, gen, make_peft_adapter, tiny_model, tiny_tokenizer
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -331,6 +331,24 @@ def test_fill_prompt_routes_votes_fills_and_hands_the_answer_the_prompts_adapter
     assert arrow[0].tolist() == [1, 1, 1, 0, 1, 1]  # the last token: the prompt's adapter
     assert fill_prompt_routes(probe, None, 0.2, last_takes_top=True)[1].tolist() == [-1] * 6  # 1/6 < 0.2
     assert base_only(arrow).tolist() == [False, False, True]
+
+
+def test_prompt_window_votes_over_the_last_real_tokens_only():
+    from molora.routing.base import fill_prompt_routes
+
+    # a history claimed by adapter 0, then a latest question claimed by adapter 1; row 1 left-padded by two
+    probe = torch.tensor([[0, 0, 0, 0, 1, -1, 1], [-1, -1, 0, 0, 0, 1, 1]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1]])
+    whole = fill_prompt_routes(probe, mask, 0.0, last_takes_top=True)
+    assert whole[:, -1].tolist() == [0, 0]  # the history outvotes the question
+    last3 = fill_prompt_routes(probe, mask, 0.0, last_takes_top=True, window=3)
+    assert last3[:, -1].tolist() == [1, 1]  # padding is not counted in the window
+    assert last3[0].tolist() == [0, 0, 0, 0, 1, 1, 1]  # claimed tokens keep their own adapter
+    # the share is of the window: 2 of the last 3 claimed in row 0 (>= 0.6), 3 of 3 in row 1
+    assert fill_prompt_routes(probe, mask, 0.6, window=3)[0].tolist() != [-1] * 7
+    assert fill_prompt_routes(probe, mask, 0.7, window=3)[0].tolist() == [-1] * 7
+    with pytest.raises(RoutingError, match="prompt_window"):
+        ArrowConfig(granularity="per_block", prompt_window=8)  # needs prompt=true
 
 
 @torch.no_grad()

@@ -78,7 +78,7 @@ from molora.model.batch import (
 from molora.model.block import PER_BLOCK, Block, Linear, add_norm, rope_tables
 from molora.ops import fused_cpu, packed
 from molora.ops.device import to_device
-from molora.routing.arrow import LinearRouting
+from molora.routing.arrow_linear import LinearRouting
 from molora.routing.base import decide_slots
 
 

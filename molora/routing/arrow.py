@@ -35,7 +35,9 @@ E[x̂ x̂ᵀ] of the deciding projection's unit-norm inputs, so an adapter loade
 runs the base model and decides each prompt token at `source_block` only; the prompt votes
 (`molora.routing.base.fill_prompt_routes`: a token that chose nothing takes the majority, the last token takes it
 too, so the answer carries it), and a prompt with fewer than `prompt_share` of its tokens claimed runs wholly on
-the base model. `--router arrow` serves this mode with settings chosen on validation (docs/results.md).
+the base model. `prompt_window` limits the vote to the prompt's last tokens, so that in a conversation the latest
+question, not the history, picks the answer's adapter. `--router arrow` serves this mode with settings chosen on
+validation (docs/results.md).
 
 Prototypes are computed from the adapters' weights once per adapter and recomputed when an adapter of the same
 name is loaded again (a new `LoRAAdapter` object in `mm.adapters`); `method` "svd" takes the exact vector
@@ -52,12 +54,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from molora.errors import RoutingError
 from molora.ops.device import host_readable
-from molora.routing.base import Router, Routing, base_only, fill_prompt_routes, to_slots
+from molora.routing.arrow_linear import LinearRouting
+from molora.routing.arrow_protos import top_right_singular_vector
+from molora.routing.base import Router, Routing, base_only, fill_prompt_routes
 
 log = logging.getLogger("molora.routing")
 
@@ -85,6 +88,7 @@ class ArrowConfig:
     source_block: int | None = None  # prompt: the block whose decision the probe keeps (None: 5/6 of the depth,
     # block 25 of 30 on the default bundle, chosen on validation)
     prompt_share: float = 0.0  # prompt: below this share of claimed tokens the prompt runs on the base
+    prompt_window: int | None = None  # prompt: the vote counts the prompt's last this many tokens (None: all)
     calibration_prompts: int = 96  # general prompts (train split) in the chat template, for rms_threshold
 
     def __post_init__(self) -> None:
@@ -115,6 +119,12 @@ class ArrowConfig:
             )
         if not (isinstance(self.prompt_share, (int, float)) and 0 <= self.prompt_share <= 1):
             raise RoutingError(f"arrow prompt_share={self.prompt_share!r}: a share in [0, 1]{fix}")
+        if self.prompt_window is not None and not (
+            self.prompt and isinstance(self.prompt_window, int) and self.prompt_window >= 1
+        ):
+            raise RoutingError(
+                f"arrow prompt_window={self.prompt_window!r}: a token count >= 1 with prompt=true, or null{fix}"
+            )
         if self.prompt_share and not self.prompt:
             raise RoutingError(f"arrow prompt_share needs prompt=true (the probe measures the share){fix}")
         if self.rms_threshold is not None and not (
@@ -132,34 +142,6 @@ class ArrowConfig:
         if unknown:
             raise RoutingError(f"{where}: unknown option(s) {unknown}; known: {sorted(known)}")
         return cls(**{k: v for k, v in raw.items() if k in known})
-
-
-# --------------------------------------------------------------------------------------------- prototypes
-
-
-@torch.no_grad()
-def top_right_singular_vector(
-    A: torch.Tensor, B: torch.Tensor, *, method: str = "svd", iters: int = 15, seed: int | None = 0
-) -> torch.Tensor:
-    """The top right singular vector [d_in] (fp32, unit norm, sign arbitrary) of B @ A, A [r, d_in], B [d_out, r],
-    without forming B @ A. svd: B = QR, so B·A = Q(R·A) and the right singular vectors are R·A's ([r, d_in]).
-    power: PEFT's estimator, v <- AᵀBᵀB A v normalised, from randn(d_in) drawn with `seed`."""
-    A32, B32 = A.float(), B.float()
-    if method == "svd":
-        _, R = torch.linalg.qr(B32)  # R [r, r]
-        _, _, Vh = torch.linalg.svd(R @ A32, full_matrices=False)  # Vh [r, d_in]
-        return Vh[0]
-    gen = None
-    if seed is not None:
-        gen = torch.Generator(device=A32.device.type)
-        gen.manual_seed(int(seed))
-    C = B32.T @ B32  # [r, r]
-    v = torch.randn(A32.shape[1], dtype=A32.dtype, device=A32.device, generator=gen)
-    v = v / (v.norm() + 1e-8)
-    for _ in range(iters):
-        w = A32.T @ (C @ (A32 @ v))
-        v = w / (w.norm() + 1e-8)
-    return v
 
 
 # --------------------------------------------------------------------------------------------- router
@@ -219,7 +201,8 @@ class ArrowRouter(Router):
         """The prompt tokens' decisions [B, L] from the probe's [B, L] (molora.routing.base.fill_prompt_routes);
         the last token of each prompt takes the prompt's own adapter, so its answer (which carries that last
         decision) runs on the adapter most of the prompt chose, not on whatever its final template token scored."""
-        return fill_prompt_routes(probe, mask, self.config.prompt_share, last_takes_top=True)
+        c = self.config
+        return fill_prompt_routes(probe, mask, c.prompt_share, last_takes_top=True, window=c.prompt_window)
 
     base_only = staticmethod(base_only)
 
@@ -509,65 +492,3 @@ def calibration_rows(mm: Any, n: int) -> list[list[int]]:
         )
         for p in prompts
     ]
-
-
-# --------------------------------------------------------------------------------------------- per linear
-
-
-class LinearRouting:
-    """Per-linear in-network routing of one forward (Arrow per_linear), held by `RoutingContext.linear`.
-
-    router: an `ArrowRouter`; slot_map [K]: router index -> bank slot (-1: not resident); groups: (rows [n] or
-    None for all T, allowed bool [K] or None) of the rows the router owns, the other rows keep the step's fixed
-    routing (an engine step mixes routing modes). `slots(module, x, fixed, fixed_w)` is what each routed linear
-    calls: slot ids [T, k] and weights [T, k] or None for its input x [T, d_in].
-    """
-
-    def __init__(
-        self,
-        router: ArrowRouter,
-        slot_map: torch.Tensor,
-        groups: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] = ((None, None),),
-    ) -> None:
-        self.router = router
-        self.slot_map = slot_map
-        self.groups = list(groups)
-        router.refresh()
-
-    def slots(
-        self,
-        module: str,
-        x: torch.Tensor,
-        fixed: torch.Tensor | None,
-        fixed_w: torch.Tensor | None,
-        trace: list | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        T, k = x.shape[0], self.router.top_k
-        if len(self.groups) == 1 and self.groups[0][0] is None:  # every row is the router's
-            ids, w = self.router.decide_linear(module, x, self.groups[0][1])
-            out, weights = to_slots(self.slot_map, ids), w
-        else:
-            kk = max(k, 1 if fixed is None else fixed.shape[1])
-            out = torch.full((T, kk), -1, dtype=torch.long, device=x.device)
-            weights = None if kk == 1 and fixed_w is None else torch.zeros(T, kk, device=x.device)
-            if fixed is not None:
-                out[:, : fixed.shape[1]] = fixed
-                if weights is not None:
-                    if fixed_w is not None:
-                        weights[:, : fixed_w.shape[1]] = fixed_w
-                    else:
-                        weights[:, 0] = 1.0
-            for rows, allowed in self.groups:
-                r = slice(None) if rows is None else rows
-                ids, w = self.router.decide_linear(module, x[r], allowed)
-                out[r] = F.pad(to_slots(self.slot_map, ids), (0, kk - ids.shape[1]), value=-1)
-                if weights is not None:
-                    ww = torch.ones_like(ids, dtype=weights.dtype) if w is None else w.to(weights.dtype)
-                    weights[r] = F.pad(ww, (0, kk - ids.shape[1]))
-            ids = None
-        block = None if trace is None else self.router.traced_block(module)
-        if trace is not None and block is not None:
-            if ids is None:
-                raise RoutingError("a routing trace needs every row on the arrow router")
-            trace.append((block, ids))
-        return out, weights

@@ -73,21 +73,30 @@ def in_network_decide(
 
 
 def fill_prompt_routes(
-    probe: torch.Tensor, mask: torch.Tensor | None, prompt_share: float, last_takes_top: bool = False
+    probe: torch.Tensor,
+    mask: torch.Tensor | None,
+    prompt_share: float,
+    last_takes_top: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor:
     """A prompt's decisions [B, L] from a probe pass's per-token decisions [B, L] (router index, -1 none;
-    molora.routing.learned: Probe and Base expert). mask [B, L] (1 = token, 0 = left padding) keeps padding out.
+    molora.routing.learned: Probe and Base expert). mask [B, L] (1 = token, 0 = padding) keeps padding out.
 
-    A prompt whose share of tokens the probe gave to adapters is below `prompt_share`, or is zero, stays wholly
-    on the base model (every decision -1: the caller keeps its answer there too). Otherwise each -1 takes the
-    prompt's most frequent adapter (the lowest index on a tie), and with last_takes_top so does its last token."""
+    The vote counts the last `window` real tokens of each prompt (None: all of them; in a conversation, the latest
+    turn rather than the whole history). A prompt whose share of voting tokens the probe gave to adapters is below
+    `prompt_share`, or is zero, stays wholly on the base model (every decision -1: the caller keeps its answer
+    there too). Otherwise each -1 takes the vote's most frequent adapter (the lowest index on a tie), and with
+    last_takes_top so does its last token."""
     real = torch.ones_like(probe, dtype=torch.bool) if mask is None else mask.to(device=probe.device).bool()
-    claimed = (probe >= 0) & real
+    voting = real
+    if window is not None:  # real tokens at or after each position, counted from the end: [B, L]
+        voting = real & (real.flip(1).long().cumsum(1).flip(1) <= window)
+    claimed = (probe >= 0) & voting
     K = int(probe.max().clamp(min=0)) + 1
     counts = torch.zeros(probe.shape[0], K, dtype=torch.long, device=probe.device)
     counts.scatter_add_(1, probe.clamp(min=0), claimed.long())  # [B, K]
     top = counts.argmax(1, keepdim=True).expand_as(probe)  # first max: lowest index
-    share = claimed.sum(1) / real.sum(1).clamp(min=1)  # [B]
+    share = claimed.sum(1) / voting.sum(1).clamp(min=1)  # [B]
     base = (claimed.sum(1) == 0) | (share < prompt_share)  # [B]
     filled = torch.where(probe == -1, top, probe)
     if last_takes_top:
