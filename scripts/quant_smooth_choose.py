@@ -85,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "what": "int8 (W8A8) next-token agreement with float32 on validation general text, by SmoothQuant alpha",
         "command": "python scripts/quant_smooth_choose.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"cpu": platform.processor() or platform.machine(), "loadavg": os.getloadavg(), "threads": args.threads},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "loadavg": os.getloadavg(),
+            "threads": args.threads,
+        },
         "rows": len(rows),
         "positions": sum(len(r) for r in rows),
         "split": "val (molora.data.general.general_split)",

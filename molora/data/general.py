@@ -19,8 +19,8 @@ seed, so that no setting is ever chosen on an item that is reported:
 from __future__ import annotations
 
 import random
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from molora.data.jsonl import read_jsonl
 

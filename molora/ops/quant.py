@@ -12,17 +12,25 @@ Weights (quantized once, on load):
   scale and one zero per group and output channel, in torch's int4 layout: q in [0, 15], w ~ (q - 8) * scale + zero
   with scale = (max - min) / 15 and zero = min + 8 * scale over the group.
 
-Kernels, chosen from scripts/ab_quant_linear.py (SmolLM2-135M's seven shapes, cold weights, interleaved; the record
-in docs/quant_linear.json): torch's weight-only CPU kernels ran far behind the float32 GEMM molora packs
-(molora.ops.packed) at every T above 1: `torch._weight_int8pack_mm` 0.03-0.06x at T = 8-32, the int4 one
-(`torch._weight_int4pack_mm_for_cpu`) 0.01-0.02x, and torchao 0.18 brings no CPU kernel of its own. FBGEMM's dynamic
-int8 linear (`torch.ops.quantized.linear_dynamic`: int8 weights, the activations quantized to 8 bits at each call,
-exact int32 sums on AVX512-VNNI) ran 1.2-3.4x as fast as the packed float32 GEMM. So:
+Kernels, chosen by measurement (scripts/ab_quant_linear.py, SmolLM2-135M's shapes, interleaved; docs/quant_linear.json):
+torch's weight-only CPU kernels ran far behind the float32 GEMM molora packs (molora.ops.packed) at every T above 1:
+`torch._weight_int8pack_mm` 0.03-0.06x at T = 8-32, the int4 one (`torch._weight_int4pack_mm_for_cpu`) 0.01-0.02x,
+and torchao brings no CPU kernel of its own. Integer GEMMs with 8-bit activations are fast: FBGEMM's dynamic int8
+linear ran 1.2-3.4x the packed float32 GEMM, and oneDNN's int8 linear (`torch.ops.onednn.qlinear_pointwise`, what
+torch's x86 inductor quantization calls; AMX-INT8 here) another 1.6-2.3x faster than FBGEMM at T = 32-256 (1 thread,
+the four shapes, medians of 5). Inductor's weight-only int8 template (bfloat16 activations, AMX) ran at torch's
+bfloat16 speed, but only with the weight frozen into each compiled graph: one compile per linear (210 here).
+So:
 
-- **int8** runs on FBGEMM (`linear_int8`), weights *and* activations in 8 bits (W8A8). Its activation quantization is
-  per tensor; `linear_int8` makes it per token and batch invariant by scaling each row to [-1, 1] and appending a
-  guard row that pins the tensor's range (`_per_token`), so a token's output depends on its own row alone, as with
-  the float kernels. bfloat16 activations go through float32 (FBGEMM takes float32).
+- **int8** runs on oneDNN (`linear_int8`), weights *and* activations in 8 bits (W8A8): each activation row rounded
+  symmetrically over its own range (`quantize_tokens`: a row's result depends on that row alone, as with the float
+  kernels), the int32 sums exact, scaled in float32. Rounding activations is what costs quality on SmolLM2 (its
+  activations have outlier channels): on validation text its top-1 agreement with float32 was 89% (weights alone
+  in int8: 96%; bfloat16: 97%). **SmoothQuant** (`smoothing`) moves range from the activations into the weights per
+  input channel, x @ W.T = (x / s) @ (W * s).T, from activation ranges on calibration text (`molora.load` reads 16
+  general prompts with their answers); alpha (SMOOTH_ALPHA) was chosen on validation text: 93.5% agreement, KL to
+  float32 0.046 -> 0.018 (scripts/quant_smooth_choose.py, docs/quant_smooth_choice.json). s is a power of two, so
+  the division and multiplication are exact in every dtype. bfloat16 activations go through float32.
 - **int4** runs on torch's weight-only int4 kernel (`linear_int4`, activations in their own dtype): it saves memory
   (half a byte a weight) and is slower than float (module docstring numbers); no faster int4 CPU kernel was found.
 
