@@ -90,6 +90,20 @@ def quality_lines(docs: Path) -> list[str]:
     """The smoothing choice (docs/quant_smooth_choice.json) and the skill / retention tables (docs/quant_eval_val.json,
     docs/quant_eval_test.json), each where its record exists."""
     out = []
+    path = docs / "quant_gguf.json"
+    if path.is_file():
+        g = json.loads(path.read_text())
+        i4, i8 = g["schemes"]["int4"], g["schemes"]["int8"]
+        out += [
+            f"GGUF weights (`scripts/quant_gguf_requant.py --json docs/quant_gguf.json`): the embedded {g['gguf']} holds "
+            f"its {g['linears']} block linears as Q4_1 (groups of 32 along the input, a float16 scale and minimum "
+            "each). molora loads them as floats and quantizes again on load; int4 (groups of 32, min/max) gives back "
+            f"{i4['exact_share']:.1%} of the GGUF's weights exactly (largest difference {i4['max_rel_diff']:.1e} of "
+            "a linear's largest weight): Q4_1 and torch's int4 layout are the same grid, so re-quantizing costs "
+            "nothing here and keeps one path for every source (GGUF, safetensors). int8 (one scale per output "
+            f"channel) moves weights by up to {i8['max_rel_diff']:.2%} of a linear's largest weight.",
+            "",
+        ]
     path = docs / "quant_smooth_choice.json"
     if path.is_file():
         c = json.loads(path.read_text())
