@@ -95,7 +95,8 @@ def quality_lines(docs: Path) -> list[str]:
         g = json.loads(path.read_text())
         i4, i8 = g["schemes"]["int4"], g["schemes"]["int8"]
         out += [
-            f"GGUF weights (`scripts/quant_gguf_requant.py --json docs/quant_gguf.json`): the embedded {g['gguf']} holds "
+            "GGUF weights (`scripts/quant_gguf_requant.py --json docs/quant_gguf.json`): the embedded "
+            f"{g['gguf']} holds "
             f"its {g['linears']} block linears as Q4_1 (groups of 32 along the input, a float16 scale and minimum "
             "each). molora loads them as floats and quantizes again on load; int4 (groups of 32, min/max) gives back "
             f"{i4['exact_share']:.1%} of the GGUF's weights exactly (largest difference {i4['max_rel_diff']:.1e} of "
