@@ -4,11 +4,13 @@
         [--json docs/quant_eval_val.json]
 
 For each variant (molora.load(None, dtype, quantization): the embedded default bundle, its learned router, int8 with
-the SmoothQuant calibration load does), greedy, the bundle's prompt template, `molora.eval`'s scoring:
+the SmoothQuant calibration load does), through the engine as `molora serve` runs it (routing "auto": the bundle's
+learned router; greedy; stop at the end of the turn), the bundle's prompt template, `molora.eval`'s scoring and
+answer budgets:
 
 - skills: `--n` held-out items per skill of the split (molora.eval.heldout: val seeds for choosing, test seeds scored
-  once), routing "learned"; strict accuracy per skill, and its difference from float32's;
-- general: the first `--n-general` general prompts of the split (molora.data.general), routing "learned";
+  once); strict accuracy per skill, and its difference from float32's;
+- general: the first `--n-general` general prompts of the split (molora.data.general), 64 new tokens at most;
   retention (the share of answers equal to the same model's own answer without adapters, as docs/results.md
   reports it) and the share equal to float32's base answer (what a quantized base changes by itself).
 
@@ -22,7 +24,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,20 +41,20 @@ VARIANTS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from molora.bundle import default_bundle_dir, load, read_bundle
+    from molora.bundle import default_bundle_dir, encode_prompt, load, read_bundle
+    from molora.config import SamplingParams
     from molora.data.general import general_split
-    from molora.data.jsonl import write_jsonl
-    from molora.data.skills import write_bbh_file
-    from molora.eval.general import evaluate_general
+    from molora.engine import Engine, EngineConfig
+    from molora.eval.general import DEFAULT_TOKENS
     from molora.eval.heldout import fingerprint, held_out, training_inputs
-    from molora.eval.runner import evaluate
+    from molora.eval.runner import MAX_NEW_TOKENS
+    from molora.eval.tasks import answer_kind, score
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--split", choices=["val", "test"], required=True)
     p.add_argument("--n", type=int, default=24)
     p.add_argument("--n-general", type=int, default=40)
     p.add_argument("--variants", nargs="+", default=["fp32", "bf16", "int8", "int4-bf16"], choices=list(VARIANTS))
-    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     bundle = read_bundle(default_bundle_dir())
     banned = training_inputs(bundle)
     tasks = [x.tasks[0] for x in bundle.adapters if x.tasks]
+    items = [it for t in tasks for it in held_out(t, a.n, banned, split=a.split)[0]]
+    general = [r["prompt"] for r in general_split()[a.split][: a.n_general]]
     record: dict = {
         "what": "default bundle, learned routing, on a quantized base: skills (strict accuracy) and general retention",
         "command": "python scripts/quant_eval.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -68,39 +71,44 @@ def main(argv: list[str] | None = None) -> int:
         "fingerprint": fingerprint(bundle),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads},
         "n": a.n,
-        "n_general": a.n_general,
+        "n_general": len(general),
         "variants": {},
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
+    fp32_base = None
+    for name in a.variants:
+        dtype, scheme = VARIANTS[name]
+        t0 = time.perf_counter()
+        mm = load(None, dtype=dtype, quantization=scheme)
+        eng = Engine(mm, EngineConfig(max_num_seqs=32))
+        params = [
+            SamplingParams(max_new_tokens=MAX_NEW_TOKENS.get(answer_kind(it.task, it.target), 64)) for it in items
+        ]
+        outs = eng.generate([encode_prompt(mm, it.input) for it in items], params)
+        texts = [mm.tokenizer.decode(o.new_token_ids, skip_special_tokens=True) for o in outs]
+        hits = [score(it.task, txt, it.target)[0] for it, txt in zip(items, texts)]
+        v: dict = {"dtype": str(dtype).removeprefix("torch."), "quantization": scheme, "skills": {}}
         for t in tasks:
-            items, _ = held_out(t, a.n, banned, split=a.split)
-            write_bbh_file(work / f"{t}.json", items)
-        rows = general_split()[a.split][: a.n_general]
-        write_jsonl(
-            work / "general.jsonl", [{"id": r["id"], "source": r["source"], "prompt": r["prompt"]} for r in rows]
-        )
-        fp32_base = None
-        for name in a.variants:
-            dtype, scheme = VARIANTS[name]
-            t0 = time.perf_counter()
-            mm = load(None, dtype=dtype, quantization=scheme)
-            v: dict = {"dtype": str(dtype).removeprefix("torch."), "quantization": scheme, "skills": {}}
-            for t in tasks:
-                s, _ = evaluate(mm, f"bbh:{work / f'{t}.json'}", "learned", batch_size=a.batch_size, progress=False)
-                v["skills"][t] = s["accuracy"]
-            s, preds = evaluate_general(mm, f"general:{work / 'general.jsonl'}", "learned", batch_size=a.batch_size)
-            base_ids = [pr["base_ids"] for pr in preds]
-            if name == "fp32":
-                fp32_base = base_ids
-            v["general"] = {"retention": s["retention"], "empty_where_base_answers": s["empty_where_base_answers"]}
-            if fp32_base is not None:
-                same = sum(x == y for x, y in zip(base_ids, fp32_base))
-                v["general"]["base_equal_to_fp32_base"] = round(100.0 * same / len(rows), 2)
-            v["seconds"] = round(time.perf_counter() - t0, 1)
-            record["variants"][name] = v
-            print(name, json.dumps(v), flush=True)
-            del mm
+            mine = [h for it, h in zip(items, hits) if it.task == t]
+            v["skills"][t] = round(100.0 * sum(mine) / len(mine), 2)
+        rows = [encode_prompt(mm, q) for q in general]
+        gp = SamplingParams(max_new_tokens=DEFAULT_TOKENS)
+        routed = [o.new_token_ids for o in eng.generate(rows, gp)]
+        base = [o.new_token_ids for o in eng.generate(rows, gp, routing="none")]
+        if name == "fp32":
+            fp32_base = base
+        v["general"] = {
+            "retention": round(100.0 * sum(x == y for x, y in zip(routed, base)) / len(rows), 2),
+            "empty_where_base_answers": round(
+                100.0 * sum(not x and bool(y) for x, y in zip(routed, base)) / max(1, sum(bool(y) for y in base)), 2
+            ),
+        }
+        if fp32_base is not None:
+            same = sum(x == y for x, y in zip(base, fp32_base))
+            v["general"]["base_equal_to_fp32_base"] = round(100.0 * same / len(rows), 2)
+        v["seconds"] = round(time.perf_counter() - t0, 1)
+        record["variants"][name] = v
+        print(name, json.dumps(v), flush=True)
+        del eng, mm
     ref = record["variants"].get("fp32")
     if ref:
         for v in record["variants"].values():
