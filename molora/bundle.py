@@ -44,6 +44,7 @@ FORMAT = "molora-bundle/1"
 DEFAULT_BUNDLE_DIR = Path(__file__).parent / "default_bundle"
 CHATML_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 END_OF_TURN = "<|im_end|>"
+QUANT_CALIBRATION_ROWS = 16  # general prompts with their answers an int8 base reads on load (SmoothQuant)
 
 
 def turn_text(template: str, prompt: str, answer: str | None = None, end: str = END_OF_TURN, last: bool = True) -> str:
@@ -267,6 +268,12 @@ def load(
     model, tokenizer = load_base(bundle.base, dtype)
     bundle = with_tokenizer(bundle, tokenizer, model)
     adapters = {} if base_only else {a.name: a.path for a in bundle.adapters}
+    quantization = quantization or bundle.manifest.get("quantization")
+    calibration = None
+    if quantization == "int8":  # SmoothQuant's activation ranges: general text in the bundle's template
+        from molora.data.general import general_rows
+
+        calibration = general_rows(tokenizer, QUANT_CALIBRATION_ROWS, bundle.prompt_template, with_output=True)
     try:
         mm = attach(
             model,
@@ -277,7 +284,8 @@ def load(
             dispatch=dispatch,
             target_modules=bundle.target_modules,
             check_base=bundle.check_base,
-            quantization=quantization or bundle.manifest.get("quantization"),
+            quantization=quantization,
+            calibration=calibration,
         )
     except MoLoRAError as e:
         raise BundleError(f"bundle {bundle.folder}: {e}") from e

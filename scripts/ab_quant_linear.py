@@ -10,13 +10,13 @@ repetition:
 - `packed`: what the engine runs today (`molora.ops.packed.PackedLinear`: panel GEMM in float32, AMX in bfloat16,
   torch's GEMV for one row);
 - `torch`: torch's own linear on the plain weight;
-- `int8`: what `--quantization int8` runs (`molora.ops.quant.linear_int8`: FBGEMM's dynamic int8 linear with the
-  activations quantized per token);
+- `int8`: what `--quantization int8` runs (`molora.ops.quant.linear_int8`: oneDNN's int8 linear, the activations
+  rounded to int8 per token by molora, no smoothing factors: they add one multiply);
 - `int8-wo`: torch's weight-only int8 kernel `torch._weight_int8pack_mm` (int8 weight [N, K], one scale per output
   channel, activations in their own dtype);
 - `int4/gG`: `torch._weight_int4pack_mm_for_cpu` on `torch._convert_weight_to_int4pack_for_cpu` (groups of G along
   K, a scale and a zero per group and output channel; 128 does not divide K = 576);
-- `fbgemm-a8w8` (float32 only; not weight-only, a candidate measured for the record): FBGEMM's dynamic quantized
+- `fbgemm-a8w8` (float32 only; not weight-only, what `int8` ran before oneDNN): FBGEMM's dynamic quantized
   linear `torch.ops.quantized.linear_dynamic` (int8 weight per output channel, the activations quantized per tensor
   to uint8 at each call, integer products on VNNI).
 

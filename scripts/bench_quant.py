@@ -6,7 +6,7 @@
 The engine bench's workload (molora.bench.engine: SmolLM2-135M, 4 random r=16 adapters on all seven projections, a
 VocabRouter over 4 vocabulary ranges, so every step routes per token over all adapters; random prompts, greedy, eos
 ignored), one `Engine` per variant, `Engine.generate` over all requests timed with the variants' order rotated every
-repetition; medians, throughput and the ratio to float32. Variants (`--variants`): fp32, bf16, int8 (W8A8 on FBGEMM,
+repetition; medians, throughput and the ratio to float32. Variants (`--variants`): fp32, bf16, int8 (W8A8 on oneDNN,
 float32 activations), int8-bf16 (the same, bfloat16 model), int4-bf16 (weight only, bfloat16 activations); int4
 (float32 activations) only when asked for (DEFAULT).
 
@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     from molora import attach
     from molora.bench.common import machine_info
     from molora.bench.engine import make_adapters, workload
+    from molora.bundle import CHATML_TEMPLATE, QUANT_CALIBRATION_ROWS
     from molora.config import SamplingParams
+    from molora.data.general import general_rows
     from molora.engine import Engine, EngineConfig
     from molora.model.base import default_gguf_path, load_base
     from molora.model.quant_linear import weight_bytes
@@ -92,12 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.variants:
             dtype, scheme = VARIANTS[name]
-            model, _tok = load_base()
+            model, tok = load_base()
             vocab = model.config.vocab_size
             paths = make_adapters(model, Path(tmp), 4, 16)  # the same seed: the same adapters every time
             q = vocab // 4
             router = VocabRouter([(i * q, (i + 1) * q if i < 3 else vocab, f"skill{i}") for i in range(4)])
-            mm = attach(model, paths, router=router, quantization=scheme)
+            calib = None  # int8: SmoothQuant's ranges from the rows molora.load reads (molora.bundle.load)
+            if scheme == "int8":
+                calib = general_rows(tok, QUANT_CALIBRATION_ROWS, CHATML_TEMPLATE, with_output=True)
+            mm = attach(model, paths, router=router, quantization=scheme, calibration=calib)
             if dtype != torch.float32:
                 mm.to(dtype)
             prompts, news = workload(a.requests, a.prompt_len, a.new_tokens, vocab, False)
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         params = [SamplingParams(max_new_tokens=n) for n in news]
         names = list(engines)
         secs: dict[str, list[float]] = {n: [] for n in names}
-        for n in names:  # warm up (packing, FBGEMM's prepack) on a short request
+        for n in names:  # warm up (packing, oneDNN's prepack) on a short request
             engines[n].generate(prompts[:2], SamplingParams(max_new_tokens=2), routing="vocab")
         for i in range(a.repeats):
             for n in names[i % len(names) :] + names[: i % len(names)]:

@@ -1,11 +1,12 @@
-"""The quantized-base section of docs/benchmarks.md from its records (docs/quant.json, docs/quant_linear.json).
+"""The quantized-base section of docs/benchmarks.md from its records (docs/quant*.json).
 
     python scripts/make_quant.py [--check]       # = scripts/make_benchmarks.py --render-only (or --check)
 
 docs/quant_linear.json comes from `scripts/ab_quant_linear.py --json docs/quant_linear.json` (the kernels on
 SmolLM2-135M's linear shapes), docs/quant.json from `scripts/bench_quant.py --json docs/quant.json` (the engine on
-the real model). `section` renders the lines; scripts/make_benchmarks.py, which renders the whole page, places them.
-This script measures nothing.
+the real model), docs/quant_smooth_choice.json from `scripts/quant_smooth_choose.py`, docs/quant_eval_{val,test}.json
+from `scripts/quant_eval.py --split val|test`. `section` renders the lines; scripts/make_benchmarks.py, which
+renders the whole page, places them. This script measures nothing.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def section(docs: Path) -> list[str]:
     head = (
         f"Measured on {m['cpu']} ({', '.join(m['cpu_flags'] + m['int8_flags'])}), {m['cores']} cores shared "
         f"with other work (load average {m['loadavg_1_5_15']} at the engine run), {m['threads']} thread(s): read "
-        "the ratios, not the absolute figures. int8 is W8A8 on FBGEMM (weights per output channel, activations "
-        "quantized per token); int4 is weight only on torch's kernel, groups of 32 (molora.ops.quant). Records: "
+        "the ratios, not the absolute figures. int8 is W8A8 on oneDNN (weights per output channel, activations "
+        "rounded per token after SmoothQuant's per-channel factors); int4 is weight only on torch's kernel, "
+        "groups of 32 (molora.ops.quant). Records: "
         "`scripts/bench_quant.py --json docs/quant.json`, `scripts/ab_quant_linear.py --json "
         "docs/quant_linear.json`; rendered by `scripts/make_quant.py`."
     )
@@ -85,22 +87,62 @@ def section(docs: Path) -> list[str]:
 
 
 def quality_lines(docs: Path) -> list[str]:
-    """One paragraph from docs/quant_quality.json (scripts/quant_quality.py), when it exists."""
-    path = docs / "quant_quality.json"
-    if not path.is_file():
-        return []
-    q = json.loads(path.read_text())
-    parts = [
-        f"{name}: {v['same_answer_as_fp32']:.0%} the same answer as fp32, {v['correct']} correct"
-        for name, v in q["schemes"].items()
-    ]
-    return [
-        f"Quality spot check (`scripts/quant_quality.py --json docs/quant_quality.json`): the default bundle, "
-        f"its own routing, greedy, on {q['items']} validation items ({q['per_skill']} per skill of "
-        f"{', '.join(q['tasks'])}); fp32 {q['fp32_correct']} correct; " + "; ".join(parts) + ". Not the skill "
-        "and general-retention re-measurement issue 38 asks for (validation, then test once).",
-        "",
-    ]
+    """The smoothing choice (docs/quant_smooth_choice.json) and the skill / retention tables (docs/quant_eval_val.json,
+    docs/quant_eval_test.json), each where its record exists."""
+    out = []
+    path = docs / "quant_gguf.json"
+    if path.is_file():
+        g = json.loads(path.read_text())
+        i4, i8 = g["schemes"]["int4"], g["schemes"]["int8"]
+        out += [
+            "GGUF weights (`scripts/quant_gguf_requant.py --json docs/quant_gguf.json`): the embedded "
+            f"{g['gguf']} holds "
+            f"its {g['linears']} block linears as Q4_1 (groups of 32 along the input, a float16 scale and minimum "
+            "each). molora loads them as floats and quantizes again on load; int4 (groups of 32, min/max) gives back "
+            f"{i4['exact_share']:.1%} of the GGUF's weights exactly (largest difference {i4['max_rel_diff']:.1e} of "
+            "a linear's largest weight): Q4_1 and torch's int4 layout are the same grid, so re-quantizing costs "
+            "nothing here and keeps one path for every source (GGUF, safetensors). int8 (one scale per output "
+            f"channel) moves weights by up to {i8['max_rel_diff']:.2%} of a linear's largest weight.",
+            "",
+        ]
+    path = docs / "quant_smooth_choice.json"
+    if path.is_file():
+        c = json.loads(path.read_text())
+        cells = "; ".join(
+            f"{k} {v['top1_agreement']:.1%} / {v['kl_per_position']:.4f}" for k, v in c["variants"].items()
+        )
+        out += [
+            f"int8's SmoothQuant strength, chosen on validation text (`{c['command']}`: {c['rows']} general prompts "
+            f"with answers, {c['positions']} positions, teacher forced; top-1 agreement with fp32 / KL per "
+            f"position): {cells}. Chosen: alpha = {c['chosen_alpha']}.",
+            "",
+        ]
+    for split in ("val", "test"):
+        path = docs / f"quant_eval_{split}.json"
+        if not path.is_file():
+            continue
+        e = json.loads(path.read_text())
+        tasks = list(next(iter(e["variants"].values()))["skills"])
+        out += [
+            f"Skills and general retention on a quantized base, {split} split (`{e['command']}`; bundle "
+            f"{e['fingerprint']}, learned routing, greedy; {e['n']} items per skill, {e['n_general']} general "
+            "prompts; retention: answers equal to the same model's own answer without adapters; base = fp32: its "
+            "answer without adapters equal to fp32's):",
+            "",
+            "| variant | " + " | ".join(tasks) + " | retention | base = fp32 |",
+            "|---|" + "---:|" * (len(tasks) + 2),
+        ]
+        for name, v in e["variants"].items():
+            d = v.get("skills_vs_fp32", {})
+            cells = [f"{v['skills'][t]:.1f}" + (f" ({d[t]:+.1f})" if name != "fp32" and t in d else "") for t in tasks]
+            g = v["general"]
+            same = g.get("base_equal_to_fp32_base")
+            out.append(
+                f"| {name} | " + " | ".join(cells) + f" | {g['retention']:.1f}% | "
+                f"{'-' if same is None else f'{same:.1f}%'} |"
+            )
+        out.append("")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

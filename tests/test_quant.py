@@ -1,8 +1,9 @@
 """Weight-only int8 / int4 base linears: the schemes' bounds, the kernels against the dequantize-then-matmul
 reference, and per-token routing over a quantized base against the same routing over the dequantized weights.
 
-int8 runs W8A8 (the activations rounded to 8 bits per token, molora.ops.quant), int4 weight only; the reference
-rounds the same values the same way and multiplies in float32. Tolerances: float32 outputs within 1e-5 of the
+int8 runs W8A8 (the activations rounded to 8 bits per token, after SmoothQuant's per-channel factors when the model
+was calibrated, molora.ops.quant), int4 weight only; the reference rounds the same values the same way and
+multiplies in float32. Tolerances: float32 outputs within 1e-5 of the
 output's largest magnitude (the same products of the same values, only the order of the float32 sums differs);
 bfloat16 within one rounding of the output (2^-8 relative, plus 1e-2 of the largest magnitude where a sum cancels).
 Logits of the whole model in float32 within 1e-4 (test_runner's TOL).
@@ -18,6 +19,7 @@ from torch import nn
 
 import molora
 from molora.errors import BundleError, MoLoRAError
+from molora.model import quant_linear
 from molora.model.lora_linear import RoutedLoRALinear, linear_shapes
 from molora.model.quant_linear import QuantizedLinear, quantize_linears, weight_bytes
 from molora.model.runner import BatchMeta, ModelRunner, StepRouting
@@ -59,7 +61,7 @@ def test_quantization_error_is_within_half_a_step(scheme):
     assert ((dq - w).abs() <= step / 2 + 1e-6).all()
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", [*SCHEMES, "int8-smooth"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 3, 33, 130])
 def test_quantized_kernel_equals_dequantize_then_matmul(scheme, dtype, T):
@@ -68,7 +70,9 @@ def test_quantized_kernel_equals_dequantize_then_matmul(scheme, dtype, T):
     with torch.no_grad():
         base.weight.copy_(torch.randn(64, 96, generator=g) * 0.1)
         base.bias.copy_(torch.randn(64, generator=g))
-    layer = QuantizedLinear(base.to(dtype), scheme)
+    amax = torch.rand(96, generator=g) * torch.logspace(-1, 2, 96) if scheme == "int8-smooth" else None
+    layer = QuantizedLinear(base.to(dtype), scheme.removesuffix("-smooth"), act_amax=amax)
+    assert (layer.smooth is not None) == (amax is not None)
     x = torch.randn(T, 96, generator=g).to(dtype)
     with torch.no_grad():
         _assert_kernel_matches(layer(x), layer.reference(x))
@@ -88,6 +92,62 @@ def test_int8_rows_do_not_depend_on_the_rest_of_the_batch(dtype):
         whole = layer(x)
         for i in range(9):
             assert torch.equal(layer(x[i : i + 1]), whole[i : i + 1]), i
+
+
+def test_smoothing_moves_range_between_activations_and_weights_in_powers_of_two():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(32, 64, generator=g)
+    amax = torch.rand(64, generator=g) * 100
+    s = quant.smoothing(amax, w, 0.5)
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # powers of two: x / s and W * s are exact
+    x = torch.randn(5, 64, generator=g)
+    assert torch.equal((x / s) * s, x) and torch.equal((w * s) / s, w)  # scaling by s loses nothing
+    assert torch.allclose((x / s) @ (w * s).t(), x @ w.t(), rtol=1e-5, atol=1e-5)
+    base = nn.Linear(64, 32, bias=False)
+    with torch.no_grad():
+        base.weight.copy_(w)
+    layer = QuantizedLinear(base, "int8", act_amax=amax)
+    assert torch.equal(layer.smooth, 1 / s)
+    step = (w * s).abs().amax(dim=1, keepdim=True) / 127 / s  # a half step of W * s, taken back to W's scale
+    assert ((layer.dequantized() - w).abs() <= step / 2 + 1e-6).all()
+    # a channel with large activations gets a larger step in W and a smaller one in x: its factor s is larger
+    big = amax.argmax()
+    assert s[big] >= s[amax.argmin()]
+    with pytest.raises(ValueError, match="input channel"):
+        QuantizedLinear(base, "int8", act_amax=torch.ones(63))
+
+
+def test_int8_weight_packing_checks_its_inputs():
+    q = torch.zeros(8, 16, dtype=torch.int8)
+    with pytest.raises(ValueError, match="int8"):
+        quant.prepack_int8(q.float(), torch.ones(8))
+    with pytest.raises(ValueError, match="scales"):
+        quant.prepack_int8(q, torch.ones(7))
+    with pytest.raises(ValueError, match="smooth"):
+        quant.prepack_int8(q, torch.ones(8), torch.ones(15))
+
+
+def test_calibration_ranges_are_each_linears_input_maximum_and_attach_smooths_with_them(tmp_path):
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (4, 9)]
+    seen: dict[str, torch.Tensor] = {}
+    layer = model.model.layers[0].mlp.down_proj
+    handle = layer.register_forward_pre_hook(
+        lambda m, a: seen.__setitem__("x", torch.maximum(seen.get("x", torch.zeros(1)), a[0].abs().amax((0, 1))))
+    )
+    amax = quant_linear.activation_ranges(model, rows)
+    handle.remove()
+    assert "lm_head" not in amax and len(amax) == 7 * model.config.num_hidden_layers
+    assert torch.equal(amax["model.layers.0.mlp.down_proj"], seen["x"])
+    path = make_peft_adapter(tmp_path / "a", "llama", **SPECS["a"])
+    mm = molora.attach(model, {"a": path}, quantization="int8", calibration=rows)
+    smooths = [m.smooth for m in mm.modules() if isinstance(m, QuantizedLinear)]
+    assert len(smooths) == 7 * mm.config.num_hidden_layers and all(s is not None for s in smooths)
+    twin = _reference_twin(mm)
+    ids = torch.randint(3, VOCAB, (2, 7), generator=g)
+    with torch.no_grad():
+        assert (mm(ids, adapter_ids="a").logits - twin(ids, adapter_ids="a").logits).abs().max() <= 1e-4
 
 
 def test_quantizing_a_model_drops_its_float_weights_and_keeps_its_linear_shapes():

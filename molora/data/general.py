@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 from molora.data.jsonl import read_jsonl
 
@@ -166,3 +167,21 @@ def topic_prompts(n: int, seed: int) -> list[dict]:
 def split_record() -> dict[str, list[str]]:
     """The ids of each split, for a bundle's manifest."""
     return {k: [r["id"] for r in v] for k, v in general_split().items()}
+
+
+def general_rows(tokenizer: Any, n: int, template: str | None = None, *, with_output: bool = False) -> list[list[int]]:
+    """Token ids of the first n general rows of the train split, each prompt rendered as one user message: in
+    `template` ("...{prompt}..."), else the tokenizer's chat template, else as plain text; with_output: the row's
+    reference answer follows (text a model reads as it writes its own answer)."""
+    rows = general_split()["train"][:n]
+    out = []
+    for r in rows:
+        if template is not None:
+            text = template.replace("{prompt}", r["prompt"])
+        elif getattr(tokenizer, "chat_template", None) is not None:
+            msgs = [{"role": "user", "content": r["prompt"]}]
+            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        else:
+            text = r["prompt"] + "\n"
+        out.append(tokenizer.encode(text + (r["output"] if with_output else ""), add_special_tokens=False))
+    return out

@@ -29,7 +29,7 @@ from molora.adapters.io import LoRAAdapter, read_adapter, read_adapter_ranks
 from molora.config import LLAMA_PROJECTIONS, BankConfig
 from molora.errors import AdapterError, MoLoRAError, RoutingError
 from molora.model.lora_linear import RoutedLoRALinear, RoutingContext, linear_shapes, swap_modules
-from molora.model.quant_linear import quantize_linears
+from molora.model.quant_linear import activation_ranges, quantize_linears
 from molora.ops import LoRADispatcher, fused_cpu
 from molora.routing import Router, Routing, SequenceRouter
 from molora.routing.base import to_slots
@@ -346,6 +346,7 @@ def attach(
     base_name: str | None = None,
     check_base: bool = True,
     quantization: str | None = None,
+    calibration: Sequence[Sequence[int]] | None = None,
 ) -> MoLoRAModel:
     """Swap the target linears of `model` for routed layers and load `adapters` (name -> PEFT folder).
 
@@ -353,13 +354,16 @@ def attach(
     at least 8); target_modules: module-name suffixes to make routable besides the adapters' own targets
     (default, when no adapter is given: the seven Llama projections). quantization: "int8" or "int4" quantizes
     every linear but the LM head first, on the CPU (molora.model.quant_linear: int8 runs W8A8, int4 weight only);
-    the adapters stay in the model's dtype.
+    the adapters stay in the model's dtype. calibration (int8): rows of token ids of general text the float model
+    reads first, for SmoothQuant's activation ranges (molora.load gives 16 general prompts with their answers;
+    without it int8 rounds the activations unsmoothed).
     """
     if any(isinstance(m, RoutedLoRALinear) for m in model.modules()):
         raise MoLoRAError("this model is already attached; attach once and use load_adapter for more")
     if quantization is not None:
         try:
-            names = quantize_linears(model, quantization)
+            amax = activation_ranges(model, calibration) if quantization == "int8" and calibration else None
+            names = quantize_linears(model, quantization, act_amax=amax)
         except ValueError as e:
             raise MoLoRAError(f"cannot quantize the base model: {e}") from e
         log.info("quantized %d linears to %s", len(names), quantization)

@@ -17,6 +17,8 @@ autograd differentiates with respect to x; the weight itself is frozen.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -27,19 +29,33 @@ from molora.ops import quant
 class QuantizedLinear(nn.Module):
     """y = x @ dequantize(qweight, scales).T + bias on torch's weight-only CPU kernel (module docstring)."""
 
-    def __init__(self, base: nn.Linear, scheme: str, group: int = quant.INT4_GROUP) -> None:
+    def __init__(
+        self,
+        base: nn.Linear,
+        scheme: str,
+        group: int = quant.INT4_GROUP,
+        act_amax: Tensor | None = None,
+        alpha: float = quant.SMOOTH_ALPHA,
+    ) -> None:
         super().__init__()
         quant.check_scheme(scheme)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.scheme, self.group = scheme, group if scheme == "int4" else 0
-        q, scales = quant.quantize(base.weight, scheme, group)
+        weight, smooth = base.weight, None
+        if scheme == "int8" and act_amax is not None:  # SmoothQuant (module docstring)
+            if act_amax.shape != (self.in_features,):
+                raise ValueError(f"act_amax must have one value per input channel ({self.in_features})")
+            s = quant.smoothing(act_amax, weight, alpha)
+            weight, smooth = weight.detach().float() * s, 1 / s
+        q, scales = quant.quantize(weight, scheme, group)
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales.to(base.weight.dtype))
+        self.register_buffer("smooth", smooth)  # int8 with calibration: x's factor per channel (powers of two)
         self.bias = base.bias
-        self._packed: tuple | None = None  # int8: (key, FBGEMM's packed weight)
+        self._packed: tuple | None = None  # int8: (key, oneDNN's packed weight)
         self._kernel = self._int8 if scheme == "int8" else self._int4  # chosen once: forward never branches on it
 
-    def __getstate__(self) -> dict:  # copies and pickles drop FBGEMM's packed weight (made again at the next call)
+    def __getstate__(self) -> dict:  # copies and pickles drop oneDNN's packed weight (made again at the next call)
         return {**self.__dict__, "_packed": None}
 
     @property
@@ -56,10 +72,10 @@ class QuantizedLinear(nn.Module):
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def _int8(self, x: Tensor) -> Tensor:
-        q, s = self.qweight, self.scales
-        key = (q.data_ptr(), q._version, s.data_ptr(), s._version)
+        q, s, m = self.qweight, self.scales, self.smooth
+        key = (q.data_ptr(), q._version, s.data_ptr(), s._version, None if m is None else (m.data_ptr(), m._version))
         if self._packed is None or self._packed[0] != key:
-            self._packed = (key, quant.prepack_int8(q, s.float()))
+            self._packed = (key, quant.prepack_int8(q, s.float(), m))
         return quant.linear_int8(x, self._packed[1])
 
     def _int4(self, x: Tensor) -> Tensor:
@@ -67,40 +83,84 @@ class QuantizedLinear(nn.Module):
 
     def _reference_kernel(self, x: Tensor) -> Tensor:
         """`reference` without the bias: what a test puts in place of the kernel (`_kernel`) to run a model on it."""
-        return quant.linear_reference(x, self.qweight, self.scales, self.scheme, self.group, self.shape)
+        return quant.linear_reference(
+            x, self.qweight, self.scales, self.scheme, self.group, self.shape, smooth=self.smooth
+        )
 
     def reference(self, x: Tensor) -> Tensor:
         """The slow spec of forward: the dequantized float32 weight's product, in x's dtype."""
         flat = x.reshape(-1, self.in_features)
-        y = quant.linear_reference(flat, self.qweight, self.scales, self.scheme, self.group, self.shape, self.bias)
+        y = quant.linear_reference(
+            flat, self.qweight, self.scales, self.scheme, self.group, self.shape, self.bias, self.smooth
+        )
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> Tensor:
-        """The float32 weight [d_out, d_in] this layer multiplies by."""
-        return quant.dequantize(self.qweight, self.scales, self.scheme, self.group, self.shape)
+        """The float32 weight [d_out, d_in] this layer multiplies by (x's smoothing folded back in)."""
+        w = quant.dequantize(self.qweight, self.scales, self.scheme, self.group, self.shape)
+        return w if self.smooth is None else w * self.smooth.float()
 
     def nbytes(self) -> int:
         """Bytes of the quantized weight and its scales (not the bias)."""
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.smooth) if t is not None)
 
     def extra_repr(self) -> str:
-        group = f", group={self.group}" if self.scheme == "int4" else ""
+        group = f", group={self.group}" if self.scheme == "int4" else ", smooth=True" if self.smooth is not None else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, scheme={self.scheme}{group}"
         )
 
 
-def quantize_linears(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
+def quantize_linears(
+    model: nn.Module,
+    scheme: str,
+    *,
+    skip: tuple[str, ...] = ("lm_head",),
+    act_amax: dict[str, Tensor] | None = None,
+    alpha: float = quant.SMOOTH_ALPHA,
+) -> list[str]:
     """Swap every `nn.Linear` of `model` (but those whose last name is in `skip`) for a `QuantizedLinear` of
-    `scheme`; return the names replaced. Linears already wrapped by a `RoutedLoRALinear` are not touched: quantize
-    before attaching (molora.attach does)."""
+    `scheme`; return the names replaced. act_amax (int8; `activation_ranges`): module name -> its inputs' largest
+    magnitude per channel on calibration text, for SmoothQuant with `alpha` (a linear not in it: no smoothing).
+    Linears already wrapped by a `RoutedLoRALinear` are not touched: quantize before attaching (molora.attach
+    does)."""
     from molora.model.lora_linear import swap_modules
 
     quant.check_scheme(scheme)
+    amax = act_amax or {}
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n.rsplit(".", 1)[-1] not in skip]
     with torch.no_grad():
-        return swap_modules(model, names, lambda name, old: QuantizedLinear(old, scheme))
+        return swap_modules(
+            model, names, lambda name, old: QuantizedLinear(old, scheme, act_amax=amax.get(name), alpha=alpha)
+        )
+
+
+def activation_ranges(
+    model: nn.Module, rows: Sequence[Sequence[int]], *, skip: tuple[str, ...] = ("lm_head",)
+) -> dict[str, Tensor]:
+    """Module name -> float32 [d_in]: the largest magnitude each input channel of each `nn.Linear` (but `skip`)
+    takes while `model` (a float transformers causal LM) reads each row of token ids, one row per forward."""
+    out: dict[str, Tensor] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: tuple) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float()
+            out[name] = x if name not in out else torch.maximum(out[name], x)
+
+        return record
+
+    mods = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and n.rsplit(".", 1)[-1] not in skip]
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in mods]
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            for r in rows:
+                model(torch.tensor([list(r)], device=device))
+    finally:
+        for h in handles:
+            h.remove()
+    return out
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:

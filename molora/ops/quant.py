@@ -12,17 +12,25 @@ Weights (quantized once, on load):
   scale and one zero per group and output channel, in torch's int4 layout: q in [0, 15], w ~ (q - 8) * scale + zero
   with scale = (max - min) / 15 and zero = min + 8 * scale over the group.
 
-Kernels, chosen from scripts/ab_quant_linear.py (SmolLM2-135M's seven shapes, cold weights, interleaved; the record
-in docs/quant_linear.json): torch's weight-only CPU kernels ran far behind the float32 GEMM molora packs
-(molora.ops.packed) at every T above 1: `torch._weight_int8pack_mm` 0.03-0.06x at T = 8-32, the int4 one
-(`torch._weight_int4pack_mm_for_cpu`) 0.01-0.02x, and torchao 0.18 brings no CPU kernel of its own. FBGEMM's dynamic
-int8 linear (`torch.ops.quantized.linear_dynamic`: int8 weights, the activations quantized to 8 bits at each call,
-exact int32 sums on AVX512-VNNI) ran 1.2-3.4x as fast as the packed float32 GEMM. So:
+Kernels, chosen by measurement (scripts/ab_quant_linear.py, SmolLM2-135M's shapes, interleaved; docs/quant_linear.json):
+torch's weight-only CPU kernels ran far behind the float32 GEMM molora packs (molora.ops.packed) at every T above 1:
+`torch._weight_int8pack_mm` 0.03-0.06x at T = 8-32, the int4 one (`torch._weight_int4pack_mm_for_cpu`) 0.01-0.02x,
+and torchao brings no CPU kernel of its own. Integer GEMMs with 8-bit activations are fast: FBGEMM's dynamic int8
+linear ran 1.2-3.4x the packed float32 GEMM, and oneDNN's int8 linear (`torch.ops.onednn.qlinear_pointwise`, what
+torch's x86 inductor quantization calls; AMX-INT8 here) another 1.6-2.3x faster than FBGEMM at T = 32-256 (1 thread,
+the four shapes, medians of 5). Inductor's weight-only int8 template (bfloat16 activations, AMX) ran at torch's
+bfloat16 speed, but only with the weight frozen into each compiled graph: one compile per linear (210 here).
+So:
 
-- **int8** runs on FBGEMM (`linear_int8`), weights *and* activations in 8 bits (W8A8). Its activation quantization is
-  per tensor; `linear_int8` makes it per token and batch invariant by scaling each row to [-1, 1] and appending a
-  guard row that pins the tensor's range (`_per_token`), so a token's output depends on its own row alone, as with
-  the float kernels. bfloat16 activations go through float32 (FBGEMM takes float32).
+- **int8** runs on oneDNN (`linear_int8`), weights *and* activations in 8 bits (W8A8): each activation row rounded
+  symmetrically over its own range (`quantize_tokens`: a row's result depends on that row alone, as with the float
+  kernels), the int32 sums exact, scaled in float32. Rounding activations is what costs quality on SmolLM2 (its
+  activations have outlier channels): on validation text its top-1 agreement with float32 was 89% (weights alone
+  in int8: 96%; bfloat16: 97%). **SmoothQuant** (`smoothing`) moves range from the activations into the weights per
+  input channel, x @ W.T = (x / s) @ (W * s).T, from activation ranges on calibration text (`molora.load` reads 16
+  general prompts with their answers); alpha (SMOOTH_ALPHA) was chosen on validation text: 93.5% agreement, KL to
+  float32 0.046 -> 0.018 (scripts/quant_smooth_choose.py, docs/quant_smooth_choice.json). s is a power of two, so
+  the division and multiplication are exact in every dtype. bfloat16 activations go through float32.
 - **int4** runs on torch's weight-only int4 kernel (`linear_int4`, activations in their own dtype): it saves memory
   (half a byte a weight) and is slower than float (module docstring numbers); no faster int4 CPU kernel was found.
 
@@ -34,13 +42,13 @@ Knows nothing about modules, adapters or models.
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 SCHEMES = ("int8", "int4")
+SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength for int8, chosen on validation (docs/quant_smooth_choice.json)
 INT4_GROUP = 32  # group size along K for int4 (module docstring; measured in docs/quant_linear.json)
 _INNER_K_TILES = 1  # argument of torch's int4 packing on the CPU (its layout does not depend on it there)
 
@@ -110,35 +118,64 @@ def dequantize(q: Tensor, scales: Tensor, scheme: str, group: int, shape: tuple[
     return dequantize_int4(unpack_int4(q, shape), scales, group)
 
 
-def prepack_int8(q: Tensor, scales: Tensor) -> Any:
-    """(q int8 [N, K], scales [N]) -> FBGEMM's packed weight for `linear_int8` (made once per weight)."""
-    with warnings.catch_warnings():  # torch warns that quantized tensors are deprecated; FBGEMM's op is what runs
-        warnings.simplefilter("ignore")
-        qt = torch._make_per_channel_quantized_tensor(q, scales.double(), torch.zeros(q.shape[0], dtype=torch.long), 0)
-    return torch.ops.quantized.linear_prepack(qt, None)
+@dataclass(frozen=True)
+class Int8Weight:
+    """What `linear_int8` multiplies by (`prepack_int8` makes it once per weight): oneDNN's packed int8 weight
+    [N, K], its float32 scales [N] (and zero points: zeros), and `smooth`, float32 [K] or None: the factor each
+    activation channel is multiplied by before it is rounded (SmoothQuant's 1 / s, powers of two; `smoothing`)."""
+
+    packed: Tensor
+    scales: Tensor
+    zeros: Tensor
+    smooth: Tensor | None
+    shape: tuple[int, int]
 
 
-def _per_token(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x [T, K] -> (x_pad [T + 1, K] float32: each row divided by its largest magnitude, then the guard row
-    [1, -1, 0, ...]; amax [T, 1]). The guard row fixes the tensor's range at [-1, 1], so FBGEMM's per-tensor
-    activation quantization (its range taken over the whole tensor) is the same for every row and every batch:
-    a row's result depends on that row alone."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)  # [T, 1]
-    x_pad = torch.empty(x.shape[0] + 1, x.shape[1])
-    torch.div(xf, amax, out=x_pad[:-1])
-    x_pad[-1].zero_()
-    x_pad[-1, 0], x_pad[-1, 1] = 1.0, -1.0
-    return x_pad, amax
+def prepack_int8(q: Tensor, scales: Tensor, smooth: Tensor | None = None) -> Int8Weight:
+    """(q int8 [N, K], scales [N], smooth [K] or None) -> the `Int8Weight` of `linear_int8` (oneDNN's packing)."""
+    n, k = q.shape
+    if q.dtype != torch.int8 or scales.shape != (n,) or (smooth is not None and smooth.shape != (k,)):
+        raise ValueError(
+            f"int8 weight: q must be int8 [N, K], scales [N], smooth [K]; got q {q.dtype} {tuple(q.shape)}, "
+            f"scales {tuple(scales.shape)}, smooth {None if smooth is None else tuple(smooth.shape)}"
+        )
+    packed = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
+    zeros = torch.zeros(n, dtype=torch.long)
+    return Int8Weight(packed, scales.float().contiguous(), zeros, None if smooth is None else smooth.float(), (n, k))
 
 
-def linear_int8(x: Tensor, packed: Any) -> Tensor:
-    """x [T, K] (float32 or bfloat16) @ W.T -> [T, N] in x's dtype, W the int8 weight of `packed` (`prepack_int8`),
-    the activations quantized per token at each call (`_per_token`: 8 bits over [-amax, amax]) and the integer
-    products summed exactly in int32 by FBGEMM (AVX512-VNNI here), then scaled in float32."""
-    x_pad, amax = _per_token(x)
-    y = torch.ops.quantized.linear_dynamic(x_pad, packed, False)[:-1].mul_(amax)  # [T, N]
+def quantize_tokens(x: Tensor, smooth: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """x [T, K] -> (xq int8 [T, K], step float32 [T, 1]): each row (times `smooth`, if given) rounded to 8 bits
+    over its own range, x * smooth ~ xq * step, step = max |row| / 127. A row's rounding depends on that row
+    alone (what makes `linear_int8` batch invariant)."""
+    xf = x.float() if smooth is None else x.float() * smooth
+    step = (xf.abs().amax(dim=1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [T, 1]
+    return torch.round(xf / step).to(torch.int8), step
+
+
+def linear_int8(x: Tensor, w: Int8Weight) -> Tensor:
+    """x [T, K] (float32 or bfloat16) @ W.T -> [T, N] in x's dtype, W the int8 weight of `w` (`prepack_int8`),
+    the activations rounded per token at each call (`quantize_tokens`), the integer products summed exactly in
+    int32 by oneDNN (AMX-INT8 or AVX512-VNNI), scaled in float32 by the weight's and the row's scales."""
+    xq, step = quantize_tokens(x, w.smooth)
+    one = xq.shape[0] == 1
+    if one:  # oneDNN picks a slow kernel for one row at some widths (N = 192: 2.7 ms against 26 us for two rows)
+        xq = xq.expand(2, -1).contiguous()
+    y = torch.ops.onednn.qlinear_pointwise(
+        xq, 1.0, 0, w.packed, w.scales, w.zeros, None, 1.0, 0, torch.float32, "none", [], ""
+    )
+    y = (y[:1] if one else y).mul_(step)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def smoothing(act_amax: Tensor, weight: Tensor, alpha: float) -> Tensor:
+    """SmoothQuant's per input channel factor s [K] as a power of two (exact in any float dtype, so that
+    (x / s) @ (W * s).T is x @ W.T before rounding): s ~ act_amax^alpha / max_n |W[n, k]|^(1 - alpha), act_amax
+    [K] the activations' largest magnitude per channel on calibration text. Quantize W * s and give
+    `prepack_int8` smooth = 1 / s."""
+    a = act_amax.float().clamp(min=1e-5)
+    wmax = weight.detach().float().abs().amax(dim=0).clamp(min=1e-5)
+    return torch.exp2(torch.round(torch.log2(a.pow(alpha) / wmax.pow(1 - alpha))))
 
 
 def linear_int4(x: Tensor, q: Tensor, scales: Tensor, group: int) -> Tensor:
@@ -156,15 +193,22 @@ def unpack_int4(packed: Tensor, shape: tuple[int, int]) -> Tensor:
 
 
 def linear_reference(
-    x: Tensor, q: Tensor, scales: Tensor, scheme: str, group: int, shape: tuple[int, int], bias: Tensor | None = None
+    x: Tensor,
+    q: Tensor,
+    scales: Tensor,
+    scheme: str,
+    group: int,
+    shape: tuple[int, int],
+    bias: Tensor | None = None,
+    smooth: Tensor | None = None,
 ) -> Tensor:
     """The slow spec of `linear_int8` / `linear_int4` (+ bias), in float32, cast to x's dtype: int4 multiplies x by
-    the dequantized weight; int8 first rounds x as `linear_int8` does (each row scaled to [-1, 1], quantized with the
-    qparams torch picks for the guarded tensor, dequantized, scaled back)."""
+    the dequantized weight; int8 first rounds x as `linear_int8` does (`quantize_tokens`, smooth included) and
+    multiplies the rounded values by the dequantized int8 weight."""
     xf = x.float()
     if scheme == "int8":
-        x_pad, amax = _per_token(x)
-        xf = torch.quantize_per_tensor_dynamic(x_pad, torch.quint8, False).dequantize()[:-1] * amax
+        xq, step = quantize_tokens(x, smooth)
+        xf = xq.float() * step
     y = xf @ dequantize(q, scales, scheme, group, shape).t()
     if bias is not None:
         y = y + bias.float()
