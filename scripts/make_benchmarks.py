@@ -1102,12 +1102,17 @@ def render(records: dict[str, dict], out: Path, docs: Path, script_cmd: str, not
     return "\n".join(lines)
 
 
-def quant_section(docs: Path) -> list[str]:
-    """The quantized-base section (scripts/make_quant.py renders it from docs/quant.json and docs/quant_linear.json)."""
+def _make_quant() -> Any:
+    """scripts/make_quant.py as a module (the quantized-base section and README block render there)."""
     spec = importlib.util.spec_from_file_location("make_quant", Path(__file__).with_name("make_quant.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.section(docs)
+    return module
+
+
+def quant_section(docs: Path) -> list[str]:
+    """The quantized-base section (scripts/make_quant.py renders it from docs/quant*.json)."""
+    return _make_quant().section(docs)
 
 
 def peer_section(docs: Path) -> list[str]:
@@ -1187,9 +1192,13 @@ def main(argv: list[str] | None = None) -> int:
         readme = ROOT / a.readme
         link = lambda f: os.path.relpath(f, readme.parent)  # noqa: E731
         text = readme.read_text(encoding="utf-8")
-        written[readme] = replace_block(
+        text = replace_block(
             text, SPEED_BEGIN, SPEED_END, readme_block(records, script_cmd, link(out), link(record_path)), readme
         )
+        qbegin, qend = markers("quant", "scripts/make_quant.py")
+        if qbegin in text:  # the quantized-base block, where the README has one
+            text = replace_block(text, qbegin, qend, _make_quant().readme_block(docs, link(out)), readme)
+        written[readme] = text
     if a.check:
         stale = [str(f) for f, text in written.items() if not f.is_file() or f.read_text(encoding="utf-8") != text]
         if stale:

@@ -145,6 +145,62 @@ def quality_lines(docs: Path) -> list[str]:
     return out
 
 
+def readme_block(docs: Path, page: str) -> str:
+    """The README's quantized-base block (QUANT_BEGIN ... QUANT_END): one bullet from docs/quant.json, the test
+    split's docs/quant_eval_test.json and docs/peer_llamacpp.json (each part where its record exists); page: the
+    link to docs/benchmarks.md relative to the README."""
+    from molora.docblock import markers
+
+    begin, end = markers("quant", "scripts/make_quant.py")
+    parts = []
+    if (docs / "quant.json").is_file():
+        e = json.loads((docs / "quant.json").read_text())
+        v = e["variants"]
+        speed = ", ".join(f"{n} {v[n]['vs_fp32']:.2f}x" for n in v if n != "fp32")
+        sizes = ", ".join(f"{n} {v[n]['weight_bytes_total'] / 1e6:.0f}" for n in v)
+        parts.append(
+            f"engine throughput against float32 ({e['requests']} requests, per-token routing over 4 adapters, "
+            f"{e['machine']['threads']} threads): {speed}; base weights MB: {sizes} (the GGUF it ships: "
+            f"{e['gguf_bytes'] / 1e6:.0f})"
+        )
+    path = docs / "quant_eval_test.json"
+    if path.is_file():
+        q = json.loads(path.read_text())
+        rows = []
+        for n, v in q["variants"].items():
+            if n == "fp32":
+                continue
+            d = v["skills_vs_fp32"]
+            rows.append(
+                f"{n} "
+                + ", ".join(f"{t} {x:+.1f}" for t, x in d.items())
+                + f", retention {v['general']['retention']:.0f}%"
+            )
+        parts.append(
+            f"skills on the test split against float32 (points, {q['n']} items per skill, learned routing): "
+            + "; ".join(rows)
+        )
+    if (docs / "peer_llamacpp.json").is_file():
+        r = json.loads((docs / "peer_llamacpp.json").read_text())
+        cells = ", ".join(
+            f"{n} vs {v['llama.cpp']['gguf_type']} {v['llama_over_molora'][0]:.2f}x "
+            f"({v['llama_over_molora_lora'][0]:.2f}x with a LoRA)"
+            for n, v in r["variants"].items()
+        )
+        parts.append(
+            f"llama.cpp's time over molora's on the same prompts ({r['llama_cpp']['n_threads']} thread, "
+            f"llama.cpp's repacked quantized layouts off: they crash in this build): {cells}"
+        )
+    body = (
+        f"- **Quantized base** (`--quantization int8|int4`, [details]({page}#quantized-base---quantization-int8int4)): "
+        + "; ".join(parts)
+        + "."
+        if parts
+        else "- **Quantized base**: no record yet."
+    )
+    return f"{begin}\n{body}\n{end}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="only say whether docs/benchmarks.md is stale")
