@@ -262,3 +262,13 @@ def test_serve_takes_vllms_quantization_flag():
     assert p.parse_args([]).quantization is None
     with pytest.raises(SystemExit):
         p.parse_args(["--quantization", "fp8"])
+
+
+def test_ray_replicas_take_the_quantization_and_check_it():
+    pytest.importorskip("ray")
+    from molora.server import ray_serve as rs
+
+    assert rs.RayConfig(quantization="int8").quantization == "int8"
+    assert rs.RayConfig().quantization is None
+    with pytest.raises(MoLoRAError, match="--quantization 'int3'"):
+        rs.RayConfig(quantization="int3")

@@ -82,8 +82,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         choices=("int8", "int4"),
         default=None,
         help="quantize the base model's linears on load, on the CPU (vLLM's flag): int8 weights per output "
-        "channel with activations quantized per token (FBGEMM), or int4 weights in groups of 32 "
-        '(weight only, slower); adapters stay in --dtype (default: the bundle\'s "quantization", '
+        "channel with activations quantized per token after SmoothQuant factors (oneDNN), or int4 weights in "
+        'groups of 32 (weight only, slower); adapters stay in --dtype (default: the bundle\'s "quantization", '
         "else none)",
     )
     p.add_argument(
@@ -323,11 +323,6 @@ def _serve(args: argparse.Namespace) -> int:
             folder = Path(tempfile.mkdtemp(prefix="molora-bundle-"))
             write_bundle(folder, bundle.manifest)
             args.bundle = [str(folder)]
-        if args.quantization:
-            raise MoLoRAError(
-                '--quantization is not passed to Ray replicas yet: set "quantization" in the '
-                "bundle's molora.json instead"
-            )
         if args.lora_dir:
             raise MoLoRAError(
                 "--lora-dir is not passed to Ray replicas yet: load the adapters at run time (POST /v1/adapters) "
@@ -390,6 +385,7 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
             "admission": args.admission,
         },
         dtype=args.dtype,
+        quantization=args.quantization,
         stall_s=args.stall_timeout,
         ingress=args.ray_ingress,
         placement=args.ray_placement,

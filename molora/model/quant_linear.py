@@ -6,8 +6,10 @@
 The weight is quantized once, on load (molora.ops.quant: int8 symmetric per output channel, int4 asymmetric groups
 of 32 along d_in), and the float weight is dropped: the module holds `qweight` (int8 [d_out, d_in], or torch's
 packed int4 bytes) and `scales` (float, the model's dtype: `model.to(torch.bfloat16)` casts them with the rest) as
-buffers; int8 also keeps FBGEMM's packed copy of qweight (made at the first call, again when qweight or scales
-change), on which it runs with the activations quantized per token (W8A8, molora.ops.quant). The LM head (tied to the
+buffers; int8 also keeps oneDNN's packed copy of qweight (made at the first call, again when qweight, scales or
+smooth change), on which it runs with the activations quantized per token (W8A8, molora.ops.quant), each input
+channel first multiplied by `smooth` when the layer was built with activation ranges (SmoothQuant, power-of-two
+factors; `activation_ranges` measures them, molora.load reads general text for it). The LM head (tied to the
 embeddings in small models) stays in float. A `RoutedLoRALinear` wraps a `QuantizedLinear` as it wraps an
 `nn.Linear`: the LoRA delta stays in the activation dtype, unquantized.
 

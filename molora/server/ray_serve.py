@@ -91,6 +91,7 @@ class RayConfig:
     cpus_per_replica: float | None = None  # Ray's num_cpus (None: threads_per_replica)
     engine_config: dict = field(default_factory=dict)
     dtype: str = "float32"
+    quantization: str | None = None  # vLLM's --quantization: each replica's engines quantize the base on load
     stall_s: float = 30.0
     ingress: str = "serve"  # "serve": a Serve deployment; "process": in this process
     placement: str = "adapters"  # "adapters": AdapterSetRouter; "bundle": Ray's default router (by bundle only)
@@ -98,6 +99,8 @@ class RayConfig:
     def __post_init__(self) -> None:
         if self.ingress not in INGRESS_KINDS:
             raise MoLoRAError(f"--ray-ingress {self.ingress!r}: use one of {', '.join(INGRESS_KINDS)}")
+        if self.quantization not in (None, "int8", "int4"):  # molora.ops.quant.SCHEMES
+            raise MoLoRAError(f"--quantization {self.quantization!r}: use int8 or int4 (or leave it out)")
         if self.placement not in PLACEMENTS:
             raise MoLoRAError(f"--ray-placement {self.placement!r}: use one of {', '.join(PLACEMENTS)}")
         if self.replicas < 1 or self.max_queue < 1 or self.bundles_per_replica < 1:
@@ -167,7 +170,7 @@ def engine_deployment(cfg: RayConfig, specs: Sequence[BundleSpec]) -> Any:
     """The engine deployment, bound (its replicas each run one engine per resident bundle)."""
     from ray import serve
 
-    threads, dtype, stall_s = cfg.threads, cfg.dtype, cfg.stall_s
+    threads, dtype, stall_s, quantization = cfg.threads, cfg.dtype, cfg.stall_s, cfg.quantization
     engine_config, max_queue = dict(cfg.engine_config), cfg.max_queue
     by_name = {s.name: s for s in specs}
 
@@ -175,7 +178,7 @@ def engine_deployment(cfg: RayConfig, specs: Sequence[BundleSpec]) -> Any:
         from molora.engine import EngineConfig
         from molora.server.launch import build_engine
 
-        return build_engine(path, EngineConfig(**engine_config), dtype)
+        return build_engine(path, EngineConfig(**engine_config), dtype, quantization=quantization)
 
     scaling: dict[str, Any] = {"num_replicas": cfg.replicas}
     if cfg.min_replicas is not None:
