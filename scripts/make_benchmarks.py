@@ -1102,9 +1102,9 @@ def render(records: dict[str, dict], out: Path, docs: Path, script_cmd: str, not
     return "\n".join(lines)
 
 
-def _make_quant() -> Any:
-    """scripts/make_quant.py as a module (the quantized-base section and README block render there)."""
-    spec = importlib.util.spec_from_file_location("make_quant", Path(__file__).with_name("make_quant.py"))
+def _script(name: str) -> Any:
+    """scripts/NAME.py as a module (make_quant and make_peer render their sections and blocks there)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -1112,15 +1112,12 @@ def _make_quant() -> Any:
 
 def quant_section(docs: Path) -> list[str]:
     """The quantized-base section (scripts/make_quant.py renders it from docs/quant*.json)."""
-    return _make_quant().section(docs)
+    return _script("make_quant").section(docs)
 
 
 def peer_section(docs: Path) -> list[str]:
     """The llama.cpp peer section (scripts/make_peer.py renders it from docs/peer_llamacpp.json)."""
-    spec = importlib.util.spec_from_file_location("make_peer", Path(__file__).with_name("make_peer.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.section(docs)
+    return _script("make_peer").section(docs)
 
 
 def script_command(records: dict[str, dict]) -> str:
@@ -1197,7 +1194,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         qbegin, qend = markers("quant", "scripts/make_quant.py")
         if qbegin in text:  # the quantized-base block, where the README has one
-            text = replace_block(text, qbegin, qend, _make_quant().readme_block(docs, link(out)), readme)
+            text = replace_block(text, qbegin, qend, _script("make_quant").readme_block(docs, link(out)), readme)
         written[readme] = text
     if a.check:
         stale = [str(f) for f, text in written.items() if not f.is_file() or f.read_text(encoding="utf-8") != text]

@@ -31,13 +31,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-VARIANTS = {
-    "fp32": (torch.float32, None),
-    "bf16": (torch.bfloat16, None),
-    "int8": (torch.float32, "int8"),
-    "int8-bf16": (torch.bfloat16, "int8"),
-    "int4-bf16": (torch.bfloat16, "int4"),
-}
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_quant import VARIANTS  # noqa: E402  (the same variants as the engine bench: name -> (dtype, scheme))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 def main(argv: list[str] | None = None) -> int:
     from molora.bundle import CHATML_TEMPLATE, QUANT_CALIBRATION_ROWS
-    from molora.data.general import general_rows, general_split
+    from molora.data.general import general_rows
     from molora.model.base import load_default_base
     from molora.model.quant_linear import activation_ranges, quantize_linears
 
@@ -45,13 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tok = load_default_base(torch.float32)
     model.eval()
-    val = general_split()["val"][: args.rows]
-    rows = [
-        tok.encode(CHATML_TEMPLATE.replace("{prompt}", r["prompt"]) + r["output"], add_special_tokens=False)[
-            : args.max_len
-        ]
-        for r in val
-    ]
+    rows = [r[: args.max_len] for r in general_rows(tok, args.rows, CHATML_TEMPLATE, with_output=True, split="val")]
     calib = general_rows(tok, QUANT_CALIBRATION_ROWS, CHATML_TEMPLATE, with_output=True)
     amax = activation_ranges(model, calib)
 

@@ -169,11 +169,13 @@ def split_record() -> dict[str, list[str]]:
     return {k: [r["id"] for r in v] for k, v in general_split().items()}
 
 
-def general_rows(tokenizer: Any, n: int, template: str | None = None, *, with_output: bool = False) -> list[list[int]]:
-    """Token ids of the first n general rows of the train split, each prompt rendered as one user message: in
-    `template` ("...{prompt}..."), else the tokenizer's chat template, else as plain text; with_output: the row's
-    reference answer follows (text a model reads as it writes its own answer)."""
-    rows = general_split()["train"][:n]
+def general_rows(
+    tokenizer: Any, n: int, template: str | None = None, *, with_output: bool = False, split: str = "train"
+) -> list[list[int]]:
+    """Token ids of the first n general rows of `split`, each prompt rendered as one user message: in `template`
+    ("...{prompt}..."), else the tokenizer's chat template, else as plain text; with_output: the row's reference
+    answer follows (text a model reads as it writes its own answer)."""
+    rows = general_split()[split][:n]
     out = []
     for r in rows:
         if template is not None:

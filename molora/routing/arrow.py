@@ -466,8 +466,9 @@ class ArrowRouter(Router):
 
 def calibration_rows(mm: Any, n: int) -> list[list[int]]:
     """Token ids of n general prompts of the train split (molora.data.general), each rendered as the model's
-    bundle renders one user message (its prompt template; the tokenizer's chat template without a bundle)."""
-    from molora.data.general import general_split
+    bundle renders one user message (its prompt template; the tokenizer's chat template without a bundle):
+    `molora.data.general.general_rows`, which this refuses to let fall back to plain text."""
+    from molora.data.general import general_rows
 
     tok = getattr(mm, "tokenizer", None)
     if tok is None:
@@ -476,19 +477,10 @@ def calibration_rows(mm: Any, n: int) -> list[list[int]]:
             "(molora.load attaches it; or call router.calibrate(rows) with token ids)"
         )
     template = getattr(getattr(mm, "bundle", None), "prompt_template", None)
-    prompts = [r["prompt"] for r in general_split()["train"]][:n]
-    if template is not None:
-        return [tok.encode(template.replace("{prompt}", p), add_special_tokens=False) for p in prompts]
-    if getattr(tok, "chat_template", None) is None:
+    if template is None and getattr(tok, "chat_template", None) is None:
         raise RoutingError(
             "arrow rms_threshold renders general prompts in the model's chat template, and its "
             "tokenizer has none: load it through a bundle with a prompt_template, or call "
             "router.calibrate(rows) with token ids"
         )
-    return [
-        tok.encode(
-            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False),
-            add_special_tokens=False,
-        )
-        for p in prompts
-    ]
+    return general_rows(tok, n, template)
