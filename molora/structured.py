@@ -11,7 +11,8 @@ outlines-core), filled the masks of a 32-row decode step fastest on this CPU, an
 tokenizer as it is. JSON is generated compact (no free whitespace: a small model given free whitespace may
 emit it forever). Limits (`Limits`) are checked before compiling; a spec the engine cannot compile raises
 `StructuredOutputError` naming the problem. Compiling runs on the caller's thread (a server's worker thread,
-never the engine's).
+never the engine's). What a schema means to the engine (what it does not enforce, the exact rewrites it is
+given instead) lives in molora.schema_rules, re-exported here.
 
 Knows the tokenizer and the grammar engine; nothing of HTTP, requests or routing.
 """
@@ -31,14 +32,23 @@ import torch
 
 from molora.errors import MoLoRAError
 from molora.sampling import Constraint, ConstraintState
+from molora.schema_rules import UNENFORCED, engine_pattern, engine_schema, split_conditional, unenforced
+
+__all__ = [  # the schema rules are re-exported: callers import them from here
+    "UNENFORCED",
+    "GrammarConstraint",
+    "Limits",
+    "StructuredCompiler",
+    "StructuredOutputError",
+    "StructuredSpec",
+    "engine_pattern",
+    "engine_schema",
+    "split_conditional",
+    "unenforced",
+]
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
-
-
-# what xgrammar 0.2.9 accepts in a schema but does not enforce (probed: a violating instance passes the matcher):
-# an answer may break these. `strict` specs with any of them are refused instead (`unenforced`).
-UNENFORCED = ("uniqueItems", "if", "then", "else", "not", "dependentRequired", "dependentSchemas")
 
 
 class StructuredOutputError(MoLoRAError):
@@ -256,153 +266,6 @@ class StructuredCompiler:
             alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in json.loads(spec.text))
             return c.compile_grammar(self.xgr.Grammar.from_ebnf(f"root ::= {alts}"))
         return c.compile_grammar(self.xgr.Grammar.from_ebnf(spec.text))
-
-
-def unenforced(schema: Any, path: str = "") -> list[str]:
-    """Where `schema` uses what the engine accepts but does not enforce ("path: keyword"), in document order:
-    the keywords of UNENFORCED, multipleOf on numbers that are not integers, pattern with minLength/maxLength,
-    oneOf whose branches are not provably disjoint (xgrammar then enforces anyOf), allOf but a lone branch with
-    nothing beside it (xgrammar 0.2.9 keeps one part of an allOf and drops the rest; measured)."""
-    out: list[str] = []
-    if isinstance(schema, dict):
-        here = path or "(top level)"
-        out += [f"{here}: {k}" for k in UNENFORCED if k in schema and not (k == "uniqueItems" and not schema[k])]
-        if "multipleOf" in schema and schema.get("type") != "integer":
-            out.append(f"{here}: multipleOf on a number")
-        if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
-            out.append(f"{here}: pattern with minLength/maxLength")
-        if isinstance(schema.get("oneOf"), list) and not _disjoint(schema["oneOf"]):
-            out.append(f"{here}: oneOf (enforced as anyOf: an answer may match two branches)")
-        if isinstance(schema.get("allOf"), list) and (len(schema["allOf"]) > 1 or set(schema) - _ANNOTATIONS):
-            out.append(f"{here}: allOf (not merged: an answer may break all but one part)")
-        for k, v in schema.items():
-            if k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(
-                v, dict
-            ):
-                for name, sub in v.items():
-                    out += unenforced(sub, f"{path}/{k}/{name}")
-            elif k in ("items", "additionalProperties", "contains", "propertyNames") and isinstance(v, (dict, list)):
-                for i, sub in enumerate(v if isinstance(v, list) else [v]):
-                    out += unenforced(sub, f"{path}/{k}" + (f"/{i}" if isinstance(v, list) else ""))
-            elif k in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(v, list):
-                for i, sub in enumerate(v):
-                    out += unenforced(sub, f"{path}/{k}/{i}")
-    return out
-
-
-# keywords that constrain nothing: a lone allOf branch beside only these is the whole schema (xgrammar enforces it)
-_ANNOTATIONS = {"allOf", "title", "description", "$schema", "$id", "$comment", "default", "examples", "$defs"}
-_ANNOTATIONS |= {"definitions"}
-
-
-_GROUP_OPTIONAL = re.compile(r"\?\??|\{0,(\d*)\}\??")  # what may follow a group's ")": ?, {0,1}, {0,n}, {0,}
-
-
-def engine_pattern(pattern: str) -> str:
-    """`pattern` with each optional group written as an alternative with the empty string, the same language:
-    (X)? and (X){0,1} -> (X|), (X){0,n} -> (X|){1,n}, (X){0,} -> (X|)+ (lazy or not: a schema's pattern only
-    accepts or rejects). xgrammar 0.2.9 turns a schema's pattern into a matcher that accepts too much when a
-    group is optional ('^a(b*c)?$' accepts "ab"); the rewritten form it enforces exactly (a differential test
-    against Python's re: tests/test_structured.py). Escapes and character classes are copied as they are."""
-    out: list[str] = []
-    i, n, in_class = 0, len(pattern), False
-    while i < n:
-        ch = pattern[i]
-        if ch == "\\":
-            out.append(pattern[i : i + 2])
-            i += 2
-            continue
-        if in_class:
-            in_class = ch != "]" or out[-1] == "[" or out[-1] == "[^"
-            out.append(ch)
-            i += 1
-            continue
-        if ch == "[":
-            in_class = True
-            out.append("[^" if pattern.startswith("[^", i) else "[")
-            i += 2 if out[-1] == "[^" else 1
-            continue
-        m = _GROUP_OPTIONAL.match(pattern, i + 1) if ch == ")" else None
-        if m is None:
-            out.append(ch)
-            i += 1
-            continue
-        upper = m.group(1)
-        out.append("|)" + ("" if upper is None or upper == "1" else "+" if upper == "" else f"{{1,{upper}}}"))
-        i = m.end()
-    return "".join(out)
-
-
-def engine_schema(schema: Any) -> Any:
-    """A copy of `schema` for the grammar engine: every `pattern` (and patternProperties key) through
-    `engine_pattern`; everything else as it is."""
-    if isinstance(schema, list):
-        return [engine_schema(v) for v in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for k, v in schema.items():
-        if k == "pattern" and isinstance(v, str):
-            out[k] = engine_pattern(v)
-        elif k == "patternProperties" and isinstance(v, dict):
-            out[k] = {engine_pattern(p): engine_schema(sub) for p, sub in v.items()}
-        elif k in ("enum", "const", "default", "examples"):
-            out[k] = v  # values, not schemas
-        elif k == "properties" and isinstance(v, dict):
-            out[k] = {name: engine_schema(sub) for name, sub in v.items()}
-        else:
-            out[k] = engine_schema(v)
-    return out
-
-
-def _disjoint(branches: list) -> bool:
-    """Whether no JSON value can match two of `branches`, by a simple proof: by type, or by a discriminator."""
-    return _disjoint_by_type(branches) or _disjoint_by_tag(branches)
-
-
-def _disjoint_by_tag(branches: list) -> bool:
-    """Objects that all require one property whose const/enum values no two branches share ({"kind": "circle"})."""
-    if not all(isinstance(b, dict) and isinstance(b.get("required"), list) for b in branches):
-        return False
-    for tag in set.intersection(*(set(b["required"]) for b in branches)):
-        values = [b.get("properties", {}).get(tag) for b in branches]
-        if not all(isinstance(v, dict) and ("const" in v or "enum" in v) for v in values):
-            continue
-        sets = [[json.dumps(x, sort_keys=True) for x in ([v["const"]] if "const" in v else v["enum"])] for v in values]
-        if sum(len(set(x)) for x in sets) == len(set().union(*sets)):
-            return True
-    return False
-
-
-def _disjoint_by_type(branches: list) -> bool:
-    """Each branch names one type (or a const or an enum) and no type is shared (integer counts as a number)."""
-    seen: set[str] = set()
-    for b in branches:
-        if not isinstance(b, dict):
-            return False
-        if "const" in b or "enum" in b:
-            values = [b["const"]] if "const" in b else b["enum"]
-            types = {_json_type(v) for v in values}
-        elif isinstance(b.get("type"), str):
-            types = {"number" if b["type"] == "integer" else b["type"]}
-        else:
-            return False
-        if types & seen:
-            return False
-        seen |= types
-    return True
-
-
-def _json_type(v: Any) -> str:
-    return {
-        bool: "boolean",
-        int: "number",
-        float: "number",
-        str: "string",
-        type(None): "null",
-        list: "array",
-        dict: "object",
-    }[type(v)]
 
 
 def _violation(schema: Any, value: Any) -> str | None:

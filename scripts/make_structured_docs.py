@@ -120,7 +120,13 @@ def _bench(rec: dict) -> list[str]:
                 if t0.get("short_prompts")
                 else ""
             )
-            + f"; steps timed (unconstrained / constrained): {timed}.",
+            + f"; steps timed (unconstrained / constrained): {timed}"
+            + (
+                f"; measured by an earlier run (`{rec['throughput_command']}`, load average "
+                f"{rec['throughput_load_avg'][0]} at its start, {rec['throughput_load_avg'][1]} at its end)."
+                if "throughput_command" in rec
+                else "."
+            ),
         ]
     if len(tput) < 2:
         lines += ["", "Batch 32 throughput: not measured (the run did not finish before the deadline)."]

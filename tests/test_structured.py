@@ -317,6 +317,83 @@ def test_allof_is_enforced_only_as_a_lone_branch(compiler):
     assert not _is_grammar_accept_string(strict, "{}") and _is_grammar_accept_string(strict, '{"a": 1}')
 
 
+PAYMENT = {  # a conditional of the shape split_conditional rewrites: the tested property is required and listed
+    "type": "object",
+    "properties": {
+        "method": {"type": "string", "enum": ["card", "iban", "cash"]},
+        "number": {"type": "string"},
+        "amount": {"type": "number"},
+    },
+    "required": ["method", "amount"],
+    "if": {"properties": {"method": {"const": "card"}}, "required": ["method"]},
+    "then": {
+        "required": ["number"],
+        "properties": {"number": {"pattern": "^[0-9]{4}$"}, "amount": {"type": "integer"}},
+    },
+    "else": {"properties": {"number": {"pattern": "^[A-Z]{2}[0-9]$"}, "method": {"enum": ["iban", "cash", "card"]}}},
+}
+
+
+def _instances() -> list[dict]:
+    """Every object over PAYMENT's properties from a small grid, keys in declared order (as the engine writes them)."""
+    out = []
+    for method in ("card", "iban", "cash", "cheque", None):
+        for number in ("1234", "NL5", "x", None):
+            for amount in (3, 2.5, None):
+                obj = {"method": method, "number": number, "amount": amount}
+                out.append({k: v for k, v in obj.items() if v is not None})
+    return out
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        PAYMENT,
+        {**PAYMENT, "then": {"required": ["number"]}},  # then only requires
+        {k: v for k, v in PAYMENT.items() if k != "else"},  # no else
+        {**PAYMENT, "if": {"properties": {"method": {"enum": ["iban", "cash"]}}}},  # an enum test
+        {**PAYMENT, "else": {"properties": {"method": {"const": "iban"}}}},  # else narrows the tested property
+    ],
+)
+def test_an_if_then_else_on_a_listed_required_property_is_split_exactly(compiler, schema):
+    xgrammar = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from molora.structured import engine_schema, split_conditional, unenforced
+
+    split = split_conditional(schema)
+    assert split is not None and "if" not in json.dumps(split) and unenforced(schema) == []
+    validator = jsonschema.Draft202012Validator(schema)
+    assert compiler.compile(StructuredSpec.json_schema(schema, strict=True))  # strict: enforced, so not refused
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(engine_schema(schema)), any_whitespace=False)  # as compiled
+    verdicts = []
+    for obj in _instances():
+        valid = validator.is_valid(obj)
+        assert jsonschema.Draft202012Validator(split).is_valid(obj) == valid, obj
+        assert _is_grammar_accept_string(grammar, json.dumps(obj)) == valid, obj
+        assert jsonschema.Draft202012Validator(engine_schema(schema)).is_valid(obj) == valid
+        verdicts.append(valid)
+    assert any(verdicts) and not all(verdicts)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"required": ["amount"]},  # the tested property may be absent: `if` then holds vacuously
+        {"properties": {**PAYMENT["properties"], "method": {"type": "string"}}},  # its values are not listed
+        {"if": {"properties": {"method": {"const": "card"}}, "minProperties": 2}},  # `if` tests more than one value
+        {"then": {"properties": {"extra": {"type": "string"}}}},  # a property the schema does not declare
+        {"then": {"properties": {"amount": {"type": "string"}}}},  # types that do not intersect as one schema
+    ],
+)
+def test_other_conditionals_stay_listed_as_unenforced(change):
+    from molora.structured import split_conditional, unenforced
+
+    schema = {**PAYMENT, **change}
+    assert split_conditional(schema) is None
+    assert unenforced(schema)[:3] == ["(top level): if", "(top level): then", "(top level): else"]
+
+
 def _random_pattern(g: torch.Generator, depth: int = 0) -> str:
     """A random regex over a, b, c, '-', '.': atoms, classes, groups, alternations, every quantifier."""
 
