@@ -16,6 +16,7 @@ LAYER = {  # module prefix -> layer (the longest matching prefix wins)
     "molora.sampling": 1,
     "molora.view": 1,
     "molora.structured": 1,  # grammars (xgrammar) for the sampler's constraint mechanism
+    "molora.schema_rules": 1,  # what a JSON schema means to the grammar engine (pure functions)
     "molora.adapters.bank": 2,
     "molora.adapters": 2,
     "molora.routing": 2,
