@@ -36,6 +36,10 @@ class LoRASlots(nn.Module):
     stacked dispatch does all slots in a single GEMM (`molora.ops.lora.stacked_mask_apply`).
     """
 
+    A: torch.Tensor  # the buffers, typed here (nn.Module.__getattr__ would type them `Tensor | Module`)
+    Bt: torch.Tensor
+    scale: torch.Tensor
+
     def __init__(
         self,
         num_slots: int,

@@ -155,7 +155,7 @@ def hit_rate(base: nn.Module, paths: dict[str, Path], slots: int, requests: int,
 def run(
     model: str, adapters: int, rank: int, repeats: int, slots_sweep: list[int], requests: int, s: float, seed: int
 ) -> dict:
-    from molora.bench.model import load_model, make_adapters
+    from molora.bench.model_workloads import load_model, make_adapters
 
     base = load_model(model)
     with tempfile.TemporaryDirectory() as tmp:

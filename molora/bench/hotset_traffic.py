@@ -248,7 +248,7 @@ def run(
     log: Any,
 ) -> dict:
     from molora.bench.common import machine_info
-    from molora.bench.model import load_model
+    from molora.bench.model_workloads import load_model
 
     base = load_model(model)
     vocab = int(base.config.vocab_size)

@@ -1,9 +1,14 @@
-"""`molora bench model`'s output: the text table and the plot of time over the base per variant and scenario,
-from the result dict `molora.bench.model.run` returns."""
+"""`molora bench model`'s output: the goals judged, the text table and the plot of time over the base per variant
+and scenario, from the result dict `molora.bench.model.run` returns (and from a committed record: scripts/
+make_benchmarks.py renders the docs with `goals` and `scenario_ratio`)."""
 
 from __future__ import annotations
 
-from molora.bench.common import paired_ratio
+from typing import Any
+
+from molora.bench.common import paired_ratio, rounded
+
+GOALS = {"prefill_vs_base": 1.15, "decode_b8_vs_base": 1.3, "xlora_over_molora": 2.0}
 
 
 def scenario_ratio(s: dict, a: str, b: str) -> float:
@@ -11,6 +16,70 @@ def scenario_ratio(s: dict, a: str, b: str) -> float:
     a record made before the samples were kept: the ratio of its medians."""
     smp = s.get("samples_ms")
     return paired_ratio(smp[a], smp[b])[0] if smp else s["ms"][a] / s["ms"][b]
+
+
+def goals(results: list[dict]) -> dict:
+    """The issue's goals, judged per path on the largest model measured (they are stated for SmolLM2-135M);
+    the decode goal at batch 8, or the smallest decode batch measured. `values` are ratios of medians,
+    `values_min` the same ratios of minima, `values_paired` the median [and quartiles] of the ratios taken
+    within each repetition (`common.paired_ratio`: the two runs side by side, under the same load). `met`
+    judges the paired median: on a shared CPU another tenant's load moves whole stretches of a run, which
+    shifts both series alike and cancels in the per-repetition ratio but not in a ratio of two medians."""
+    r = next((x for x in results if x["model"] == "smollm2"), results[-1])
+    rows: list[dict[str, Any]] = []
+
+    def ratio(s: dict, a: str, b: str, stat: str) -> float:
+        return round(s[stat][a] / s[stat][b], 4)
+
+    def add(
+        name: str, text: str, limit: float, pairs: dict[str, tuple[dict, str, str]], at_least: bool = False
+    ) -> None:
+        values = {k: ratio(s, a, b, "ms") for k, (s, a, b) in pairs.items()}
+        values_min = {k: ratio(s, a, b, "ms_min") for k, (s, a, b) in pairs.items()}
+        values_paired = {
+            k: rounded(list(paired_ratio(s["samples_ms"][a], s["samples_ms"][b]))) for k, (s, a, b) in pairs.items()
+        }
+        met = {k: (v[0] >= limit if at_least else v[0] <= limit) for k, v in values_paired.items()}
+        rows.append(
+            {
+                "name": name,
+                "goal": text,
+                "limit": limit,
+                "values": values,
+                "values_min": values_min,
+                "values_paired": values_paired,
+                "met": met,
+            }
+        )
+
+    pre = r["prefill"]
+    add(
+        "prefill_vs_base",
+        f"prefill {pre['batch']}x{pre['length']}: time / base <= {GOALS['prefill_vs_base']}",
+        GOALS["prefill_vs_base"],
+        {k: (pre, k, "base") for k in ("molora", "runner")},
+    )
+    decodes = sorted((x for x in r if x.startswith("decode_b")), key=lambda k: (k != "decode_b8", r[k]["batch"]))
+    if decodes:
+        d = r[decodes[0]]
+        add(
+            "decode_vs_base",
+            f"decode step, batch {d['batch']}: time / base <= {GOALS['decode_b8_vs_base']}",
+            GOALS["decode_b8_vs_base"],
+            {k: (d, k, "base") for k in ("molora", "runner")},
+        )
+    if "xlora" in pre["ms"]:
+        pairs = {"prefill": (pre, "xlora", "molora")}
+        if decodes and "xlora_recompute" in r[decodes[0]]["ms"]:
+            pairs[decodes[0]] = (r[decodes[0]], "xlora_recompute", "molora")
+        add(
+            "xlora_over_molora",
+            f"X-LoRA time / molora time >= {GOALS['xlora_over_molora']} at K={r['adapters']}",
+            GOALS["xlora_over_molora"],
+            pairs,
+            at_least=True,
+        )
+    return {"model": r["model"], "rows": rows}
 
 
 def format_table(out: dict) -> str:

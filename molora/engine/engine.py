@@ -18,7 +18,9 @@ The rooms beside this file, each a part of `Engine` with one owner: molora.engin
 request's routing; molora.engine.sampler picks every sampled row's next id (constraints, min_tokens, logprobs);
 molora.engine.faults (`FaultIsolation`) isolates a step that raises and mends corrupt adapter slots;
 molora.engine.runtime_adapters (`RuntimeAdapters`) reads, registers, lists and unloads adapters at run time
-(the slots and tiers themselves: molora.engine.hotset).
+(the slots and tiers themselves: molora.engine.hotset); molora.engine.lifecycle (`RequestLifecycle`) applies the
+stop rules to each new token and ends requests (stop, length, deadlines, abort), freeing what they hold;
+molora.engine.offline (`OfflineGenerate`) runs a list of prompts to completion (`generate`).
 
 Faults and time: a request may carry deadlines (`add_request(timeout_s=, queue_timeout_s=)`), checked at the start
 of every step: it ends with finish_reason "timeout" and `RequestOutput.error` saying which. A step that raises is
@@ -50,6 +52,8 @@ from molora.engine.admission import ROUTING_CHOICES, resolve_routing
 from molora.engine.faults import CorruptSlots, FaultIsolation
 from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
+from molora.engine.lifecycle import RequestLifecycle
+from molora.engine.offline import OfflineGenerate
 from molora.engine.prefix import PrefixCache
 from molora.engine.request import IncrementalDetokenizer, Request, RequestOutput, TextState
 from molora.engine.routing import RouteState, plan_routing, record_carry, record_probe
@@ -104,7 +108,7 @@ class EngineConfig:
         return self.num_kv_blocks if self.num_kv_blocks is not None else -(-self.kv_budget_tokens // self.block_size)
 
 
-class Engine(FaultIsolation, RuntimeAdapters):
+class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters):
     """Serves requests over one `MoLoRAModel` (module docstring)."""
 
     def __init__(self, mm: Any, config: EngineConfig = EngineConfig(), *, tokenizer: Any = None) -> None:
@@ -242,48 +246,6 @@ class Engine(FaultIsolation, RuntimeAdapters):
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
-
-    def abort(self, request_id: str, error: str | None = None) -> None:
-        """Cancel a request: its KV blocks and pins are freed now; the next step reports it finished ("abort",
-        with `error` as RequestOutput.error when given). Unknown or already finished ids are ignored."""
-        req = self.requests.get(request_id)
-        if req is not None:
-            self._pending.append(self._end(req, "abort", error))
-
-    def _end(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
-        """Finish `req` now with `reason` (and `error`): free its KV blocks and pins, return its last output."""
-        self.requests.pop(req.request_id, None)
-        req.finish_reason, req.error = reason, error
-        self.scheduler.finish(req)
-        return req.output([], req.text.emit(final=True), [], None)
-
-    def _expire(self, now: float) -> list[RequestOutput]:
-        """End the requests past their deadline (add_request's timeout_s / queue_timeout_s)."""
-        out = []
-        for req in list(self.requests.values()):
-            age = now - req.arrival
-            if req.timeout_s is not None and age >= req.timeout_s:
-                kind, why = "request", f"the request ran past its timeout of {req.timeout_s:g} s"
-            elif req.queue_timeout_s is not None and not req.started and age >= req.queue_timeout_s:
-                kind, why = (
-                    "queue",
-                    (
-                        f"queue timeout: the request waited {age:.3g} s without starting (limit "
-                        f"{req.queue_timeout_s:g} s); the server is overloaded, retry later"
-                    ),
-                )
-            else:
-                continue
-            self.deadlines_expired[kind] += 1
-            self._event("deadline", kind)
-            out.append(self._end(req, "timeout", why))
-        return out
-
-    def _event(self, kind: str, value: Any) -> None:
-        self.events.append((kind, value))
-
-    def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self._pending)
 
     # ------------------------------------------------------------------------------------ one step
     @torch.no_grad()
@@ -458,30 +420,6 @@ class Engine(FaultIsolation, RuntimeAdapters):
         V = self.vocab_size
         return self._mask_pool.submit(constraint_bitmask, [r.constraints for r in cons], [r.tokens for r in cons], V)
 
-    def _advance(self, req: Request, token: int, adapter: str | None, lp: list[dict] | None) -> RequestOutput:
-        """Append a sampled token, apply stop rules, stream text; finish and free the request if done."""
-        req.tokens.append(token)
-        self.tokens_generated += 1
-        self.tokens_by_adapter[adapter or "base"] += 1
-        p = req.params
-        reason, cut = None, False
-        check = req.num_generated > p.min_tokens  # the first min_tokens tokens never stop (vLLM's min_tokens)
-        if check and ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids):
-            reason = "stop"
-        elif req.text.append(req.detok.add(token) if req.detok is not None else "", check):
-            reason, cut = "stop", True
-        if reason is None and (req.num_generated >= p.max_new_tokens or len(req.tokens) >= self.max_model_len):
-            reason = "length"
-        if reason is not None and not cut and req.detok is not None:
-            if req.text.append(req.detok.flush(), check):  # bytes held back at the end may complete a stop string
-                reason = "stop"
-        text = req.text.emit(final=reason is not None)
-        if reason is not None:
-            req.finish_reason = reason
-            self.scheduler.finish(req)
-            del self.requests[req.request_id]
-        return req.output([token], text, [adapter], lp)
-
     def reset(self, why: str) -> list[RequestOutput]:
         """End every request in flight with finish_reason "error" and `why` (after an engine bug); their
         outputs are returned. The KV cache rows are zeroed."""
@@ -490,47 +428,6 @@ class Engine(FaultIsolation, RuntimeAdapters):
             self.prefix.invalidate()
         self.runner.cache.clear_blocks(range(self.allocator.num_blocks))
         return outs
-
-    # ------------------------------------------------------------------------------------ offline use
-    def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], **kw: Any
-    ) -> list[RequestOutput]:
-        """Run `prompts` to completion; one aggregated output per prompt, in order. Keyword arguments go to
-        add_request; `adapter`, `routing`, `constraint` and `allowed_adapters` may also be given per prompt as lists.
-        Outputs of other requests in flight are consumed by the steps taken here."""
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise MoLoRAError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        ids: list[str] = []
-        try:
-            for i, (prompt, p) in enumerate(zip(prompts, plist)):
-                ids.append(
-                    self.add_request(prompt, p, **{k: _per_prompt(k, v, i, len(prompts)) for k, v in kw.items()})
-                )
-        except MoLoRAError:
-            for rid in ids:
-                self.abort(rid)
-            self._pending = [o for o in self._pending if o.request_id not in ids]
-            raise
-        agg = {rid: RequestOutput(rid, [], "", [], False, None, len(p), 0, None) for rid, p in zip(ids, prompts)}
-        while not all(o.finished for o in agg.values()):
-            for out in self.step():
-                a = agg.get(out.request_id)
-                if a is None:
-                    continue
-                a.new_token_ids += out.new_token_ids
-                a.new_text += out.new_text
-                a.token_adapters += out.token_adapters
-                if out.logprobs is not None:
-                    a.logprobs = (a.logprobs or []) + out.logprobs
-                a.finished, a.finish_reason, a.completion_tokens = (
-                    out.finished,
-                    out.finish_reason,
-                    out.completion_tokens,
-                )
-                a.cached_tokens = out.cached_tokens
-                a.error = out.error if out.error is not None else a.error
-        return [agg[rid] for rid in ids]
 
     # ------------------------------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -567,18 +464,3 @@ class Engine(FaultIsolation, RuntimeAdapters):
             else {"captured": g.captures, "replays": g.replays, "failed": len(g.failed)},
             "prefix_cache": self.prefix.stats() if self.prefix is not None else {"enabled": False},
         }
-
-
-def _per_prompt(key: str, value: Any, i: int, n: int) -> Any:
-    """A generate() keyword's value for prompt i: lists of per-prompt values are indexed."""
-    if key in ("adapter", "routing", "request_id", "constraint") and isinstance(value, list):
-        return value[i]
-    if (
-        key == "allowed_adapters"
-        and isinstance(value, list)
-        and value
-        and all(v is None or isinstance(v, list) for v in value)
-        and len(value) == n
-    ):
-        return value[i]
-    return value

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -29,10 +29,10 @@ from molora.adapters.io import LoRAAdapter, read_adapter, read_adapter_ranks
 from molora.config import LLAMA_PROJECTIONS, BankConfig
 from molora.errors import AdapterError, MoLoRAError, RoutingError
 from molora.model.lora_linear import RoutedLoRALinear, RoutingContext, linear_shapes, swap_modules
-from molora.model.quant_linear import activation_ranges, quantize_linears
+from molora.model.quant_linear import QuantizedLinear, activation_ranges, quantize_linears
 from molora.ops import LoRADispatcher, fused_cpu
 from molora.routing import Router, Routing, SequenceRouter
-from molora.routing.base import to_slots
+from molora.routing.base import InNetworkRouter, to_slots
 from molora.sampling import sample_next
 
 log = logging.getLogger("molora.model")
@@ -161,8 +161,8 @@ class MoLoRAModel(nn.Module):
                 "no routing given and no router attached: pass adapter_ids (a LongTensor of "
                 "adapter indices, an adapter name or a Router) or attach a router"
             )
-        if router.in_network:
-            router.prepare(self, input_ids)
+        if router.in_network:  # (in_network = True marks an InNetworkRouter: learned or Arrow)
+            cast(InNetworkRouter, router).prepare(self, input_ids)
             return None
         return router.route(input_ids, self.adapter_names, start=start)
 
@@ -288,7 +288,9 @@ class MoLoRAModel(nn.Module):
         carry = None  # [B, 1] the previous token's decision, for a router with carry_blocks
         fixed = None  # [B, L] the prompt tokens' decisions from a probe pass (molora.routing.learned: Probe)
         router = adapter_ids if adapter_ids is not None else self.router
-        if getattr(router, "probe_prompt", False):
+        # a router with probe_prompt is in-network (molora.routing.learned: Probe; molora.routing.arrow's prompt mode)
+        probe = cast(InNetworkRouter, router) if getattr(router, "probe_prompt", False) else None
+        if probe is not None:
             self(
                 input_ids,
                 attention_mask=mask,
@@ -297,9 +299,10 @@ class MoLoRAModel(nn.Module):
                 use_cache=False,
                 logits_to_keep=1,
             )
-            fixed = router.prompt_routes(self.last_carry, mask)
+            assert self.last_carry is not None, "a probe_prompt router's forward records last_carry"
+            fixed = probe.prompt_routes(self.last_carry, mask)
         # rows the probe kept wholly on the base model stay there for every generated token (Base expert)
-        base_rows = None if fixed is None else router.base_only(fixed, mask)
+        base_rows = None if fixed is None or probe is None else probe.base_only(fixed, mask)
         held = (
             None if base_rows is None or not bool(base_rows.any()) else torch.where(base_rows, -1, -2)[:, None]
         )  # [B, 1]
@@ -388,9 +391,12 @@ def attach(
     dispatcher = LoRADispatcher(dispatch)
     if dispatch in ("auto", "fused") and param.device.type == "cpu":
         fused_cpu.available()  # build (once per machine) or load the CPU kernel now, not at the first request
-    swap_modules(
-        model, sorted(targets), lambda name, old: RoutedLoRALinear(old, bank.slots[name], context, dispatcher, name)
-    )
+
+    def routed(name: str, old: nn.Module) -> RoutedLoRALinear:
+        assert isinstance(old, (nn.Linear, QuantizedLinear)), (name, type(old))  # `targets`: linear_shapes' linears
+        return RoutedLoRALinear(old, bank.slots[name], context, dispatcher, name)
+
+    swap_modules(model, sorted(targets), routed)
     mm = MoLoRAModel(
         model, bank, context, router=router, tokenizer=tokenizer, base_name=base_name, check_base=check_base
     )

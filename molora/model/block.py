@@ -7,7 +7,8 @@ runner writes once per step before the first block; the C++ path gets the routin
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,44 @@ from torch import Tensor, nn
 
 from molora.adapters.bank import LoRASlots
 from molora.model.batch import AttnPlan, Decode, PagedKVCache, Prefill
+from molora.model.lora_linear import RoutedLoRALinear
 from molora.ops import fused_cpu, packed
+
+
+# What a Block borrows from a transformers decoder layer (LlamaDecoderLayer and its Mistral/Qwen2/Qwen3 kin), as
+# types: nn.Module.__getattr__ types every submodule `Tensor | Module`, so the layer is read through these once.
+class HFAttention(Protocol):
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    o_proj: nn.Module
+    head_dim: int
+    scaling: float
+
+
+class HFDecoderLayer(Protocol):
+    self_attn: HFAttention
+    mlp: nn.Module
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+
+
+class HFGatedMLP(Protocol):
+    """A Llama-style MLP (`Block.gated_silu`): down(act_fn(gate(x)) * up(x))."""
+
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+    act_fn: Callable[[Tensor], Tensor]
+
+
+class RMSNorm(Protocol):
+    """transformers' RMSNorm of the families in RMS_NORMS: weight * x / sqrt(mean(x^2) + variance_epsilon)."""
+
+    weight: Tensor
+    variance_epsilon: float
+
+    def __call__(self, h: Tensor) -> Tensor: ...
 
 
 class Linear:
@@ -34,31 +72,35 @@ class Linear:
             if pack and isinstance(weight, Tensor) and packed.supports(weight)
             else None
         )
-        self.routed = hasattr(mod, "add_delta")
+        self.routed = mod if isinstance(mod, RoutedLoRALinear) else None  # the module again, where it is routed
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.packed is None or x.shape[0] < 2:
             return self.mod(x)
         y = self.packed(x)
-        return self.mod.add_delta(x, y) if self.routed else y
+        return self.routed.add_delta(x, y) if self.routed is not None else y
 
     def kernel_args(self, dtype: torch.dtype) -> tuple | None:
         """(packed weight, bias, A, B, scale) as `fused_cpu.bind_block` takes them, where `__call__` on 2 to
         PANEL_MAX_ROWS rows of `dtype` runs molora's packed GEMM and, for a routed linear that an adapter targets,
         the fused LoRA kernel (A, B, scale None: no delta); None where it would run anything else."""
-        w = None if self.packed is None else self.packed.kernel_weight(dtype)
+        if self.packed is None:
+            return None
+        w = self.packed.kernel_weight(dtype)
         if w is None:
             return None
-        lora = self.mod.kernel_operands() if self.routed else None
+        lora = self.routed.kernel_operands() if self.routed is not None else None
         return (w, self.packed.bias, None, None, None) if lora is None else (w, self.packed.bias, *lora)
 
     def watched(self) -> list[Tensor]:
         """The tensors whose change means a bound block must be bound again: the base weight (its packed copy) and
         bias, and a routed linear's slots and scales."""
-        out = [self.mod.weight] + ([] if self.packed.bias is None else [self.packed.bias])
-        if self.routed:
-            bufs = self.mod.lora._buffers
-            out += [bufs["A"], bufs["Bt"], bufs["scale"]]
+        weight = self.mod.weight
+        assert isinstance(weight, Tensor) and self.packed is not None, "only a packed linear is bound"
+        out = [weight] + ([] if self.packed.bias is None else [self.packed.bias])
+        if self.routed is not None:
+            lora = self.routed.lora
+            out += [lora.A, lora.Bt, lora.scale]
         return out
 
 
@@ -66,27 +108,33 @@ class Block:
     """One decoder block's modules and our attention over the paged cache (not an nn.Module: it only
     borrows the model's modules)."""
 
+    # this block's [N, Hkv, hd] K and V cache views: set by ModelRunner right after it builds the blocks
+    kc: Tensor
+    vc: Tensor
+
     def __init__(self, layer: nn.Module, index: int, cfg: Any, pack: bool = False) -> None:
-        attn = layer.self_attn
+        hf = cast(HFDecoderLayer, layer)
+        attn = hf.self_attn
         self.index = index
-        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.input_layernorm, self.post_attention_layernorm = hf.input_layernorm, hf.post_attention_layernorm
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
             Linear(m, pack) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
         )
-        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.mlp = layer.mlp
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
+        self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
+        self.mlp = hf.mlp
+        self.num_heads: int = cfg.num_attention_heads
+        self.num_kv_heads: int = cfg.num_key_value_heads
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.window = sliding_window(cfg, index)
-        self.kc: Tensor | None = None  # this block's [N, Hkv, hd] K and V cache views (set by ModelRunner)
-        self.vc: Tensor | None = None
-        mlp = self.mlp  # gate, up, SiLU and down called here (one fused SiLU * up) where the MLP is Llama's
+        # gate, up, SiLU and down called here (one fused SiLU * up) where the MLP is Llama's
         self.gated_silu = getattr(cfg, "hidden_act", None) == "silu" and all(
-            hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
+            hasattr(self.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
         )
         if self.gated_silu:
+            mlp = cast(HFGatedMLP, self.mlp)
+            self.act_fn = mlp.act_fn
             self.gate_proj, self.up_proj, self.down_proj = (
                 Linear(m, pack) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
             )
@@ -101,7 +149,7 @@ class Block:
         )
         if not all(lin.packed is not None and lin.packed.form in ("panels", "amx") for lin in self.linears):
             self.linears = ()
-        self.routed = next((lin.mod for lin in self.linears if lin.routed), None)  # its context and dispatcher
+        self.routed = next((lin.routed for lin in self.linears if lin.routed is not None), None)  # context, dispatcher
         self._bound: Any = None  # the block bound for one-call decode steps (`run_bound`), and what it was for
         self._bound_key: tuple | None = None
 
@@ -158,6 +206,7 @@ class Block:
             if self._bound is None:
                 return None
             d = plan.decode
+            assert d is not None, "run_bound runs decode steps only (ModelRunner._one_call)"
             out = fused_cpu.run_block(self._bound, h, delta, step, positions, plan.write_rows, d.table, d.ctx, d.rows)
             if out is not None:
                 return out
@@ -165,7 +214,8 @@ class Block:
         return None
 
     def _bind(self, dtype: torch.dtype, cache: PagedKVCache, cos: Tensor, sin: Tensor) -> Any:
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        # both norms are transformers' RMSNorms where `linears` is not empty (__init__)
+        ln1, ln2 = cast(RMSNorm, self.input_layernorm), cast(RMSNorm, self.post_attention_layernorm)
         lanes = fused_cpu.norm_lanes()
         if (
             not lanes
@@ -177,8 +227,9 @@ class Block:
             or self.vc.dtype != dtype
         ):
             return None
-        linears = [lin.kernel_args(dtype) for lin in self.linears]
-        if None in linears:
+        args = [lin.kernel_args(dtype) for lin in self.linears]
+        linears = [a for a in args if a is not None]
+        if len(linears) != len(args):
             return None
         watched = [ln1.weight, ln2.weight] + [t for lin in self.linears for t in lin.watched()]
         return fused_cpu.bind_block(
@@ -198,7 +249,7 @@ class Block:
         g, u = self.gate_proj(x), self.up_proj(x)
         if fused_cpu.silu_mul(g, u):
             return self.down_proj(g)
-        return self.down_proj(self.mlp.act_fn(g) * u)
+        return self.down_proj(self.act_fn(g) * u)
 
     def attention(
         self, x: Tensor, positions: Tensor, plan: AttnPlan, cache: PagedKVCache, cos: Tensor, sin: Tensor
@@ -208,6 +259,7 @@ class Block:
         k = self.k_proj(x).view(T, Hkv, hd)
         v = self.v_proj(x).view(T, Hkv, hd)
         if self.q_norm is not None:
+            assert self.k_norm is not None  # Qwen3: both head norms
             q, k = self.q_norm(q), self.k_norm(k)
         kc, vc = self.kc, self.vc  # [N, Hkv, hd] (cache's views)
         # RoPE in place and K, V into the cache: one C++ call (equal bit for bit to the torch ops below)
@@ -245,6 +297,7 @@ class Block:
         if p.blocks is None:  # keys are this step's tokens (fresh prompts)
             kk, vv, kpos = k[p.rows], v[p.rows], qpos
         else:  # gather whole blocks (contiguous copies), then cut to the context length
+            assert p.mask is not None, "a chunk over cached blocks has its [n, ctx] mask (ModelRunner.plan)"
             c = p.mask.shape[1]
             kk = cache.blocks(kc).index_select(0, p.blocks).view(-1, Hkv, hd)[:c]  # [ctx, Hkv, hd]
             vv = cache.blocks(vc).index_select(0, p.blocks).view(-1, Hkv, hd)[:c]
@@ -287,7 +340,8 @@ def add_norm(norm: nn.Module, h: Tensor, delta: Tensor | None) -> Tensor:
     """h += delta (in place; None: nothing to add), then norm(h): one C++ call where the kernel runs and `norm`
     is transformers' RMSNorm, else the torch ops."""
     if type(norm).__name__ in RMS_NORMS:
-        out = fused_cpu.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+        rms = cast(RMSNorm, norm)
+        out = fused_cpu.add_rms_norm(h, delta, rms.weight, rms.variance_epsilon)
         if out is not None:
             return out
     if delta is not None:

@@ -17,6 +17,7 @@ base.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +25,12 @@ from torch import nn
 
 from molora.adapters.bank import LoRASlots
 from molora.model.quant_linear import QuantizedLinear
-from molora.ops import LoRADispatcher
+from molora.ops import LoRADispatcher, RoutingPlan
 from molora.ops.device import recording
-from molora.routing.base import decide_slots
+from molora.routing.base import InNetworkRouter, decide_slots
+
+if TYPE_CHECKING:
+    from molora.routing.arrow_linear import LinearRouting
 
 
 class RoutingContext:
@@ -66,24 +70,26 @@ class RoutingContext:
     def __init__(self) -> None:
         self.slot_ids: torch.Tensor | None = None
         self.weights: torch.Tensor | None = None
-        self.router = None
+        self.router: InNetworkRouter | None = None
         self.slot_map: torch.Tensor | None = None
         self.allowed: torch.Tensor | None = None
         self.trace: list | None = None
         self.carry_in: torch.Tensor | None = None
         self.carry_out: torch.Tensor | None = None
         self.fixed_in: torch.Tensor | None = None
-        self.linear = None
-        self._plan = None
+        self.linear: LinearRouting | None = None
+        self._plan: RoutingPlan | None = None
 
-    def plan(self, dispatcher: LoRADispatcher, num_slots: int):
+    def plan(self, dispatcher: LoRADispatcher, num_slots: int) -> RoutingPlan:
         """The step's routing checked and sorted once (a `RoutingPlan`), shared by every routed linear."""
         if self._plan is None:
+            assert self.slot_ids is not None, "a plan needs the step's slot_ids (set)"
             self._plan = dispatcher.plan(self.slot_ids, self.weights, num_slots=num_slots)
         return self._plan
 
-    def linear_plan(self, name: str, x: torch.Tensor, dispatcher: LoRADispatcher, num_slots: int):
+    def linear_plan(self, name: str, x: torch.Tensor, dispatcher: LoRADispatcher, num_slots: int) -> RoutingPlan:
         """Per-linear routing (`linear` set): the plan of linear `name` for its own input x [T, d_in]."""
+        assert self.linear is not None, "linear_plan without per-linear routing"
         slot_ids, weights = self.linear.slots(name, x, self.slot_ids, self.weights, self.trace)
         return dispatcher.plan(slot_ids, weights, num_slots=num_slots)
 
@@ -91,6 +97,7 @@ class RoutingContext:
         """Let the in-network router decide for `block` from its input hidden [T, D] (no-op without one)."""
         if self.router is None:
             return
+        assert self.slot_map is not None, "an in-network router needs slot_map"
         decision = decide_slots(self.router, block, hidden, self.slot_map, self.allowed, self.carry_in, self.fixed_in)
         if decision is None:
             return  # keep the previous block's decision
@@ -114,8 +121,20 @@ class RoutingContext:
 class RoutedLoRALinear(nn.Module):
     """A linear whose output adds, for each token, the LoRA delta of the adapter its routing names."""
 
+    # parameters and submodules, typed here (nn.Module.__getattr__ would type them `Tensor | Module`); the hot path
+    # reads them through the module dicts instead (add_delta: why), asserting their types there
+    weight: torch.Tensor | None  # None over a quantized base (`qbase`)
+    bias: torch.Tensor | None
+    qbase: QuantizedLinear
+    lora: LoRASlots
+
     def __init__(
-        self, base: nn.Linear, slots: LoRASlots, context: RoutingContext, dispatcher: LoRADispatcher, name: str = ""
+        self,
+        base: nn.Linear | QuantizedLinear,
+        slots: LoRASlots,
+        context: RoutingContext,
+        dispatcher: LoRADispatcher,
+        name: str = "",
     ) -> None:
         super().__init__()
         self.name = name  # the module path (the bank's key): what a per-linear router knows this linear by
@@ -140,6 +159,7 @@ class RoutedLoRALinear(nn.Module):
             return self.add_delta(x, qbase.forward(x))
         params = self._parameters  # (add_delta: why not self.weight)
         weight, bias = params["weight"], params.get("bias")  # (a bias of None lives outside _parameters)
+        assert weight is not None, "a routed linear over a float base has a weight"
         if x.dim() == 2 and not torch.is_grad_enabled():  # what F.linear runs for 2-D x, minus three view ops
             wt = self._wt
             if wt is None or wt.data_ptr() != weight.data_ptr() or wt.dtype != weight.dtype:
@@ -158,11 +178,13 @@ class RoutedLoRALinear(nn.Module):
         ctx = self.context
         slot_ids = ctx.slot_ids
         lora = self._modules["lora"]
+        assert isinstance(lora, LoRASlots)
         static = recording.on
         if (slot_ids is None and ctx.linear is None) or (lora.active == 0 and not static):
             return y
         bufs = lora._buffers
         A, Bt, scale = bufs["A"], bufs["Bt"], bufs["scale"]
+        assert A is not None and Bt is not None and scale is not None
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [T, d_in]
         if slot_ids is not None and flat.shape[0] != slot_ids.shape[0]:
             raise RuntimeError(f"routing covers {slot_ids.shape[0]} tokens but the layer got {flat.shape[0]}")
@@ -205,24 +227,27 @@ class RoutedLoRALinear(nn.Module):
             return ()
         if ctx.slot_ids.shape[0] != rows:
             return None
-        S = self._modules["lora"]._buffers["A"].shape[0]
+        lora = self._modules["lora"]
+        assert isinstance(lora, LoRASlots)
+        A = lora._buffers["A"]
+        assert A is not None
+        S = A.shape[0]
         return (ctx._plan or ctx.plan(self.dispatcher, S)).fused_step(self.dispatcher.backend, dtype)
 
     def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(A, B, scale) of this linear's slots as the fused kernel takes them (`kernel_step`; A contiguous, as the
         checked path hands it over); None where no loaded adapter targets this linear (add_delta adds nothing)."""
-        lora = self._modules["lora"]
+        lora = self.lora
         if lora.active == 0:
             return None
-        bufs = lora._buffers
-        A = bufs["A"]
-        return (A if A.is_contiguous() else A.contiguous(), *self._kernel_operands(bufs["Bt"], bufs["scale"], False))
+        A, Bt, scale = lora.A, lora.Bt, lora.scale
+        return (A if A.is_contiguous() else A.contiguous(), *self._kernel_operands(Bt, scale, False))
 
-    def to_linear(self) -> nn.Linear:
+    def to_linear(self) -> nn.Linear | QuantizedLinear:
         """A plain nn.Linear sharing this layer's base parameters (the delta is dropped); over a quantized base, the
         QuantizedLinear itself."""
         if self.weight is None:
-            return self._modules["qbase"]
+            return self.qbase
         lin = nn.Linear(
             self.in_features,
             self.out_features,
@@ -230,6 +255,8 @@ class RoutedLoRALinear(nn.Module):
             device=self.weight.device,
             dtype=self.weight.dtype,
         )
+        # registered as parameters by nn.Module (the base's own)
+        assert isinstance(self.weight, nn.Parameter) and (self.bias is None or isinstance(self.bias, nn.Parameter))
         lin.weight = self.weight
         if self.bias is not None:
             lin.bias = self.bias

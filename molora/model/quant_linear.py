@@ -31,6 +31,11 @@ from molora.ops import quant
 class QuantizedLinear(nn.Module):
     """y = x @ dequantize(qweight, scales).T + bias on torch's weight-only CPU kernel (module docstring)."""
 
+    qweight: Tensor  # buffers, typed here (nn.Module.__getattr__ would type them `Tensor | Module`)
+    scales: Tensor
+    smooth: Tensor | None
+    bias: Tensor | None
+
     def __init__(
         self,
         base: nn.Linear,
@@ -132,10 +137,13 @@ def quantize_linears(
     quant.check_scheme(scheme)
     amax = act_amax or {}
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n.rsplit(".", 1)[-1] not in skip]
+
+    def make(name: str, old: nn.Module) -> QuantizedLinear:
+        assert isinstance(old, nn.Linear), (name, type(old))  # `names` lists nn.Linear modules only
+        return QuantizedLinear(old, scheme, act_amax=amax.get(name), alpha=alpha)
+
     with torch.no_grad():
-        return swap_modules(
-            model, names, lambda name, old: QuantizedLinear(old, scheme, act_amax=amax.get(name), alpha=alpha)
-        )
+        return swap_modules(model, names, make)
 
 
 def activation_ranges(

@@ -131,11 +131,11 @@ class ModelRunner:
             block.kc, block.vc = self.cache.k[block.index], self.cache.v[block.index]
         # the routed linears' context and dispatcher, whose routing a one-call decode step asks once (`_one_call`);
         # a block with a routed linear on another context or dispatcher runs kernel by kernel
-        self._routed = next((b.routed for b in self.blocks if b.routed is not None), None)
+        self._routed = routed = next((b.routed for b in self.blocks if b.routed is not None), None)
         for block in self.blocks:
-            if any(
-                lin.routed
-                and (lin.mod.context is not self._routed.context or lin.mod.dispatcher is not self._routed.dispatcher)
+            if routed is not None and any(
+                lin.routed is not None
+                and (lin.routed.context is not routed.context or lin.routed.dispatcher is not routed.dispatcher)
                 for lin in block.linears
             ):
                 block.linears = ()
@@ -191,16 +191,18 @@ class ModelRunner:
         ctx = self.context
         slot_ids = None if routing is None else routing.slot_ids
         weights = None if routing is None else routing.weights
-        learned = routing is not None and routing.router is not None and bool(routing.groups)
-        per_linear = learned and getattr(routing.router, "per_linear", False)
-        learned = learned and not per_linear
+        router = None if routing is None or not routing.groups else routing.router  # None: the fixed routing only
+        per_linear = router is not None and bool(getattr(router, "per_linear", False))
+        learned = router is not None and not per_linear
         carry_out = None
         if learned:  # the router overwrites its rows per block; keep the caller's tensors intact
+            assert routing is not None
             slot_ids, weights = self._routing_buffers(tokens.shape[0], routing)
             if getattr(routing.router, "carry_blocks", 0) > 0:
                 carry_out = torch.full((tokens.shape[0],), -2, dtype=torch.long, device=slot_ids.device)
         ctx.set(slot_ids, weights)
         if per_linear:  # each routed linear decides from its own input (molora.routing.arrow: LinearRouting)
+            assert routing is not None and routing.router_slots is not None
             ctx.linear = LinearRouting(
                 routing.router, routing.router_slots, [(g.rows, g.allowed) for g in routing.groups]
             )
@@ -210,6 +212,7 @@ class ModelRunner:
             one_call = self._one_call(h, plan, learned)
             for block in self.blocks:
                 if learned:
+                    assert routing is not None and slot_ids is not None
                     if delta is not None:  # the router reads the block's whole input
                         h, delta = h.add_(delta), None
                     self._decide(block.index, h, routing, slot_ids, weights, carry_out)
@@ -268,10 +271,9 @@ class ModelRunner:
     @staticmethod
     def _routing_buffers(T: int, routing: StepRouting) -> tuple[Tensor, Tensor | None]:
         """Working copies [T, k] of the fixed routing, widened to the router's top-k with weights if needed."""
-        router_k = getattr(routing.router, "top_k", None) or getattr(
-            getattr(routing.router, "config", None), "top_k", 1
-        )
+        router_k = getattr(routing.router, "top_k", 0) or getattr(getattr(routing.router, "config", None), "top_k", 1)
         k = max(int(router_k), 1 if routing.slot_ids is None else routing.slot_ids.shape[1])
+        assert routing.router_slots is not None, "a router's step routing has router_slots"
         device = routing.router_slots.device
         ids = torch.full((T, k), -1, dtype=torch.long, device=device)
         w = None
@@ -296,6 +298,7 @@ class ModelRunner:
     ) -> None:
         """Let the router choose, from the block's input h [T, D], the slots of its rows (in place);
         carry_out [T] (a router with carry_blocks) receives the decisions at its carry_source block."""
+        assert routing.router_slots is not None, "a router's step routing has router_slots"
         for g in routing.groups:
             hidden = h if g.rows is None else h[g.rows]  # [n, D]
             carry = routing.carry if routing.carry is None or g.rows is None else routing.carry[g.rows]
@@ -380,8 +383,8 @@ class ModelRunner:
         if len(fresh) > 1 and sum(q_lens[b] for b in fresh) <= MERGE_PREFILL_TOKENS:
             # one attention call for all fresh prompts: block-diagonal causal mask over their tokens
             rows = torch.cat([torch.arange(starts[b], starts[b] + q_lens[b], device=dev) for b in fresh])  # [Tf]
-            seg, pos = seq_of[rows], positions[rows]
-            prefill.append(Prefill(rows, mask=(seg[None, :] == seg[:, None]) & (pos[None, :] <= pos[:, None])))
+            seg, tpos = seq_of[rows], positions[rows]
+            prefill.append(Prefill(rows, mask=(seg[None, :] == seg[:, None]) & (tpos[None, :] <= tpos[:, None])))
             fresh = []
         by_len: dict[int, list[int]] = {}  # fresh prompts by length: each length is one batched causal call
         for b in fresh:

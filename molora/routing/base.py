@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -155,6 +155,32 @@ class Router(ABC):
     @abstractmethod
     def route(self, input_ids: torch.Tensor, adapter_names: Sequence[str], *, start: int = 0) -> Routing:
         """Adapter indices for `input_ids` [B, L] whose first column sits at position `start`."""
+
+
+class InNetworkRouter(Protocol):
+    """What the model layer calls on a router with `in_network = True` (molora.routing.learned's LearnedRouter,
+    molora.routing.arrow's ArrowRouter): decisions per block from hidden states (`decide_slots`), the gates that
+    decide (`gate_index`), carry and probe settings, a check against the model before a forward (`prepare`)."""
+
+    in_network: ClassVar[bool]
+    adapter_names: Sequence[str]
+
+    @property
+    def carry_blocks(self) -> int: ...
+
+    @property
+    def carry_source(self) -> int: ...
+
+    @property
+    def probe_prompt(self) -> bool: ...
+
+    def gate_index(self, block: int) -> int | None: ...
+
+    def prepare(self, mm: Any, input_ids: torch.Tensor) -> None: ...
+
+    def prompt_routes(self, probe: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def base_only(self, routes: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class VocabRouter(Router):

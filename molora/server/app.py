@@ -1,4 +1,4 @@
-"""The FastAPI application: routes, API keys, adapter management, errors, draining, metrics.
+"""The FastAPI application: the routes, and the app that puts them behind the guards (molora.server.guards).
 
     app = create_app(engine, model_name="molora-default", api_keys=("sk-...",), adapter_roots=("adapters",))
     app = build_app(client, catalog, ...)   # any EngineClient (molora.server.client), e.g. Ray Serve's
@@ -23,32 +23,26 @@ The app reaches engines only through an `EngineClient` (`molora.server.client`):
 one in-process engine in a `LocalClient`; `molora.server.ray_serve` builds the same app over engine replicas.
 Knows nothing of how an engine is built or of uvicorn (that is `molora.server.launch`), nor of what the
 generation endpoints do inside (`molora.server.generation`). What the routes share, and adapter loading and
-unloading on it, is `ServerState` (molora.server.state).
+unloading on it, is `ServerState` (molora.server.state); what stands in front of every route (key checks, body
+limit and parsing, the drain gate, the error JSON) is molora.server.guards.
 """
 
 from __future__ import annotations
 
-import asyncio
-import hmac
-import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from molora.bundle import stop_token_ids
-from molora.errors import MoLoRAError
 from molora.server.catalog import Catalog, ModelInfo
 from molora.server.client import EngineClient, LocalClient
 from molora.server.generation import Limits
+from molora.server.guards import Gate, add_error_handlers, auth, parse_body
 from molora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from molora.server.metrics import ServerMetrics
 from molora.server.protocol import (
@@ -60,30 +54,13 @@ from molora.server.protocol import (
     ModelCard,
     ModelList,
     UnloadLoRAAdapterRequest,
-    validation_error,
 )
-from molora.server.runner import EngineBusy, EngineRunner, RunnerStopped, Saturated
+from molora.server.runner import EngineBusy, EngineRunner, RunnerStopped
 from molora.server.state import ServerState, path_text, resolve_adapter_path
 
 __all__ = ["MAX_BODY_BYTES", "ServerState", "build_app", "create_app", "model_info", "resolve_adapter_path"]
 
-log = logging.getLogger("molora.server")
-M = TypeVar("M", bound=BaseModel)
-
 MAX_BODY_BYTES = 4 << 20
-_ROUTES = (
-    "/v1/completions",
-    "/v1/chat/completions",
-    "/v1/models",
-    "/v1/adapters",
-    "/v1/load_lora_adapter",
-    "/v1/unload_lora_adapter",
-    "/health",
-    "/ready",
-    "/metrics",
-)
-_OPEN_WHILE_DRAINING = ("/health", "/ready", "/metrics")
-OFFLOAD_BODY_BYTES = 256 << 10  # bodies larger than this are parsed on a worker thread
 
 
 def create_app(
@@ -208,9 +185,9 @@ def build_app(
         description="OpenAI-compatible serving of one base model with per-token LoRA routing.",
     )
     app.state.molora = state
-    _add_error_handlers(app, state)
+    add_error_handlers(app, state)
     _add_routes(app, state)
-    app.add_middleware(_Gate, state=state)
+    app.add_middleware(Gate, state=state)
     return app
 
 
@@ -218,15 +195,15 @@ def build_app(
 
 
 def _add_routes(app: FastAPI, s: ServerState) -> None:
-    api, admin = Depends(_auth(s, admin=False)), Depends(_auth(s, admin=True))
+    api, admin = Depends(auth(s, admin=False)), Depends(auth(s, admin=True))
 
     @app.post("/v1/completions", dependencies=[api])
     async def completions(request: Request) -> Response:
-        return await s.generation.completions(await _parse(request, CompletionRequest, s), request)
+        return await s.generation.completions(await parse_body(request, CompletionRequest, s), request)
 
     @app.post("/v1/chat/completions", dependencies=[api])
     async def chat_completions(request: Request) -> Response:
-        return await s.generation.chat(await _parse(request, ChatCompletionRequest, s), request)
+        return await s.generation.chat(await parse_body(request, ChatCompletionRequest, s), request)
 
     @app.get("/v1/models", dependencies=[api])
     async def models(limit: int | None = None, after: str | None = None) -> ModelList:
@@ -279,7 +256,7 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
 
     @app.post("/v1/adapters", dependencies=[admin], status_code=201)
     async def load_adapter(request: Request) -> JSONResponse:
-        req = await _parse(request, AdapterLoadRequest, s)
+        req = await parse_body(request, AdapterLoadRequest, s)
         info = await s.load_adapter(req.bundle, req.name, req.path, param="name")
         return JSONResponse(
             {
@@ -304,7 +281,7 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
     # vLLM's runtime LoRA endpoints (what inference gateways and LoRA-aware routers call): plain-text success
     @app.post("/v1/load_lora_adapter", dependencies=[admin])
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
-        req = await _parse(request, LoadLoRAAdapterRequest, s)
+        req = await parse_body(request, LoadLoRAAdapterRequest, s)
         if req.load_inplace:
             raise APIError(
                 400,
@@ -317,7 +294,7 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
 
     @app.post("/v1/unload_lora_adapter", dependencies=[admin])
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
-        req = await _parse(request, UnloadLoRAAdapterRequest, s)
+        req = await parse_body(request, UnloadLoRAAdapterRequest, s)
         _, state = await s.unload_adapter(None, req.lora_name, False)
         if state == "unloaded":
             return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
@@ -371,169 +348,6 @@ def _model_list(s: ServerState) -> ModelList:
             for a in info.adapters
         ]
     return ModelList(data=cards)
-
-
-# ---------------------------------------------------------------------------------------------- auth
-
-
-def _auth(s: ServerState, *, admin: bool) -> Any:
-    async def check(request: Request) -> None:
-        if not s.api_keys:
-            return  # no keys configured: an open local server
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else ""
-        if not token or not _matches(token, s.api_keys):
-            raise APIError(
-                401,
-                "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        if admin and not _matches(token, s.admin_keys):
-            raise APIError(
-                403,
-                "loading and unloading adapters needs an admin key (--admin-key)",
-                type="permission_error",
-                code="admin_key_required",
-            )
-
-    return check
-
-
-def _matches(token: str, keys: Sequence[str]) -> bool:
-    return any(hmac.compare_digest(token.encode(), k.encode()) for k in keys)
-
-
-# ---------------------------------------------------------------------------------------------- bodies
-
-
-async def _parse(request: Request, model: type[M], s: ServerState) -> M:
-    """The body validated as `model`; 413 over the size limit, 400 for bad JSON or bad fields."""
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > s.max_body_bytes:
-            raise APIError(413, f"request body over {s.max_body_bytes} bytes", code="request_too_large")
-    try:
-        if len(raw) > OFFLOAD_BODY_BYTES:  # a large body would freeze every stream while it parses
-            return await asyncio.to_thread(model.model_validate_json, bytes(raw))
-        return model.model_validate_json(bytes(raw))
-    except ValidationError as e:
-        raise validation_error(e) from None
-
-
-# ---------------------------------------------------------------------------------------------- errors
-
-
-def _error(
-    status: int,
-    message: str,
-    *,
-    type: str = "invalid_request_error",
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    return JSONResponse(APIError(status, message, type=type, code=code).body(), status_code=status, headers=headers)
-
-
-def _add_error_handlers(app: FastAPI, s: ServerState) -> None:
-    retry = {"Retry-After": str(s.retry_after_s)}
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(Saturated)
-    async def saturated(_: Request, e: Saturated) -> JSONResponse:
-        return _error(
-            429,
-            f"the server is at capacity ({e}); retry after {s.retry_after_s} s",
-            type="rate_limit_error",
-            code="server_busy",
-            headers=retry,
-        )
-
-    @app.exception_handler(EngineBusy)
-    async def busy(_: Request, e: EngineBusy) -> JSONResponse:
-        return _error(503, str(e), type="server_error", code="engine_busy", headers=retry)
-
-    @app.exception_handler(RunnerStopped)
-    async def stopped(_: Request, e: RunnerStopped) -> JSONResponse:
-        return _error(503, f"the engine is not running ({e})", type="server_error", code="unavailable", headers=retry)
-
-    @app.exception_handler(MoLoRAError)
-    async def molora_error(_: Request, e: MoLoRAError) -> JSONResponse:
-        return _error(400, str(e))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error(
-            e.status_code,
-            str(e.detail),
-            code="not_found" if e.status_code == 404 else None,
-            headers=getattr(e, "headers", None),
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def request_invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
-        return _error(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
-
-    @app.exception_handler(Exception)
-    async def internal(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return _error(500, f"internal error ({type(e).__name__}); the server keeps serving", type="server_error")
-
-
-class _Gate:
-    """Pure ASGI middleware: 503 while draining, 413 by Content-Length, response counts for /metrics."""
-
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
-        self.app, self.s = app, state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path: str = scope["path"]
-        route = next((r for r in _ROUTES if path == r or path.startswith(r + "/")), "other")
-        status = 500
-
-        async def counted(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            refusal = self._refusal(scope, path)
-            if refusal is not None:
-                await refusal(scope, receive, counted)
-                return
-            if not self.s.client.started and not self.s.draining:
-                self.s.client.start()  # served without a lifespan (some test clients): start on first use
-            await self.app(scope, receive, counted)
-        finally:
-            self.s.metrics.observe_response(route, status)
-
-    def _refusal(self, scope: Scope, path: str) -> Response | None:
-        if self.s.draining and path not in _OPEN_WHILE_DRAINING:
-            return _error(
-                503,
-                "the server is shutting down; retry on another replica",
-                type="server_error",
-                code="draining",
-                headers={"Retry-After": str(self.s.retry_after_s), "Connection": "close"},
-            )
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.s.max_body_bytes:
-            return _error(
-                413,
-                f"request body of {int(length)} bytes is over the {self.s.max_body_bytes}-byte limit",
-                code="request_too_large",
-            )
-        return None
 
 
 # ---------------------------------------------------------------------------------------------- model facts
