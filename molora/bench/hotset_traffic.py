@@ -8,6 +8,9 @@ holds; the rest go back to disk). A LearnedRouter with random gates over all N (
 Traffic: R requests; each draws its adapter with Zipf popularity (p(rank k) ~ 1 / k^s, s = 1.1) over the N
 and is either pinned to it or learned per token with an allowed set of 2-4 (it plus Zipf draws); P-token
 random prompts, G greedy new tokens, C requests kept in flight (closed loop: one is queued when one ends).
+Every engine has the same step budget (`--max-num-batched-tokens`, default C + P: every decode plus one whole
+prompt per step; decodes go first, longer prefills are chunked), so a step that admits requests costs about a
+decode step plus one prompt rather than C prompts beside the decodes.
 
 Variants, each a full run of the same traffic on a fresh engine, the order rotated every repetition:
   one         every adapter name of the traffic replaced by the most popular one (allowed sets of one)
@@ -101,9 +104,17 @@ def _rss_bytes() -> int:
 
 
 def build_engine(
-    base: Any, paths: dict[str, Path], slots: int, cpu_mib: int, max_num_seqs: int, admission: str, seed: int
+    base: Any,
+    paths: dict[str, Path],
+    slots: int,
+    cpu_mib: int,
+    max_num_seqs: int,
+    admission: str,
+    seed: int,
+    max_num_batched_tokens: int | None = None,
 ) -> Any:
-    """A fresh engine over a copy of `base` with every adapter registered (read once, then cold or warm)."""
+    """A fresh engine over a copy of `base` with every adapter registered (read once, then cold or warm); its step
+    budget `max_num_batched_tokens` (None: max(256, 4 x max_num_seqs), the budget before issue 37's chunking)."""
     import copy
 
     from molora import attach
@@ -123,7 +134,7 @@ def build_engine(
         mm,
         EngineConfig(
             max_num_seqs=max_num_seqs,
-            max_tokens_per_step=max(256, 4 * max_num_seqs),
+            max_num_batched_tokens=max_num_batched_tokens or max(256, 4 * max_num_seqs),
             kv_budget_tokens=max_num_seqs * 256,
             max_model_len=256,
             stop_at_eos=False,
@@ -246,12 +257,14 @@ def run(
     repeats: int,
     seed: int,
     log: Any,
+    max_num_batched_tokens: int | None = None,
 ) -> dict:
     from molora.bench.common import machine_info
     from molora.bench.model import load_model
 
     base = load_model(model)
     vocab = int(base.config.vocab_size)
+    budget = max_num_batched_tokens or concurrency + prompt_len
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         paths = make_adapters(base, Path(tmp), adapters, rank, seed)
@@ -263,9 +276,8 @@ def run(
         for rep in range(repeats):
             order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]
             for v in order:
-                engine = build_engine(
-                    base, paths, slots, cpu_mib, concurrency, "fcfs" if v == "many_fcfs" else "slots", seed
-                )
+                admission = "fcfs" if v == "many_fcfs" else "slots"
+                engine = build_engine(base, paths, slots, cpu_mib, concurrency, admission, seed, budget)
                 out = run_traffic(engine, on_one(traffic, top) if v == "one" else traffic, concurrency, new_tokens)
                 engine.close()
                 runs[v].append(out)
@@ -291,6 +303,8 @@ def run(
         "concurrency": concurrency,
         "slots": slots,
         "cpu_tier_mib": cpu_mib,
+        "max_num_batched_tokens": budget,
+        "enable_chunked_prefill": True,
         "repeats": repeats,
         "seed": seed,
         "one_adapter": top,
@@ -303,7 +317,8 @@ def run(
 def format_table(out: dict) -> str:
     lines = [
         f"Zipf s={out['zipf_s']} over {out['adapters']} adapters (r={out['rank']}), {out['requests']} requests, "
-        f"{out['concurrency']} in flight, {out['slots']} slots, CPU tier {out['cpu_tier_mib']} MiB:",
+        f"{out['concurrency']} in flight, {out['slots']} slots, CPU tier {out['cpu_tier_mib']} MiB, "
+        f"step budget {out['max_num_batched_tokens']} tokens:",
         f"{'variant':<11} {'tok/s':>8} {'x one':>6} {'TTFT warm':>10} {'TTFT cold':>10} {'ITL quiet':>10} "
         f"{'ITL admits':>10} {'ITL loads':>10} {'peak tier+res MiB':>18}",
     ]
