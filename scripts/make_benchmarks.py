@@ -641,8 +641,14 @@ def hotset_traffic_section(docs: Path) -> list[str]:
         f"registered; {r['requests']} requests drawn Zipf (s={r['zipf_s']}) over them, "
         f"{100 * r['learned_share']:.0f}% learned per token with an allowed set of 2-4 (a random gate over all "
         f"adapters), the rest pinned; {r['prompt_len']}-token prompts, {r['new_tokens']} greedy new tokens, "
-        f"{r['concurrency']} in flight (closed loop), {r['slots']} slots, a CPU tier of {r['cpu_tier_mib']} MiB. "
-        f"**one**: the same traffic with every adapter replaced by the most popular one (`{r['one_adapter']}`). "
+        f"{r['concurrency']} in flight (closed loop), {r['slots']} slots, a CPU tier of {r['cpu_tier_mib']} MiB, "
+        + (
+            f"a step budget of {r['max_num_batched_tokens']} tokens (`--max-num-batched-tokens`: every decode "
+            "first, then prompts, chunked where they do not fit). "
+            if "max_num_batched_tokens" in r
+            else "a step budget of 256 tokens. "
+        )
+        + f"**one**: the same traffic with every adapter replaced by the most popular one (`{r['one_adapter']}`). "
         f"Each variant a fresh engine, order rotated, {r['repeats']} repetition(s), median. Warm: every adapter "
         "of the request resident when it was queued; ITL: gaps between a warm request's tokens, by the step that "
         "ended them: decode only (quiet), prefill of admitted requests without a load (admits), an adapter load "
