@@ -17,10 +17,11 @@ Variants, each a full run of the same traffic on a fresh engine, the order rotat
   many_fcfs   the traffic as drawn, scheduler admission FCFS
   many_slots  the traffic as drawn, slot-aware admission (molora.engine.scheduler: bounded bypass)
 
-Reported per variant: output tokens/s (and the ratio to `one`); time to first token of requests whose
-adapters were all resident when queued (warm) and of the others (cold), medians and p90; inter-token gaps of
-warm requests over steps in which an adapter was loaded into a slot or read from disk vs. steps with no
-adapter work, medians and p99, and the median step; the CPU tier's bytes, its reservations and the process's
+Reported per variant: output tokens/s (and the ratio to `one`), also per second of this process's CPU time (all
+its threads: on a machine shared with other work, wall time counts theirs too, CPU time far less); time to first
+token of requests whose adapters were all resident when queued (warm) and of the others (cold), medians and p90;
+inter-token gaps of warm requests over steps in which an adapter was loaded into a slot or read from disk vs. steps
+with no adapter work, medians and p99, and the median step; the CPU tier's bytes, its reservations and the process's
 resident memory over the run (the tier bound asserted at every step from the hot set's counters, `HotSet.check` and
 the process's RSS every 10th). Ends with one JSON line.
 Owns the traffic and the measurement; knows the engine through its public API and `engine.hotset`'s counters.
@@ -162,7 +163,7 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
     mem: list[dict] = []
     peak = {"cpu_tier_bytes": 0, "reserved_bytes": 0, "tier_plus_reserved": 0, "rss_bytes": 0}
     tokens = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     while queue or engine.has_unfinished():
         while queue and len(engine.requests) < concurrency:
             i, t = queue.pop(0)
@@ -211,13 +212,15 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
             mem.append({"t_s": round(now - t0, 3), **sample})
         for k, v in sample.items():
             peak[k] = max(peak[k], v)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     ttft = {k: [r["ttft"] for r in info.values() if r["warm"] == (k == "warm")] for k in ("warm", "cold")}
     st = hs.stats()
     return {
         "wall_s": round(wall, 3),
         "output_tokens": tokens,
         "tokens_per_s": round(tokens / wall, 3),
+        "cpu_s": round(cpu, 3),
+        "tokens_per_cpu_s": round(tokens / cpu, 3),
         "steps": len(steps),
         "step_ms_median": round(1e3 * statistics.median(steps), 3),
         "ttft_ms": {k: _dist(v) for k, v in ttft.items()},
@@ -286,6 +289,7 @@ def run(
                     f"cold {out['ttft_ms']['cold']}  misses {out['hotset']['misses']}"
                 )
     best = {v: statistics.median(r["tokens_per_s"] for r in runs[v]) for v in VARIANTS}
+    per_cpu = {v: statistics.median(r["tokens_per_cpu_s"] for r in runs[v]) for v in VARIANTS}
     return {
         "bench": "hotset_traffic",
         "machine": machine_info(),
@@ -310,6 +314,8 @@ def run(
         "one_adapter": top,
         "tokens_per_s": {v: round(x, 3) for v, x in best.items()},
         "vs_one": {v: round(best[v] / best["one"], 4) for v in VARIANTS},
+        "tokens_per_cpu_s": {v: round(x, 3) for v, x in per_cpu.items()},
+        "vs_one_cpu": {v: round(per_cpu[v] / per_cpu["one"], 4) for v in VARIANTS},
         "runs": runs,
     }
 
