@@ -656,6 +656,35 @@ def hotset_traffic_section(docs: Path) -> list[str]:
         f"CPU: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, load average {m['loadavg_1_5_15']} "
         "at the start.",
         "",
+    ]
+    lines += _hotset_traffic_table(r)
+    before = docs / "hotset_traffic_budget256.json"
+    if before.is_file() and "max_num_batched_tokens" in r:
+        b = json.loads(before.read_text(encoding="utf-8"))
+        lines += [
+            "",
+            f"The same bench with the step budget of before chunking (`--max-num-batched-tokens "
+            f"{b['max_num_batched_tokens']}`, record `docs/hotset_traffic_budget256.json`, on the code before "
+            "plan_routing's one-pass slot map), run just before it on the same shared machine "
+            f"({b['machine']['threads']} thread(s), load average {b['machine']['loadavg_1_5_15']} at the start), "
+            f"{b['repeats']} repetition(s):",
+            "",
+        ]
+        lines += _hotset_traffic_table(b)
+    return lines + [
+        "",
+        "Goals (issue 37): many / one ≥ 0.85; cold TTFT ≤ 1.5 × warm; a warm request's ITL rises "
+        "by at most one step while adapters load. Each figure is the median over the repetitions of each run's "
+        "own figure (cold / warm: of each run's ratio; memory: the highest peak); the record holds every run and "
+        "the memory samples. × one, CPU time: the ratio of output tokens per second of the process's CPU time, "
+        "less sensitive than wall time to other work on a shared machine.",
+        "",
+    ]
+
+
+def _hotset_traffic_table(r: dict) -> list[str]:
+    """The rows of one hot-set traffic record: per variant, the median over its repetitions of each figure."""
+    lines = [
         "| variant | output tok/s | × one | × one, CPU time | TTFT warm ms | TTFT cold ms | cold / warm | "
         "warm ITL quiet ms | warm ITL admits ms | warm ITL loads ms (p99) | step ms | "
         "peak tier + reserved MiB (budget) | peak RSS MiB |",
@@ -685,15 +714,7 @@ def hotset_traffic_section(docs: Path) -> list[str]:
             f"{mid(runs, lambda run: run['step_ms_median']):.1f} | "
             f"{pk / 2**20:.1f} ({runs[0]['memory']['cpu_tier_budget'] / 2**20:.0f}) | {rss / 2**20:.0f} |"
         )
-    return lines + [
-        "",
-        "Goals (issue 37): many / one ≥ 0.85; cold TTFT ≤ 1.5 × warm; a warm request's ITL rises "
-        "by at most one step while adapters load. Each figure is the median over the repetitions of each run's "
-        "own figure (cold / warm: of each run's ratio; memory: the highest peak); the record holds every run and "
-        "the memory samples. × one, CPU time: the ratio of output tokens per second of the process's CPU time, "
-        "less sensitive than wall time to other work on a shared machine.",
-        "",
-    ]
+    return lines
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
