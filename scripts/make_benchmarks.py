@@ -33,6 +33,7 @@ import importlib.util
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -632,7 +633,6 @@ def hotset_traffic_section(docs: Path) -> list[str]:
         return []
     r = json.loads(path.read_text(encoding="utf-8"))
     m = r["machine"]
-    med = lambda d: f"{d['median']:.1f}" if d.get("n") else "–"
     lines = [
         "## A thousand adapters",
         "",
@@ -641,8 +641,14 @@ def hotset_traffic_section(docs: Path) -> list[str]:
         f"registered; {r['requests']} requests drawn Zipf (s={r['zipf_s']}) over them, "
         f"{100 * r['learned_share']:.0f}% learned per token with an allowed set of 2-4 (a random gate over all "
         f"adapters), the rest pinned; {r['prompt_len']}-token prompts, {r['new_tokens']} greedy new tokens, "
-        f"{r['concurrency']} in flight (closed loop), {r['slots']} slots, a CPU tier of {r['cpu_tier_mib']} MiB. "
-        f"**one**: the same traffic with every adapter replaced by the most popular one (`{r['one_adapter']}`). "
+        f"{r['concurrency']} in flight (closed loop), {r['slots']} slots, a CPU tier of {r['cpu_tier_mib']} MiB, "
+        + (
+            f"a step budget of {r['max_num_batched_tokens']} tokens (`--max-num-batched-tokens`: every decode "
+            "first, then prompts, chunked where they do not fit). "
+            if "max_num_batched_tokens" in r
+            else "a step budget of 256 tokens. "
+        )
+        + f"**one**: the same traffic with every adapter replaced by the most popular one (`{r['one_adapter']}`). "
         f"Each variant a fresh engine, order rotated, {r['repeats']} repetition(s), median. Warm: every adapter "
         "of the request resident when it was queued; ITL: gaps between a warm request's tokens, by the step that "
         "ended them: decode only (quiet), prefill of admitted requests without a load (admits), an adapter load "
@@ -650,30 +656,69 @@ def hotset_traffic_section(docs: Path) -> list[str]:
         f"CPU: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, load average {m['loadavg_1_5_15']} "
         "at the start.",
         "",
-        "| variant | output tok/s | × one | TTFT warm ms | TTFT cold ms | cold / warm | warm ITL quiet ms | "
-        "warm ITL admits ms | warm ITL loads ms (p99) | step ms | peak tier + reserved MiB (budget) | peak RSS MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for v, runs in r["runs"].items():
-        x = runs[-1]
-        w, c = x["ttft_ms"]["warm"], x["ttft_ms"]["cold"]
-        ratio = f"{c['median'] / w['median']:.2f}" if w.get("n") and c.get("n") else "–"
-        il = x["warm_itl_ms"]["loads"]
-        pk, mem = x["memory"]["peak"], x["memory"]
-        lines.append(
-            f"| {v} | {r['tokens_per_s'][v]:.1f} | {r['vs_one'][v]:.3f} | {med(w)} | {med(c)} | {ratio} | "
-            f"{med(x['warm_itl_ms']['quiet'])} | {med(x['warm_itl_ms'].get('admits', {}))} | {med(il)} "
-            f"({il.get('p99', '–')}) | {x['step_ms_median']:.1f} | "
-            f"{pk['tier_plus_reserved'] / 2**20:.1f} ({mem['cpu_tier_budget'] / 2**20:.0f}) | "
-            f"{pk['rss_bytes'] / 2**20:.0f} |"
-        )
+    lines += _hotset_traffic_table(r)
+    before = docs / "hotset_traffic_budget256.json"
+    if before.is_file() and "max_num_batched_tokens" in r:
+        b = json.loads(before.read_text(encoding="utf-8"))
+        lines += [
+            "",
+            f"The same bench with the step budget of before chunking (`--max-num-batched-tokens "
+            f"{b['max_num_batched_tokens']}`, record `docs/hotset_traffic_budget256.json`, on the code before "
+            "plan_routing's one-pass slot map), run just before it on the same shared machine "
+            f"({b['machine']['threads']} thread(s), load average {b['machine']['loadavg_1_5_15']} at the start), "
+            f"{b['repeats']} repetition(s):",
+            "",
+        ]
+        lines += _hotset_traffic_table(b)
     return lines + [
         "",
         "Goals (issue 37): many / one ≥ 0.85; cold TTFT ≤ 1.5 × warm; a warm request's ITL rises "
-        "by at most one step while adapters load. The per-run rows of the last repetition are shown; "
-        "the record holds every run and the memory samples.",
+        "by at most one step while adapters load. Each figure is the median over the repetitions of each run's "
+        "own figure (cold / warm: of each run's ratio; memory: the highest peak); the record holds every run and "
+        "the memory samples. × one, CPU time: the ratio of output tokens per second of the process's CPU time, "
+        "less sensitive than wall time to other work on a shared machine.",
         "",
     ]
+
+
+def _hotset_traffic_table(r: dict) -> list[str]:
+    """The rows of one hot-set traffic record: per variant, the median over its repetitions of each figure."""
+    lines = [
+        "| variant | output tok/s | × one | × one, CPU time | TTFT warm ms | TTFT cold ms | cold / warm | "
+        "warm ITL quiet ms | warm ITL admits ms | warm ITL loads ms (p99) | step ms | "
+        "peak tier + reserved MiB (budget) | peak RSS MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def mid(runs: list[dict], get: Any) -> float | None:
+        """The median over the repetitions of one run figure (None where a run lacks it)."""
+        xs = [x for x in (get(run) for run in runs) if x is not None]
+        return statistics.median(xs) if xs else None
+
+    fmt = lambda x, spec=".1f": "–" if x is None else format(x, spec)
+    for v, runs in r["runs"].items():
+        d = lambda run, k, s: run[k][s].get("median")
+        w = mid(runs, lambda run: d(run, "ttft_ms", "warm"))
+        c = mid(runs, lambda run: d(run, "ttft_ms", "cold"))
+        ratio = mid(runs, lambda run: _ratio(d(run, "ttft_ms", "cold"), d(run, "ttft_ms", "warm")))
+        il = lambda run: run["warm_itl_ms"]["loads"]
+        pk = max(run["memory"]["peak"]["tier_plus_reserved"] for run in runs)
+        rss = max(run["memory"]["peak"]["rss_bytes"] for run in runs)
+        lines.append(
+            f"| {v} | {r['tokens_per_s'][v]:.1f} | {r['vs_one'][v]:.3f} | "
+            f"{fmt(r.get('vs_one_cpu', {}).get(v), '.3f')} | {fmt(w)} | {fmt(c)} | {fmt(ratio, '.2f')} | "
+            f"{fmt(mid(runs, lambda run: d(run, 'warm_itl_ms', 'quiet')))} | "
+            f"{fmt(mid(runs, lambda run: run['warm_itl_ms'].get('admits', {}).get('median')))} | "
+            f"{fmt(mid(runs, lambda run: il(run).get('median')))} ({fmt(mid(runs, lambda run: il(run).get('p99')))}) | "
+            f"{mid(runs, lambda run: run['step_ms_median']):.1f} | "
+            f"{pk / 2**20:.1f} ({runs[0]['memory']['cpu_tier_budget'] / 2**20:.0f}) | {rss / 2**20:.0f} |"
+        )
+    return lines
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def prefix_cache_section(docs: Path) -> list[str]:

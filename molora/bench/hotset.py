@@ -264,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         help="share of requests learned per token with an allowed set of 2-4 (default 0.5; the rest are pinned)",
     )
     t.add_argument("--prompt-len", type=int, default=32)
+    t.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the engines' step budget (default: --concurrency + --prompt-len, every decode plus one prompt)",
+    )
     t.add_argument("--new-tokens", type=int, default=32)
     add_common_args(p)
     a = p.parse_args(argv)
@@ -301,6 +307,8 @@ def _traffic(p: argparse.ArgumentParser, a: argparse.Namespace, argv: list[str])
         a.cpu_tier_mib = a.cpu_tier_mib if given("--cpu-tier-mib") else 1
         a.new_tokens = a.new_tokens if given("--new-tokens") else 6
         a.prompt_len = a.prompt_len if given("--prompt-len") else 8
+    if a.max_num_batched_tokens is not None and a.max_num_batched_tokens < 1:
+        p.error("--max-num-batched-tokens must be at least 1")
     if a.adapters < 4 or requests < 1 or a.concurrency < 1 or a.engine_slots < 4:
         p.error(
             "--traffic needs --adapters >= 4, --requests >= 1, --concurrency >= 1 and --engine-slots >= 4 "
@@ -322,6 +330,7 @@ def _traffic(p: argparse.ArgumentParser, a: argparse.Namespace, argv: list[str])
         repeats,
         a.seed,
         stderr_log,
+        a.max_num_batched_tokens,
     )
     print(ht.format_table(out))
     emit(out, a.json)

@@ -8,16 +8,20 @@ holds; the rest go back to disk). A LearnedRouter with random gates over all N (
 Traffic: R requests; each draws its adapter with Zipf popularity (p(rank k) ~ 1 / k^s, s = 1.1) over the N
 and is either pinned to it or learned per token with an allowed set of 2-4 (it plus Zipf draws); P-token
 random prompts, G greedy new tokens, C requests kept in flight (closed loop: one is queued when one ends).
+Every engine has the same step budget (`--max-num-batched-tokens`, default C + P: every decode plus one whole
+prompt per step; decodes go first, longer prefills are chunked), so a step that admits requests costs about a
+decode step plus one prompt rather than C prompts beside the decodes.
 
 Variants, each a full run of the same traffic on a fresh engine, the order rotated every repetition:
   one         every adapter name of the traffic replaced by the most popular one (allowed sets of one)
   many_fcfs   the traffic as drawn, scheduler admission FCFS
   many_slots  the traffic as drawn, slot-aware admission (molora.engine.scheduler: bounded bypass)
 
-Reported per variant: output tokens/s (and the ratio to `one`); time to first token of requests whose
-adapters were all resident when queued (warm) and of the others (cold), medians and p90; inter-token gaps of
-warm requests over steps in which an adapter was loaded into a slot or read from disk vs. steps with no
-adapter work, medians and p99, and the median step; the CPU tier's bytes, its reservations and the process's
+Reported per variant: output tokens/s (and the ratio to `one`), also per second of this process's CPU time (all
+its threads: on a machine shared with other work, wall time counts theirs too, CPU time far less); time to first
+token of requests whose adapters were all resident when queued (warm) and of the others (cold), medians and p90;
+inter-token gaps of warm requests over steps in which an adapter was loaded into a slot or read from disk vs. steps
+with no adapter work, medians and p99, and the median step; the CPU tier's bytes, its reservations and the process's
 resident memory over the run (the tier bound asserted at every step from the hot set's counters, `HotSet.check` and
 the process's RSS every 10th). Ends with one JSON line.
 Owns the traffic and the measurement; knows the engine through its public API and `engine.hotset`'s counters.
@@ -101,9 +105,17 @@ def _rss_bytes() -> int:
 
 
 def build_engine(
-    base: Any, paths: dict[str, Path], slots: int, cpu_mib: int, max_num_seqs: int, admission: str, seed: int
+    base: Any,
+    paths: dict[str, Path],
+    slots: int,
+    cpu_mib: int,
+    max_num_seqs: int,
+    admission: str,
+    seed: int,
+    max_num_batched_tokens: int | None = None,
 ) -> Any:
-    """A fresh engine over a copy of `base` with every adapter registered (read once, then cold or warm)."""
+    """A fresh engine over a copy of `base` with every adapter registered (read once, then cold or warm); its step
+    budget `max_num_batched_tokens` (None: max(256, 4 x max_num_seqs), the budget before issue 37's chunking)."""
     import copy
 
     from molora import attach
@@ -123,7 +135,7 @@ def build_engine(
         mm,
         EngineConfig(
             max_num_seqs=max_num_seqs,
-            max_tokens_per_step=max(256, 4 * max_num_seqs),
+            max_num_batched_tokens=max_num_batched_tokens or max(256, 4 * max_num_seqs),
             kv_budget_tokens=max_num_seqs * 256,
             max_model_len=256,
             stop_at_eos=False,
@@ -151,7 +163,7 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
     mem: list[dict] = []
     peak = {"cpu_tier_bytes": 0, "reserved_bytes": 0, "tier_plus_reserved": 0, "rss_bytes": 0}
     tokens = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     while queue or engine.has_unfinished():
         while queue and len(engine.requests) < concurrency:
             i, t = queue.pop(0)
@@ -200,13 +212,15 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
             mem.append({"t_s": round(now - t0, 3), **sample})
         for k, v in sample.items():
             peak[k] = max(peak[k], v)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     ttft = {k: [r["ttft"] for r in info.values() if r["warm"] == (k == "warm")] for k in ("warm", "cold")}
     st = hs.stats()
     return {
         "wall_s": round(wall, 3),
         "output_tokens": tokens,
         "tokens_per_s": round(tokens / wall, 3),
+        "cpu_s": round(cpu, 3),
+        "tokens_per_cpu_s": round(tokens / cpu, 3),
         "steps": len(steps),
         "step_ms_median": round(1e3 * statistics.median(steps), 3),
         "ttft_ms": {k: _dist(v) for k, v in ttft.items()},
@@ -246,12 +260,14 @@ def run(
     repeats: int,
     seed: int,
     log: Any,
+    max_num_batched_tokens: int | None = None,
 ) -> dict:
     from molora.bench.common import machine_info
     from molora.bench.model_workloads import load_model
 
     base = load_model(model)
     vocab = int(base.config.vocab_size)
+    budget = max_num_batched_tokens or concurrency + prompt_len
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         paths = make_adapters(base, Path(tmp), adapters, rank, seed)
@@ -263,9 +279,8 @@ def run(
         for rep in range(repeats):
             order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]
             for v in order:
-                engine = build_engine(
-                    base, paths, slots, cpu_mib, concurrency, "fcfs" if v == "many_fcfs" else "slots", seed
-                )
+                admission = "fcfs" if v == "many_fcfs" else "slots"
+                engine = build_engine(base, paths, slots, cpu_mib, concurrency, admission, seed, budget)
                 out = run_traffic(engine, on_one(traffic, top) if v == "one" else traffic, concurrency, new_tokens)
                 engine.close()
                 runs[v].append(out)
@@ -274,6 +289,7 @@ def run(
                     f"cold {out['ttft_ms']['cold']}  misses {out['hotset']['misses']}"
                 )
     best = {v: statistics.median(r["tokens_per_s"] for r in runs[v]) for v in VARIANTS}
+    per_cpu = {v: statistics.median(r["tokens_per_cpu_s"] for r in runs[v]) for v in VARIANTS}
     return {
         "bench": "hotset_traffic",
         "machine": machine_info(),
@@ -291,11 +307,15 @@ def run(
         "concurrency": concurrency,
         "slots": slots,
         "cpu_tier_mib": cpu_mib,
+        "max_num_batched_tokens": budget,
+        "enable_chunked_prefill": True,
         "repeats": repeats,
         "seed": seed,
         "one_adapter": top,
         "tokens_per_s": {v: round(x, 3) for v, x in best.items()},
         "vs_one": {v: round(best[v] / best["one"], 4) for v in VARIANTS},
+        "tokens_per_cpu_s": {v: round(x, 3) for v, x in per_cpu.items()},
+        "vs_one_cpu": {v: round(per_cpu[v] / per_cpu["one"], 4) for v in VARIANTS},
         "runs": runs,
     }
 
@@ -303,7 +323,8 @@ def run(
 def format_table(out: dict) -> str:
     lines = [
         f"Zipf s={out['zipf_s']} over {out['adapters']} adapters (r={out['rank']}), {out['requests']} requests, "
-        f"{out['concurrency']} in flight, {out['slots']} slots, CPU tier {out['cpu_tier_mib']} MiB:",
+        f"{out['concurrency']} in flight, {out['slots']} slots, CPU tier {out['cpu_tier_mib']} MiB, "
+        f"step budget {out['max_num_batched_tokens']} tokens:",
         f"{'variant':<11} {'tok/s':>8} {'x one':>6} {'TTFT warm':>10} {'TTFT cold':>10} {'ITL quiet':>10} "
         f"{'ITL admits':>10} {'ITL loads':>10} {'peak tier+res MiB':>18}",
     ]

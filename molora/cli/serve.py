@@ -49,6 +49,21 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences the engine runs per step (default 64)")
     p.add_argument("--max-model-len", type=int, default=2048, help="context length in tokens (default 2048)")
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens one engine step computes at most, decodes first, then prompt chunks (default 512); a small "
+        "budget keeps a step that starts requests near the cost of a decode step (vLLM's flag)",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split a long prompt across steps under --max-num-batched-tokens (default on; "
+        "--no-enable-chunked-prefill runs each prompt whole and needs a budget of at least --max-model-len)",
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -346,6 +361,8 @@ def _serve(args: argparse.Namespace) -> int:
         engine_config=EngineConfig(
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_chunked_prefill=args.enable_chunked_prefill,
             enforce_eager=args.enforce_eager,
             enable_prefix_caching=args.enable_prefix_caching,
             admission=args.admission,
@@ -380,6 +397,8 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
         engine_config={
             "max_num_seqs": args.max_num_seqs,
             "max_model_len": args.max_model_len,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "enable_chunked_prefill": args.enable_chunked_prefill,
             "enforce_eager": args.enforce_eager,
             "enable_prefix_caching": args.enable_prefix_caching,
             "admission": args.admission,
@@ -390,6 +409,9 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
         ingress=args.ray_ingress,
         placement=args.ray_placement,
     )
+    from molora.engine import EngineConfig
+
+    EngineConfig(**cfg.engine_config)  # bad engine flags are refused here, not inside every replica
     ray_serve.serve_ray(
         cfg,
         host=args.host,

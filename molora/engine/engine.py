@@ -79,7 +79,9 @@ class EngineConfig:
     kv_budget_tokens / block_size); it must fit at least one sequence of max_model_len tokens."""
 
     max_num_seqs: int = 64
-    max_tokens_per_step: int = 512
+    max_tokens_per_step: int = 512  # tokens one step computes at most: decodes first, then prefill chunks
+    max_num_batched_tokens: int | None = None  # vLLM's name for that budget: given, it replaces max_tokens_per_step
+    enable_chunked_prefill: bool = True  # split a prompt across steps (vLLM's name); off: a prompt runs whole
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_budget_tokens: int = 32768
@@ -98,10 +100,23 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_tokens_per_step", "block_size", "kv_budget_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise MoLoRAError(f"EngineConfig.{name}={getattr(self, name)} must be at least 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise MoLoRAError(f"EngineConfig.max_num_batched_tokens={self.max_num_batched_tokens} must be at least 1")
+        if not self.enable_chunked_prefill and self.token_budget < self.max_model_len:
+            raise MoLoRAError(
+                f"with enable_chunked_prefill=False a whole prompt must fit one step, but the step budget "
+                f"(max_num_batched_tokens) {self.token_budget} is smaller than max_model_len={self.max_model_len}; "
+                "raise it, lower max_model_len or enable chunked prefill"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise MoLoRAError(f"EngineConfig.num_kv_blocks={self.num_kv_blocks} must be at least 1")
         if self.cpu_tier_bytes < 0:
             raise MoLoRAError(f"EngineConfig.cpu_tier_bytes={self.cpu_tier_bytes} must be >= 0")
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step computes at most (max_num_batched_tokens if given, else max_tokens_per_step)."""
+        return self.max_num_batched_tokens if self.max_num_batched_tokens is not None else self.max_tokens_per_step
 
     @property
     def kv_blocks(self) -> int:
@@ -148,9 +163,10 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
             self.allocator,
             self.hotset,
             max_num_seqs=config.max_num_seqs,
-            max_tokens_per_step=config.max_tokens_per_step,
+            max_tokens_per_step=config.token_budget,
             prefix=self.prefix,
             admission=config.admission,
+            chunked_prefill=config.enable_chunked_prefill,
         )
         self.vocab_size = int(mcfg.vocab_size)
         self._mask_pool: ThreadPoolExecutor | None = None  # fills constraint masks while a step computes

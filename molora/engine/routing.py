@@ -126,10 +126,13 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
     carry = _token_rows(scheduled, T, device, _carried) if getattr(router, "carry_blocks", 0) > 0 else None
     fixed = _token_rows(scheduled, T, device, _probed) if getattr(router, "probe_prompt", False) else None
     names = list(router.adapter_names)
-    router_slots = to_device([bank.slot_of(n) if n in bank else -1 for n in names], device)
+    slot_of = {n: i for i, n in enumerate(bank.table) if n is not None}  # one pass over the slots, not one per name
+    slots = [slot_of.get(n, -1) for n in names]
+    router_slots = to_device(slots, device)
     out_groups = []
     for allowed, rows in groups.items():
-        mask = [n in bank and (allowed is None or n in allowed) for n in names]  # host list: no read
+        # host list, no read: a router over N adapters costs N set lookups per allowed set, not N scans of the slots
+        mask = [s >= 0 for s in slots] if allowed is None else [s >= 0 and n in allowed for n, s in zip(names, slots)]
         r = torch.cat(rows)
         out_groups.append(
             RouterGroup(

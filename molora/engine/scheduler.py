@@ -1,6 +1,6 @@
 """Continuous batching: which tokens of which requests run in the next step.
 
-Each step packs, under a token budget (`max_tokens_per_step`) and in this order:
+Each step packs, under a token budget (`max_tokens_per_step`, vLLM's `max_num_batched_tokens`) and in this order:
   1. one decode token for every running request that is decoding,
   2. the next prefill chunk of running requests still in prefill (chunked prefill),
   3. new requests from the waiting queue (FCFS) while the budget, `max_num_seqs`, free KV blocks and
@@ -10,6 +10,11 @@ Each step packs, under a token budget (`max_tokens_per_step`) and in this order:
      it may start; a shortage of KV blocks or slots stops admission (FCFS). Only when nothing at all
      can run does `schedule` wait for a read to finish (an idle engine has nothing better to do).
      A request whose adapter cannot be read fails alone (`failed`, with `Request.error`).
+Decodes always go first, so a small budget keeps the cost of a step that admits requests near that of a decode
+step (their prompts spread over the next steps) instead of putting every new prompt beside the decodes at once.
+With `chunked_prefill=False` (vLLM's `--no-enable-chunked-prefill`) a prompt is never split: a request waits
+(FCFS) until a step has room for all its uncomputed tokens (EngineConfig checks that the budget holds
+max_model_len). The tokens are the same either way: a chunk attends to the rows the earlier chunks cached.
 When a running request needs a KV block and none is free, the most recently admitted request is
 preempted (recompute): its blocks and pins are released and it goes back to the front of the queue with
 all its tokens (prompt + generated so far) to prefill again.
@@ -96,6 +101,7 @@ class Scheduler:
         prefix: PrefixCache | None = None,
         admission: str = "fcfs",
         max_bypass: int = MAX_BYPASS,
+        chunked_prefill: bool = True,
     ) -> None:
         if admission not in ADMISSION or max_bypass < 0:
             raise MoLoRAError(
@@ -104,6 +110,7 @@ class Scheduler:
         self.allocator, self.hotset, self.prefix = allocator, hotset, prefix
         self.admission, self.max_bypass = admission, max_bypass
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_tokens_per_step
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -144,6 +151,8 @@ class Scheduler:
             ):
                 continue  # a request ahead of it computes its next block in this step
             n = min(req.remaining, budget)
+            if n < req.remaining and not self.chunked_prefill:
+                continue  # its whole prompt does not fit this step: it waits for one with room
             if self._make_room(req, req.num_computed + n, out):
                 out.append(Scheduled(req, req.num_computed, n, req.probing))
                 if self.prefix is not None:
@@ -168,6 +177,8 @@ class Scheduler:
                 if not self.hotset.fetch(req.needs):
                     reading, i = True, i + 1  # its adapters are being read: it keeps its place
                     continue
+                if self.prefix is None and not self._whole(req.remaining, n):
+                    break  # chunked prefill off: it waits (FCFS) for a step with room for its whole prompt
                 if self.prefix is None and not self.allocator.can_grow(req.block_table, n):
                     break  # FCFS: later requests wait behind this one
                 if not self.hotset.acquire(req.needs):
@@ -185,8 +196,11 @@ class Scheduler:
                     self.hotset.release(req.needs)
                     i += 1  # a running request is computing its next block: it keeps its place
                     continue
-                n = min(len(req.tokens) - len(hits) * self.allocator.block_size, budget)
-                if not self.allocator.can_grow(req.block_table, len(hits) * self.allocator.block_size + n, hits):
+                todo = len(req.tokens) - len(hits) * self.allocator.block_size
+                n = min(todo, budget)
+                if not self._whole(todo, n) or not self.allocator.can_grow(
+                    req.block_table, len(hits) * self.allocator.block_size + n, hits
+                ):
                     self.hotset.release(req.needs)
                     break
                 self.allocator.share(req.block_table, hits)
@@ -200,6 +214,10 @@ class Scheduler:
             if self.prefix is not None:
                 in_flight |= self.prefix.in_flight([req])
         return reading
+
+    def _whole(self, todo: int, n: int) -> bool:
+        """False if chunked prefill is off and the `n` tokens that fit this step are not all `todo`."""
+        return self.chunked_prefill or n >= todo
 
     def _order_for_slots(self) -> None:
         """Slot-aware admission (module docstring): move the warm requests behind the first slot-blocked one
