@@ -166,10 +166,8 @@ class Block:
 
     def _bind(self, dtype: torch.dtype, cache: PagedKVCache, cos: Tensor, sin: Tensor) -> Any:
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        lanes = fused_cpu.norm_lanes()
         if (
-            not lanes
-            or ln1.weight.dtype != dtype
+            ln1.weight.dtype != dtype
             or ln2.weight.dtype != dtype
             or cos.dtype != dtype
             or ln1.variance_epsilon != ln2.variance_epsilon
@@ -184,7 +182,6 @@ class Block:
         return fused_cpu.bind_block(
             (ln1.weight, ln2.weight),
             ln1.variance_epsilon,
-            lanes,
             linears,
             (self.num_heads, self.num_kv_heads, self.head_dim),
             (cos, sin),
