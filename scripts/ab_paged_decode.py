@@ -68,13 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     sys.path.insert(0, str(ROOT))
-    from molora.ops import fused_cpu
+    from molora.ops import kernel_build
 
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     old = build_at(a.rev)
-    new = fused_cpu._load()
+    new = kernel_build.load()  # torch.ops.molora: the same entry points as torch ops
     if new is None:
-        print(f"this tree's kernel did not build: {fused_cpu.unavailable_reason()}", file=sys.stderr)
+        print(f"this tree's kernel did not build: {kernel_build.unavailable_reason()}", file=sys.stderr)
         return 2
     B, H, Hkv, hd, bs = a.batch, 9, 3, 64, 16
     g = torch.Generator().manual_seed(0)

@@ -17,7 +17,7 @@ import torch
 import molora
 from molora.model.batch import BatchMeta, RouterGroup, StepRouting
 from molora.model.runner import ModelRunner
-from molora.ops import LoRADispatcher, LoRAInputError, fused_cpu
+from molora.ops import LoRADispatcher, LoRAInputError, kernel_build
 from molora.routing.learned import LearnedRouter, LearnedRouterConfig
 from tests.conftest import load_script, make_peft_adapter, tiny_model
 
@@ -32,8 +32,10 @@ def mm(tmp_path):
 
 @pytest.fixture
 def no_cpu_kernel(monkeypatch):
-    """Fail the test if anything builds or loads the fused CPU kernel (fused_cpu._load)."""
-    monkeypatch.setattr(fused_cpu, "_load", lambda: pytest.fail("the fused CPU kernel was loaded for non-CPU tensors"))
+    """Fail the test if anything builds or loads the fused CPU kernel (kernel_build.load)."""
+    monkeypatch.setattr(
+        kernel_build, "load", lambda: pytest.fail("the fused CPU kernel was loaded for non-CPU tensors")
+    )
 
 
 def test_index_to_slot_moves_with_the_model(mm) -> None:

@@ -13,38 +13,62 @@ from pathlib import Path
 
 import pytest
 
-from molora.ops import fused_cpu
+from molora.ops import fused_cpu, kernel_build
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_build_key_follows_every_source_file_and_the_flags(tmp_path, monkeypatch):
-    here = fused_cpu.build_key()
+    here = kernel_build.build_key()
     csrc = tmp_path / "csrc"
-    shutil.copytree(fused_cpu._CSRC, csrc)
-    monkeypatch.setattr(fused_cpu, "_CSRC", csrc)
-    key = fused_cpu.build_key()
-    assert key == fused_cpu.build_key() and len(key) == 16  # a pure function of the files, flags and place
+    shutil.copytree(kernel_build._CSRC, csrc)
+    monkeypatch.setattr(kernel_build, "_CSRC", csrc)
+    key = kernel_build.build_key()
+    assert key == kernel_build.build_key() and len(key) == 16  # a pure function of the files, flags and place
     assert key != here  # another checkout: a build of its own
     for path in sorted(p for p in csrc.iterdir() if p.is_file()):  # a header counts as a source does
         text = path.read_bytes()
         path.write_bytes(text + b"\n// edited\n")
-        assert fused_cpu.build_key() != key, path.name
+        assert kernel_build.build_key() != key, path.name
         path.write_bytes(text)
-        assert fused_cpu.build_key() == key
+        assert kernel_build.build_key() == key
     (csrc / "extra.h").write_text("// a new file\n")
-    assert fused_cpu.build_key() != key
+    assert kernel_build.build_key() != key
     (csrc / "extra.h").unlink()
-    monkeypatch.setattr(fused_cpu, "_CFLAGS", fused_cpu._CFLAGS + ("-DNDEBUG",))
-    assert fused_cpu.build_key() != key
+    monkeypatch.setattr(kernel_build, "_CFLAGS", kernel_build._CFLAGS + ("-DNDEBUG",))
+    assert kernel_build.build_key() != key
+    monkeypatch.setattr(kernel_build, "_CFLAGS", kernel_build._CFLAGS[:-1])
+    monkeypatch.setenv("MOLORA_KERNELS_ASAN", "1")  # the sanitizer build: a key of its own
+    assert kernel_build.build_key() not in (key, here)
 
 
-def test_the_build_lives_under_its_key(tmp_path):
+def test_the_build_lives_under_its_key_and_registers_torch_ops(tmp_path):
     """Where the kernels are built, they were built under molora_kernels_<build_key()>: not under a hand-bumped
-    name another checkout's different sources could also use."""
+    name another checkout's different sources could also use; loading the library registered every entry point
+    as a torch op with its schema (in-place arguments marked) and the decode block as a torch class."""
     if not fused_cpu.available():
         pytest.skip(f"no kernel build here: {fused_cpu.unavailable_reason()}")
-    assert fused_cpu._load().__name__ == f"molora_kernels_{fused_cpu.build_key()}"
+    assert Path(kernel_build.library_path()).name == f"molora_kernels_{kernel_build.build_key()}.so"
+    import torch
+
+    ops = kernel_build.load()
+    assert ops is torch.ops.molora
+    for name in (
+        "lora_fused_",
+        "paged_decode",
+        "paged_decode_rows",
+        "add_rms_norm",
+        "rope_write",
+        "silu_mul",
+        "linear_panels",
+        "linear_amx",
+        "greedy_rows",
+        "amx_ready",
+        "bf16_dot",
+    ):
+        assert getattr(ops, name).default._schema.name == f"molora::{name}"
+    assert "Tensor(a!) out" in str(ops.lora_fused_.default._schema)
+    assert torch.classes.molora.BoundBlock is not None
 
 
 _NO_COMPILER = """

@@ -3,8 +3,8 @@ shape, stride, dtype, device or index that disagrees raises a RuntimeError namin
 never a crash or a silent write past a buffer (the cases AddressSanitizer found: rope_write past the cache,
 add_rms_norm past its buffers, paged_decode trusting its tables, greedy_rows on an empty vocabulary, lora_fused_ with
 a token listed twice). One test per check: each starts from valid arguments (which must run), breaks one thing, and
-asserts the error. The kernels are called directly, below molora.ops.fused_cpu's wrappers, which filter some of these
-cases out themselves."""
+asserts the error. The kernels are called as the torch ops they are (torch.ops.molora.<name>), below
+molora.ops.fused_cpu's wrappers, which filter some of these cases out themselves."""
 
 from __future__ import annotations
 
@@ -18,14 +18,20 @@ from tests.conftest import gen
 META = torch.device("meta")
 
 
+class _Library:
+    """The kernels as torch registered them: torch.ops.molora.<op>, and torch.classes.molora.BoundBlock."""
+
+    def __getattr__(self, name: str) -> object:
+        return torch.classes.molora.BoundBlock if name == "BoundBlock" else getattr(torch.ops.molora, name)
+
+
 @pytest.fixture(scope="module")
 def mod():
-    from molora.ops import fused_cpu
+    from molora.ops import kernel_build
 
-    m = fused_cpu._load()
-    if m is None:
-        pytest.skip(f"no kernel build here: {fused_cpu.unavailable_reason()}")
-    return m
+    if kernel_build.load() is None:
+        pytest.skip(f"no kernel build here: {kernel_build.unavailable_reason()}")
+    return _Library()
 
 
 def _run(fn: Callable, args: dict, **change) -> object:
@@ -176,8 +182,6 @@ def norm_args() -> dict:
         w=torch.ones(32),
         out=torch.empty(4, 32),
         eps=1e-6,
-        var=torch.empty(0),
-        lanes=8,
     )
 
 
@@ -200,8 +204,6 @@ NORM = {
         "float32 or bfloat16",
     ),
     "rows with a column stride": (dict(h=lambda h: h.t().contiguous().t()), "unit stride"),
-    "var of another length": (dict(var=torch.zeros(3)), r"var \[rows\]"),
-    "no var and lanes not 8 or 16": (dict(lanes=4), "lanes 8 or 16"),
     "h not on the CPU": (dict(h=torch.empty(4, 32, device=META)), "h must be a CPU tensor"),
 }
 
@@ -391,7 +393,6 @@ def block_args() -> dict:
         ln1=torch.ones(64),
         ln2=torch.ones(64),
         eps=1e-6,
-        lanes=8,
         H=4,
         Hkv=2,
         hd=16,
@@ -410,7 +411,6 @@ BLOCK = {
     "six linears": (dict(P=[torch.zeros(4, 64, 16)] * 6), "7 linears"),
     "heads not a multiple of kv heads": (dict(Hkv=3), "H must be a positive multiple of Hkv"),
     "no kv heads": (dict(Hkv=0), "H must be a positive multiple of Hkv"),
-    "lanes not 8 or 16": (dict(lanes=0), "lanes 0 must be 8 or 16"),
     "block size 0": (dict(block_size=0), "block_size 0"),
     "a packed weight of 2 dims": (dict(P=[torch.zeros(64, 64)] * 7), "linear 0's packed weight"),
 }
@@ -429,6 +429,7 @@ def test_a_bound_block_run_checks_its_step(mod):
         block = mod.BoundBlock(*args.values())
         h = torch.randn(2, 64, generator=gen(9))
         step = dict(
+            block=block,
             h=h,
             delta=torch.empty(0),
             lora=False,
@@ -443,6 +444,6 @@ def test_a_bound_block_run_checks_its_step(mod):
             clock=torch.empty(0),
         )
         with pytest.raises(RuntimeError, match=r"write_rows\[1\] = 16 is outside \[0, 16\)"):
-            _run(block.run, step)
+            _run(mod.run_block, step)
         assert not args["kc"].any() and not args["vc"].any()
-        _run(block.run, step, wrows=torch.tensor([3, 5]))  # the same step with a row in range runs
+        _run(mod.run_block, step, wrows=torch.tensor([3, 5]))  # the same step with a row in range runs

@@ -393,9 +393,9 @@ def test_the_dispatcher_resolves_auto_with_pick_backend(monkeypatch) -> None:
 
 def test_pick_backend_is_pure(monkeypatch) -> None:
     """No kernel build, no tensors: the choice is a function of its arguments alone."""
-    from molora.ops import fused_cpu
+    from molora.ops import kernel_build
 
-    monkeypatch.setattr(fused_cpu, "_load", lambda: pytest.fail("pick_backend must not build or load the kernel"))
+    monkeypatch.setattr(kernel_build, "load", lambda: pytest.fail("pick_backend must not build or load the kernel"))
     args = ("cpu", torch.bfloat16, 1000, 4, 1, 16, 2112)
     first = [pick_backend(*args, fused_available=f, bf16_dot=b) for f in (False, True) for b in (False, True)]
     assert first == [pick_backend(*args, fused_available=f, bf16_dot=b) for f in (False, True) for b in (False, True)]
@@ -413,11 +413,11 @@ def test_the_kernel_source_ships_with_the_package() -> None:
     import fnmatch
     import tomllib
 
-    from molora.ops import fused_cpu
+    from molora.ops import kernel_build
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["molora"]
-    files = sorted(fused_cpu._CSRC.iterdir())  # every file the build reads (sources and headers) ships
-    assert set(fused_cpu._SOURCES) <= set(files)
+    files = sorted(kernel_build._CSRC.iterdir())  # every file the build reads (sources and headers) ships
+    assert set(kernel_build._SOURCES) <= set(files)
     for path in files:
         rel = path.relative_to(ROOT / "molora").as_posix()
         assert any(fnmatch.fnmatch(rel, p) for p in patterns), rel
@@ -853,11 +853,21 @@ def test_paged_decode_rows_reads_and_writes_rows_of_a_step_in_place(dtype):
     assert (out[[1, 3, 5]] == 7.0).all()
 
 
+def _norm_spec(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """add_rms_norm's spec: LlamaRMSNorm's formula with the mean of squares taken in float64 and rounded once to
+    float32 (the float32 nearest the exact mean, whatever order a sum runs in)."""
+    hf = h.float()
+    mean = hf.double().pow(2).mean(-1, keepdim=True).float()
+    return w * (hf * torch.rsqrt(mean + eps)).to(h.dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_glue_kernels_equal_the_torch_ops(dtype, monkeypatch):
-    """rope_write is transformers' RoPE bit for bit (and writes K, V to the cache rows), add_rms_norm adds
-    the residual bit for bit and normalises as LlamaRMSNorm does, bit for bit (at every width and row count tried),
-    silu_mul is silu(g) * u (to rounding)."""
+def test_decode_glue_kernels_equal_the_torch_ops(dtype):
+    """rope_write is transformers' RoPE bit for bit (and writes K, V to the cache rows); add_rms_norm adds the
+    residual bit for bit and normalises with the float32 nearest the exact mean of squares (bit for bit the formula
+    with a float64 mean), which is within one float32 ulp or so of LlamaRMSNorm's in float32 and, in bfloat16, equal
+    to it but for rare elements one bf16 ulp apart (at every width and row count tried: no replay of torch's own
+    summation order); silu_mul is silu(g) * u (to rounding)."""
     fused_cpu = _fused_or_skip()
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -881,27 +891,29 @@ def test_decode_glue_kernels_equal_the_torch_ops(dtype, monkeypatch):
     h, d = (torch.randn(T, 576, generator=g).to(dtype) for _ in range(2))
     w = (torch.rand(576, generator=g) + 0.5).to(dtype)
     want_h = h + d
-    hf = want_h.float()
-    want = w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
     with torch.no_grad():
         out = fused_cpu.add_rms_norm(h, d, w, 1e-5)
     assert torch.equal(h, want_h)
+    assert torch.equal(out, _norm_spec(want_h, w, 1e-5))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert torch.equal(out, want)  # the mean summed in torch's order: transformers' norm bit for bit
 
-    norm = LlamaRMSNorm(1, eps=1e-6)  # transformers' module, at widths that meet every branch of the reduction
-    lanes = fused_cpu._sum_lanes()  # the kernel's own sum in torch's order; 0: the mean taken from torch
+    norm = LlamaRMSNorm(1, eps=1e-6)  # transformers' module, at widths below, at and above the 16 lanes
+    # float32: within 2e-6 relative of transformers (one ulp of the mean, halved by the square root, and the final
+    # rounding); bfloat16: the few elements whose rounding the two means decide differently are one bf16 ulp apart
+    # (2^-7 relative at most, twice for the second rounding after the weight), under one in a thousand of them
+    rel, share = (2e-6, 1.0) if dtype == torch.float32 else (2.0**-6, 1e-3)
     for width in (1, 7, 15, 16, 63, 64, 100, 256, 576, 960, 1024, 1030, 2048, 4096, 5120, 16384, 20000):
         for rows in (1, 3, 300):
             x = (torch.randn(rows, width, generator=g) * torch.rand(rows, 1, generator=g) * 8).to(dtype)
             norm.weight = torch.nn.Parameter((torch.rand(width, generator=g) + 0.5).to(dtype))
             d = torch.randn(rows, width, generator=g).to(dtype)
-            for n in {lanes, 0}:
-                monkeypatch.setattr(fused_cpu, "_lanes", n)
-                with torch.no_grad():
-                    want = norm(x + d)
-                    got = fused_cpu.add_rms_norm(x.clone(), d, norm.weight, 1e-6)
-                assert torch.equal(got, want), (width, rows, n)
+            with torch.no_grad():
+                want = norm(x + d)
+                got = fused_cpu.add_rms_norm(x.clone(), d, norm.weight, 1e-6)
+            assert torch.equal(got, _norm_spec(x + d, norm.weight, 1e-6)), (width, rows)
+            diff = (got.float() - want.float()).abs()
+            assert (diff <= rel * want.float().abs()).all(), (width, rows, diff.max())
+            assert (diff > 0).float().mean() <= share, (width, rows)
 
     gate, up = (torch.randn(T, 1000, generator=g) * 4).to(dtype), torch.randn(T, 1000, generator=g).to(dtype)
     want = torch.nn.functional.silu(gate) * up
@@ -1026,4 +1038,4 @@ def test_kernel_clock_times_the_kernels_called_inside_its_block_only():
             dispatch.apply(plan, x, A, B, scale)
             seen = dict(clock)
         dispatch.apply(plan, x, A, B, scale)  # after the block: not counted
-    assert set(seen) == {"molora::lora_fused"} and seen["molora::lora_fused"] > 0 and clock == seen
+    assert set(seen) == {"molora::lora_fused_"} and seen["molora::lora_fused_"] > 0 and clock == seen

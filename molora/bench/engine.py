@@ -92,8 +92,9 @@ KERNEL_OPS = frozenset(
         "aten::_scaled_dot_product_attention_math",
         "aten::_scaled_dot_product_efficient_attention",
         "aten::_scaled_dot_product_flash_attention",
-        "molora::lora_fused",
-        "molora::paged_decode",  # the C++ kernels (molora.ops.fused_cpu)
+        "molora::lora_fused_",  # the C++ kernels (torch.ops.molora, molora.ops.fused_cpu)
+        "molora::paged_decode",
+        "molora::paged_decode_rows",
         # GEMMs on packed weights (molora.ops.packed)
         "mkl::_mkl_linear",
         "molora::linear_panels",

@@ -216,10 +216,8 @@ class Block:
     def _bind(self, dtype: torch.dtype, cache: PagedKVCache, cos: Tensor, sin: Tensor) -> Any:
         # both norms are transformers' RMSNorms where `linears` is not empty (__init__)
         ln1, ln2 = cast(RMSNorm, self.input_layernorm), cast(RMSNorm, self.post_attention_layernorm)
-        lanes = fused_cpu.norm_lanes()
         if (
-            not lanes
-            or ln1.weight.dtype != dtype
+            ln1.weight.dtype != dtype
             or ln2.weight.dtype != dtype
             or cos.dtype != dtype
             or ln1.variance_epsilon != ln2.variance_epsilon
@@ -235,7 +233,6 @@ class Block:
         return fused_cpu.bind_block(
             (ln1.weight, ln2.weight),
             ln1.variance_epsilon,
-            lanes,
             linears,
             (self.num_heads, self.num_kv_heads, self.head_dim),
             (cos, sin),

@@ -29,8 +29,9 @@ slots and router indices, not adapter names, requests or sampling.
 Per block, the residual stream h is updated in place and each add is fused with the RMSNorm that reads it; RoPE
 is applied in place together with the K/V cache write; the MLP's SiLU(gate) * up is one call (the C++ glue of
 `molora.ops.fused_cpu`, with the same torch ops as the fallback where it cannot run). RoPE and the adds equal
-the torch ops bit for bit, and so does the norm in both dtypes (its mean summed in torch's order); SiLU's exp may
-differ from torch's in the last bit (greedy outputs of the engine bench unchanged in both dtypes, measured).
+the torch ops bit for bit; the norm's mean of squares is the float32 nearest the exact mean, not torch's own float32
+sum (within about one ulp of transformers' norm; `fused_cpu.add_rms_norm`); SiLU's exp may differ from torch's in
+the last bit.
 
 On the CPU, a decode step's Llama-shaped block whose every piece runs on those kernels (the linears on packed weights
 through molora's panel or AMX GEMM and, where routed, the fused LoRA kernel; RMSNorms; no q/k norm) runs as one C++
@@ -238,7 +239,7 @@ class ModelRunner:
 
     def _one_call(self, h: Tensor, plan: AttnPlan, learned: bool) -> Any:
         """Whether this step's blocks may run as one C++ call each (`Block.run_bound`): a decode-only step of 2 to
-        PANEL_MAX_ROWS rows where molora's kernels run and reproduce the norm's sum, and the routing's fused-kernel
+        PANEL_MAX_ROWS rows where molora's kernels run, and the routing's fused-kernel
         arguments (`RoutedLoRALinear.kernel_step`: () without routing), or PER_BLOCK where a router decides per block;
         None where not (every block then runs kernel by kernel)."""
         T, d = h.shape[0], plan.decode
@@ -248,7 +249,6 @@ class ModelRunner:
             or d.rows.shape[0] != T
             or not 2 <= T <= packed.PANEL_MAX_ROWS
             or not fused_cpu.glue_supports(h)
-            or not fused_cpu.norm_lanes()
         ):
             return None
         if learned:

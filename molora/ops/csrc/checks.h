@@ -1,9 +1,9 @@
 // Input checks shared by the kernels' entry points. Every entry point checks what it will index before it touches
 // memory: device, dtype, rank, shape and strides of each tensor, and the values of each index tensor (one O(n) pass
-// before the kernel runs, never inside its loops). A failed check raises c10::Error, which the bindings turn into a
+// before the kernel runs, never inside its loops). A failed check raises c10::Error, which torch's op call turns into a
 // Python RuntimeError whose message names the function, the argument, the value found and the one expected.
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>  // torch::Tensor (= at::Tensor), without the Python bindings of torch/extension.h
 #include <cstdint>
 #include <vector>
 

@@ -1,11 +1,13 @@
 // Shared by molora's C++ CPU kernels (one file per kernel family in this folder, built as one extension by
-// molora/ops/fused_cpu.py, keyed by a hash of this folder and the flags): includes, the 16-lane float vector type,
-// element access for float32 and bfloat16, a horizontal sum and a vector exp, and the entry points the bindings
-// (bindings.cpp) and the decode block (decode_block.cpp) call. Each entry point checks its inputs (checks.h) and
-// releases the GIL while it runs (as torch's own ops do), so a server's event loop is not stopped by a step.
+// molora/ops/kernel_build.py, keyed by a hash of this folder and the flags): includes, the 16-lane float vector type,
+// element access for float32 and bfloat16, a horizontal sum and a vector exp, and the entry points the op registry
+// (bindings.cpp) and the decode block (decode_block.cpp) call. Each entry point checks its inputs (checks.h). They
+// are torch ops (torch.ops.molora.*): torch's op call releases the GIL while one runs, so a server's event loop is
+// not stopped by a step. No pybind11 here: the library registers ops, it is not a Python module.
 #pragma once
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -97,8 +99,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::T
 void paged_decode_rows(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
                        torch::Tensor ctx, torch::Tensor rows, int64_t block_size, double scale, int64_t window);
 // glue.cpp
-void add_rms_norm(torch::Tensor h, torch::Tensor d, torch::Tensor w, torch::Tensor out, double eps,
-                  torch::Tensor var, int64_t lanes);
+void add_rms_norm(torch::Tensor h, torch::Tensor d, torch::Tensor w, torch::Tensor out, double eps);
 void rope_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                 torch::Tensor pos, torch::Tensor wrows, torch::Tensor kc, torch::Tensor vc);
 void silu_mul(torch::Tensor g, torch::Tensor u);
@@ -108,5 +109,5 @@ bool amx_ready();
 void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor bias);
 // greedy.cpp
 void greedy_rows(torch::Tensor logits, torch::Tensor ids, torch::Tensor finite);
-// decode_block.cpp: registers BoundBlock on the module
-void bind_decode_block(pybind11::module_& m);
+// decode_block.cpp: registers the BoundBlock class (torch.classes.molora.BoundBlock)
+void register_decode_block(torch::Library& m);

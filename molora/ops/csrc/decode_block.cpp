@@ -1,6 +1,8 @@
 // A whole Llama-shaped decoder block of a decode step as one call of the other kernels (BoundBlock).
 #include <ATen/record_function.h>
 #include <chrono>
+#include <optional>
+#include <torch/custom_class.h>
 #include "common.h"
 
 // ------------------------------------------------------------------------------------ one decoder block of a decode step
@@ -13,11 +15,12 @@
 // float32 or AMX tiles [N/16, K/32, 16, 32] bfloat16), bias or empty; a routed linear's A, B (slot-major), scale
 // (float32) run lora_fused_ on the step's tok / weight / counts (lora: the step has routing), an empty A adds
 // nothing. clock: empty, or float64 [6] to which each kernel kind's wall seconds are added (linear, lora, norm, rope,
-// attention, silu_mul: the bench's kernel share); each kernel is also a torch.profiler range named as the Python path
-// names it. Called by BoundBlock::run only, which checked the 7 linears when it was bound.
+// attention, silu_mul: the bench's kernel share); each kernel is also a torch.profiler range named as
+// its op (as the Python path's op calls are named). Called by BoundBlock::run only, which checked the 7 linears
+// when it was bound.
 
 static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& delta, const torch::Tensor& ln1,
-                                  const torch::Tensor& ln2, double eps, int64_t lanes,
+                                  const torch::Tensor& ln2, double eps,
                                   const std::vector<torch::Tensor>& P, const std::vector<torch::Tensor>& bias,
                                   const std::vector<torch::Tensor>& A, const std::vector<torch::Tensor>& B,
                                   const std::vector<torch::Tensor>& scale, bool lora, const torch::Tensor& tok,
@@ -33,7 +36,6 @@ static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& d
   double* ck = clock.numel() ? clock.data_ptr<double>() : nullptr;
   const int64_t T = h.size(0);
   const auto opts = h.options();
-  const torch::Tensor no_var = at::empty({0}, opts.dtype(at::kFloat));   // the mean of squares comes from lanes
   // one kernel call as a profiler range named `name`, its wall time added to clock slot `kind` (if clocked)
   auto timed = [&](int kind, const char* name, auto&& call) {
     RECORD_FUNCTION(name, std::vector<c10::IValue>());
@@ -43,7 +45,7 @@ static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& d
   };
   auto norm = [&](const torch::Tensor& d, const torch::Tensor& w) {
     torch::Tensor out = at::empty(h.sizes(), opts);
-    timed(2, "molora::add_rms_norm", [&] { add_rms_norm(h, d, w, out, eps, no_var, lanes); });
+    timed(2, "molora::add_rms_norm", [&] { add_rms_norm(h, d, w, out, eps); });
     return out;
   };
   auto linear = [&](int i, const torch::Tensor& x) {
@@ -52,7 +54,7 @@ static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& d
     if (p.dim() == 4) timed(0, "molora::linear_amx", [&] { linear_amx(y, x, p, bias[i]); });
     else timed(0, "molora::linear_panels", [&] { linear_panels(y, x, p, bias[i]); });
     if (lora && A[i].numel())
-      timed(1, "molora::lora_fused", [&] {
+      timed(1, "molora::lora_fused_", [&] {
         TORCH_CHECK(lora_fused_(y, x, A[i], B[i], tok, scale[i], weight, counts),
                     "decode_block: the LoRA kernel declined the layout of linear ", i);
       });
@@ -63,7 +65,7 @@ static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& d
   torch::Tensor q3 = q.view({T, H, hd}), k3 = k.view({T, Hkv, hd}), v3 = v.view({T, Hkv, hd});
   timed(3, "molora::rope_write", [&] { rope_write(q3, k3, v3, cos, sin, pos, wrows, kc, vc); });
   torch::Tensor att = at::empty({T, H, hd}, opts);
-  timed(4, "molora::paged_decode",
+  timed(4, "molora::paged_decode_rows",
         [&] { paged_decode_rows(att, q3, kc, vc, tables, ctx, rows, block_size, scaling, window); });
   torch::Tensor o = linear(3, att.view({T, H * hd}));
   x = norm(o, ln2);
@@ -80,27 +82,26 @@ static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& d
 // adapter slots and their scales, written by a load or unload, which also changes which linears carry a delta;
 // the norms): `run` returns an undefined tensor (None in Python), having done nothing, once any of them has moved
 // to other storage or been written in place since the bind; the caller binds again.
-struct BoundBlock {
+struct BoundBlock : torch::CustomClassHolder {
   std::vector<torch::Tensor> P, bias, A, B, scale, watched;
   torch::Tensor ln1, ln2, cos, sin, kc, vc;
   double eps, scaling;
-  int64_t lanes, H, Hkv, hd, block_size, window;
+  int64_t H, Hkv, hd, block_size, window;
   std::vector<const void*> ptrs;
   std::vector<int64_t> versions;
 
   BoundBlock(std::vector<torch::Tensor> P_, std::vector<torch::Tensor> bias_, std::vector<torch::Tensor> A_,
              std::vector<torch::Tensor> B_, std::vector<torch::Tensor> scale_, torch::Tensor ln1_, torch::Tensor ln2_,
-             double eps_, int64_t lanes_, int64_t H_, int64_t Hkv_, int64_t hd_, torch::Tensor cos_,
+             double eps_, int64_t H_, int64_t Hkv_, int64_t hd_, torch::Tensor cos_,
              torch::Tensor sin_, torch::Tensor kc_, torch::Tensor vc_, int64_t block_size_, double scaling_,
              int64_t window_, std::vector<torch::Tensor> watched_)
       : P(P_), bias(bias_), A(A_), B(B_), scale(scale_), watched(watched_), ln1(ln1_), ln2(ln2_), cos(cos_),
-        sin(sin_), kc(kc_), vc(vc_), eps(eps_), scaling(scaling_), lanes(lanes_), H(H_), Hkv(Hkv_), hd(hd_),
+        sin(sin_), kc(kc_), vc(vc_), eps(eps_), scaling(scaling_), H(H_), Hkv(Hkv_), hd(hd_),
         block_size(block_size_), window(window_) {
     TORCH_CHECK(P.size() == 7 && bias.size() == 7 && A.size() == 7 && B.size() == 7 && scale.size() == 7,
                 "bind_block: 7 linears (q, k, v, o, gate, up, down) expected");
     TORCH_CHECK(H >= 1 && Hkv >= 1 && hd >= 2 && H % Hkv == 0, "bind_block: heads (H ", H, ", Hkv ", Hkv,
                 ", head_dim ", hd, "): H must be a positive multiple of Hkv, head_dim >= 2");
-    TORCH_CHECK(lanes == 8 || lanes == 16, "bind_block: lanes ", lanes, " must be 8 or 16 (fused_cpu.norm_lanes())");
     TORCH_CHECK(block_size >= 1 && window >= 0, "bind_block: block_size ", block_size, " must be >= 1 and window ",
                 window, " >= 0 (0: none)");
     for (int i = 0; i < 7; ++i)
@@ -115,26 +116,33 @@ struct BoundBlock {
     return true;
   }
 
-  torch::Tensor run(torch::Tensor h, torch::Tensor delta, bool lora, torch::Tensor tok, torch::Tensor weight,
-                    std::vector<int64_t> counts, torch::Tensor pos, torch::Tensor wrows, torch::Tensor tables,
-                    torch::Tensor ctx, torch::Tensor rows, torch::Tensor clock) {
-    if (!current()) return torch::Tensor();
-    return decode_block(h, delta, ln1, ln2, eps, lanes, P, bias, A, B, scale, lora, tok, weight, counts, H, Hkv, hd,
+  std::optional<torch::Tensor> run(torch::Tensor h, torch::Tensor delta, bool lora, torch::Tensor tok,
+                                   torch::Tensor weight, std::vector<int64_t> counts, torch::Tensor pos,
+                                   torch::Tensor wrows, torch::Tensor tables, torch::Tensor ctx, torch::Tensor rows,
+                                   torch::Tensor clock) {
+    if (!current()) return std::nullopt;
+    return decode_block(h, delta, ln1, ln2, eps, P, bias, A, B, scale, lora, tok, weight, counts, H, Hkv, hd,
                         cos, sin, pos, wrows, kc, vc, tables, ctx, rows, block_size, scaling, window, clock);
   }
 };
 
-void bind_decode_block(pybind11::module_& m) {
-  pybind11::class_<BoundBlock>(m, "BoundBlock")
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, double,
-                          int64_t, int64_t, int64_t, int64_t, torch::Tensor, torch::Tensor, torch::Tensor,
-                          torch::Tensor, int64_t, double, int64_t, std::vector<torch::Tensor>>())
-      .def("current", &BoundBlock::current)
-      .def("run", torch::wrap_pybind_function(
-          [](BoundBlock& b, torch::Tensor h, torch::Tensor delta, bool lora, torch::Tensor tok, torch::Tensor weight,
-             std::vector<int64_t> counts, torch::Tensor pos, torch::Tensor wrows, torch::Tensor tables,
-             torch::Tensor ctx, torch::Tensor rows, torch::Tensor clock) {
-            return b.run(h, delta, lora, tok, weight, counts, pos, wrows, tables, ctx, rows, clock);
-          }));
+// torch.classes.molora.BoundBlock(...): a TorchScript custom class, so the binding is a torch object like the ops
+// (no pybind11 in the library), and the op run_block(block, step...) runs it: a step is an op call (the dispatcher's
+// path, about 5 us here), not a method call on the object (TorchScript's method path cost more per call, measured).
+// run_block answers None where a watched tensor changed since the bind.
+void register_decode_block(torch::Library& m) {
+  m.class_<BoundBlock>("BoundBlock")
+      .def(torch::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                       std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, double,
+                       int64_t, int64_t, int64_t, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                       int64_t, double, int64_t, std::vector<torch::Tensor>>())
+      .def("current", &BoundBlock::current);
+  m.def("run_block(__torch__.torch.classes.molora.BoundBlock block, Tensor(a!) h, Tensor delta, bool lora, "
+        "Tensor tok, Tensor weight, int[] counts, Tensor positions, Tensor write_rows, Tensor tables, Tensor ctx, "
+        "Tensor rows, Tensor(b!) clock) -> Tensor?",
+        [](const c10::intrusive_ptr<BoundBlock>& block, torch::Tensor h, torch::Tensor delta, bool lora,
+           torch::Tensor tok, torch::Tensor weight, std::vector<int64_t> counts, torch::Tensor pos,
+           torch::Tensor wrows, torch::Tensor tables, torch::Tensor ctx, torch::Tensor rows, torch::Tensor clock) {
+          return block->run(h, delta, lora, tok, weight, counts, pos, wrows, tables, ctx, rows, clock);
+        });
 }

@@ -1,5 +1,6 @@
 // The decode layer's glue: add + RMSNorm (add_rms_norm), RoPE + KV-cache write (rope_write), SiLU(gate) * up
-// (silu_mul), each equal to transformers' torch ops bit for bit.
+// (silu_mul): RoPE and the adds equal to transformers' torch ops bit for bit, the norm to within its tolerance
+// (mean_sq), SiLU to rounding.
 #include "common.h"
 
 // ------------------------------------------------------------------------------------ decode-layer glue
@@ -16,60 +17,37 @@ template <typename T> static inline float rnd(float f);
 template <> inline float rnd<float>(float f) { return f; }
 template <> inline float rnd<uint16_t>(float f) { uint16_t b; store1(&b, f); return load1(&b); }
 
-// mean(x^2) over a row of D values, summed in the order of torch's own reduction of x.float().pow(2).mean(-1)
-// (ATen's SumKernel: vectorized_inner_sum -> row_sum -> multi_row_sum) with its vectors of L lanes: L-lane vectors of
-// squares into 4 interleaved accumulators (vector c into accumulator c % 4), carried up a cascade of levels every
-// 2^lp steps; then the leftover vectors into the first, the other three added to it in order, the scalar tail, the
-// L lanes one by one, and a true division by D. Each square rounds before it is added (no fused multiply-add), as
-// torch's pow then sum. Which L torch uses is found at run time (fused_cpu._sum_lanes: 8 on the dev CPU, although
-// it reports AVX512); with it the result equals torch's bit for bit, so the RMSNorm equals transformers' in bf16
-// (where one last-bit difference flips a greedy output now and then) and in float32. Lanes are plain arrays: each
-// is its own sequential sum, which the compiler vectorizes without reordering.
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-template <typename T, int L>
-static float torch_mean_sq(const T* x, int64_t D) {
-  const int64_t nv = D / L, ni = nv / 4;
-  int64_t lp = 1;                                          // level power: max(4, CeilLog2(ni) / 4)
-  if (ni > 2) { lp = 0; for (uint64_t u = (uint64_t)ni - 1; u; u >>= 1) ++lp; }
-  lp = std::max<int64_t>(4, lp / 4);
-  const int64_t step = (int64_t)1 << lp, lmask = step - 1;
-  float acc[4][4][L] = {};
-  auto add_sq = [&](float* a, int64_t c) {
-    for (int e = 0; e < L; ++e) { const float v = load1(x + c * L + e); const float q = v * v; a[e] += q; }
-  };
-  int64_t i = 0;
-  while (i + step <= ni) {
-    for (int64_t j = 0; j < step; ++j, ++i)
-      for (int k = 0; k < 4; ++k) add_sq(acc[0][k], 4 * i + k);
-    for (int l = 1; l < 4; ++l) {
-      for (int k = 0; k < 4; ++k)
-        for (int e = 0; e < L; ++e) { acc[l][k][e] += acc[l - 1][k][e]; acc[l - 1][k][e] = 0.f; }
-      if ((i & (lmask << (l * lp))) != 0) break;
-    }
+// mean(x^2) over a row of D values: each square is exact in float64 (a float32's square fits in 53 bits), the squares
+// are summed in float64 on 16 lanes and the mean rounds once to float32. That is the float32 nearest the exact mean
+// (the float64 sum's own error, about D * 2^-53 relative, is far below float32's rounding), whatever the row width or
+// the machine's vector width. torch sums float32 squares in float32 in an order of its own (a cascade of vectors of
+// its build's width), so the two means may differ in their last bits: the norm's output then differs from
+// transformers' by about one float32 ulp, and in bf16 the rounding of an element whose value lies on a rounding
+// boundary may go the other way (one bf16 ulp, rarely). tests/test_ops.py holds both to those tolerances.
+typedef double v8d __attribute__((vector_size(64)));
+template <typename T>
+static float mean_sq(const T* x, int64_t D) {
+  v8d a0 = {}, a1 = {};
+  int64_t j = 0;
+  for (; j + 16 <= D; j += 16) {
+    const v16 v = load16(x + j);
+    const v8d lo = __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), v8d);
+    const v8d hi = __builtin_convertvector(__builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15), v8d);
+    a0 += lo * lo;
+    a1 += hi * hi;
   }
-  for (; i < ni; ++i)
-    for (int k = 0; k < 4; ++k) add_sq(acc[0][k], 4 * i + k);
-  for (int l = 1; l < 4; ++l)
-    for (int k = 0; k < 4; ++k)
-      for (int e = 0; e < L; ++e) acc[0][k][e] += acc[l][k][e];
-  for (int64_t c = 4 * ni; c < nv; ++c) add_sq(acc[0][0], c);
-  for (int k = 1; k < 4; ++k)
-    for (int e = 0; e < L; ++e) acc[0][0][e] += acc[0][k][e];
-  float s = 0.f;
-  for (int64_t e = L * nv; e < D; ++e) { const float v = load1(x + e); const float q = v * v; s += q; }
-  for (int e = 0; e < L; ++e) s += acc[0][0][e];
-  return s / (float)D;
+  a0 += a1;
+  double s = 0;
+  for (int e = 0; e < 8; ++e) s += a0[e];
+  for (; j < D; ++j) { const double v = load1(x + j); s += v * v; }
+  return (float)(s / (double)D);
 }
-#pragma GCC pop_options
 
 // h[t] += d[t] (rounded to T, as torch's add), then out[t] = w * rnd(h[t] * rsqrt(mean(h[t]^2) + eps)), the
-// mean in float32: transformers' LlamaRMSNorm (also Mistral's, Qwen2's, Qwen3's). d null: no add. The mean of squares
-// is summed here in torch's order with `lanes` (8 or 16) lanes (torch_mean_sq), or, lanes 0, taken from var ([rows]
-// float32, computed by the caller with torch's own reduction): either way the output equals transformers' bit for bit.
+// mean in float32 (mean_sq): transformers' LlamaRMSNorm (also Mistral's, Qwen2's, Qwen3's). d null: no add.
 template <typename T>
 static void add_rms_norm_run(T* h, int64_t ldh, const T* d, int64_t ldd, const T* w, T* out, int64_t ldo,
-                             int64_t rows, int64_t D, float eps, const float* var, int lanes) {
+                             int64_t rows, int64_t D, float eps) {
   at::parallel_for(0, rows, glue_grain(D), [&](int64_t r0, int64_t r1) {
     for (int64_t t = r0; t < r1; ++t) {
       T* hr = h + t * ldh;
@@ -80,10 +58,7 @@ static void add_rms_norm_run(T* h, int64_t ldh, const T* d, int64_t ldd, const T
         for (; j + 16 <= D; j += 16) { const v16 s = load16(hr + j) + load16(dr + j); store16(hr + j, s); }
         for (; j < D; ++j) store1(hr + j, load1(hr + j) + load1(dr + j));
       }
-      const float mean = var ? var[t] : D < lanes ? torch_mean_sq<T, 1>(hr, D)   // rows narrower than a vector:
-                                                                                 // torch's scalar loop, same order
-                         : lanes == 16 ? torch_mean_sq<T, 16>(hr, D) : torch_mean_sq<T, 8>(hr, D);
-      const float inv = 1.f / std::sqrt(mean + eps);
+      const float inv = 1.f / std::sqrt(mean_sq(hr, D) + eps);
       if constexpr (std::is_same<T, float>::value) {
         for (j = 0; j + 16 <= D; j += 16) store16(orow + j, load16(w + j) * (load16(hr + j) * inv));
       } else {  // bf16: the normed value rounds to bf16 before the weight multiplies it (x.to(input_dtype))
@@ -97,14 +72,12 @@ static void add_rms_norm_run(T* h, int64_t ldh, const T* d, int64_t ldd, const T
   });
 }
 
-void add_rms_norm(torch::Tensor h, torch::Tensor d, torch::Tensor w, torch::Tensor out, double eps,
-                  torch::Tensor var, int64_t lanes) {
-  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
+void add_rms_norm(torch::Tensor h, torch::Tensor d, torch::Tensor w, torch::Tensor out, double eps) {
   const char* fn = "add_rms_norm";
   chk::rank(fn, "h", h, 2, "[T, D]");
   chk::float_cpu(fn, "h", h);
-  for (auto [name, t] : {std::pair<const char*, const torch::Tensor*>{"out", &out}, {"weight", &w}, {"delta", &d},
-                         {"var", &var}}) chk::cpu(fn, name, *t);
+  for (auto [name, t] : {std::pair<const char*, const torch::Tensor*>{"out", &out}, {"weight", &w}, {"delta", &d}})
+    chk::cpu(fn, name, *t);
   chk::same_dtype(fn, "out", out, "h", h);
   chk::same_dtype(fn, "weight", w, "h", h);
   TORCH_CHECK(out.sizes() == h.sizes(), "add_rms_norm: out ", out.sizes(), " must have h's shape ", h.sizes());
@@ -115,20 +88,15 @@ void add_rms_norm(torch::Tensor h, torch::Tensor d, torch::Tensor w, torch::Tens
   TORCH_CHECK(w.dim() == 1 && w.size(0) == D, "add_rms_norm: weight ", w.sizes(), " must be [D] = [", D, "]");
   TORCH_CHECK(h.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous() && (d.numel() == 0 || d.stride(1) == 1),
               "add_rms_norm: rows with unit stride");
-  TORCH_CHECK(var.numel() == 0 || (var.numel() == rows && var.scalar_type() == at::kFloat && var.is_contiguous()),
-              "add_rms_norm: var [rows] float32");
-  TORCH_CHECK(var.numel() != 0 || lanes == 8 || lanes == 16, "add_rms_norm: var, or lanes 8 or 16");
-  const float* vp = var.numel() ? var.data_ptr<float>() : nullptr;
   const int64_t ldd = d.numel() ? d.stride(0) : 0;
   if (h.scalar_type() == at::kFloat) {
     add_rms_norm_run<float>(h.data_ptr<float>(), h.stride(0), d.numel() ? d.data_ptr<float>() : nullptr, ldd,
-                            w.data_ptr<float>(), out.data_ptr<float>(), out.stride(0), rows, D, (float)eps, vp,
-                            (int)lanes);
+                            w.data_ptr<float>(), out.data_ptr<float>(), out.stride(0), rows, D, (float)eps);
   } else {
     TORCH_CHECK(h.scalar_type() == at::kBFloat16, "add_rms_norm: float32 or bfloat16 tensors");
     auto u = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
     add_rms_norm_run<uint16_t>(u(h), h.stride(0), d.numel() ? u(d) : nullptr, ldd, u(w), u(out), out.stride(0),
-                               rows, D, (float)eps, vp, (int)lanes);
+                               rows, D, (float)eps);
   }
 }
 
@@ -171,7 +139,6 @@ static void rope_write_run(T* q, int64_t ldq, int64_t Hq, T* k, int64_t ldk, int
 
 void rope_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                 torch::Tensor pos, torch::Tensor wrows, torch::Tensor kc, torch::Tensor vc) {
-  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   // q [T, Hq, hd], k / v [T, Hk, hd] with contiguous heads (any row stride); kc / vc [N, Hk, hd] contiguous
   const char* fn = "rope_write";
   chk::rank(fn, "q", q, 3, "[T, H, head_dim]");
@@ -242,7 +209,6 @@ static void silu_mul_run(T* g, int64_t ldg, const T* u, int64_t ldu, int64_t row
 }
 
 void silu_mul(torch::Tensor g, torch::Tensor u) {
-  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   const char* fn = "silu_mul";
   chk::rank(fn, "gate", g, 2, "[T, D]");
   chk::float_cpu(fn, "gate", g);

@@ -70,7 +70,6 @@ void greedy_rows(torch::Tensor logits, torch::Tensor ids, torch::Tensor finite) 
               finite.scalar_type() == at::kBool && finite.is_contiguous() && ids.numel() == logits.size(0) &&
               finite.numel() == logits.size(0), "greedy_rows: logits [B, V] (unit column stride), ids [B] int64, "
               "finite [B] bool");
-  pybind11::gil_scoped_release no_gil;
   const int64_t B = logits.size(0), V = logits.size(1), ld = logits.stride(0);
   if (logits.scalar_type() == at::kFloat) {
     greedy_rows_run<float>(logits.data_ptr<float>(), ld, B, V, ids.data_ptr<int64_t>(), finite.data_ptr<bool>());

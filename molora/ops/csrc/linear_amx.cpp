@@ -78,7 +78,6 @@ void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor
               "linear_amx: bfloat16 x [M, K] (unit column stride), P [N/16, K/32, 16, 32], y [M, N], bias [N] or empty");
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   TORCH_CHECK(amx_permitted(), "linear_amx: the kernel may not use the AMX tiles here");
-  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   const int64_t M = x.size(0), K = x.size(1), KC = P.size(1), np = P.size(0), ldx = x.stride(0), ldy = y.stride(0);
   auto u = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
   const uint16_t* xp = u(x);

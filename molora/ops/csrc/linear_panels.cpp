@@ -50,7 +50,6 @@ static void panel_rows(int64_t mb, const float* x, int64_t ldx, const float* P, 
 }
 
 void linear_panels(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor bias) {
-  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   for (auto [name, t] : {std::pair<const char*, const torch::Tensor*>{"y", &y}, {"x", &x}, {"P", &P}, {"bias", &bias}})
     chk::cpu("linear_panels", name, *t);
   TORCH_CHECK(x.scalar_type() == at::kFloat && P.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&

@@ -237,7 +237,6 @@ bool lora_fused_(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Ten
                 "token (top-1 routing): use another backend for top-k > 1");
     seen[tp[p]] = 1;
   }
-  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   const torch::Tensor& Bt = B;
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
   const float* sp = scale.data_ptr<float>();

@@ -244,7 +244,6 @@ static void check_paged(const char* fn, const torch::Tensor& out, const torch::T
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
                   torch::Tensor ctx, int64_t block_size, double scale, int64_t window) {
-  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   check_paged("paged_decode", out, q, kc, vc, tables, ctx, q.dim() == 3 ? q.size(0) : 0, block_size, window);
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "paged_decode: q and out must be contiguous");
   const int64_t Bd = q.size(0), H = q.size(1), hd = q.size(2), Hkv = kc.size(1), nb = tables.size(1);
@@ -265,7 +264,6 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::T
 // at row rows[b]; the output rows of the other tokens are left as they are (no gather, no scatter).
 void paged_decode_rows(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
                        torch::Tensor ctx, torch::Tensor rows, int64_t block_size, double scale, int64_t window) {
-  pybind11::gil_scoped_release no_gil;  // pure C++ on tensors: the server's other threads run meanwhile
   const char* fn = "paged_decode_rows";
   chk::rank(fn, "rows", rows, 1, "[Bd]");
   const int64_t Bd = rows.size(0);
