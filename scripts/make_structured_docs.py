@@ -60,6 +60,7 @@ def _bench(rec: dict) -> list[str]:
             if "load_avg_start" in rec
             else ""
         )
+        + (f"; answers from `{rec['validity_command']}`" if "validity_command" in rec else "")
         + "):",
         "",
         "| measure | result | goal |",

@@ -268,6 +268,7 @@ def main() -> None:
     try:
         if args.skip_validity:
             record["validity"] = old["validity"]
+            record["validity_command"] = old.get("validity_command", old["command"])  # the run that measured it
         else:
             record["validity"] = validity(engine, tok, schemas, constraints, args.max_new)
             out.write_text(json.dumps(record, indent=1) + "\n")  # a later phase may be stopped
