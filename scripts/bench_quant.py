@@ -63,11 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from molora import attach
     from molora.bench.common import machine_info
-    from molora.bench.engine import make_adapters, workload
+    from molora.bench.engine import bench_config, make_adapters, workload
     from molora.bundle import CHATML_TEMPLATE, QUANT_CALIBRATION_ROWS
     from molora.config import SamplingParams
     from molora.data.general import general_rows
-    from molora.engine import Engine, EngineConfig
+    from molora.engine import Engine
     from molora.model.base import default_gguf_path, load_base
     from molora.model.quant_linear import weight_bytes
     from molora.routing import VocabRouter
@@ -107,15 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 mm.to(dtype)
             prompts, news = workload(a.requests, a.prompt_len, a.new_tokens, vocab, False)
             longest = a.prompt_len + a.new_tokens + 16
-            cfg = EngineConfig(
-                max_num_seqs=a.requests,
-                max_tokens_per_step=512,
-                block_size=16,
-                kv_budget_tokens=a.requests * (longest + 16),
-                max_model_len=longest,
-                stop_at_eos=False,
-            )
-            engines[name] = Engine(mm, cfg)
+            engines[name] = Engine(mm, bench_config(a.requests, longest))
             wb = weight_bytes(mm.model)
             record["variants"][name] = {
                 "dtype": str(dtype).removeprefix("torch."),

@@ -228,6 +228,19 @@ def swap_cost(mm: Any, name: str, repeats: int = 5) -> dict[str, float]:
     }
 
 
+def bench_config(requests: int, longest: int) -> EngineConfig:
+    """The engine settings of the engine benches: `requests` sequences of up to `longest` tokens all resident, steps
+    of up to 512 tokens, no EOS stop (every request decodes its full count)."""
+    return EngineConfig(
+        max_num_seqs=requests,
+        max_tokens_per_step=512,
+        block_size=16,
+        kv_budget_tokens=requests * (longest + 16),
+        max_model_len=longest,
+        stop_at_eos=False,
+    )
+
+
 def workload(
     requests: int, prompt_len: int, new_tokens: int, vocab: int, mixed: bool, seed: int = 0
 ) -> tuple[list[list[int]], list[int]]:
@@ -313,14 +326,7 @@ def run(
         mm = attach(model, paths, router=router)
         prompts, news = workload(requests, prompt_len, new_tokens, vocab, mixed)
         longest = prompt_len + new_tokens + decode_samples + 16
-        cfg = EngineConfig(
-            max_num_seqs=requests,
-            max_tokens_per_step=512,
-            block_size=16,
-            kv_budget_tokens=requests * (longest + 16),
-            max_model_len=longest,
-            stop_at_eos=False,
-        )
+        cfg = bench_config(requests, longest)
         result = {
             "requests": requests,
             "prompt_len": prompt_len,

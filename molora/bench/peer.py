@@ -335,8 +335,7 @@ def run(
     threads: int, cache: Path, extra_bufts: bool = False, on_variant: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     from molora.adapters.io import read_adapter
-    from molora.bench.engine import make_adapters, workload
-    from molora.engine import EngineConfig
+    from molora.bench.engine import bench_config, make_adapters, workload
     from molora.model.base import default_gguf_path, load_base
     from molora.model.lora_linear import linear_shapes
 
@@ -379,14 +378,7 @@ def run(
             "threads": threads,
             "repeats": repeats,
             "extra_bufts": extra_bufts,
-            "engine_config": EngineConfig(
-                max_num_seqs=requests,
-                max_tokens_per_step=512,
-                block_size=16,
-                kv_budget_tokens=requests * (longest + 16),
-                max_model_len=longest,
-                stop_at_eos=False,
-            ),
+            "engine_config": bench_config(requests, longest),
         }
         for name in variants:
             v = VARIANTS[name]
