@@ -65,9 +65,9 @@ def unenforced(schema: Any, path: str = "") -> list[str]:
     return out
 
 
-# keywords that constrain nothing: a lone allOf branch beside only these is the whole schema (xgrammar enforces it)
-_ANNOTATIONS = {"allOf", "title", "description", "$schema", "$id", "$comment", "default", "examples", "$defs"}
-_ANNOTATIONS |= {"definitions"}
+# a lone allOf branch beside only annotations (_ANNOTATIONS) is the whole schema (xgrammar enforces it)
+_NOTES = {"title", "description", "$comment", "default", "examples"}  # keywords that constrain nothing
+_ANNOTATIONS = _NOTES | {"allOf", "$schema", "$id", "$defs", "definitions"}
 
 
 _GROUP_OPTIONAL = re.compile(r"\?\??|\{0,(\d*)\}\??")  # what may follow a group's ")": ?, {0,1}, {0,n}, {0,}
@@ -223,9 +223,6 @@ def split_conditional(schema: dict) -> dict | None:
             cases.append(case)
     wrapper = {k: v for k, v in schema.items() if k in _WRAPPER}
     return {**wrapper, "anyOf": cases} if cases else None
-
-
-_NOTES = {"title", "description", "$comment", "default", "examples"}  # keywords that constrain nothing
 
 
 def _values(s: dict) -> list | None:
