@@ -84,6 +84,10 @@ def worker(args: argparse.Namespace) -> None:
             ms = (time.perf_counter() - t0) * 1e3
             sha = hashlib.sha256(json.dumps([o.new_token_ids for o in outs]).encode()).hexdigest()[:16]
             print(json.dumps({"ms": ms, "tokens": sha}), flush=True)
+        elif what == "kernels":  # which of molora's kernels a routed generate calls (scripts/kernel_keep.py)
+            with fused_cpu.kernel_clock() as clock:
+                eng.generate(prompts, params, routing="vocab")
+            print(json.dumps({"ms": 0.0, "tokens": None, "kernels": sorted(clock)}), flush=True)
         else:  # decode_step
             for p in prompts:
                 eng.add_request(p, SamplingParams(max_new_tokens=2 * args.steps + 8), routing="vocab")
@@ -103,8 +107,10 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------- the parent
 
 
-def start(tree: Path, argv: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+def start(tree: Path, argv: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+    """A worker on `tree` (PYTHONPATH), with `env_extra` added to its environment (scripts/kernel_keep.py: the
+    kernel families it turns off)."""
+    env = {**os.environ, "PYTHONPATH": str(tree), **(env_extra or {})}
     proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--worker", *argv],
         cwd=tree,

@@ -116,3 +116,68 @@ def test_without_a_compiler_molora_says_so_once_and_runs_the_eager_backends(tmp_
     assert got["eager"] == [True, True, True]
     assert "could not be built here" in got["refused"] and "no C++ compiler" in got["refused"]
     assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").rglob("*.so"))
+
+
+@pytest.fixture
+def kernels_off(monkeypatch):
+    """Set MOLORA_KERNELS_OFF for one test (the variable is read once per process: the cached set is reset)."""
+
+    def set_off(value: str) -> None:
+        monkeypatch.setenv("MOLORA_KERNELS_OFF", value)
+        monkeypatch.setattr(kernel_build, "_off", None)
+
+    yield set_off
+    monkeypatch.setattr(kernel_build, "_off", None)
+
+
+def test_kernels_off_names_unknown_families(kernels_off):
+    kernels_off("glue,warp_drive")
+    with pytest.raises(ValueError, match=r"MOLORA_KERNELS_OFF.*'warp_drive'.*known: lora, paged, glue"):
+        kernel_build.off("glue")
+
+
+@pytest.mark.parametrize("family", sorted(kernel_build.FAMILIES))
+def test_a_family_turned_off_declines_and_the_others_still_run(kernels_off, family):
+    """Each family's wrappers answer "cannot run" (the callers' torch or library path) when MOLORA_KERNELS_OFF names
+    it, and only its own: what scripts/kernel_keep.py measures each family against."""
+    if not fused_cpu.available():
+        pytest.skip(f"no kernel build here: {fused_cpu.unavailable_reason()}")
+    import torch
+
+    from molora.ops import packed
+
+    g = torch.Generator().manual_seed(36)
+    x = torch.randn(4, 32, generator=g)
+    w = torch.randn(32, generator=g)
+    q, k, v = (torch.randn(4, 2, 8, generator=g) for _ in range(3))
+    cos, sin = torch.ones(16, 8), torch.zeros(16, 8)
+    kc, vc = torch.zeros(16, 2, 8), torch.zeros(16, 2, 8)
+    pos = torch.arange(4)
+    weight = torch.randn(32, 32, generator=g)
+
+    def runs() -> dict[str, bool]:
+        with torch.no_grad():
+            return {
+                "glue": fused_cpu.add_rms_norm(x.clone(), None, w, 1e-6) is not None
+                and fused_cpu.rope_write(q.clone(), k.clone(), v, cos, sin, pos, pos, kc, vc)
+                and fused_cpu.silu_mul(x.clone(), x),
+                "paged": fused_cpu.paged_decode(q, kc, vc, torch.zeros(4, 1, dtype=torch.long), pos + 1, 16, 1.0, None)
+                is not None,
+                "greedy": fused_cpu.greedy_rows(x) is not None,
+                "panels": packed.form(weight) == "panels"
+                and fused_cpu.linear_panels(x, packed.panels(weight), None) is not None,
+                "lora": fused_cpu.available(),
+                "block": fused_cpu.block_supports(x),
+            }
+
+    before = runs()
+    assert all(before.values()), before
+    kernels_off(family)
+    after = runs()
+    if family == "amx":
+        assert not fused_cpu.amx() and packed.form(weight.bfloat16()) == "torch"
+        assert after == before
+        return
+    expect = {f: f != family for f in before}
+    expect["block"] = family not in ("block", "glue", "paged", "lora")  # the one-call block runs these inside
+    assert after == expect

@@ -248,7 +248,7 @@ class ModelRunner:
             or d is None
             or d.rows.shape[0] != T
             or not 2 <= T <= packed.PANEL_MAX_ROWS
-            or not fused_cpu.glue_supports(h)
+            or not fused_cpu.block_supports(h)
         ):
             return None
         if learned:

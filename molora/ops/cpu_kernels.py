@@ -18,9 +18,9 @@ CPU's AMX tile unit, where it has one; the weight in the layout of the tiles). `
 whether it is finite, in one pass.
 
 Each wrapper answers None or False (nothing done) where the kernel cannot run these tensors (not built, `suspended`,
-not CPU, another dtype, autograd on); the caller then does the same work in torch ops. Shapes that disagree raise the
-kernel's RuntimeError (csrc/checks.h). `kernel_clock` times the kernels' calls without torch.profiler; under the
-profiler each call is an event named as its op ("molora::silu_mul").
+its family turned off by MOLORA_KERNELS_OFF, not CPU, another dtype, autograd on); the caller then does the same
+work in torch ops. Shapes that disagree raise the kernel's RuntimeError (csrc/checks.h). `kernel_clock` times the
+kernels' calls without torch.profiler; under the profiler each call is an event named as its op ("molora::silu_mul").
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from molora.ops.kernel_build import ops, ready
+from molora.ops.kernel_build import off, ops, ready
 
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)  # what the kernels compute in
 
@@ -49,6 +49,17 @@ def glue_supports(x: Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in DTYPES and not torch.is_grad_enabled() and ready() is not None
 
 
+def block_supports(x: Tensor) -> bool:
+    """Whether a decode step's blocks may run as one call (`run_block`) on rows like x: the glue can run, and
+    none of the families the block runs inside is turned off (MOLORA_KERNELS_OFF: block, glue, paged, lora)."""
+    return glue_supports(x) and not any(off(f) for f in ("block", "glue", "paged", "lora"))
+
+
+def panels_ready() -> bool:
+    """Whether float32 weights may be packed for `linear_panels` here (built, its family not turned off)."""
+    return ready() is not None and not off("panels")
+
+
 def paged_decode(
     q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, ctx: Tensor, block_size: int, scale: float, window: int | None
 ) -> Tensor | None:
@@ -60,7 +71,7 @@ def paged_decode(
     sequences outnumber twice the threads, else per (sequence, kv head)."""
     if q.device.type != "cpu" or q.dtype not in DTYPES or kc.dtype != q.dtype or torch.is_grad_enabled():
         return None
-    if ready() is None:
+    if ready() is None or off("paged"):
         return None
     out = torch.empty_like(q)
     with _profiled("molora::paged_decode"):
@@ -95,6 +106,7 @@ def paged_decode_rows(
     `out` are left alone. False (nothing done) where the kernel cannot run these; the caller falls back."""
     if (
         not glue_supports(q)
+        or off("paged")
         or not (kc.dtype == vc.dtype == out.dtype == q.dtype)
         or not (tables.dtype == ctx.dtype == rows.dtype == torch.long)
     ):
@@ -115,7 +127,7 @@ def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
     and, in bfloat16, equal to it but for an element now and then one bf16 ulp apart (where the two means round it
     differently); tests/test_ops.py holds it to these tolerances, and docs/norm_agreement.json records what it changes
     in greedy outputs against transformers on real prompts."""
-    if not glue_supports(h) or weight.dtype != h.dtype or (delta is not None and delta.dtype != h.dtype):
+    if not glue_supports(h) or off("glue") or weight.dtype != h.dtype or (delta is not None and delta.dtype != h.dtype):
         return None
     out = torch.empty(h.shape, dtype=h.dtype)
     with _profiled("molora::add_rms_norm"):
@@ -131,6 +143,7 @@ def rope_write(
     kc, vc [N, Hkv, hd]. False: cannot run (nothing done)."""
     if (
         not glue_supports(q)
+        or off("glue")
         or not (k.dtype == v.dtype == cos.dtype == sin.dtype == kc.dtype == vc.dtype == q.dtype)
         or positions.dtype != torch.long
         or rows.dtype != torch.long
@@ -143,7 +156,7 @@ def rope_write(
 
 def silu_mul(g: Tensor, u: Tensor) -> bool:
     """g [T, D] = silu(g) * u in place (each rounded to g's dtype, as torch's silu then mul). False: cannot run."""
-    if not glue_supports(g) or u.dtype != g.dtype:
+    if not glue_supports(g) or off("glue") or u.dtype != g.dtype:
         return False
     with _profiled("molora::silu_mul"):
         ops().silu_mul(g, u)
@@ -154,18 +167,19 @@ def greedy_rows(logits: Tensor) -> tuple[Tensor, Tensor] | None:
     """(ids [B] int64, finite [B] bool) of logits [B, V]: each row's greedy pick, the index of its first maximum (as
     torch's max(-1).indices gives it), and whether all its values are finite; one pass in C++ where torch needs a
     max and a sum. None: cannot run (the caller uses torch)."""
-    if not glue_supports(logits) or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
+    if not glue_supports(logits) or off("greedy") or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
         return None
     ids = torch.empty(logits.shape[0], dtype=torch.long)
     finite = torch.empty(logits.shape[0], dtype=torch.bool)
-    ops().greedy_rows(logits, ids, finite)
+    with _profiled("molora::greedy_rows"):
+        ops().greedy_rows(logits, ids, finite)
     return ids, finite
 
 
 def linear_panels(x: Tensor, panels: Tensor, bias: Tensor | None) -> Tensor | None:
     """x [M, K] @ W.T (+ bias) -> a new [M, N], float32, with W packed as panels [N / 16, K, 16]
     (molora.ops.packed.panels). None: cannot run (not built, not float32 CPU, autograd on)."""
-    if not glue_supports(x) or x.dtype != torch.float32 or x.dim() != 2:
+    if not glue_supports(x) or off("panels") or x.dtype != torch.float32 or x.dim() != 2:
         return None
     return _packed_gemm("linear_panels", x, panels, bias, _EMPTY)
 
@@ -174,14 +188,14 @@ def amx() -> bool:
     """Whether the built kernel runs bfloat16 GEMMs on the CPU's AMX tiles here (`linear_amx`): compiled for a CPU
     with AMX-BF16 and granted the tile state by the OS; False where not built or `suspended`."""
     mod = ready()
-    return mod is not None and bool(mod.amx_ready())
+    return mod is not None and not off("amx") and bool(mod.amx_ready())
 
 
 def linear_amx(x: Tensor, tiles: Tensor, bias: Tensor | None) -> Tensor | None:
     """x [M, K] @ W.T (+ bias) -> a new [M, N], bfloat16, on AMX tiles, with W packed as tiles
     [N / 16, K / 32, 16, 32] (molora.ops.packed.tiles). None: cannot run (not built with AMX, not bfloat16 CPU,
     autograd on, `suspended`)."""
-    if not glue_supports(x) or x.dtype != torch.bfloat16 or x.dim() != 2 or not ops().amx_ready():
+    if not glue_supports(x) or x.dtype != torch.bfloat16 or x.dim() != 2 or not amx():
         return None
     return _packed_gemm("linear_amx", x, tiles, bias, _EMPTY_BF16)
 
@@ -282,7 +296,7 @@ def run_block(
     # that lookup throws and catches two C++ exceptions, about 10 us a call here (measured: 26 against 16 us on a
     # tiny block). The arguments are plain tensors, so torch-function dispatch has nothing to find: it is off for
     # the call (torch's own Tensor.__torch_function__ uses this guard).
-    with _NO_TORCH_FUNCTION():
+    with _NO_TORCH_FUNCTION(), _profiled("molora::run_block"):  # the whole call; its kernels also under their names
         out = ops().run_block(
             bound,
             h,

@@ -27,7 +27,8 @@ and 0.69x the time of widening everything in software at T = 1024 (d_in x d_out 
 
 Limits (callers fall back to the eager backends): CPU, float32 or bfloat16, top-1 routing (k = 1), no autograd, B
 stored slot-major (B.transpose(1, 2) contiguous, as `LoRASlots` keeps it), x and out with unit column
-stride. `available()` says whether the library built; MOLORA_FUSED=0 turns it off.
+stride. `available()` says whether the library built; MOLORA_FUSED=0 turns every kernel off,
+MOLORA_KERNELS_OFF=lora this one (molora.ops.kernel_build.FAMILIES).
 
 This module is also the one place callers reach the CPU kernels from: it re-exports the build's names
 (molora.ops.kernel_build: `build_key`, `suspended`, `unavailable_reason`) and the decode path's kernels
@@ -51,6 +52,7 @@ from molora.ops.cpu_kernels import (
     add_rms_norm,
     amx,
     bind_block,
+    block_supports,
     glue_supports,
     greedy_rows,
     kernel_clock,
@@ -58,12 +60,13 @@ from molora.ops.cpu_kernels import (
     linear_panels,
     paged_decode,
     paged_decode_rows,
+    panels_ready,
     rope_write,
     run_block,
     silu_mul,
 )
 from molora.ops.gather import LoRABackendError
-from molora.ops.kernel_build import build_key, ready, suspended, unavailable_reason
+from molora.ops.kernel_build import build_key, off, ready, suspended, unavailable_reason
 from molora.ops.lora import SlotGroups
 
 __all__ = [  # the LoRA backend, and the build's and the decode path's names re-exported for callers
@@ -73,6 +76,7 @@ __all__ = [  # the LoRA backend, and the build's and the decode path's names re-
     "available",
     "bf16_dot",
     "bind_block",
+    "block_supports",
     "build_key",
     "fused_apply",
     "glue_supports",
@@ -83,6 +87,7 @@ __all__ = [  # the LoRA backend, and the build's and the decode path's names re-
     "lora_add",
     "paged_decode",
     "paged_decode_rows",
+    "panels_ready",
     "rope_write",
     "run_block",
     "silu_mul",
@@ -95,8 +100,9 @@ _NO_WEIGHTS = torch.empty(0)  # the kernel's "every pair weighs 1"
 
 
 def available() -> bool:
-    """Whether the fused CPU kernel is built (builds it on first call) and not `suspended`."""
-    return ready() is not None
+    """Whether the fused CPU kernel is built (builds it on first call), not `suspended` and not turned off
+    (MOLORA_KERNELS_OFF=lora)."""
+    return ready() is not None and not off("lora")
 
 
 def bf16_dot() -> bool:
@@ -158,7 +164,7 @@ def lora_add(
     (not built, `suspended`, autograd on); the caller then takes the checked path. The routed linears' path: about
     a tenth of the Python time per call of the checked one."""
     mod = ready()
-    if mod is None or torch.is_grad_enabled():
+    if mod is None or off("lora") or torch.is_grad_enabled():
         return False
     with _profiled("molora::lora_fused_"):
         return mod.lora_fused_(out, x, A, B, tok, scale, _NO_WEIGHTS if weight is None else weight, counts)

@@ -8,7 +8,10 @@ cache under a name keyed by `build_key()`: a hash of the sources, the flags, tor
 CPU's feature flags, so an edited source builds anew and two checkouts never share a build. Without a C++ compiler
 molora says so once (a log warning) and the callers run their torch fallbacks.
 
-Knobs (environment, read at the first load): MOLORA_FUSED=0 turns the kernels off; MOLORA_KERNELS_ASAN=1 builds them
+Knobs (environment, read at the first load): MOLORA_FUSED=0 turns the kernels off; MOLORA_KERNELS_OFF=glue,paged
+turns single kernel families off (`off`, FAMILIES: each wrapper then answers "cannot run" and its caller takes the
+torch or library path, as without a build; what scripts/kernel_keep.py measures each family against);
+MOLORA_KERNELS_ASAN=1 builds them
 with AddressSanitizer (`-fsanitize=address`, a build key of its own; the process must preload libasan:
 scripts/kernel_asan.py runs the kernel tests so).
 
@@ -64,6 +67,35 @@ _failed: str | None = None
 # Within `with suspended():` (on this thread) every kernel reports that it cannot run, so callers take their torch
 # fallbacks: a step recorded op by op (tests/graph_emulator.py) must run only torch ops.
 suspended = ThreadFlag()
+
+
+# The kernel families MOLORA_KERNELS_OFF names, and what runs in a family's place when it is off:
+FAMILIES: dict[str, str] = {
+    "lora": "per-token LoRA (lora_fused_) -> the eager backends (molora.ops.lora: sort_group)",
+    "paged": "decode attention over the paged cache (paged_decode, paged_decode_rows) -> gather + torch SDPA",
+    "glue": "add_rms_norm, rope_write, silu_mul -> torch ops",
+    "panels": "float32 GEMM on panels (linear_panels) -> MKL's packed sgemm",
+    "amx": "bfloat16 GEMM on AMX tiles (linear_amx) -> torch's bfloat16 linear (oneDNN)",
+    "block": "a decode step's block as one call (run_block) -> the block kernel by kernel",
+    "greedy": "greedy picks in one pass (greedy_rows) -> torch's max",
+}
+_off: frozenset[str] | None = None
+
+
+def off(family: str) -> bool:
+    """Whether MOLORA_KERNELS_OFF (a comma-separated list of FAMILIES, read once) turns `family` off. An unknown
+    name in the variable raises ValueError naming it and the known ones."""
+    global _off
+    if _off is None:
+        names = {n.strip() for n in os.environ.get("MOLORA_KERNELS_OFF", "").split(",") if n.strip()}
+        unknown = sorted(names - set(FAMILIES))
+        if unknown:
+            raise ValueError(
+                f"MOLORA_KERNELS_OFF names unknown kernel families {unknown}; known: {', '.join(FAMILIES)}"
+            )
+        _off = frozenset(names)
+    assert family in FAMILIES, family
+    return family in _off
 
 
 def asan() -> bool:

@@ -54,7 +54,7 @@ def _mkl() -> bool:
 
 def available() -> bool:
     """Whether float32 weights can be packed here (molora's C++ kernel built, or MKL's packed linear in torch)."""
-    return fused_cpu.available() or _mkl()
+    return fused_cpu.panels_ready() or _mkl()
 
 
 def form(weight: Tensor) -> str:
@@ -66,7 +66,7 @@ def form(weight: Tensor) -> str:
         return "amx" if n % 16 == 0 and k % 32 == 0 and fused_cpu.amx() else "torch"
     if weight.dtype != torch.float32:
         return "torch"
-    return "panels" if n % 16 == 0 and fused_cpu.available() else "mkl" if _mkl() else "torch"
+    return "panels" if n % 16 == 0 and fused_cpu.panels_ready() else "mkl" if _mkl() else "torch"
 
 
 def supports(weight: Tensor) -> bool:
