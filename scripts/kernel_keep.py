@@ -41,7 +41,6 @@ ARMS: dict[str, dict[str, str]] = {
     "paged": {"MOLORA_KERNELS_OFF": "paged"},
     "panels": {"MOLORA_KERNELS_OFF": "panels"},
     "amx": {"MOLORA_KERNELS_OFF": "amx"},
-    "greedy": {"MOLORA_KERNELS_OFF": "greedy"},
     "none": {"MOLORA_FUSED": "0"},
 }
 GEMM = {"fp32": "panels", "bf16": "amx"}  # the GEMM family a dtype's weights run on

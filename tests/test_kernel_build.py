@@ -62,7 +62,6 @@ def test_the_build_lives_under_its_key_and_registers_torch_ops(tmp_path):
         "silu_mul",
         "linear_panels",
         "linear_amx",
-        "greedy_rows",
         "amx_ready",
         "bf16_dot",
     ):
@@ -163,7 +162,6 @@ def test_a_family_turned_off_declines_and_the_others_still_run(kernels_off, fami
                 and fused_cpu.silu_mul(x.clone(), x),
                 "paged": fused_cpu.paged_decode(q, kc, vc, torch.zeros(4, 1, dtype=torch.long), pos + 1, 16, 1.0, None)
                 is not None,
-                "greedy": fused_cpu.greedy_rows(x) is not None,
                 "panels": packed.form(weight) == "panels"
                 and fused_cpu.linear_panels(x, packed.panels(weight), None) is not None,
                 "lora": fused_cpu.available(),

@@ -924,29 +924,6 @@ def test_decode_glue_kernels_equal_the_torch_ops(dtype):
         assert fused_cpu.add_rms_norm(h, None, w, 1e-5) is None and not fused_cpu.silu_mul(gate, up)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_rows_equals_torch_max_and_flags_every_non_finite_row(dtype):
-    """greedy_rows picks each row's first maximum as torch.max(-1).indices does (ties, all-equal rows, a NaN: its
-    first index) and flags the rows that hold a NaN or an infinity, at widths below, at and above the 16 lanes."""
-    fused_cpu = _fused_or_skip()
-    g = torch.Generator().manual_seed(0)
-    for V in (1, 7, 16, 100, 1000):
-        x = torch.randn(12, V, generator=g).to(dtype)
-        x[1, V // 2] = x[1].max()  # a tie: the first one wins
-        x[2] = 0.0
-        if V > 5:
-            x[3, 2] = x[3, 4] = float("nan")
-            x[4, 1] = float("inf")
-            x[5, 0] = float("-inf")
-            x[6, 3], x[6, 1] = float("inf"), float("nan")
-        with torch.no_grad():
-            ids, finite = fused_cpu.greedy_rows(x)
-        assert torch.equal(ids, x.max(-1).indices), V
-        assert torch.equal(finite, torch.isfinite(x).all(-1)), V
-    with torch.no_grad():
-        assert fused_cpu.greedy_rows(x[:, ::2]) is None  # a column stride other than 1: the caller's torch
-
-
 @pytest.mark.skipif(
     not __import__("molora.ops.packed", fromlist=["available"]).available(),
     reason="MKL's packed linear is not in this torch build",

@@ -90,7 +90,7 @@ def test_sample_step_equals_the_per_row_loop_and_leaves_logits_untouched():
         before = logits.clone()
         gens = [None if r.generator is None else torch.Generator().manual_seed(r.params.seed) for r in reqs]
         want = [_one_row(r, logits[j : j + 1], finite[j], gens[j]) for j, r in enumerate(reqs)]
-        chosen, dead = sample_step(reqs, logits, finite, None, EOS)
+        chosen, dead = sample_step(reqs, logits, finite, EOS)
         assert dead == {} and chosen.tolist() == want
         assert torch.equal(logits, before)
         # each generator drew exactly as much as the row alone did: the next draw agrees too
@@ -110,14 +110,14 @@ def test_a_seeded_row_samples_the_same_id_in_any_batch():
         route=None,
         generator=torch.Generator().manual_seed(5),
     )
-    want = sample_step([alone], row, [True], None, EOS)[0].tolist()
+    want = sample_step([alone], row, [True], EOS)[0].tolist()
     for _ in range(5):
         crowd = _requests(rng, rng.randint(1, 6))
         req = Request("a", [3], alone.params, route=None, generator=torch.Generator().manual_seed(5))
         at = rng.randint(0, len(crowd))
         reqs = crowd[:at] + [req] + crowd[at:]
         logits = torch.cat([torch.randn(at, V, generator=g), row, torch.randn(len(crowd) - at, V, generator=g)])
-        chosen, _ = sample_step(reqs, logits, [True] * len(reqs), None, EOS)
+        chosen, _ = sample_step(reqs, logits, [True] * len(reqs), EOS)
         assert chosen[at : at + 1].tolist() == want
 
 

@@ -64,7 +64,6 @@ from molora.errors import MoLoRAError
 from molora.model.batch import BatchMeta
 from molora.model.graphs import DEFAULT_BUCKETS
 from molora.model.runner import ModelRunner
-from molora.ops import fused_cpu
 from molora.ops.device import to_device
 from molora.sampling import Constraint, bundle_constraint, constraint_bitmask
 
@@ -325,12 +324,10 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
         # sampled row's logits are finite (one reduction each: NaN and inf survive a sum), 2) the sampled ids with
         # the slot of each sequence's last token
         ok = torch.isfinite(out.hidden.sum()).reshape(1)
-        best = None  # each sampled row's greedy pick, from the same pass as its check (CPU)
         logits = out.logits  # [b, V], the rows asked for
         if rows:
             assert logits is not None, "the runner returned no logits for the rows asked for"
-            picked_ok = fused_cpu.greedy_rows(logits)
-            best, rows_ok = picked_ok if picked_ok is not None else (None, torch.isfinite(logits.sum(-1)))
+            rows_ok = torch.isfinite(logits.sum(-1))
         flags = (ok if not rows else torch.cat([ok, rows_ok])).tolist()
         if not flags[0]:
             corrupt = self.mm.bank.nonfinite()
@@ -344,7 +341,7 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
             assert logits is not None
             finite = flags[1:]  # [b]
             reqs = [scheduled[i].request for i in rows]
-            chosen, dead = sample_step(reqs, logits, finite, best, self.eos_ids, bitmask)  # [b]
+            chosen, dead = sample_step(reqs, logits, finite, self.eos_ids, bitmask)  # [b]
             logprobs = step_logprobs(reqs, logits, chosen)
             picked = (chosen if last_slots is None else torch.cat([chosen, last_slots[:, 0]])).tolist()
         self.tokens_computed += len(tokens)

@@ -1,6 +1,6 @@
 """The sampler of one engine step: the next token id of every sampled row, and its logprobs.
 
-`sample_step(reqs, logits, finite, best, eos_ids)` picks one id per row of logits [b, V] (row j belongs to
+`sample_step(reqs, logits, finite, eos_ids)` picks one id per row of logits [b, V] (row j belongs to
 reqs[j]); `constrain_rows` applies the requests' constraints (the bundle's spans, a request's grammar: one packed
 bitmask per constrained row, molora.sampling) and finds the rows at a dead end; `step_logprobs` reports the
 rows' logprobs as their requests asked for them. `logits` itself is never changed, so logprobs report the model's
@@ -32,13 +32,12 @@ def sample_step(
     reqs: list[Request],
     logits: torch.Tensor,
     finite: list[bool],
-    best: torch.Tensor | None,
     eos_ids: Set[int],
     bitmask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[int, str]]:
-    """(token ids [b], {row: why} of rows at a dead end) from logits [b, V] (best: their greedy picks, if known).
+    """(token ids [b], {row: why} of rows at a dead end) from logits [b, V].
 
-    Batched over the step's rows: one argmax for every row (or `best`), constraints in one call (`constrain_rows`),
+    Batched over the step's rows: one argmax for every row, constraints in one call (`constrain_rows`),
     the stop ids of every request short of its min_tokens masked in one indexed write, one argmax over those rows,
     and the filtering (temperature, top-k, top-p) and softmax of every sampled row in one batched op each
     (molora.sampling.filter_logits_rows); only the draw is per row, from the request's own generator, so a
@@ -46,7 +45,7 @@ def sample_step(
     ids are masked) is a dead end: it samples nothing and its request ends (Engine._run). finite[j]: row j's
     logits are finite (a row that is not draws nothing: its request ends). bitmask: the constrained rows' packed
     masks if filled ahead (Engine._fill_masks, while the forward ran), else filled here."""
-    chosen = greedy(logits) if best is None else best  # [b] greedy for all
+    chosen = greedy(logits)  # [b] greedy for all
     masked, dead = constrain_rows(reqs, logits, chosen, bitmask)
     short = [j for j, req in enumerate(reqs) if j not in dead and req.num_generated < req.params.min_tokens]
     drawn = [j for j, req in enumerate(reqs) if j not in dead and not req.params.greedy and finite[j]]

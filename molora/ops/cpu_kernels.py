@@ -14,8 +14,12 @@ write, attention, SiLU * up) as one call of the kernels below (a `torch.classes.
 
 And two GEMMs for few rows on weights packed once, which the runner's linears run through molora.ops.packed (its
 docstring: the measurements): `linear_panels` in float32 (panels of 16 columns) and `linear_amx` in bfloat16 (on the
-CPU's AMX tile unit, where it has one; the weight in the layout of the tiles). `greedy_rows`: each row's argmax and
-whether it is finite, in one pass.
+CPU's AMX tile unit, where it has one; the weight in the layout of the tiles).
+
+Each family stays because the engine bench runs at least 1.15x slower without it, measured side by side against what
+torch gives in its place (scripts/kernel_keep.py; docs/kernel_keep_fp32.json, docs/kernel_keep_bf16.json, rendered in
+docs/benchmarks.md). A greedy-pick kernel (each row's argmax and finiteness in one pass) measured about 1.0x there
+and was deleted; the engine takes torch's max.
 
 Each wrapper answers None or False (nothing done) where the kernel cannot run these tensors (not built, `suspended`,
 its family turned off by MOLORA_KERNELS_OFF, not CPU, another dtype, autograd on); the caller then does the same
@@ -161,19 +165,6 @@ def silu_mul(g: Tensor, u: Tensor) -> bool:
     with _profiled("molora::silu_mul"):
         ops().silu_mul(g, u)
     return True
-
-
-def greedy_rows(logits: Tensor) -> tuple[Tensor, Tensor] | None:
-    """(ids [B] int64, finite [B] bool) of logits [B, V]: each row's greedy pick, the index of its first maximum (as
-    torch's max(-1).indices gives it), and whether all its values are finite; one pass in C++ where torch needs a
-    max and a sum. None: cannot run (the caller uses torch)."""
-    if not glue_supports(logits) or off("greedy") or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
-        return None
-    ids = torch.empty(logits.shape[0], dtype=torch.long)
-    finite = torch.empty(logits.shape[0], dtype=torch.bool)
-    with _profiled("molora::greedy_rows"):
-        ops().greedy_rows(logits, ids, finite)
-    return ids, finite
 
 
 def linear_panels(x: Tensor, panels: Tensor, bias: Tensor | None) -> Tensor | None:

@@ -48,7 +48,6 @@ _SOURCES: tuple[Path, ...] = tuple(
         "linear_panels.cpp",  # float32 GEMM on panels
         "linear_amx.cpp",  # bfloat16 GEMM on AMX tiles (amx_ready, linear_amx)
         "decode_block.cpp",  # a whole decoder block of a decode step (BoundBlock)
-        "greedy.cpp",  # greedy_rows
         "bindings.cpp",  # TORCH_LIBRARY(molora): every op's schema
     )
 )
@@ -77,7 +76,6 @@ FAMILIES: dict[str, str] = {
     "panels": "float32 GEMM on panels (linear_panels) -> MKL's packed sgemm",
     "amx": "bfloat16 GEMM on AMX tiles (linear_amx) -> torch's bfloat16 linear (oneDNN)",
     "block": "a decode step's block as one call (run_block) -> the block kernel by kernel",
-    "greedy": "greedy picks in one pass (greedy_rows) -> torch's max",
 }
 _off: frozenset[str] | None = None
 

@@ -107,7 +107,5 @@ void silu_mul(torch::Tensor g, torch::Tensor u);
 void linear_panels(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor bias);
 bool amx_ready();
 void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor bias);
-// greedy.cpp
-void greedy_rows(torch::Tensor logits, torch::Tensor ids, torch::Tensor finite);
 // decode_block.cpp: registers the BoundBlock class (torch.classes.molora.BoundBlock)
 void register_decode_block(torch::Library& m);
