@@ -1133,6 +1133,7 @@ def render(records: dict[str, dict], out: Path, docs: Path, script_cmd: str, not
     lines += prefix_cache_section(docs)
     lines += quant_section(docs)
     lines += peer_section(docs)
+    lines += _script("make_kernel_keep").section(docs)
     lines += commands_section(records, script_cmd)
     lines += [
         "## Not covered here",
@@ -1148,7 +1149,7 @@ def render(records: dict[str, dict], out: Path, docs: Path, script_cmd: str, not
 
 
 def _script(name: str) -> Any:
-    """scripts/NAME.py as a module (make_quant and make_peer render their sections and blocks there)."""
+    """scripts/NAME.py as a module (make_quant, make_peer and make_kernel_keep render their sections there)."""
     spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
