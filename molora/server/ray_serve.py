@@ -1,5 +1,5 @@
-"""Scale-out on Ray Serve: `molora serve --ray`. With `molora.server.ray_router`, the only modules that import ray
-(the `molora[ray]` extra).
+"""Scale-out on Ray Serve: `molora serve --ray`. With `molora.server.ray_router` and `molora.server.ray_deployments`
+(the deployment classes), the only modules that import ray (the `molora[ray]` extra).
 
     molora serve --ray --replicas 2 [--bundle A --bundle B] [--min-replicas 1 --max-replicas 4]
                  [--ray-placement adapters|bundle]
@@ -45,24 +45,23 @@ Saturation: the ingress's handle queues at most `max_queued_requests` (`--ray-qu
 replicas run; past that Ray raises `BackPressureError` and the client answers 429 with Retry-After. A replica
 whose engine admission is full answers the same way.
 
-Core molora never imports this module; ray is imported inside the functions that need it, so the plain parts
-(registry, leases, the replica logic, the client over any handle) run and are tested without a Ray cluster.
+Core molora never imports this module; ray is imported inside the functions that need it (and the deployment
+classes live in molora.server.ray_deployments, which imports ray), so the plain parts (registry, leases, the replica
+logic, the client over any handle) run and are tested without a Ray cluster.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from molora.errors import MoLoRAError
 from molora.server.ray_client import RayClient
-from molora.server.ray_replica import EngineReplica
-from molora.server.ray_state import BundleSpec, Registry, Resident
-from molora.server.runner import RequestSpec
+from molora.server.ray_state import BundleSpec, Registry
 
 log = logging.getLogger("molora.server.ray")
 
@@ -167,18 +166,12 @@ def build_catalog(specs: Sequence[BundleSpec], *, max_model_len: int, default_ma
 
 
 def engine_deployment(cfg: RayConfig, specs: Sequence[BundleSpec]) -> Any:
-    """The engine deployment, bound (its replicas each run one engine per resident bundle)."""
+    """The engine deployment (molora.server.ray_deployments.EngineDeployment, multiplexed over
+    cfg.bundles_per_replica bundles) with cfg's options, bound: its replicas each run one engine per resident
+    bundle."""
     from ray import serve
 
-    threads, dtype, stall_s, quantization = cfg.threads, cfg.dtype, cfg.stall_s, cfg.quantization
-    engine_config, max_queue = dict(cfg.engine_config), cfg.max_queue
-    by_name = {s.name: s for s in specs}
-
-    def build(path: str | None) -> Any:
-        from molora.engine import EngineConfig
-        from molora.server.launch import build_engine
-
-        return build_engine(path, EngineConfig(**engine_config), dtype, quantization=quantization)
+    from molora.server.ray_deployments import engine_class
 
     scaling: dict[str, Any] = {"num_replicas": cfg.replicas}
     if cfg.min_replicas is not None:
@@ -186,58 +179,18 @@ def engine_deployment(cfg: RayConfig, specs: Sequence[BundleSpec]) -> Any:
             "autoscaling_config": {
                 "min_replicas": cfg.min_replicas,
                 "max_replicas": cfg.max_replicas,
-                "target_ongoing_requests": max(1, max_queue // 2),
+                "target_ongoing_requests": max(1, cfg.max_queue // 2),
             }
         }
-
-    @serve.deployment(
+    deployment = serve.deployment(
         name=ENGINE_DEPLOYMENT,
-        max_ongoing_requests=max_queue,
-        max_queued_requests=cfg.ray_queue or max_queue,
-        ray_actor_options={"num_cpus": cfg.cpus_per_replica or threads},
+        max_ongoing_requests=cfg.max_queue,
+        max_queued_requests=cfg.ray_queue or cfg.max_queue,
+        ray_actor_options={"num_cpus": cfg.cpus_per_replica or cfg.threads},
         **router_config(cfg.placement),
         **scaling,
-    )
-    class MoloraEngine:
-        def __init__(self) -> None:
-            import torch
-
-            torch.set_num_threads(threads)
-            self.replica = EngineReplica(
-                build, max_in_flight=max_queue, stall_s=stall_s, name=serve.get_replica_context().replica_id.unique_id
-            )
-
-        @serve.multiplexed(max_num_models_per_replica=cfg.bundles_per_replica)
-        async def bundle(self, bundle_id: str) -> Resident:
-            return await self.replica.load(self.replica.specs.get(bundle_id) or by_name[bundle_id])
-
-        async def _resident(self, spec: BundleSpec) -> Resident:
-            newest = self.replica.specs.get(spec.name)
-            if newest is None or spec.version >= newest.version:
-                self.replica.specs[spec.name] = spec
-            return await self.bundle(serve.get_multiplexed_model_id())
-
-        async def generate(self, spec: BundleSpec, specs: list[RequestSpec], prefix: str) -> AsyncIterator[tuple]:
-            resident = await self._resident(spec)
-            async for message in self.replica.generate(resident, spec, specs, prefix):
-                yield message
-
-        async def command(self, spec: BundleSpec, op: str) -> tuple:
-            return await self.replica.command(await self._resident(spec), spec, op)
-
-        async def record_routing_stats(self) -> dict:
-            """What this replica's hot sets hold, for the ingress's `AdapterSetRouter` (Ray polls it)."""
-            return await self.replica.stats()
-
-        def info(self) -> dict:
-            """This replica's name, engines built and leases (diagnostics; tests)."""
-            leases = {
-                n: {"holders": x.holders, "sequences": x.sequences, "version": x.version}
-                for n, x in self.replica.leases.leases.items()
-            }
-            return {"replica": self.replica.name, "builds": self.replica.leases.builds, "leases": leases}
-
-    return MoloraEngine.bind()
+    )(engine_class(cfg.bundles_per_replica))
+    return deployment.bind(cfg, list(specs))
 
 
 def router_config(placement: str) -> dict:
@@ -266,28 +219,19 @@ def ingress_app(handle: Any, cfg: RayConfig, specs: Sequence[BundleSpec], server
 
 
 def make_app(cfg: RayConfig, specs: Sequence[BundleSpec], server_kwargs: dict) -> Any:
-    """The Ray Serve application of `--ingress serve`: the ingress deployment bound to the engine deployment
-    (`serve.run` it)."""
+    """The Ray Serve application of `--ingress serve`: the ingress deployment
+    (molora.server.ray_deployments.IngressDeployment) bound to the engine deployment (`serve.run` it)."""
     from ray import serve
 
-    max_queue = cfg.max_queue
+    from molora.server.ray_deployments import IngressDeployment
 
     # the ingress only parses, tokenises and streams: it must take every call the engines could run or queue (Ray's
     # default of 5 ongoing requests per replica would hold the rest at the proxy, unbounded and unrefused)
-    ingress_ongoing = max(1024, 2 * ((cfg.max_replicas or cfg.replicas) * max_queue + (cfg.ray_queue or max_queue)))
-
-    @serve.deployment(
-        name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=ingress_ongoing, ray_actor_options={"num_cpus": 0}
-    )
-    @serve.ingress()
-    class MoloraIngress:
-        def __init__(self, engine: Any) -> None:
-            self.engine = engine
-
-        def __serve_build_asgi_app__(self) -> Any:
-            return ingress_app(self.engine, cfg, specs, server_kwargs)
-
-    return MoloraIngress.bind(engine_deployment(cfg, specs))
+    ongoing = max(1024, 2 * ((cfg.max_replicas or cfg.replicas) * cfg.max_queue + (cfg.ray_queue or cfg.max_queue)))
+    ingress = serve.deployment(
+        name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=ongoing, ray_actor_options={"num_cpus": 0}
+    )(IngressDeployment)
+    return ingress.bind(engine_deployment(cfg, specs), cfg, list(specs), server_kwargs)
 
 
 def serve_ray(
