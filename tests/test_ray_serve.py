@@ -22,6 +22,7 @@ from molora.config import SamplingParams  # noqa: E402
 from molora.server import ServerThread, build_engine, create_app  # noqa: E402
 from molora.server import ray_serve as rs  # noqa: E402
 from molora.server.launch import free_port  # noqa: E402
+from molora.server.runner import RequestSpec  # noqa: E402
 from tests.conftest import make_peft_adapter, private_rng, tiny_config, tiny_model, tiny_tokenizer  # noqa: E402
 
 MAX_LEN = 2048
@@ -222,12 +223,12 @@ def test_eviction_during_a_stream_leaves_its_output_unchanged(cluster):
 
     async def main():
         client = rs.RayClient(handle, rs.Registry(specs))
-        spec = rs.RequestSpec(0, prompt, params)
+        spec = RequestSpec(0, prompt, params)
         sub = await client.submit([spec], "a", "alpha")
         tokens = []
         first = await sub.queue.get()
         tokens += first[1].new_token_ids
-        short = await client.submit([rs.RequestSpec(0, prompt, SamplingParams(max_new_tokens=2))], "b", "beta")
+        short = await client.submit([RequestSpec(0, prompt, SamplingParams(max_new_tokens=2))], "b", "beta")
         while short.unfinished:
             _, out = await short.queue.get()
             if out.finished:

@@ -51,13 +51,11 @@ class EngineDeployment:
             name=serve.get_replica_context().replica_id.unique_id,
         )
 
-    async def load_bundle(self, bundle_id: str) -> Resident:
-        """Make the bundle `bundle_id` resident (its newest spec this replica has seen, else the deployed one);
-        `bundle`, Ray's multiplexed cache over it, calls it on a miss."""
+    async def bundle(self, bundle_id: str) -> Resident:
+        """Make the bundle `bundle_id` resident (its newest spec this replica has seen, else the deployed one).
+        `engine_class(cap)` puts Ray's multiplexed cache over it under the same name (Ray tells a method from a
+        function by finding the wrapper on the instance under the wrapped function's name)."""
         return await self.replica.load(self.replica.specs.get(bundle_id) or self.by_name[bundle_id])
-
-    async def bundle(self, bundle_id: str) -> Resident:  # replaced by engine_class's multiplexed one
-        raise NotImplementedError("deploy engine_class(cap), whose bundle() is multiplexed")
 
     async def _resident(self, spec: BundleSpec) -> Resident:
         newest = self.replica.specs.get(spec.name)
@@ -90,7 +88,7 @@ class EngineDeployment:
 def engine_class(cap: int) -> type[EngineDeployment]:
     """`EngineDeployment` with `bundle` multiplexed over at most `cap` resident bundles (Ray's
     max_num_models_per_replica, fixed where the method is decorated)."""
-    multiplexed = serve.multiplexed(max_num_models_per_replica=cap)(EngineDeployment.load_bundle)
+    multiplexed = serve.multiplexed(max_num_models_per_replica=cap)(EngineDeployment.bundle)
     return type("MoloraEngine", (EngineDeployment,), {"bundle": multiplexed, "__module__": __name__})
 
 
