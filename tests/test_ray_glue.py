@@ -329,3 +329,70 @@ def test_core_molora_never_imports_ray():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------------------------------ --lora-dir with --ray
+
+
+def test_lora_dir_adapters_reach_a_replica_cold_and_one_is_read_on_first_use(tmp_path):
+    """`--ray --lora-dir DIR`: the ingress lists every subfolder of DIR as an adapter of each bundle (only which
+    folders exist is read); a replica registers them without reading a weights file, and reads one when a request
+    first needs it, giving the tokens of that adapter loaded on its own."""
+    import shutil
+
+    import torch
+
+    import molora
+    from molora.adapters.io import WEIGHTS_FILE
+    from molora.bundle import default_bundle_dir, read_bundle
+    from molora.config import SamplingParams
+    from molora.engine import Engine, EngineConfig
+    from molora.server.ray_serve import bundle_specs
+    from molora.server.runner import RequestSpec
+    from tests.conftest import VOCAB, make_peft_adapter, tiny_model
+    from tests.test_adapter_registry import ARCH, CFG, config_only, engine_of
+
+    source = make_peft_adapter(tmp_path / "src" / "real", ARCH, r=4, seed=7)
+    root = config_only(tmp_path / "many", source, 40)
+    shutil.copy(source / WEIGHTS_FILE, root / "ad0007" / WEIGHTS_FILE)  # the one a request will use
+
+    (default,) = bundle_specs([None], lora_dirs=[root])  # the ingress's view: the embedded bundle plus the folder
+    own = [a.name for a in read_bundle(default_bundle_dir()).adapters]
+    assert list(default.adapters) == own + [f"ad{i:04d}" for i in range(40)]
+    assert default.cold == {f"ad{i:04d}" for i in range(40)} and default.adapters["ad0007"] == str(root / "ad0007")
+    (root / own[0]).mkdir()
+    shutil.copy(source / "adapter_config.json", root / own[0] / "adapter_config.json")
+    with pytest.raises(MoLoRAError, match=rf"--lora-dir adapters \['{own[0]}'\] have the names of bundle"):
+        bundle_specs([None], lora_dirs=[root])
+    shutil.rmtree(root / own[0])
+
+    engines: list[Engine] = []
+
+    def build(path):
+        engines.append(engine_of(source))
+        return engines[-1]
+
+    cold = {n: p for n, p in default.adapters.items() if n in default.cold}
+    spec = BundleSpec("toy", None, adapters={"base0": None, **cold}, cold=default.cold)
+    prompt = torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_new_tokens=4)
+    replica = EngineReplica(build, max_in_flight=8, name="replica-0")
+
+    async def main():
+        resident = await replica.load(spec)
+        tokens = []
+        async for m in replica.generate(resident, spec, [RequestSpec(0, prompt, params, adapter="ad0007")], "c"):
+            assert m[0] in ("accepted", "outs"), m
+            if m[0] == "outs":
+                tokens += [t for _, out in m[1] for t in out.new_token_ids]
+        listed = await resident.lease.runner.call(engines[0].list_adapters)
+        reads = engines[0].hotset.disk_reads
+        resident.release()
+        return tokens, listed, reads
+
+    tokens, listed, reads = asyncio.run(main())
+    tiers = {a["name"]: a["tier"] for a in listed}
+    assert len(tiers) == 41 and tiers["ad0007"] == "slot" and tiers["ad0030"] == "disk"
+    assert reads == 1  # only the adapter the request used was read
+    alone = Engine(molora.attach(tiny_model(ARCH), {"solo": source}), EngineConfig(**CFG))
+    assert tokens == alone.generate([prompt], params, adapter="solo")[0].new_token_ids

@@ -338,11 +338,6 @@ def _serve(args: argparse.Namespace) -> int:
             folder = Path(tempfile.mkdtemp(prefix="molora-bundle-"))
             write_bundle(folder, bundle.manifest)
             args.bundle = [str(folder)]
-        if args.lora_dir:
-            raise MoLoRAError(
-                "--lora-dir is not passed to Ray replicas yet: load the adapters at run time (POST /v1/adapters) "
-                "or serve without --ray"
-            )
         return _serve_ray(args, limits, keys)
     if len(args.bundle) > 1:
         raise MoLoRAError(
@@ -408,6 +403,7 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
         stall_s=args.stall_timeout,
         ingress=args.ray_ingress,
         placement=args.ray_placement,
+        lora_dirs=tuple(args.lora_dir),
     )
     from molora.engine import EngineConfig
 

@@ -75,14 +75,14 @@ def build_engine(
     return Engine(mm, cfg)
 
 
-def register_lora_dirs(engine: Any, dirs: Sequence[str | Path]) -> list[str]:
-    """Register every PEFT subfolder of each of `dirs` as an adapter named after it, reading only its
-    `adapter_config.json` (`Engine.register_adapters`: the weights on first use); each folder confines its own
-    adapters' reads. Returns the names, in order. MoLoRAError (nothing registered from that folder on) for a
-    missing folder, a subfolder name an adapter may not have, a name given twice, or a bad config."""
+def scan_lora_dirs(dirs: Sequence[str | Path]) -> list[tuple[Path, dict[str, Path]]]:
+    """(folder, {name: subfolder}) of each of `dirs` (resolved): its PEFT subfolders by name, nothing read but
+    which files exist. MoLoRAError for a missing folder, a subfolder name an adapter may not have, or a name found in
+    two of the folders."""
     from molora.adapters.io import scan_adapter_dir
 
-    names: list[str] = []
+    out: list[tuple[Path, dict[str, Path]]] = []
+    seen: dict[str, Path] = {}
     for d in dirs:
         root = Path(d).resolve()
         found = scan_adapter_dir(root)
@@ -92,9 +92,25 @@ def register_lora_dirs(engine: Any, dirs: Sequence[str | Path]) -> list[str]:
                 f"--lora-dir {d}: subfolder names {bad[:8]} are not adapter names (letters, digits, '_', '.', '-'; "
                 "at most 64); rename them"
             )
+        twice = sorted(n for n in found if n in seen)
+        if twice:
+            raise MoLoRAError(f"--lora-dir {d}: adapters {twice[:8]} are also in {seen[twice[0]]}; rename one")
+        seen.update(dict.fromkeys(found, root))
+        out.append((root, found))
+    return out
+
+
+def register_lora_dirs(engine: Any, dirs: Sequence[str | Path]) -> list[str]:
+    """Register every PEFT subfolder of each of `dirs` as an adapter named after it, reading only its
+    `adapter_config.json` (`Engine.register_adapters`: the weights on first use); each folder confines its own
+    adapters' reads. Returns the names, in order. MoLoRAError (nothing registered) for a missing folder, a subfolder
+    name an adapter may not have or found twice (`scan_lora_dirs`); AdapterError (nothing registered from that folder
+    on) for a name already taken or a bad config."""
+    names: list[str] = []
+    for root, found in scan_lora_dirs(dirs):
         engine.register_adapters(found, roots=[root])
         names += list(found)
-        log.info("--lora-dir %s: %d adapters registered (weights read on first use)", d, len(found))
+        log.info("--lora-dir %s: %d adapters registered (weights read on first use)", root, len(found))
     return names
 
 

@@ -78,8 +78,14 @@ class EngineReplica:
             for name in sorted(current - set(spec.adapters)):
                 states[name] = await runner.call(lambda n=name: engine.unload_adapter(n, force=n in spec.forced))
             roots = [Path(r) for r in spec.roots]
+            cold: dict[Path, dict[str, Path]] = {}  # --lora-dir adapters by folder: registered, weights not read
             for name, path in spec.adapters.items():
-                if name not in current:
+                if name not in current and name in spec.cold and path is not None:
+                    cold.setdefault(Path(path).parent, {})[name] = Path(path)
+            for root, group in cold.items():  # configs read and checked on the engine thread, all or none per folder
+                await runner.call(lambda g=group, r=root: engine.register_adapters(g, roots=[r]))
+            for name, path in spec.adapters.items():
+                if name not in current and name not in spec.cold:
                     if path is None:
                         raise AdapterNotFound(f"adapter {name!r} of bundle {spec.name!r} is not in its manifest")
                     await load_into(engine, runner, name, Path(path), roots)

@@ -94,6 +94,7 @@ class RayConfig:
     stall_s: float = 30.0
     ingress: str = "serve"  # "serve": a Serve deployment; "process": in this process
     placement: str = "adapters"  # "adapters": AdapterSetRouter; "bundle": Ray's default router (by bundle only)
+    lora_dirs: tuple[str, ...] = ()  # --lora-dir: every bundle's replicas register these folders' adapters cold
 
     def __post_init__(self) -> None:
         if self.ingress not in INGRESS_KINDS:
@@ -121,20 +122,31 @@ class RayConfig:
         return max(1, (os.cpu_count() or 1) // (self.max_replicas or self.replicas))
 
 
-def bundle_specs(bundles: Sequence[str | None], roots: Sequence[str | Path] = ()) -> list[BundleSpec]:
-    """Version-0 specs of the bundles: each with its manifest's adapters."""
+def bundle_specs(
+    bundles: Sequence[str | None], roots: Sequence[str | Path] = (), lora_dirs: Sequence[str | Path] = ()
+) -> list[BundleSpec]:
+    """Version-0 specs of the bundles: each with its manifest's adapters, and every PEFT subfolder of `lora_dirs`
+    as a cold adapter (`BundleSpec.cold`: replicas register it without reading its weights; only which folders
+    exist is read here). MoLoRAError where a --lora-dir name is a bundle's own adapter."""
     from molora.bundle import default_bundle_dir, read_bundle
+    from molora.server.launch import scan_lora_dirs
 
+    extra = {name: str(path) for _root, found in scan_lora_dirs(lora_dirs) for name, path in found.items()}
     specs = []
     for path in bundles:
         b = read_bundle(default_bundle_dir() if path is None else path)
+        own = {a.name: None for a in b.adapters}
+        clash = sorted(set(own) & set(extra))
+        if clash:
+            raise MoLoRAError(f"--lora-dir adapters {clash[:8]} have the names of bundle {b.name!r}'s own; rename them")
         specs.append(
             BundleSpec(
                 b.name,
                 None if path is None else str(Path(path).resolve()),
-                adapters={a.name: None for a in b.adapters},
+                adapters={**own, **extra},
                 roots=tuple(str(Path(r).resolve()) for r in roots),
                 routed=b.router_kind != "none",
+                cold=frozenset(extra),
             )
         )
     return specs
@@ -254,7 +266,7 @@ def serve_ray(
     from ray import serve
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    specs = bundle_specs(cfg.bundles, adapter_roots)
+    specs = bundle_specs(cfg.bundles, adapter_roots, cfg.lora_dirs)
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     kwargs = {"adapter_roots": list(adapter_roots), **(server_kwargs or {})}

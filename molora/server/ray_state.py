@@ -48,7 +48,9 @@ class BundleSpec:
 
     adapters: name -> folder (None: the bundle's own adapter, loaded with it). forced: removed adapters whose
     requests end now rather than drain. roots: the folders run-time adapters must lie under. routed: the bundle
-    has a router (placement: an unpinned request of a bundle without one needs no adapter)."""
+    has a router (placement: an unpinned request of a bundle without one needs no adapter). cold: adapters a replica
+    registers without reading their weights (`--lora-dir`: read on first use, each confined to its own folder's
+    parent, the --lora-dir it was found in)."""
 
     name: str
     path: str | None
@@ -57,6 +59,7 @@ class BundleSpec:
     forced: frozenset[str] = frozenset()
     roots: tuple[str, ...] = ()
     routed: bool = True
+    cold: frozenset[str] = frozenset()
 
 
 class Registry:
@@ -74,7 +77,13 @@ class Registry:
     def with_adapter(self, bundle: str, name: str, path: str) -> BundleSpec:
         """The next version with `name` added (not yet committed)."""
         s = self.specs[bundle]
-        return replace(s, version=s.version + 1, adapters={**s.adapters, name: path}, forced=s.forced - {name})
+        return replace(
+            s,
+            version=s.version + 1,
+            adapters={**s.adapters, name: path},
+            forced=s.forced - {name},
+            cold=s.cold - {name},  # added at run time: read and checked whole, as any POSTed adapter
+        )
 
     def without_adapter(self, bundle: str, name: str, force: bool) -> BundleSpec:
         """The next version with `name` removed (not yet committed)."""
