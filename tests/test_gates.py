@@ -1,0 +1,139 @@
+"""Composable per-adapter gates (molora.routing.gates, molora.train.gates): each gate trained alone, a new gate
+changes no other, a prompt no gate claims stays on the base model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import molora
+from molora.config import SamplingParams
+from molora.engine import Engine, EngineConfig
+from molora.errors import BundleError, RoutingError
+from molora.routing.gates import Gate, GateConfig, GateRouter
+from molora.train.gates import fit_gate, gate_threshold, train_gate
+from tests.conftest import VOCAB, make_peft_adapter, tiny_model
+
+D = 16
+ENGINE = EngineConfig(
+    max_num_seqs=4, max_tokens_per_step=32, block_size=4, kv_budget_tokens=512, max_model_len=128, stop_at_eos=False
+)
+
+
+def _prompts(center: torch.Tensor, n: int, seed: int, spread: float = 1.0) -> list[torch.Tensor]:
+    """n prompts of 5..12 tokens [T, D] scattered around `center`."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        center + spread * torch.randn(int(torch.randint(5, 13, (1,), generator=g)), D, generator=g) for _ in range(n)
+    ]
+
+
+def _centers(seed: int = 0) -> torch.Tensor:
+    return 3.0 * torch.randn(4, D, generator=torch.Generator().manual_seed(seed))  # [general, a, b, c]
+
+
+def test_training_uses_only_its_generator_and_separates_its_own_prompts_from_general_text():
+    c = _centers()
+    pos, neg = _prompts(c[1], 40, 1), _prompts(c[0], 60, 2)
+    torch.manual_seed(123)  # the global RNG must not matter
+    w1, b1 = train_gate(pos, neg, generator=torch.Generator().manual_seed(5), epochs=5)
+    torch.manual_seed(999)
+    w2, b2 = train_gate(pos, neg, generator=torch.Generator().manual_seed(5), epochs=5)
+    assert torch.equal(w1, w2) and b1 == b2
+    w3, _ = train_gate(pos, neg, generator=torch.Generator().manual_seed(6), epochs=5)
+    assert not torch.equal(w1, w3)  # the generator draws the minibatch order: the test can tell
+    test_pos, test_neg = _prompts(c[1], 20, 3), _prompts(c[0], 20, 4)
+    assert all(float((s @ w1 + b1).mean()) > 0 for s in test_pos)
+    assert all(float((s @ w1 + b1).mean()) < 0 for s in test_neg)
+
+
+def test_quantile_threshold_lets_that_share_of_general_tokens_fire():
+    c = _centers()
+    neg = _prompts(c[0], 50, 7)
+    w, b = torch.randn(D, generator=torch.Generator().manual_seed(1)), 0.3
+    thr = gate_threshold(w, b, [], neg, "quantile", 0.9)
+    scores = torch.cat([s @ w + b for s in neg])
+    assert abs(float((scores > thr).float().mean()) - 0.1) < 0.01
+    with pytest.raises(ValueError, match="threshold rule"):
+        gate_threshold(w, b, [], neg, "median", 0.5)
+
+
+def _gate(center_idx: int, seed: int = 0) -> Gate:
+    c = _centers()
+    return fit_gate(_prompts(c[center_idx], 40, 10 + center_idx), _prompts(c[0], 60, 2), seed=seed, value=0.99)
+
+
+def test_adding_a_gate_leaves_the_other_gates_bit_identical():
+    router = GateRouter(GateConfig(hidden_size=D), {"a": _gate(1), "b": _gate(2)})
+    before = {n: router.gate_of(n) for n in ("a", "b")}
+    router.add_gate("c", _gate(3))
+    assert router.adapter_names == ["a", "b", "c"]
+    for n, g in before.items():
+        after = router.gate_of(n)
+        assert torch.equal(after.weight, g.weight) and after.bias == g.bias and after.threshold == g.threshold
+    # and each gate is what training on its own data alone gives: a gate trained again is the same gate
+    again = _gate(2)
+    assert torch.equal(router.gate_of("b").weight, again.weight) and router.gate_of("b").threshold == again.threshold
+    c = _centers()
+    votes = [router.votes(p).tolist() for p in _prompts(c[3], 5, 30, spread=0.3)]
+    assert all(v.count(2) > len(v) // 2 for v in votes)  # the new adapter's prompts go to it
+    with pytest.raises(RoutingError, match="already has a gate"):
+        router.add_gate("a", _gate(1))
+    with pytest.raises(RoutingError, match="weight shape"):
+        router.add_gate("d", Gate(torch.zeros(D + 1), 0.0, 0.0))
+
+
+def test_a_prompt_no_gate_claims_stays_on_the_base_model():
+    router = GateRouter(GateConfig(hidden_size=D, prompt_share=0.5), {"a": _gate(1), "b": _gate(2)})
+    c = _centers()
+    for p in _prompts(c[0], 4, 40, spread=0.3):
+        general = router.votes(p)[None]  # [1, T]
+        assert (general == -1).all()  # no gate clears its threshold on general text
+        routes = router.prompt_routes(general)
+        assert (routes == -1).all() and router.base_only(routes).all()
+    # a prompt some of whose tokens a gate claims, but fewer than prompt_share, stays on the base too
+    votes = torch.tensor([[-1, -1, -1, 1, -1, -1], [1, 1, 1, -1, 1, 0]])
+    routes = router.prompt_routes(votes)
+    assert router.base_only(routes).tolist() == [True, False]
+    assert routes[1].tolist() == [1, 1, 1, 1, 1, 1]  # the rest of a claimed prompt and its last token: its adapter
+    # a gate above every score never fires
+    high = GateRouter(GateConfig(hidden_size=D), {"a": Gate(torch.zeros(D), 0.0, 1.0)})
+    assert (high.votes(torch.randn(7, D, generator=torch.Generator().manual_seed(0))) == -1).all()
+
+
+def test_config_and_files_are_checked(tmp_path):
+    for bad, match in (
+        ({"prompt_share": 1.5}, "prompt_share"),
+        ({"prompt_window": 0}, "prompt_window"),
+        ({"hidden_size": 0}, "hidden_size"),
+    ):
+        with pytest.raises(RoutingError, match=match):
+            GateConfig(**{"hidden_size": D, **bad})
+    router = GateRouter(GateConfig(hidden_size=D, prompt_window=32), {"a": _gate(1), "b": _gate(2)})
+    back = GateRouter.load(router.save(tmp_path / "g"))
+    assert back.config == router.config and back.adapter_names == ["a", "b"]
+    assert torch.equal(back.weight, router.weight) and torch.equal(back.threshold, router.threshold)
+    with pytest.raises(BundleError, match="cannot read"):
+        GateRouter.load(tmp_path / "missing")
+
+
+@torch.no_grad()
+def test_engine_equals_generate_and_an_unclaimed_prompt_answers_as_the_base_model(tmp_path):
+    """The gates plug in as Arrow's prompt mode does: a probe votes at the source block, the answer carries the
+    prompt's adapter; the engine gives generate's tokens; gates that never fire leave the base model's answer."""
+    paths = {f"e{i}": make_peft_adapter(tmp_path / f"e{i}", "qwen3", seed=i) for i in range(2)}
+    mm = molora.attach(tiny_model("qwen3"), paths)
+    hidden = mm.model.config.hidden_size
+    g = torch.Generator().manual_seed(3)
+    loose = {n: Gate(torch.randn(hidden, generator=g), 0.0, -100.0) for n in paths}  # every token is claimed
+    mm.router = GateRouter(GateConfig(hidden_size=hidden, source_block=-1), loose).bind(mm)
+    p = torch.randint(3, VOCAB, (13,), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=5)
+    routed = Engine(mm, ENGINE).generate([p], params, routing="auto")[0]
+    ref = mm.generate(torch.tensor([p]), adapter_ids=mm.router, max_new_tokens=5)[0, len(p) :].tolist()
+    assert routed.new_token_ids == ref
+    never = {n: Gate(torch.zeros(hidden), 0.0, 1.0) for n in paths}
+    mm.router = GateRouter(GateConfig(hidden_size=hidden, source_block=-1), never).bind(mm)
+    got, base = Engine(mm, ENGINE).generate([p, p], params, routing=["auto", "none"])
+    assert got.new_token_ids == base.new_token_ids
+    assert got.new_token_ids != routed.new_token_ids  # the routed answer differed: the test can tell
