@@ -41,6 +41,7 @@ L2S = (1e-3, 1e-2)
 RULES = [("quantile", q) for q in (0.9, 0.95, 0.98, 0.99, 0.995)] + [("youden", 0.0)]
 SHARES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
 WINDOWS = (None, 32, 64)
+AGGREGATES = ("vote", "mean")  # mean: a reference the probe cannot serve (it passes token votes, not scores)
 
 
 def train_states(mm, tasks: list[str], n_pos: int, blocks: list[int]) -> dict:  # noqa: ANN001
@@ -112,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     from molora.bench.common import machine_info
     from molora.bundle import load
-    from molora.routing.gates import GateConfig, GateRouter
-    from molora.train.gates import fit_gate
+    from molora.routing.gates import Gate, GateConfig, GateRouter
+    from molora.train.gates import gate_threshold, held_cut, train_gate
 
     if not Path(a.features).is_file():
         import arrow_variants_choose
@@ -135,27 +136,39 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.learned).write_text(json.dumps(learned_dest))
     learned_row = hit_rates(labels, learned_dest, tasks, own)
     grid, gates_of = [], {}
-    for b, l2, (rule, value) in itertools.product(blocks, L2S, RULES):
-        gates = {
-            names[own[t]]: fit_gate(
-                [s[b] for s in tr["pos"][t]], [s[b] for s in tr["neg"]], seed=0, rule=rule, value=value, l2=l2
-            )
-            for t in tasks
-        }
-        gates_of[(b, l2, rule, value)] = gates
-        router = GateRouter(GateConfig(hidden_size=f["states"][0][b].shape[1]), gates)
-        votes = [router.votes(s[b]) for s in f["states"]]
-        for share, window in itertools.product(SHARES, WINDOWS):
-            dest = [prompt_destination(v, share, window) for v in votes]
-            row = {"block": b, "l2": l2, "rule": rule, "value": value, "prompt_share": share, "window": window}
-            row.update(hit_rates(labels, dest, tasks, own))
-            grid.append(row)
+    for b, l2, aggregate in itertools.product(blocks, L2S, AGGREGATES):
+        pool = (lambda s: s.mean(0, keepdim=True)) if aggregate == "mean" else (lambda s: s)
+        pos = {t: [pool(s[b]) for s in tr["pos"][t]] for t in tasks}
+        neg = [pool(s[b]) for s in tr["neg"]]
+        cn = held_cut(len(neg), 0.2)
+        fitted = {}
+        for t in tasks:  # each gate alone: its own prompts and the general ones, seed 0 (as fit_gate)
+            cp = held_cut(len(pos[t]), 0.2)
+            w, bias = train_gate(pos[t][:cp], neg[:cn], generator=torch.Generator().manual_seed(0), l2=l2)
+            fitted[t] = (w, bias, pos[t][cp:])
+        for rule, value in RULES:
+            gates = {
+                names[own[t]]: Gate(w, bias, gate_threshold(w, bias, held, neg[cn:], rule, value))
+                for t, (w, bias, held) in fitted.items()
+            }
+            gates_of[(b, l2, aggregate, rule, value)] = gates
+            router = GateRouter(GateConfig(hidden_size=f["states"][0][b].shape[1]), gates)
+            for share, window in itertools.product(SHARES if aggregate == "vote" else (0.0,), WINDOWS):
+                if aggregate == "vote":
+                    dest = [prompt_destination(router.votes(s[b]), share, window) for s in f["states"]]
+                else:  # the mean state of the window: a linear gate's mean score (not served: reference only)
+                    dest = [int(router.votes(s[b][-(window or 0) :].mean(0, keepdim=True))[0]) for s in f["states"]]
+                row = {"block": b, "l2": l2, "aggregate": aggregate, "rule": rule, "value": value}
+                row.update({"prompt_share": share, "window": window, **hit_rates(labels, dest, tasks, own)})
+                grid.append(row)
         print(
             json.dumps(max((r for r in grid if r["block"] == b), key=lambda r: (r["general"] >= 95, r["skills_mean"])))
         )
     ok = [r for r in grid if r["general"] >= 95] or grid
+    served = [r for r in ok if r["aggregate"] == "vote"]
+    best_mean = max((r for r in ok if r["aggregate"] == "mean"), key=lambda r: r["skills_mean"], default=None)
     best = max(
-        ok,
+        served,
         key=lambda r: (
             r["skills_mean"],
             r["mixed_turn2"],
@@ -182,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             for b in blocks
         },
         "chosen": best,
+        "best_mean_pooled": best_mean,
         "arrow_prompt_chosen": {k: arrow[k] for k in (*tasks, "general", "mixed_turn1", "mixed_turn2", "skills_mean")},
         "learned": learned_row,
         "seconds": round(time.time() - t0, 1),
@@ -196,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_share=c["prompt_share"],
             prompt_window=c["window"],
         )
-        GateRouter(cfg, gates_of[(c["block"], c["l2"], c["rule"], c["value"])]).save(a.gates_out)
+        GateRouter(cfg, gates_of[(c["block"], c["l2"], "vote", c["rule"], c["value"])]).save(a.gates_out)
     return 0
 
 

@@ -137,3 +137,41 @@ def test_engine_equals_generate_and_an_unclaimed_prompt_answers_as_the_base_mode
     got, base = Engine(mm, ENGINE).generate([p, p], params, routing=["auto", "none"])
     assert got.new_token_ids == base.new_token_ids
     assert got.new_token_ids != routed.new_token_ids  # the routed answer differed: the test can tell
+
+
+@torch.no_grad()
+def test_a_bundle_and_the_router_flag_serve_saved_gates(tmp_path):
+    """A bundle names its gates (router kind "gates", or a gates/ folder beside another router for `--router
+    gates`); `--router DIR` with a gates.json becomes that router; the loaded router is bound and routes."""
+    from molora.bundle import make_router, run_prompt, write_manifest
+    from molora.userbundle import router_entry
+    from tests.conftest import tiny_tokenizer
+
+    base = tmp_path / "base"
+    tiny_model("llama").save_pretrained(str(base))
+    tiny_tokenizer().save_pretrained(str(base))
+    paths = {f"e{i}": make_peft_adapter(tmp_path / f"e{i}", "llama", seed=i) for i in range(2)}
+    hidden = tiny_model("llama").config.hidden_size
+    g = torch.Generator().manual_seed(4)
+    gates = {n: Gate(torch.randn(hidden, generator=g), 0.0, -100.0) for n in paths}
+    GateRouter(GateConfig(hidden_size=hidden, source_block=-1), gates).save(tmp_path / "gates")
+    assert router_entry(str(tmp_path / "gates")) == {"kind": "gates", "path": str((tmp_path / "gates").resolve())}
+    adapters = [{"name": n, "path": str(p)} for n, p in paths.items()]
+    write_manifest(
+        tmp_path,
+        {
+            "name": "g",
+            "base": "base",
+            "adapters": adapters,
+            "router": {"kind": "gates", "path": "gates", "prompt_share": 0.5},
+        },
+    )
+    mm = molora.load(tmp_path)
+    assert isinstance(mm.router, GateRouter) and mm.router.config.prompt_share == 0.5  # the manifest's setting
+    res = run_prompt(mm, "w5 w9 w40 w77", max_new_tokens=3, trace=True)
+    assert len(res.answer_ids) >= 1 and set(res.adapters) - {None} <= {"e0", "e1"} and set(res.adapters) != {None}
+    write_manifest(tmp_path, {"name": "g", "base": "base", "adapters": adapters})  # no router: gates/ beside
+    assert isinstance(make_router(molora.load(tmp_path).bundle, "gates"), GateRouter)
+    (tmp_path / "gates" / "gates.json").rename(tmp_path / "gates" / "moved.json")
+    with pytest.raises(BundleError, match="cannot read the gate router"):
+        make_router(molora.load(tmp_path).bundle, "gates")

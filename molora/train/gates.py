@@ -129,6 +129,11 @@ def fit_gate(
     """One adapter's `Gate` from its own prompts' states `pos` and the general prompts' states `neg` (each [T, D]):
     the last `held` share of each set sets the threshold (`gate_threshold`), the rest trains it (`train_gate`,
     generator seeded with `seed`). Callers shuffle the sets beforehand if their order means anything."""
-    cut_p, cut_n = len(pos) - max(1, int(held * len(pos))), len(neg) - max(1, int(held * len(neg)))
+    cut_p, cut_n = held_cut(len(pos), held), held_cut(len(neg), held)
     w, b = train_gate(pos[:cut_p], neg[:cut_n], generator=torch.Generator().manual_seed(seed), l2=l2)
     return Gate(w, b, gate_threshold(w, b, pos[cut_p:], neg[cut_n:], rule, value))
+
+
+def held_cut(n: int, held: float) -> int:
+    """Where `fit_gate` splits n prompts: [:cut] train the gate, [cut:] (at least one) set its threshold."""
+    return n - max(1, int(held * n))
