@@ -19,7 +19,9 @@ move, as its gates decide per token).
 
 Grid: block x l2 x threshold rule (quantile of general scores 0.9..0.995, or Youden on the held-out sets) x
 prompt_share x window. Choice: as Arrow's, the highest skills mean among settings keeping >= 95% of general
-validation prompts on the base model (ties: mixed second turns, then the larger share and window).
+validation prompts on the base model (ties: mixed second turns, general prompts kept home, then the larger share
+and the shorter window). "mean" (aggregate) is a reference only: the gates' score of the window's mean state, which
+the probe cannot serve (it hands the prompt vote token decisions, not scores).
 """
 
 from __future__ import annotations
@@ -93,6 +95,13 @@ def learned_destinations(mm, f: dict) -> list[int]:  # noqa: ANN001
     return out
 
 
+def choice_key(r: dict) -> tuple:
+    """Highest skills mean, then mixed second turns, then general prompts kept home, then the larger share and
+    the shorter window (the stricter vote)."""
+    window = -1 if r["window"] is None else -r["window"]
+    return (r["skills_mean"], r["mixed_turn2"], r["general"], r["prompt_share"], window)
+
+
 def prompt_destination(votes: torch.Tensor, share: float, window: int | None) -> int:
     from molora.routing.base import fill_prompt_routes
 
@@ -161,21 +170,11 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"block": b, "l2": l2, "aggregate": aggregate, "rule": rule, "value": value}
                 row.update({"prompt_share": share, "window": window, **hit_rates(labels, dest, tasks, own)})
                 grid.append(row)
-        print(
-            json.dumps(max((r for r in grid if r["block"] == b), key=lambda r: (r["general"] >= 95, r["skills_mean"])))
-        )
+
     ok = [r for r in grid if r["general"] >= 95] or grid
     served = [r for r in ok if r["aggregate"] == "vote"]
     best_mean = max((r for r in ok if r["aggregate"] == "mean"), key=lambda r: r["skills_mean"], default=None)
-    best = max(
-        served,
-        key=lambda r: (
-            r["skills_mean"],
-            r["mixed_turn2"],
-            r["prompt_share"],
-            -1 if r["window"] is None else -r["window"],
-        ),
-    )
+    best = max(served, key=choice_key)
     arrow = json.loads(Path("docs/arrow_variants_choice.json").read_text())["chosen"]
     rec = {
         "command": f"python scripts/gates_choose.py --json {a.json} --n-pos {a.n_pos}",
@@ -189,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "dropped_heldout_overlap": tr["dropped_heldout_overlap"],
         "blocks": blocks,
         "settings_searched": len(grid),
-        "grid_top": sorted(ok, key=lambda r: -r["skills_mean"])[:40],
+        "grid_top": sorted(ok, key=choice_key, reverse=True)[:60],
         "best_per_block": {
             str(b): max((r for r in ok if r["block"] == b), key=lambda r: r["skills_mean"], default=None)
             for b in blocks

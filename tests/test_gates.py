@@ -145,12 +145,8 @@ def test_a_bundle_and_the_router_flag_serve_saved_gates(tmp_path):
     gates`); `--router DIR` with a gates.json becomes that router; the loaded router is bound and routes."""
     from molora.bundle import make_router, run_prompt, write_manifest
     from molora.userbundle import router_entry
-    from tests.conftest import tiny_tokenizer
 
-    base = tmp_path / "base"
-    tiny_model("llama").save_pretrained(str(base))
-    tiny_tokenizer().save_pretrained(str(base))
-    paths = {f"e{i}": make_peft_adapter(tmp_path / f"e{i}", "llama", seed=i) for i in range(2)}
+    paths = _tiny_bundle_parts(tmp_path, 2)
     hidden = tiny_model("llama").config.hidden_size
     g = torch.Generator().manual_seed(4)
     gates = {n: Gate(torch.randn(hidden, generator=g), 0.0, -100.0) for n in paths}
@@ -175,3 +171,44 @@ def test_a_bundle_and_the_router_flag_serve_saved_gates(tmp_path):
     (tmp_path / "gates" / "gates.json").rename(tmp_path / "gates" / "moved.json")
     with pytest.raises(BundleError, match="cannot read the gate router"):
         make_router(molora.load(tmp_path).bundle, "gates")
+
+
+def _tiny_bundle_parts(tmp_path, n: int) -> dict:
+    from tests.conftest import tiny_tokenizer
+
+    base = tmp_path / "base"
+    tiny_model("llama").save_pretrained(str(base))
+    tiny_tokenizer().save_pretrained(str(base))
+    return {f"e{i}": make_peft_adapter(tmp_path / f"e{i}", "llama", seed=i) for i in range(n)}
+
+
+@torch.no_grad()
+def test_train_gates_adds_a_gate_without_touching_the_others(tmp_path):
+    """`molora train-gates` for one adapter keeps every other adapter's gate in the folder bit for bit."""
+    from molora.bundle import write_manifest
+    from molora.train.gates import train_gates_for_bundle
+
+    paths = _tiny_bundle_parts(tmp_path, 3)
+    adapters = [{"name": n, "path": str(p)} for n, p in paths.items()]
+    write_manifest(tmp_path, {"name": "g", "base": "base", "adapters": adapters})
+    mm = molora.load(tmp_path)
+    words = {
+        n: [" ".join(f"w{10 * i + j % 7}" for j in range(k, k + 6)) for k in range(12)] for i, n in enumerate(paths)
+    }
+    out = tmp_path / "gates"
+    settings = {"source_block": -1}
+    general = [" ".join(f"w{50 + (k * 7 + j) % 40}" for j in range(8)) for k in range(20)]  # the gates' negatives
+    first = train_gates_for_bundle(
+        mm, {"e0": words["e0"], "e1": words["e1"]}, out=out, settings=settings, negatives=general
+    )
+    assert set(first["trained"]) == {"e0", "e1"} and first["kept"] == []
+    before = GateRouter.load(out)
+    second = train_gates_for_bundle(mm, {"e2": words["e2"]}, out=out, settings=settings, negatives=general)
+    assert second["kept"] == ["e0", "e1"]
+    after = GateRouter.load(out)
+    assert after.adapter_names == ["e0", "e1", "e2"]
+    for n in ("e0", "e1"):
+        a, b = after.gate_of(n), before.gate_of(n)
+        assert torch.equal(a.weight, b.weight) and a.bias == b.bias and a.threshold == b.threshold
+    with pytest.raises(molora.errors.MoLoRAError, match="lacks"):
+        train_gates_for_bundle(mm, {"nope": words["e0"]}, out=out)

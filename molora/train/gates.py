@@ -15,6 +15,7 @@ given generator: the same generator state gives the same gate, bit for bit.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -137,3 +138,75 @@ def fit_gate(
 def held_cut(n: int, held: float) -> int:
     """Where `fit_gate` splits n prompts: [:cut] train the gate, [cut:] (at least one) set its threshold."""
     return n - max(1, int(held * n))
+
+
+# the settings scripts/gates_choose.py chose on the default bundle's validation prompts (docs/gates_choice.json)
+CHOSEN = {"source_block": -15, "l2": 0.01, "rule": "youden", "value": 0.0, "prompt_share": 0.4, "prompt_window": 32}
+
+
+def general_negatives() -> list[str]:
+    """The general prompts every gate is trained against: the general train split (Self-Instruct, GSM8K) and the
+    default recipe's everyday topic prompts, in a fixed shuffled order (no adapter's data)."""
+    import random
+
+    from molora.data.general import general_split, topic_prompts
+    from molora.data.skills import TRAIN_SEED_BASE
+
+    general = [r["prompt"] for r in general_split()["train"]]
+    general += [r["prompt"] for r in topic_prompts(200, TRAIN_SEED_BASE + 99)]
+    random.Random(2).shuffle(general)
+    return general
+
+
+def train_gates_for_bundle(
+    mm: Any,
+    prompts: dict[str, list[str]],
+    *,
+    out: Path,
+    seed: int = 0,
+    settings: dict | None = None,
+    negatives: Sequence[str] | None = None,
+) -> dict:
+    """Gates for the adapters named in `prompts` (adapter -> its own training prompts), each trained alone against
+    `negatives` (default `general_negatives()`) with `settings` (default CHOSEN), written to the GateRouter folder
+    `out`. A gate already in `out` for another adapter is kept as it is, bit for bit (composable: only the named
+    adapters' gates are trained); one for a named adapter is replaced. Returns a report per gate."""
+    import random
+
+    from molora.errors import MoLoRAError
+    from molora.routing.gates import GateConfig, GateRouter
+    from molora.routing.learned import decoder_layers
+
+    s = {**CHOSEN, **(settings or {})}
+    unknown = [n for n in prompts if n not in mm.adapter_names]
+    if unknown:
+        raise MoLoRAError(f"gates for adapters {unknown} that the model lacks (it has {mm.adapter_names})")
+    template = mm.bundle.prompt_template
+
+    def ids(p: str) -> list[int]:
+        return list(mm.tokenizer(template.replace("{prompt}", p), add_special_tokens=False)["input_ids"])
+
+    n_blocks = len(decoder_layers(mm.model))
+    block = s["source_block"] + n_blocks if s["source_block"] < 0 else s["source_block"]
+    cfg = GateConfig(
+        hidden_size=mm.model.config.hidden_size,
+        source_block=s["source_block"],
+        prompt_share=s["prompt_share"],
+        prompt_window=s["prompt_window"],
+    )
+    old = GateRouter.load(out) if (Path(out) / "gates.json").is_file() else None
+    router = GateRouter(cfg)
+    if old is not None:
+        for n in old.adapter_names:
+            if n not in prompts:
+                router.add_gate(n, old.gate_of(n))
+    neg = [st[block] for st in prompt_states(mm, [ids(p) for p in (negatives or general_negatives())], [block])]
+    report = {}
+    for name, own in prompts.items():
+        own = list(own)
+        random.Random(1).shuffle(own)
+        pos = [st[block] for st in prompt_states(mm, [ids(p) for p in own], [block])]
+        router.add_gate(name, fit_gate(pos, neg, seed=seed, rule=s["rule"], value=s["value"], l2=s["l2"]))
+        report[name] = {"prompts": len(pos), "general_prompts": len(neg)}
+    router.save(out)
+    return {"gates": str(out), "trained": report, "kept": [n for n in router.adapter_names if n not in prompts]}
