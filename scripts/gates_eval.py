@@ -161,6 +161,13 @@ def render_section(rec: dict) -> list[str]:
         if ch.get("best_mean_pooled"):
             out.append(_row("gates, mean-pooled state (not served)", ch["best_mean_pooled"], cols))
         out += [_row("prompt-Arrow (chosen)", ch["arrow_prompt_chosen"], cols), _row("learned", ch["learned"], cols)]
+        ties = sum(1 for r in ch["grid_top"] if r["skills_mean"] == b["skills_mean"] and r["aggregate"] == "vote")
+        out += [
+            "",
+            f"At least {ties} served settings (of the {len(ch['grid_top'])} best the record keeps) reach the chosen "
+            "skills mean on validation, so the tie-breaks (two-skill second turns, then general prompts kept home) "
+            "decide among them; the validation set cannot rank them further.",
+        ]
         out.append("")
     tasks = list(rec["skills"])
     modes = list(next(iter(rec["skills"].values())))
