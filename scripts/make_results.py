@@ -642,6 +642,7 @@ SECTIONS = [
     ("arrow_prompt.json", "arrow_prompt_eval.py"),
     ("arrow_cost.json", "arrow_cost.py"),
     ("gates_prompt.json", "gates_eval.py"),
+    ("gates_cost.json", "arrow_cost.py"),
     ("multimodal.json", "make_multimodal.py"),
 ]
 
