@@ -152,7 +152,8 @@ def render_section(rec: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     out += [
-        f"| {p['task']} | {p['repeat']} | {p['first']} | {p['arrow_s']:.1f} | {p['own_s']:.1f} | {p['arrow_tokens']} "
+        f"| {p['task']} | {p['repeat']} | {col if p['first'] == 'arrow' else p['first']} | {p['arrow_s']:.1f} "
+        f"| {p['own_s']:.1f} | {p['arrow_tokens']} "
         f"| {p['own_tokens']} | {p['time_ratio']:.2f} | {p['per_token_ratio']:.2f} |"
         for p in rec["pairs"]
     ]
