@@ -82,6 +82,7 @@ __all__ = [  # the manifest's and the prompts' names are re-exported: their impo
     "write_manifest",
 ]
 
+GATES_FOLDER = "gates"  # where a bundle keeps per-adapter gates beside another router (`--router gates`)
 QUANT_CALIBRATION_ROWS = 16  # general prompts with their answers an int8 base reads on load (SmoothQuant)
 
 
@@ -97,6 +98,22 @@ def make_router(bundle: Bundle, kind: str | None = None, tokenizer: Any = None) 
         return ArrowRouter(
             ArrowConfig.from_json(options, where=f"bundle {bundle.name!r} router"), [a.name for a in bundle.adapters]
         )
+    if kind == "gates":  # composable per-adapter gates (molora.routing.gates): the manifest's, else <bundle>/gates
+        from molora.routing.gates import GateRouter
+
+        own = bundle.router_kind == "gates"
+        folder = bundle.router_path if own and bundle.router_path else bundle.folder / GATES_FOLDER
+        if not folder.is_dir():
+            raise BundleError(
+                f"bundle {bundle.name!r} has no per-adapter gates ({folder} is missing); train them with "
+                "scripts/gates_choose.py --gates-out DIR and name DIR as the router (kind gates)"
+            )
+        options = {k: v for k, v in bundle.router_options.items() if k not in ("kind", "path")} if own else {}
+        gates = GateRouter.load(folder, options)
+        unknown = [n for n in gates.adapter_names if n not in {a.name for a in bundle.adapters}]
+        if unknown:
+            raise BundleError(f"bundle {bundle.name!r}: gates for adapters {unknown} the manifest does not list")
+        return gates
     if kind == "learned":
         from molora.routing.learned import LearnedRouter
 

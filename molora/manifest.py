@@ -37,7 +37,7 @@ from pathlib import Path
 from molora.errors import BundleError
 
 MANIFEST = "molora.json"
-ROUTER_KINDS = ("learned", "arrow", "vocab", "sequence", "none")
+ROUTER_KINDS = ("learned", "arrow", "gates", "vocab", "sequence", "none")
 FORMAT = "molora-bundle/1"
 DEFAULT_BUNDLE_DIR = Path(__file__).parent / "default_bundle"
 CHATML_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
@@ -149,8 +149,8 @@ def parse_manifest(raw: dict, folder: Path, where: str) -> Bundle:
         except (RoutingError, TypeError) as e:
             raise BundleError(f"{path}: router: {e}") from e
     router_path = (folder / router["path"]).resolve() if router.get("path") else None
-    if kind == "learned" and (router_path is None or not router_path.is_dir()):
-        raise BundleError(f"{path}: learned router folder {router_path} is missing")
+    if kind in ("learned", "gates") and (router_path is None or not router_path.is_dir()):
+        raise BundleError(f"{path}: {kind} router folder {router_path} is missing")
     if raw.get("quantization") not in (None, "int8", "int4"):  # molora.ops.quant.SCHEMES
         raise BundleError(f'{path}: "quantization" must be "int8" or "int4" (or absent), got {raw["quantization"]!r}')
     for key, kind_ in (("slots", int), ("max_rank", int), ("target_modules", list), ("chat_template", str)):

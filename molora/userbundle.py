@@ -134,9 +134,11 @@ def router_entry(value: str | None) -> dict:
             f"--router {value!r}: give none, arrow, or the folder of a router trained by "
             "`molora train-router` (it holds router.json)"
         )
+    if (p / "gates.json").is_file():  # per-adapter gates (molora.routing.gates), each trained on its adapter's prompts
+        return {"kind": "gates", "path": str(p.resolve())}
     if not (p / "router.json").is_file():
         raise FlagError(
-            f"--router {value!r}: {p.resolve()} holds no router.json; train one with "
+            f"--router {value!r}: {p.resolve()} holds no router.json (nor gates.json); train one with "
             "`molora train-router --bundle DIR --data NAME=FILE ...`"
         )
     return {"kind": "learned", "path": str(p.resolve())}

@@ -45,14 +45,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default="runs/arrow_cost")
+    ap.add_argument(
+        "--gates",
+        default=None,
+        help="measure the per-adapter gates of this GateRouter folder (molora.routing.gates) instead of Arrow",
+    )
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     load_before = os.getloadavg()
-    fields = served_config(json.loads(Path(a.choice).read_text()))
-    cfg = ArrowConfig(**fields)
     mm = load(None)
     learned = mm.router
-    router = ArrowRouter(cfg, mm.adapter_names).bind(mm)
+    router: Any
+    if a.gates:  # the "arrow" variant of the pairs is then the gates (the record's "router" says which)
+        from molora.routing.gates import GateRouter
+
+        router = GateRouter.load(a.gates).bind(mm)
+        fields = {**router.config.__dict__, "gates": a.gates}
+    else:
+        fields = served_config(json.loads(Path(a.choice).read_text()))
+        router = ArrowRouter(ArrowConfig(**fields), mm.adapter_names).bind(mm)
     banned = training_inputs(mm.bundle)
     tasks = [ad.tasks[0] for ad in mm.bundle.adapters if ad.tasks]
     work = Path(a.work)
@@ -102,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(pairs[-1]), file=sys.stderr)
     rec = {
         "command": f"python scripts/arrow_cost.py --choice {a.choice} --json {a.json} --limit {a.limit} "
-        f"--repeats {a.repeats} --threads {a.threads}",
+        f"--repeats {a.repeats} --threads {a.threads}" + (f" --gates {a.gates}" if a.gates else ""),
+        "router": "gates" if a.gates else "arrow",
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info(),
         "loadavg_before": [round(x, 2) for x in load_before],
@@ -120,24 +132,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render_section(rec: dict) -> list[str]:
-    """docs/results.md's cost section of data-free routing (markdown lines) from docs/arrow_cost.json."""
+    """docs/results.md's cost section of data-free routing (markdown lines) from docs/arrow_cost.json, or of the
+    per-adapter gates from docs/gates_cost.json (the pairs' "arrow" side is then the gates)."""
     ok = rec["median_time_ratio"] <= 1.25
+    who = "the per-adapter gates" if rec.get("router") == "gates" else "prompt-level Arrow"
+    col = "gates" if rec.get("router") == "gates" else "arrow"
     out = [
-        "## What `--router arrow` costs",
+        f"## What `--router {rec.get('router', 'arrow')}` costs",
         "",
         f"`{rec['command']}` on {rec['date']} ({rec['machine']['cpu']}, {rec['machine']['cores']} cores shared, "
         f"load average {rec['loadavg_before'][0]} before and {rec['loadavg_after'][0]} after): the first "
-        f"{rec['limit']} validation items of each skill answered end to end (probe pass included) under prompt-level "
-        f"Arrow and under the skill's own adapter alone, interleaved with the order rotated, {rec['repeats']} "
+        f"{rec['limit']} validation items of each skill answered end to end (probe pass included) under {who} "
+        f"and under the skill's own adapter alone, interleaved with the order rotated, {rec['repeats']} "
         f"repetitions. Median time ratio **{rec['median_time_ratio']:.2f}x** (goal <= 1.25x: "
         f"{'met' if ok else 'not met'}); median ratio of seconds per answer token "
         f"{rec['median_per_token_ratio']:.2f}x (answers differ in length where routing differs).",
         "",
-        "| skill | repetition | first | arrow s | own s | arrow tokens | own tokens | time ratio | per-token ratio |",
+        f"| skill | repetition | first | {col} s | own s | {col} tokens | own tokens | time ratio | per-token ratio |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     out += [
-        f"| {p['task']} | {p['repeat']} | {p['first']} | {p['arrow_s']:.1f} | {p['own_s']:.1f} | {p['arrow_tokens']} "
+        f"| {p['task']} | {p['repeat']} | {col if p['first'] == 'arrow' else p['first']} | {p['arrow_s']:.1f} "
+        f"| {p['own_s']:.1f} | {p['arrow_tokens']} "
         f"| {p['own_tokens']} | {p['time_ratio']:.2f} | {p['per_token_ratio']:.2f} |"
         for p in rec["pairs"]
     ]

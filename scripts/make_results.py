@@ -641,6 +641,8 @@ SECTIONS = [
     ("arrow.json", "make_arrow.py"),
     ("arrow_prompt.json", "arrow_prompt_eval.py"),
     ("arrow_cost.json", "arrow_cost.py"),
+    ("gates_prompt.json", "gates_eval.py"),
+    ("gates_cost.json", "arrow_cost.py"),
     ("multimodal.json", "make_multimodal.py"),
 ]
 

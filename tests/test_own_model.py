@@ -244,6 +244,23 @@ def test_router_arrow_routes_the_base_name_by_prompt_level_arrow(own):
         assert len(adapters) == 8 and len(set(adapters)) == 1 and set(adapters) <= {"a", "b", None}
 
 
+def test_router_gates_folder_serves_the_base_name_by_per_adapter_gates(own, tmp_path):
+    from molora.routing.gates import Gate, GateConfig, GateRouter
+
+    hidden = json.loads((Path(own["base"]) / "config.json").read_text())["hidden_size"]
+    g = torch.Generator().manual_seed(0)
+    gates = {n: Gate(torch.randn(hidden, generator=g), 0.0, -100.0) for n in ("a", "b")}  # every token claimed
+    GateRouter(GateConfig(hidden_size=hidden, source_block=-1), gates).save(tmp_path / "gates")
+    argv = ("--model", str(own["base"]), "--lora-modules", f"a={own['a']}", f"b={own['b']}")
+    engine = build_engine(own_bundle(_serve_args(*argv, "--router", str(tmp_path / "gates"))), ENGINE)
+    assert isinstance(engine.mm.router, GateRouter) and engine.mm.router.adapter_names == ["a", "b"]
+    with ServerThread(create_app(engine)) as url, httpx.Client(base_url=url, timeout=60) as http:
+        body = {"model": str(own["base"]), "prompt": "w40 w41 w42 w43", "max_tokens": 8, "ignore_eos": True}
+        r = http.post("/completions", json={**body, "molora": {"return_routing": True}}).json()
+        adapters = r["choices"][0]["molora"]["adapters"]
+        assert len(adapters) == 8 and len(set(adapters)) == 1 and set(adapters) <= {"a", "b"}  # the prompt's one gate
+
+
 def test_bundle_init_train_router_then_serve_it(own, tmp_path):
     bundle = tmp_path / "bundle"
     assert (

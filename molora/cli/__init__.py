@@ -6,7 +6,7 @@
     molora codes-png TEXT --out F.png   the image codes of a digits-bundle answer as a PNG
     molora serve [--model M --lora-modules NAME=PATH ...]   the OpenAI-compatible server (vLLM's flags)
     molora bundle init|check / setup-default
-    molora train-adapter / train-routed / train-router / build-default / eval / bench
+    molora train-adapter / train-routed / train-router / train-gates / build-default / eval / bench
 
 One module per group of commands (generate, train, serve, evaluate), each registering its commands in
 `molora.cli.registry`; this module builds the parser and runs one.
@@ -36,6 +36,7 @@ ORDER = (
     "train-adapter",
     "train-routed",
     "train-router",
+    "train-gates",
     "build-default",
     "build-multimodal",
     "eval",

@@ -90,8 +90,9 @@ def _route_args(p: argparse.ArgumentParser) -> None:
         "--router",
         dest="routing",
         default=None,
-        choices=["learned", "arrow", "vocab", "sequence"],
-        help="router to use (default: the bundle's); arrow routes from the adapters' weights, no training",
+        choices=["learned", "arrow", "gates", "vocab", "sequence"],
+        help="router to use (default: the bundle's); arrow routes from the adapters' weights, no training; gates: "
+        "one gate per adapter, each trained on its own adapter's prompts only",
     )
     p.add_argument("--adapter", default=None, help="pin one adapter instead of routing")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")

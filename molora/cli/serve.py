@@ -197,7 +197,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="none|arrow|DIR",
         help="what model=<the base name> runs: none (the base model, default), arrow (per-token routing "
-        "from the adapters' weights, no training) or a router folder from `molora train-router`",
+        "from the adapters' weights, no training) or a router folder from `molora train-router` (or per-adapter "
+        "gates from `molora train-gates`)",
     )
     own.add_argument(
         "--served-model-name",

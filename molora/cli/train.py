@@ -1,4 +1,4 @@
-"""`molora train-adapter | train-routed | train-router | build-default | build-multimodal`."""
+"""`molora train-adapter | train-routed | train-router | train-gates | build-default | build-multimodal`."""
 
 from __future__ import annotations
 
@@ -217,6 +217,37 @@ def _train_router(args: argparse.Namespace) -> int:
     data = dict(d.split("=", 1) for d in args.data)
     report = train_router_for_bundle(mm, data, cfg, limit=args.limit, mixed=args.mixed, seed=args.seed)
     print(json.dumps(report))
+    return 0
+
+
+def _train_gates_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", required=True, help="bundle folder whose adapters get gates")
+    p.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        metavar="ADAPTER=FILE",
+        help="an adapter's own JSONL data (repeatable; its prompts are used): only these adapters' gates are "
+        "trained, the gates of others already in --out are kept unchanged",
+    )
+    p.add_argument("--out", default=None, help="gates folder (default: BUNDLE/gates, what --router gates loads)")
+    p.add_argument("--limit", type=int, default=200, help="prompts per data file at most (default 200)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+@command("train-gates", _train_gates_args)
+def _train_gates(args: argparse.Namespace) -> int:
+    """Train one gate per named adapter on its own prompts against general text (composable: no retraining)."""
+    from molora.bundle import GATES_FOLDER, load
+    from molora.train.adapter import read_examples
+    from molora.train.gates import train_gates_for_bundle
+
+    if not args.data:
+        raise MoLoRAError("give --data ADAPTER=FILE for each adapter whose gate to train")
+    mm = load(args.bundle)
+    prompts = {k: [p for p, _ in read_examples(v)[: args.limit]] for k, v in (d.split("=", 1) for d in args.data)}
+    out = Path(args.out) if args.out else mm.bundle.folder / GATES_FOLDER
+    print(json.dumps(train_gates_for_bundle(mm, prompts, out=out, seed=args.seed)))
     return 0
 
 

@@ -2,11 +2,15 @@
 
 from molora.routing.arrow import ArrowConfig, ArrowRouter
 from molora.routing.base import OracleRouter, Router, Routing, SequenceRouter, VocabRouter, adapter_index
+from molora.routing.gates import Gate, GateConfig, GateRouter
 from molora.routing.merge import UniformMergeRouter
 
 __all__ = [
     "ArrowConfig",
     "ArrowRouter",
+    "Gate",
+    "GateConfig",
+    "GateRouter",
     "OracleRouter",
     "Router",
     "Routing",
