@@ -81,10 +81,10 @@ def test_cold_read_runs_on_the_loader_thread_while_other_requests_decode(paths, 
     gate, threads = threading.Event(), []
     read = mm.read
 
-    def slow_read(name, path, *, roots=None):
+    def slow_read(name, path, **kw):
         threads.append(threading.current_thread().name)
         assert gate.wait(30), "the test never released the read"
-        return read(name, path, roots=roots)
+        return read(name, path, **kw)
 
     monkeypatch.setattr(mm, "read", slow_read)
     cold_prompt, warm_prompt = _prompt(7, 1), _prompt(5, 2)

@@ -295,6 +295,28 @@ def test_learned_routing_in_a_mixed_batch_respects_allowed_adapters(paths):
         engine.add_request(p, GREEDY, routing="vocab")
 
 
+def test_learned_requests_with_different_allowed_sets_share_one_decision_per_block(paths):
+    """Requests with four different allowed sets in one batch: each gets the tokens and adapters it gets alone, and
+    the router decides once per block for all of them (one group with a mask per row), not once per set."""
+    mm = _mm(paths)
+    router = mm.router = StandInRouter()
+    engine = Engine(mm, CFG)
+    sets = [None, ["a"], ["b"], ["b", "a"]]
+    prompts = [_prompt(11, 5), _prompt(9, 7), _prompt(11, 5), _prompt(6, 8)]
+    alone = [engine.generate([p], GREEDY, allowed_adapters=[a])[0] for p, a in zip(prompts, sets)]
+    calls: list[int] = []
+    decide = router.decide
+    router.decide = lambda block, hidden, allowed=None: calls.append(hidden.shape[0]) or decide(block, hidden, allowed)
+    steps = engine.steps
+    outs = engine.generate(prompts, GREEDY, allowed_adapters=sets, routing=["learned"] * 4)
+    for got, ref, a in zip(outs, alone, sets):
+        assert got.new_token_ids == ref.new_token_ids and got.token_adapters == ref.token_adapters
+        assert a is None or set(got.token_adapters) <= set(a)
+    assert set(outs[1].token_adapters) == {"a"} and set(outs[2].token_adapters) == {"b"}
+    assert len(prompts) in calls  # a decode step: the four sets' rows in one call
+    assert len(calls) == (engine.steps - steps) * mm.config.num_hidden_layers  # once per block and step
+
+
 # ------------------------------------------------------------------------------------------ safety
 
 

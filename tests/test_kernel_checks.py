@@ -381,6 +381,7 @@ def block_args() -> dict:
         scaling=0.25,
         window=0,
         watched=[],
+        held=[],
     )
 
 

@@ -557,6 +557,58 @@ def test_bound_decode_blocks_follow_adapter_loads_scales_and_weights(tmp_path, m
     check()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_slot_written_between_decode_steps_is_read_by_the_next_one_call_step(tmp_path, monkeypatch, dtype):
+    """What the hot set does under traffic, between two decode steps of the same sequences: an adapter loaded into a
+    free slot, another unloaded and a third loaded into the slot it left. The next one-call decode steps compute
+    with the new slot contents, equal bit for bit to the kernel-by-kernel path (which reads the bank afresh); in
+    float32, where the bound blocks read the slot tensors in place, no block is bound again (a bfloat16 bank's scales
+    reach the kernel as a float32 copy, so its blocks bind again)."""
+    from molora.model.block import Block
+    from molora.ops import fused_cpu
+
+    if not fused_cpu.available() or (dtype == torch.bfloat16 and not fused_cpu.amx()):
+        pytest.skip("molora's C++ kernels (and, for bfloat16, the AMX tiles) are needed")
+    mm, _ = _one_call_model(tmp_path, "llama")  # a in slot 0, b in slot 1 (of 4)
+    extra = {"c": dict(SPECS["b"], seed=7), "d": dict(SPECS["a"], seed=8)}  # no linear gains or loses its last adapter
+    paths = {n: make_peft_adapter(tmp_path / n, "llama", **spec) for n, spec in extra.items()}
+    mm.to(dtype)
+    runners = [ModelRunner(mm, num_blocks=32, block_size=4, max_model_len=64, pack_weights=True) for _ in range(2)]
+    _one_call_off(monkeypatch, runners[1])
+    binds: list[int] = []
+    bind = Block._bind
+    monkeypatch.setattr(Block, "_bind", lambda self, *a: binds.append(self.index) or bind(self, *a))
+    lens = [5, 9, 3]
+    pager = _Pager(4)
+    tables = [pager.table(i, n + 4) for i, n in enumerate(lens)]
+    seqs = [_seq(n, 30 + i) for i, n in enumerate(lens)]
+
+    def both(tokens: torch.Tensor, positions: torch.Tensor, meta: BatchMeta, slots: list[int]) -> torch.Tensor:
+        routing = StepRouting(torch.tensor(slots).repeat_interleave(torch.tensor(meta.query_lens))[:, None])
+        a, b = (r(tokens, positions, meta, routing, logits=True).logits for r in runners)
+        assert a.dtype == dtype and torch.equal(a, b)
+        return a
+
+    positions = torch.cat([torch.arange(n) for n in lens])
+    logits = both(torch.cat(seqs), positions, BatchMeta(lens, lens, tables), [0, 1, -1])  # the prompts
+
+    def decode(step: int, slots: list[int]) -> torch.Tensor:
+        ctx = [n + 1 + step for n in lens]
+        return both(logits.argmax(-1), torch.tensor([c - 1 for c in ctx]), BatchMeta([1, 1, 1], ctx, tables), slots)
+
+    logits = decode(0, [0, 1, 1])  # binds every block
+    assert len(binds) == len(runners[0].blocks)
+    before = mm.bank.slots["model.layers.0.self_attn.q_proj"].A[1].clone()
+    assert mm.load_adapter("c", paths["c"]) == 2
+    mm.unload_adapter("b")
+    assert mm.load_adapter("d", paths["d"]) == 1  # b's slot, other weights
+    assert not torch.equal(mm.bank.slots["model.layers.0.self_attn.q_proj"].A[1], before)
+    binds.clear()
+    logits = decode(1, [1, 2, 0])
+    logits = decode(2, [2, 1, 1])
+    assert binds == ([] if dtype == torch.float32 else [b.index for b in runners[0].blocks])
+
+
 @torch.no_grad()
 def test_decode_block_keeps_the_kernel_by_kernel_path_where_a_piece_is_not_its_own(tmp_path):
     """Qwen3's q/k norms and weights left unpacked leave no block to bind; a prefill step, a per-linear router

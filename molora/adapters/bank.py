@@ -60,20 +60,27 @@ class LoRASlots(nn.Module):
         self.register_buffer(
             "scale", torch.zeros(num_slots, dtype=torch.float32, device=device), persistent=False
         )  # [S]
-        self.active = 0  # how many loaded adapters target this linear; 0 lets forward skip the delta
+        self._active = 0  # how many loaded adapters target this linear (`active`)
+        LoRASlots.generation += 1
 
-    # Bumped whenever any LoRASlots' `active` changes or its buffers are replaced (`_apply`: .to(), .cpu() ...): what
-    # a runner's bound decode blocks (molora.model.runner) compare to know that their view of the slots still holds.
+    # Bumped whenever a LoRASlots starts or stops carrying a delta (`active` turns 0 or leaves it) or its buffers are
+    # replaced (`_apply`: .to(), .cpu() ...): what a runner's bound decode blocks (molora.model.block.Block.run_bound)
+    # compare to know that their view of the slots still holds. Writing a slot (a load, an unload, a rewrite) bumps
+    # nothing: the bound blocks read the slot tensors in place.
     generation = 0
 
     @property
     def active(self) -> int:
+        """How many loaded adapters target this linear; 0 lets forward skip the delta."""
         return self._active
 
-    @active.setter
-    def active(self, n: int) -> None:
-        self._active = n
-        LoRASlots.generation += 1
+    def count(self, change: int) -> None:
+        """active += change (the bank, on a load or unload); a method, not a setter: nn.Module.__setattr__ costs
+        about 5 us a call, and a load changes every target linear's count."""
+        before, self._active = self._active, self._active + change
+        assert self._active >= 0, "an adapter unloaded from a linear it was never loaded into"
+        if (before == 0) != (self._active == 0):
+            LoRASlots.generation += 1
 
     def _apply(self, fn, recurse=True):
         LoRASlots.generation += 1
@@ -184,7 +191,7 @@ class AdapterBank:
         self.table[slot] = adapter.name
         self._targets[adapter.name] = frozenset(adapter.modules)
         for m in adapter.modules:
-            self.slots[m].active += 1
+            self.slots[m].count(1)
         log.debug("loaded adapter %r into slot %d", adapter.name, slot)
         return slot
 
@@ -220,25 +227,32 @@ class AdapterBank:
         targets = self._targets.pop(name)
         self._clear(slot, targets)
         for m in targets:
-            self.slots[m].active -= 1
+            self.slots[m].count(-1)
         self.table[slot] = None
         return slot
 
     @torch.no_grad()
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+        # One foreach copy for every target's A, B and scale (a load swaps adapters while the engine serves: 6
+        # small ops per linear from Python cost about 5 ms on SmolLM2's 60 q/v linears); ranks below R get zeros.
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        pad: list[torch.Tensor] = []
+        scales: list[torch.Tensor] = []
         for m, lora in adapter.modules.items():
             s = self.slots[m]
-            r = lora.rank
-            s.A[slot, :r].copy_(lora.A)
-            s.A[slot, r:].zero_()
-            s.B[slot, :, :r].copy_(lora.B)
-            s.B[slot, :, r:].zero_()
-            s.scale[slot] = lora.scale
+            A, Bt, r = s.A[slot], s.Bt[slot], lora.rank  # [R, d_in], [R, d_out]
+            dst += (A[:r], Bt[:r])
+            src += (lora.A, lora.B.t())
+            scales.append(s.scale[slot])  # [] views
+            if r < A.shape[0]:
+                pad += (A[r:], Bt[r:])
+        values = torch.tensor([lora.scale for lora in adapter.modules.values()], dtype=torch.float64)
+        torch._foreach_copy_(dst + scales, src + list(values.unbind()))
+        if pad:
+            torch._foreach_zero_(pad)
 
     @torch.no_grad()
     def _clear(self, slot: int, modules: Iterable[str]) -> None:
-        for m in modules:
-            s = self.slots[m]
-            s.A[slot].zero_()
-            s.B[slot].zero_()
-            s.scale[slot] = 0.0
+        slots = [self.slots[m] for m in modules]
+        torch._foreach_zero_([t for s in slots for t in (s.A[slot], s.Bt[slot], s.scale[slot])])

@@ -332,6 +332,7 @@ def _traffic(p: argparse.ArgumentParser, a: argparse.Namespace, argv: list[str])
         stderr_log,
         a.max_num_batched_tokens,
     )
+    out = {"command": "molora bench hotset " + " ".join(argv), **out}  # what reproduces the record
     print(ht.format_table(out))
     emit(out, a.json)
     return 0

@@ -86,12 +86,21 @@ class MoLoRAModel(nn.Module):
         """The `LoRADispatcher` every routed linear shares (attach makes one), None if nothing is routed."""
         return next((m.dispatcher for m in self.model.modules() if isinstance(m, RoutedLoRALinear)), None)
 
-    def read(self, name: str, path: str | Path, *, roots: Sequence[str | Path] | None = None) -> LoRAAdapter:
+    def read(
+        self,
+        name: str,
+        path: str | Path,
+        *,
+        roots: Sequence[str | Path] | None = None,
+        shapes: Mapping[str, tuple[int, int]] | None = None,
+    ) -> LoRAAdapter:
         """Read and validate a PEFT folder against this model's linears (does not load it); with `roots`, every
-        file must resolve inside one of them. Touches no model state: safe on a worker thread."""
+        file must resolve inside one of them. Touches no model state: safe on a worker thread. shapes: `linear_shapes`
+        of the model, when the caller reads many folders (walking the model's modules took about 1 of the 8 ms a rank-8
+        q/v adapter of SmolLM2 took to read, 1 thread)."""
         return read_adapter(
             path,
-            linear_shapes(self.model),
+            linear_shapes(self.model) if shapes is None else shapes,
             name=name,
             base_name=self.base_name if self.check_base else None,
             roots=roots,

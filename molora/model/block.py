@@ -92,16 +92,22 @@ class Linear:
         lora = self.routed.kernel_operands() if self.routed is not None else None
         return (w, self.packed.bias, None, None, None) if lora is None else (w, self.packed.bias, *lora)
 
-    def watched(self) -> list[Tensor]:
-        """The tensors whose change means a bound block must be bound again: the base weight (its packed copy) and
-        bias, and a routed linear's slots and scales."""
+    def watched(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(watched, held) for `fused_cpu.bind_block`. Watched: the tensors whose change means a bound block must be
+        bound again: the base weight (its packed copy) and bias, and a routed linear's A or scale where the kernel gets
+        a copy of it (A not contiguous, scale cast to float32: a bfloat16 model's bank). Held: the slot tensors the
+        kernel reads in place (Bt, and A and scale where not copied), so that a load or unload writing a slot keeps
+        the binding; only their moving to other storage means a rebind."""
         weight = self.mod.weight
         assert isinstance(weight, Tensor) and self.packed is not None, "only a packed linear is bound"
-        out = [weight] + ([] if self.packed.bias is None else [self.packed.bias])
+        watched = [weight] + ([] if self.packed.bias is None else [self.packed.bias])
+        held: list[Tensor] = []
         if self.routed is not None:
             lora = self.routed.lora
-            out += [lora.A, lora.Bt, lora.scale]
-        return out
+            held.append(lora.Bt)  # B is its transposed view
+            (held if lora.A.is_contiguous() else watched).append(lora.A)
+            (held if lora.scale.dtype == torch.float32 else watched).append(lora.scale)
+        return watched, held
 
 
 class Block:
@@ -196,9 +202,10 @@ class Block:
     ) -> Tensor | None:
         """The block on a decode step as one C++ call (`fused_cpu.run_block`) on its arguments bound once
         (`fused_cpu.bind_block`: packed weights, slots, norms, tables, cache views) and bound again where they no
-        longer hold: another dtype, an adapter slot's `active` changed or slots moved (`LoRASlots.generation`), a
-        watched weight, bias, norm or slot written or moved (the C++ side checks). None: the block cannot run so
-        (a linear not on molora's kernels in this dtype), nothing done."""
+        longer hold: another dtype, a linear starting or stopping to carry a delta or slots moved
+        (`LoRASlots.generation`), a watched weight, bias or norm written or moved, a held slot tensor moved (the C++
+        side checks; `Linear.watched`). Adapter loads and unloads write slots in place and keep the binding. None:
+        the block cannot run so (a linear not on molora's kernels in this dtype), nothing done."""
         key = (h.dtype, LoRASlots.generation)
         for _ in range(2):
             if self._bound_key != key:
@@ -229,7 +236,11 @@ class Block:
         linears = [a for a in args if a is not None]
         if len(linears) != len(args):
             return None
-        watched = [ln1.weight, ln2.weight] + [t for lin in self.linears for t in lin.watched()]
+        watched, held = [ln1.weight, ln2.weight], []
+        for lin in self.linears:
+            w, k = lin.watched()
+            watched += w
+            held += k
         return fused_cpu.bind_block(
             (ln1.weight, ln2.weight),
             ln1.variance_epsilon,
@@ -238,6 +249,7 @@ class Block:
             (cos, sin),
             (self.kc, self.vc, cache.block_size, self.scaling, self.window),
             watched,
+            held,
         )
 
     def _mlp(self, x: Tensor) -> Tensor:

@@ -38,8 +38,9 @@ through molora's panel or AMX GEMM and, where routed, the fused LoRA kernel; RMS
 call, `fused_cpu.run_block`: the same kernels in the same order, equal bit for bit (tested in both dtypes), without
 the Python between them (about 20 calls a block). What stays the same from step to step (packed weights, adapter
 slots, norms, RoPE tables, cache views) is bound once per block (`molora.model.block.Block.run_bound`,
-`fused_cpu.bind_block`) and bound again when it moves: another dtype, an adapter load or unload
-(`LoRASlots.generation`), a weight, norm, slot or scale written or swapped (checked in C++ by storage and version).
+`fused_cpu.bind_block`) and bound again when it moves: another dtype, a linear gaining its first adapter or losing its
+last (`LoRASlots.generation`), a weight or norm written or swapped, slots moved (checked in C++: storage and version;
+storage alone for the slots, which loads and unloads write in place and the bound block reads there).
 `ModelRunner._one_call` decides per step (a decode-only step of 2 to PANEL_MAX_ROWS rows, the routing's fused-kernel
 arguments asked once, or per block for an in-network router). Measured on the engine bench's routed batch-32 decode step
 (SmolLM2-135M, 2 threads, one process, steps alternating with the kernel-by-kernel path): 0.81x the time in bfloat16 and

@@ -223,6 +223,7 @@ def bind_block(
     rope: tuple[Tensor, Tensor],
     cache: tuple,
     watched: list[Tensor],
+    held: list[Tensor],
 ) -> Any:
     """One Llama-shaped decoder block's step-invariant arguments bound in C++ (a torch.classes.molora.BoundBlock),
     for `run_block`.
@@ -232,7 +233,8 @@ def bind_block(
     `RoutedLoRALinear.kernel_operands` gives them, or three Nones where no adapter adds to it); heads (H, Hkv,
     head_dim); rope: the cos, sin tables [P, hd]; cache (kc, vc [N, Hkv, hd], block size, scaling, window or None);
     watched: the tensors whose storage or in-place writes mean the binding no longer holds (`run_block` then returns
-    None). Call only where the kernels can run (`ready()`, and `amx()` for bfloat16 weights)."""
+    None); held: tensors the bound block reads in place (the adapter slots, which loads write), whose storage alone
+    must stay. Call only where the kernels can run (`ready()`, and `amx()` for bfloat16 weights)."""
     no_bias = _EMPTY_BF16 if norms[0].dtype == torch.bfloat16 else _EMPTY
     P, bias, A, B, scale = ([], [], [], [], [])
     for w, b, a, bb, sc in linears:
@@ -261,6 +263,7 @@ def bind_block(
         float(scaling),
         0 if window is None else int(window),
         watched,
+        held,
     )
 
 

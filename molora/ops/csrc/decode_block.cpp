@@ -8,7 +8,7 @@
 // ------------------------------------------------------------------------------------ one decoder block of a decode step
 // A Llama-shaped block (RMSNorm, q/k/v/o, RoPE, attention over the paged cache, RMSNorm, gate/up, SiLU * up, down)
 // on a step whose every row decodes (one new token per sequence), as one call: the other files' kernels in the order and on
-// the arguments the runner's Python path (molora.model.runner._Block) gives them, so its results are those of that
+// the arguments the runner's Python path (molora.model.block.Block) gives them, so its results are those of that
 // path bit for bit; what it saves is the Python between the kernels (about 20 calls a block). h [T, D] is updated in
 // place (h += delta before the first norm, h += attention output before the second); returns the block's MLP output
 // (the next block's delta). Linears in the order q, k, v, o, gate, up, down: P packed weights (panels [N/16, K, 16]
@@ -76,26 +76,27 @@ static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& d
 
 
 // A block's arguments that stay the same from step to step (weights packed, adapter slots, norms, RoPE tables, its
-// cache views, shapes), bound once in C++ (molora.model.runner._Block binds them: `fused_cpu.bind_block`), so that a
+// cache views, shapes), bound once in C++ (molora.model.block.Block binds them: `fused_cpu.bind_block`), so that a
 // step passes only what changes (h, the routing, the positions and cache rows). `watched`: the tensors from which the
-// bound ones were derived or whose writes mean a rebind (base weights, from which the packed copies were made; the
-// adapter slots and their scales, written by a load or unload, which also changes which linears carry a delta;
-// the norms): `run` returns an undefined tensor (None in Python), having done nothing, once any of them has moved
-// to other storage or been written in place since the bind; the caller binds again.
+// bound ones were derived or whose writes mean a rebind (base weights, from which the packed copies were made; a
+// scale the bound float32 copy was made from; the norms); `held`: tensors the block reads in place, so that writes
+// into them need no rebind (the adapter slots, written by every load and unload): `run` returns an undefined tensor
+// (None in Python), having done nothing, once a watched tensor has moved to other storage or been written in place,
+// or a held one has moved to other storage, since the bind; the caller binds again.
 struct BoundBlock : torch::CustomClassHolder {
-  std::vector<torch::Tensor> P, bias, A, B, scale, watched;
+  std::vector<torch::Tensor> P, bias, A, B, scale, watched, held;
   torch::Tensor ln1, ln2, cos, sin, kc, vc;
   double eps, scaling;
   int64_t H, Hkv, hd, block_size, window;
-  std::vector<const void*> ptrs;
+  std::vector<const void*> ptrs, held_ptrs;
   std::vector<int64_t> versions;
 
   BoundBlock(std::vector<torch::Tensor> P_, std::vector<torch::Tensor> bias_, std::vector<torch::Tensor> A_,
              std::vector<torch::Tensor> B_, std::vector<torch::Tensor> scale_, torch::Tensor ln1_, torch::Tensor ln2_,
              double eps_, int64_t H_, int64_t Hkv_, int64_t hd_, torch::Tensor cos_,
              torch::Tensor sin_, torch::Tensor kc_, torch::Tensor vc_, int64_t block_size_, double scaling_,
-             int64_t window_, std::vector<torch::Tensor> watched_)
-      : P(P_), bias(bias_), A(A_), B(B_), scale(scale_), watched(watched_), ln1(ln1_), ln2(ln2_), cos(cos_),
+             int64_t window_, std::vector<torch::Tensor> watched_, std::vector<torch::Tensor> held_)
+      : P(P_), bias(bias_), A(A_), B(B_), scale(scale_), watched(watched_), held(held_), ln1(ln1_), ln2(ln2_), cos(cos_),
         sin(sin_), kc(kc_), vc(vc_), eps(eps_), scaling(scaling_), H(H_), Hkv(Hkv_), hd(hd_),
         block_size(block_size_), window(window_) {
     TORCH_CHECK(P.size() == 7 && bias.size() == 7 && A.size() == 7 && B.size() == 7 && scale.size() == 7,
@@ -108,11 +109,14 @@ struct BoundBlock : torch::CustomClassHolder {
       TORCH_CHECK(P[i].dim() == 3 || P[i].dim() == 4, "bind_block: linear ", i, "'s packed weight must be panels "
                   "[N/16, K, 16] or AMX tiles [N/16, K/32, 16, 32], got ", P[i].sizes());
     for (const auto& t : watched) { ptrs.push_back(t.data_ptr()); versions.push_back(t._version()); }
+    for (const auto& t : held) held_ptrs.push_back(t.data_ptr());
   }
 
   bool current() const {
     for (size_t i = 0; i < watched.size(); ++i)
       if (watched[i].data_ptr() != ptrs[i] || watched[i]._version() != versions[i]) return false;
+    for (size_t i = 0; i < held.size(); ++i)
+      if (held[i].data_ptr() != held_ptrs[i]) return false;
     return true;
   }
 
@@ -135,7 +139,7 @@ void register_decode_block(torch::Library& m) {
       .def(torch::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                        std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, double,
                        int64_t, int64_t, int64_t, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                       int64_t, double, int64_t, std::vector<torch::Tensor>>())
+                       int64_t, double, int64_t, std::vector<torch::Tensor>, std::vector<torch::Tensor>>())
       .def("current", &BoundBlock::current);
   m.def("run_block(__torch__.torch.classes.molora.BoundBlock block, Tensor(a!) h, Tensor delta, bool lora, "
         "Tensor tok, Tensor weight, int[] counts, Tensor positions, Tensor write_rows, Tensor tables, Tensor ctx, "
