@@ -4,8 +4,9 @@ per-token routing over a quantized base against the same routing over the dequan
 int8 and int4 are weight only (int8 on molora's kernels: linear_w8 in float32, linear_amx_w8 in bfloat16 on AMX);
 w8a8 rounds the activations to 8 bits per token too, after SmoothQuant's per-channel factors when the model was
 calibrated (molora.ops.quant); the reference rounds the same values the same way and multiplies in float32.
-Tolerances: float32 outputs within 1e-5 of the output's largest magnitude (the same products of the same values, only the order of the float32 sums differs);
-bfloat16 within one rounding of the output (2^-8 relative, plus 1e-2 of the largest magnitude where a sum cancels).
+Tolerances: float32 outputs within 1e-5 of the output's largest magnitude (the same products of the same values,
+only the order of the float32 sums differs); bfloat16 within one rounding of the output (2^-8 relative, plus 1e-2
+of the largest magnitude where a sum cancels).
 Logits of the whole model in float32 within 1e-4 (test_runner's TOL).
 """
 

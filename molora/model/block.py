@@ -92,7 +92,7 @@ class Linear:
         operands of `QuantizedLinear.w8_operands`) and, for a routed linear that an adapter targets, the fused LoRA
         kernel (A, B, scale None: no delta); None where it would run anything else."""
         if self.quant is not None:
-            if not fused_cpu.glue_supports(torch.empty(0, dtype=dtype)) or self.quant.in_features % 16:
+            if dtype not in fused_cpu.DTYPES or not fused_cpu.available() or self.quant.in_features % 16:
                 return None
             (w, ws), bias = self.quant.w8_operands(dtype), self.quant.bias
             if bias is not None and bias.dtype != dtype:
