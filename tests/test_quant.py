@@ -274,3 +274,29 @@ def test_ray_replicas_take_the_quantization_and_check_it():
     assert rs.RayConfig().quantization is None
     with pytest.raises(MoLoRAError, match="--quantization 'int3'"):
         rs.RayConfig(quantization="int3")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 7, 50, 97])
+def test_weight_only_int8_kernels_equal_the_dequantized_product(dtype, T):
+    """linear_w8 (and linear_amx_w8 for bfloat16, where the CPU has AMX) on widths that leave tails (N = 50: not a
+    multiple of the 4 channels a pass takes; T across the 6-row passes and 48-row chunks), with a bias, against x
+    times the dequantized weight in float32; the same through the torch fallback where the kernels are suspended."""
+    from molora.ops import fused_cpu, kernel_build
+
+    if not fused_cpu.available():
+        pytest.skip(f"no kernel build here: {kernel_build.unavailable_reason()}")
+    g = torch.Generator().manual_seed(T)
+    q, s = quant.quantize_int8(torch.randn(50, 64, generator=g))
+    x, bias = torch.randn(T, 64, generator=g).to(dtype), torch.randn(50, generator=g).to(dtype)
+    ref = (x.float() @ quant.dequantize_int8(q, s).t() + bias.float()).to(dtype)
+    with torch.no_grad():
+        y = fused_cpu.linear_w8(x, q, s, bias)
+        assert y is not None
+        _assert_kernel_matches(y, ref)
+        if dtype == torch.bfloat16 and fused_cpu.amx():
+            q2, s2 = quant.quantize_int8(torch.randn(48, 64, generator=g))
+            ref2 = (x.float() @ quant.dequantize_int8(q2, s2).t()).to(dtype)
+            _assert_kernel_matches(fused_cpu.linear_amx_w8(x, quant.tiles(q2), s2), ref2)
+        with kernel_build.suspended():
+            _assert_kernel_matches(quant.linear_int8(x, q, s, None, bias), ref)

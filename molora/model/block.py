@@ -91,15 +91,18 @@ class Linear:
         PANEL_MAX_ROWS rows of `dtype` runs molora's packed GEMM (weight scales None) or int8 kernel (the int8
         operands of `QuantizedLinear.w8_operands`) and, for a routed linear that an adapter targets, the fused LoRA
         kernel (A, B, scale None: no delta); None where it would run anything else."""
+        w: Tensor | None
+        ws: Tensor | None
         if self.quant is not None:
             if dtype not in fused_cpu.DTYPES or not fused_cpu.available() or self.quant.in_features % 16:
                 return None
             (w, ws), bias = self.quant.w8_operands(dtype), self.quant.bias
             if bias is not None and bias.dtype != dtype:
                 return None
-        elif self.packed is None or (w := self.packed.kernel_weight(dtype)) is None:
-            return None
         else:
+            w = None if self.packed is None else self.packed.kernel_weight(dtype)
+            if w is None or self.packed is None:
+                return None
             ws, bias = None, self.packed.bias
         lora = self.routed.kernel_operands() if self.routed is not None else None
         return (w, bias, None, None, None, ws) if lora is None else (w, bias, *lora, ws)
