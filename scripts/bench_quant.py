@@ -41,6 +41,12 @@ VARIANTS = {
     "int4-bf16": (torch.bfloat16, "int4"),
     "int4": (torch.float32, "int4"),
 }
+SCHEMES_DOC = (  # what the variants' schemes are (scripts/make_quant.py prints it beside the figures)
+    "int8 is weight only (one scale per output channel, activations in the model's dtype) on molora's kernels: "
+    "linear_w8 for float32 activations, linear_amx_w8 (AMX) for bfloat16; w8a8 is W8A8 on oneDNN (activations "
+    "rounded per token after SmoothQuant's per-channel factors); int4 is weight only on torch's kernel, groups of "
+    "32 (molora.ops.quant)."
+)
 DEFAULT = ["fp32", "bf16", "int8", "int8-bf16", "w8a8"]  # int4 in float32: torch's kernel ran 0.01-0.03x the
 # packed float32 GEMM at T = 8-128 (docs/quant_linear.json), a 1024-token prefill alone would take minutes
 
@@ -92,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens,
         "repeats": a.repeats,
+        "schemes": SCHEMES_DOC,
         "routing": "vocab (per token over 4 adapters, r=16, all seven projections)",
         "gguf_bytes": default_gguf_path().stat().st_size,
         "variants": {},
