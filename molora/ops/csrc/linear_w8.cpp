@@ -1,5 +1,5 @@
 // A weight-only int8 GEMM: float32 or bfloat16 activations times an int8 weight with one float32 scale per output
-// channel, the weight read in its own row-major layout (no packed copy) and widened to float32 in registers.
+// channel, the weight read in its own row-major layout (no packed copy) and widened to float32 a few rows at a time.
 #include "common.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -11,10 +11,12 @@
 // lanes of float32 partial sums (lane l sums k = l, l + 16, ...), added in a tree at the end (hsum), then times the
 // channel's scale, plus the bias, rounded once to y's dtype. So a row's result depends on that row alone (not on M,
 // nor on the other rows), and equals the float32 product with the dequantized weight q * scale up to the order of
-// float32 sums. A task is a group of W8_NB output channels (their weight rows, 4 x K bytes, stay in L1 across the
-// row passes); it runs over chunks of W8_MC rows (kept in L2), each W8_MB rows at a time with W8_MB x W8_NB vector accumulators, each step of 16 k loading
-// W8_NB weight vectors (16 int8 widened: vpmovsxbd + vcvtdq2ps) and W8_MB activation vectors. Decode is memory-bound
-// on the weights: a quarter of float32's bytes. K must be a multiple of 16 (SmolLM2's 576 and 1536 are).
+// float32 sums. A task is W8_TASK output channels; it runs over chunks of W8_MC rows (kept in L2) and, in each, over
+// its channels W8_NB at a time: their int8 weight rows are widened once to float32 into a buffer of the thread
+// (vpmovsxbd + vcvtdq2ps; 4 x K floats, in L1), then the chunk's rows run W8_MB at a time with W8_MB x W8_NB vector
+// accumulators, each step of 16 k loading W8_NB weight vectors and W8_MB activation vectors. Widening once per chunk
+// rather than at every row pass takes the widening off the FMA ports' loop (it had cost 8 of every 32 vector
+// operations there). Decode is memory-bound on the weights: a quarter of float32's bytes. K must be a multiple of 16 (SmolLM2's 576 and 1536 are).
 constexpr int W8_MB = 6;  // rows per pass: 6 x 4 accumulators + 4 weights + 1 activation = 29 of 32 vector registers
 constexpr int W8_NB = 4;  // output channels per pass
 constexpr int64_t W8_TASK = 16;  // output channels per parallel task (4 passes of W8_NB)
@@ -34,14 +36,14 @@ static inline v16 widen_i8(const int8_t* p) {
 }
 
 template <typename T, int MB, int NB>
-static inline void w8_tile(const T* x, int64_t ldx, const int8_t* q, int64_t K, const float* scale, const T* bias,
+static inline void w8_tile(const T* x, int64_t ldx, const float* q, int64_t K, const float* scale, const T* bias,
                            T* y, int64_t ldy) {
   v16 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = v16{};
   for (int64_t k = 0; k < K; k += 16) {
     v16 w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = widen_i8(q + j * K + k);
+    for (int j = 0; j < NB; ++j) w[j] = load16(q + j * K + k);
     for (int i = 0; i < MB; ++i) {
       const v16 xv = load16(x + i * ldx + k);
       for (int j = 0; j < NB; ++j) acc[i][j] += xv * w[j];
@@ -55,7 +57,7 @@ static inline void w8_tile(const T* x, int64_t ldx, const int8_t* q, int64_t K, 
 }
 
 template <typename T, int NB>
-static void w8_rows(int64_t mb, const T* x, int64_t ldx, const int8_t* q, int64_t K, const float* scale,
+static void w8_rows(int64_t mb, const T* x, int64_t ldx, const float* q, int64_t K, const float* scale,
                     const T* bias, T* y, int64_t ldy) {
   switch (mb) {
     case 6: w8_tile<T, 6, NB>(x, ldx, q, K, scale, bias, y, ldy); break;
@@ -77,10 +79,12 @@ static void w8_run(const torch::Tensor& y, const torch::Tensor& x, const torch::
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   at::parallel_for(0, (N + W8_TASK - 1) / W8_TASK, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> wbuf(W8_NB * K);  // the pass's W8_NB weight rows widened to float32 (24 KB at K = 1536: L1)
+    float* qn = wbuf.data();
     for (int64_t c0 = 0; c0 < M; c0 += W8_MC)
     for (int64_t n0 = t0 * W8_TASK; n0 < std::min(N, t1 * W8_TASK); n0 += W8_NB) {
       const int64_t nb = std::min<int64_t>(W8_NB, N - n0);
-      const int8_t* qn = qp + n0 * K;
+      for (int64_t i = 0; i < nb * K; i += 16) store16(qn + i, widen_i8(qp + n0 * K + i));
       const T* bn = bp ? bp + n0 : nullptr;
       for (int64_t m0 = c0; m0 < std::min(M, c0 + W8_MC); m0 += W8_MB) {
         const int64_t mb = std::min<int64_t>(W8_MB, std::min(M, c0 + W8_MC) - m0);
