@@ -19,14 +19,17 @@ CPU kernels ran far behind the float32 GEMM molora packs (molora.ops.packed) at 
 
 - **int8** (what `--quantization int8` runs) is weight only: the activations stay in the model's dtype, on molora's
   own kernels (`linear_int8`; csrc/linear_w8.cpp, csrc/linear_amx.cpp): float32 activations on `linear_w8` (the
-  int8 weight widened to float32 in registers, AVX-512 FMA), bfloat16 ones on `linear_amx_w8` (each task widens its
-  int8 weight tiles to bfloat16, exact, then runs the AMX GEMM of the bf16 path); the per-channel scale multiplies
+  int8 weight widened to float32 four rows at a time into an L1 buffer, AVX-512 FMA), bfloat16 ones on
+  `linear_amx_w8` (each task widens its int8 weight tiles to bfloat16, exact, then runs the AMX GEMM of the bf16
+  path); the per-channel scale multiplies
   each output once. Weights cost a quarter (half) of float32's (bfloat16's) bytes; `tiles` keeps the AMX layout
-  copy. Measured against the float kernels (1 thread, the 4 shapes x 6 layers, interleaved, load 5-11; ad hoc probe):
-  linear_w8 1.18x, 1.06x, 0.88x, 0.76x, 0.72x the float32 panels at T = 8, 16, 32, 128, 512 (it trades fewer bytes
-  for widening work; the float32 kernel was not memory bound on the loaded machine); linear_amx_w8 1.45x, 2.20x,
-  2.21x, 4.03x, 3.38x the float32 panels (bf16 AMX: 1.60x, 2.09x, 2.62x, 3.57x, 3.78x). Quality: the weights alone
-  in int8 kept 96% top-1 agreement with float32 on validation text (bfloat16: 97%).
+  copy (one more byte a weight, as the float paths keep their packed copies). Measured side by side
+  (scripts/ab_quant_linear.py, 1 thread, 6 layers, load 7-11: docs/quant_linear_w8_loaded.json): in float32,
+  linear_w8 ran 1.34x, 0.82x, 0.89x, 0.77x, 0.71x the float32 panels at T = 8, 16, 32, 128, 512 (that run
+  predates the widening into an L1 buffer, which measured 1.31x/1.17x/0.98x at T = 8/16/32 in a later, separate
+  probe); torch's `_weight_int8pack_mm` 0.02-0.07x. In bfloat16, linear_amx_w8 ran 0.73-1.09x the bf16 AMX GEMM
+  and torch's `_weight_int8pack_mm` (bf16 activations, the kernel the issue proposed calling from C++) 0.10-0.38x.
+  The weights alone in int8 kept 96% top-1 agreement with float32 on validation text (bfloat16: 97%).
 - **w8a8**: weights *and* activations in 8 bits on oneDNN's int8 GEMM (`linear_w8a8`,
   `torch.ops.onednn.qlinear_pointwise`, what torch's x86 inductor quantization calls; AMX-INT8 here): each
   activation row rounded symmetrically over its own range (`quantize_tokens`: a row's result depends on that row
