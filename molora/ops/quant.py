@@ -26,9 +26,10 @@ CPU kernels ran far behind the float32 GEMM molora packs (molora.ops.packed) at 
   copy (one more byte a weight, as the float paths keep their packed copies). Measured side by side
   (scripts/ab_quant_linear.py, 1 thread, 6 layers, load 7-11: docs/quant_linear_w8_loaded.json): in float32,
   linear_w8 ran 1.34x, 0.82x, 0.89x, 0.77x, 0.71x the float32 panels at T = 8, 16, 32, 128, 512 (that run
-  predates the widening into an L1 buffer, which measured 1.31x/1.17x/0.98x at T = 8/16/32 in a later, separate
-  probe); torch's `_weight_int8pack_mm` 0.02-0.07x. In bfloat16, linear_amx_w8 ran 0.73-1.09x the bf16 AMX GEMM
-  and torch's `_weight_int8pack_mm` (bf16 activations, the kernel the issue proposed calling from C++) 0.10-0.38x.
+  predates the widening into an L1 buffer; a rerun with it, load 7-9, docs/quant_linear_w8_loaded_b.json: 1.15x,
+  0.97x, 0.89x at T = 8, 16, 32, no change that this load can resolve); torch's `_weight_int8pack_mm` 0.02-0.07x.
+  In bfloat16, linear_amx_w8 ran 0.73-1.09x the bf16 AMX GEMM and torch's `_weight_int8pack_mm` (bf16 activations,
+  the kernel the issue proposed calling from C++) 0.10-0.38x.
   The weights alone in int8 kept 96% top-1 agreement with float32 on validation text (bfloat16: 97%).
 - **w8a8**: weights *and* activations in 8 bits on oneDNN's int8 GEMM (`linear_w8a8`,
   `torch.ops.onednn.qlinear_pointwise`, what torch's x86 inductor quantization calls; AMX-INT8 here): each
