@@ -152,8 +152,8 @@ def load(
     quantization: str | None = None,
 ) -> Any:
     """A `MoLoRAModel` for the bundle at `path` (None: the embedded default; or a `Bundle` already parsed, e.g.
-    `molora.userbundle.bundle_from_flags`), router and tokenizer attached. quantization ("int8", "int4"; default the
-    manifest's "quantization", else none): the base's linears quantized on load (molora.model.attach)."""
+    `molora.userbundle.bundle_from_flags`), router and tokenizer attached. quantization ("int8", "int4", "w8a8";
+    default the manifest's "quantization", else none): the base's linears quantized on load (molora.model.attach)."""
     from molora.model.attach import attach
     from molora.model.base import load_base
 
@@ -166,7 +166,7 @@ def load(
     adapters = {} if base_only else {a.name: a.path for a in bundle.adapters}
     quantization = quantization or bundle.manifest.get("quantization")
     calibration = None
-    if quantization == "int8":  # SmoothQuant's activation ranges: general text in the bundle's template
+    if quantization == "w8a8":  # SmoothQuant's activation ranges: general text in the bundle's template
         from molora.data.general import general_rows
 
         calibration = general_rows(tokenizer, QUANT_CALIBRATION_ROWS, bundle.prompt_template, with_output=True)

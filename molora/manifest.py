@@ -151,8 +151,10 @@ def parse_manifest(raw: dict, folder: Path, where: str) -> Bundle:
     router_path = (folder / router["path"]).resolve() if router.get("path") else None
     if kind in ("learned", "gates") and (router_path is None or not router_path.is_dir()):
         raise BundleError(f"{path}: {kind} router folder {router_path} is missing")
-    if raw.get("quantization") not in (None, "int8", "int4"):  # molora.ops.quant.SCHEMES
-        raise BundleError(f'{path}: "quantization" must be "int8" or "int4" (or absent), got {raw["quantization"]!r}')
+    if raw.get("quantization") not in (None, "int8", "int4", "w8a8"):  # molora.ops.quant.SCHEMES
+        raise BundleError(
+            f'{path}: "quantization" must be "int8", "int4" or "w8a8" (or absent), got {raw["quantization"]!r}'
+        )
     for key, kind_ in (("slots", int), ("max_rank", int), ("target_modules", list), ("chat_template", str)):
         if raw.get(key) is not None and not isinstance(raw[key], kind_):
             raise BundleError(f"{path}: {key!r} must be a {kind_.__name__}, got {raw[key]!r}")

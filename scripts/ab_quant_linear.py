@@ -10,13 +10,15 @@ repetition:
 - `packed`: what the engine runs today (`molora.ops.packed.PackedLinear`: panel GEMM in float32, AMX in bfloat16,
   torch's GEMV for one row);
 - `torch`: torch's own linear on the plain weight;
-- `int8`: what `--quantization int8` runs (`molora.ops.quant.linear_int8`: oneDNN's int8 linear, the activations
+- `int8`: what `--quantization int8` runs (`molora.ops.quant.linear_int8`: weight only, molora's kernels:
+  `linear_w8` in float32, `linear_amx_w8` on AMX in bfloat16);
+- `w8a8`: what `--quantization w8a8` runs (`molora.ops.quant.linear_w8a8`: oneDNN's int8 linear, the activations
   rounded to int8 per token by molora, no smoothing factors: they add one multiply);
 - `int8-wo`: torch's weight-only int8 kernel `torch._weight_int8pack_mm` (int8 weight [N, K], one scale per output
   channel, activations in their own dtype);
 - `int4/gG`: `torch._weight_int4pack_mm_for_cpu` on `torch._convert_weight_to_int4pack_for_cpu` (groups of G along
   K, a scale and a zero per group and output channel; 128 does not divide K = 576);
-- `fbgemm-a8w8` (float32 only; not weight-only, what `int8` ran before oneDNN): FBGEMM's dynamic quantized
+- `fbgemm-a8w8` (float32 only; not weight-only, what `w8a8` ran before oneDNN): FBGEMM's dynamic quantized
   linear `torch.ops.quantized.linear_dynamic` (int8 weight per output channel, the activations quantized per tensor
   to uint8 at each call, integer products on VNNI).
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -69,8 +72,10 @@ def variants(ws: list[torch.Tensor], dtype: torch.dtype, groups: list[int]) -> d
         "torch": [(lambda x, w=w: torch.nn.functional.linear(x, w)) for w in wd],
     }
     q8 = [quant.quantize_int8(w) for w in ws]
-    packs8 = [quant.prepack_int8(*q) for q in q8]
-    out["int8"] = [(lambda x, p=p: quant.linear_int8(x, p)) for p in packs8]
+    tiles8 = [quant.tiles(q) if dtype == torch.bfloat16 else None for q, _ in q8]
+    out["int8"] = [(lambda x, q=q, t=t: quant.linear_int8(x, q[0], q[1], t)) for q, t in zip(q8, tiles8)]
+    packs8 = [quant.prepack_w8a8(*q) for q in q8]
+    out["w8a8"] = [(lambda x, p=p: quant.linear_w8a8(x, p)) for p in packs8]
     out["int8-wo"] = [(lambda x, q=q: torch._weight_int8pack_mm(x, q[0], q[1].to(x.dtype))) for q in q8]
     if dtype == torch.float32:  # FBGEMM's dynamic int8 linear (module docstring); float32 activations only
         warnings.filterwarnings("ignore", message=".*quantize_per_channel.*")
@@ -97,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--groups", type=int, nargs="+", default=[32])
+    p.add_argument("--groups", type=int, nargs="*", default=[32], help="int4 group sizes (none: no int4 variant)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -105,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, k, generator=g) * 0.05 for _ in range(a.layers) for n, k in SHAPES]
     record = {
+        "command": "python scripts/ab_quant_linear.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "cpu": cpu_info(),
         "torch": torch.__version__,
         "threads": a.threads,
@@ -145,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 + "  ".join(f"{n} {med[n]:7.2f} ({row['vs_packed'][n]:.2f}x)" for n in names),
                 flush=True,
             )
+    record["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     line = json.dumps(record)
     if a.json:
         a.json.write_text(json.dumps(record, indent=1) + "\n")

@@ -6,19 +6,22 @@
 The engine bench's workload (molora.bench.engine: SmolLM2-135M, 4 random r=16 adapters on all seven projections, a
 VocabRouter over 4 vocabulary ranges, so every step routes per token over all adapters; random prompts, greedy, eos
 ignored), one `Engine` per variant, `Engine.generate` over all requests timed with the variants' order rotated every
-repetition; medians, throughput and the ratio to float32. Variants (`--variants`): fp32, bf16, int8 (W8A8 on oneDNN,
-float32 activations), int8-bf16 (the same, bfloat16 model), int4-bf16 (weight only, bfloat16 activations); int4
-(float32 activations) only when asked for (DEFAULT).
+repetition; medians, throughput and the ratio to float32. Variants (`--variants`): fp32, bf16, int8 (weight-only int8,
+float32 activations: linear_w8), int8-bf16 (the same, bfloat16 model: linear_amx_w8), w8a8 (int8 weights and
+activations on oneDNN, SmoothQuant on the calibration rows molora.load reads; float32 model); w8a8-bf16, int4-bf16
+(weight only, bfloat16 activations) and int4 (float32 activations) only when asked for (DEFAULT).
 
 Also per variant: the bytes of the base weights (quantized linears + float parameters; `molora.model.quant_linear.
 weight_bytes`) against the GGUF file the default model ships as, and the share of greedy tokens equal to fp32's (per
-request, up to its first differing token, over all requests). Ends with one JSON line (also written to --json).
+request, up to its first differing token, over all requests). Ends with one JSON line (also written to --json), with
+the command line and the load average before (machine) and after the timed runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -33,10 +36,18 @@ VARIANTS = {
     "bf16": (torch.bfloat16, None),
     "int8": (torch.float32, "int8"),
     "int8-bf16": (torch.bfloat16, "int8"),
+    "w8a8": (torch.float32, "w8a8"),
+    "w8a8-bf16": (torch.bfloat16, "w8a8"),
     "int4-bf16": (torch.bfloat16, "int4"),
     "int4": (torch.float32, "int4"),
 }
-DEFAULT = ["fp32", "bf16", "int8", "int8-bf16", "int4-bf16"]  # int4 in float32: torch's kernel ran 0.01-0.03x the
+SCHEMES_DOC = (  # what the variants' schemes are (scripts/make_quant.py prints it beside the figures)
+    "int8 is weight only (one scale per output channel, activations in the model's dtype) on molora's kernels: "
+    "linear_w8 for float32 activations, linear_amx_w8 (AMX) for bfloat16; w8a8 is W8A8 on oneDNN (activations "
+    "rounded per token after SmoothQuant's per-channel factors); int4 is weight only on torch's kernel, groups of "
+    "32 (molora.ops.quant)."
+)
+DEFAULT = ["fp32", "bf16", "int8", "int8-bf16", "w8a8"]  # int4 in float32: torch's kernel ran 0.01-0.03x the
 # packed float32 GEMM at T = 8-128 (docs/quant_linear.json), a 1024-token prefill alone would take minutes
 
 
@@ -81,11 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         [],
     )
     record = {
+        "command": "python scripts/bench_quant.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": {**machine_info(), "int8_flags": [f for f in ("avx512_vnni", "amx_int8") if f in flags]},
         "requests": a.requests,
         "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens,
         "repeats": a.repeats,
+        "schemes": SCHEMES_DOC,
         "routing": "vocab (per token over 4 adapters, r=16, all seven projections)",
         "gguf_bytes": default_gguf_path().stat().st_size,
         "variants": {},
@@ -99,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             paths = make_adapters(model, Path(tmp), 4, 16)  # the same seed: the same adapters every time
             q = vocab // 4
             router = VocabRouter([(i * q, (i + 1) * q if i < 3 else vocab, f"skill{i}") for i in range(4)])
-            calib = None  # int8: SmoothQuant's ranges from the rows molora.load reads (molora.bundle.load)
-            if scheme == "int8":
+            calib = None  # w8a8: SmoothQuant's ranges from the rows molora.load reads (molora.bundle.load)
+            if scheme == "w8a8":
                 calib = general_rows(tok, QUANT_CALIBRATION_ROWS, CHATML_TEMPLATE, with_output=True)
             mm = attach(model, paths, router=router, quantization=scheme, calibration=calib)
             if dtype != torch.float32:
@@ -128,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 secs[n].append(time.perf_counter() - t0)
                 outputs[n] = [r.new_token_ids for r in out]  # greedy: the same every repetition
                 print(f"  {n}: {secs[n][-1]:.2f} s", file=sys.stderr, flush=True)
+    record["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     gen = sum(news)
     base = statistics.median(secs.get("fp32", secs[names[0]]))
     for n in names:

@@ -56,6 +56,13 @@ def engine_table(rec: dict) -> list[str]:
     return out
 
 
+# What a record from before bench_quant wrote its "schemes" meant by int8 (then W8A8; now the scheme w8a8)
+OLD_SCHEMES = (
+    "int8 is W8A8 on oneDNN (weights per output channel, activations rounded per token after SmoothQuant's "
+    "per-channel factors); int4 is weight only on torch's kernel, groups of 32 (molora.ops.quant)."
+)
+
+
 def section(docs: Path) -> list[str]:
     """The "Quantized base" section of docs/benchmarks.md from docs/quant.json and docs/quant_linear.json (no lines
     while either record is missing). scripts/make_benchmarks.py places it on the page it renders."""
@@ -67,9 +74,7 @@ def section(docs: Path) -> list[str]:
     head = (
         f"Measured on {m['cpu']} ({', '.join(m['cpu_flags'] + m['int8_flags'])}), {m['cores']} cores shared "
         f"with other work (load average {m['loadavg_1_5_15']} at the engine run), {m['threads']} thread(s): read "
-        "the ratios, not the absolute figures. int8 is W8A8 on oneDNN (weights per output channel, activations "
-        "rounded per token after SmoothQuant's per-channel factors); int4 is weight only on torch's kernel, "
-        "groups of 32 (molora.ops.quant). Records: "
+        f"the ratios, not the absolute figures. {eng.get('schemes', OLD_SCHEMES)} Records: "
         "`scripts/bench_quant.py --json docs/quant.json`, `scripts/ab_quant_linear.py --json "
         "docs/quant_linear.json`; rendered by `scripts/make_quant.py`."
     )

@@ -354,6 +354,80 @@ def test_linear_amx_checks(mod, case):
     _check(mod, "linear_amx", amx_args, change, match)
 
 
+def w8_args() -> dict:
+    g = gen(10)
+    return dict(
+        y=torch.empty(5, 20),
+        x=torch.randn(5, 32, generator=g),
+        q=torch.randint(-127, 128, (20, 32), generator=g, dtype=torch.int8),
+        scale=torch.rand(20, generator=g),
+        bias=torch.empty(0),
+    )
+
+
+W8 = {
+    "x width differs from q's": (dict(x=torch.zeros(5, 48)), "must share K"),
+    "K not a multiple of 16": (
+        dict(x=torch.zeros(5, 24), q=torch.zeros(20, 24, dtype=torch.int8)),
+        "a multiple of 16",
+    ),
+    "y of another width": (dict(y=torch.empty(5, 16)), "y must be .M, N. = .5, 20."),
+    "y of other rows": (dict(y=torch.empty(4, 20)), "y must be .M, N. = .5, 20."),
+    "y not [M, N]": (dict(y=torch.empty(5, 20, 1)), "y must be .M, N."),
+    "y of another dtype": (dict(y=torch.empty(5, 20, dtype=torch.bfloat16)), "one dtype"),
+    "x not [M, K]": (dict(x=torch.zeros(5, 32, 1)), "x must be .M, K."),
+    "q not int8": (dict(q=lambda q: q.float()), "q must be a contiguous int8"),
+    "q not contiguous": (dict(q=lambda q: q.t().contiguous().t()), "q must be a contiguous int8"),
+    "q not [N, K]": (dict(q=lambda q: q[None]), "q must be .N, K."),
+    "x with a column stride": (dict(x=lambda x: torch.zeros(32, 5).t()), "unit column stride"),
+    "scale of another length": (dict(scale=torch.ones(19)), "scale must be a contiguous float32"),
+    "scale in bfloat16": (dict(scale=torch.ones(20, dtype=torch.bfloat16)), "scale must be a contiguous float32"),
+    "a bias of another length": (dict(bias=torch.zeros(19)), "bias must be a contiguous"),
+    "a bias of another dtype": (dict(bias=torch.zeros(20, dtype=torch.bfloat16)), "one dtype"),
+    "int8 x": (dict(x=lambda x: x.to(torch.int8)), "x must be float32 or bfloat16"),
+    "x not on the CPU": (dict(x=torch.empty(5, 32, device=META)), "x must be a CPU tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(W8))
+def test_linear_w8_checks(mod, case):
+    change, match = W8[case]
+    _check(mod, "linear_w8", w8_args, change, match)
+
+
+def amx_w8_args() -> dict:
+    g = gen(11)
+    return dict(
+        y=torch.empty(5, 32, dtype=torch.bfloat16),
+        x=torch.randn(5, 64, generator=g).bfloat16(),
+        P=torch.randint(-127, 128, (2, 2, 16, 32), generator=g, dtype=torch.int8),
+        scale=torch.rand(32, generator=g),
+        bias=torch.empty(0, dtype=torch.bfloat16),
+    )
+
+
+AMX_W8 = {
+    "x width differs from the tiles'": (dict(x=torch.zeros(5, 32, dtype=torch.bfloat16)), "linear_amx_w8: bfloat16"),
+    "y of another width": (dict(y=torch.empty(5, 16, dtype=torch.bfloat16)), "linear_amx_w8: bfloat16"),
+    "bfloat16 tiles": (dict(P=lambda p: p.bfloat16()), "int8 P"),
+    "a bias of another length": (dict(bias=torch.zeros(8, dtype=torch.bfloat16)), "bias"),
+    "scale of another length": (dict(scale=torch.ones(16)), "scale must be a contiguous float32"),
+    "scale in bfloat16": (dict(scale=torch.ones(32, dtype=torch.bfloat16)), "scale must be a contiguous float32"),
+    "scale not on the CPU": (dict(scale=torch.ones(32, device=META)), "scale must be a CPU tensor"),
+    "float32 x": (dict(x=lambda x: x.float()), "linear_amx_w8: bfloat16 x"),
+}
+
+
+@pytest.mark.parametrize("case", list(AMX_W8))
+def test_linear_amx_w8_checks(mod, case):
+    change, match = AMX_W8[case]
+    if not mod.amx_ready():  # the shapes are checked first all the same; the valid call cannot run here
+        with torch.inference_mode(), pytest.raises(RuntimeError, match=match):
+            _run(mod.linear_amx_w8, amx_w8_args(), **change)
+        return
+    _check(mod, "linear_amx_w8", amx_w8_args, change, match)
+
+
 # ------------------------------------------------------------------------------------------- a bound block
 
 
@@ -363,6 +437,7 @@ def block_args() -> dict:
     empty = [torch.empty(0)] * 7
     return dict(
         P=P,
+        WS=empty,
         bias=empty,
         A=empty,
         B=empty,
@@ -390,7 +465,13 @@ BLOCK = {
     "heads not a multiple of kv heads": (dict(Hkv=3), "H must be a positive multiple of Hkv"),
     "no kv heads": (dict(Hkv=0), "H must be a positive multiple of Hkv"),
     "block size 0": (dict(block_size=0), "block_size 0"),
-    "a packed weight of 2 dims": (dict(P=[torch.zeros(64, 64)] * 7), "linear 0's packed weight"),
+    "a packed weight of 2 dims": (dict(P=[torch.zeros(64, 64)] * 7), "linear 0's weight must be"),
+    "int8 weights without scales": (dict(P=[torch.zeros(64, 64, dtype=torch.int8)] * 7), "with 0 scales"),
+    "int8 weights of 3 dims": (
+        dict(P=[torch.zeros(4, 64, 16, dtype=torch.int8)] * 7, WS=[torch.ones(64)] * 7),
+        "linear 0's weight must be",
+    ),
+    "six weight scales": (dict(WS=[torch.empty(0)] * 6), "7 linears"),
 }
 
 

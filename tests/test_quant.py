@@ -1,11 +1,12 @@
-"""Weight-only int8 / int4 base linears: the schemes' bounds, the kernels against the dequantize-then-matmul
-reference, and per-token routing over a quantized base against the same routing over the dequantized weights.
+"""Quantized base linears: the schemes' bounds, the kernels against the dequantize-then-matmul reference, and
+per-token routing over a quantized base against the same routing over the dequantized weights.
 
-int8 runs W8A8 (the activations rounded to 8 bits per token, after SmoothQuant's per-channel factors when the model
-was calibrated, molora.ops.quant), int4 weight only; the reference rounds the same values the same way and
-multiplies in float32. Tolerances: float32 outputs within 1e-5 of the
-output's largest magnitude (the same products of the same values, only the order of the float32 sums differs);
-bfloat16 within one rounding of the output (2^-8 relative, plus 1e-2 of the largest magnitude where a sum cancels).
+int8 and int4 are weight only (int8 on molora's kernels: linear_w8 in float32, linear_amx_w8 in bfloat16 on AMX);
+w8a8 rounds the activations to 8 bits per token too, after SmoothQuant's per-channel factors when the model was
+calibrated (molora.ops.quant); the reference rounds the same values the same way and multiplies in float32.
+Tolerances: float32 outputs within 1e-5 of the output's largest magnitude (the same products of the same values,
+only the order of the float32 sums differs); bfloat16 within one rounding of the output (2^-8 relative, plus 1e-2
+of the largest magnitude where a sum cancels).
 Logits of the whole model in float32 within 1e-4 (test_runner's TOL).
 """
 
@@ -26,7 +27,7 @@ from molora.model.runner import BatchMeta, ModelRunner, StepRouting
 from molora.ops import quant
 from tests.conftest import VOCAB, make_peft_adapter, tiny_model
 
-SCHEMES = ("int8", "int4")
+SCHEMES = ("int8", "int4", "w8a8")
 SPECS = {
     "a": {"r": 4, "alpha": 8, "targets": ("q_proj", "v_proj", "down_proj")},
     "b": {"r": 8, "alpha": 4, "targets": ("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj")},
@@ -51,7 +52,7 @@ def test_quantization_error_is_within_half_a_step(scheme):
     q, scales = quant.quantize(w, scheme)
     dq = quant.dequantize(q, scales, scheme, quant.INT4_GROUP, tuple(w.shape))
     assert dq[3].abs().max() == 0
-    if scheme == "int8":
+    if scheme in ("int8", "w8a8"):
         assert q.dtype == torch.int8 and q.abs().max() <= 127 and scales.shape == (48,)
         step = scales[:, None]
     else:
@@ -61,7 +62,7 @@ def test_quantization_error_is_within_half_a_step(scheme):
     assert ((dq - w).abs() <= step / 2 + 1e-6).all()
 
 
-@pytest.mark.parametrize("scheme", [*SCHEMES, "int8-smooth"])
+@pytest.mark.parametrize("scheme", [*SCHEMES, "w8a8-smooth"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 3, 33, 130])
 def test_quantized_kernel_equals_dequantize_then_matmul(scheme, dtype, T):
@@ -70,7 +71,7 @@ def test_quantized_kernel_equals_dequantize_then_matmul(scheme, dtype, T):
     with torch.no_grad():
         base.weight.copy_(torch.randn(64, 96, generator=g) * 0.1)
         base.bias.copy_(torch.randn(64, generator=g))
-    amax = torch.rand(96, generator=g) * torch.logspace(-1, 2, 96) if scheme == "int8-smooth" else None
+    amax = torch.rand(96, generator=g) * torch.logspace(-1, 2, 96) if scheme == "w8a8-smooth" else None
     layer = QuantizedLinear(base.to(dtype), scheme.removesuffix("-smooth"), act_amax=amax)
     assert (layer.smooth is not None) == (amax is not None)
     x = torch.randn(T, 96, generator=g).to(dtype)
@@ -80,13 +81,14 @@ def test_quantized_kernel_equals_dequantize_then_matmul(scheme, dtype, T):
         _assert_kernel_matches(layer(x3), layer.reference(x3))
 
 
+@pytest.mark.parametrize("scheme", ["int8", "w8a8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_rows_do_not_depend_on_the_rest_of_the_batch(dtype):
+def test_int8_rows_do_not_depend_on_the_rest_of_the_batch(dtype, scheme):
     g = torch.Generator().manual_seed(3)
     base = nn.Linear(96, 64, bias=False)
     with torch.no_grad():
         base.weight.copy_(torch.randn(64, 96, generator=g))
-    layer = QuantizedLinear(base.to(dtype), "int8")
+    layer = QuantizedLinear(base.to(dtype), scheme)
     x = (torch.randn(9, 96, generator=g) * torch.logspace(-2, 2, 9)[:, None]).to(dtype)  # rows of unlike ranges
     with torch.no_grad():
         whole = layer(x)
@@ -106,7 +108,7 @@ def test_smoothing_moves_range_between_activations_and_weights_in_powers_of_two(
     base = nn.Linear(64, 32, bias=False)
     with torch.no_grad():
         base.weight.copy_(w)
-    layer = QuantizedLinear(base, "int8", act_amax=amax)
+    layer = QuantizedLinear(base, "w8a8", act_amax=amax)
     assert torch.equal(layer.smooth, 1 / s)
     step = (w * s).abs().amax(dim=1, keepdim=True) / 127 / s  # a half step of W * s, taken back to W's scale
     assert ((layer.dequantized() - w).abs() <= step / 2 + 1e-6).all()
@@ -114,17 +116,17 @@ def test_smoothing_moves_range_between_activations_and_weights_in_powers_of_two(
     big = amax.argmax()
     assert s[big] >= s[amax.argmin()]
     with pytest.raises(ValueError, match="input channel"):
-        QuantizedLinear(base, "int8", act_amax=torch.ones(63))
+        QuantizedLinear(base, "w8a8", act_amax=torch.ones(63))
 
 
-def test_int8_weight_packing_checks_its_inputs():
+def test_w8a8_weight_packing_checks_its_inputs():
     q = torch.zeros(8, 16, dtype=torch.int8)
     with pytest.raises(ValueError, match="int8"):
-        quant.prepack_int8(q.float(), torch.ones(8))
+        quant.prepack_w8a8(q.float(), torch.ones(8))
     with pytest.raises(ValueError, match="scales"):
-        quant.prepack_int8(q, torch.ones(7))
+        quant.prepack_w8a8(q, torch.ones(7))
     with pytest.raises(ValueError, match="smooth"):
-        quant.prepack_int8(q, torch.ones(8), torch.ones(15))
+        quant.prepack_w8a8(q, torch.ones(8), torch.ones(15))
 
 
 def test_calibration_ranges_are_each_linears_input_maximum_and_attach_smooths_with_them(tmp_path):
@@ -141,7 +143,7 @@ def test_calibration_ranges_are_each_linears_input_maximum_and_attach_smooths_wi
     assert "lm_head" not in amax and len(amax) == 7 * model.config.num_hidden_layers
     assert torch.equal(amax["model.layers.0.mlp.down_proj"], seen["x"])
     path = make_peft_adapter(tmp_path / "a", "llama", **SPECS["a"])
-    mm = molora.attach(model, {"a": path}, quantization="int8", calibration=rows)
+    mm = molora.attach(model, {"a": path}, quantization="w8a8", calibration=rows)
     smooths = [m.smooth for m in mm.modules() if isinstance(m, QuantizedLinear)]
     assert len(smooths) == 7 * mm.config.num_hidden_layers and all(s is not None for s in smooths)
     twin = _reference_twin(mm)
@@ -190,9 +192,9 @@ def test_per_token_routing_over_a_quantized_base_equals_routing_over_the_dequant
     paths = {n: make_peft_adapter(tmp_path / n, arch, seed=i, **s) for i, (n, s) in enumerate(SPECS.items())}
     mq = molora.attach(tiny_model(arch), paths, quantization=scheme)
     assert sum(isinstance(m, QuantizedLinear) for m in mq.modules()) == 7 * mq.config.num_hidden_layers
-    # int4 is weight only: the float model on the dequantized weights; int8 also rounds its activations: the
-    # quantized model on the reference kernel
-    mf = molora.attach(_dequantized_twin(mq, arch), paths) if scheme == "int4" else _reference_twin(mq)
+    # int8 and int4 are weight only: the float model on the dequantized weights; w8a8 also rounds its activations:
+    # the quantized model on the reference kernel
+    mf = molora.attach(_dequantized_twin(mq, arch), paths) if scheme != "w8a8" else _reference_twin(mq)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, VOCAB, (2, 11), generator=g)
     route = torch.randint(-1, 2, (2, 11), generator=g)  # per token: base, a or b
@@ -272,3 +274,29 @@ def test_ray_replicas_take_the_quantization_and_check_it():
     assert rs.RayConfig().quantization is None
     with pytest.raises(MoLoRAError, match="--quantization 'int3'"):
         rs.RayConfig(quantization="int3")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 7, 50, 97])
+def test_weight_only_int8_kernels_equal_the_dequantized_product(dtype, T):
+    """linear_w8 (and linear_amx_w8 for bfloat16, where the CPU has AMX) on widths that leave tails (N = 50: not a
+    multiple of the 4 channels a pass takes; T across the 6-row passes and 48-row chunks), with a bias, against x
+    times the dequantized weight in float32; the same through the torch fallback where the kernels are suspended."""
+    from molora.ops import fused_cpu, kernel_build
+
+    if not fused_cpu.available():
+        pytest.skip(f"no kernel build here: {kernel_build.unavailable_reason()}")
+    g = torch.Generator().manual_seed(T)
+    q, s = quant.quantize_int8(torch.randn(50, 64, generator=g))
+    x, bias = torch.randn(T, 64, generator=g).to(dtype), torch.randn(50, generator=g).to(dtype)
+    ref = (x.float() @ quant.dequantize_int8(q, s).t() + bias.float()).to(dtype)
+    with torch.no_grad():
+        y = fused_cpu.linear_w8(x, q, s, bias)
+        assert y is not None
+        _assert_kernel_matches(y, ref)
+        if dtype == torch.bfloat16 and fused_cpu.amx():
+            q2, s2 = quant.quantize_int8(torch.randn(48, 64, generator=g))
+            ref2 = (x.float() @ quant.dequantize_int8(q2, s2).t()).to(dtype)
+            _assert_kernel_matches(fused_cpu.linear_amx_w8(x, quant.tiles(q2), s2), ref2)
+        with kernel_build.suspended():
+            _assert_kernel_matches(quant.linear_int8(x, q, s, None, bias), ref)

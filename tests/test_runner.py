@@ -390,8 +390,9 @@ def test_packed_weights_give_the_logits_of_the_modules_gemms(mm):
 
 def _one_call_model(tmp_path, kind: str):
     """(attached model, adapter names) for the one-call decode block tests: the tiny Llama with two adapters
-    (every linear routed), with adapter "a" alone (k, o, gate and up carry no adapter: no delta there), or a
-    Qwen2 with q/k/v biases and adapter-free."""
+    (every linear routed), with adapter "a" alone (k, o, gate and up carry no adapter: no delta there), the tiny
+    Llama with both adapters over a weight-only int8 base ("llama_int8"), or a Qwen2 with q/k/v biases and
+    adapter-free."""
     from transformers import Qwen2Config
 
     if kind == "qwen2_bias":
@@ -405,9 +406,10 @@ def _one_call_model(tmp_path, kind: str):
             max_position_embeddings=64,
         )
         return molora.attach(random_model(cfg, seed=0)), []
-    names = ["a", "b"] if kind == "llama" else ["a"]
+    names = ["a", "b"] if kind in ("llama", "llama_int8") else ["a"]
     paths = {n: make_peft_adapter(tmp_path / n, "llama", seed=i, **SPECS[n]) for i, n in enumerate(names)}
-    return molora.attach(tiny_model("llama"), paths), names
+    quantization = "int8" if kind == "llama_int8" else None
+    return molora.attach(tiny_model("llama"), paths, quantization=quantization), names
 
 
 def _decode_steps(runner, mm, names, lens, tables, steps=([0, 1, 2], [0, 1, 2], [2, 0], [1])):
@@ -445,12 +447,13 @@ def _one_call_off(monkeypatch, runner) -> None:
     monkeypatch.setattr(runner, "_one_call", lambda *a: None)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama_some_linears", "qwen2_bias"])
+@pytest.mark.parametrize("kind", ["llama", "llama_some_linears", "qwen2_bias", "llama_int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_block_in_one_call_equals_the_kernel_by_kernel_path(tmp_path, monkeypatch, kind, dtype):
     """A decode step's block as one C++ call (fused_cpu.run_block on its bound arguments) gives the logits of the
     same kernels called one by one from Python, bit for bit, over several decode steps with per-token routing;
-    prefill steps and the single-sequence step keep the kernel-by-kernel path."""
+    prefill steps and the single-sequence step keep the kernel-by-kernel path. Over a weight-only int8 base the
+    block runs the int8 kernels (linear_w8 in float32, linear_amx_w8 in bfloat16) in both paths."""
     from molora.ops import fused_cpu, packed
 
     if not fused_cpu.available() or (dtype == torch.bfloat16 and not fused_cpu.amx()):
@@ -459,7 +462,12 @@ def test_decode_block_in_one_call_equals_the_kernel_by_kernel_path(tmp_path, mon
     mm.to(dtype)
     runners = [ModelRunner(mm, num_blocks=32, block_size=4, max_model_len=64, pack_weights=True) for _ in range(2)]
     assert all(len(b.linears) == 7 for b in runners[0].blocks)
-    assert packed.form(mm.model.model.layers[0].mlp.down_proj.weight) == ("panels" if dtype == torch.float32 else "amx")
+    if kind == "llama_int8":
+        w = runners[0].blocks[0].linears[6].kernel_args(dtype)[0]
+        assert w.dtype == torch.int8 and w.dim() == (2 if dtype == torch.float32 else 4)
+    else:
+        down = mm.model.model.layers[0].mlp.down_proj.weight
+        assert packed.form(down) == ("panels" if dtype == torch.float32 else "amx")
     calls = []
     real = fused_cpu.run_block
     monkeypatch.setattr(fused_cpu, "run_block", lambda *a: calls.append(1) or real(*a))

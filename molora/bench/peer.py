@@ -68,7 +68,7 @@ class Variant:
     """molora's base precision against the llama.cpp GGUF type that stores the same bits per weight."""
 
     dtype: torch.dtype  # molora's activations and float weights
-    quantization: str | None  # molora's base linears: None, "int8" (W8A8 on oneDNN), "int4" (weight only)
+    quantization: str | None  # molora's base linears: None, "int8" (weight only), "int4" (weight only)
     gguf_type: str  # the llama.cpp file
     kv_type: str  # llama.cpp's KV cache, matching molora's (its KV cache is in the activation dtype)
 

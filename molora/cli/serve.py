@@ -94,12 +94,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         "-q",
-        choices=("int8", "int4"),
+        choices=("int8", "int4", "w8a8"),
         default=None,
         help="quantize the base model's linears on load, on the CPU (vLLM's flag): int8 weights per output "
-        "channel with activations quantized per token after SmoothQuant factors (oneDNN), or int4 weights in "
-        'groups of 32 (weight only, slower); adapters stay in --dtype (default: the bundle\'s "quantization", '
-        "else none)",
+        "channel, activations in --dtype (weight only); int4 weights in groups of 32 (weight only, slower); w8a8: "
+        "int8 weights and activations quantized per token after SmoothQuant factors (oneDNN); adapters stay in "
+        '--dtype (default: the bundle\'s "quantization", else none)',
     )
     p.add_argument(
         "--request-timeout",

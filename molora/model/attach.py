@@ -364,17 +364,17 @@ def attach(
 
     slots: bank size S (default max(4, number of adapters)); max_rank: R (default the largest rank given,
     at least 8); target_modules: module-name suffixes to make routable besides the adapters' own targets
-    (default, when no adapter is given: the seven Llama projections). quantization: "int8" or "int4" quantizes
-    every linear but the LM head first, on the CPU (molora.model.quant_linear: int8 runs W8A8, int4 weight only);
-    the adapters stay in the model's dtype. calibration (int8): rows of token ids of general text the float model
-    reads first, for SmoothQuant's activation ranges (molora.load gives 16 general prompts with their answers;
-    without it int8 rounds the activations unsmoothed).
+    (default, when no adapter is given: the seven Llama projections). quantization: "int8", "int4" or "w8a8"
+    quantizes every linear but the LM head first, on the CPU (molora.model.quant_linear: int8 and int4 weight only,
+    w8a8 rounds the activations to int8 too); the adapters stay in the model's dtype. calibration (w8a8): rows of
+    token ids of general text the float model reads first, for SmoothQuant's activation ranges (molora.load gives
+    16 general prompts with their answers; without it w8a8 rounds the activations unsmoothed).
     """
     if any(isinstance(m, RoutedLoRALinear) for m in model.modules()):
         raise MoLoRAError("this model is already attached; attach once and use load_adapter for more")
     if quantization is not None:
         try:
-            amax = activation_ranges(model, calibration) if quantization == "int8" and calibration else None
+            amax = activation_ranges(model, calibration) if quantization == "w8a8" and calibration else None
             names = quantize_linears(model, quantization, act_amax=amax)
         except ValueError as e:
             raise MoLoRAError(f"cannot quantize the base model: {e}") from e

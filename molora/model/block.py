@@ -1,8 +1,9 @@
-"""One decoder block as the runner runs it (`Block`), its linears (`Linear`: the base GEMM on packed weights plus the
-routed LoRA delta) and the block's C++ decode path beside it (`Block.run_bound`: the whole block as one call on
-arguments bound once). The routed linears read the step's routing from the model's `RoutingContext`, which the
-runner writes once per step before the first block; the C++ path gets the routing's kernel arguments as an argument
-(`one_call`). Norm, RoPE and attention helpers used by the runner live here too. Legend as in molora.model.runner.
+"""One decoder block as the runner runs it (`Block`), its linears (`Linear`: the base GEMM on packed weights, or a
+weight-only int8 base's kernel, plus the routed LoRA delta) and the block's C++ decode path beside it
+(`Block.run_bound`: the whole block as one call on arguments bound once). The routed linears read the step's routing
+from the model's `RoutingContext`, which the runner writes once per step before the first block; the C++ path gets
+the routing's kernel arguments as an argument (`one_call`). Norm, RoPE and attention helpers used by the runner live
+here too. Legend as in molora.model.runner.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from molora.adapters.bank import LoRASlots
 from molora.model.batch import AttnPlan, Decode, PagedKVCache, Prefill
 from molora.model.lora_linear import RoutedLoRALinear
+from molora.model.quant_linear import QuantizedLinear
 from molora.ops import fused_cpu, packed
 
 
@@ -60,9 +62,11 @@ class Linear:
     """One linear of the model as the runner calls it: with `pack`, the base GEMM on the weight packed once
     (molora.ops.packed, torch's result up to float32 rounding) and then, for a routed linear, each token's delta
     (`RoutedLoRALinear.add_delta`); without, or for a single row, the module itself. Module hooks of packed
-    linears are not called (the runner calls the computation, not the module)."""
+    linears are not called (the runner calls the computation, not the module). A weight-only int8 base
+    (`QuantizedLinear` of scheme int8, alone or under a routed linear) runs as its module (its own int8 kernel, then
+    the delta) and binds into the one-call decode block with its int8 operands (`quant`)."""
 
-    __slots__ = ("mod", "packed", "routed")
+    __slots__ = ("mod", "packed", "routed", "quant")
 
     def __init__(self, mod: nn.Module, pack: bool) -> None:
         self.mod = mod
@@ -73,6 +77,8 @@ class Linear:
             else None
         )
         self.routed = mod if isinstance(mod, RoutedLoRALinear) else None  # the module again, where it is routed
+        base = mod._modules.get("qbase") if self.routed is not None else mod
+        self.quant = base if isinstance(base, QuantizedLinear) and base.scheme == "int8" else None
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.packed is None or x.shape[0] < 2:
@@ -81,26 +87,40 @@ class Linear:
         return self.routed.add_delta(x, y) if self.routed is not None else y
 
     def kernel_args(self, dtype: torch.dtype) -> tuple | None:
-        """(packed weight, bias, A, B, scale) as `fused_cpu.bind_block` takes them, where `__call__` on 2 to
-        PANEL_MAX_ROWS rows of `dtype` runs molora's packed GEMM and, for a routed linear that an adapter targets,
-        the fused LoRA kernel (A, B, scale None: no delta); None where it would run anything else."""
-        if self.packed is None:
-            return None
-        w = self.packed.kernel_weight(dtype)
-        if w is None:
-            return None
+        """(weight, bias, A, B, scale, weight scales) as `fused_cpu.bind_block` takes them, where `__call__` on 2 to
+        PANEL_MAX_ROWS rows of `dtype` runs molora's packed GEMM (weight scales None) or int8 kernel (the int8
+        operands of `QuantizedLinear.w8_operands`) and, for a routed linear that an adapter targets, the fused LoRA
+        kernel (A, B, scale None: no delta); None where it would run anything else."""
+        w: Tensor | None
+        ws: Tensor | None
+        if self.quant is not None:
+            if dtype not in fused_cpu.DTYPES or not fused_cpu.available() or self.quant.in_features % 16:
+                return None
+            (w, ws), bias = self.quant.w8_operands(dtype), self.quant.bias
+            if bias is not None and bias.dtype != dtype:
+                return None
+        else:
+            w = None if self.packed is None else self.packed.kernel_weight(dtype)
+            if w is None or self.packed is None:
+                return None
+            ws, bias = None, self.packed.bias
         lora = self.routed.kernel_operands() if self.routed is not None else None
-        return (w, self.packed.bias, None, None, None) if lora is None else (w, self.packed.bias, *lora)
+        return (w, bias, None, None, None, ws) if lora is None else (w, bias, *lora, ws)
 
     def watched(self) -> tuple[list[Tensor], list[Tensor]]:
         """(watched, held) for `fused_cpu.bind_block`. Watched: the tensors whose change means a bound block must be
-        bound again: the base weight (its packed copy) and bias, and a routed linear's A or scale where the kernel gets
-        a copy of it (A not contiguous, scale cast to float32: a bfloat16 model's bank). Held: the slot tensors the
-        kernel reads in place (Bt, and A and scale where not copied), so that a load or unload writing a slot keeps
-        the binding; only their moving to other storage means a rebind."""
-        weight = self.mod.weight
-        assert isinstance(weight, Tensor) and self.packed is not None, "only a packed linear is bound"
-        watched = [weight] + ([] if self.packed.bias is None else [self.packed.bias])
+        bound again: the base weight (its packed copy) and bias (an int8 base: its qweight, scales and bias), and a
+        routed linear's A or scale where the kernel gets a copy of it (A not contiguous, scale cast to float32: a
+        bfloat16 model's bank). Held: the slot tensors the kernel reads in place (Bt, and A and scale where not
+        copied), so that a load or unload writing a slot keeps the binding; only their moving to other storage means a
+        rebind."""
+        if self.quant is not None:
+            q = self.quant
+            watched = [q.qweight, q.scales] + ([] if q.bias is None else [q.bias])
+        else:
+            weight = self.mod.weight
+            assert isinstance(weight, Tensor) and self.packed is not None, "only a packed linear is bound"
+            watched = [weight] + ([] if self.packed.bias is None else [self.packed.bias])
         held: list[Tensor] = []
         if self.routed is not None:
             lora = self.routed.lora
@@ -153,11 +173,15 @@ class Block:
             and all(type(n).__name__ in RMS_NORMS for n in (self.input_layernorm, self.post_attention_layernorm))
             else ()
         )
-        if not all(lin.packed is not None and lin.packed.form in ("panels", "amx") for lin in self.linears):
+        if not all(
+            lin.quant is not None or (lin.packed is not None and lin.packed.form in ("panels", "amx"))
+            for lin in self.linears
+        ):
             self.linears = ()
         self.routed = next((lin.routed for lin in self.linears if lin.routed is not None), None)  # context, dispatcher
         self._bound: Any = None  # the block bound for one-call decode steps (`run_bound`), and what it was for
         self._bound_key: tuple | None = None
+        self._gemm: str | None = None  # the bound block's GEMM kernel, as `kernel_clock` names it
 
     def __call__(
         self,
@@ -214,7 +238,9 @@ class Block:
                 return None
             d = plan.decode
             assert d is not None, "run_bound runs decode steps only (ModelRunner._one_call)"
-            out = fused_cpu.run_block(self._bound, h, delta, step, positions, plan.write_rows, d.table, d.ctx, d.rows)
+            out = fused_cpu.run_block(
+                self._bound, h, delta, step, positions, plan.write_rows, d.table, d.ctx, d.rows, self._gemm
+            )
             if out is not None:
                 return out
             self._bound_key = None  # something watched changed
@@ -241,6 +267,10 @@ class Block:
             w, k = lin.watched()
             watched += w
             held += k
+        w0 = linears[0][0]
+        self._gemm = (
+            ("molora::linear_amx_w8" if w0.dim() == 4 else "molora::linear_w8") if w0.dtype == torch.int8 else None
+        )
         return fused_cpu.bind_block(
             (ln1.weight, ln2.weight),
             ln1.variance_epsilon,

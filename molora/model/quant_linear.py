@@ -3,13 +3,16 @@
     names = quantize_linears(model, "int8")     # every nn.Linear of the decoder blocks -> QuantizedLinear
     y = layer(x)                                 # x [..., d_in] float32 / bfloat16 -> [..., d_out], x's dtype
 
-The weight is quantized once, on load (molora.ops.quant: int8 symmetric per output channel, int4 asymmetric groups
-of 32 along d_in), and the float weight is dropped: the module holds `qweight` (int8 [d_out, d_in], or torch's
-packed int4 bytes) and `scales` (float, the model's dtype: `model.to(torch.bfloat16)` casts them with the rest) as
-buffers; int8 also keeps oneDNN's packed copy of qweight (made at the first call, again when qweight, scales or
-smooth change), on which it runs with the activations quantized per token (W8A8, molora.ops.quant), each input
-channel first multiplied by `smooth` when the layer was built with activation ranges (SmoothQuant, power-of-two
-factors; `activation_ranges` measures them, molora.load reads general text for it). The LM head (tied to the
+The weight is quantized once, on load (molora.ops.quant: int8 and w8a8 symmetric per output channel, int4 asymmetric
+groups of 32 along d_in), and the float weight is dropped: the module holds `qweight` (int8 [d_out, d_in], or
+torch's packed int4 bytes) and `scales` (float, the model's dtype: `model.to(torch.bfloat16)` casts them with the
+rest) as buffers. int8 is weight only: the activations stay in the model's dtype, on molora's int8 kernels
+(`quant.linear_int8`; the scales widened to float32 once, and for bfloat16 activations on AMX a copy of qweight in
+the tiles' layout, both made again when qweight or scales change; `w8_operands` hands them to the runner's one-call
+decode block). w8a8 keeps oneDNN's packed copy of qweight (made at the first call, again when qweight, scales or
+smooth change), on which it runs with the activations quantized per token (molora.ops.quant), each input channel
+first multiplied by `smooth` when the layer was built with activation ranges (SmoothQuant, power-of-two factors;
+`activation_ranges` measures them, molora.load reads general text for it). The LM head (tied to the
 embeddings in small models) stays in float. A `RoutedLoRALinear` wraps a `QuantizedLinear` as it wraps an
 `nn.Linear`: the LoRA delta stays in the activation dtype, unquantized.
 
@@ -29,7 +32,7 @@ from molora.ops import quant
 
 
 class QuantizedLinear(nn.Module):
-    """y = x @ dequantize(qweight, scales).T + bias on torch's weight-only CPU kernel (module docstring)."""
+    """y = x @ dequantize(qweight, scales).T + bias on the scheme's CPU kernel (module docstring)."""
 
     qweight: Tensor  # buffers, typed here (nn.Module.__getattr__ would type them `Tensor | Module`)
     scales: Tensor
@@ -49,7 +52,7 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.scheme, self.group = scheme, group if scheme == "int4" else 0
         weight, smooth = base.weight, None
-        if scheme == "int8" and act_amax is not None:  # SmoothQuant (module docstring)
+        if scheme == "w8a8" and act_amax is not None:  # SmoothQuant (module docstring)
             if act_amax.shape != (self.in_features,):
                 raise ValueError(f"act_amax must have one value per input channel ({self.in_features})")
             s = quant.smoothing(act_amax, weight, alpha)
@@ -57,12 +60,13 @@ class QuantizedLinear(nn.Module):
         q, scales = quant.quantize(weight, scheme, group)
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales.to(base.weight.dtype))
-        self.register_buffer("smooth", smooth)  # int8 with calibration: x's factor per channel (powers of two)
+        self.register_buffer("smooth", smooth)  # w8a8 with calibration: x's factor per channel (powers of two)
         self.bias = base.bias
-        self._packed: tuple | None = None  # int8: (key, oneDNN's packed weight)
-        self._kernel = self._int8 if scheme == "int8" else self._int4  # chosen once: forward never branches on it
+        self._packed: tuple | None = None  # w8a8: (key, oneDNN's packed weight); int8: (key, float32 scales, tiles)
+        # chosen once: forward never branches on the scheme; (x, bias) -> x @ W.T + bias
+        self._kernel = {"int8": self._int8, "w8a8": self._w8a8, "int4": self._int4}[scheme]
 
-    def __getstate__(self) -> dict:  # copies and pickles drop oneDNN's packed weight (made again at the next call)
+    def __getstate__(self) -> dict:  # copies and pickles drop the packed copies (made again at the next call)
         return {**self.__dict__, "_packed": None}
 
     @property
@@ -73,25 +77,47 @@ class QuantizedLinear(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:  # autograd: the dequantized weight (module docstring)
             return F.linear(x, self.dequantized().to(x.dtype), self.bias)
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [T, d_in]
-        y = self._kernel(flat.contiguous())  # [T, d_out]
-        if self.bias is not None:
-            y.add_(self.bias)
+        y = self._kernel(flat.contiguous(), self.bias)  # [T, d_out]
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
-    def _int8(self, x: Tensor) -> Tensor:
+    def w8_operands(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """int8: (the weight as the kernel for activations of `dtype` takes it, float32 scales [d_out]): the int8
+        tiles [d_out / 16, d_in / 32, 16, 32] for bfloat16 on AMX (`quant.tiles`), else qweight [d_out, d_in];
+        made again when qweight or scales changed (their address or version)."""
+        assert self.scheme == "int8", self.scheme
+        from molora.ops import fused_cpu
+
+        q, s = self.qweight, self.scales
+        key = (q.data_ptr(), q._version, s.data_ptr(), s._version)
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, s.float().contiguous(), None)
+        n, k = q.shape
+        if dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 and fused_cpu.amx():
+            if self._packed[2] is None:
+                self._packed = (key, self._packed[1], quant.tiles(q))
+            return self._packed[2], self._packed[1]
+        return q, self._packed[1]
+
+    def _int8(self, x: Tensor, bias: Tensor | None) -> Tensor:  # the bias added in the kernel, before its rounding
+        w, s32 = self.w8_operands(x.dtype)
+        return quant.linear_int8(x, self.qweight, s32, w if w.dim() == 4 else None, bias)
+
+    def _w8a8(self, x: Tensor, bias: Tensor | None) -> Tensor:
         q, s, m = self.qweight, self.scales, self.smooth
         key = (q.data_ptr(), q._version, s.data_ptr(), s._version, None if m is None else (m.data_ptr(), m._version))
         if self._packed is None or self._packed[0] != key:
-            self._packed = (key, quant.prepack_int8(q, s.float(), m))
-        return quant.linear_int8(x, self._packed[1])
+            self._packed = (key, quant.prepack_w8a8(q, s.float(), m))
+        y = quant.linear_w8a8(x, self._packed[1])
+        return y if bias is None else y.add_(bias)
 
-    def _int4(self, x: Tensor) -> Tensor:
-        return quant.linear_int4(x, self.qweight, self.scales, self.group)
+    def _int4(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        y = quant.linear_int4(x, self.qweight, self.scales, self.group)
+        return y if bias is None else y.add_(bias)
 
-    def _reference_kernel(self, x: Tensor) -> Tensor:
-        """`reference` without the bias: what a test puts in place of the kernel (`_kernel`) to run a model on it."""
+    def _reference_kernel(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        """`reference` on 2-D x: what a test puts in place of the kernel (`_kernel`) to run a model on it."""
         return quant.linear_reference(
-            x, self.qweight, self.scales, self.scheme, self.group, self.shape, smooth=self.smooth
+            x, self.qweight, self.scales, self.scheme, self.group, self.shape, bias, self.smooth
         )
 
     def reference(self, x: Tensor) -> Tensor:
@@ -128,7 +154,7 @@ def quantize_linears(
     alpha: float = quant.SMOOTH_ALPHA,
 ) -> list[str]:
     """Swap every `nn.Linear` of `model` (but those whose last name is in `skip`) for a `QuantizedLinear` of
-    `scheme`; return the names replaced. act_amax (int8; `activation_ranges`): module name -> its inputs' largest
+    `scheme`; return the names replaced. act_amax (w8a8; `activation_ranges`): module name -> its inputs' largest
     magnitude per channel on calibration text, for SmoothQuant with `alpha` (a linear not in it: no smoothing).
     Linears already wrapped by a `RoutedLoRALinear` are not touched: quantize before attaching (molora.attach
     does)."""

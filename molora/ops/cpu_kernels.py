@@ -14,7 +14,9 @@ write, attention, SiLU * up) as one call of the kernels below (a `torch.classes.
 
 And two GEMMs for few rows on weights packed once, which the runner's linears run through molora.ops.packed (its
 docstring: the measurements): `linear_panels` in float32 (panels of 16 columns) and `linear_amx` in bfloat16 (on the
-CPU's AMX tile unit, where it has one; the weight in the layout of the tiles).
+CPU's AMX tile unit, where it has one; the weight in the layout of the tiles); and two weight-only int8 GEMMs that
+molora.ops.quant runs (its docstring: the measurements): `linear_w8` (float32 or bfloat16 activations, the int8
+weight as stored) and `linear_amx_w8` (bfloat16 on AMX, the int8 weight in the tiles' layout).
 
 Each family stays because the engine bench runs at least 1.15x slower without it, measured side by side against what
 torch gives in its place (scripts/kernel_keep.py; docs/kernel_keep_fp32.json, docs/kernel_keep_bf16.json, rendered in
@@ -191,6 +193,34 @@ def linear_amx(x: Tensor, tiles: Tensor, bias: Tensor | None) -> Tensor | None:
     return _packed_gemm("linear_amx", x, tiles, bias, _EMPTY_BF16)
 
 
+def linear_w8(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor | None:
+    """Weight-only int8: x [M, K] @ (q * scales).T (+ bias) -> a new [M, N] in x's dtype (float32 or bfloat16), q int8
+    [N, K] as it is stored, scales float32 [N] (csrc/linear_w8.cpp). None: cannot run (not built, `suspended`, not a
+    float CPU x, autograd on, K not a multiple of 16)."""
+    if not glue_supports(x) or x.dim() != 2 or x.shape[1] % 16:
+        return None
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype)
+    with _profiled("molora::linear_w8"):
+        ops().linear_w8(
+            y, x, q, scales, bias if bias is not None else _EMPTY_BF16 if x.dtype == torch.bfloat16 else _EMPTY
+        )
+    return y
+
+
+def linear_amx_w8(x: Tensor, tiles: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor | None:
+    """Weight-only int8 on AMX: x [M, K] bfloat16 @ (q * scales).T (+ bias) -> a new [M, N] bfloat16, q int8 packed as
+    tiles [N / 16, K / 32, 16, 32] (molora.ops.quant.tiles), scales float32 [N] (csrc/linear_amx.cpp). None: cannot
+    run (not built with AMX, not bfloat16 CPU, autograd on, `suspended`)."""
+    if not glue_supports(x) or x.dtype != torch.bfloat16 or x.dim() != 2 or not ops().amx_ready():
+        return None
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty(x.shape[0], tiles.shape[0] * 16, dtype=x.dtype)
+    with _profiled("molora::linear_amx_w8"):
+        ops().linear_amx_w8(y, x, tiles, scales, _EMPTY_BF16 if bias is None else bias)
+    return y
+
+
 def _packed_gemm(kernel: str, x: Tensor, packed: Tensor, bias: Tensor | None, no_bias: Tensor) -> Tensor:
     """y [M, 16 * packed.shape[0]] in x's dtype = the op `kernel` (linear_panels, linear_amx) on x's rows with unit
     column stride and a weight packed 16 output columns per leading index; `no_bias`: the empty tensor of x's dtype
@@ -229,16 +259,19 @@ def bind_block(
     for `run_block`.
 
     norms: the two RMSNorm weights (one eps); linears: for q, k, v, o, gate, up,
-    down, (packed weight as `PackedLinear.kernel_weight` gives it, bias or None, and A, B, scale as
-    `RoutedLoRALinear.kernel_operands` gives them, or three Nones where no adapter adds to it); heads (H, Hkv,
-    head_dim); rope: the cos, sin tables [P, hd]; cache (kc, vc [N, Hkv, hd], block size, scaling, window or None);
+    down, (packed weight as `PackedLinear.kernel_weight` gives it, bias or None, A, B, scale as
+    `RoutedLoRALinear.kernel_operands` gives them, or three Nones where no adapter adds to it, and the weight's
+    float32 scales where it is int8 (`QuantizedLinear.w8_operands`: int8 [N, K] or int8 tiles), else None);
+    heads (H, Hkv, head_dim); rope: the cos, sin tables [P, hd]; cache (kc, vc [N, Hkv, hd], block size, scaling,
+    window or None);
     watched: the tensors whose storage or in-place writes mean the binding no longer holds (`run_block` then returns
     None); held: tensors the bound block reads in place (the adapter slots, which loads write), whose storage alone
     must stay. Call only where the kernels can run (`ready()`, and `amx()` for bfloat16 weights)."""
     no_bias = _EMPTY_BF16 if norms[0].dtype == torch.bfloat16 else _EMPTY
-    P, bias, A, B, scale = ([], [], [], [], [])
-    for w, b, a, bb, sc in linears:
+    P, WS, bias, A, B, scale = ([], [], [], [], [], [])
+    for w, b, a, bb, sc, ws in linears:
         P.append(w)
+        WS.append(_EMPTY if ws is None else ws)
         bias.append(no_bias if b is None else b)
         A.append(_EMPTY if a is None else a)
         B.append(_EMPTY if bb is None else bb)
@@ -247,6 +280,7 @@ def bind_block(
     ops()  # asserts the library is loaded (it registers the class)
     return torch.classes.molora.BoundBlock(
         P,
+        WS,
         bias,
         A,
         B,
@@ -277,13 +311,15 @@ def run_block(
     tables: Tensor,
     ctx: Tensor,
     rows: Tensor,
+    gemm: str | None = None,
 ) -> Tensor | None:
     """A bound block (`bind_block`) on one decode step as one C++ call (csrc decode_block: the kernels of this
     module in the order and on the arguments molora.model.block's per-kernel path gives them, equal to it bit for
     bit): h [T, D] += delta, attention, h += its output, in place; returns the MLP output [T, D]. step: the fused LoRA
     kernel's (tok, weight, counts) of the step's routing, or () for no deltas; positions, write_rows [T], and the
     `Decode` tables, context lengths and rows of the step. None, nothing done: a watched tensor changed since the
-    bind (bind again). Shapes that disagree raise a RuntimeError from the kernels."""
+    bind (bind again). Shapes that disagree raise a RuntimeError from the kernels. gemm: the name `kernel_clock`
+    gives the block's GEMM time (default: the float kernel of h's dtype)."""
     clock = _EMPTY_F64 if _clock is None else torch.zeros(6, dtype=torch.float64)
     tok, weight, counts = step if step else (_EMPTY_LONG, None, [])
     # torch's Python op call asks every argument for __torch_function__; asked of the bound block (a ScriptObject)
@@ -307,7 +343,7 @@ def run_block(
             clock,
         )
     if _clock is not None and out is not None:
-        gemm = "molora::linear_amx" if h.dtype == torch.bfloat16 else "molora::linear_panels"
+        gemm = gemm or ("molora::linear_amx" if h.dtype == torch.bfloat16 else "molora::linear_panels")
         for name, t in zip(_BLOCK_KERNELS, clock.tolist()):
             name = name or gemm
             _clock[name] = _clock.get(name, 0.0) + t

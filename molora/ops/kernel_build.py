@@ -47,6 +47,7 @@ _SOURCES: tuple[Path, ...] = tuple(
         "glue.cpp",  # add_rms_norm, rope_write, silu_mul
         "linear_panels.cpp",  # float32 GEMM on panels
         "linear_amx.cpp",  # bfloat16 GEMM on AMX tiles (amx_ready, linear_amx)
+        "linear_w8.cpp",  # weight-only int8 GEMM (linear_w8)
         "decode_block.cpp",  # a whole decoder block of a decode step (BoundBlock)
         "bindings.cpp",  # TORCH_LIBRARY(molora): every op's schema
     )

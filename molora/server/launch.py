@@ -56,7 +56,7 @@ def build_engine(
     or None: the embedded default bundle); dtype "bfloat16" runs weights, adapters and KV cache in bf16 (AMX /
     avx512_bf16 on CPU; the router's gates stay fp32). max_cpu_loras (vLLM's flag): the CPU tier holds that
     many adapters of the slots' size beyond the slots (instead of EngineConfig.cpu_tier_bytes). quantization
-    ("int8", "int4", vLLM's --quantization): the base's linears quantized on load (molora.bundle.load)."""
+    ("int8", "int4", "w8a8", vLLM's --quantization): the base's linears quantized on load (molora.bundle.load)."""
     import dataclasses
 
     import torch

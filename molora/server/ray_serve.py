@@ -99,8 +99,8 @@ class RayConfig:
     def __post_init__(self) -> None:
         if self.ingress not in INGRESS_KINDS:
             raise MoLoRAError(f"--ray-ingress {self.ingress!r}: use one of {', '.join(INGRESS_KINDS)}")
-        if self.quantization not in (None, "int8", "int4"):  # molora.ops.quant.SCHEMES
-            raise MoLoRAError(f"--quantization {self.quantization!r}: use int8 or int4 (or leave it out)")
+        if self.quantization not in (None, "int8", "int4", "w8a8"):  # molora.ops.quant.SCHEMES
+            raise MoLoRAError(f"--quantization {self.quantization!r}: use int8, int4 or w8a8 (or leave it out)")
         if self.placement not in PLACEMENTS:
             raise MoLoRAError(f"--ray-placement {self.placement!r}: use one of {', '.join(PLACEMENTS)}")
         if self.replicas < 1 or self.max_queue < 1 or self.bundles_per_replica < 1:

@@ -21,5 +21,7 @@ TORCH_LIBRARY(molora, m) {
   m.def("linear_panels(Tensor(a!) y, Tensor x, Tensor panels, Tensor bias) -> ()", &linear_panels);
   m.def("amx_ready() -> bool", &amx_ready);
   m.def("linear_amx(Tensor(a!) y, Tensor x, Tensor tiles, Tensor bias) -> ()", &linear_amx);
+  m.def("linear_amx_w8(Tensor(a!) y, Tensor x, Tensor tiles, Tensor scale, Tensor bias) -> ()", &linear_amx_w8);
+  m.def("linear_w8(Tensor(a!) y, Tensor x, Tensor q, Tensor scale, Tensor bias) -> ()", &linear_w8);
   register_decode_block(m);
 }

@@ -107,5 +107,8 @@ void silu_mul(torch::Tensor g, torch::Tensor u);
 void linear_panels(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor bias);
 bool amx_ready();
 void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor bias);
+void linear_amx_w8(torch::Tensor y, torch::Tensor x, torch::Tensor Pq, torch::Tensor scale, torch::Tensor bias);
+// linear_w8.cpp
+void linear_w8(torch::Tensor y, torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor bias);
 // decode_block.cpp: registers the BoundBlock class (torch.classes.molora.BoundBlock)
 void register_decode_block(torch::Library& m);

@@ -12,7 +12,9 @@
 // path bit for bit; what it saves is the Python between the kernels (about 20 calls a block). h [T, D] is updated in
 // place (h += delta before the first norm, h += attention output before the second); returns the block's MLP output
 // (the next block's delta). Linears in the order q, k, v, o, gate, up, down: P packed weights (panels [N/16, K, 16]
-// float32 or AMX tiles [N/16, K/32, 16, 32] bfloat16), bias or empty; a routed linear's A, B (slot-major), scale
+// float32 or AMX tiles [N/16, K/32, 16, 32] bfloat16), or a weight-only int8 base (int8 [N, K] for linear_w8, int8
+// tiles [N/16, K/32, 16, 32] for linear_amx_w8) with its float32 scales WS [N] (empty for a float weight); bias or
+// empty; a routed linear's A, B (slot-major), scale
 // (float32) run lora_fused_ on the step's tok / weight / counts (lora: the step has routing), an empty A adds
 // nothing. clock: empty, or float64 [6] to which each kernel kind's wall seconds are added (linear, lora, norm, rope,
 // attention, silu_mul: the bench's kernel share); each kernel is also a torch.profiler range named as
@@ -21,7 +23,8 @@
 
 static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& delta, const torch::Tensor& ln1,
                                   const torch::Tensor& ln2, double eps,
-                                  const std::vector<torch::Tensor>& P, const std::vector<torch::Tensor>& bias,
+                                  const std::vector<torch::Tensor>& P, const std::vector<torch::Tensor>& WS,
+                                  const std::vector<torch::Tensor>& bias,
                                   const std::vector<torch::Tensor>& A, const std::vector<torch::Tensor>& B,
                                   const std::vector<torch::Tensor>& scale, bool lora, const torch::Tensor& tok,
                                   const torch::Tensor& weight, const std::vector<int64_t>& counts, int64_t H,
@@ -50,8 +53,11 @@ static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& d
   };
   auto linear = [&](int i, const torch::Tensor& x) {
     const torch::Tensor& p = P[i];
-    torch::Tensor y = at::empty({T, 16 * p.size(0)}, opts);
-    if (p.dim() == 4) timed(0, "molora::linear_amx", [&] { linear_amx(y, x, p, bias[i]); });
+    const bool w8 = p.scalar_type() == at::kChar;
+    torch::Tensor y = at::empty({T, w8 && p.dim() == 2 ? p.size(0) : 16 * p.size(0)}, opts);
+    if (w8 && p.dim() == 4) timed(0, "molora::linear_amx_w8", [&] { linear_amx_w8(y, x, p, WS[i], bias[i]); });
+    else if (w8) timed(0, "molora::linear_w8", [&] { linear_w8(y, x, p, WS[i], bias[i]); });
+    else if (p.dim() == 4) timed(0, "molora::linear_amx", [&] { linear_amx(y, x, p, bias[i]); });
     else timed(0, "molora::linear_panels", [&] { linear_panels(y, x, p, bias[i]); });
     if (lora && A[i].numel())
       timed(1, "molora::lora_fused_", [&] {
@@ -84,30 +90,35 @@ static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& d
 // (None in Python), having done nothing, once a watched tensor has moved to other storage or been written in place,
 // or a held one has moved to other storage, since the bind; the caller binds again.
 struct BoundBlock : torch::CustomClassHolder {
-  std::vector<torch::Tensor> P, bias, A, B, scale, watched, held;
+  std::vector<torch::Tensor> P, WS, bias, A, B, scale, watched, held;
   torch::Tensor ln1, ln2, cos, sin, kc, vc;
   double eps, scaling;
   int64_t H, Hkv, hd, block_size, window;
   std::vector<const void*> ptrs, held_ptrs;
   std::vector<int64_t> versions;
 
-  BoundBlock(std::vector<torch::Tensor> P_, std::vector<torch::Tensor> bias_, std::vector<torch::Tensor> A_,
+  BoundBlock(std::vector<torch::Tensor> P_, std::vector<torch::Tensor> WS_, std::vector<torch::Tensor> bias_, std::vector<torch::Tensor> A_,
              std::vector<torch::Tensor> B_, std::vector<torch::Tensor> scale_, torch::Tensor ln1_, torch::Tensor ln2_,
              double eps_, int64_t H_, int64_t Hkv_, int64_t hd_, torch::Tensor cos_,
              torch::Tensor sin_, torch::Tensor kc_, torch::Tensor vc_, int64_t block_size_, double scaling_,
              int64_t window_, std::vector<torch::Tensor> watched_, std::vector<torch::Tensor> held_)
-      : P(P_), bias(bias_), A(A_), B(B_), scale(scale_), watched(watched_), held(held_), ln1(ln1_), ln2(ln2_), cos(cos_),
+      : P(P_), WS(WS_), bias(bias_), A(A_), B(B_), scale(scale_), watched(watched_), held(held_), ln1(ln1_), ln2(ln2_),
+        cos(cos_),
         sin(sin_), kc(kc_), vc(vc_), eps(eps_), scaling(scaling_), H(H_), Hkv(Hkv_), hd(hd_),
         block_size(block_size_), window(window_) {
-    TORCH_CHECK(P.size() == 7 && bias.size() == 7 && A.size() == 7 && B.size() == 7 && scale.size() == 7,
+    TORCH_CHECK(P.size() == 7 && WS.size() == 7 && bias.size() == 7 && A.size() == 7 && B.size() == 7 && scale.size() == 7,
                 "bind_block: 7 linears (q, k, v, o, gate, up, down) expected");
     TORCH_CHECK(H >= 1 && Hkv >= 1 && hd >= 2 && H % Hkv == 0, "bind_block: heads (H ", H, ", Hkv ", Hkv,
                 ", head_dim ", hd, "): H must be a positive multiple of Hkv, head_dim >= 2");
     TORCH_CHECK(block_size >= 1 && window >= 0, "bind_block: block_size ", block_size, " must be >= 1 and window ",
                 window, " >= 0 (0: none)");
-    for (int i = 0; i < 7; ++i)
-      TORCH_CHECK(P[i].dim() == 3 || P[i].dim() == 4, "bind_block: linear ", i, "'s packed weight must be panels "
-                  "[N/16, K, 16] or AMX tiles [N/16, K/32, 16, 32], got ", P[i].sizes());
+    for (int i = 0; i < 7; ++i) {
+      const bool w8 = P[i].scalar_type() == at::kChar;
+      TORCH_CHECK(w8 ? (P[i].dim() == 2 || P[i].dim() == 4) && WS[i].numel() > 0 : (P[i].dim() == 3 || P[i].dim() == 4),
+                  "bind_block: linear ", i, "'s weight must be float panels [N/16, K, 16] or AMX tiles "
+                  "[N/16, K/32, 16, 32], or int8 [N, K] or int8 tiles with its scales; got ", P[i].scalar_type(), " ",
+                  P[i].sizes(), " with ", WS[i].numel(), " scales");
+    }
     for (const auto& t : watched) { ptrs.push_back(t.data_ptr()); versions.push_back(t._version()); }
     for (const auto& t : held) held_ptrs.push_back(t.data_ptr());
   }
@@ -125,7 +136,7 @@ struct BoundBlock : torch::CustomClassHolder {
                                    torch::Tensor wrows, torch::Tensor tables, torch::Tensor ctx, torch::Tensor rows,
                                    torch::Tensor clock) {
     if (!current()) return std::nullopt;
-    return decode_block(h, delta, ln1, ln2, eps, P, bias, A, B, scale, lora, tok, weight, counts, H, Hkv, hd,
+    return decode_block(h, delta, ln1, ln2, eps, P, WS, bias, A, B, scale, lora, tok, weight, counts, H, Hkv, hd,
                         cos, sin, pos, wrows, kc, vc, tables, ctx, rows, block_size, scaling, window, clock);
   }
 };
@@ -137,7 +148,7 @@ struct BoundBlock : torch::CustomClassHolder {
 void register_decode_block(torch::Library& m) {
   m.class_<BoundBlock>("BoundBlock")
       .def(torch::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                       std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, double,
+                       std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, double,
                        int64_t, int64_t, int64_t, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                        int64_t, double, int64_t, std::vector<torch::Tensor>, std::vector<torch::Tensor>>())
       .def("current", &BoundBlock::current);

@@ -66,22 +66,17 @@ bool amx_ready() {
 #endif
 }
 
-void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor bias) {
-  for (auto [name, t] : {std::pair<const char*, const torch::Tensor*>{"y", &y}, {"x", &x}, {"P", &P}, {"bias", &bias}})
-    chk::cpu("linear_amx", name, *t);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && P.scalar_type() == at::kBFloat16 &&
-              y.scalar_type() == at::kBFloat16 && x.dim() == 2 && y.dim() == 2 && P.dim() == 4 && P.size(2) == 16 &&
-              P.size(3) == 32 && P.is_contiguous() && x.stride(1) == 1 && y.stride(1) == 1 &&
-              x.size(1) == 32 * P.size(1) && y.size(0) == x.size(0) && y.size(1) == 16 * P.size(0) &&
-              (bias.numel() == 0 || (bias.numel() == y.size(1) && bias.is_contiguous() &&
-                                     bias.scalar_type() == at::kBFloat16)),
-              "linear_amx: bfloat16 x [M, K] (unit column stride), P [N/16, K/32, 16, 32], y [M, N], bias [N] or empty");
+// The driver shared by linear_amx and linear_amx_w8: `widen(p0, two, buf)` gives the bf16 tiles of panels p0 (and
+// p0 + 1 where `two`): a pointer into P (bf16) or `buf` filled from the int8 tiles; `scale` (or nullptr) multiplies
+// each output column before the bias is added.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+template <typename Widen>
+static void amx_gemm(torch::Tensor& y, const torch::Tensor& x, int64_t KC, int64_t np, const float* scale,
+                     const torch::Tensor& bias, Widen widen) {
   TORCH_CHECK(amx_permitted(), "linear_amx: the kernel may not use the AMX tiles here");
-  const int64_t M = x.size(0), K = x.size(1), KC = P.size(1), np = P.size(0), ldx = x.stride(0), ldy = y.stride(0);
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), ldy = y.stride(0);
   auto u = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
   const uint16_t* xp = u(x);
-  const uint16_t* pp = u(P);
   const uint16_t* bp = bias.numel() ? u(bias) : nullptr;
   uint16_t* yp = u(y);
   // A last tile of fewer than 16 rows is read from a zero-padded copy (a tile load reads 16 rows).
@@ -93,10 +88,11 @@ void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor
   at::parallel_for(0, (np + 1) / 2, 1, [&](int64_t g0, int64_t g1) {
     amx_config();
     alignas(64) float c[4][16][16];
+    std::vector<uint16_t> buf;
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = 2 * g;
       const bool two = p0 + 1 < np;
-      const uint16_t* b0 = pp + p0 * KC * 512;
+      const uint16_t* b0 = widen(p0, two, buf);
       const uint16_t* b1 = two ? b0 + KC * 512 : b0;
       for (int64_t t = 0; t < tiles; t += 2) {
         const bool tr = t + 1 < tiles;
@@ -109,13 +105,75 @@ void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor
           if ((q >= 2 && !tr) || (q % 2 && !two)) continue;
           const int64_t r0 = (t + q / 2) * 16, n0 = (p0 + q % 2) * 16;
           const v16 b = bp ? load16(bp + n0) : v16{};
-          for (int64_t i = 0; i < 16 && r0 + i < M; ++i) store16(yp + (r0 + i) * ldy + n0, load16(c[q][i]) + b);
+          const v16 s = scale ? load16(scale + n0) : v16{} + 1.0f;
+          for (int64_t i = 0; i < 16 && r0 + i < M; ++i)
+            store16(yp + (r0 + i) * ldy + n0, scale ? load16(c[q][i]) * s + b : load16(c[q][i]) + b);
         }
       }
     }
     _tile_release();
   });
+}
+#endif
+
+static void amx_check(const char* fn, const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& P,
+                      const torch::Tensor& bias, at::ScalarType wtype) {
+  for (auto [name, t] : {std::pair<const char*, const torch::Tensor*>{"y", &y}, {"x", &x}, {"P", &P}, {"bias", &bias}})
+    chk::cpu(fn, name, *t);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && P.scalar_type() == wtype &&
+              y.scalar_type() == at::kBFloat16 && x.dim() == 2 && y.dim() == 2 && P.dim() == 4 && P.size(2) == 16 &&
+              P.size(3) == 32 && P.is_contiguous() && x.stride(1) == 1 && y.stride(1) == 1 &&
+              x.size(1) == 32 * P.size(1) && y.size(0) == x.size(0) && y.size(1) == 16 * P.size(0) &&
+              (bias.numel() == 0 || (bias.numel() == y.size(1) && bias.is_contiguous() &&
+                                     bias.scalar_type() == at::kBFloat16)),
+              fn, ": bfloat16 x [M, K] (unit column stride), ", wtype == at::kChar ? "int8" : "bfloat16",
+              " P [N/16, K/32, 16, 32], y [M, N], bias [N] or empty; got x ", x.scalar_type(), " ", x.sizes(), ", P ",
+              P.scalar_type(), " ", P.sizes(), ", y ", y.scalar_type(), " ", y.sizes(), ", bias ", bias.sizes());
+}
+
+void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor bias) {
+  amx_check("linear_amx", y, x, P, bias, at::kBFloat16);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const uint16_t* pp = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
+  const int64_t KC = P.size(1);
+  amx_gemm(y, x, KC, P.size(0), nullptr, bias,
+           [&](int64_t p0, bool, std::vector<uint16_t>&) { return pp + p0 * KC * 512; });
 #else
   TORCH_CHECK(false, "linear_amx: built without AMX (amx_ready() is false here)");
+#endif
+}
+
+// ------------------------------------------------------------------------------------ int8 weights on AMX tiles
+// y [M, N] = (x [M, K] @ q.T) * scale (+ bias), bfloat16 x / y / bias, q int8 in the tile layout of linear_amx
+// (Pq [N / 16, K / 32, 16, 32] int8: molora.ops.packed.tiles of q), scale float32 [N]: weight-only int8. Each task
+// (a pair of panels) first widens its int8 tiles to bf16 into a buffer of its thread (|q| <= 127 is exact in bf16:
+// 8 significant bits), then runs linear_amx's loop over every row tile on it: exact products, float32 sums in k order,
+// times the channel's scale, plus the bias, one rounding to bf16. The weights come from memory as half of bf16's
+// bytes; the widening (vpmovsxbd, vcvtdq2ps, vcvtne2ps2bf16: 5 instructions per 32 weights) is done once a call.
+void linear_amx_w8(torch::Tensor y, torch::Tensor x, torch::Tensor Pq, torch::Tensor scale, torch::Tensor bias) {
+  amx_check("linear_amx_w8", y, x, Pq, bias, at::kChar);
+  chk::cpu("linear_amx_w8", "scale", scale);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1 &&
+              scale.numel() == y.size(1), "linear_amx_w8: scale must be a contiguous float32 [N] = [", y.size(1),
+              "], got ", scale.scalar_type(), " ", scale.sizes());
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  const int8_t* qp = Pq.data_ptr<int8_t>();
+  const int64_t KC = Pq.size(1);
+  amx_gemm(y, x, KC, Pq.size(0), scale.data_ptr<float>(), bias,
+           [&](int64_t p0, bool two, std::vector<uint16_t>& buf) {
+             const int64_t n = (two ? 2 : 1) * KC * 512;  // weights of the task's panels
+             if ((int64_t)buf.size() < n) buf.resize(n);
+             const int8_t* src = qp + p0 * KC * 512;
+             for (int64_t i = 0; i < n; i += 32) {
+               const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + i))));
+               const __m512 hi =
+                   _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + i + 16))));
+               const __m512bh b = _mm512_cvtne2ps_pbh(hi, lo);
+               std::memcpy(buf.data() + i, &b, 64);
+             }
+             return (const uint16_t*)buf.data();
+           });
+#else
+  TORCH_CHECK(false, "linear_amx_w8: built without AMX and AVX512_BF16 (amx_ready() is false here)");
 #endif
 }
