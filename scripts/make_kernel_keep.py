@@ -19,14 +19,19 @@ DTYPES = ("fp32", "bf16")
 WORKLOADS = ("generate_routed", "generate_base", "decode_step")
 
 
-def records(docs: Path) -> dict[str, dict]:
-    """{dtype: record} of the kernel_keep records present under docs/."""
+def records(docs: Path, prefix: str = "kernel_keep_") -> dict[str, dict]:
+    """{dtype: record} of the kernel_keep records present under docs/ (docs/<prefix><dtype>.json)."""
     out = {}
     for d in DTYPES:
-        path = docs / f"kernel_keep_{d}.json"
+        path = docs / f"{prefix}{d}.json"
         if path.is_file():
             out[d] = json.loads(path.read_text(encoding="utf-8"))
     return out
+
+
+def d_any(recs: dict[str, dict]) -> str:
+    """One dtype of `recs` (the first)."""
+    return next(iter(recs))
 
 
 def verdicts(recs: dict[str, dict]) -> dict[str, tuple[float, str, bool]]:
@@ -88,6 +93,31 @@ def section(docs: Path) -> list[str]:
         d: sorted(a for w, arms in r.get("same_tokens_as_all", {}).items() for a, ok in arms.items() if not ok)
         for d, r in recs.items()
     }
+    loaded = records(docs, "kernel_keep_loaded_")
+    if loaded:
+        first_loaded = loaded[d_any(loaded)]
+        gone = sorted(
+            f
+            for f, (_v, _w, kept) in verdicts(loaded).items()
+            if not kept and f not in recs[d_any(recs)]["off_over_all"]
+        )
+        lines += [
+            "",
+            "Families deleted on an earlier run of the same script (records "
+            + ", ".join(f"`docs/kernel_keep_loaded_{d}.json`" for d in loaded)
+            + f", {first_loaded['repeats']} repetitions, {first_loaded['machine']['threads']} thread, "
+            "a loaded machine: load average "
+            + " and ".join(str(r["machine"]["loadavg_before"]) for r in loaded.values())
+            + " before; made on commit 587958e, before the deletion):",
+            "",
+        ]
+        for fam in gone:
+            v, where, _kept = verdicts(loaded)[fam]
+            cells = "; ".join(
+                f"{d} " + ", ".join(f"{w} {r['off_over_all'][fam][w][0]:.2f}x" for w in WORKLOADS)
+                for d, r in loaded.items()
+            )
+            lines.append(f"- {fam}: {cells}; largest {v:.2f}x ({where}): below 1.15x, deleted")
     lines += [
         "",
         "Greedy tokens against every kernel on (random adapters, so small float differences can flip a token): "
