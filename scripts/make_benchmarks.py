@@ -671,6 +671,18 @@ def hotset_traffic_section(docs: Path) -> list[str]:
             "",
         ]
         lines += _hotset_traffic_table(b)
+    two = docs / "hotset_traffic_2threads.json"
+    if two.is_file():
+        t = json.loads(two.read_text(encoding="utf-8"))
+        cmd = t.get("command", "molora bench hotset --traffic (the record predates its command field)")
+        lines += [
+            "",
+            f"The same bench at {t['machine']['threads']} threads (record `docs/hotset_traffic_2threads.json`, "
+            f"`{cmd}`), load average {t['machine']['loadavg_1_5_15']} at the start, {t['repeats']} repetition(s), "
+            f"{t['requests']} requests, a step budget of {t.get('max_num_batched_tokens', 256)} tokens:",
+            "",
+        ]
+        lines += _hotset_traffic_table(t)
     return lines + [
         "",
         "Goals (issue 37): many / one ≥ 0.85; cold TTFT ≤ 1.5 × warm; a warm request's ITL rises "
