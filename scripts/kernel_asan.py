@@ -7,8 +7,9 @@
    the process: ASan aborts it), which is expected: only the build is wanted.
 2. Runs pytest on the kernel tests (tests/test_kernel_checks.py: a bad-input test per check of every entry point,
    and the fused, paged-attention, glue, GEMM and one-call-block tests of tests/test_ops.py and
-   tests/test_runner.py) with LD_PRELOAD set to gcc's libasan and libstdc++ (`gcc -print-file-name=...`) and
-   ASAN_OPTIONS=detect_leaks=0 (Python itself "leaks" by design), the ASan build loaded.
+   tests/test_runner.py, and the int8 kernels' tests of tests/test_quant.py) with LD_PRELOAD set to gcc's libasan
+   and libstdc++ (`gcc -print-file-name=...`) and ASAN_OPTIONS=detect_leaks=0 (Python itself "leaks" by design), the
+   ASan build loaded.
 3. Counts the reports ("ERROR: AddressSanitizer") in the output and writes the record: command, tests, pytest's
    summary line, findings and the first lines of each report.
 """
@@ -28,8 +29,10 @@ TESTS = [
     "tests/test_kernel_checks.py",
     "tests/test_ops.py",
     "-k",
-    "kernel or fused or paged or glue or packed or amx or add_into or slot_major or bit_for_bit or one_call or bound",
+    "kernel or fused or paged or glue or packed or amx or add_into or slot_major or bit_for_bit or one_call or bound "
+    "or quantized_kernel or int8",
     "tests/test_runner.py",
+    "tests/test_quant.py",
 ]
 
 

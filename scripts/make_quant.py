@@ -150,6 +150,12 @@ def quality_lines(docs: Path) -> list[str]:
     return out
 
 
+def label(rec: dict, name: str) -> str:
+    """A variant's name as the README shows it: "int8" in a record made before int8 became weight only (no "schemes"
+    field) was W8A8, which is `--quantization w8a8` now."""
+    return f"{name} (W8A8, now w8a8)" if name.startswith("int8") and "schemes" not in rec else name
+
+
 def readme_block(docs: Path, page: str) -> str:
     """The README's quantized-base block (QUANT_BEGIN ... QUANT_END): one bullet from docs/quant.json, the test
     split's docs/quant_eval_test.json and docs/peer_llamacpp.json (each part where its record exists); page: the
@@ -161,8 +167,8 @@ def readme_block(docs: Path, page: str) -> str:
     if (docs / "quant.json").is_file():
         e = json.loads((docs / "quant.json").read_text())
         v = e["variants"]
-        speed = ", ".join(f"{n} {v[n]['vs_fp32']:.2f}x" for n in v if n != "fp32")
-        sizes = ", ".join(f"{n} {v[n]['weight_bytes_total'] / 1e6:.0f}" for n in v)
+        speed = ", ".join(f"{label(e, n)} {v[n]['vs_fp32']:.2f}x" for n in v if n != "fp32")
+        sizes = ", ".join(f"{label(e, n)} {v[n]['weight_bytes_total'] / 1e6:.0f}" for n in v)
         parts.append(
             f"engine throughput against float32 ({e['requests']} requests, per-token routing over 4 adapters, "
             f"{e['machine']['threads']} threads): {speed}; base weights MB: {sizes} (the GGUF it ships: "
@@ -177,7 +183,7 @@ def readme_block(docs: Path, page: str) -> str:
                 continue
             d = v["skills_vs_fp32"]
             rows.append(
-                f"{n} "
+                f"{label(q, n)} "
                 + ", ".join(f"{t} {x:+.1f}" for t, x in d.items())
                 + f", retention {v['general']['retention']:.0f}%"
             )
@@ -188,7 +194,7 @@ def readme_block(docs: Path, page: str) -> str:
     if (docs / "peer_llamacpp.json").is_file():
         r = json.loads((docs / "peer_llamacpp.json").read_text())
         cells = ", ".join(
-            f"{n} vs {v['llama.cpp']['gguf_type']} {v['llama_over_molora'][0]:.2f}x "
+            f"{label(r, n)} vs {v['llama.cpp']['gguf_type']} {v['llama_over_molora'][0]:.2f}x "
             f"({v['llama_over_molora_lora'][0]:.2f}x with a LoRA)"
             for n, v in r["variants"].items()
         )
@@ -197,9 +203,8 @@ def readme_block(docs: Path, page: str) -> str:
             f"llama.cpp's repacked quantized layouts off: they crash in this build): {cells}"
         )
     body = (
-        f"- **Quantized base** (`--quantization int8|int4`, [details]({page}#quantized-base---quantization-int8int4)): "
-        + "; ".join(parts)
-        + "."
+        "- **Quantized base** (`--quantization int8|int4|w8a8`, "
+        f"[details]({page}#quantized-base---quantization-int8int4)): " + "; ".join(parts) + "."
         if parts
         else "- **Quantized base**: no record yet."
     )
