@@ -135,6 +135,33 @@ def ask(proc: subprocess.Popen, request: str) -> dict[str, Any]:
             return json.loads(line)
 
 
+def interleave(
+    procs: dict[str, subprocess.Popen], requests: dict[str, str], repeats: int
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, dict[str, set]], tuple[float, float, float]]:
+    """One untimed warm-up of each request on every worker, then `repeats` repetitions asking the workers in turn
+    (order rotated each repetition, so only one runs at a time and all see the same load). requests: key -> the
+    request line. Returns ({key: {worker: [ms]}}, {key: {worker: token hashes}}, the load average before the timed
+    repetitions). scripts/kernel_keep.py asks its arms through it too."""
+    from molora.bench.common import rotated
+
+    names = list(procs)
+    samples: dict[str, dict[str, list[float]]] = {k: {n: [] for n in names} for k in requests}
+    tokens: dict[str, dict[str, set]] = {k: {n: set() for n in names} for k in requests}
+    for name in names:  # first-call costs, the kernels' first runs
+        for request in requests.values():
+            ask(procs[name], request)
+    load_before = os.getloadavg()
+    for i in range(repeats):
+        for key, request in requests.items():
+            for name in rotated(names, i):
+                got = ask(procs[name], request)
+                samples[key][name].append(got["ms"])
+                if got["tokens"]:
+                    tokens[key][name].add(got["tokens"])
+        print(f"  rep {i + 1}/{repeats}", file=sys.stderr, flush=True)
+    return samples, tokens, load_before
+
+
 def quartiles(r: list[float]) -> list[float]:
     r = sorted(r)
     q = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else [r[0]] * 3
@@ -160,7 +187,7 @@ def main() -> int:
         return 0
     if args.base is None:
         ap.error("--base DIR is required")
-    from molora.bench.common import machine_info, rotated
+    from molora.bench.common import machine_info
 
     argv = [
         f"--{k.replace('_', '-')}={v}"
@@ -173,20 +200,7 @@ def main() -> int:
     kernels = {name: ask(p, "")["kernels"] for name, p in procs.items()}
     dtypes = ["fp32", "bf16"] if args.bf16 else ["fp32"]
     loads = [(w, d) for d in dtypes for w in ("generate_routed", "generate_base", "decode_step")]
-    samples: dict[str, dict[str, list[float]]] = {f"{w} {d}": {"base": [], "head": []} for w, d in loads}
-    tokens: dict[str, dict[str, set]] = {f"{w} {d}": {"base": set(), "head": set()} for w, d in loads}
-    for name in trees:  # one untimed warm-up of each workload (first-call costs, the kernels' first runs)
-        for w, d in loads:
-            ask(procs[name], f"{w} {d}")
-    load_before = os.getloadavg()
-    for i in range(args.repeats):
-        for w, d in loads:
-            for name in rotated(list(trees), i):
-                got = ask(procs[name], f"{w} {d}")
-                samples[f"{w} {d}"][name].append(got["ms"])
-                if got["tokens"]:
-                    tokens[f"{w} {d}"][name].add(got["tokens"])
-        print(f"  rep {i + 1}/{args.repeats}", file=sys.stderr, flush=True)
+    samples, tokens, load_before = interleave(procs, {f"{w} {d}": f"{w} {d}" for w, d in loads}, args.repeats)
     for p in procs.values():
         p.stdin.close()  # type: ignore[union-attr]
         p.wait()

@@ -60,7 +60,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads in each worker (default 2)")
     ap.add_argument("--json", metavar="OUT", help="also write the result JSON to this file")
     args = ap.parse_args()
-    from molora.bench.common import machine_info, rotated
+    from molora.bench.common import machine_info
 
     other_gemm = GEMM["bf16" if args.dtype == "fp32" else "fp32"]
     arms = [a for a in ARMS if a != other_gemm]  # the other dtype's GEMM family does not run here
@@ -78,20 +78,7 @@ def main() -> int:
             ab.ask(procs[a], "")  # ready
         kernels = {a: ab.ask(procs[a], f"kernels {args.dtype}")["kernels"] for a in arms}
         loads = ["generate_routed", "generate_base", "decode_step"]
-        samples: dict[str, dict[str, list[float]]] = {w: {a: [] for a in arms} for w in loads}
-        tokens: dict[str, dict[str, set]] = {w: {a: set() for a in arms} for w in loads}
-        for a in arms:  # one untimed warm-up of each workload
-            for w in loads:
-                ab.ask(procs[a], f"{w} {args.dtype}")
-        load_before = os.getloadavg()
-        for i in range(args.repeats):
-            for w in loads:
-                for a in rotated(arms, i):
-                    got = ab.ask(procs[a], f"{w} {args.dtype}")
-                    samples[w][a].append(got["ms"])
-                    if got["tokens"]:
-                        tokens[w][a].add(got["tokens"])
-            print(f"  rep {i + 1}/{args.repeats}", file=sys.stderr, flush=True)
+        samples, tokens, load_before = ab.interleave(procs, {w: f"{w} {args.dtype}" for w in loads}, args.repeats)
         load_after = os.getloadavg()
     finally:
         for p in procs.values():

@@ -31,6 +31,7 @@ kernels' calls without torch.profiler; under the profiler each call is an event 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -350,6 +351,7 @@ def run_block(
     return out
 
 
+@functools.cache  # looked up once: the library is loaded once per process (ops() asserts it is)
 def _run_block_entry() -> Any:
     """The run_block op's C++ entry: torch.ops.molora.run_block.default's `_op`, where torch has it. Calling the op
     through torch's Python wrappers first walks every argument looking for fake script objects (which only tracing
