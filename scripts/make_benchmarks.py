@@ -652,7 +652,9 @@ def hotset_traffic_section(docs: Path) -> list[str]:
         f"Each variant a fresh engine, order rotated, {r['repeats']} repetition(s), median. Warm: every adapter "
         "of the request resident when it was queued; ITL: gaps between a warm request's tokens, by the step that "
         "ended them: decode only (quiet), prefill of admitted requests without a load (admits), an adapter load "
-        "or read (loads; such steps usually also prefill the cold requests they admit). "
+        "or read (loads; such steps usually also prefill the cold requests they admit; where the record splits "
+        "them, the last two columns give the load steps that also prefilled, beside admits, and those that only "
+        "decoded, beside quiet). "
         f"CPU: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, load average {m['loadavg_1_5_15']} "
         "at the start.",
         "",
@@ -702,6 +704,10 @@ def _hotset_traffic_table(r: dict) -> list[str]:
         "peak tier + reserved MiB (budget) | peak RSS MiB |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    split = all("load_admits" in run["warm_itl_ms"] for runs in r["runs"].values() for run in runs)
+    if split:  # records since the load steps were split: two more columns, median (p99)
+        lines[0] += " warm ITL loads + admits ms (p99) | warm ITL loads, decode only ms (p99) |"
+        lines[1] += "---:|---:|"
 
     def mid(runs: list[dict], get: Any) -> float | None:
         """The median over the repetitions of one run figure (None where a run lacks it)."""
@@ -725,6 +731,15 @@ def _hotset_traffic_table(r: dict) -> list[str]:
             f"{fmt(mid(runs, lambda run: il(run).get('median')))} ({fmt(mid(runs, lambda run: il(run).get('p99')))}) | "
             f"{mid(runs, lambda run: run['step_ms_median']):.1f} | "
             f"{pk / 2**20:.1f} ({runs[0]['memory']['cpu_tier_budget'] / 2**20:.0f}) | {rss / 2**20:.0f} |"
+            + (
+                "".join(
+                    f" {fmt(mid(runs, lambda run, k=k: run['warm_itl_ms'][k].get('median')))} "
+                    f"({fmt(mid(runs, lambda run, k=k: run['warm_itl_ms'][k].get('p99')))}) |"
+                    for k in ("load_admits", "load_decodes")
+                )
+                if split
+                else ""
+            )
         )
     return lines
 

@@ -13,7 +13,7 @@ import torch
 import molora
 from molora.config import SamplingParams
 from molora.engine import Engine, EngineConfig
-from molora.engine.hotset import folder_bytes
+from molora.engine.loader import folder_bytes
 from molora.errors import AdapterDraining, AdapterError
 from tests.conftest import VOCAB, make_peft_adapter, tiny_model
 

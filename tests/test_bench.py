@@ -189,10 +189,11 @@ def test_hotset_bench_json_on_tiny(tmp_path, capsys):
     assert rows[-1]["hit_rate"] == 1.0 and rows[0]["hits"] + rows[0]["misses"] == 40
 
 
-def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys):
+def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys, monkeypatch):
     """The many-adapter traffic bench, CI-sized: every request of every variant ends with its tokens (the bench
     raises otherwise), the one-adapter variant loads at most its one adapter, the many-adapter ones load many, and
     the CPU tier stays within its budget at every sampled step (HotSet.check also asserts it each step)."""
+    monkeypatch.delenv("MOLORA_LOADER_NICE", raising=False)  # the default, 10
     assert (
         bench_main(
             [
@@ -205,6 +206,7 @@ def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys):
                 "10",
                 "--threads",
                 "1",
+                "--loader-nice-ab",
                 "--json",
                 str(tmp_path / "t.json"),
             ]
@@ -212,13 +214,17 @@ def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys):
         == 0
     )
     line = _last_json(capsys)
-    assert line["bench"] == "hotset_traffic" and set(line["runs"]) == {"one", "many_fcfs", "many_slots"}
+    variants = {"one", "many_fcfs", "many_slots", "many_fcfs_nice0"}
+    assert line["bench"] == "hotset_traffic" and set(line["runs"]) == variants
+    assert line["loader_nice"]["many_fcfs_nice0"] == 0 and line["loader_nice"]["many_fcfs"] == 10
     for (run,) in line["runs"].values():
+        gaps = run["warm_itl_ms"]  # every load step either prefilled or only decoded
+        assert gaps["loads"]["n"] == gaps["load_admits"]["n"] + gaps["load_decodes"]["n"]
         assert run["output_tokens"] == 10 * line["new_tokens"]
         assert run["ttft_ms"]["warm"]["n"] + run["ttft_ms"]["cold"]["n"] == 10
         assert run["memory"]["peak"]["cpu_tier_bytes"] <= run["memory"]["cpu_tier_budget"]
     misses = {v: run["hotset"]["misses"] for v, (run,) in line["runs"].items()}
-    assert misses["one"] <= 1 < min(misses["many_fcfs"], misses["many_slots"])  # one: at most its own first load
+    assert misses["one"] <= 1 < min(misses["many_fcfs"], misses["many_slots"], misses["many_fcfs_nice0"])
     assert line["vs_one"]["one"] == 1.0
 
 

@@ -271,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the engines' step budget (default: --concurrency + --prompt-len, every decode plus one prompt)",
     )
     t.add_argument("--new-tokens", type=int, default=32)
+    t.add_argument(
+        "--loader-nice-ab",
+        action="store_true",
+        help="add many_fcfs_nice0: many_fcfs with the adapter loader at the engine's priority (MOLORA_LOADER_NICE=0)",
+    )
     add_common_args(p)
     a = p.parse_args(argv)
     if a.traffic:
@@ -331,6 +336,7 @@ def _traffic(p: argparse.ArgumentParser, a: argparse.Namespace, argv: list[str])
         a.seed,
         stderr_log,
         a.max_num_batched_tokens,
+        a.loader_nice_ab,
     )
     out = {"command": "molora bench hotset " + " ".join(argv), **out}  # what reproduces the record
     print(ht.format_table(out))

@@ -16,31 +16,40 @@ Variants, each a full run of the same traffic on a fresh engine, the order rotat
   one         every adapter name of the traffic replaced by the most popular one (allowed sets of one)
   many_fcfs   the traffic as drawn, scheduler admission FCFS
   many_slots  the traffic as drawn, slot-aware admission (molora.engine.scheduler: bounded bypass)
+  many_fcfs_nice0  (--loader-nice-ab) many_fcfs with the loader thread at the engine's priority
+              (MOLORA_LOADER_NICE=0; the others run at the default, molora.engine.loader)
 
 Reported per variant: output tokens/s (and the ratio to `one`), also per second of this process's CPU time (all
 its threads: on a machine shared with other work, wall time counts theirs too, CPU time far less); time to first
 token of requests whose adapters were all resident when queued (warm) and of the others (cold), medians and p90;
 inter-token gaps of warm requests over steps in which an adapter was loaded into a slot or read from disk vs. steps
-with no adapter work, medians and p99, and the median step; the CPU tier's bytes, its reservations and the process's
-resident memory over the run (the tier bound asserted at every step from the hot set's counters, `HotSet.check` and
-the process's RSS every 10th). Ends with one JSON line.
+with no adapter work, medians and p99, the load steps split again into those that also prefilled (against "admits")
+and those that only decoded (against "quiet"), and the median step; the CPU tier's bytes, its reservations and the
+process's resident memory over the run (the tier bound asserted at every step from the hot set's counters,
+`HotSet.check` and the process's RSS every 10th). Ends with one JSON line.
 Owns the traffic and the measurement; knows the engine through its public API and `engine.hotset`'s counters.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import resource
 import statistics
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from molora.engine.loader import loader_nice
+
 VARIANTS = ("one", "many_fcfs", "many_slots")
+NICE0 = "many_fcfs_nice0"  # --loader-nice-ab: many_fcfs with the loader thread at the engine's priority
 TARGETS = ("q_proj", "v_proj")
 
 
@@ -157,8 +166,10 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
     queue = list(enumerate(traffic))
     info: dict[str, dict] = {}
     # a warm request's gaps by the kind of step that ended them: "loads" (an adapter was copied into a slot or read),
-    # "admits" (no load, but the step prefilled requests: it computed more tokens than it emitted), "quiet" (decode)
-    warm_gaps: dict[str, list[float]] = {"loads": [], "admits": [], "quiet": []}
+    # "admits" (no load, but the step prefilled requests: it computed more tokens than it emitted), "quiet" (decode);
+    # "loads" split again by whether the step also prefilled ("load_admits") or only decoded ("load_decodes"), so a
+    # load's own cost reads against the step of the same work without one (admits / quiet)
+    warm_gaps: dict[str, list[float]] = {k: [] for k in ("loads", "admits", "quiet", "load_admits", "load_decodes")}
     steps: list[float] = []
     mem: list[dict] = []
     peak = {"cpu_tier_bytes": 0, "reserved_bytes": 0, "tier_plus_reserved": 0, "rss_bytes": 0}
@@ -185,7 +196,9 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
         steps.append(now - s0)
         loads = hs.misses != before[0] or hs.disk_reads != before[1] or before[2] > 0 or hs.reads_in_flight() > 0
         emitted = sum(len(o.new_token_ids) for o in outs)
-        kind = "loads" if loads else "admits" if engine.tokens_computed - computed > emitted else "quiet"
+        prefilled = engine.tokens_computed - computed > emitted
+        kind = "loads" if loads else "admits" if prefilled else "quiet"
+        sub = ("load_admits" if prefilled else "load_decodes") if loads else None
         for o in outs:
             if o.finish_reason not in (None, "length"):
                 raise RuntimeError(f"request {o.request_id} ended {o.finish_reason}: {o.error}")
@@ -196,6 +209,8 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
                     r["ttft"] = now - r["t_add"]
                 elif r["warm"]:
                     warm_gaps[kind].append(now - r["last"])
+                    if sub is not None:
+                        warm_gaps[sub].append(now - r["last"])
                 r["last"] = now
         reserved = sum(hs.reserved.values())  # the bound every step from the counters; HotSet.check every 10th
         over = hs.reserved.get(hs.overdraft, 0) if hs.overdraft is not None else 0
@@ -232,6 +247,21 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
     }
 
 
+@contextlib.contextmanager
+def _loader_nice(value: str | None) -> Iterator[None]:
+    """MOLORA_LOADER_NICE set to `value` inside the block (None: as it was)."""
+    old = os.environ.get("MOLORA_LOADER_NICE")
+    if value is not None:
+        os.environ["MOLORA_LOADER_NICE"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("MOLORA_LOADER_NICE", None)
+        else:
+            os.environ["MOLORA_LOADER_NICE"] = old
+
+
 def _dist(xs: list[float]) -> dict:
     if not xs:
         return {"n": 0}
@@ -261,6 +291,7 @@ def run(
     seed: int,
     log: Any,
     max_num_batched_tokens: int | None = None,
+    loader_nice_ab: bool = False,
 ) -> dict:
     from molora.bench.common import machine_info
     from molora.bench.model_workloads import load_model
@@ -275,21 +306,23 @@ def run(
         log(f"# {adapters} adapters (r={rank}, {', '.join(TARGETS)}, bf16) written in {make_s:.1f} s")
         traffic = make_traffic(list(paths), requests, s, learned_share, vocab, prompt_len, seed)
         top = Counter(tr["adapter"] if "adapter" in tr else tr["allowed"][0] for tr in traffic).most_common(1)[0][0]
-        runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        variants = VARIANTS + ((NICE0,) if loader_nice_ab else ())
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
         for rep in range(repeats):
-            order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]
-            for v in order:
-                admission = "fcfs" if v == "many_fcfs" else "slots"
-                engine = build_engine(base, paths, slots, cpu_mib, concurrency, admission, seed, budget)
-                out = run_traffic(engine, on_one(traffic, top) if v == "one" else traffic, concurrency, new_tokens)
-                engine.close()
+            k = rep % len(variants)
+            for v in variants[k:] + variants[:k]:
+                admission = "slots" if v == "many_slots" else "fcfs"
+                with _loader_nice("0" if v == NICE0 else None):  # the pool reads it when the first read starts
+                    engine = build_engine(base, paths, slots, cpu_mib, concurrency, admission, seed, budget)
+                    out = run_traffic(engine, on_one(traffic, top) if v == "one" else traffic, concurrency, new_tokens)
+                    engine.close()
                 runs[v].append(out)
                 log(
                     f"  rep {rep} {v:<10} {out['tokens_per_s']:8.2f} tok/s  ttft warm {out['ttft_ms']['warm']} "
                     f"cold {out['ttft_ms']['cold']}  misses {out['hotset']['misses']}"
                 )
-    best = {v: statistics.median(r["tokens_per_s"] for r in runs[v]) for v in VARIANTS}
-    per_cpu = {v: statistics.median(r["tokens_per_cpu_s"] for r in runs[v]) for v in VARIANTS}
+    best = {v: statistics.median(r["tokens_per_s"] for r in runs[v]) for v in variants}
+    per_cpu = {v: statistics.median(r["tokens_per_cpu_s"] for r in runs[v]) for v in variants}
     return {
         "bench": "hotset_traffic",
         "machine": machine_info(),
@@ -312,10 +345,11 @@ def run(
         "repeats": repeats,
         "seed": seed,
         "one_adapter": top,
+        "loader_nice": {v: 0 if v == NICE0 else loader_nice() for v in variants},
         "tokens_per_s": {v: round(x, 3) for v, x in best.items()},
-        "vs_one": {v: round(best[v] / best["one"], 4) for v in VARIANTS},
+        "vs_one": {v: round(best[v] / best["one"], 4) for v in variants},
         "tokens_per_cpu_s": {v: round(x, 3) for v, x in per_cpu.items()},
-        "vs_one_cpu": {v: round(per_cpu[v] / per_cpu["one"], 4) for v in VARIANTS},
+        "vs_one_cpu": {v: round(per_cpu[v] / per_cpu["one"], 4) for v in variants},
         "runs": runs,
     }
 
@@ -328,8 +362,8 @@ def format_table(out: dict) -> str:
         f"{'variant':<11} {'tok/s':>8} {'x one':>6} {'TTFT warm':>10} {'TTFT cold':>10} {'ITL quiet':>10} "
         f"{'ITL admits':>10} {'ITL loads':>10} {'peak tier+res MiB':>18}",
     ]
-    for v in VARIANTS:
-        r = out["runs"][v][-1]
+    for v, runs in out["runs"].items():
+        r = runs[-1]
         med = lambda d: d.get("median", float("nan"))
         lines.append(
             f"{v:<11} {out['tokens_per_s'][v]:>8.2f} {out['vs_one'][v]:>6.3f} {med(r['ttft_ms']['warm']):>10.1f} "

@@ -4,7 +4,7 @@
       ^ promote on a miss / evict the least recently used unpinned adapter into the CPU tier
     CPU tier  (validated `LoRAAdapter`s in host memory, LRU, at most `cpu_bytes` bytes)
       ^ a finished background read joins it / drop the least recently used
-    loader thread  (one worker, "molora-adapter-io": reads and validates a folder off the engine thread)
+    loader thread  (molora.engine.loader: one worker, at a lower priority, reads and validates folders)
       ^ started by a miss that neither a slot nor the CPU tier can serve
     disk  (the PEFT folder each adapter was registered with, confined to its roots if it was given any)
 
@@ -56,7 +56,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from molora.adapters.io import WEIGHTS_FILE, LoRAAdapter, resolve_roots
+from molora.adapters.io import LoRAAdapter, resolve_roots
+from molora.engine.loader import folder_bytes, loader_pool
 from molora.errors import AdapterDraining, AdapterError, AdapterNotFound
 from molora.model.lora_linear import linear_shapes
 
@@ -400,7 +401,7 @@ class HotSet:
                 return False
             self.overdraft = name
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="molora-adapter-io")
+            self._pool = loader_pool()
         self.disk_reads += 1
         self.reserved[name] = size
         self.reads[name] = self._pool.submit(self._read, name, path, self.roots[name])
@@ -490,11 +491,3 @@ class HotSet:
             return
         self.cpu[adapter.name] = adapter
         self.cpu_used += adapter.nbytes()
-
-
-def folder_bytes(path: Path) -> int:
-    """The size of a PEFT folder's weights file: a read reserves it (the tensors it holds take no more)."""
-    try:
-        return (path / WEIGHTS_FILE).stat().st_size
-    except OSError:
-        return 0  # missing or unreadable: the read fails and says why
