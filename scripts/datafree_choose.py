@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -38,8 +39,18 @@ from arrow_variants_choose import hit_rates  # noqa: E402  (the same scoring as 
 from gates_choose import RULES, SHARES, WINDOWS, choice_key, prompt_destination  # noqa: E402
 
 Z_MINS = (0.5, 1.0, 1.5, 2.0)
-MARGINS = (0.0, 0.5, 1.0)
-L2S = (1e-3, 1e-2)
+MARGINS = (0.0, 0.5)
+L2S = (1e-2,)
+MIN_PROMPTS = 5
+# what says an adapter claims a prompt (higher: more): "kl" how far it moves the base model's answer;
+# "confident" / "confident_mean" how sure it is of itself (1 / its entropy at the first answer token / over them)
+SIGNALS = ("kl", "confident", "confident_mean")
+
+
+def signal(s: dict, name: str) -> torch.Tensor:
+    if name == "kl":
+        return s["kl"]
+    return 1.0 / s["entropy_first" if name == "confident" else "entropy"].clamp_min(1e-6)
 
 
 def val_texts(mm, f: dict, tasks: list[str], n_direct: int) -> tuple[list[str], list[str]]:  # noqa: ANN001
@@ -66,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--features", default="runs/arrow_variants_features.pt", help="arrow_variants_choose's cache")
     ap.add_argument("--sens", default="runs/datafree_sens.pt", help="cache of the pool's sensitivity and states")
     ap.add_argument("--n-direct", type=int, default=10, help="validation prompts per group for the diagnostic")
-    ap.add_argument("--answer-tokens", type=int, default=16)
+    ap.add_argument(
+        "--answer-tokens", type=int, default=0, help="base answer tokens read (0: the first one's prediction only)"
+    )
     ap.add_argument("--gates-out", help="save the chosen gates here (a GateRouter folder)")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
@@ -74,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     from molora.bench.common import machine_info
     from molora.bundle import load
-    from molora.routing.gates import GateConfig, GateRouter
-    from molora.train.datafree import gates_from_labels, label_prompts, sensitivity
-    from molora.train.gates import CHOSEN
+    from molora.routing.gates import Gate, GateConfig, GateRouter
+    from molora.train.datafree import label_prompts, sensitivity, zscores
+    from molora.train.gates import CHOSEN, gate_threshold, held_cut, train_gate
 
     f = torch.load(a.features)
     labels, tasks, own, names = f["labels"], f["tasks"], f["own"], f["names"]
@@ -92,42 +105,65 @@ def main(argv: list[str] | None = None) -> int:
         sens = sensitivity(mm, pool, block=block, answer_tokens=a.answer_tokens)
         sens["seconds"] = round(time.time() - t1, 1)
         dl, dt = val_texts(mm, f, tasks, a.n_direct)
-        sens["direct"] = {"labels": dl, "kl": sensitivity(mm, dt, answer_tokens=a.answer_tokens)["kl"]}
+        sens["direct"] = {"labels": dl, **sensitivity(mm, dt, answer_tokens=a.answer_tokens)}
         torch.save(sens, a.sens)
     kl, states = sens["kl"], sens["states"]
 
+    signals = SIGNALS if a.answer_tokens else SIGNALS[:2]  # no answer: the mean is the first token's
+    pool_signal = {sig: signal(sens, sig) for sig in signals}
+    direct_signal = {sig: signal(sens["direct"], sig) for sig in signals}
+    dlab = sens["direct"]["labels"]
     # diagnostic: the labelling rule applied to validation prompts themselves (z against the pool)
     direct = []
-    for z_min, margin in itertools.product(Z_MINS, MARGINS):
-        d = label_prompts(sens["direct"]["kl"], z_min=z_min, margin=margin, ref=kl).tolist()
-        direct.append({"z_min": z_min, "margin": margin, **hit_rates(sens["direct"]["labels"], d, tasks, own)})
-    argmax_direct = label_prompts(sens["direct"]["kl"], z_min=-1e9, margin=0.0, ref=kl).tolist()
+    for sig, z_min, margin in itertools.product(signals, Z_MINS, MARGINS):
+        d = label_prompts(direct_signal[sig], z_min=z_min, margin=margin, ref=pool_signal[sig]).tolist()
+        direct.append({"signal": sig, "z_min": z_min, "margin": margin, **hit_rates(dlab, d, tasks, own)})
+    argmax_direct = {
+        sig: hit_rates(
+            dlab, label_prompts(direct_signal[sig], z_min=-1e9, margin=0.0, ref=pool_signal[sig]).tolist(), tasks, own
+        )
+        for sig in signals
+    }
 
     grid, gates_of, label_counts = [], {}, {}
-    for z_min, margin in itertools.product(Z_MINS, MARGINS):
-        lab = label_prompts(kl, z_min=z_min, margin=margin)
-        label_counts[f"{z_min}/{margin}"] = {n: int((lab == k).sum()) for k, n in enumerate(names)} | {
-            "base": int((lab == -1).sum())
-        }
-        for l2, (rule, value) in itertools.product(L2S, RULES):
-            try:
-                gates = gates_from_labels(states, lab, names, rule=rule, value=value, l2=l2)
-            except Exception as e:  # noqa: BLE001  (too few unclaimed prompts: no negatives)
-                print(f"skip z_min={z_min} margin={margin}: {e}")
-                break
-            if not gates:
+    for sig, z_min, margin in itertools.product(signals, Z_MINS, MARGINS):
+        lab = label_prompts(pool_signal[sig], z_min=z_min, margin=margin)
+        counts = {n: int((lab == k).sum()) for k, n in enumerate(names)} | {"base": int((lab == -1).sum())}
+        label_counts[f"{sig}/{z_min}/{margin}"] = counts
+        neg = [states[i] for i in range(len(states)) if int(lab[i]) == -1]
+        random.Random(2).shuffle(neg)
+        if len(neg) < 10:
+            continue
+        cn = held_cut(len(neg), 0.2)
+        for l2 in L2S:
+            fitted = {}
+            for k, n in enumerate(names):  # each gate alone, as molora.train.datafree.gates_from_labels
+                pos = [states[i] for i in range(len(states)) if int(lab[i]) == k]
+                if len(pos) < MIN_PROMPTS:
+                    continue
+                random.Random(1).shuffle(pos)
+                cp = held_cut(len(pos), 0.2)
+                w, bias = train_gate(pos[:cp], neg[:cn], generator=torch.Generator().manual_seed(0), l2=l2)
+                fitted[n] = (w, bias, pos[cp:])
+            if not fitted:
                 continue
-            gates_of[(z_min, margin, l2, rule, value)] = gates
-            router = GateRouter(GateConfig(hidden_size=states[0].shape[1]), gates)
-            to_name = [names.index(n) for n in router.adapter_names]
-            votes = [router.votes(s[block]) for s in f["states"]]
-            for share, window in itertools.product(SHARES, WINDOWS):
-                dest = [prompt_destination(v, share, window) for v in votes]
-                dest = [-1 if d < 0 else to_name[d] for d in dest]
-                row = {"z_min": z_min, "margin": margin, "l2": l2, "rule": rule, "value": value}
-                row.update({"gated": list(gates), "aggregate": "vote", "prompt_share": share, "window": window})
-                row.update(hit_rates(labels, dest, tasks, own))
-                grid.append(row)
+            for rule, value in RULES:
+                gates = {
+                    n: Gate(w, bias, gate_threshold(w, bias, held, neg[cn:], rule, value))
+                    for n, (w, bias, held) in fitted.items()
+                }
+                key = (sig, z_min, margin, l2, rule, value)
+                gates_of[key] = gates
+                router = GateRouter(GateConfig(hidden_size=states[0].shape[1]), gates)
+                to_name = [names.index(n) for n in router.adapter_names]
+                votes = [router.votes(s[block]) for s in f["states"]]
+                for share, window in itertools.product(SHARES, WINDOWS):
+                    dest = [prompt_destination(v, share, window) for v in votes]
+                    dest = [-1 if d < 0 else to_name[d] for d in dest]
+                    row = {"signal": sig, "z_min": z_min, "margin": margin, "l2": l2, "rule": rule, "value": value}
+                    row.update({"gated": list(gates), "aggregate": "vote", "prompt_share": share, "window": window})
+                    row.update(hit_rates(labels, dest, tasks, own))
+                    grid.append(row)
     ok = [r for r in grid if r["general"] >= 95] or grid
     best = max(ok, key=choice_key)
     gates_rec = json.loads(Path("docs/gates_choice.json").read_text())
@@ -142,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         "pool_examples": pool[:20],
         "sensitivity_seconds": sens.get("seconds"),
         "pool_kl_median": {n: round(float(kl[:, k].median()), 4) for k, n in enumerate(names)},
-        "pool_top_adapter": {n: int((kl.clamp_min(1e-8).log().sub(kl.clamp_min(1e-8).log().mean(0)).div(
-            kl.clamp_min(1e-8).log().std(0)).argmax(1) == k).sum()) for k, n in enumerate(names)},
+        "pool_top_adapter": {
+            sig: {n: int((zscores(pool_signal[sig]).argmax(1) == k).sum()) for k, n in enumerate(names)}
+            for sig in signals
+        },
         "label_counts": label_counts,
         "n_val_per_skill": labels.count(tasks[0]),
         "n_general_val": labels.count("general"),
@@ -151,20 +189,25 @@ def main(argv: list[str] | None = None) -> int:
         "settings_searched": len(grid),
         "grid_top": sorted(ok, key=choice_key, reverse=True)[:40],
         "chosen": best,
-        "chosen_label_counts": label_counts[f"{best['z_min']}/{best['margin']}"],
+        "chosen_label_counts": label_counts[f"{best['signal']}/{best['z_min']}/{best['margin']}"],
         "sensitivity_direct": {
             "n_per_group": a.n_direct,
-            "argmax": hit_rates(sens["direct"]["labels"], argmax_direct, tasks, own),
+            "argmax": argmax_direct,
             "rules": direct,
         },
-        "gates_own_prompts_chosen": {k: gates_rec["chosen"][k] for k in (*tasks, "general", "mixed_turn1",
-                                                                         "mixed_turn2", "skills_mean")},
+        "gates_own_prompts_chosen": {
+            k: gates_rec["chosen"][k] for k in (*tasks, "general", "mixed_turn1", "mixed_turn2", "skills_mean")
+        },
         "arrow_prompt_chosen": gates_rec["arrow_prompt_chosen"],
         "learned": gates_rec["learned"],
         "seconds": round(time.time() - t0, 1),
     }
     Path(a.json).write_text(json.dumps(rec, indent=1) + "\n")
-    print(json.dumps({"chosen": best, "labels": rec["chosen_label_counts"], "direct": rec["sensitivity_direct"]["argmax"]}))
+    print(
+        json.dumps(
+            {"chosen": best, "labels": rec["chosen_label_counts"], "direct": rec["sensitivity_direct"]["argmax"]}
+        )
+    )
     if a.gates_out:
         c = best
         cfg = GateConfig(
@@ -173,9 +216,83 @@ def main(argv: list[str] | None = None) -> int:
             prompt_share=c["prompt_share"],
             prompt_window=c["window"],
         )
-        GateRouter(cfg, gates_of[(c["z_min"], c["margin"], c["l2"], c["rule"], c["value"])]).save(a.gates_out)
+        key = (c["signal"], c["z_min"], c["margin"], c["l2"], c["rule"], c["value"])
+        GateRouter(cfg, gates_of[key]).save(a.gates_out)
     return 0
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _row(name: str, r: dict, cols: list[str]) -> str:
+    return f"| {name} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + " |"
+
+
+def render_section(rec: dict) -> list[str]:
+    """docs/results.md's section on the data-free gates (markdown lines) from their test record
+    (docs/datafree_prompt.json, written by scripts/gates_eval.py) and its validation choice."""
+    c = rec["config"]
+    out = [
+        "## Data-free gates (the adapters' weights and text the base model writes; no labelled data)",
+        "",
+        "The per-adapter gates of the section above, trained without any adapter's data "
+        "(`molora/train/datafree.py`): the base model writes a pool of user turns itself (none equal to an "
+        "evaluation item), each pooled prompt is labelled with the adapter that stands out (z-scored over the pool) "
+        "on how it treats the base model's answer, or with none, and each adapter's gate is fitted on the prompts "
+        "labelled with it against the prompts no adapter claims. Served like the other gates "
+        f"(`--router gates`); block {c['source_block']} (from the end), prompt_share {c['prompt_share']}, "
+        f"prompt_window {c['prompt_window']}, gates for {', '.join(c['adapter_names'])}.",
+        "",
+    ]
+    choice_path = Path(rec["choice"])
+    if choice_path.is_file():
+        ch = json.loads(choice_path.read_text())
+        tasks = ch["tasks"]
+        cols = [*tasks, "general", "mixed_turn1", "mixed_turn2", "skills_mean"]
+        b = ch["chosen"]
+        counts = ", ".join(f"{k} {v}" for k, v in ch["chosen_label_counts"].items())
+        out += [
+            f"**Chosen on validation** (`{ch['command']}`; pool: `{ch['pool_command']}`, {ch['n_pool']} prompts; the "
+            f"validation items of docs/gates_choice.json, {ch['settings_searched']} settings searched; among those "
+            f"keeping >= 95% of general prompts on the base). Label signal {b['signal']}, z_min {b['z_min']}, margin "
+            f"{b['margin']}; gates l2 {b['l2']}, threshold {b['rule']} {b['value']}, prompt_share "
+            f"{b['prompt_share']}, window {b['window']}. Pooled prompts per label: {counts}.",
+            "",
+            "| routing | " + " | ".join(cols) + " |",
+            "|---|" + "---|" * len(cols),
+            _row("data-free gates (chosen)", b, cols),
+            _row("gates on own prompts (chosen)", ch["gates_own_prompts_chosen"], cols),
+            _row("prompt-Arrow (chosen)", ch["arrow_prompt_chosen"], cols),
+            _row("learned", ch["learned"], cols),
+            "",
+            f"The labelling rule applied to the validation prompts themselves (diagnostic, not served: one forward per "
+            f"adapter; the first {ch['sensitivity_direct']['n_per_group']} prompts per group, the adapter with the "
+            "largest z, never the base):",
+            "",
+            "| signal | " + " | ".join([*tasks, "skills_mean"]) + " |",
+            "|---|" + "---|" * (len(tasks) + 1),
+        ]
+        out += [_row(sig, r, [*tasks, "skills_mean"]) for sig, r in ch["sensitivity_direct"]["argmax"].items()]
+        out.append("")
+    tasks = list(rec["skills"])
+    modes = list(next(iter(rec["skills"].values())))
+    out += [
+        f"**Test items** (`{rec['command']}` on {rec['date']}; the items of docs/arrow_prompt.json, whose other "
+        "columns it repeats; strict accuracy %, scored once):",
+        "",
+        "| skill | " + " | ".join(modes) + " |",
+        "|---|" + "---|" * len(modes),
+    ]
+    out += [f"| {t} | " + " | ".join(f"{rec['skills'][t][m]['accuracy']:.1f}" for m in modes) + " |" for t in tasks]
+    out += ["", f"**General prompts** ({rec['n_general']} test prompts):", ""]
+    out += ["| routing | retention % | empty % | adapter tokens % |", "|---|---|---|---|"]
+    out += [
+        f"| {m} | {g['retention']:.1f} | {g['empty_where_base_answers']:.1f} | {g['adapter_token_share']:.1f} |"
+        for m, g in rec["general"].items()
+    ]
+    if rec.get("mixed"):
+        out += ["", f"**Two-skill items** ({rec['n_mixed']} test items; part accuracy %, both right %):", ""]
+        out += ["| routing | part accuracy % | both right % |", "|---|---|---|"]
+        out += [f"| {k} | {v['accuracy']:.1f} | {v['item_accuracy']:.1f} |" for k, v in rec["mixed"].items()]
+    return out + [""]

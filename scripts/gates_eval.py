@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default="runs/gates_work")
+    ap.add_argument("--label", default="gates", help="the column these gates get in the record (default gates)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     work = Path(a.work)
@@ -65,10 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         path = work / "data" / f"test_{t}.json"
         write_bbh_file(path, items[:n])
         s = cached(
-            work / f"test__{t}__gates.json",
+            work / f"test__{t}__{a.label}.json",
             lambda spec=f"bbh:{path}": evaluate(mm, spec, "learned", batch_size=a.batch_size, progress=False),
         )
-        skills[t] = {"gates": {k: s[k] for k in ("n", "accuracy", "seconds", "generated_tokens")}}
+        skills[t] = {a.label: {k: s[k] for k in ("n", "accuracy", "seconds", "generated_tokens")}}
         skills[t].update(beside["skills"][t])
     rows = general_split()["test"][:n_general]
     write_jsonl(
@@ -76,26 +77,26 @@ def main(argv: list[str] | None = None) -> int:
         [{"id": r["id"], "source": r["source"], "prompt": r["prompt"]} for r in rows],
     )
     g = cached(
-        work / "general__gates.json",
+        work / f"general__{a.label}.json",
         lambda: evaluate_general(
             mm, f"general:{work / 'data' / 'general_test.jsonl'}", "learned", batch_size=a.batch_size
         ),
     )
-    general["gates"] = {k: g[k] for k in ("n", "retention", "empty_where_base_answers", "adapter_token_share")}
+    general[a.label] = {k: g[k] for k in ("n", "retention", "empty_where_base_answers", "adapter_token_share")}
     general.update(beside["general"])
     if n_mixed:
         write_jsonl(work / "data" / "mixed.jsonl", held_out_mixed(tasks, n_mixed, banned, split="test"))
         s = cached(
-            work / "mixed__gates.json",
+            work / f"mixed__{a.label}.json",
             lambda: evaluate(
                 mm, f"mixed:{work / 'data' / 'mixed.jsonl'}", "learned", batch_size=a.batch_size, progress=False
             ),
         )
-        mixed["gates"] = {k: s[k] for k in ("n", "accuracy", "item_accuracy", "seconds", "generated_tokens")}
+        mixed[a.label] = {k: s[k] for k in ("n", "accuracy", "item_accuracy", "seconds", "generated_tokens")}
         mixed.update(beside["mixed"])
     rec = {
         "command": f"python scripts/gates_eval.py --gates {a.gates} --choice {a.choice} --json {a.json} "
-        f"--beside {a.beside} --threads {a.threads}",
+        f"--beside {a.beside} --threads {a.threads}" + ("" if a.label == "gates" else f" --label {a.label}"),
         "beside": {k: beside[k] for k in ("command", "date", "fingerprint")},
         "choice": a.choice,
         "date": time.strftime("%Y-%m-%d"),

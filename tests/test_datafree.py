@@ -74,6 +74,10 @@ def test_sensitivity_is_zero_for_an_adapter_that_changes_nothing_and_labels_the_
     one = sensitivity(mm, prompts[4:5], block=1, answer_tokens=4, batch=1)
     assert torch.allclose(one["kl"][0], s["kl"][4], rtol=1e-3, atol=1e-6)
     assert torch.allclose(one["states"][0], s["states"][4], atol=1e-5)
+    # no answer: the first answer token's distributions alone, the same as the answer's first position
+    first = sensitivity(mm, prompts, answer_tokens=0, batch=5)
+    assert torch.allclose(first["entropy"], s["entropy_first"], rtol=1e-4, atol=1e-6)
+    assert torch.equal(first["kl"][:, 0], torch.zeros(12)) and (first["kl"][:, 1] > 0).all()
     # the only adapter that moves anything is the one labelled wherever any prompt is labelled
     labels = label_prompts(s["kl"] + torch.tensor([1e-3, 0.0]), z_min=0.5, margin=0.0)
     assert set(labels.tolist()) <= {-1, 1} and (labels == 1).any()

@@ -127,18 +127,22 @@ def sensitivity(
     batch: int = 16,
 ) -> dict:
     """Per prompt and adapter (mm.adapter_names order): "kl" [N, K] the mean KL(adapter || base) over the positions
-    predicting the base model's greedy answer, "answers" (its token ids), and with `block` "states": each prompt's
-    normed input at that block on the base model [T, D] (module docstring)."""
+    predicting the base model's greedy answer (answer_tokens 0: no answer, the first answer token's alone), "entropy" [N, K] the adapter's mean entropy there and
+    "entropy_first" [N, K] at its first answer token (how sure the adapter is of itself), "answers" (the base
+    answer's token ids), and with `block` "states": each prompt's normed input at that block on the base model
+    [T, D] (module docstring)."""
     from molora.routing.base import SequenceRouter
     from molora.routing.learned import decoder_layers
 
-    if answer_tokens < 1 or batch < 1:
+    if answer_tokens < 0 or batch < 1:
         raise MoLoRAError(f"sensitivity: answer_tokens={answer_tokens}, batch={batch}")
     head, tail, end_ids = _template_parts(mm)
     layers = decoder_layers(mm.model)
     K = len(mm.adapter_names)
     pad = mm.tokenizer.pad_token_id if mm.tokenizer.pad_token_id is not None else end_ids[0]
     kl_rows: list[torch.Tensor] = []
+    ent_rows: list[torch.Tensor] = []
+    ent0_rows: list[torch.Tensor] = []
     answers: list[list[int]] = []
     states: list[torch.Tensor] = []
     for i in range(0, len(prompts), batch):
@@ -147,10 +151,12 @@ def sensitivity(
         ]
         ids, mask = _left_pad(rows, pad)
         ids, mask = ids.to(mm.device), mask.to(mm.device)
-        gen = mm.generate(
-            ids, mask, adapter_ids=SequenceRouter(None), max_new_tokens=answer_tokens, eos_token_id=end_ids
-        )[:, ids.shape[1] :].tolist()
-        ans = [g[: g.index(end_ids[0]) + 1] if end_ids[0] in g else g for g in gen]  # keep the end token
+        ans: list[list[int]] = [[] for _ in rows]
+        if answer_tokens:
+            gen = mm.generate(
+                ids, mask, adapter_ids=SequenceRouter(None), max_new_tokens=answer_tokens, eos_token_id=end_ids
+            )[:, ids.shape[1] :].tolist()
+            ans = [g[: g.index(end_ids[0]) + 1] if end_ids[0] in g else g for g in gen]  # keep the end token
         full = [r + a for r, a in zip(rows, ans)]
         fid, fmask = _left_pad(full, pad)
         fid, fmask = fid.to(mm.device), fmask.to(mm.device)
@@ -158,8 +164,8 @@ def sensitivity(
         width = fid.shape[1]
         # positions predicting the answer: the last prompt token up to the one before the answer's last token
         keep = torch.zeros_like(fmask, dtype=torch.bool)
-        for j, a in enumerate(ans):
-            keep[j, width - len(a) - 1 : width - 1] = True
+        for j, a in enumerate(ans):  # (no answer: the last prompt token alone, predicting the first answer token)
+            keep[j, width - len(a) - 1 : width - 1 if a else width] = True
         tail_n = max(len(a) for a in ans) + 1  # logits only where an answer is predicted (left padding: the end)
         keep = keep[:, width - tail_n :]
         base = mm(
@@ -177,7 +183,7 @@ def sensitivity(
             for j, (r, a) in enumerate(zip(rows, ans)):
                 states.append(h[j, width - len(a) - len(r) : width - len(a)].clone())
         counts = keep.sum(-1).tolist()
-        kl = torch.zeros(len(rows), K)
+        kl, ent, ent0 = torch.zeros(len(rows), K), torch.zeros(len(rows), K), torch.zeros(len(rows), K)
         for k in range(K):
             o = mm(
                 fid,
@@ -188,11 +194,21 @@ def sensitivity(
                 logits_to_keep=tail_n,
             )
             logp_a = o.logits.float().log_softmax(-1)[keep]
-            per_pos = (logp_a.exp() * (logp_a - logp_b)).sum(-1).clamp_min(0).cpu()  # [P]
+            p_a = logp_a.exp()
+            per_pos = (p_a * (logp_a - logp_b)).sum(-1).clamp_min(0).cpu()  # [P]
             kl[:, k] = torch.stack([c.mean() for c in per_pos.split(counts)])
+            ent_pos = -(p_a * logp_a).sum(-1).cpu()
+            ent[:, k] = torch.stack([c.mean() for c in ent_pos.split(counts)])
+            ent0[:, k] = torch.stack([c[0] for c in ent_pos.split(counts)])
         kl_rows.append(kl)
+        ent_rows.append(ent)
+        ent0_rows.append(ent0)
         answers += ans
-    out: dict = {"kl": torch.cat(kl_rows) if kl_rows else torch.zeros(0, K), "answers": answers}
+
+    def cat(rows: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(rows) if rows else torch.zeros(0, K)
+
+    out: dict = {"kl": cat(kl_rows), "entropy": cat(ent_rows), "entropy_first": cat(ent0_rows), "answers": answers}
     if block is not None:
         out["states"] = states
     return out
