@@ -116,3 +116,41 @@ def test_gates_from_labels_fit_each_labelled_adapter_against_the_unclaimed_promp
         gates_from_labels(states, torch.zeros(60, dtype=torch.long), ["a"])
     with pytest.raises(MoLoRAError, match="labels"):
         gates_from_labels(states[:3], lab, ["a"])
+
+
+def test_confidence_chooser_sends_a_prompt_to_the_adapter_unusually_sure_of_itself_or_to_base(tmp_path):
+    from molora.routing.confidence import ConfidenceChooser
+
+    g = torch.Generator().manual_seed(2)
+    pool = torch.stack([torch.rand(50, generator=g) + 0.5, torch.rand(50, generator=g) * 0.1 + 3.0], 1)  # [N, 2]
+    ch = ConfidenceChooser.from_pool(["a", "b"], pool, z_min=2.0, margin=0.5)
+    # prompt 0: b far surer than usual (entropy 1.0 against its 3.0-3.1), a as usual; prompt 1: both as usual;
+    # prompt 2: a far surer than usual (0.2 against 0.5-1.5), b as usual
+    ent = torch.tensor([[1.0, 1.0], [1.0, 3.05], [0.2, 3.05]])
+    assert ch.decide(ent) == [1, -1, 0]
+    assert ConfidenceChooser.from_pool(["a", "b"], pool, z_min=1e4, margin=0.0).decide(ent) == [-1, -1, -1]
+    back = ConfidenceChooser.load(ch.save(tmp_path / "c"))
+    assert back == ch
+    with pytest.raises(molora.errors.BundleError, match="cannot read"):
+        ConfidenceChooser.load(tmp_path / "missing")
+    with pytest.raises(molora.errors.RoutingError, match="pool entropies"):
+        ConfidenceChooser.from_pool(["a"], pool, z_min=1.0, margin=0.0)
+
+
+@torch.no_grad()
+def test_confidence_entropy_matches_the_pool_labelling_and_the_evaluation_asks_the_chooser(tmp_path):
+    from molora.eval.runner import sequence_choice
+    from molora.routing.confidence import ConfidenceChooser, first_token_entropy
+
+    mm = _bundle(tmp_path)
+    prompts = [" ".join(f"w{5 + (11 * k + j) % 100}" for j in range(2 + k % 5)) for k in range(9)]
+    s = sensitivity(mm, prompts, answer_tokens=0, batch=4)
+    rows = [mm.tokenizer(TEMPLATE.replace("{prompt}", p), add_special_tokens=False)["input_ids"] for p in prompts]
+    ent = first_token_entropy(mm, rows, batch=3)
+    assert torch.allclose(ent, s["entropy_first"], rtol=1e-4, atol=1e-6)
+    ch = ConfidenceChooser.from_pool(mm.adapter_names, ent, z_min=0.5, margin=0.0)
+    picks = ch.choose(mm, prompts)
+    assert picks == [None if d < 0 else mm.adapter_names[d] for d in ch.decide(ent)]
+    assert set(picks) != {None}  # something is routed: the comparison below can tell
+    mm.router = ch
+    assert sequence_choice(mm, prompts) == picks

@@ -127,10 +127,10 @@ def sensitivity(
     batch: int = 16,
 ) -> dict:
     """Per prompt and adapter (mm.adapter_names order): "kl" [N, K] the mean KL(adapter || base) over the positions
-    predicting the base model's greedy answer (answer_tokens 0: no answer, the first answer token's alone), "entropy" [N, K] the adapter's mean entropy there and
-    "entropy_first" [N, K] at its first answer token (how sure the adapter is of itself), "answers" (the base
-    answer's token ids), and with `block` "states": each prompt's normed input at that block on the base model
-    [T, D] (module docstring)."""
+    predicting the base model's greedy answer (answer_tokens 0: no answer, the first answer token's alone),
+    "entropy" [N, K] the adapter's mean entropy there and "entropy_first" [N, K] at its first answer token (how
+    sure the adapter is of itself), "answers" (the base answer's token ids), and with `block` "states": each
+    prompt's normed input at that block on the base model [T, D] (module docstring)."""
     from molora.routing.base import SequenceRouter
     from molora.routing.learned import decoder_layers
 
