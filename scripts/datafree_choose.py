@@ -230,56 +230,70 @@ def _row(name: str, r: dict, cols: list[str]) -> str:
 
 
 def render_section(rec: dict) -> list[str]:
-    """docs/results.md's section on the data-free gates (markdown lines) from their test record
-    (docs/datafree_prompt.json, written by scripts/gates_eval.py) and its validation choice."""
+    """docs/results.md's section on data-free routing (markdown lines): the test record of the confidence chooser
+    (docs/datafree_prompt.json, written by scripts/gates_eval.py --confidence), its validation choice
+    (scripts/datafree_confidence.py) and the gates trained on pseudo-labelled pool prompts (docs/datafree_choice.json,
+    this script's record)."""
     c = rec["config"]
     out = [
-        "## Data-free gates (the adapters' weights and text the base model writes; no labelled data)",
+        "## Data-free routing: the adapters' weights and text the base model writes, no labelled data",
         "",
-        "The per-adapter gates of the section above, trained without any adapter's data "
-        "(`molora/train/datafree.py`): the base model writes a pool of user turns itself (none equal to an "
-        "evaluation item), each pooled prompt is labelled with the adapter that stands out (z-scored over the pool) "
-        "on how it treats the base model's answer, or with none, and each adapter's gate is fitted on the prompts "
-        "labelled with it against the prompts no adapter claims. Served like the other gates "
-        f"(`--router gates`); block {c['source_block']} (from the end), prompt_share {c['prompt_share']}, "
-        f"prompt_window {c['prompt_window']}, gates for {', '.join(c['adapter_names'])}.",
+        "The base model writes a pool of user turns itself (`scripts/datafree_pool.py`; none equal to an evaluation "
+        "item). Two ways to route with it were measured (`molora/train/datafree.py`, `molora/routing/confidence.py`):",
+        "",
+        "- **confidence chooser** (one adapter per request): each adapter reads the prompt, its confidence is 1 / the "
+        "entropy of its first answer token, z-scored per adapter over the pool; the request goes to the adapter "
+        "with the largest z if it reaches z_min and leads the runner-up by the margin, else to the base model. "
+        "Costs one prompt pass per adapter before the answer.",
+        "- **gates on pseudo-labels**: the per-adapter gates of the section above, trained on pooled prompts "
+        "labelled by the same kind of z (or by KL(adapter || base) on the first answer token) instead of any "
+        "adapter's own prompts.",
         "",
     ]
     choice_path = Path(rec["choice"])
+    cols: list[str] = []
     if choice_path.is_file():
         ch = json.loads(choice_path.read_text())
         tasks = ch["tasks"]
         cols = [*tasks, "general", "mixed_turn1", "mixed_turn2", "skills_mean"]
         b = ch["chosen"]
-        counts = ", ".join(f"{k} {v}" for k, v in ch["chosen_label_counts"].items())
         out += [
             f"**Chosen on validation** (`{ch['command']}`; pool: `{ch['pool_command']}`, {ch['n_pool']} prompts; the "
-            f"validation items of docs/gates_choice.json, {ch['settings_searched']} settings searched; among those "
-            f"keeping >= 95% of general prompts on the base). Label signal {b['signal']}, z_min {b['z_min']}, margin "
-            f"{b['margin']}; gates l2 {b['l2']}, threshold {b['rule']} {b['value']}, prompt_share "
-            f"{b['prompt_share']}, window {b['window']}. Pooled prompts per label: {counts}.",
+            f"validation items of docs/gates_choice.json; % of each set whose answer runs where it belongs; among the "
+            f"{ch['settings_searched']} rules those keeping >= 95% of general prompts on the base). Confidence "
+            f"chooser: z_min {b['z_min']}, margin {b['margin']}.",
             "",
             "| routing | " + " | ".join(cols) + " |",
             "|---|" + "---|" * len(cols),
-            _row("data-free gates (chosen)", b, cols),
+            _row("confidence chooser (chosen)", b, cols),
+            _row("confidence, largest z, never base", ch["argmax_never_base"], cols),
+        ]
+        gates_path = Path("docs/datafree_choice.json")
+        if gates_path.is_file():
+            g = json.loads(gates_path.read_text())
+            out.append(_row("gates on pseudo-labelled pool (chosen)", g["chosen"], cols))
+        out += [
             _row("gates on own prompts (chosen)", ch["gates_own_prompts_chosen"], cols),
             _row("prompt-Arrow (chosen)", ch["arrow_prompt_chosen"], cols),
             _row("learned", ch["learned"], cols),
             "",
-            f"The labelling rule applied to the validation prompts themselves (diagnostic, not served: one forward per "
-            f"adapter; the first {ch['sensitivity_direct']['n_per_group']} prompts per group, the adapter with the "
-            "largest z, never the base):",
-            "",
-            "| signal | " + " | ".join([*tasks, "skills_mean"]) + " |",
-            "|---|" + "---|" * (len(tasks) + 1),
         ]
-        out += [_row(sig, r, [*tasks, "skills_mean"]) for sig, r in ch["sensitivity_direct"]["argmax"].items()]
-        out.append("")
+        if gates_path.is_file():
+            gb = g["chosen"]
+            counts = ", ".join(f"{k} {v}" for k, v in g["chosen_label_counts"].items())
+            out += [
+                f"Gates on pseudo-labels: `{g['command']}`, {g['settings_searched']} settings; chosen label signal "
+                f"{gb['signal']} (z_min {gb['z_min']}, margin {gb['margin']}), pooled prompts per label: {counts}. "
+                "They fail because the pool holds almost no prompt like a skill's: a gate learns what the adapter "
+                "claims among the base model's own turns, which is not what marks a skill's prompts.",
+                "",
+            ]
     tasks = list(rec["skills"])
     modes = list(next(iter(rec["skills"].values())))
     out += [
-        f"**Test items** (`{rec['command']}` on {rec['date']}; the items of docs/arrow_prompt.json, whose other "
-        "columns it repeats; strict accuracy %, scored once):",
+        f"**Test items** (`{rec['command']}` on {rec['date']}; chooser z_min {c['z_min']}, margin {c['margin']}; the "
+        "items of docs/arrow_prompt.json and docs/gates_prompt.json, whose other columns it repeats; strict accuracy "
+        "%, scored once):",
         "",
         "| skill | " + " | ".join(modes) + " |",
         "|---|" + "---|" * len(modes),
@@ -292,7 +306,12 @@ def render_section(rec: dict) -> list[str]:
         for m, g in rec["general"].items()
     ]
     if rec.get("mixed"):
-        out += ["", f"**Two-skill items** ({rec['n_mixed']} test items; part accuracy %, both right %):", ""]
+        out += [
+            "",
+            f"**Two-skill items** ({rec['n_mixed']} test items; part accuracy %, both right %; the confidence chooser "
+            "picks one adapter for the whole conversation, as `sequence` does):",
+            "",
+        ]
         out += ["| routing | part accuracy % | both right % |", "|---|---|---|"]
         out += [f"| {k} | {v['accuracy']:.1f} | {v['item_accuracy']:.1f} |" for k, v in rec["mixed"].items()]
     return out + [""]
