@@ -100,15 +100,16 @@ class ConfidenceChooser:
         ok = (top.values[:, 0] >= self.z_min) & (top.values[:, 0] - top.values[:, 1] >= self.margin)
         return torch.where(ok, top.indices[:, 0], -1).tolist()
 
-    def choose(self, mm: Any, questions: Sequence[str], *, batch_size: int = 16) -> list[str | None]:
-        """One adapter name (None: base) per question, with mm's template applied."""
-        from molora.manifest import CHATML_TEMPLATE
-
-        missing = [n for n in self.adapter_names if n not in mm.adapter_names]
-        if missing or list(mm.adapter_names) != list(self.adapter_names):
+    def choose(
+        self, mm: Any, questions: Sequence[str], *, batch_size: int = 16, template: str | None = None
+    ) -> list[str | None]:
+        """One adapter name (None: base) per question, with `template` ("{prompt}" in it; default mm's bundle's)
+        applied."""
+        if list(mm.adapter_names) != list(self.adapter_names):
             raise RoutingError(f"chooser calibrated for {list(self.adapter_names)}, model has {mm.adapter_names}")
-        bundle = getattr(mm, "bundle", None)
-        template = bundle.prompt_template if bundle is not None else CHATML_TEMPLATE
+        template = template or getattr(getattr(mm, "bundle", None), "prompt_template", None)
+        if not template or "{prompt}" not in template:
+            raise RoutingError(f"the confidence chooser needs a prompt template with {{prompt}}, got {template!r}")
         rows = [mm.tokenizer(template.replace("{prompt}", q), add_special_tokens=False)["input_ids"] for q in questions]
         picks = self.decide(first_token_entropy(mm, rows, batch=batch_size))
         return [None if p < 0 else self.adapter_names[p] for p in picks]

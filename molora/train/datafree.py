@@ -44,9 +44,11 @@ def _fold(text: str) -> str:
 
 def _template_parts(mm: Any) -> tuple[str, str, list[int]]:
     """(text before "{prompt}", text after it, the end-of-turn token ids) of mm's bundle template."""
-    from molora.eval.runner import template_of
+    from molora.manifest import CHATML_TEMPLATE, END_OF_TURN
 
-    template, end = template_of(mm)
+    bundle = getattr(mm, "bundle", None)  # as molora.eval.runner.template_of: ChatML without a bundle
+    template = bundle.prompt_template if bundle is not None else CHATML_TEMPLATE
+    end = bundle.stop[0] if bundle is not None and bundle.stop else END_OF_TURN
     if "{prompt}" not in template:
         raise MoLoRAError(f"the prompt template {template!r} has no {{prompt}}")
     head, tail = template.split("{prompt}", 1)
@@ -179,7 +181,7 @@ def sensitivity(
         )
         logp_b = base.logits.float().log_softmax(-1)[keep]  # [P, V]
         if block is not None:
-            h = layers[block].input_layernorm(base.hidden_states[block]).float().cpu()
+            h = layers[block].get_submodule("input_layernorm")(base.hidden_states[block]).float().cpu()
             for j, (r, a) in enumerate(zip(rows, ans)):
                 states.append(h[j, width - len(a) - len(r) : width - len(a)].clone())
         counts = keep.sum(-1).tolist()
