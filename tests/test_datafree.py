@@ -148,6 +148,8 @@ def test_confidence_entropy_matches_the_pool_labelling_and_the_evaluation_asks_t
     rows = [mm.tokenizer(TEMPLATE.replace("{prompt}", p), add_special_tokens=False)["input_ids"] for p in prompts]
     ent = first_token_entropy(mm, rows, batch=3)
     assert torch.allclose(ent, s["entropy_first"], rtol=1e-4, atol=1e-6)
+    some = first_token_entropy(mm, rows, batch=3, adapters=[1, -1])  # chosen adapters, -1: the base model
+    assert torch.allclose(some[:, 0], ent[:, 1], rtol=1e-5) and not torch.allclose(some[:, 1], ent[:, 1])
     ch = ConfidenceChooser.from_pool(mm.adapter_names, ent, z_min=0.5, margin=0.0)
     picks = ch.choose(mm, prompts)
     assert picks == [None if d < 0 else mm.adapter_names[d] for d in ch.decide(ent)]

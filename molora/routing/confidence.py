@@ -30,10 +30,14 @@ CONFIDENCE_FILE = "confidence.json"
 
 
 @torch.no_grad()
-def first_token_entropy(mm: Any, rows: Sequence[Sequence[int]], *, batch: int = 16) -> torch.Tensor:
+def first_token_entropy(
+    mm: Any, rows: Sequence[Sequence[int]], *, batch: int = 16, adapters: Sequence[int] | None = None
+) -> torch.Tensor:
     """[N, K]: the entropy (nats) of each adapter's next-token distribution after each prompt (token ids, template
-    applied), adapters in mm.adapter_names order; rows are left-padded in batches."""
-    K = len(mm.adapter_names)
+    applied), adapters in mm.adapter_names order (or the indices `adapters`, -1: the base model); rows are
+    left-padded in batches."""
+    which = list(range(len(mm.adapter_names))) if adapters is None else list(adapters)
+    K = len(which)
     out = []
     for i in range(0, len(rows), batch):
         chunk = [list(r) for r in rows[i : i + batch]]
@@ -42,11 +46,11 @@ def first_token_entropy(mm: Any, rows: Sequence[Sequence[int]], *, batch: int = 
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in chunk], device=mm.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         ent = torch.zeros(len(chunk), K)
-        for k in range(K):
+        for k, a in enumerate(which):
             o = mm(
                 ids,
                 attention_mask=mask,
-                adapter_ids=torch.full_like(ids, k),
+                adapter_ids=torch.full_like(ids, a),
                 position_ids=pos,
                 use_cache=False,
                 logits_to_keep=1,
