@@ -268,6 +268,9 @@ def render_section(rec: dict) -> list[str]:
             _row("confidence chooser (chosen)", b, cols),
             _row("confidence, largest z, never base", ch["argmax_never_base"], cols),
         ]
+        if ch.get("relative_to_base_val_only"):
+            r = ch["relative_to_base_val_only"]
+            out.append(_row(f"confidence over the base's own, z_min {r['z_min']} (validation only)", r, cols))
         gates_path = Path("docs/datafree_choice.json")
         if gates_path.is_file():
             g = json.loads(gates_path.read_text())
@@ -286,6 +289,21 @@ def render_section(rec: dict) -> list[str]:
                 f"{gb['signal']} (z_min {gb['z_min']}, margin {gb['margin']}), pooled prompts per label: {counts}. "
                 "They fail because the pool holds almost no prompt like a skill's: a gate learns what the adapter "
                 "claims among the base model's own turns, which is not what marks a skill's prompts.",
+                "",
+                f"Each signal's labelling rule applied to validation prompts themselves (the first "
+                f"{g['sensitivity_direct']['n_per_group']} of each skill; the adapter with the largest z, never the "
+                "base): KL(adapter || base) on the first answer token picks the wrong adapter, confidence the right "
+                "one.",
+                "",
+                "| signal | " + " | ".join([*tasks, "skills_mean"]) + " |",
+                "|---|" + "---|" * (len(tasks) + 1),
+            ]
+            out += [_row(sig, r, [*tasks, "skills_mean"]) for sig, r in g["sensitivity_direct"]["argmax"].items()]
+            out += [
+                "",
+                "The confidence-over-base row was scored on validation after the test below had been scored with "
+                "the chosen rule, so it was not tested; it is the next candidate. The chooser's cost (one prompt "
+                "pass per adapter before the answer) is not measured.",
                 "",
             ]
     tasks = list(rec["skills"])
