@@ -151,7 +151,7 @@ def test_confidence_entropy_matches_the_pool_labelling_and_the_evaluation_asks_t
     some = first_token_entropy(mm, rows, batch=3, adapters=[1, -1])  # chosen adapters, -1: the base model
     assert torch.allclose(some[:, 0], ent[:, 1], rtol=1e-5) and not torch.allclose(some[:, 1], ent[:, 1])
     ch = ConfidenceChooser.from_pool(mm.adapter_names, ent, z_min=0.5, margin=0.0)
-    picks = ch.choose(mm, prompts)
+    picks = ch.choose_per_request(mm, prompts)
     assert picks == [None if d < 0 else mm.adapter_names[d] for d in ch.decide(ent)]
     assert set(picks) != {None}  # something is routed: the comparison below can tell
     mm.router = ch

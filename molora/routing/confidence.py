@@ -2,7 +2,7 @@
 calibrated on text the base model writes itself; no labelled data (issue 39, the data-free path).
 
     chooser = ConfidenceChooser.from_pool(names, pool_entropy, z_min=2.0, margin=0.5)   # pool_entropy [N, K]
-    chooser.choose(mm, ["How many ...?"])      # ["counting"], or [None]: the base model answers
+    chooser.choose_per_request(mm, ["How many ...?"])      # ["counting"], or [None]: the base model answers
 
 Each adapter k reads the prompt (template applied) alone, and its confidence is 1 / the entropy of its
 next-token distribution at the last prompt token (the first answer token). An adapter trained on a skill answers
@@ -11,7 +11,7 @@ anywhere, so the log confidence is z-scored per adapter by its mean and spread o
 model wrote (molora.train.datafree.sample_pool). The request goes to the adapter with the largest z when it
 reaches `z_min` and leads the runner-up by `margin`, else to the base model. The cost is one prompt pass per
 adapter before the answer (no base-model pass); the answer then runs on the chosen adapter alone, as
-`molora.eval.runner`'s "sequence" mode does with any router that has `choose`.
+`molora.eval.runner`'s "sequence" mode does with any router that has `choose_per_request`.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class ConfidenceChooser:
         ok = (top.values[:, 0] >= self.z_min) & (top.values[:, 0] - top.values[:, 1] >= self.margin)
         return torch.where(ok, top.indices[:, 0], -1).tolist()
 
-    def choose(
+    def choose_per_request(
         self, mm: Any, questions: Sequence[str], *, batch_size: int = 16, template: str | None = None
     ) -> list[str | None]:
         """One adapter name (None: base) per question, with `template` ("{prompt}" in it; default mm's bundle's)
