@@ -18,12 +18,18 @@ Only two things are read: the adapters' weights (through the model they change) 
   distributions is averaged over the positions that predict the answer (the last prompt token onward): how far the
   adapter would move the base model's own answer. The base pass also keeps the prompt tokens' normed input at
   `block`, the state the gates read.
-- **Labels.** log KL is z-scored per adapter over the pool (an adapter that moves every answer is not preferred
-  for that); a prompt goes to the adapter with the largest z when it reaches `z_min` and leads the runner-up by
-  `margin`, otherwise to no adapter (-1).
+  Each adapter's entropy there is kept too ("entropy", "entropy_first"): how sure the adapter is of itself.
+- **Labels.** A score (KL, or 1 / entropy) is log'd and z-scored per adapter over the pool (an adapter that moves
+  every answer is not preferred for that); a prompt goes to the adapter with the largest z when it reaches
+  `z_min` and leads the runner-up by `margin`, otherwise to no adapter (-1).
 - **Gates.** Each adapter's gate is fitted alone (molora.train.gates.fit_gate) on the prompts labelled with it
   against the prompts no adapter claims: the same logistic gate and threshold rules as the gates trained on an
   adapter's own prompts, so `--router gates` serves them unchanged.
+
+Measured on the default bundle (scripts/datafree_choose.py, docs/datafree_choice.json): the gates fail on
+validation (skills mean 23%), since the pool holds almost no skill-like prompt, while the first-answer-token
+confidence routes the skill prompts themselves well; molora.routing.confidence serves that signal per request,
+calibrated on this module's pool (scripts/datafree_confidence.py).
 """
 
 from __future__ import annotations
