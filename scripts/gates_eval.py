@@ -7,7 +7,9 @@ fingerprint and item counts, checked).
     .venv/bin/python scripts/gates_eval.py --gates runs/gates --choice docs/gates_choice.json \
         --json docs/gates_prompt.json [--beside docs/arrow_prompt.json]
 
-Runs are cached under --work (an interrupted run resumes).
+With --confidence instead of --gates, a molora.routing.confidence chooser (scripts/datafree_confidence.py) picks
+one adapter (or the base) per request, scored in the evaluation's "sequence" mode (two-skill items: one adapter
+for the whole conversation). Runs are cached under --work (an interrupted run resumes).
 """
 
 from __future__ import annotations
@@ -33,17 +35,27 @@ def main(argv: list[str] | None = None) -> int:
     from molora.eval.general import evaluate_general
     from molora.eval.heldout import fingerprint, held_out, held_out_mixed, training_inputs
     from molora.eval.runner import evaluate
+    from molora.routing.confidence import ConfidenceChooser
     from molora.routing.gates import GateRouter
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gates", required=True, help="the GateRouter folder scripts/gates_choose.py --gates-out wrote")
+    ap.add_argument("--gates", help="the GateRouter folder scripts/gates_choose.py --gates-out wrote")
+    ap.add_argument(
+        "--confidence",
+        help="instead of gates: a molora.routing.confidence chooser folder (scripts/datafree_confidence.py --out), "
+        "scored in the evaluation's one-adapter-per-request mode",
+    )
     ap.add_argument("--choice", required=True, help="the record of scripts/gates_choose.py")
     ap.add_argument("--json", required=True)
     ap.add_argument("--beside", default="docs/arrow_prompt.json", help="the record whose items and modes to join")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default="runs/gates_work")
+    ap.add_argument("--label", default="gates", help="the column these gates get in the record (default gates)")
     a = ap.parse_args(argv)
+    if (a.gates is None) == (a.confidence is None):
+        ap.error("give exactly one of --gates and --confidence")
+    mode = "learned" if a.gates else "sequence"
     torch.set_num_threads(a.threads)
     work = Path(a.work)
     (work / "data").mkdir(parents=True, exist_ok=True)
@@ -53,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     bundle = mm.bundle
     if fingerprint(bundle) != beside["fingerprint"]:
         raise SystemExit(f"{a.beside} scored another bundle ({beside['fingerprint']} != {fingerprint(bundle)})")
-    router = GateRouter.load(a.gates).bind(mm)
+    router = GateRouter.load(a.gates).bind(mm) if a.gates else ConfidenceChooser.load(a.confidence)
     mm._modules.pop("router", None)  # mm.router is a registered submodule while it holds the learned router
     mm.__dict__.pop("router", None)
     mm.router = router
@@ -65,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         path = work / "data" / f"test_{t}.json"
         write_bbh_file(path, items[:n])
         s = cached(
-            work / f"test__{t}__gates.json",
-            lambda spec=f"bbh:{path}": evaluate(mm, spec, "learned", batch_size=a.batch_size, progress=False),
+            work / f"test__{t}__{a.label}.json",
+            lambda spec=f"bbh:{path}": evaluate(mm, spec, mode, batch_size=a.batch_size, progress=False),
         )
-        skills[t] = {"gates": {k: s[k] for k in ("n", "accuracy", "seconds", "generated_tokens")}}
+        skills[t] = {a.label: {k: s[k] for k in ("n", "accuracy", "seconds", "generated_tokens")}}
         skills[t].update(beside["skills"][t])
     rows = general_split()["test"][:n_general]
     write_jsonl(
@@ -76,32 +88,34 @@ def main(argv: list[str] | None = None) -> int:
         [{"id": r["id"], "source": r["source"], "prompt": r["prompt"]} for r in rows],
     )
     g = cached(
-        work / "general__gates.json",
-        lambda: evaluate_general(
-            mm, f"general:{work / 'data' / 'general_test.jsonl'}", "learned", batch_size=a.batch_size
-        ),
+        work / f"general__{a.label}.json",
+        lambda: evaluate_general(mm, f"general:{work / 'data' / 'general_test.jsonl'}", mode, batch_size=a.batch_size),
     )
-    general["gates"] = {k: g[k] for k in ("n", "retention", "empty_where_base_answers", "adapter_token_share")}
+    general[a.label] = {k: g[k] for k in ("n", "retention", "empty_where_base_answers", "adapter_token_share")}
     general.update(beside["general"])
     if n_mixed:
         write_jsonl(work / "data" / "mixed.jsonl", held_out_mixed(tasks, n_mixed, banned, split="test"))
         s = cached(
-            work / "mixed__gates.json",
+            work / f"mixed__{a.label}.json",
             lambda: evaluate(
-                mm, f"mixed:{work / 'data' / 'mixed.jsonl'}", "learned", batch_size=a.batch_size, progress=False
+                mm, f"mixed:{work / 'data' / 'mixed.jsonl'}", mode, batch_size=a.batch_size, progress=False
             ),
         )
-        mixed["gates"] = {k: s[k] for k in ("n", "accuracy", "item_accuracy", "seconds", "generated_tokens")}
+        mixed[a.label] = {k: s[k] for k in ("n", "accuracy", "item_accuracy", "seconds", "generated_tokens")}
         mixed.update(beside["mixed"])
     rec = {
-        "command": f"python scripts/gates_eval.py --gates {a.gates} --choice {a.choice} --json {a.json} "
-        f"--beside {a.beside} --threads {a.threads}",
+        "command": "python scripts/gates_eval.py "
+        + (f"--gates {a.gates} " if a.gates else f"--confidence {a.confidence} ")
+        + f"--choice {a.choice} --json {a.json} "
+        f"--beside {a.beside} --threads {a.threads}" + ("" if a.label == "gates" else f" --label {a.label}"),
         "beside": {k: beside[k] for k in ("command", "date", "fingerprint")},
         "choice": a.choice,
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info(),
         "fingerprint": fingerprint(bundle),
-        "config": {**router.config.__dict__, "adapter_names": router.adapter_names},
+        "config": {**router.config.__dict__, "adapter_names": router.adapter_names}
+        if a.gates
+        else {k: v for k, v in router.__dict__.items() if k not in ("mean", "std")},
         "skills": skills,
         "general": general,
         "mixed": mixed,

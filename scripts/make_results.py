@@ -643,6 +643,7 @@ SECTIONS = [
     ("arrow_cost.json", "arrow_cost.py"),
     ("gates_prompt.json", "gates_eval.py"),
     ("gates_cost.json", "arrow_cost.py"),
+    ("datafree_prompt.json", "datafree_choose.py"),
     ("multimodal.json", "make_multimodal.py"),
 ]
 

@@ -132,7 +132,10 @@ def _vote(picks: Sequence[int], names: Sequence[str]) -> str | None:
 
 @torch.no_grad()
 def sequence_choice(mm: Any, questions: Sequence[str], *, batch_size: int = 16) -> list[str | None]:
-    """One adapter per question text: the router's vote over its question tokens (see module docstring)."""
+    """One adapter per question text: the router's vote over its question tokens (see module docstring), or the
+    router's own per-request choice where it has one (`choose_per_request`: molora.routing.confidence)."""
+    if hasattr(mm.router, "choose_per_request"):
+        return list(mm.router.choose_per_request(mm, questions, batch_size=batch_size))
     template, _ = template_of(mm)
     head, _, tail = template.partition("{prompt}")
     n_head, n_tail = len(_ids(mm.tokenizer, head)), len(_ids(mm.tokenizer, tail))
