@@ -4,9 +4,10 @@
 
 docs/quant_linear.json comes from `scripts/ab_quant_linear.py --json docs/quant_linear.json` (the kernels on
 SmolLM2-135M's linear shapes), docs/quant.json from `scripts/bench_quant.py --json docs/quant.json` (the engine on
-the real model), docs/quant_smooth_choice.json from `scripts/quant_smooth_choose.py`, docs/quant_eval_{val,test}.json
-from `scripts/quant_eval.py --split val|test`. `section` renders the lines; scripts/make_benchmarks.py, which
-renders the whole page, places them. This script measures nothing.
+the real model), docs/quant_smooth_choice.json from `scripts/quant_smooth_choose.py`,
+docs/quant_eval_{val,test}[_w8].json from `scripts/quant_eval.py --split val|test` (without _w8: made when int8
+meant W8A8). `section` renders the lines; scripts/make_benchmarks.py, which renders the whole page, places them.
+This script measures nothing.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ def section(docs: Path) -> list[str]:
 
 
 def quality_lines(docs: Path) -> list[str]:
-    """The smoothing choice (docs/quant_smooth_choice.json) and the skill / retention tables (docs/quant_eval_val.json,
-    docs/quant_eval_test.json), each where its record exists."""
+    """The smoothing choice (docs/quant_smooth_choice.json) and the skill / retention tables (EVAL_RECORDS), each
+    where its record exists."""
     out = []
     path = docs / "quant_gguf.json"
     if path.is_file():
@@ -122,14 +123,15 @@ def quality_lines(docs: Path) -> list[str]:
             f"position): {cells}. Chosen: alpha = {c['chosen_alpha']}.",
             "",
         ]
-    for split in ("val", "test"):
-        path = docs / f"quant_eval_{split}.json"
+    for fname, split, old in EVAL_RECORDS:
+        path = docs / fname
         if not path.is_file():
             continue
         e = json.loads(path.read_text())
         tasks = list(next(iter(e["variants"].values()))["skills"])
+        era = " (W8A8 era: its int8 is the old W8A8 path, now `--quantization w8a8`)" if old else ""
         out += [
-            f"Skills and general retention on a quantized base, {split} split (`{e['command']}`; bundle "
+            f"Skills and general retention on a quantized base, {split} split{era} (`{e['command']}`; bundle "
             f"{e['fingerprint']}, learned routing, greedy; {e['n']} items per skill, {e['n_general']} general "
             "prompts; retention: answers equal to the same model's own answer without adapters; base = fp32: its "
             "answer without adapters equal to fp32's):",
@@ -150,15 +152,35 @@ def quality_lines(docs: Path) -> list[str]:
     return out
 
 
-def label(rec: dict, name: str) -> str:
-    """A variant's name as the README shows it: "int8" in a record made before int8 became weight only (no "schemes"
-    field) was W8A8, which is `--quantization w8a8` now."""
-    return f"{name} (W8A8, now w8a8)" if name.startswith("int8") and "schemes" not in rec else name
+# The quality records (file, split, made when int8 meant W8A8), oldest first: the weight-only int8's have "_w8"
+EVAL_RECORDS = (
+    ("quant_eval_val.json", "val", True),
+    ("quant_eval_test.json", "test", True),
+    ("quant_eval_val_w8.json", "val", False),
+    ("quant_eval_test_w8.json", "test", False),
+)
+
+
+def label(rec: dict, name: str, old: bool | None = None) -> str:
+    """A variant's name as the README shows it: "int8" in a record made before int8 became weight only (old; by
+    default: no "schemes" field) was W8A8, which is `--quantization w8a8` now."""
+    old = "schemes" not in rec if old is None else old
+    return f"{name} (W8A8, now w8a8)" if name.startswith("int8") and old else name
+
+
+def newest(docs: Path, *names: str) -> tuple[dict, bool] | None:
+    """The first of the records `names` that exists (newest first), and whether it is the W8A8 era's (not the
+    first name), or None."""
+    for i, n in enumerate(names):
+        if (docs / n).is_file():
+            return json.loads((docs / n).read_text()), i > 0
+    return None
 
 
 def readme_block(docs: Path, page: str) -> str:
     """The README's quantized-base block (QUANT_BEGIN ... QUANT_END): one bullet from docs/quant.json, the test
-    split's docs/quant_eval_test.json and docs/peer_llamacpp.json (each part where its record exists); page: the
+    split's docs/quant_eval_test_w8.json and docs/peer_llamacpp_w8.json (each where it exists, else the W8A8 era's
+    docs/quant_eval_test.json and docs/peer_llamacpp.json, labelled so); page: the
     link to docs/benchmarks.md relative to the README."""
     from molora.docblock import markers
 
@@ -174,16 +196,16 @@ def readme_block(docs: Path, page: str) -> str:
             f"{e['machine']['threads']} threads): {speed}; base weights MB: {sizes} (the GGUF it ships: "
             f"{e['gguf_bytes'] / 1e6:.0f})"
         )
-    path = docs / "quant_eval_test.json"
-    if path.is_file():
-        q = json.loads(path.read_text())
+    found = newest(docs, "quant_eval_test_w8.json", "quant_eval_test.json")
+    if found:
+        q, old = found
         rows = []
         for n, v in q["variants"].items():
             if n == "fp32":
                 continue
             d = v["skills_vs_fp32"]
             rows.append(
-                f"{label(q, n)} "
+                f"{label(q, n, old)} "
                 + ", ".join(f"{t} {x:+.1f}" for t, x in d.items())
                 + f", retention {v['general']['retention']:.0f}%"
             )
@@ -191,11 +213,14 @@ def readme_block(docs: Path, page: str) -> str:
             f"skills on the test split against float32 (points, {q['n']} items per skill, learned routing): "
             + "; ".join(rows)
         )
-    if (docs / "peer_llamacpp.json").is_file():
-        r = json.loads((docs / "peer_llamacpp.json").read_text())
+    found = newest(docs, "peer_llamacpp_w8.json", "peer_llamacpp.json")
+    if found:
+        r, old = found
         cells = ", ".join(
-            f"{label(r, n)} vs {v['llama.cpp']['gguf_type']} {v['llama_over_molora'][0]:.2f}x "
-            f"({v['llama_over_molora_lora'][0]:.2f}x with a LoRA)"
+            f"{label(r, n, old)} vs {v['llama.cpp']['gguf_type']} {v['llama_over_molora'][0]:.2f}x "
+            f"({v['llama_over_molora_lora'][0]:.2f}x with a LoRA"
+            + ("" if old else f"; weights {v['molora']['weight_bytes'] / v['llama.cpp']['file_bytes']:.2f}x the GGUF's")
+            + ")"
             for n, v in r["variants"].items()
         )
         parts.append(
