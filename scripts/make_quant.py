@@ -88,7 +88,65 @@ def section(docs: Path) -> list[str]:
         "",
         *kernel_table(lin),
         "",
+        *onecopy_lines(docs),
+        *resident_lines(docs),
         *quality_lines(docs),
+    ]
+
+
+def resident_lines(docs: Path) -> list[str]:
+    """Every resident copy of the base weights per variant against llama.cpp's files (docs/quant_weight_bytes.json,
+    scripts/quant_weight_bytes.py), where the record exists."""
+    path = docs / "quant_weight_bytes.json"
+    if not path.is_file():
+        return []
+    r = json.loads(path.read_text())
+    out = [
+        "Resident base weights, every copy counted once (`" + r["command"] + "`: after a short generate, so the "
+        "kernels' copies exist; quantized: int8/int4 weights and scales as kept; float: embeddings with the tied "
+        "LM head, norms, float base linears; kernel copies: the runner's packed copies of float weights, the LM "
+        "head's in every variant, int8's float32 scales, w8a8's oneDNN copy), MB, against the llama.cpp file of "
+        f"the same type (the shipped {r['gguf_shipped']['file']}: {r['gguf_shipped']['bytes'] / 1e6:.1f} MB):",
+        "",
+        "| variant | quantized | float | kernel copies | total | GGUF | total / GGUF | without kernel copies / GGUF |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for name, v in r["variants"].items():
+        b, g = v["bytes"], v.get("gguf")
+        gg = f"{g} {r['gguf_peer'][g] / 1e6:.1f}" if g else "-"
+        ratio = f"{v['total_over_gguf']:.2f}x | {v['without_kernel_copies_over_gguf']:.2f}x" if g else "- | -"
+        out.append(
+            f"| {name} | {b['quantized'] / 1e6:.1f} | {b['float'] / 1e6:.1f} | {b['kernel_copies'] / 1e6:.1f} | "
+            f"{v['total'] / 1e6:.1f} | {gg} | {ratio} |"
+        )
+    return [*out, ""]
+
+
+def onecopy_lines(docs: Path) -> list[str]:
+    """The one-int8-copy change against the two copies before it (docs/quant_w8_onecopy_ab.json: ab_engine_trees on
+    an int8 base), where the record exists."""
+    path = docs / "quant_w8_onecopy_ab.json"
+    if not path.is_file():
+        return []
+    r = json.loads(path.read_text())
+    m = r["machine"]
+    cells = "; ".join(
+        f"{k} {v['head_over_base_paired'][0]:.3f}x [{v['head_over_base_paired'][1]:.3f}-"
+        f"{v['head_over_base_paired'][2]:.3f}]" + ("" if v["same_tokens"] is not False else " (tokens differ)")
+        for k, v in r["workloads"].items()
+    )
+    return [
+        "One int8 copy: a bfloat16 int8 base keeps its weight only in the AMX tiles' layout (prefill and decode "
+        "read the tiles), where it kept the rows and a tiled copy before (about 106 MB more for SmolLM2-135M). "
+        f"Paired time, one copy / two (`{r['command']}`, base: the tree before, head: after; {r['repeats']} "
+        f"repetitions, {m['threads']} thread, load average {m['loadavg_before']} before; float32 activations read "
+        f"the rows in both trees, a control): {cells}"
+        + (
+            "; the same greedy tokens in every generate workload."
+            if all(v["same_tokens"] is not False for v in r["workloads"].values())
+            else "."
+        ),
+        "",
     ]
 
 
@@ -191,9 +249,18 @@ def readme_block(docs: Path, page: str) -> str:
         v = e["variants"]
         speed = ", ".join(f"{label(e, n)} {v[n]['vs_fp32']:.2f}x" for n in v if n != "fp32")
         sizes = ", ".join(f"{label(e, n)} {v[n]['weight_bytes_total'] / 1e6:.0f}" for n in v)
+        what = "base weights MB (the model's tensors)"
+        if (docs / "quant_weight_bytes.json").is_file():  # every resident copy, the kernels' included
+            w = json.loads((docs / "quant_weight_bytes.json").read_text())
+            sizes = ", ".join(
+                f"{n} {x['total'] / 1e6:.0f}"
+                + (f" ({x['total_over_gguf']:.2f}x its {x['gguf']})" if "gguf" in x else "")
+                for n, x in w["variants"].items()
+            )
+            what = "resident base weights MB, every copy (the kernels' packed copies included)"
         parts.append(
             f"engine throughput against float32 ({e['requests']} requests, per-token routing over 4 adapters, "
-            f"{e['machine']['threads']} threads): {speed}; base weights MB: {sizes} (the GGUF it ships: "
+            f"{e['machine']['threads']} threads): {speed}; {what}: {sizes} (the GGUF it ships: "
             f"{e['gguf_bytes'] / 1e6:.0f})"
         )
     found = newest(docs, "quant_eval_test_w8.json", "quant_eval_test.json")

@@ -7,9 +7,13 @@ The weight is quantized once, on load (molora.ops.quant: int8 and w8a8 symmetric
 groups of 32 along d_in), and the float weight is dropped: the module holds `qweight` (int8 [d_out, d_in], or
 torch's packed int4 bytes) and `scales` (float, the model's dtype: `model.to(torch.bfloat16)` casts them with the
 rest) as buffers. int8 is weight only: the activations stay in the model's dtype, on molora's int8 kernels
-(`quant.linear_int8`; the scales widened to float32 once, and for bfloat16 activations on AMX a copy of qweight in
-the tiles' layout, both made again when qweight or scales change; `w8_operands` hands them to the runner's one-call
-decode block). w8a8 keeps oneDNN's packed copy of qweight (made at the first call, again when qweight, scales or
+(`quant.linear_int8`; the scales widened to float32 once, made again when they change; `w8_operands` hands the
+operands to the runner's one-call decode block). One int8 copy of the weight is kept: for bfloat16 activations on
+AMX qweight itself is turned into the tiles' layout (`tiled`; prefill and decode both read the tiles), rows again at
+a call in another dtype; `rows` gives the rows to the paths that need them (the state dict holds rows). Measured
+against keeping rows and tiles both (scripts/ab_engine_trees.py --quantization int8, docs/quant_w8_onecopy_ab.json):
+no slower. `weight_bytes` counts every resident copy of the base weights, the kernels' copies included.
+w8a8 keeps oneDNN's packed copy of qweight (made at the first call, again when qweight, scales or
 smooth change), on which it runs with the activations quantized per token (molora.ops.quant), each input channel
 first multiplied by `smooth` when the layer was built with activation ranges (SmoothQuant, power-of-two factors;
 `activation_ranges` measures them, molora.load reads general text for it). The LM head (tied to the

@@ -22,8 +22,9 @@ CPU kernels ran far behind the float32 GEMM molora packs (molora.ops.packed) at 
   int8 weight widened to float32 four rows at a time into an L1 buffer, AVX-512 FMA), bfloat16 ones on
   `linear_amx_w8` (each task widens its int8 weight tiles to bfloat16, exact, then runs the AMX GEMM of the bf16
   path); the per-channel scale multiplies
-  each output once. Weights cost a quarter (half) of float32's (bfloat16's) bytes; `tiles` keeps the AMX layout
-  copy (one more byte a weight, as the float paths keep their packed copies). Measured side by side
+  each output once. Weights cost a quarter (half) of float32's (bfloat16's) bytes, one int8 copy each: bfloat16
+  activations read it in `tiles`' layout only (molora.model.quant_linear keeps it so; `untile` gives the rows back
+  where a path needs them), float32 ones as rows. Measured side by side
   (scripts/ab_quant_linear.py, 1 thread, 6 layers, load 7-11: docs/quant_linear_w8_loaded.json): in float32,
   linear_w8 ran 1.34x, 0.82x, 0.89x, 0.77x, 0.71x the float32 panels at T = 8, 16, 32, 128, 512 (that run
   predates the widening into an L1 buffer; a rerun with it, load 7-9, docs/quant_linear_w8_loaded_b.json: 1.15x,
