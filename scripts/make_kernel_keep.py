@@ -159,7 +159,18 @@ def w8_lines(docs: Path) -> list[str]:
             cells.append("-" if v is None else f"{v[0]:.2f}x [{v[1]:.2f}-{v[2]:.2f}]")
     lines.append("| w8 | " + " | ".join(cells) + " |")
     v, where, kept = verdicts(recs)["w8"]
-    lines += ["", f"Verdict: w8 {v:.2f}x ({where}): {'kept' if kept else 'below 1.15x'}.", ""]
+    same = "; ".join(
+        f"{d}: greedy tokens "
+        + ("the same" if all(a.get("w8", True) for a in r.get("same_tokens_as_all", {}).values()) else "differ")
+        for d, r in recs.items()
+    )
+    lines += [
+        "",
+        f"Verdict: w8 {v:.2f}x ({where}): {'kept' if kept else 'below 1.15x'}. With it off, {same} (off, "
+        "each weight is q * scale rounded in the activations' dtype before the product; the kernels multiply by q "
+        "exactly and scale each output once).",
+        "",
+    ]
     return lines
 
 
