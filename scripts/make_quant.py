@@ -123,29 +123,36 @@ def resident_lines(docs: Path) -> list[str]:
 
 
 def onecopy_lines(docs: Path) -> list[str]:
-    """The one-int8-copy change against the two copies before it (docs/quant_w8_onecopy_ab.json: ab_engine_trees on
-    an int8 base), where the record exists."""
-    path = docs / "quant_w8_onecopy_ab.json"
-    if not path.is_file():
+    """The one-int8-copy change against the two copies before it, paired both ways round (ab_engine_trees on an
+    int8 base: docs/quant_w8_onecopy_ab.json, head = one copy; docs/quant_w8_onecopy_ab_swapped.json, head = two),
+    where the records exist."""
+    runs = []
+    for name, head in (
+        ("quant_w8_onecopy_ab.json", "one copy / two"),
+        ("quant_w8_onecopy_ab_swapped.json", "two / one"),
+    ):
+        path = docs / name
+        if not path.is_file():
+            continue
+        r = json.loads(path.read_text())
+        m = r["machine"]
+        cells = "; ".join(
+            f"{k} {v['head_over_base_paired'][0]:.3f}x [{v['head_over_base_paired'][1]:.3f}-"
+            f"{v['head_over_base_paired'][2]:.3f}]" + ("" if v["same_tokens"] is not False else " (tokens differ)")
+            for k, v in r["workloads"].items()
+        )
+        same = all(v["same_tokens"] is not False for v in r["workloads"].values())
+        runs.append(
+            f"time {head} (`{r['command']}`, {r['repeats']} repetitions, {m['threads']} thread, load average "
+            f"{m['loadavg_before']} before): {cells}" + ("; the same greedy tokens" if same else "")
+        )
+    if not runs:
         return []
-    r = json.loads(path.read_text())
-    m = r["machine"]
-    cells = "; ".join(
-        f"{k} {v['head_over_base_paired'][0]:.3f}x [{v['head_over_base_paired'][1]:.3f}-"
-        f"{v['head_over_base_paired'][2]:.3f}]" + ("" if v["same_tokens"] is not False else " (tokens differ)")
-        for k, v in r["workloads"].items()
-    )
     return [
         "One int8 copy: a bfloat16 int8 base keeps its weight only in the AMX tiles' layout (prefill and decode "
         "read the tiles), where it kept the rows and a tiled copy before (about 106 MB more for SmolLM2-135M). "
-        f"Paired time, one copy / two (`{r['command']}`, base: the tree before, head: after; {r['repeats']} "
-        f"repetitions, {m['threads']} thread, load average {m['loadavg_before']} before; float32 activations read "
-        f"the rows in both trees, a control): {cells}"
-        + (
-            "; the same greedy tokens in every generate workload."
-            if all(v["same_tokens"] is not False for v in r["workloads"].values())
-            else "."
-        ),
+        "Paired, the tree before the change against the tree after, both ways round (float32 activations read the "
+        "rows in both trees: a control for what the two processes differ by): " + ". ".join(runs) + ".",
         "",
     ]
 
