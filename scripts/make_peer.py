@@ -20,16 +20,19 @@ ROOT = Path(__file__).resolve().parent.parent
 def variant_table(rec: dict) -> list[str]:
     out = [
         "| molora | llama.cpp | molora tok/s | llama.cpp tok/s | llama.cpp / molora time | + LoRA: molora | "
-        "+ LoRA: llama.cpp | + LoRA: llama.cpp / molora | LoRA cost molora / llama.cpp | greedy agree (LoRA) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "+ LoRA: llama.cpp | + LoRA: llama.cpp / molora | LoRA cost molora / llama.cpp | greedy agree (LoRA) | "
+        "spread |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, v in rec["variants"].items():
         t, ll = v["tok_s"], v["llama.cpp"]
+        # the largest max/min over one system's repetitions: far above 1, a repetition stalled (the load)
+        spread = max(max(x) / min(x) for x in v["samples_s"].values())
         out.append(
             f"| {name} | {ll['gguf_type']} | {t['molora']:.1f} | {t['llama.cpp']:.1f} | "
             f"{v['llama_over_molora'][0]:.2f}x | {t['molora_lora']:.1f} | {t['llama.cpp_lora']:.1f} | "
             f"{v['llama_over_molora_lora'][0]:.2f}x | {v['lora_cost_molora'][0]:.2f}x / {v['lora_cost_llama'][0]:.2f}x"
-            f" | {v['greedy_agreement']:.2f} ({v['greedy_agreement_lora']:.2f}) |"
+            f" | {v['greedy_agreement']:.2f} ({v['greedy_agreement_lora']:.2f}) | {spread:.1f}x |"
         )
     return out
 
@@ -52,13 +55,18 @@ def files_table(rec: dict) -> list[str]:
     return out
 
 
-# The records, newest first: (file, title, what its int8 was). The first was made with the weight-only int8 and the
-# honest weight count (every resident copy); the second when int8 meant W8A8 (now `w8a8`) and the weights counted
-# were the model's tensors only.
+# The records: (file, title, how molora's weights were counted). The first two were made with the weight-only int8 and
+# the honest weight count (every resident copy), at 1 and 2 threads; the last when int8 meant W8A8 (now `w8a8`) and the
+# weights counted were the model's tensors only.
 RECORDS = (
     (
         "peer_llamacpp_w8.json",
         "weight-only int8",
+        "molora's weights: every resident copy (the model's, the packed kernel copies)",
+    ),
+    (
+        "peer_llamacpp_w8_2threads.json",
+        "weight-only int8, 2 threads",
         "molora's weights: every resident copy (the model's, the packed kernel copies)",
     ),
     (
@@ -88,7 +96,9 @@ def record_lines(docs: Path, name: str, title: str, weights: str) -> list[str]:
         "are paired per repetition (> 1: molora is faster; LoRA cost > 1: the LoRA slows it down). LoRA: "
         f"{rec['lora']}, converted for llama.cpp by `molora.bench.peer_gguf`. Float GGUFs: {rec['float_files']}; "
         f"quantized ones: {rec['quantized_files']}. Greedy agree: the share of molora's tokens llama.cpp repeats "
-        f"before the first difference (meaningful where the precisions match). {weights}. Record: `{command}` "
+        "before the first difference (meaningful where the precisions match). Spread: the largest max / min over "
+        "one system's repetitions (far above 1: a repetition stalled under the load; read that row's ratios with "
+        f"care). {weights}. Record: `{command}` "
         f"(docs/{name}); rendered by `scripts/make_peer.py`."
     )
     return [
