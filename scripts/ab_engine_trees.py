@@ -1,12 +1,14 @@
 """The engine bench's workloads on two source trees of molora, paired in one run: before vs after a change.
 
-    PYTHONPATH=. python scripts/ab_engine_trees.py --base /tmp/base --repeats 7 [--json docs/x.json]
+    PYTHONPATH=. python scripts/ab_engine_trees.py --base /tmp/base --repeats 7 [--quantization int8]
+        [--json docs/x.json]
 
 Two worker processes, one per tree (`--base` and `--head`, default this checkout), each with PYTHONPATH on its tree,
 its own build of the C++ kernels (the build key differs per tree) and the same model, adapters and prompts (molora.
 bench.engine's setup: SmolLM2-135M, 4 random-weight adapters r=16, a VocabRouter over 4 ranges; fixed seeds). The
 parent asks them in turn to run one sample of a workload, so only one runs at a time and both see the same load; the
-order of the trees rotates each repetition (style 18). Workloads, in float32 and (--bf16) bfloat16:
+order of the trees rotates each repetition (style 18). --quantization int8 (int4, w8a8) quantizes the base linears as
+`attach` does, the bfloat16 engine cast after. Workloads, in float32 and (--bf16) bfloat16:
 
   generate_routed / generate_base   Engine.generate over --requests prompts of --prompt-len tokens, --new-tokens
                                     greedy tokens each (eos ignored), routing "vocab" / "none"
@@ -69,10 +71,15 @@ def worker(args: argparse.Namespace) -> None:
         max_model_len=longest,
         stop_at_eos=False,
     )
-    bf16 = copy.deepcopy(model).to(torch.bfloat16) if args.bf16 else None  # a copy before attach changes the model
-    engines = {"fp32": Engine(attach(model, paths, router=router), cfg)}
+    bf16 = copy.deepcopy(model) if args.bf16 else None  # a copy before attach changes the model
+    quant = args.quantization  # the base linears quantized (as bench_quant: attach, then the dtype)
+    engines = {"fp32": Engine(attach(model, paths, router=router, quantization=quant), cfg)}
     if bf16 is not None:
-        engines["bf16"] = Engine(attach(bf16, paths, router=router), cfg)
+        if quant is None:
+            bf16 = bf16.to(torch.bfloat16)
+        mm16 = attach(bf16, paths, router=router, quantization=quant)
+        mm16.to(torch.bfloat16)
+        engines["bf16"] = Engine(mm16, cfg)
     params = [SamplingParams(max_new_tokens=n) for n in news]
     print(json.dumps({"ready": True, "kernels": fused_cpu.available()}), flush=True)
     for line in sys.stdin:
@@ -179,6 +186,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="decode steps timed per decode_step sample (default 10)")
     ap.add_argument("--bf16", action="store_true", help="also run every workload with bfloat16 weights")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads in each worker (default 1)")
+    ap.add_argument(
+        "--quantization", choices=("int8", "int4", "w8a8"), help="quantize the base linears (attach's quantization)"
+    )
     ap.add_argument("--json", metavar="OUT", help="also write the result JSON to this file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -194,7 +204,7 @@ def main() -> int:
         for k, v in vars(args).items()
         if k in ("requests", "prompt_len", "new_tokens", "steps", "threads")
     ]
-    argv += ["--bf16"] if args.bf16 else []
+    argv += (["--bf16"] if args.bf16 else []) + ([f"--quantization={args.quantization}"] if args.quantization else [])
     trees = {"base": args.base.resolve(), "head": args.head.resolve()}
     procs = {name: start(tree, argv) for name, tree in trees.items()}
     kernels = {name: ask(p, "")["kernels"] for name, p in procs.items()}

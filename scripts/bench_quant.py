@@ -11,10 +11,11 @@ float32 activations: linear_w8), int8-bf16 (the same, bfloat16 model: linear_amx
 activations on oneDNN, SmoothQuant on the calibration rows molora.load reads; float32 model); w8a8-bf16, int4-bf16
 (weight only, bfloat16 activations) and int4 (float32 activations) only when asked for (DEFAULT).
 
-Also per variant: the bytes of the base weights (quantized linears + float parameters; `molora.model.quant_linear.
-weight_bytes`) against the GGUF file the default model ships as, and the share of greedy tokens equal to fp32's (per
-request, up to its first differing token, over all requests). Ends with one JSON line (also written to --json), with
-the command line and the load average before (machine) and after the timed runs.
+Also per variant: the bytes of the base weights resident after the warm-up (quantized linears, float parameters and the
+copies kept for the kernels: the runner's packed float weights, the int8 layers' float32 scales, w8a8's oneDNN copy;
+`molora.model.quant_linear.weight_bytes`) against the GGUF file the default model ships as, and the share of greedy
+tokens equal to fp32's (per request, up to its first differing token, over all requests). Ends with one JSON line (also
+written to --json), with the command line and the load average before (machine) and after the timed runs.
 """
 
 from __future__ import annotations
@@ -121,19 +122,16 @@ def main(argv: list[str] | None = None) -> int:
             prompts, news = workload(a.requests, a.prompt_len, a.new_tokens, vocab, False)
             longest = a.prompt_len + a.new_tokens + 16
             engines[name] = Engine(mm, bench_config(a.requests, longest))
-            wb = weight_bytes(mm.model)
-            record["variants"][name] = {
-                "dtype": str(dtype).removeprefix("torch."),
-                "quantization": scheme,
-                "weight_bytes": wb,
-                "weight_bytes_total": sum(wb.values()),
-            }
-            print(f"# {name}: weights {sum(wb.values()) / 1e6:.1f} MB", file=sys.stderr, flush=True)
+            record["variants"][name] = {"dtype": str(dtype).removeprefix("torch."), "quantization": scheme}
         params = [SamplingParams(max_new_tokens=n) for n in news]
         names = list(engines)
         secs: dict[str, list[float]] = {n: [] for n in names}
         for n in names:  # warm up (packing, oneDNN's prepack) on a short request
             engines[n].generate(prompts[:2], SamplingParams(max_new_tokens=2), routing="vocab")
+            # every copy of the base weights now resident: the model's, the kernels' (made at the first call)
+            wb = weight_bytes(engines[n].mm.model, engines[n].runner.packed_weights())
+            record["variants"][n].update(weight_bytes=wb, weight_bytes_total=sum(wb.values()))
+            print(f"# {n}: weights {sum(wb.values()) / 1e6:.1f} MB {wb}", file=sys.stderr, flush=True)
         for i in range(a.repeats):
             for n in names[i % len(names) :] + names[: i % len(names)]:
                 t0 = time.perf_counter()

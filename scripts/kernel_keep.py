@@ -1,18 +1,20 @@
 """Which of molora's C++ kernel families pay: the engine bench with each family turned off, paired in one run.
 
     PYTHONPATH=. python scripts/kernel_keep.py --repeats 5 --threads 2 --dtype fp32 [--json docs/kernel_keep_fp32.json]
+    PYTHONPATH=. python scripts/kernel_keep.py --quantization int8 --dtype bf16 --arms w8   # the int8 kernels' knob
 
-Issue 36's rule: keep a kernel of our own only where it beats what a maintained library gives through torch by
->= 1.15x on the engine bench, measured side by side. One worker process per arm (scripts/ab_engine_trees.py's worker:
-SmolLM2-135M, 4 random-weight adapters r=16, a VocabRouter over 4 ranges, fixed seeds), all on this checkout, each
-with MOLORA_KERNELS_OFF naming what it turns off (molora.ops.kernel_build.FAMILIES says what runs in each family's
-place); "none" turns every kernel off (MOLORA_FUSED=0: torch, MKL's packed sgemm, the eager LoRA backends). The parent
-asks the arms in turn for one sample of a workload (the order rotating each repetition), so every arm sees the same
-load. Per family and workload: the median over repetitions of (arm's time / all kernels' time), paired, with
-quartiles; the families the one-call block runs inside (lora, glue, paged) turn the block off with them, so they are
-also given against the "block" arm (the block kernel by kernel). Each arm first reports which of molora's kernels a
-routed generate called (`fused_cpu.kernel_clock`), so the record shows the knob did what it says. Ends with one JSON
-line.
+Issue 36's rule: keep a kernel of our own only where it beats what a maintained library gives through torch by >= 1.15x
+on the engine bench, measured side by side. One worker process per arm (scripts/ab_engine_trees.py's worker:
+SmolLM2-135M, 4 random-weight adapters r=16, a VocabRouter over 4 ranges, fixed seeds), all on this checkout, each with
+MOLORA_KERNELS_OFF naming what it turns off (molora.ops.kernel_build.FAMILIES says what runs in each family's place;
+with --quantization int8 the base linears are weight-only int8 and the "w8" arm turns their kernels off: torch's linear
+on the dequantized weight); "none" turns every kernel off (MOLORA_FUSED=0: torch, MKL's packed sgemm, the eager LoRA
+backends). The parent asks the arms in turn for one sample of a workload (the order rotating each repetition), so every
+arm sees the same load. Per family and workload: the median over repetitions of (arm's time / all kernels' time),
+paired, with quartiles; the families the one-call block runs inside (lora, glue, paged) turn the block off with them, so
+they are also given against the "block" arm (the block kernel by kernel). Each arm first reports which of molora's
+kernels a routed generate called (`fused_cpu.kernel_clock`), so the record shows the knob did what it says. Ends with
+one JSON line.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ ARMS: dict[str, dict[str, str]] = {
     "paged": {"MOLORA_KERNELS_OFF": "paged"},
     "panels": {"MOLORA_KERNELS_OFF": "panels"},
     "amx": {"MOLORA_KERNELS_OFF": "amx"},
+    "w8": {"MOLORA_KERNELS_OFF": "w8"},  # with --quantization int8 only
     "none": {"MOLORA_FUSED": "0"},
 }
 GEMM = {"fp32": "panels", "bf16": "amx"}  # the GEMM family a dtype's weights run on
@@ -58,20 +61,28 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=32, help="greedy new tokens per request (default 32)")
     ap.add_argument("--steps", type=int, default=10, help="decode steps timed per decode_step sample (default 10)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads in each worker (default 2)")
+    ap.add_argument(
+        "--quantization", choices=("int8",), help="a weight-only int8 base (its kernels: the w8 arm; default float)"
+    )
     ap.add_argument("--json", metavar="OUT", help="also write the result JSON to this file")
     args = ap.parse_args()
     from molora.bench.common import machine_info
 
     other_gemm = GEMM["bf16" if args.dtype == "fp32" else "fp32"]
-    arms = [a for a in ARMS if a != other_gemm]  # the other dtype's GEMM family does not run here
+    arms = [a for a in ARMS if a != other_gemm]  # the other dtype's GEMM family does not run here (the LM head's does)
+    if args.quantization is None:
+        arms.remove("w8")  # no int8 base: the w8 kernels do not run
     if args.arms:
         asked = [a.strip() for a in args.arms.split(",") if a.strip()]
         unknown = [a for a in asked if a not in ARMS]
         if unknown:
             ap.error(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
+        if "w8" in asked and args.quantization is None:
+            ap.error("the w8 arm needs --quantization int8 (without an int8 base its kernels do not run)")
         arms = ["all", *[a for a in asked if a != "all"]]
     argv = [f"--requests={args.requests}", f"--prompt-len={args.prompt_len}", f"--new-tokens={args.new_tokens}"]
     argv += [f"--steps={args.steps}", f"--threads={args.threads}"] + (["--bf16"] if args.dtype == "bf16" else [])
+    argv += [f"--quantization={args.quantization}"] if args.quantization else []
     procs = {a: ab.start(ROOT, argv, ARMS[a]) for a in arms}
     try:
         for a in arms:
@@ -93,6 +104,7 @@ def main() -> int:
         "bench": "kernel_keep",
         "command": "PYTHONPATH=. python scripts/kernel_keep.py " + " ".join(sys.argv[1:]),
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "keep_at": KEEP_AT,
         "arms": {a: ARMS[a] for a in arms},
         "repeats": args.repeats,

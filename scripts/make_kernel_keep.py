@@ -1,9 +1,10 @@
-"""The "Which kernels pay" section of docs/benchmarks.md from docs/kernel_keep_fp32.json and kernel_keep_bf16.json.
+"""The "Which kernels pay" section of docs/benchmarks.md from docs/kernel_keep_{fp32,bf16}.json (and _w8_<dtype>).
 
     python scripts/make_kernel_keep.py          # prints the section (scripts/make_benchmarks.py places it)
 
 The records come from `scripts/kernel_keep.py --dtype fp32|bf16 --json docs/kernel_keep_<dtype>.json` (the engine
-bench with each C++ kernel family turned off, paired in one run). `verdicts` applies issue 36's rule to them: a
+bench with each C++ kernel family turned off, paired in one run; `--quantization int8 --arms w8 --json
+docs/kernel_keep_w8_<dtype>.json`: the int8 kernels on an int8 base). `verdicts` applies issue 36's rule to them: a
 family stays where turning it off makes some engine-bench workload at least `keep_at` (1.15x) slower in some dtype.
 This script measures nothing.
 """
@@ -126,6 +127,48 @@ def section(docs: Path) -> list[str]:
             for d, s in same.items()
         )
         + ".",
+        "",
+    ]
+    return lines + w8_lines(docs)
+
+
+def w8_lines(docs: Path) -> list[str]:
+    """The int8 kernels' knob (family w8) on a weight-only int8 base, from docs/kernel_keep_w8_<dtype>.json (no
+    lines while none exists)."""
+    recs = records(docs, "kernel_keep_w8_")
+    if not recs:
+        return []
+    lines = [
+        "The weight-only int8 kernels (family `w8`: linear_w8 for float32 activations, linear_amx_w8 for bfloat16) "
+        "on an int8 base (`--quantization int8`), turned off against every kernel on, the same workloads (off: "
+        "torch's linear on the weight dequantized each call; the one-call block then runs kernel by kernel): "
+        + "; ".join(
+            f"{d}: `{r['command']}`, {r['machine']['threads']} thread(s), load average "
+            f"{r['machine']['loadavg_before']} before and {r['machine']['loadavg_after']} after"
+            for d, r in recs.items()
+        )
+        + ".",
+        "",
+        "| off | " + " | ".join(f"{d} {w}" for d in recs for w in WORKLOADS) + " |",
+        "|---|" + "---:|" * (len(recs) * len(WORKLOADS)),
+    ]
+    cells = []
+    for r in recs.values():
+        for w in WORKLOADS:
+            v = r["off_over_all"].get("w8", {}).get(w)
+            cells.append("-" if v is None else f"{v[0]:.2f}x [{v[1]:.2f}-{v[2]:.2f}]")
+    lines.append("| w8 | " + " | ".join(cells) + " |")
+    v, where, kept = verdicts(recs)["w8"]
+    same = "; ".join(
+        f"{d}: greedy tokens "
+        + ("the same" if all(a.get("w8", True) for a in r.get("same_tokens_as_all", {}).values()) else "differ")
+        for d, r in recs.items()
+    )
+    lines += [
+        "",
+        f"Verdict: w8 {v:.2f}x ({where}): {'kept' if kept else 'below 1.15x'}. With it off, {same} (off, "
+        "each weight is q * scale rounded in the activations' dtype before the product; the kernels multiply by q "
+        "exactly and scale each output once).",
         "",
     ]
     return lines

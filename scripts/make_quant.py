@@ -4,9 +4,10 @@
 
 docs/quant_linear.json comes from `scripts/ab_quant_linear.py --json docs/quant_linear.json` (the kernels on
 SmolLM2-135M's linear shapes), docs/quant.json from `scripts/bench_quant.py --json docs/quant.json` (the engine on
-the real model), docs/quant_smooth_choice.json from `scripts/quant_smooth_choose.py`, docs/quant_eval_{val,test}.json
-from `scripts/quant_eval.py --split val|test`. `section` renders the lines; scripts/make_benchmarks.py, which
-renders the whole page, places them. This script measures nothing.
+the real model), docs/quant_smooth_choice.json from `scripts/quant_smooth_choose.py`,
+docs/quant_eval_{val,test}[_w8].json from `scripts/quant_eval.py --split val|test` (without _w8: made when int8
+meant W8A8). `section` renders the lines; scripts/make_benchmarks.py, which renders the whole page, places them.
+This script measures nothing.
 """
 
 from __future__ import annotations
@@ -87,13 +88,78 @@ def section(docs: Path) -> list[str]:
         "",
         *kernel_table(lin),
         "",
+        *onecopy_lines(docs),
+        *resident_lines(docs),
         *quality_lines(docs),
     ]
 
 
+def resident_lines(docs: Path) -> list[str]:
+    """Every resident copy of the base weights per variant against llama.cpp's files (docs/quant_weight_bytes.json,
+    scripts/quant_weight_bytes.py), where the record exists."""
+    path = docs / "quant_weight_bytes.json"
+    if not path.is_file():
+        return []
+    r = json.loads(path.read_text())
+    out = [
+        "Resident base weights, every copy counted once (`" + r["command"] + "`: after a short generate, so the "
+        "kernels' copies exist; quantized: int8/int4 weights and scales as kept; float: embeddings with the tied "
+        "LM head, norms, float base linears; kernel copies: the runner's packed copies of float weights, the LM "
+        "head's in every variant, int8's float32 scales, w8a8's oneDNN copy), MB, against the llama.cpp file of "
+        f"the same type (the shipped {r['gguf_shipped']['file']}: {r['gguf_shipped']['bytes'] / 1e6:.1f} MB):",
+        "",
+        "| variant | quantized | float | kernel copies | total | GGUF | total / GGUF | without kernel copies / GGUF |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for name, v in r["variants"].items():
+        b, g = v["bytes"], v.get("gguf")
+        gg = f"{g} {r['gguf_peer'][g] / 1e6:.1f}" if g else "-"
+        ratio = f"{v['total_over_gguf']:.2f}x | {v['without_kernel_copies_over_gguf']:.2f}x" if g else "- | -"
+        out.append(
+            f"| {name} | {b['quantized'] / 1e6:.1f} | {b['float'] / 1e6:.1f} | {b['kernel_copies'] / 1e6:.1f} | "
+            f"{v['total'] / 1e6:.1f} | {gg} | {ratio} |"
+        )
+    return [*out, ""]
+
+
+def onecopy_lines(docs: Path) -> list[str]:
+    """The one-int8-copy change against the two copies before it, paired both ways round (ab_engine_trees on an
+    int8 base: docs/quant_w8_onecopy_ab.json, head = one copy; docs/quant_w8_onecopy_ab_swapped.json, head = two),
+    where the records exist."""
+    runs = []
+    for name, head in (
+        ("quant_w8_onecopy_ab.json", "one copy / two"),
+        ("quant_w8_onecopy_ab_swapped.json", "two / one"),
+    ):
+        path = docs / name
+        if not path.is_file():
+            continue
+        r = json.loads(path.read_text())
+        m = r["machine"]
+        cells = "; ".join(
+            f"{k} {v['head_over_base_paired'][0]:.3f}x [{v['head_over_base_paired'][1]:.3f}-"
+            f"{v['head_over_base_paired'][2]:.3f}]" + ("" if v["same_tokens"] is not False else " (tokens differ)")
+            for k, v in r["workloads"].items()
+        )
+        same = all(v["same_tokens"] is not False for v in r["workloads"].values())
+        runs.append(
+            f"time {head} (`{r['command']}`, {r['repeats']} repetitions, {m['threads']} thread, load average "
+            f"{m['loadavg_before']} before): {cells}" + ("; the same greedy tokens" if same else "")
+        )
+    if not runs:
+        return []
+    return [
+        "One int8 copy: a bfloat16 int8 base keeps its weight only in the AMX tiles' layout (prefill and decode "
+        "read the tiles), where it kept the rows and a tiled copy before (about 106 MB more for SmolLM2-135M). "
+        "Paired, the tree before the change against the tree after, both ways round (float32 activations read the "
+        "rows in both trees: a control for what the two processes differ by): " + ". ".join(runs) + ".",
+        "",
+    ]
+
+
 def quality_lines(docs: Path) -> list[str]:
-    """The smoothing choice (docs/quant_smooth_choice.json) and the skill / retention tables (docs/quant_eval_val.json,
-    docs/quant_eval_test.json), each where its record exists."""
+    """The smoothing choice (docs/quant_smooth_choice.json) and the skill / retention tables (EVAL_RECORDS), each
+    where its record exists."""
     out = []
     path = docs / "quant_gguf.json"
     if path.is_file():
@@ -122,14 +188,15 @@ def quality_lines(docs: Path) -> list[str]:
             f"position): {cells}. Chosen: alpha = {c['chosen_alpha']}.",
             "",
         ]
-    for split in ("val", "test"):
-        path = docs / f"quant_eval_{split}.json"
+    for fname, split, old in EVAL_RECORDS:
+        path = docs / fname
         if not path.is_file():
             continue
         e = json.loads(path.read_text())
         tasks = list(next(iter(e["variants"].values()))["skills"])
+        era = " (W8A8 era: its int8 is the old W8A8 path, now `--quantization w8a8`)" if old else ""
         out += [
-            f"Skills and general retention on a quantized base, {split} split (`{e['command']}`; bundle "
+            f"Skills and general retention on a quantized base, {split} split{era} (`{e['command']}`; bundle "
             f"{e['fingerprint']}, learned routing, greedy; {e['n']} items per skill, {e['n_general']} general "
             "prompts; retention: answers equal to the same model's own answer without adapters; base = fp32: its "
             "answer without adapters equal to fp32's):",
@@ -150,15 +217,35 @@ def quality_lines(docs: Path) -> list[str]:
     return out
 
 
-def label(rec: dict, name: str) -> str:
-    """A variant's name as the README shows it: "int8" in a record made before int8 became weight only (no "schemes"
-    field) was W8A8, which is `--quantization w8a8` now."""
-    return f"{name} (W8A8, now w8a8)" if name.startswith("int8") and "schemes" not in rec else name
+# The quality records (file, split, made when int8 meant W8A8), oldest first: the weight-only int8's have "_w8"
+EVAL_RECORDS = (
+    ("quant_eval_val.json", "val", True),
+    ("quant_eval_test.json", "test", True),
+    ("quant_eval_val_w8.json", "val", False),
+    ("quant_eval_test_w8.json", "test", False),
+)
+
+
+def label(rec: dict, name: str, old: bool | None = None) -> str:
+    """A variant's name as the README shows it: "int8" in a record made before int8 became weight only (old; by
+    default: no "schemes" field) was W8A8, which is `--quantization w8a8` now."""
+    old = "schemes" not in rec if old is None else old
+    return f"{name} (W8A8, now w8a8)" if name.startswith("int8") and old else name
+
+
+def newest(docs: Path, *names: str) -> tuple[dict, bool] | None:
+    """The first of the records `names` that exists (newest first), and whether it is the W8A8 era's (not the
+    first name), or None."""
+    for i, n in enumerate(names):
+        if (docs / n).is_file():
+            return json.loads((docs / n).read_text()), i > 0
+    return None
 
 
 def readme_block(docs: Path, page: str) -> str:
     """The README's quantized-base block (QUANT_BEGIN ... QUANT_END): one bullet from docs/quant.json, the test
-    split's docs/quant_eval_test.json and docs/peer_llamacpp.json (each part where its record exists); page: the
+    split's docs/quant_eval_test_w8.json and docs/peer_llamacpp_w8.json (each where it exists, else the W8A8 era's
+    docs/quant_eval_test.json and docs/peer_llamacpp.json, labelled so); page: the
     link to docs/benchmarks.md relative to the README."""
     from molora.docblock import markers
 
@@ -169,21 +256,30 @@ def readme_block(docs: Path, page: str) -> str:
         v = e["variants"]
         speed = ", ".join(f"{label(e, n)} {v[n]['vs_fp32']:.2f}x" for n in v if n != "fp32")
         sizes = ", ".join(f"{label(e, n)} {v[n]['weight_bytes_total'] / 1e6:.0f}" for n in v)
+        what = "base weights MB (the model's tensors)"
+        if (docs / "quant_weight_bytes.json").is_file():  # every resident copy, the kernels' included
+            w = json.loads((docs / "quant_weight_bytes.json").read_text())
+            sizes = ", ".join(
+                f"{n} {x['total'] / 1e6:.0f}"
+                + (f" ({x['total_over_gguf']:.2f}x its {x['gguf']})" if "gguf" in x else "")
+                for n, x in w["variants"].items()
+            )
+            what = "resident base weights MB, every copy (the kernels' packed copies included)"
         parts.append(
             f"engine throughput against float32 ({e['requests']} requests, per-token routing over 4 adapters, "
-            f"{e['machine']['threads']} threads): {speed}; base weights MB: {sizes} (the GGUF it ships: "
+            f"{e['machine']['threads']} threads): {speed}; {what}: {sizes} (the GGUF it ships: "
             f"{e['gguf_bytes'] / 1e6:.0f})"
         )
-    path = docs / "quant_eval_test.json"
-    if path.is_file():
-        q = json.loads(path.read_text())
+    found = newest(docs, "quant_eval_test_w8.json", "quant_eval_test.json")
+    if found:
+        q, old = found
         rows = []
         for n, v in q["variants"].items():
             if n == "fp32":
                 continue
             d = v["skills_vs_fp32"]
             rows.append(
-                f"{label(q, n)} "
+                f"{label(q, n, old)} "
                 + ", ".join(f"{t} {x:+.1f}" for t, x in d.items())
                 + f", retention {v['general']['retention']:.0f}%"
             )
@@ -191,11 +287,14 @@ def readme_block(docs: Path, page: str) -> str:
             f"skills on the test split against float32 (points, {q['n']} items per skill, learned routing): "
             + "; ".join(rows)
         )
-    if (docs / "peer_llamacpp.json").is_file():
-        r = json.loads((docs / "peer_llamacpp.json").read_text())
+    found = newest(docs, "peer_llamacpp_w8.json", "peer_llamacpp.json")
+    if found:
+        r, old = found
         cells = ", ".join(
-            f"{label(r, n)} vs {v['llama.cpp']['gguf_type']} {v['llama_over_molora'][0]:.2f}x "
-            f"({v['llama_over_molora_lora'][0]:.2f}x with a LoRA)"
+            f"{label(r, n, old)} vs {v['llama.cpp']['gguf_type']} {v['llama_over_molora'][0]:.2f}x "
+            f"({v['llama_over_molora_lora'][0]:.2f}x with a LoRA"
+            + ("" if old else f"; weights {v['molora']['weight_bytes'] / v['llama.cpp']['file_bytes']:.2f}x the GGUF's")
+            + ")"
             for n, v in r["variants"].items()
         )
         parts.append(

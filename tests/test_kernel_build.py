@@ -143,7 +143,7 @@ def test_a_family_turned_off_declines_and_the_others_still_run(kernels_off, fami
         pytest.skip(f"no kernel build here: {fused_cpu.unavailable_reason()}")
     import torch
 
-    from molora.ops import packed
+    from molora.ops import packed, quant
 
     g = torch.Generator().manual_seed(36)
     x = torch.randn(4, 32, generator=g)
@@ -153,6 +153,8 @@ def test_a_family_turned_off_declines_and_the_others_still_run(kernels_off, fami
     kc, vc = torch.zeros(16, 2, 8), torch.zeros(16, 2, 8)
     pos = torch.arange(4)
     weight = torch.randn(32, 32, generator=g)
+    q8, s8 = quant.quantize_int8(weight)
+    amx = fused_cpu.amx()  # before any family is off: linear_amx_w8 runs where the build runs on AMX
 
     def runs() -> dict[str, bool]:
         with torch.no_grad():
@@ -166,6 +168,8 @@ def test_a_family_turned_off_declines_and_the_others_still_run(kernels_off, fami
                 and fused_cpu.linear_panels(x, packed.panels(weight), None) is not None,
                 "lora": fused_cpu.available(),
                 "block": fused_cpu.block_supports(x),
+                "w8": fused_cpu.linear_w8(x, q8, s8) is not None
+                and (not amx or fused_cpu.linear_amx_w8(x.bfloat16(), quant.tiles(q8), s8) is not None),
             }
 
     before = runs()

@@ -228,15 +228,29 @@ def test_llama_cpp_repeats_the_transformers_greedy_tokens_with_and_without_a_con
         p.close()
 
 
-def test_the_docs_section_renders_every_variant_of_the_committed_record():
+def test_the_docs_section_renders_every_variant_of_the_committed_records():
+    """Each committed record (make_peer.RECORDS: the weight-only int8's and the W8A8 era's) renders under its own
+    heading, every variant's row with its figures, and the section holds both."""
     from tests.conftest import ROOT, load_script
 
-    rec = json.loads((ROOT / "docs" / "peer_llamacpp.json").read_text())
-    lines = load_script("make_peer").section(ROOT / "docs")
-    text = "\n".join(lines)
-    assert lines[0].startswith("## llama.cpp as a peer")
-    assert f"llama-cpp-python {rec['llama_cpp']['llama_cpp_python']}" in text
-    assert f"{rec['llama_cpp']['n_threads']} thread(s)" in text
-    for name, v in rec["variants"].items():
-        row = next(x for x in lines if x.startswith(f"| {name} | {v['llama.cpp']['gguf_type']} |"))
-        assert f"{v['tok_s']['molora']:.1f}" in row and f"{v['llama_over_molora'][0]:.2f}x" in row
+    mp = load_script("make_peer")
+    section = "\n".join(mp.section(ROOT / "docs"))
+    assert section.startswith("## llama.cpp as a peer")
+    found = 0
+    for name, title, weights in mp.RECORDS:
+        path = ROOT / "docs" / name
+        if not path.is_file():
+            continue
+        found += 1
+        rec = json.loads(path.read_text())
+        lines = mp.record_lines(ROOT / "docs", name, title, weights)
+        text = "\n".join(lines)
+        assert lines[0] == f"### {title}" and text in section
+        assert f"llama-cpp-python {rec['llama_cpp']['llama_cpp_python']}" in text
+        assert f"{rec['llama_cpp']['n_threads']} thread(s)" in text
+        for variant, v in rec["variants"].items():
+            row = next(x for x in lines if x.startswith(f"| {variant} | {v['llama.cpp']['gguf_type']} |"))
+            assert f"{v['tok_s']['molora']:.1f}" in row and f"{v['llama_over_molora'][0]:.2f}x" in row
+            size = next(x for x in lines if x.startswith(f"| {variant} ("))
+            assert f"{v['molora']['weight_bytes'] / 1e6:.1f}" in size
+    assert found == len(mp.RECORDS)

@@ -18,9 +18,10 @@ Variants (`--variants`), each timed as four systems (molora, molora + LoRA, llam
 order rotated every repetition: molora's dtype/quantization against a GGUF type (VARIANTS). The F32/BF16 GGUFs hold
 the very weights molora runs (peer_gguf.write_float_gguf); Q8_0/Q4_0/Q4_K_M are made from the F32 one by
 llama.cpp's quantizer (`llama_model_quantize`). Files are cached under --cache (default $MOLORA_CACHE/peer).
-Recorded: medians, paired ratios (llama.cpp time over molora time per repetition: > 1 means molora is faster), the
-LoRA cost on each side, greedy agreement between the two, llama.cpp's version and system info, the GGUF's tensor
-types, threads, KV cache type, CPU model/flags and load. Ends with one JSON line. Owns timing and reporting only.
+Recorded: medians, paired ratios (llama.cpp time over molora time per repetition: > 1 means molora is faster), the LoRA
+cost on each side, greedy agreement between the two, llama.cpp's version and system info, the GGUF's tensor types and
+bytes beside molora's resident weight bytes (every copy, `quant_linear.weight_bytes`), threads, KV cache type, CPU
+model/flags and load. Ends with one JSON line. Owns timing and reporting only.
 """
 
 from __future__ import annotations
@@ -302,12 +303,18 @@ def measure_variant(
             secs[k].append(t)
             stderr_log(f"  {name} {k}: {t:.2f} s")
     peer.close()
-    wb = sum(weight_bytes(mm.model).values())
+    wb = weight_bytes(mm.model, engine.runner.packed_weights())  # every resident copy (the kernels' made by now)
     gen = sum(news)
     med = {k: statistics.median(s) for k, s in secs.items()}
     pair = lambda a, b: [round(x, 4) for x in paired_ratio(secs[a], secs[b])]  # noqa: E731 [median, q1, q3]
     return {
-        "molora": {"dtype": str(v.dtype).removeprefix("torch."), "quantization": v.quantization, "weight_bytes": wb},
+        "molora": {
+            "dtype": str(v.dtype).removeprefix("torch."),
+            "quantization": v.quantization,
+            "weight_bytes": sum(wb.values()),
+            "weight_bytes_by_kind": wb,
+            "weights_over_gguf": round(sum(wb.values()) / gguf.stat().st_size, 4),
+        },
         "llama.cpp": {
             "gguf_type": v.gguf_type,
             "tensor_types": tensor_types(gguf),
@@ -459,6 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.llama_extra_bufts,
         save,
     )
+    rec = {"command": "molora bench peer " + " ".join(sys.argv[1:] if argv is None else argv), **rec}
     print("\n".join(summary_lines(rec)), flush=True)
     emit(rec, args.json)
     return 0

@@ -94,7 +94,12 @@ class Linear:
         w: Tensor | None
         ws: Tensor | None
         if self.quant is not None:
-            if dtype not in fused_cpu.DTYPES or not fused_cpu.available() or self.quant.in_features % 16:
+            if (
+                dtype not in fused_cpu.DTYPES
+                or not fused_cpu.available()
+                or not fused_cpu.w8_ready()
+                or self.quant.in_features % 16
+            ):
                 return None
             (w, ws), bias = self.quant.w8_operands(dtype), self.quant.bias
             if bias is not None and bias.dtype != dtype:

@@ -7,9 +7,13 @@ The weight is quantized once, on load (molora.ops.quant: int8 and w8a8 symmetric
 groups of 32 along d_in), and the float weight is dropped: the module holds `qweight` (int8 [d_out, d_in], or
 torch's packed int4 bytes) and `scales` (float, the model's dtype: `model.to(torch.bfloat16)` casts them with the
 rest) as buffers. int8 is weight only: the activations stay in the model's dtype, on molora's int8 kernels
-(`quant.linear_int8`; the scales widened to float32 once, and for bfloat16 activations on AMX a copy of qweight in
-the tiles' layout, both made again when qweight or scales change; `w8_operands` hands them to the runner's one-call
-decode block). w8a8 keeps oneDNN's packed copy of qweight (made at the first call, again when qweight, scales or
+(`quant.linear_int8`; the scales widened to float32 once, made again when they change; `w8_operands` hands the
+operands to the runner's one-call decode block). One int8 copy of the weight is kept: for bfloat16 activations on
+AMX qweight itself is turned into the tiles' layout (`tiled`; prefill and decode both read the tiles), rows again at
+a call in another dtype; `rows` gives the rows to the paths that need them (the state dict holds rows). Measured
+against keeping rows and tiles both (scripts/ab_engine_trees.py --quantization int8, docs/quant_w8_onecopy_ab.json):
+no slower. `weight_bytes` counts every resident copy of the base weights, the kernels' copies included.
+w8a8 keeps oneDNN's packed copy of qweight (made at the first call, again when qweight, scales or
 smooth change), on which it runs with the activations quantized per token (molora.ops.quant), each input channel
 first multiplied by `smooth` when the layer was built with activation ranges (SmoothQuant, power-of-two factors;
 `activation_ranges` measures them, molora.load reads general text for it). The LM head (tied to the
@@ -22,7 +26,7 @@ autograd differentiates with respect to x; the weight itself is frozen.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +66,8 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", scales.to(base.weight.dtype))
         self.register_buffer("smooth", smooth)  # w8a8 with calibration: x's factor per channel (powers of two)
         self.bias = base.bias
-        self._packed: tuple | None = None  # w8a8: (key, oneDNN's packed weight); int8: (key, float32 scales, tiles)
+        self._packed: tuple | None = None  # w8a8: (key, oneDNN's packed weight); int8: (key, float32 scales)
+        self.tiled = False  # int8: qweight is held in the AMX tiles' layout (`w8_operands`), not as rows
         # chosen once: forward never branches on the scheme; (x, bias) -> x @ W.T + bias
         self._kernel = {"int8": self._int8, "w8a8": self._w8a8, "int4": self._int4}[scheme]
 
@@ -81,26 +86,47 @@ class QuantizedLinear(nn.Module):
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def w8_operands(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """int8: (the weight as the kernel for activations of `dtype` takes it, float32 scales [d_out]): the int8
-        tiles [d_out / 16, d_in / 32, 16, 32] for bfloat16 on AMX (`quant.tiles`), else qweight [d_out, d_in];
-        made again when qweight or scales changed (their address or version)."""
+        """int8: (the weight as the kernel for activations of `dtype` takes it, float32 scales [d_out]). One copy of
+        the int8 weight is kept, in the layout its kernel reads: for bfloat16 on AMX (`fused_cpu.w8_amx`, d_out a
+        multiple of 16, d_in of 32) qweight is turned, in place of the rows, into the int8 tiles
+        [d_out / 16, d_in / 32, 16, 32] (`quant.tiles`; `tiled` says so) at the first such call, and back into rows
+        [d_out, d_in] at the first call in another dtype. The paths that need rows while tiled (kernels declined or
+        off, autograd, `dequantized`, the state dict) take them from the tiles (`rows`: a copy). The float32 scales
+        are made again when scales change (their address or version)."""
         assert self.scheme == "int8", self.scheme
         from molora.ops import fused_cpu
 
-        q, s = self.qweight, self.scales
-        key = (q.data_ptr(), q._version, s.data_ptr(), s._version)
+        n, k = self.out_features, self.in_features
+        tile = dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0
+        if tile != self.tiled and (not tile or fused_cpu.w8_amx()):
+            with torch.no_grad():
+                self.qweight = quant.tiles(self.qweight) if tile else quant.untile(self.qweight)
+            self.tiled = tile
+        s = self.scales
+        key = (s.data_ptr(), s._version)
         if self._packed is None or self._packed[0] != key:
-            self._packed = (key, s.float().contiguous(), None)
-        n, k = q.shape
-        if dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 and fused_cpu.amx():
-            if self._packed[2] is None:
-                self._packed = (key, self._packed[1], quant.tiles(q))
-            return self._packed[2], self._packed[1]
-        return q, self._packed[1]
+            self._packed = (key, s.float().contiguous())
+        return self.qweight, self._packed[1]
+
+    def rows(self) -> Tensor:
+        """The quantized weight as `quant.quantize` made it (int8: [d_out, d_in]; a copy where `tiled`)."""
+        return quant.untile(self.qweight) if self.tiled else self.qweight
 
     def _int8(self, x: Tensor, bias: Tensor | None) -> Tensor:  # the bias added in the kernel, before its rounding
         w, s32 = self.w8_operands(x.dtype)
-        return quant.linear_int8(x, self.qweight, s32, w if w.dim() == 4 else None, bias)
+        return quant.linear_int8(x, None if self.tiled else w, s32, w if self.tiled else None, bias)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.tiled:  # the state dict holds rows, whatever layout the kernel keeps
+            destination[prefix + "qweight"] = self.rows()
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object) -> None:
+        if self.tiled:  # rows come in: the layout is made again at the next call
+            with torch.no_grad():
+                self.qweight = self.rows()
+            self.tiled = False
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _w8a8(self, x: Tensor, bias: Tensor | None) -> Tensor:
         q, s, m = self.qweight, self.scales, self.smooth
@@ -117,25 +143,36 @@ class QuantizedLinear(nn.Module):
     def _reference_kernel(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """`reference` on 2-D x: what a test puts in place of the kernel (`_kernel`) to run a model on it."""
         return quant.linear_reference(
-            x, self.qweight, self.scales, self.scheme, self.group, self.shape, bias, self.smooth
+            x, self.rows(), self.scales, self.scheme, self.group, self.shape, bias, self.smooth
         )
 
     def reference(self, x: Tensor) -> Tensor:
         """The slow spec of forward: the dequantized float32 weight's product, in x's dtype."""
         flat = x.reshape(-1, self.in_features)
         y = quant.linear_reference(
-            flat, self.qweight, self.scales, self.scheme, self.group, self.shape, self.bias, self.smooth
+            flat, self.rows(), self.scales, self.scheme, self.group, self.shape, self.bias, self.smooth
         )
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> Tensor:
         """The float32 weight [d_out, d_in] this layer multiplies by (x's smoothing folded back in)."""
-        w = quant.dequantize(self.qweight, self.scales, self.scheme, self.group, self.shape)
+        w = quant.dequantize(self.rows(), self.scales, self.scheme, self.group, self.shape)
         return w if self.smooth is None else w * self.smooth.float()
 
     def nbytes(self) -> int:
-        """Bytes of the quantized weight and its scales (not the bias)."""
+        """Bytes of the quantized weight and its scales (not the bias), as stored (`quant.quantize`'s tensors)."""
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.smooth) if t is not None)
+
+    def kernel_copies(self) -> list[Tensor]:
+        """The tensors this layer keeps for its kernel beside its buffers, now: int8 its float32 scales (the scales
+        themselves in a float32 model), w8a8 oneDNN's packed weight with its scales and zero points. Made at the
+        first call (`weight_bytes` counts them)."""
+        if self._packed is None:
+            return []
+        if self.scheme == "w8a8":
+            w = self._packed[1]
+            return [t for t in (w.packed, w.scales, w.zeros, w.smooth) if t is not None]
+        return [self._packed[1]]
 
     def extra_repr(self) -> str:
         group = f", group={self.group}" if self.scheme == "int4" else ", smooth=True" if self.smooth is not None else ""
@@ -199,17 +236,35 @@ def activation_ranges(
     return out
 
 
-def weight_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes the model's weights take, by kind: "quantized" (QuantizedLinear weights and scales), "float" (the
-    parameters: embeddings, norms, LM head, each shared tensor counted once). Adapter slots are buffers: not counted."""
+def weight_bytes(model: nn.Module, kernel_copies: Iterable[Tensor] = ()) -> dict[str, int]:
+    """Bytes the model's base weights hold now, by kind, each storage counted once: "quantized" (QuantizedLinear
+    weights and scales, in the layout they are kept in), "float" (the parameters: embeddings, norms, LM head, float
+    base linears), "kernel_copies" (what is kept beside them for the kernels: QuantizedLinear.kernel_copies, and the
+    tensors given, e.g. the runner's packed copies of the float weights, `ModelRunner.packed_weights`). Adapter slots
+    are buffers: not counted. Kernel copies are made at the first call: count after one."""
     seen: set[int] = set()
-    out = {"quantized": 0, "float": 0}
-    for m in model.modules():
-        if isinstance(m, QuantizedLinear):
-            out["quantized"] += m.nbytes()
-            seen.update((m.qweight.data_ptr(), m.scales.data_ptr()))
+    out = {"quantized": 0, "float": 0, "kernel_copies": 0}
+
+    def add(kind: str, t: Tensor) -> None:
+        try:
+            st = t.untyped_storage()
+            key, size = st.data_ptr(), st.nbytes()
+        except (RuntimeError, NotImplementedError):  # an opaque tensor (oneDNN's packed weight): no storage to share
+            key, size = id(t), t.numel() * t.element_size()
+        if key not in seen and size:
+            seen.add(key)
+            out[kind] += size
+
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for m in quantized:
+        for t in (m.qweight, m.scales, m.smooth):
+            if t is not None:
+                add("quantized", t)
     for t in model.parameters():
-        if t.data_ptr() not in seen and t.numel():
-            seen.add(t.data_ptr())
-            out["float"] += t.numel() * t.element_size()
+        add("float", t)
+    for m in quantized:
+        for t in m.kernel_copies():
+            add("kernel_copies", t)
+    for t in kernel_copies:
+        add("kernel_copies", t)
     return out

@@ -146,6 +146,13 @@ class ModelRunner:
     def block_size(self) -> int:
         return self.cache.block_size
 
+    def packed_weights(self) -> list[Tensor]:
+        """The packed copies of the float base weights this runner keeps beside the model's (molora.ops.packed: made
+        at a linear's first packed call), for `quant_linear.weight_bytes` to count."""
+        names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        lins = [self.lm_head] + [lin for b in self.blocks for n in names if (lin := getattr(b, n, None)) is not None]
+        return [lin.packed.packed for lin in lins if lin.packed is not None and lin.packed.packed is not None]
+
     def enable_graphs(self, **kwargs: Any) -> Any:
         """Replay decode steps from captured graphs (`molora.model.graphs.DecodeGraphs(self, **kwargs)`: CUDA
         graphs on a CUDA device; elsewhere pass `capture=`). Returns the `DecodeGraphs`."""

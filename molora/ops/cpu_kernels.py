@@ -194,11 +194,24 @@ def linear_amx(x: Tensor, tiles: Tensor, bias: Tensor | None) -> Tensor | None:
     return _packed_gemm("linear_amx", x, tiles, bias, _EMPTY_BF16)
 
 
+def w8_ready() -> bool:
+    """Whether the weight-only int8 kernels (`linear_w8`, `linear_amx_w8`) may run here: built, not `suspended`, their
+    family not turned off (MOLORA_KERNELS_OFF=w8)."""
+    return ready() is not None and not off("w8")
+
+
+def w8_amx() -> bool:
+    """Whether `linear_amx_w8` runs here: `w8_ready` and the build runs on AMX tiles (what makes the int8 tiles'
+    layout worth keeping: molora.model.quant_linear)."""
+    mod = ready()
+    return mod is not None and not off("w8") and bool(mod.amx_ready())
+
+
 def linear_w8(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor | None:
     """Weight-only int8: x [M, K] @ (q * scales).T (+ bias) -> a new [M, N] in x's dtype (float32 or bfloat16), q int8
-    [N, K] as it is stored, scales float32 [N] (csrc/linear_w8.cpp). None: cannot run (not built, `suspended`, not a
-    float CPU x, autograd on, K not a multiple of 16)."""
-    if not glue_supports(x) or x.dim() != 2 or x.shape[1] % 16:
+    [N, K] as it is stored, scales float32 [N] (csrc/linear_w8.cpp). None: cannot run (not built, `suspended`, turned
+    off (MOLORA_KERNELS_OFF=w8), not a float CPU x, autograd on, K not a multiple of 16)."""
+    if not glue_supports(x) or x.dim() != 2 or x.shape[1] % 16 or off("w8"):
         return None
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype)
@@ -212,8 +225,8 @@ def linear_w8(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None) 
 def linear_amx_w8(x: Tensor, tiles: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor | None:
     """Weight-only int8 on AMX: x [M, K] bfloat16 @ (q * scales).T (+ bias) -> a new [M, N] bfloat16, q int8 packed as
     tiles [N / 16, K / 32, 16, 32] (molora.ops.quant.tiles), scales float32 [N] (csrc/linear_amx.cpp). None: cannot
-    run (not built with AMX, not bfloat16 CPU, autograd on, `suspended`)."""
-    if not glue_supports(x) or x.dtype != torch.bfloat16 or x.dim() != 2 or not ops().amx_ready():
+    run (not built with AMX, turned off (MOLORA_KERNELS_OFF=w8), not bfloat16 CPU, autograd on, `suspended`)."""
+    if not glue_supports(x) or x.dtype != torch.bfloat16 or x.dim() != 2 or not w8_amx():
         return None
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(x.shape[0], tiles.shape[0] * 16, dtype=x.dtype)

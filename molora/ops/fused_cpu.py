@@ -65,6 +65,8 @@ from molora.ops.cpu_kernels import (
     rope_write,
     run_block,
     silu_mul,
+    w8_amx,
+    w8_ready,
 )
 from molora.ops.gather import LoRABackendError
 from molora.ops.kernel_build import build_key, off, ready, suspended, unavailable_reason
@@ -96,6 +98,8 @@ __all__ = [  # the LoRA backend, and the build's and the decode path's names re-
     "supports",
     "suspended",
     "unavailable_reason",
+    "w8_amx",
+    "w8_ready",
 ]
 
 _NO_WEIGHTS = torch.empty(0)  # the kernel's "every pair weighs 1"

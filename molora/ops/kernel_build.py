@@ -76,6 +76,7 @@ FAMILIES: dict[str, str] = {
     "glue": "add_rms_norm, rope_write, silu_mul -> torch ops",
     "panels": "float32 GEMM on panels (linear_panels) -> MKL's packed sgemm",
     "amx": "bfloat16 GEMM on AMX tiles (linear_amx) -> torch's bfloat16 linear (oneDNN)",
+    "w8": "weight-only int8 GEMMs (linear_w8, linear_amx_w8) -> torch's linear on the dequantized weight",
     "block": "a decode step's block as one call (run_block) -> the block kernel by kernel",
 }
 _off: frozenset[str] | None = None

@@ -22,8 +22,9 @@ CPU kernels ran far behind the float32 GEMM molora packs (molora.ops.packed) at 
   int8 weight widened to float32 four rows at a time into an L1 buffer, AVX-512 FMA), bfloat16 ones on
   `linear_amx_w8` (each task widens its int8 weight tiles to bfloat16, exact, then runs the AMX GEMM of the bf16
   path); the per-channel scale multiplies
-  each output once. Weights cost a quarter (half) of float32's (bfloat16's) bytes; `tiles` keeps the AMX layout
-  copy (one more byte a weight, as the float paths keep their packed copies). Measured side by side
+  each output once. Weights cost a quarter (half) of float32's (bfloat16's) bytes, one int8 copy each: bfloat16
+  activations read it in `tiles`' layout only (molora.model.quant_linear keeps it so; `untile` gives the rows back
+  where a path needs them), float32 ones as rows. Measured side by side
   (scripts/ab_quant_linear.py, 1 thread, 6 layers, load 7-11: docs/quant_linear_w8_loaded.json): in float32,
   linear_w8 ran 1.34x, 0.82x, 0.89x, 0.77x, 0.71x the float32 panels at T = 8, 16, 32, 128, 512 (that run
   predates the widening into an L1 buffer; a rerun with it, load 7-9, docs/quant_linear_w8_loaded_b.json: 1.15x,
@@ -195,21 +196,37 @@ def tiles(q: Tensor) -> Tensor:
     return packed.tiles(q)
 
 
+def untile(t: Tensor) -> Tensor:
+    """The inverse of `tiles`: [N / 16, K / 32, 16, 32] -> q int8 [N, K] (a new tensor; exact)."""
+    p, c = t.shape[0], t.shape[1]
+    return t.view(p, c, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(16 * p, 32 * c)
+
+
 def linear_int8(
-    x: Tensor, q: Tensor, scales: Tensor, q_tiles: Tensor | None = None, bias: Tensor | None = None
+    x: Tensor, q: Tensor | None, scales: Tensor, q_tiles: Tensor | None = None, bias: Tensor | None = None
 ) -> Tensor:
     """Weight-only int8: x [T, K] (float32 or bfloat16) @ (q * scales).T (+ bias, added before the output's one
     rounding) -> [T, N] in x's dtype, q int8 [N, K], scales float32 [N], bias in x's dtype. On molora's kernels
     (module docstring): bfloat16 x on AMX where `q_tiles` (`tiles(q)`) is given and the CPU has it, else
     `linear_w8`; where the kernels cannot run (not built, `suspended`, autograd on, K not a multiple of 16), x times
-    the dequantized weight in x's dtype (slow: a float copy of the weight a call)."""
+    the dequantized weight in x's dtype (slow: a float copy of the weight a call). q may be None where q_tiles is
+    given (the weight kept in the tiles' layout only): the paths that need rows take them from the tiles
+    (`untile`, a copy a call)."""
+    if q is None and q_tiles is None:
+        raise ValueError("linear_int8 needs the int8 weight as rows (q) or as tiles (q_tiles)")
     y = None
     if x.dtype == torch.bfloat16 and q_tiles is not None and fused_cpu.amx():
         y = fused_cpu.linear_amx_w8(x, q_tiles, scales, bias)
+    if y is not None:
+        return y
+    if q is not None:
+        rows = q
+    else:
+        assert q_tiles is not None  # one of the two is given (checked above)
+        rows = untile(q_tiles)
+    y = fused_cpu.linear_w8(x, rows, scales, bias)
     if y is None:
-        y = fused_cpu.linear_w8(x, q, scales, bias)
-    if y is None:
-        y = torch.nn.functional.linear(x, dequantize_int8(q, scales).to(x.dtype), bias)
+        y = torch.nn.functional.linear(x, dequantize_int8(rows, scales).to(x.dtype), bias)
     return y
 
 
