@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default="runs/gates_work")
+    ap.add_argument(
+        "--per-turn",
+        action="store_true",
+        help="with --confidence or --hybrid: also answer the two-skill items in the evaluation's turn mode (each "
+        "turn chosen on its own question), column LABEL_turn",
+    )
     ap.add_argument("--label", default="gates", help="the column these gates get in the record (default gates)")
     a = ap.parse_args(argv)
     if sum(x is not None for x in (a.gates, a.confidence, a.hybrid)) != 1:
@@ -115,6 +121,16 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
         mixed[a.label] = {k: s[k] for k in ("n", "accuracy", "item_accuracy", "seconds", "generated_tokens")}
+        if a.per_turn and mode == "sequence":
+            s = cached(
+                work / f"mixed__{a.label}_turn.json",
+                lambda: evaluate(
+                    mm, f"mixed:{work / 'data' / 'mixed.jsonl'}", "turn", batch_size=a.batch_size, progress=False
+                ),
+            )
+            mixed[f"{a.label}_turn"] = {
+                k: s[k] for k in ("n", "accuracy", "item_accuracy", "seconds", "generated_tokens")
+            }
         mixed.update(beside["mixed"])
     rec = {
         "command": "python scripts/gates_eval.py "
@@ -126,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
             else f"--confidence {a.confidence} "
         )
         + f"--choice {a.choice} --json {a.json} "
-        f"--beside {a.beside} --threads {a.threads}" + ("" if a.label == "gates" else f" --label {a.label}"),
+        f"--beside {a.beside} --threads {a.threads}"
+        + ("" if a.label == "gates" else f" --label {a.label}")
+        + (" --per-turn" if a.per_turn else ""),
         "beside": {k: beside[k] for k in ("command", "date", "fingerprint")},
         "choice": a.choice,
         "date": time.strftime("%Y-%m-%d"),
