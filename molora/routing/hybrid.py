@@ -119,7 +119,7 @@ class HybridChooser:
         cached = getattr(self, "_bound", None)
         if cached is None or cached[0] is not mm:
             self.bind(mm)
-        return self._bound[1]  # type: ignore[attr-defined, no-any-return]
+        return self._bound[1]  # type: ignore[attr-defined]
 
     def choose_per_request(
         self, mm: Any, questions: Sequence[str], *, batch_size: int = 16, template: str | None = None
