@@ -171,7 +171,13 @@ def render_section(rec: dict) -> list[str]:
         f"and under the skill's own adapter alone, interleaved with the order rotated, {rec['repeats']} "
         f"repetitions. Median time ratio **{rec['median_time_ratio']:.2f}x** (goal <= 1.25x: "
         f"{'met' if ok else 'not met'}); median ratio of seconds per answer token "
-        f"{rec['median_per_token_ratio']:.2f}x (answers differ in length where routing differs).",
+        f"{rec['median_per_token_ratio']:.2f}x (answers differ in length where routing differs). Per skill, the "
+        "median time ratio of its pairs: "
+        + ", ".join(
+            f"{t} {statistics.median(p['time_ratio'] for p in rec['pairs'] if p['task'] == t):.2f}x"
+            for t in dict.fromkeys(p["task"] for p in rec["pairs"])
+        )
+        + ".",
         "",
         f"| skill | repetition | first | {col} s | own s | {col} tokens | own tokens | time ratio | per-token ratio |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"validation entropies: {len(scored)} prompts, {time.time() - t1:.0f} s", file=sys.stderr)
         Path(a.val_entropy).parent.mkdir(parents=True, exist_ok=True)
         torch.save(ent, a.val_entropy)
+    if tuple(ent.shape) != (len(scored), K + 1):
+        raise SystemExit(f"{a.val_entropy} holds {tuple(ent.shape)} entropies, want ({len(scored)}, {K + 1})")
     lab = [labels[i] for i in scored]
     z = chooser.zscores(ent[:, :K])
     arrow_rec = json.loads(Path(a.arrow_choice).read_text())
@@ -139,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         "arrow_prompt_chosen": {k: ac[k] for k in cols},
         "learned": conf_rec["learned"],
         "beats_confidence_chosen": best["skills_mean"] > conf_rec["chosen"]["skills_mean"] and best["general"] >= 95,
+        "test_policy": "scored on test (scripts/gates_eval.py --hybrid) only if it beats the confidence chooser's "
+        "validation skills mean at >= 95% general; that test is the second data-free method scored on test this "
+        "session (the first: the confidence chooser, docs/datafree_prompt.json)",
         "seconds": round(time.time() - t0, 1),
     }
     Path(a.json).write_text(json.dumps(rec, indent=1) + "\n")

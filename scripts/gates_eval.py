@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         help="with --confidence or --hybrid: also answer the two-skill items in the evaluation's turn mode (each "
         "turn chosen on its own question), column LABEL_turn",
     )
+    ap.add_argument("--note", default=None, help="a sentence kept in the record (e.g. which test scoring this is)")
     ap.add_argument("--label", default="gates", help="the column these gates get in the record (default gates)")
     a = ap.parse_args(argv)
     if sum(x is not None for x in (a.gates, a.confidence, a.hybrid)) != 1:
@@ -144,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         + f"--choice {a.choice} --json {a.json} "
         f"--beside {a.beside} --threads {a.threads}"
         + ("" if a.label == "gates" else f" --label {a.label}")
-        + (" --per-turn" if a.per_turn else ""),
+        + (" --per-turn" if a.per_turn else "")
+        + (f" --note {json.dumps(a.note)}" if a.note else ""),
+        **({"note": a.note} if a.note else {}),
         "beside": {k: beside[k] for k in ("command", "date", "fingerprint")},
         "choice": a.choice,
         "date": time.strftime("%Y-%m-%d"),
