@@ -50,7 +50,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="measure the per-adapter gates of this GateRouter folder (molora.routing.gates) instead of Arrow",
     )
+    ap.add_argument(
+        "--hybrid",
+        default=None,
+        help="measure the hybrid data-free chooser of this folder (molora.routing.hybrid, one adapter per request, "
+        "the evaluation's sequence mode) instead of Arrow",
+    )
     a = ap.parse_args(argv)
+    if a.gates and a.hybrid:
+        ap.error("give at most one of --gates and --hybrid")
     torch.set_num_threads(a.threads)
     load_before = os.getloadavg()
     mm = load(None)
@@ -61,6 +69,16 @@ def main(argv: list[str] | None = None) -> int:
 
         router = GateRouter.load(a.gates).bind(mm)
         fields = {**router.config.__dict__, "gates": a.gates}
+    elif a.hybrid:  # likewise the hybrid chooser, answered in the sequence mode (its choice, then one adapter)
+        from molora.routing.hybrid import HybridChooser
+
+        router = HybridChooser.load(a.hybrid).bind(mm)
+        fields = {
+            "arrow": dict(router.arrow.__dict__),
+            "z_or": router.z_or,
+            "z_floor": router.z_floor,
+            "hybrid": a.hybrid,
+        }
     else:
         fields = served_config(json.loads(Path(a.choice).read_text()))
         router = ArrowRouter(ArrowConfig(**fields), mm.adapter_names).bind(mm)
@@ -77,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     pairs = []
     warm = work / "warmup.json"  # one untimed item under each variant first: the first forwards of a process pay
     write_bbh_file(warm, held_out(tasks[0], 1, banned, split="val")[0])  # for allocations and thread pools
-    for r, mode in ((router, "learned"), (learned, f"adapter:{mm.bundle.adapter_for_task(tasks[0])}")):
+    routed = "sequence" if a.hybrid else "learned"  # the evaluation mode of the routed side
+    for r, mode in ((router, routed), (learned, f"adapter:{mm.bundle.adapter_for_task(tasks[0])}")):
         use(r)
         evaluate(mm, f"bbh:{warm}", mode, batch_size=1, progress=False)
     use(learned)
@@ -86,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         path = work / f"val_{t}.json"
         write_bbh_file(path, items[: a.limit])
         own = mm.bundle.adapter_for_task(t)
-        variants = [("arrow", "learned"), ("own", f"adapter:{own}")]
+        variants = [("arrow", routed), ("own", f"adapter:{own}")]
         for rep in range(a.repeats):
             got = {}
             flip = len(pairs) % 2  # rotate the order every pair (repetitions and skills alike)
@@ -113,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(pairs[-1]), file=sys.stderr)
     rec = {
         "command": f"python scripts/arrow_cost.py --choice {a.choice} --json {a.json} --limit {a.limit} "
-        f"--repeats {a.repeats} --threads {a.threads}" + (f" --gates {a.gates}" if a.gates else ""),
-        "router": "gates" if a.gates else "arrow",
+        f"--repeats {a.repeats} --threads {a.threads}"
+        + (f" --gates {a.gates}" if a.gates else "")
+        + (f" --hybrid {a.hybrid}" if a.hybrid else ""),
+        "router": "gates" if a.gates else "hybrid" if a.hybrid else "arrow",
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info(),
         "loadavg_before": [round(x, 2) for x in load_before],
@@ -135,10 +156,14 @@ def render_section(rec: dict) -> list[str]:
     """docs/results.md's cost section of data-free routing (markdown lines) from docs/arrow_cost.json, or of the
     per-adapter gates from docs/gates_cost.json (the pairs' "arrow" side is then the gates)."""
     ok = rec["median_time_ratio"] <= 1.25
-    who = "the per-adapter gates" if rec.get("router") == "gates" else "prompt-level Arrow"
-    col = "gates" if rec.get("router") == "gates" else "arrow"
+    kind = rec.get("router", "arrow")
+    who = {"gates": "the per-adapter gates", "hybrid": "the hybrid data-free chooser (its choice included)"}.get(
+        kind, "prompt-level Arrow"
+    )
+    col = kind
+    title = "the hybrid data-free chooser (not served)" if kind == "hybrid" else f"`--router {kind}`"
     out = [
-        f"## What `--router {rec.get('router', 'arrow')}` costs",
+        f"## What {title} costs",
         "",
         f"`{rec['command']}` on {rec['date']} ({rec['machine']['cpu']}, {rec['machine']['cores']} cores shared, "
         f"load average {rec['loadavg_before'][0]} before and {rec['loadavg_after'][0]} after): the first "
@@ -146,7 +171,13 @@ def render_section(rec: dict) -> list[str]:
         f"and under the skill's own adapter alone, interleaved with the order rotated, {rec['repeats']} "
         f"repetitions. Median time ratio **{rec['median_time_ratio']:.2f}x** (goal <= 1.25x: "
         f"{'met' if ok else 'not met'}); median ratio of seconds per answer token "
-        f"{rec['median_per_token_ratio']:.2f}x (answers differ in length where routing differs).",
+        f"{rec['median_per_token_ratio']:.2f}x (answers differ in length where routing differs). Per skill, the "
+        "median time ratio of its pairs: "
+        + ", ".join(
+            f"{t} {statistics.median(p['time_ratio'] for p in rec['pairs'] if p['task'] == t):.2f}x"
+            for t in dict.fromkeys(p["task"] for p in rec["pairs"])
+        )
+        + ".",
         "",
         f"| skill | repetition | first | {col} s | own s | {col} tokens | own tokens | time ratio | per-token ratio |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -302,14 +302,22 @@ def render_section(rec: dict) -> list[str]:
             out += [
                 "",
                 "The confidence-over-base row was scored on validation after the test below had been scored with "
-                "the chosen rule, so it was not tested; it is the next candidate. The chooser's cost (one prompt "
-                "pass per adapter before the answer) is not measured.",
+                "the chosen rule, so it was not tested. The confidence chooser's own cost (one prompt pass per "
+                "adapter before the answer) is not measured; the hybrid's (one more, on the base model) is, where "
+                "docs/datafree_hybrid_cost.json exists (below).",
                 "",
             ]
+    out += _test_tables(rec, f"chooser z_min {c['z_min']}, margin {c['margin']}", "the confidence chooser")
+    out += _hybrid_section(cols)
+    return out
+
+
+def _test_tables(rec: dict, what: str, who: str) -> list[str]:
+    """The test tables of a gates_eval.py record (skills, general prompts, two-skill items)."""
     tasks = list(rec["skills"])
     modes = list(next(iter(rec["skills"].values())))
-    out += [
-        f"**Test items** (`{rec['command']}` on {rec['date']}; chooser z_min {c['z_min']}, margin {c['margin']}; the "
+    out = [
+        f"**Test items** (`{rec['command']}` on {rec['date']}; {what}; the "
         "items of docs/arrow_prompt.json and docs/gates_prompt.json, whose other columns it repeats; strict accuracy "
         "%, scored once):",
         "",
@@ -326,10 +334,77 @@ def render_section(rec: dict) -> list[str]:
     if rec.get("mixed"):
         out += [
             "",
-            f"**Two-skill items** ({rec['n_mixed']} test items; part accuracy %, both right %; the confidence chooser "
+            f"**Two-skill items** ({rec['n_mixed']} test items; part accuracy %, both right %; {who} "
             "picks one adapter for the whole conversation, as `sequence` does):",
             "",
         ]
         out += ["| routing | part accuracy % | both right % |", "|---|---|---|"]
         out += [f"| {k} | {v['accuracy']:.1f} | {v['item_accuracy']:.1f} |" for k, v in rec["mixed"].items()]
     return out + [""]
+
+
+def _hybrid_section(cols: list[str]) -> list[str]:
+    """The hybrid chooser (molora.routing.hybrid): its validation choice (docs/datafree_hybrid_choice.json,
+    scripts/datafree_hybrid.py) and, where it was scored, its test record (docs/datafree_hybrid_prompt.json)."""
+    path = Path("docs/datafree_hybrid_choice.json")
+    if not path.is_file():
+        return []
+    h = json.loads(path.read_text())
+    b = h["chosen"]
+    cols = cols or [*h["tasks"], "general", "mixed_turn1", "mixed_turn2", "skills_mean"]
+    rule = f"Arrow block {b['block']}, vote threshold {b['threshold']}, window {b['window']}, "
+    rule += f"prompt_share {b['prompt_share']}, z_or {b['z_or']}, z_floor {b['z_floor']}"
+    p = h["arrow_chosen_setting"]
+    beats = h["beats_confidence_chosen"]
+    out = [
+        "### Hybrid: prompt-Arrow decides whether, confidence decides which",
+        "",
+        "`molora/routing/hybrid.py`: prompt-level Arrow's vote (the share of the prompt's last tokens whose "
+        "calibrated ratio claims them) decides whether a request leaves the base model, the confidence chooser's "
+        "largest z which adapter it goes to; optionally a top z of z_or also claims a prompt, and a top z below "
+        "z_floor keeps it home. Each validation prompt is decided on its own (a two-skill item's second turn with "
+        "the first in view), so the mixed columns are a per-turn choice. "
+        f"**Chosen on validation** (`{h['command']}`; {h['settings_searched']} settings, the same items, "
+        f"`hit_rates` and >= 95% general rule as above): {rule}.",
+        "",
+        "| routing | " + " | ".join(cols) + " |",
+        "|---|" + "---|" * len(cols),
+        _row("hybrid (chosen)", b, cols),
+        _row(
+            f"hybrid at prompt-Arrow's setting (block {p['block']}, threshold {p['threshold']}, window {p['window']}, "
+            f"share {p['prompt_share']})",
+            h["at_arrow_chosen_setting_plain"],
+            cols,
+        ),
+        _row("confidence chooser (chosen)", h["confidence_chosen"], cols),
+        _row("prompt-Arrow (chosen)", h["arrow_prompt_chosen"], cols),
+        _row("learned", h["learned"], cols),
+        "",
+        f"The hybrid {'beats' if beats else 'does not beat'} the confidence chooser's skills mean on validation at "
+        f">= 95% general ({b['skills_mean']:.1f} vs {h['confidence_chosen']['skills_mean']:.1f}), so it "
+        + (
+            "was not scored on test."
+            if not beats
+            else "was scored on test once (below), the second data-free method scored on test this session (the "
+            "first: the confidence chooser above)."
+            if Path("docs/datafree_hybrid_prompt.json").is_file()
+            else "is the candidate for the test (not scored yet)."
+        ),
+        "",
+    ]
+    test = Path("docs/datafree_hybrid_prompt.json")
+    if beats and test.is_file():
+        rec = json.loads(test.read_text())
+        a = rec["config"]["arrow"]
+        what = (
+            f"Arrow source block {a['source_block']}, threshold {a['rms_threshold']}, window {a['prompt_window']}, "
+            f"prompt_share {a['prompt_share']}, z_or {rec['config']['z_or']}, z_floor {rec['config']['z_floor']}"
+        )
+        who = "the hybrid column"
+        if any(k.endswith("_turn") for k in rec.get("mixed", {})):
+            who = (
+                "its _turn column chooses each turn on that turn's question (the evaluation's turn mode); "
+                "the hybrid column"
+            )
+        out += _test_tables(rec, what, who)
+    return out

@@ -9,7 +9,9 @@ fingerprint and item counts, checked).
 
 With --confidence instead of --gates, a molora.routing.confidence chooser (scripts/datafree_confidence.py) picks
 one adapter (or the base) per request, scored in the evaluation's "sequence" mode (two-skill items: one adapter
-for the whole conversation). Runs are cached under --work (an interrupted run resumes).
+for the whole conversation). With --hybrid, a molora.routing.hybrid chooser (scripts/datafree_hybrid.py: prompt-level
+Arrow decides whether a request leaves the base model, the confidence chooser which adapter), scored the same way.
+Runs are cached under --work (an interrupted run resumes).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from make_results import cached  # noqa: E402  (the one cache of evaluation runs)
@@ -37,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from molora.eval.runner import evaluate
     from molora.routing.confidence import ConfidenceChooser
     from molora.routing.gates import GateRouter
+    from molora.routing.hybrid import HybridChooser
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gates", help="the GateRouter folder scripts/gates_choose.py --gates-out wrote")
@@ -45,16 +49,26 @@ def main(argv: list[str] | None = None) -> int:
         help="instead of gates: a molora.routing.confidence chooser folder (scripts/datafree_confidence.py --out), "
         "scored in the evaluation's one-adapter-per-request mode",
     )
+    ap.add_argument(
+        "--hybrid", help="instead of gates: a molora.routing.hybrid chooser folder (datafree_hybrid.py --out)"
+    )
     ap.add_argument("--choice", required=True, help="the record of scripts/gates_choose.py")
     ap.add_argument("--json", required=True)
     ap.add_argument("--beside", default="docs/arrow_prompt.json", help="the record whose items and modes to join")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default="runs/gates_work")
+    ap.add_argument(
+        "--per-turn",
+        action="store_true",
+        help="with --confidence or --hybrid: also answer the two-skill items in the evaluation's turn mode (each "
+        "turn chosen on its own question), column LABEL_turn",
+    )
+    ap.add_argument("--note", default=None, help="a sentence kept in the record (e.g. which test scoring this is)")
     ap.add_argument("--label", default="gates", help="the column these gates get in the record (default gates)")
     a = ap.parse_args(argv)
-    if (a.gates is None) == (a.confidence is None):
-        ap.error("give exactly one of --gates and --confidence")
+    if sum(x is not None for x in (a.gates, a.confidence, a.hybrid)) != 1:
+        ap.error("give exactly one of --gates, --confidence and --hybrid")
     mode = "learned" if a.gates else "sequence"
     torch.set_num_threads(a.threads)
     work = Path(a.work)
@@ -65,7 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     bundle = mm.bundle
     if fingerprint(bundle) != beside["fingerprint"]:
         raise SystemExit(f"{a.beside} scored another bundle ({beside['fingerprint']} != {fingerprint(bundle)})")
-    router = GateRouter.load(a.gates).bind(mm) if a.gates else ConfidenceChooser.load(a.confidence)
+    router: Any
+    if a.gates:
+        router = GateRouter.load(a.gates).bind(mm)
+    elif a.hybrid:
+        router = HybridChooser.load(a.hybrid).bind(mm)
+    else:
+        router = ConfidenceChooser.load(a.confidence)
     mm._modules.pop("router", None)  # mm.router is a registered submodule while it holds the learned router
     mm.__dict__.pop("router", None)
     mm.router = router
@@ -102,12 +122,32 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
         mixed[a.label] = {k: s[k] for k in ("n", "accuracy", "item_accuracy", "seconds", "generated_tokens")}
+        if a.per_turn and mode == "sequence":
+            s = cached(
+                work / f"mixed__{a.label}_turn.json",
+                lambda: evaluate(
+                    mm, f"mixed:{work / 'data' / 'mixed.jsonl'}", "turn", batch_size=a.batch_size, progress=False
+                ),
+            )
+            mixed[f"{a.label}_turn"] = {
+                k: s[k] for k in ("n", "accuracy", "item_accuracy", "seconds", "generated_tokens")
+            }
         mixed.update(beside["mixed"])
     rec = {
         "command": "python scripts/gates_eval.py "
-        + (f"--gates {a.gates} " if a.gates else f"--confidence {a.confidence} ")
+        + (
+            f"--gates {a.gates} "
+            if a.gates
+            else f"--hybrid {a.hybrid} "
+            if a.hybrid
+            else f"--confidence {a.confidence} "
+        )
         + f"--choice {a.choice} --json {a.json} "
-        f"--beside {a.beside} --threads {a.threads}" + ("" if a.label == "gates" else f" --label {a.label}"),
+        f"--beside {a.beside} --threads {a.threads}"
+        + ("" if a.label == "gates" else f" --label {a.label}")
+        + (" --per-turn" if a.per_turn else "")
+        + (f" --note {json.dumps(a.note)}" if a.note else ""),
+        **({"note": a.note} if a.note else {}),
         "beside": {k: beside[k] for k in ("command", "date", "fingerprint")},
         "choice": a.choice,
         "date": time.strftime("%Y-%m-%d"),
@@ -115,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         "fingerprint": fingerprint(bundle),
         "config": {**router.config.__dict__, "adapter_names": router.adapter_names}
         if a.gates
+        else {
+            **{k: v for k, v in router.chooser.__dict__.items() if k not in ("mean", "std")},
+            "arrow": {k: v for k, v in router.arrow.__dict__.items()},
+            "z_or": router.z_or,
+            "z_floor": router.z_floor,
+        }
+        if a.hybrid
         else {k: v for k, v in router.__dict__.items() if k not in ("mean", "std")},
         "skills": skills,
         "general": general,

@@ -644,6 +644,7 @@ SECTIONS = [
     ("gates_prompt.json", "gates_eval.py"),
     ("gates_cost.json", "arrow_cost.py"),
     ("datafree_prompt.json", "datafree_choose.py"),
+    ("datafree_hybrid_cost.json", "arrow_cost.py"),
     ("multimodal.json", "make_multimodal.py"),
 ]
 

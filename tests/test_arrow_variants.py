@@ -112,3 +112,46 @@ def test_prompt_section_renders_mixed_items_and_their_goal():
     assert "| arrow_prompt | 45.0 | 20.0 |" in text and "+5.0 points, not met" in text
     rec["mixed"]["arrow_prompt"]["accuracy"] = 50.0
     assert "+10.0 points, met" in "\n".join(ev.render_section(rec))
+
+
+def test_hybrid_cost_and_validation_sections_name_the_hybrid_and_test_only_a_winner(tmp_path, monkeypatch):
+    cost = load_script("arrow_cost")
+    rec = {
+        "command": "python scripts/arrow_cost.py ... --hybrid runs/h",
+        "router": "hybrid",
+        "date": "2026-12-03",
+        "machine": {"cpu": "cpu", "cores": 2},
+        "loadavg_before": [1.0, 1.0, 1.0],
+        "loadavg_after": [2.0, 2.0, 2.0],
+        "limit": 4,
+        "repeats": 1,
+        "pairs": [_pair("a", "arrow", 15.0, 10.0, 100, 100)],
+        "median_time_ratio": 1.5,
+        "median_per_token_ratio": 1.5,
+    }
+    text = "\n".join(cost.render_section(rec))
+    assert "## What the hybrid data-free chooser (not served) costs" in text and "| a | 0 | hybrid | 15.0 |" in text
+    dc = load_script("datafree_choose")
+    row = {"object_counting": 80.0, "general": 95.0, "mixed_turn1": 90.0, "mixed_turn2": 80.0, "skills_mean": 80.0}
+    setting = {"block": 25, "threshold": 2.0, "window": 64, "prompt_share": 0.2}
+    choice = {
+        "command": "python scripts/datafree_hybrid.py ...",
+        "tasks": ["object_counting"],
+        "settings_searched": 7,
+        "chosen": {**setting, "z_or": 3.5, "z_floor": None, **row},
+        "arrow_chosen_setting": setting,
+        "at_arrow_chosen_setting_plain": {**row, "skills_mean": 70.0},
+        "confidence_chosen": {**row, "skills_mean": 75.0},
+        "arrow_prompt_chosen": row,
+        "learned": row,
+        "beats_confidence_chosen": True,
+    }
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "datafree_hybrid_choice.json").write_text(json.dumps(choice))
+    text = "\n".join(dc._hybrid_section([]))
+    assert "| hybrid (chosen) | 80.0 | 95.0 | 90.0 | 80.0 | 80.0 |" in text and "z_or 3.5" in text
+    assert "beats the confidence chooser's skills mean" in text and "not scored yet" in text
+    choice["beats_confidence_chosen"] = False
+    (tmp_path / "docs" / "datafree_hybrid_choice.json").write_text(json.dumps(choice))
+    assert "was not scored on test" in "\n".join(dc._hybrid_section([]))

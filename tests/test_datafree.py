@@ -156,3 +156,53 @@ def test_confidence_entropy_matches_the_pool_labelling_and_the_evaluation_asks_t
     assert set(picks) != {None}  # something is routed: the comparison below can tell
     mm.router = ch
     assert sequence_choice(mm, prompts) == picks
+
+
+def test_hybrid_rule_lets_arrow_decide_whether_and_confidence_which():
+    from molora.routing.hybrid import hybrid_decide
+
+    share = torch.tensor([0.0, 0.3, 0.1, 0.5])
+    z = torch.tensor([[5.0, 0.0], [0.0, 1.0], [0.5, 4.0], [-1.0, -2.0]])
+    assert hybrid_decide(share, z, 0.2, None, None) == [-1, 1, -1, 0]  # claimed prompts only, largest z
+    assert hybrid_decide(share, z, 0.2, 3.5, None) == [0, 1, 1, 0]  # a sure adapter also claims a prompt
+    assert hybrid_decide(share, z, 0.2, None, 0.5) == [-1, 1, -1, -1]  # a claimed prompt no adapter is sure of
+    assert hybrid_decide(torch.zeros(2), z[:2], 0.0, None, None) == [-1, -1]  # nothing claimed: base
+    with pytest.raises(MoLoRAError, match="shares"):
+        hybrid_decide(share[:3], z, 0.2, None, None)
+
+
+@torch.no_grad()
+def test_hybrid_chooser_shares_match_arrows_own_vote_and_the_evaluation_asks_it(tmp_path):
+    from molora.eval.runner import sequence_choice
+    from molora.routing.arrow import ArrowConfig
+    from molora.routing.confidence import ConfidenceChooser, first_token_entropy
+    from molora.routing.hybrid import HybridChooser, arrow_claim_share
+
+    mm = _bundle(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    calib = [torch.randint(3, 128, (int(n),), generator=g).tolist() for n in torch.randint(6, 16, (8,), generator=g)]
+    prompts = [" ".join(f"w{5 + (7 * k + 3 * j) % 100}" for j in range(3 + k % 6)) for k in range(10)]
+    rows = [mm.tokenizer(TEMPLATE.replace("{prompt}", p), add_special_tokens=False)["input_ids"] for p in prompts]
+    ent = first_token_entropy(mm, rows, batch=4)
+    conf = ConfidenceChooser.from_pool(mm.adapter_names, ent, z_min=0.0, margin=0.0)
+    cfg = dict(granularity="per_block", prompt=True, rms_threshold=1.0, source_block=-1, prompt_window=4)
+    h = HybridChooser(conf, ArrowConfig(**cfg, prompt_share=0.5)).bind(mm, calib)
+    router = h._router(mm)
+    share = arrow_claim_share(router, mm, rows, batch=3)
+    for row, s in zip(rows, share):  # the share of the last 4 tokens whose calibrated Arrow decision is an adapter
+        ids = torch.tensor([row])
+        out = mm(ids, adapter_ids=torch.full_like(ids, -1), output_hidden_states=True, use_cache=False)
+        b = router.carry_source
+        picks, _ = router.choose(router._block_norm[b](out.hidden_states[b][0]), router._block_linear[b])
+        assert float(s) == pytest.approx(float((picks[-4:, 0] >= 0).float().mean()))
+    assert 0 < float(share.min()) < 0.5 <= float(share.max())  # some prompts claimed, some not: the test can tell
+    picks = h.choose_per_request(mm, prompts)
+    top = conf.zscores(ent).argmax(1)
+    want = [mm.adapter_names[int(k)] if float(s) >= 0.5 else None for s, k in zip(share, top)]
+    assert picks == want and set(want) - {None}
+    mm.router = h
+    assert sequence_choice(mm, prompts) == picks
+    back = HybridChooser.load(h.save(tmp_path / "h"))
+    assert back == h and back.bind(mm, calib).choose_per_request(mm, prompts) == picks
+    with pytest.raises(MoLoRAError, match="prompt=true"):
+        HybridChooser(conf, ArrowConfig(granularity="per_block", rms_threshold=1.0))

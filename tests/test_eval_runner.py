@@ -314,3 +314,43 @@ def test_summary_and_predictions_files_have_the_documented_fields(adapters, tmp_
     lines = [json.loads(x) for x in (tmp_path / "out" / "p.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and all({"input", "target", "prediction", "correct"} <= set(x) for x in lines)
     assert [x["target"] for x in lines] == [it.target for it in generate("navigate", 4, seed=7)]
+
+
+class KeywordChooser:
+    """A per-request chooser (molora.routing.confidence's interface): "count" for a counting question, else "nav";
+    records the questions it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[str]] = []
+
+    def choose_per_request(self, mm, questions, *, batch_size: int = 16):
+        self.asked.append(list(questions))
+        return ["count" if "How many" in q else "nav" for q in questions]
+
+
+@pytest.mark.parametrize("mode", ["sequence", "turn"])
+def test_turn_mode_chooses_each_turn_on_its_own_question_and_sequence_once_for_the_conversation(
+    adapters, tmp_path, monkeypatch, mode
+):
+    mm = make_mm(adapters)
+    mm._modules.pop("router", None)  # the learned router is a registered submodule
+    chooser = KeywordChooser()
+    mm.router = chooser
+    spec, rows = mixed_file(tmp_path, n=2)
+    calls = spy(mm, monkeypatch)
+    evaluate(mm, spec, mode, max_new_tokens=2, batch_size=2, progress=False)
+    firsts = [r["parts"][0]["input"] for r in rows]
+    seconds = [r["parts"][1]["input"] for r in rows]
+    assert all({p["task"] for p in r["parts"]} == {"object_counting", "navigate"} for r in rows)
+    per_turn = [[c[1].adapters for c in calls[:1]], [c[1].adapters for c in calls[1:]]]
+    if mode == "turn":
+        assert sorted(map(sorted, chooser.asked)) == sorted([sorted(firsts), sorted(seconds)])
+        want = [["count" if "How many" in q else "nav" for q in qs] for qs in (firsts, seconds)]
+    else:  # one choice on the questions joined, kept for both turns
+        assert chooser.asked == [["\n\n".join(r["parts"][i]["input"] for i in range(2)) for r in rows]]
+        joined = ["count" if "How many" in "\n\n".join(p["input"] for p in r["parts"]) else "nav" for r in rows]
+        want = [joined, joined]
+    assert len(calls) == 2  # one batch per turn
+    assert sorted(per_turn[0][0]) == sorted(want[0]) and sorted(per_turn[1][0]) == sorted(want[1])
+    # every item mixes counting and navigate: per turn both adapters run, once per conversation only "count"
+    assert set(per_turn[0][0] + per_turn[1][0]) == ({"count", "nav"} if mode == "turn" else {"count"})

@@ -21,7 +21,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         "the base model's)",
     )
     p.add_argument(
-        "--routing", default="learned", help="base, adapter:NAME, oracle, sequence, learned (default) or merge"
+        "--routing", default="learned", help="base, adapter:NAME, oracle, sequence, turn, learned (default) or merge"
     )
     p.add_argument("--limit", type=int, default=None, help="first N items only")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch (default 16)")

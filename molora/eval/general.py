@@ -28,6 +28,7 @@ import torch
 from molora.bundle import generate_batch, left_pad, stop_ids, trace_forwards, turn_text
 from molora.data.jsonl import iter_jsonl
 from molora.eval.runner import (
+    PER_REQUEST,
     EvalError,
     Mode,
     _ids,
@@ -93,7 +94,7 @@ def _adapter_flags(trace: list, probe: bool, rows: int, prompt_len: int, answers
 
 def _fixed_share(mode: Mode, adapter: str | None) -> bool:
     """Whether a non-learned mode runs a row's answer on an adapter."""
-    return mode.kind in ("adapter", "merge") or (mode.kind == "sequence" and adapter is not None)
+    return mode.kind in ("adapter", "merge") or (mode.kind in PER_REQUEST and adapter is not None)
 
 
 @torch.no_grad()
@@ -161,7 +162,7 @@ def evaluate_general(
         raise EvalError(f"base_answers has {len(base_answers)} answers for {len(rows)} prompts")
     chosen = (
         sequence_choice(mm, [it["prompt"] for it in items], batch_size=batch_size)
-        if mode.kind == "sequence"
+        if mode.kind in PER_REQUEST
         else [None] * len(rows)
     )
     answers, flags = _answer(mm, rows, mode, chosen, batch_size=batch_size, max_new=budget)

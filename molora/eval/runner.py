@@ -19,6 +19,9 @@ Routing modes (`routing`):
                    the adapter most tokens chose, "none" votes ignored; ties go to the earlier adapter).
                    If no token chooses an adapter the sequence runs on the base model.  Mixed items
                    vote over all their questions joined, and keep that one adapter for every turn.
+    turn           as sequence, but a mixed item's every turn is chosen again on that turn's question alone
+                   (a per-request server choosing on the latest user message); the whole conversation so
+                   far then runs on that turn's adapter. Single items: the same as sequence.
     learned        the model's router (`mm.router`) on every token
 
 Single items are one turn: template(question) -> answer.  Mixed items (task "mixed") are answered turn
@@ -48,7 +51,8 @@ from molora.eval.tasks import EvalItem, answer_kind, load_task, score_item
 from molora.routing import OracleRouter, Router, SequenceRouter
 from molora.routing.merge import UniformMergeRouter
 
-MODES = ("base", "adapter:NAME", "merge", "oracle", "sequence", "learned")
+MODES = ("base", "adapter:NAME", "merge", "oracle", "sequence", "turn", "learned")
+PER_REQUEST = ("sequence", "turn")  # one adapter (or the base) per request, chosen by sequence_choice
 END = END_OF_TURN
 CHATML = CHATML_TEMPLATE
 # new-token budget per answer kind: bare answers are short; a word list or a worked solution is not
@@ -107,16 +111,16 @@ def parse_mode(mm: Any, routing: str) -> Mode:
         if name not in mm.adapter_names:
             raise EvalError(f"routing {routing!r}: no adapter {name!r} is loaded (loaded: {mm.adapter_names})")
         return Mode("adapter", name)
-    if kind not in ("base", "merge", "oracle", "sequence", "learned") or sep:
+    if kind not in ("base", "merge", "oracle", "sequence", "turn", "learned") or sep:
         raise EvalError(f"unknown routing mode {routing!r}; use one of {', '.join(MODES)}")
-    if kind in ("learned", "sequence") and mm.router is None:
+    if kind in ("learned", *PER_REQUEST) and mm.router is None:
         raise EvalError(
             f"routing {routing!r} needs the bundle's router, and this model has none "
             "(use a bundle whose molora.json names a learned router)"
         )
     if kind == "oracle" and getattr(mm, "bundle", None) is None:
         raise EvalError("routing 'oracle' needs a bundle: its adapters' `tasks` say which adapter fits a task")
-    if kind in ("merge", "oracle", "sequence") and not mm.adapter_names:
+    if kind in ("merge", "oracle", *PER_REQUEST) and not mm.adapter_names:
         raise EvalError(f"routing {routing!r} needs adapters, and none are loaded")
     return Mode(kind)
 
@@ -177,7 +181,7 @@ def _spec(mm: Any, mode: Mode, labels: list[list[str | None]] | None, chosen: li
         return UniformMergeRouter()
     if mode.kind == "learned":
         return mm.router
-    if mode.kind == "sequence":
+    if mode.kind in PER_REQUEST:
         return SequenceRouter(chosen)
     return OracleRouter(labels)
 
@@ -194,7 +198,7 @@ class _Dialog:
     answers: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     labels: list[str | None] = field(default_factory=list)  # oracle adapter per position of `ids`
-    adapter: str | None = None  # sequence mode: the one adapter
+    adapter: str | None = None  # sequence mode: the one adapter (turn mode: this turn's)
 
 
 def _answer_all(
@@ -211,6 +215,11 @@ def _answer_all(
     bar = tqdm(total=sum(len(d.parts) for d in dialogs), desc=f"eval {mode}", unit="answer", disable=not progress)
     for turn in range(max(len(d.parts) for d in dialogs)):
         active = [d for d in dialogs if len(d.parts) > turn]
+        if mode.kind == "turn":  # each turn chosen again on its own question
+            for d, adapter in zip(
+                active, sequence_choice(mm, [d.parts[turn].input for d in active], batch_size=batch_size)
+            ):
+                d.adapter = adapter
         prompts = {id(d): d.ids + _ids(tok, turn_text(template, d.parts[turn].input)) for d in active}
         budget = {
             id(d): max_new_tokens or MAX_NEW_TOKENS.get(answer_kind(d.parts[turn].task, d.parts[turn].target), 64)

@@ -4,6 +4,7 @@ from molora.routing.arrow import ArrowConfig, ArrowRouter
 from molora.routing.base import OracleRouter, Router, Routing, SequenceRouter, VocabRouter, adapter_index
 from molora.routing.confidence import ConfidenceChooser
 from molora.routing.gates import Gate, GateConfig, GateRouter
+from molora.routing.hybrid import HybridChooser
 from molora.routing.merge import UniformMergeRouter
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "Gate",
     "GateConfig",
     "GateRouter",
+    "HybridChooser",
     "OracleRouter",
     "Router",
     "Routing",

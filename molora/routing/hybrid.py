@@ -1,0 +1,156 @@
+"""`HybridChooser`: one adapter (or the base model) per request with no training data, two signals each doing
+what it does well on validation (issue 39): prompt-level Arrow decides *whether* the prompt leaves the base model,
+the confidence chooser decides *which* adapter it goes to.
+
+    hybrid = HybridChooser(chooser, arrow_config)            # molora.routing.confidence / molora.routing.arrow
+    hybrid.choose_per_request(mm, ["How many ...?"])         # ["counting"], or [None]: the base model answers
+
+Per prompt (template applied), one base-model pass gives the deciding block's normed input; Arrow's calibrated
+ratio (ArrowConfig.rms_threshold: |cos| over each adapter's general-text RMS, `ArrowRouter.general_ratio`)
+claims a token for an adapter where the best ratio reaches the threshold, and the prompt is *claimed* when the
+claimed tokens among its last `prompt_window` are at least `prompt_share` of them (and at least one) -- Arrow's
+prompt vote, which keeps general prompts on the base model. Then each adapter reads the prompt and the request goes
+to the adapter whose confidence (1 / entropy of the first answer token) has the largest z over the base model's own
+pool (`ConfidenceChooser.zscores`, its z_min and margin unused), when
+
+    (claimed or top z >= z_or) and top z >= z_floor
+
+else to the base model. z_or None: Arrow alone decides; z_floor None: no floor. The cost is one base-model prompt
+pass and one prompt pass per adapter before the answer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from molora.errors import BundleError, RoutingError
+from molora.routing.arrow import ArrowConfig, ArrowRouter
+from molora.routing.confidence import CONFIDENCE_FILE, ConfidenceChooser, first_token_entropy
+
+HYBRID_FILE = "hybrid.json"
+
+
+@torch.no_grad()
+def arrow_claim_share(router: ArrowRouter, mm: Any, rows: Sequence[Sequence[int]], *, batch: int = 16) -> torch.Tensor:
+    """[N]: per prompt (token ids), the share of its last `prompt_window` tokens whose best calibrated Arrow ratio
+    at the router's source block reaches rms_threshold (the prompt vote's claimed share), from base-model forwards
+    of left-padded batches. The router must be bound to mm, per_block with rms_threshold."""
+    c = router.config
+    if c.rms_threshold is None or c.granularity != "per_block":
+        raise RoutingError("the hybrid's Arrow needs granularity='per_block' and rms_threshold (its calibration)")
+    if any(not len(r) for r in rows):
+        raise RoutingError("an empty prompt has no tokens to vote")
+    b = router.carry_source
+    module = router._block_linear[b]
+    out = []
+    for i in range(0, len(rows), batch):
+        chunk = [list(r) for r in rows[i : i + batch]]
+        width = max(len(r) for r in chunk)
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in chunk], device=mm.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in chunk], device=mm.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        o = mm(
+            ids,
+            attention_mask=mask,
+            adapter_ids=torch.full_like(ids, -1),
+            position_ids=pos,
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        for j, r in enumerate(chunk):
+            x = router._block_norm[b](o.hidden_states[b][j, width - len(r) :]).float()  # [T, D]
+            if c.prompt_window is not None:
+                x = x[-c.prompt_window :]
+            best = router.general_ratio(module, x).max(-1).values  # [T]
+            out.append(float((best >= c.rms_threshold).float().mean()))
+    return torch.tensor(out)
+
+
+def hybrid_decide(
+    share: torch.Tensor, z: torch.Tensor, prompt_share: float, z_or: float | None, z_floor: float | None
+) -> list[int]:
+    """Adapter index per prompt (-1: the base model) from Arrow's claimed shares [N] and confidence z [N, K]
+    (module docstring)."""
+    if share.shape[0] != z.shape[0]:
+        raise RoutingError(f"{share.shape[0]} shares for {z.shape[0]} prompts")
+    top, k = z.max(1)
+    go = (share >= prompt_share) & (share > 0)
+    if z_or is not None:
+        go = go | (top >= z_or)
+    if z_floor is not None:
+        go = go & (top >= z_floor)
+    return torch.where(go, k, -1).tolist()
+
+
+@dataclass(frozen=True)
+class HybridChooser:
+    """The confidence chooser (which adapter: its largest z), prompt-level Arrow's settings (whether), the rule."""
+
+    chooser: ConfidenceChooser
+    arrow: ArrowConfig
+    z_or: float | None = None
+    z_floor: float | None = None
+
+    def __post_init__(self) -> None:
+        a = self.arrow
+        if not (a.prompt and a.granularity == "per_block" and a.rms_threshold is not None):
+            raise RoutingError("the hybrid's Arrow settings need prompt=true, per_block and rms_threshold")
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        return self.chooser.adapter_names
+
+    def bind(self, mm: Any, calibration: Sequence[Sequence[int]] | None = None) -> HybridChooser:
+        """Bind Arrow to mm (prototypes, and its calibration on `calibration`: token ids; default the router's
+        general text, `ArrowRouter.calibrate`); choose_per_request binds on first use."""
+        object.__setattr__(
+            self, "_bound", (mm, ArrowRouter(self.arrow, list(self.adapter_names)).bind(mm, calibration))
+        )
+        return self  # frozen: the binding is a cache, not a setting
+
+    def _router(self, mm: Any) -> ArrowRouter:
+        cached = getattr(self, "_bound", None)
+        if cached is None or cached[0] is not mm:
+            self.bind(mm)
+        return self._bound[1]  # type: ignore[attr-defined]
+
+    def choose_per_request(
+        self, mm: Any, questions: Sequence[str], *, batch_size: int = 16, template: str | None = None
+    ) -> list[str | None]:
+        """One adapter name (None: base) per question, with `template` ("{prompt}" in it; default mm's bundle's)
+        applied."""
+        if list(mm.adapter_names) != list(self.adapter_names):
+            raise RoutingError(f"chooser calibrated for {list(self.adapter_names)}, model has {mm.adapter_names}")
+        template = template or getattr(getattr(mm, "bundle", None), "prompt_template", None)
+        if not template or "{prompt}" not in template:
+            raise RoutingError(f"the hybrid chooser needs a prompt template with {{prompt}}, got {template!r}")
+        rows = [mm.tokenizer(template.replace("{prompt}", q), add_special_tokens=False)["input_ids"] for q in questions]
+        share = arrow_claim_share(self._router(mm), mm, rows, batch=batch_size)
+        z = self.chooser.zscores(first_token_entropy(mm, rows, batch=batch_size))
+        picks = hybrid_decide(share, z, self.arrow.prompt_share, self.z_or, self.z_floor)
+        return [None if p < 0 else self.adapter_names[p] for p in picks]
+
+    def save(self, folder: str | Path) -> Path:
+        folder = Path(folder)
+        self.chooser.save(folder)
+        rule = {"arrow": asdict(self.arrow), "z_or": self.z_or, "z_floor": self.z_floor}
+        (folder / HYBRID_FILE).write_text(json.dumps(rule, indent=1) + "\n")
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path) -> HybridChooser:
+        chooser = ConfidenceChooser.load(folder)
+        try:
+            d = json.loads((Path(folder) / HYBRID_FILE).read_text())
+            return cls(chooser, ArrowConfig(**d["arrow"]), d.get("z_or"), d.get("z_floor"))
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            raise BundleError(
+                f"cannot read the hybrid chooser in {folder} ({HYBRID_FILE}, {CONFIDENCE_FILE}): {e}"
+            ) from e
