@@ -193,7 +193,7 @@ def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys, monkeypatch):
     """The many-adapter traffic bench, CI-sized: every request of every variant ends with its tokens (the bench
     raises otherwise), the one-adapter variant loads at most its one adapter, the many-adapter ones load many, and
     the CPU tier stays within its budget at every sampled step (HotSet.check also asserts it each step)."""
-    monkeypatch.delenv("MOLORA_LOADER_NICE", raising=False)  # the default, 10
+    monkeypatch.delenv("MOLORA_LOADER_NICE", raising=False)  # the default, 0
     assert (
         bench_main(
             [
@@ -214,9 +214,9 @@ def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys, monkeypatch):
         == 0
     )
     line = _last_json(capsys)
-    variants = {"one", "many_fcfs", "many_slots", "many_fcfs_nice0"}
+    variants = {"one", "many_fcfs", "many_slots", "many_fcfs_nice10"}
     assert line["bench"] == "hotset_traffic" and set(line["runs"]) == variants
-    assert line["loader_nice"]["many_fcfs_nice0"] == 0 and line["loader_nice"]["many_fcfs"] == 10
+    assert line["loader_nice"]["many_fcfs_nice10"] == 10 and line["loader_nice"]["many_fcfs"] == 0
     for (run,) in line["runs"].values():
         gaps = run["warm_itl_ms"]  # every load step either prefilled or only decoded
         assert gaps["loads"]["n"] == gaps["load_admits"]["n"] + gaps["load_decodes"]["n"]
@@ -224,7 +224,7 @@ def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys, monkeypatch):
         assert run["ttft_ms"]["warm"]["n"] + run["ttft_ms"]["cold"]["n"] == 10
         assert run["memory"]["peak"]["cpu_tier_bytes"] <= run["memory"]["cpu_tier_budget"]
     misses = {v: run["hotset"]["misses"] for v, (run,) in line["runs"].items()}
-    assert misses["one"] <= 1 < min(misses["many_fcfs"], misses["many_slots"], misses["many_fcfs_nice0"])
+    assert misses["one"] <= 1 < min(misses["many_fcfs"], misses["many_slots"], misses["many_fcfs_nice10"])
     assert line["vs_one"]["one"] == 1.0
 
 

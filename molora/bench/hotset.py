@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument(
         "--loader-nice-ab",
         action="store_true",
-        help="add many_fcfs_nice0: many_fcfs with the adapter loader at the engine's priority (MOLORA_LOADER_NICE=0)",
+        help="add many_fcfs_nice10: many_fcfs with the adapter loader at nice +10 (MOLORA_LOADER_NICE=10)",
     )
     add_common_args(p)
     a = p.parse_args(argv)

@@ -16,8 +16,8 @@ Variants, each a full run of the same traffic on a fresh engine, the order rotat
   one         every adapter name of the traffic replaced by the most popular one (allowed sets of one)
   many_fcfs   the traffic as drawn, scheduler admission FCFS
   many_slots  the traffic as drawn, slot-aware admission (molora.engine.scheduler: bounded bypass)
-  many_fcfs_nice0  (--loader-nice-ab) many_fcfs with the loader thread at the engine's priority
-              (MOLORA_LOADER_NICE=0; the others run at the default, molora.engine.loader)
+  many_fcfs_nice10  (--loader-nice-ab) many_fcfs with the loader thread at nice +10
+              (MOLORA_LOADER_NICE=10; the others run at the default, 0: molora.engine.loader)
 
 Reported per variant: output tokens/s (and the ratio to `one`), also per second of this process's CPU time (all
 its threads: on a machine shared with other work, wall time counts theirs too, CPU time far less); time to first
@@ -49,7 +49,7 @@ import torch
 from molora.engine.loader import loader_nice
 
 VARIANTS = ("one", "many_fcfs", "many_slots")
-NICE0 = "many_fcfs_nice0"  # --loader-nice-ab: many_fcfs with the loader thread at the engine's priority
+NICE10 = "many_fcfs_nice10"  # --loader-nice-ab: many_fcfs with the loader thread at nice +10
 TARGETS = ("q_proj", "v_proj")
 
 
@@ -306,13 +306,13 @@ def run(
         log(f"# {adapters} adapters (r={rank}, {', '.join(TARGETS)}, bf16) written in {make_s:.1f} s")
         traffic = make_traffic(list(paths), requests, s, learned_share, vocab, prompt_len, seed)
         top = Counter(tr["adapter"] if "adapter" in tr else tr["allowed"][0] for tr in traffic).most_common(1)[0][0]
-        variants = VARIANTS + ((NICE0,) if loader_nice_ab else ())
+        variants = VARIANTS + ((NICE10,) if loader_nice_ab else ())
         runs: dict[str, list[dict]] = {v: [] for v in variants}
         for rep in range(repeats):
             k = rep % len(variants)
             for v in variants[k:] + variants[:k]:
                 admission = "slots" if v == "many_slots" else "fcfs"
-                with _loader_nice("0" if v == NICE0 else None):  # the pool reads it when the first read starts
+                with _loader_nice("10" if v == NICE10 else None):  # the pool reads it when the first read starts
                     engine = build_engine(base, paths, slots, cpu_mib, concurrency, admission, seed, budget)
                     out = run_traffic(engine, on_one(traffic, top) if v == "one" else traffic, concurrency, new_tokens)
                     engine.close()
@@ -345,7 +345,7 @@ def run(
         "repeats": repeats,
         "seed": seed,
         "one_adapter": top,
-        "loader_nice": {v: 0 if v == NICE0 else loader_nice() for v in variants},
+        "loader_nice": {v: 10 if v == NICE10 else loader_nice() for v in variants},
         "tokens_per_s": {v: round(x, 3) for v, x in best.items()},
         "vs_one": {v: round(best[v] / best["one"], 4) for v in variants},
         "tokens_per_cpu_s": {v: round(x, 3) for v, x in per_cpu.items()},

@@ -1,12 +1,11 @@
-"""The hot set's loader thread: one worker that reads adapter folders off the engine thread, at a lower priority.
+"""The hot set's loader thread: one worker that reads adapter folders off the engine thread.
 
-On a machine whose cores all run the engine's steps (torch's intra-op threads), a read competing with them at
-the same priority stretches the step it overlaps: the engine waits for its slowest thread. The loader therefore
-lowers its own scheduling priority by `LOADER_NICE` (Linux applies nice per thread, and threads the loader starts,
-such as an OpenMP team for a dtype conversion, inherit it), so the kernel gives the engine's threads the cores
-first and the read fills the gaps. A read then takes longer on a busy machine, which only its own request waits
-for (a cold request's time to first token); warm requests keep their pace. `MOLORA_LOADER_NICE=0` keeps the
-loader at the engine's priority (the A/B in `molora bench hotset --traffic --loader-nice`).
+Its scheduling priority is a knob, `MOLORA_LOADER_NICE` (0-19, default 0: the engine's priority). Lowering it
+(Linux applies nice per thread, and threads the loader starts inherit it) was measured under 1,000-adapter traffic
+on 2 cores (docs/hotset_loader_nice_ab.json, `molora bench hotset --traffic --loader-nice-ab`): at nice +10 the
+p99 inter-token gap of warm requests on load steps rose more, not less, than at 0, in every repetition. The
+likely cause is the GIL: the loader's Python work holds it, and a loader descheduled at low priority keeps the
+engine thread waiting for it. So the default stays 0.
 
 Owns the pool's construction and the folder size a read reserves; knows nothing of tiers or requests.
 """
@@ -27,8 +26,8 @@ THREAD_NAME = "molora-adapter-io"
 
 
 def loader_nice() -> int:
-    """How much the loader thread lowers its priority: `MOLORA_LOADER_NICE` (0-19), default 10."""
-    raw = os.environ.get("MOLORA_LOADER_NICE", "10")
+    """How much the loader thread lowers its priority: `MOLORA_LOADER_NICE` (0-19), default 0."""
+    raw = os.environ.get("MOLORA_LOADER_NICE", "0")
     if not raw.strip().isdigit() or int(raw) > 19:
         raise ValueError(f"MOLORA_LOADER_NICE={raw!r}: give an integer from 0 (same priority) to 19 (lowest)")
     return int(raw)
