@@ -61,6 +61,19 @@ def first_token_entropy(
     return torch.cat(out) if out else torch.zeros(0, K)
 
 
+def prompt_rows(
+    mm: Any, adapter_names: Sequence[str], questions: Sequence[str], template: str | None, who: str
+) -> list[list[int]]:
+    """The token ids of each question in `template` ("{prompt}" in it; default mm's bundle's), for a per-request
+    chooser (`who`, in errors) calibrated for `adapter_names`, which must be mm's adapters in the same order."""
+    if list(mm.adapter_names) != list(adapter_names):
+        raise RoutingError(f"chooser calibrated for {list(adapter_names)}, model has {mm.adapter_names}")
+    template = template or getattr(getattr(mm, "bundle", None), "prompt_template", None)
+    if not template or "{prompt}" not in template:
+        raise RoutingError(f"{who} needs a prompt template with {{prompt}}, got {template!r}")
+    return [mm.tokenizer(template.replace("{prompt}", q), add_special_tokens=False)["input_ids"] for q in questions]
+
+
 @dataclass(frozen=True)
 class ConfidenceChooser:
     """Per adapter the mean and spread of log(1 / entropy) over the base model's own pool, and the rule."""
@@ -109,12 +122,7 @@ class ConfidenceChooser:
     ) -> list[str | None]:
         """One adapter name (None: base) per question, with `template` ("{prompt}" in it; default mm's bundle's)
         applied."""
-        if list(mm.adapter_names) != list(self.adapter_names):
-            raise RoutingError(f"chooser calibrated for {list(self.adapter_names)}, model has {mm.adapter_names}")
-        template = template or getattr(getattr(mm, "bundle", None), "prompt_template", None)
-        if not template or "{prompt}" not in template:
-            raise RoutingError(f"the confidence chooser needs a prompt template with {{prompt}}, got {template!r}")
-        rows = [mm.tokenizer(template.replace("{prompt}", q), add_special_tokens=False)["input_ids"] for q in questions]
+        rows = prompt_rows(mm, self.adapter_names, questions, template, "the confidence chooser")
         picks = self.decide(first_token_entropy(mm, rows, batch=batch_size))
         return [None if p < 0 else self.adapter_names[p] for p in picks]
 

@@ -31,7 +31,7 @@ import torch
 
 from molora.errors import BundleError, RoutingError
 from molora.routing.arrow import ArrowConfig, ArrowRouter
-from molora.routing.confidence import CONFIDENCE_FILE, ConfidenceChooser, first_token_entropy
+from molora.routing.confidence import CONFIDENCE_FILE, ConfidenceChooser, first_token_entropy, prompt_rows
 
 HYBRID_FILE = "hybrid.json"
 
@@ -126,12 +126,7 @@ class HybridChooser:
     ) -> list[str | None]:
         """One adapter name (None: base) per question, with `template` ("{prompt}" in it; default mm's bundle's)
         applied."""
-        if list(mm.adapter_names) != list(self.adapter_names):
-            raise RoutingError(f"chooser calibrated for {list(self.adapter_names)}, model has {mm.adapter_names}")
-        template = template or getattr(getattr(mm, "bundle", None), "prompt_template", None)
-        if not template or "{prompt}" not in template:
-            raise RoutingError(f"the hybrid chooser needs a prompt template with {{prompt}}, got {template!r}")
-        rows = [mm.tokenizer(template.replace("{prompt}", q), add_special_tokens=False)["input_ids"] for q in questions]
+        rows = prompt_rows(mm, self.adapter_names, questions, template, "the hybrid chooser")
         share = arrow_claim_share(self._router(mm), mm, rows, batch=batch_size)
         z = self.chooser.zscores(first_token_entropy(mm, rows, batch=batch_size))
         picks = hybrid_decide(share, z, self.arrow.prompt_share, self.z_or, self.z_floor)
