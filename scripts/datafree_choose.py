@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from arrow_variants_choose import hit_rates  # noqa: E402  (the same scoring as Arrow's and the gates' choices)
 from gates_choose import RULES, SHARES, WINDOWS, choice_key, prompt_destination  # noqa: E402
+from gates_eval import _row, test_tables  # noqa: E402  (the test tables of the records gates_eval writes)
 
 Z_MINS = (0.5, 1.0, 1.5, 2.0)
 MARGINS = (0.0, 0.5)
@@ -225,10 +226,6 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-def _row(name: str, r: dict, cols: list[str]) -> str:
-    return f"| {name} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + " |"
-
-
 def render_section(rec: dict) -> list[str]:
     """docs/results.md's section on data-free routing (markdown lines): the test record of the confidence chooser
     (docs/datafree_prompt.json, written by scripts/gates_eval.py --confidence), its validation choice
@@ -314,33 +311,8 @@ def render_section(rec: dict) -> list[str]:
 
 def _test_tables(rec: dict, what: str, who: str) -> list[str]:
     """The test tables of a gates_eval.py record (skills, general prompts, two-skill items)."""
-    tasks = list(rec["skills"])
-    modes = list(next(iter(rec["skills"].values())))
-    out = [
-        f"**Test items** (`{rec['command']}` on {rec['date']}; {what}; the "
-        "items of docs/arrow_prompt.json and docs/gates_prompt.json, whose other columns it repeats; strict accuracy "
-        "%, scored once):",
-        "",
-        "| skill | " + " | ".join(modes) + " |",
-        "|---|" + "---|" * len(modes),
-    ]
-    out += [f"| {t} | " + " | ".join(f"{rec['skills'][t][m]['accuracy']:.1f}" for m in modes) + " |" for t in tasks]
-    out += ["", f"**General prompts** ({rec['n_general']} test prompts):", ""]
-    out += ["| routing | retention % | empty % | adapter tokens % |", "|---|---|---|---|"]
-    out += [
-        f"| {m} | {g['retention']:.1f} | {g['empty_where_base_answers']:.1f} | {g['adapter_token_share']:.1f} |"
-        for m, g in rec["general"].items()
-    ]
-    if rec.get("mixed"):
-        out += [
-            "",
-            f"**Two-skill items** ({rec['n_mixed']} test items; part accuracy %, both right %; {who} "
-            "picks one adapter for the whole conversation, as `sequence` does):",
-            "",
-        ]
-        out += ["| routing | part accuracy % | both right % |", "|---|---|---|"]
-        out += [f"| {k} | {v['accuracy']:.1f} | {v['item_accuracy']:.1f} |" for k, v in rec["mixed"].items()]
-    return out + [""]
+    items = f"{what}; the items of docs/arrow_prompt.json and docs/gates_prompt.json, whose other columns it repeats"
+    return test_tables(rec, items, f"; {who} picks one adapter for the whole conversation, as `sequence` does")
 
 
 def _hybrid_section(cols: list[str]) -> list[str]:

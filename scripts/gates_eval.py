@@ -230,11 +230,18 @@ def render_section(rec: dict) -> list[str]:
             "decide among them; the validation set cannot rank them further.",
         ]
         out.append("")
+    items = f"the first {rec['n']} test items per skill, the items of docs/arrow_prompt.json, whose other columns"
+    items += " it repeats"
+    return out + test_tables(rec, items)
+
+
+def test_tables(rec: dict, items: str, mixed_note: str = "") -> list[str]:
+    """The test tables of a record this script writes (skills, general prompts, two-skill items); `items` says
+    which items, `mixed_note` what the two-skill caption adds."""
     tasks = list(rec["skills"])
     modes = list(next(iter(rec["skills"].values())))
-    out += [
-        f"**Test items** (`{rec['command']}` on {rec['date']}; the first {rec['n']} test items per skill, the items of "
-        "docs/arrow_prompt.json, whose other columns it repeats; strict accuracy %, scored once):",
+    out = [
+        f"**Test items** (`{rec['command']}` on {rec['date']}; {items}; strict accuracy %, scored once):",
         "",
         "| skill | " + " | ".join(modes) + " |",
         "|---|" + "---|" * len(modes),
@@ -247,7 +254,8 @@ def render_section(rec: dict) -> list[str]:
         for m, g in rec["general"].items()
     ]
     if rec.get("mixed"):
-        out += ["", f"**Two-skill items** ({rec['n_mixed']} test items; part accuracy %, both right %):", ""]
+        caption = f"**Two-skill items** ({rec['n_mixed']} test items; part accuracy %, both right %{mixed_note}):"
+        out += ["", caption, ""]
         out += ["| routing | part accuracy % | both right % |", "|---|---|---|"]
         out += [f"| {k} | {v['accuracy']:.1f} | {v['item_accuracy']:.1f} |" for k, v in rec["mixed"].items()]
     return out + [""]
