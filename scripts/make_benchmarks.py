@@ -685,6 +685,19 @@ def hotset_traffic_section(docs: Path) -> list[str]:
             "",
         ]
         lines += _hotset_traffic_table(t)
+    st = docs / "hotset_traffic_stalls.json"
+    if st.is_file():
+        t = json.loads(st.read_text(encoding="utf-8"))
+        m = t["machine"]
+        lines += [
+            "",
+            f"The same bench, counting stalls by kind of step (record `docs/hotset_traffic_stalls.json`, "
+            f"`{t['command']}`), on another CPU ({m['cpu']}, {m['cores']} cores, {m['threads']} threads), load "
+            f"average {m['loadavg_1_5_15']} at the start, beside other work, {t['repeats']} repetition(s):",
+            "",
+        ]
+        lines += _hotset_traffic_table(t)
+    lines += _hotset_stalls(docs)
     return lines + [
         "",
         "Goals (issue 37): many / one ≥ 0.85; cold TTFT ≤ 1.5 × warm; a warm request's ITL rises "
@@ -741,6 +754,40 @@ def _hotset_traffic_table(r: dict) -> list[str]:
                 else ""
             )
         )
+    return lines
+
+
+def _hotset_stalls(docs: Path) -> list[str]:
+    """Stalls by kind of step, from the traffic records that count them (`stalls`, `gc` per run)."""
+    lines: list[str] = []
+    for name in ("hotset_traffic_stalls.json", "hotset_traffic_2threads.json", "hotset_traffic.json"):
+        path = docs / name
+        r = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        if not r or not all("stalls" in run for runs in r["runs"].values() for run in runs):
+            continue
+        kinds = ("quiet", "load_decodes", "admits", "load_admits")
+        if not lines:
+            lines = [
+                "",
+                "Stalls by kind of step: a stall is a step over 3 × the run's median step; stalls / steps summed over "
+                "the repetitions. A load that stalled the engine would show as a higher rate on load steps than on "
+                "the steps of the same work without a load (decode only: quiet against loads, decode only; with "
+                "prefill: admits against loads + admits); the machine's own pauses strike every kind alike. Full "
+                "collections: Python's generation-2 garbage collections during the run, and how many fell in a stall.",
+                "",
+                "| record | variant | quiet | loads, decode only | admits | loads + admits | full collections "
+                "(in a stall) |",
+                "|---|---|---:|---:|---:|---:|---:|",
+            ]
+        for v, runs in r["runs"].items():
+            cells = []
+            for k in kinds:
+                n = sum(run["stalls"]["by_kind"][k]["steps"] for run in runs)
+                x = sum(run["stalls"]["by_kind"][k]["stalls"] for run in runs)
+                cells.append(f"{x} / {n} ({100 * x / n:.1f}%)" if n else "–")
+            g2 = sum(run["gc"]["collections_by_generation"][2] for run in runs)
+            gs = sum(run["stalls"]["with_gen2"] for run in runs)
+            lines.append(f"| `{name}` | {v} | " + " | ".join(cells) + f" | {g2} ({gs}) |")
     return lines
 
 

@@ -217,12 +217,17 @@ def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys, monkeypatch):
     variants = {"one", "many_fcfs", "many_slots", "many_fcfs_nice10"}
     assert line["bench"] == "hotset_traffic" and set(line["runs"]) == variants
     assert line["loader_nice"]["many_fcfs_nice10"] == 10 and line["loader_nice"]["many_fcfs"] == 0
-    for (run,) in line["runs"].values():
+    for v, (run,) in line["runs"].items():
         gaps = run["warm_itl_ms"]  # every load step either prefilled or only decoded
         assert gaps["loads"]["n"] == gaps["load_admits"]["n"] + gaps["load_decodes"]["n"]
         assert run["output_tokens"] == 10 * line["new_tokens"]
         assert run["ttft_ms"]["warm"]["n"] + run["ttft_ms"]["cold"]["n"] == 10
         assert run["memory"]["peak"]["cpu_tier_bytes"] <= run["memory"]["cpu_tier_budget"]
+        kinds = run["stalls"]["by_kind"]  # every step counted once, under the kind its gaps were filed under
+        assert sum(k["steps"] for k in kinds.values()) == run["steps"]
+        assert all(0 <= k["stalls"] <= k["steps"] for k in kinds.values())
+        assert v == "one" or kinds["load_admits"]["steps"] > 0
+        assert run["stalls"]["with_gen2"] <= run["gc"]["steps_with_gen2"] <= run["gc"]["collections_by_generation"][2]
     misses = {v: run["hotset"]["misses"] for v, (run,) in line["runs"].items()}
     assert misses["one"] <= 1 < min(misses["many_fcfs"], misses["many_slots"], misses["many_fcfs_nice10"])
     assert line["vs_one"]["one"] == 1.0
@@ -260,3 +265,15 @@ def test_engine_bench_json_on_tiny(monkeypatch, capsys):
     med, q1, q3 = line["speedup_vs_hf_routed_paired"]  # one repetition: the quartiles are the ratio
     assert q1 == med == q3
     assert med == pytest.approx(line["hf_routed_samples_s"][0] / line["engine_samples_s"][0], rel=1e-4)  # 6 digits kept
+
+
+def test_gc_clock_times_full_collections_and_uninstalls():
+    import gc
+
+    from molora.bench.hotset_traffic import GcClock
+
+    with GcClock() as clock:
+        gc.collect()
+        assert clock.take() > 0 and clock.take() == 0  # take() empties it
+    assert clock.count[2] >= 1 and len(clock.gen2_s) == clock.count[2]
+    assert clock not in gc.callbacks

@@ -33,6 +33,7 @@ Owns the traffic and the measurement; knows the engine through its public API an
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 import resource
@@ -157,8 +158,66 @@ def build_engine(
     return engine
 
 
+class GcClock:
+    """Python's garbage collections while it is installed (`gc.callbacks`): per generation, how many and how long;
+    `take()` the seconds spent in full (generation 2) collections since the last take."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.gen2_s: list[float] = []
+        self._t0 = 0.0
+        self._since = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        gen = int(info["generation"])
+        self.count[gen] += 1
+        if gen == 2:
+            took = time.perf_counter() - self._t0
+            self.gen2_s.append(took)
+            self._since += took
+
+    def take(self) -> float:
+        took, self._since = self._since, 0.0
+        return took
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
 def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: int) -> dict:
-    """Drive the closed loop; per-request TTFT (warm/cold), warm inter-token gaps by step kind, memory samples."""
+    """Drive the closed loop; per-request TTFT (warm/cold), warm inter-token gaps by step kind, memory samples,
+    stalls by step kind and the full garbage collections that fell inside steps."""
+    with GcClock() as clock:
+        out = _run_traffic(engine, traffic, concurrency, new_tokens, clock)
+    log = out.pop("_step_log")  # (seconds, kind, a full collection ran in it) per step
+    limit = 3 * statistics.median(t for t, _, _ in log)
+    kinds = ("quiet", "admits", "load_decodes", "load_admits")
+    # a stall: a step over 3x the median step. Their rate per kind of step tells a load's stalls (load_admits
+    # against admits, load_decodes against quiet: the same work without a load) from the machine's own pauses,
+    # which strike every kind alike
+    out["stalls"] = {
+        "threshold_ms": round(1e3 * limit, 1),
+        "by_kind": {k: {"steps": sum(1 for _, x, _ in log if x == k)} for k in kinds},
+        "with_gen2": sum(1 for t, _, g in log if g and t > limit),
+    }
+    for k in kinds:
+        out["stalls"]["by_kind"][k]["stalls"] = sum(1 for t, x, _ in log if x == k and t > limit)
+    out["gc"] = {
+        "collections_by_generation": clock.count,
+        "gen2_ms": _dist(clock.gen2_s),
+        "steps_with_gen2": sum(1 for _, _, g in log if g),
+    }
+    return out
+
+
+def _run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: int, clock: GcClock) -> dict:
     from molora.config import SamplingParams
 
     hs = engine.hotset
@@ -171,6 +230,7 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
     # load's own cost reads against the step of the same work without one (admits / quiet)
     warm_gaps: dict[str, list[float]] = {k: [] for k in ("loads", "admits", "quiet", "load_admits", "load_decodes")}
     steps: list[float] = []
+    step_log: list[tuple[float, str, bool]] = []
     mem: list[dict] = []
     peak = {"cpu_tier_bytes": 0, "reserved_bytes": 0, "tier_plus_reserved": 0, "rss_bytes": 0}
     tokens = 0
@@ -191,14 +251,17 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
         before = (hs.misses, hs.disk_reads, hs.reads_in_flight())
         computed = engine.tokens_computed
         s0 = time.perf_counter()
+        clock.take()
         outs = engine.step()
         now = time.perf_counter()
         steps.append(now - s0)
+        gen2 = clock.take() > 0
         loads = hs.misses != before[0] or hs.disk_reads != before[1] or before[2] > 0 or hs.reads_in_flight() > 0
         emitted = sum(len(o.new_token_ids) for o in outs)
         prefilled = engine.tokens_computed - computed > emitted
         kind = "loads" if loads else "admits" if prefilled else "quiet"
         sub = ("load_admits" if prefilled else "load_decodes") if loads else None
+        step_log.append((now - s0, sub or kind, gen2))
         for o in outs:
             if o.finish_reason not in (None, "length"):
                 raise RuntimeError(f"request {o.request_id} ended {o.finish_reason}: {o.error}")
@@ -238,6 +301,7 @@ def run_traffic(engine: Any, traffic: list[dict], concurrency: int, new_tokens: 
         "tokens_per_cpu_s": round(tokens / cpu, 3),
         "steps": len(steps),
         "step_ms_median": round(1e3 * statistics.median(steps), 3),
+        "_step_log": step_log,
         "ttft_ms": {k: _dist(v) for k, v in ttft.items()},
         "warm_itl_ms": {k: _dist(v) for k, v in warm_gaps.items()},
         "memory": {"cpu_tier_budget": st["cpu_tier_budget"], "peak": peak, "samples": mem[:: max(1, len(mem) // 60)]},
