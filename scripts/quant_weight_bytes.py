@@ -26,9 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_quant import VARIANTS  # noqa: E402  (name -> (dtype, scheme))
+from bench_quant import VARIANTS  # noqa: E402  (name -> (dtype, scheme, quantize_lm_head))
 
-GGUF_OF = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int8-bf16": "Q8_0", "int4-bf16": "Q4_0"}
+GGUF_OF = {"fp32": "F32", "bf16": "BF16", "int4-bf16": "Q4_0"} | {n: "Q8_0" for n in VARIANTS if n.startswith("int8")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from molora.config import SamplingParams
     from molora.engine import Engine
     from molora.model.base import cache_root, default_gguf_path, load_base
-    from molora.model.quant_linear import weight_bytes
+    from molora.model.quant_linear import QuantizedLinear, weight_bytes
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         "variants": {},
     }
     for name in a.variants:
-        dtype, scheme = VARIANTS[name]
+        dtype, scheme, head = VARIANTS[name]
         model, _tok = load_base()
-        mm = attach(model, {}, quantization=scheme)
+        mm = attach(model, {}, quantization=scheme, quantize_lm_head=head)
         if dtype != torch.float32:
             mm.to(dtype)
         prompts, news = workload(8, 32, 4, model.config.vocab_size, False)
@@ -76,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         eng.generate(prompts, [SamplingParams(max_new_tokens=n) for n in news], routing="none")
         wb = weight_bytes(mm.model, eng.runner.packed_weights())
         total = sum(wb.values())
-        v: dict = {"dtype": str(dtype).removeprefix("torch."), "quantization": scheme, "bytes": wb, "total": total}
+        v: dict = {
+            "dtype": str(dtype).removeprefix("torch."),
+            "quantization": scheme,
+            "lm_head_int8": isinstance(mm.model.get_output_embeddings(), QuantizedLinear),
+            "bytes": wb,
+            "total": total,
+        }
         gguf = GGUF_OF.get(name)
         if gguf in record["gguf_peer"]:
             v["gguf"] = gguf

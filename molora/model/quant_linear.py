@@ -34,6 +34,8 @@ from torch import Tensor, nn
 
 from molora.ops import quant
 
+HEAD_SCHEMES: tuple[str, ...] = ()  # schemes that quantize the LM head by default (`quantize_head`; module docstring)
+
 
 class QuantizedLinear(nn.Module):
     """y = x @ dequantize(qweight, scales).T + bias on the scheme's CPU kernel (module docstring)."""
@@ -112,6 +114,12 @@ class QuantizedLinear(nn.Module):
         """The quantized weight as `quant.quantize` made it (int8: [d_out, d_in]; a copy where `tiled`)."""
         return quant.untile(self.qweight) if self.tiled else self.qweight
 
+    def take(self, ids: Tensor) -> Tensor:
+        """int8: the weight rows (output channels) `ids` [T] as int8 [T, d_in], from whichever layout is kept (the
+        tiles gathered in place: no copy of the whole weight)."""
+        assert self.scheme == "int8", self.scheme
+        return quant.take_tiles(self.qweight, ids) if self.tiled else self.qweight.index_select(0, ids)
+
     def _int8(self, x: Tensor, bias: Tensor | None) -> Tensor:  # the bias added in the kernel, before its rounding
         w, s32 = self.w8_operands(x.dtype)
         return quant.linear_int8(x, None if self.tiled else w, s32, w if self.tiled else None, bias)
@@ -180,6 +188,57 @@ class QuantizedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, scheme={self.scheme}{group}"
         )
+
+
+class QuantizedEmbedding(nn.Module):
+    """The input embeddings read from the int8 copy of a tied LM head (`quantize_head`): the rows of the tokens,
+    dequantized, so that the embedding and the head hold one int8 copy between them.
+
+        emb = QuantizedEmbedding(head)     # head: the int8 QuantizedLinear [V, D] that replaced the tied lm_head
+        h = emb(ids)                       # ids [...] -> [..., D] = qweight[ids] * scales[ids], in the scales' dtype
+    """
+
+    head: QuantizedLinear
+
+    def __init__(self, head: QuantizedLinear, padding_idx: int | None = None) -> None:
+        super().__init__()
+        if head.scheme != "int8":
+            raise ValueError(f"embeddings read from an int8 head only, got {head.scheme}")
+        self.num_embeddings, self.embedding_dim, self.padding_idx = head.out_features, head.in_features, padding_idx
+        # a reference, not a submodule: the model owns the head as lm_head (listed once by named_modules and
+        # state_dict, cast once by .to); the embedding reads its buffers at each call
+        object.__setattr__(self, "head", head)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1)  # [T]
+        s = self.head.scales
+        rows = quant.dequantize_int8(self.head.take(flat), s.index_select(0, flat))  # [T, D] float32
+        return rows.to(s.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows of the tied LM head"
+
+
+def quantize_head(model: nn.Module, scheme: str) -> list[str]:
+    """Swap the LM head (a transformers model's output embeddings, an `nn.Linear`) for a `QuantizedLinear` of
+    `scheme` ("int8" only) and, where it is tied to the input embeddings, the input embeddings for a
+    `QuantizedEmbedding` that reads the same int8 copy; the float matrix is dropped. Returns the names replaced
+    (none where the model has no plain linear head). Quantize before attaching (molora.attach does)."""
+    from molora.model.lora_linear import swap_modules
+
+    if scheme != "int8":
+        raise ValueError(f"the LM head is quantized under int8 only, got {scheme!r}")
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if type(head) is not nn.Linear:
+        return []
+    by_id = {id(m): n for n, m in model.named_modules()}
+    tied = type(emb) is nn.Embedding and emb.weight is head.weight
+    with torch.no_grad():
+        names = swap_modules(model, [by_id[id(head)]], lambda _n, old: QuantizedLinear(old, scheme))
+        if tied:
+            q = model.get_output_embeddings()
+            names += swap_modules(model, [by_id[id(emb)]], lambda _n, old: QuantizedEmbedding(q, old.padding_idx))
+    return names
 
 
 def quantize_linears(
