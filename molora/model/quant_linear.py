@@ -228,16 +228,19 @@ def quantize_head(model: nn.Module, scheme: str) -> list[str]:
 
     if scheme != "int8":
         raise ValueError(f"the LM head is quantized under int8 only, got {scheme!r}")
-    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    if type(head) is not nn.Linear:
+    by_id = {id(m): (n, m) for n, m in model.named_modules()}
+    head = by_id.get(id(getattr(model, "get_output_embeddings", lambda: None)()))
+    emb = by_id.get(id(getattr(model, "get_input_embeddings", lambda: None)()))
+    if head is None or not isinstance(lin := head[1], nn.Linear) or type(lin) is not nn.Linear:
         return []
-    by_id = {id(m): n for n, m in model.named_modules()}
-    tied = type(emb) is nn.Embedding and emb.weight is head.weight
+    q = QuantizedLinear(lin, scheme)
+    tied = emb is not None and isinstance(e := emb[1], nn.Embedding) and e.weight is lin.weight
     with torch.no_grad():
-        names = swap_modules(model, [by_id[id(head)]], lambda _n, old: QuantizedLinear(old, scheme))
+        names = swap_modules(model, [head[0]], lambda _n, _old: q)
         if tied:
-            q = model.get_output_embeddings()
-            names += swap_modules(model, [by_id[id(emb)]], lambda _n, old: QuantizedEmbedding(q, old.padding_idx))
+            assert emb is not None and isinstance(emb[1], nn.Embedding)
+            pad = emb[1].padding_idx
+            names += swap_modules(model, [emb[0]], lambda _n, _old: QuantizedEmbedding(q, pad))
     return names
 
 
