@@ -72,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", default=["fp32", "bf16", "int8", "int4-bf16"], choices=list(VARIANTS))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--fp32-from",
+        type=Path,
+        default=None,
+        help="a record of this script on the same split, items and bundle whose fp32 variant the differences are "
+        "taken against (a run of the other variants in a second process)",
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     bundle = read_bundle(default_bundle_dir())
@@ -92,6 +99,17 @@ def main(argv: list[str] | None = None) -> int:
         "variants": {},
     }
     fp32_base = None
+    if a.fp32_from is not None:
+        other = json.loads(a.fp32_from.read_text())
+        same = {k: other.get(k) == record[k] for k in ("split", "n", "n_general", "fingerprint")}
+        if not all(same.values()) or "fp32" not in other["variants"] or "base_tokens" not in other["variants"]["fp32"]:
+            raise SystemExit(
+                f"--fp32-from {a.fp32_from}: needs an fp32 variant (with its base tokens) on the same split, n, "
+                f"n_general and bundle; matches: {same}"
+            )
+        record["fp32_from"] = {"record": str(a.fp32_from), "command": other["command"]}
+        record["reference_fp32"] = other["variants"]["fp32"]
+        fp32_base = record["reference_fp32"]["base_tokens"]
     for name in a.variants:
         dtype, scheme, head = VARIANTS[name]
         t0 = time.perf_counter()
@@ -120,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         base = [o.new_token_ids for o in eng.generate(rows, gp, routing="none")]
         if name == "fp32":
             fp32_base = base
+            v["base_tokens"] = base  # the general answers without adapters, for --fp32-from in another run
         kept = [x == y for x, y in zip(routed, base)]
         v["general"] = {
             "retention": round(100.0 * sum(kept) / len(rows), 2),
@@ -142,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def finish(record: dict, tasks: list[str], path: Path | None) -> None:
     """Add the differences from float32 (with their paired 95% intervals) and the load; write the record to path."""
-    ref = record["variants"].get("fp32")
+    ref = record["variants"].get("fp32") or record.get("reference_fp32")
     if ref:
         for v in record["variants"].values():
             v["skills_vs_fp32"] = {t: round(v["skills"][t] - ref["skills"][t], 2) for t in tasks}
