@@ -126,3 +126,14 @@ def test_an_untied_head_is_quantized_alone():
     emb = model.model.embed_tokens
     assert quantize_head(model, "int8") == ["lm_head"]
     assert isinstance(model.lm_head, QuantizedLinear) and model.model.embed_tokens is emb
+
+
+def test_serve_takes_the_lm_head_flag():
+    import argparse
+
+    from molora.cli.serve import _serve_args
+
+    p = argparse.ArgumentParser()
+    _serve_args(p)
+    assert p.parse_args(["-q", "int8", "--quantize-lm-head"]).quantize_lm_head is True
+    assert p.parse_args(["-q", "int8"]).quantize_lm_head is None  # attach's default (HEAD_SCHEMES)
