@@ -262,7 +262,7 @@ def eval_table(e: dict, split: str, old: bool) -> list[str]:
     era = " (W8A8 era: its int8 is the old W8A8 path, now `--quantization w8a8`)" if old else ""
     m = e["machine"]
     cpu = f", {m['cpu']}" if "cpu_flags" in m else ""  # older records named only the architecture
-    ci = any("skills_vs_fp32_ci95" in v for v in e["variants"].values())
+    ci = any("skills_vs_fp32_ci95" in v for n, v in e["variants"].items() if n != "fp32")
     out = [
         f"Skills and general retention on a quantized base, {split} split{era} (`{e['command']}`; bundle "
         f"{e['fingerprint']}{cpu}, learned routing, greedy; {e['n']} items per skill, {e['n_general']} general "
@@ -274,6 +274,7 @@ def eval_table(e: dict, split: str, old: bool) -> list[str]:
             if ci
             else ""
         )
+        + (f"; fp32: the run of {e['fp32_from']['record']}" if "fp32_from" in e else "")
         + "):",
         "",
         "| variant | " + " | ".join(tasks) + " | retention | base = fp32 |",
@@ -295,7 +296,7 @@ def eval_table(e: dict, split: str, old: bool) -> list[str]:
         widest = max(
             (hi - lo) / 2
             for n, v in e["variants"].items()
-            if n != "fp32"
+            if n != "fp32" and "skills_vs_fp32_ci95" in v
             for lo, hi in v["skills_vs_fp32_ci95"].values()
         )
         out += [
@@ -314,6 +315,7 @@ EVAL_RECORDS = (
     ("quant_eval_test_w8.json", "test", False),
     ("quant_eval_val_head.json", "val (the LM head: float against int8)", False),
     ("quant_eval_test2.json", "test2 (fresh, larger)", False),
+    ("quant_eval_test2_bf16.json", "test2 (fresh, larger; the int8-bf16 variants, a second process)", False),
 )
 
 
@@ -378,6 +380,23 @@ def readme_block(docs: Path, page: str) -> str:
             f"skills on the test split against float32 (points, {q['n']} items per skill, learned routing): "
             + "; ".join(rows)
         )
+    for fname in ("quant_eval_test2.json", "quant_eval_test2_bf16.json"):
+        if (docs / fname).is_file():
+            q = json.loads((docs / fname).read_text())
+            rows = [
+                f"{n} "
+                + ", ".join(
+                    f"{t} {x:+.1f} [{v['skills_vs_fp32_ci95'][t][0]:+.1f}, {v['skills_vs_fp32_ci95'][t][1]:+.1f}]"
+                    for t, x in v["skills_vs_fp32"].items()
+                )
+                + f", retention {v['general']['retention']:.0f}%"
+                for n, v in q["variants"].items()
+                if n != "fp32" and "skills_vs_fp32" in v
+            ]
+            parts.append(
+                f"on the fresh test2 split ({q['n']} items per skill, 95% intervals on the difference, paired): "
+                + "; ".join(rows)
+            )
     found = newest(docs, "peer_llamacpp_w8.json", "peer_llamacpp.json")
     if found:
         r, old = found

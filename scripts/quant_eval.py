@@ -36,13 +36,16 @@ from bench_quant import VARIANTS  # noqa: E402  (the engine bench's variants: na
 
 
 def paired_ci95(a: str, b: str) -> list[float]:
-    """95% interval (points) on accuracy(a) - accuracy(b) over the same items ("1"/"0" per item): the normal
-    approximation for paired proportions, d +- 1.96 sqrt(n01 + n10 - n (d)^2) / n, d the difference in shares."""
+    """95% interval (points) on accuracy(a) - accuracy(b) over the same items ("1"/"0" per item): Agresti and Min's
+    adjusted Wald interval for paired proportions (half an item added to each cell of the 2x2 table, so that no or few
+    discordant items do not shrink it to nothing): d +- 1.96 sqrt(u + v - m d^2) / m, with u, v the items only a or
+    only b got right plus 1/2 each, m = n + 2, d = (u - v) / m."""
     n = len(a)
-    up = sum(x == "1" and y == "0" for x, y in zip(a, b))
-    down = sum(x == "0" and y == "1" for x, y in zip(a, b))
-    d = (up - down) / n
-    half = 1.96 * math.sqrt(max(0.0, up + down - n * d * d)) / n
+    u = sum(x == "1" and y == "0" for x, y in zip(a, b)) + 0.5
+    v = sum(x == "0" and y == "1" for x, y in zip(a, b)) + 0.5
+    m = n + 2
+    d = (u - v) / m
+    half = 1.96 * math.sqrt(max(0.0, u + v - m * d * d)) / m
     return [round(100.0 * (d - half), 2), round(100.0 * (d + half), 2)]
 
 
@@ -66,12 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     from molora.model.quant_linear import QuantizedLinear
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--split", choices=["val", "test", "test2"], required=True)
+    p.add_argument("--split", choices=["val", "test", "test2"])
     p.add_argument("--n", type=int, default=24)
     p.add_argument("--n-general", type=int, default=40)
     p.add_argument("--variants", nargs="+", default=["fp32", "bf16", "int8", "int4-bf16"], choices=list(VARIANTS))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--recompute",
+        type=Path,
+        default=None,
+        help="only recompute a record's differences and intervals from its per-item hits (this script's current "
+        "formulas) and write it back; runs no model",
+    )
     p.add_argument(
         "--fp32-from",
         type=Path,
@@ -80,6 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         "taken against (a run of the other variants in a second process)",
     )
     a = p.parse_args(argv)
+    if a.recompute is not None:
+        rec = json.loads(a.recompute.read_text())
+        loadavg = rec["machine"].get("loadavg_end")
+        finish(rec, list(next(iter(rec["variants"].values()))["skills"]), a.recompute)
+        rec["machine"]["loadavg_end"] = loadavg  # the run's, not this call's
+        a.recompute.write_text(json.dumps(rec, indent=1) + "\n")
+        return 0
+    if a.split is None:
+        p.error("--split is required (unless --recompute)")
     torch.set_num_threads(a.threads)
     bundle = read_bundle(default_bundle_dir())
     banned = training_inputs(bundle)
