@@ -357,7 +357,8 @@ def readme_block(docs: Path, page: str) -> str:
                 + (f" ({x['total_over_gguf']:.2f}x its {x['gguf']})" if "gguf" in x else "")
                 for n, x in w["variants"].items()
             )
-            what = "resident base weights MB, every copy (the kernels' packed copies included)"
+            cpu = f" on {w['machine']['cpu']}" if "machine" in w else ""
+            what = f"resident base weights MB{cpu}, every copy (the kernels' packed copies included)"
         parts.append(
             f"engine throughput against float32 ({e['requests']} requests, per-token routing over 4 adapters, "
             f"{e['machine']['threads']} threads): {speed}; {what}: {sizes} (the GGUF it ships: "
@@ -393,10 +394,11 @@ def readme_block(docs: Path, page: str) -> str:
                 for n, v in q["variants"].items()
                 if n != "fp32" and "skills_vs_fp32" in v
             ]
-            parts.append(
-                f"on the fresh test2 split ({q['n']} items per skill, 95% intervals on the difference, paired): "
-                + "; ".join(rows)
-            )
+            if rows:
+                parts.append(
+                    f"on the fresh test2 split ({q['n']} items per skill, 95% intervals on the difference, paired): "
+                    + "; ".join(rows)
+                )
     found = newest(docs, "peer_llamacpp_w8.json", "peer_llamacpp.json")
     if found:
         r, old = found
