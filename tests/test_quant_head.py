@@ -137,3 +137,17 @@ def test_serve_takes_the_lm_head_flag():
     _serve_args(p)
     assert p.parse_args(["-q", "int8", "--quantize-lm-head"]).quantize_lm_head is True
     assert p.parse_args(["-q", "int8"]).quantize_lm_head is None  # attach's default (HEAD_SCHEMES)
+
+
+def test_quant_eval_intervals_cover_the_difference_and_never_collapse():
+    from tests.conftest import load_script
+
+    qe = load_script("quant_eval")
+    same = qe.paired_ci95("1" * 100, "1" * 100)  # no discordant item: still an interval around 0
+    assert same[0] < 0 < same[1] and same[1] - same[0] > 3
+    lo, hi = qe.paired_ci95("1" * 90 + "0" * 10, "1" * 80 + "0" * 20)  # +10 points, 10 items only a got right
+    assert lo < 10 < hi and lo > 0
+    wide, narrow = qe.paired_ci95("10" * 12, "01" * 12), qe.paired_ci95("10" * 200, "01" * 200)
+    assert narrow[1] - narrow[0] < wide[1] - wide[0]  # more items, a narrower interval
+    a, b = qe.wilson95(57, 60)
+    assert a < 57 / 60 < b <= 1 and qe.wilson95(60, 60)[1] == pytest.approx(1)
