@@ -299,10 +299,19 @@ def eval_table(e: dict, split: str, old: bool) -> list[str]:
             if n != "fp32" and "skills_vs_fp32_ci95" in v
             for lo, hi in v["skills_vs_fp32_ci95"].values()
         )
+        ref = e["variants"].get("fp32") or e.get("reference_fp32")
+        disc = max(
+            sum(x != y for x, y in zip(v["hits"][t], ref["hits"][t])) / len(ref["hits"][t])
+            for n, v in e["variants"].items()
+            if n != "fp32" and "hits" in v
+            for t in tasks
+        )
         out += [
             "",
             f"At {e['n']} items per skill the widest of these intervals reaches +-{widest:.1f} points around its "
-            "difference: " + ("a 1-point goal is " + ("resolvable" if widest <= 1 else "not resolvable") + " here."),
+            "difference: a 1-point goal is " + ("resolvable" if widest <= 1 else "not resolvable") + " here. At most "
+            f"{disc:.0%} of a skill's items change their score between fp32 and a variant; at that share an interval "
+            f"of +-1 point needs about {1.96**2 * disc / 0.01**2:.0f} items per skill (1.96^2 x share / 0.01^2).",
         ]
     return [*out, ""]
 
