@@ -112,6 +112,11 @@ def test_head_quantization_is_refused_where_it_cannot_apply_and_changes_nothing(
             molora.attach(model, {}, quantization=scheme, quantize_lm_head=True)
         assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
     model = tiny_model("llama")
+    model.lm_head = nn.Identity()  # no linear head: refused before any linear is quantized
+    with pytest.raises(MoLoRAError, match="no plain nn.Linear LM head"):
+        molora.attach(model, {}, quantization="int8", quantize_lm_head=True)
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+    model = tiny_model("llama")
     with pytest.raises(ValueError, match="int8 only"):
         quantize_head(model, "int4")
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight

@@ -377,6 +377,8 @@ def attach(
         raise MoLoRAError("this model is already attached; attach once and use load_adapter for more")
     if quantize_lm_head and quantization != "int8":
         raise MoLoRAError(f"quantize_lm_head needs quantization='int8', got {quantization!r}")
+    if quantize_lm_head and type(getattr(model, "get_output_embeddings", lambda: None)()) is not nn.Linear:
+        raise MoLoRAError("quantize_lm_head: the model has no plain nn.Linear LM head (get_output_embeddings)")
     if quantization is not None:
         try:
             amax = activation_ranges(model, calibration) if quantization == "w8a8" and calibration else None
