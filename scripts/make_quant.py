@@ -275,6 +275,12 @@ def eval_table(e: dict, split: str, old: bool) -> list[str]:
             else ""
         )
         + (f"; fp32: the run of {e['fp32_from']['record']}" if "fp32_from" in e else "")
+        + (
+            "; the skill items are fresh (molora.eval.heldout: none of val's or test's), the general prompts are the "
+            "test split's (no other general prompts are left; no setting was chosen on them)"
+            if e["split"] == "test2"
+            else ""
+        )
         + "):",
         "",
         "| variant | " + " | ".join(tasks) + " | retention | base = fp32 |",
@@ -390,10 +396,12 @@ def readme_block(docs: Path, page: str) -> str:
             f"skills on the test split against float32 (points, {q['n']} items per skill, learned routing): "
             + "; ".join(rows)
         )
+    rows, n_items = [], None
     for fname in ("quant_eval_test2.json", "quant_eval_test2_bf16.json"):
         if (docs / fname).is_file():
             q = json.loads((docs / fname).read_text())
-            rows = [
+            n_items = q["n"]
+            rows += [
                 f"{n} "
                 + ", ".join(
                     f"{t} {x:+.1f} [{v['skills_vs_fp32_ci95'][t][0]:+.1f}, {v['skills_vs_fp32_ci95'][t][1]:+.1f}]"
@@ -403,11 +411,11 @@ def readme_block(docs: Path, page: str) -> str:
                 for n, v in q["variants"].items()
                 if n != "fp32" and "skills_vs_fp32" in v
             ]
-            if rows:
-                parts.append(
-                    f"on the fresh test2 split ({q['n']} items per skill, 95% intervals on the difference, paired): "
-                    + "; ".join(rows)
-                )
+    if rows:
+        parts.append(
+            f"on the fresh test2 split ({n_items} items per skill, 95% intervals on the difference, paired): "
+            + "; ".join(rows)
+        )
     found = newest(docs, "peer_llamacpp_w8.json", "peer_llamacpp.json")
     if found:
         r, old = found
