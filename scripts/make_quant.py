@@ -184,8 +184,13 @@ def head_lines(docs: Path) -> list[str]:
     default (ab_engine_trees, docs/quant_head_ab.json) and bench_quant's variants in one process
     (docs/quant_head_bench.json; paired: the ratio within each repetition), where the records exist."""
     parts = []
-    path = docs / "quant_head_ab.json"
-    if path.is_file():
+    for fname, what in (
+        ("quant_head_ab.json", "time with the head in int8 over time with it in float"),
+        ("quant_head_ab_swapped.json", "the same trees the other way round, time with it in float over int8"),
+    ):
+        path = docs / fname
+        if not path.is_file():
+            continue
         r = json.loads(path.read_text())
         m = r["machine"]
         cells = "; ".join(
@@ -194,9 +199,9 @@ def head_lines(docs: Path) -> list[str]:
             for k, v in r["workloads"].items()
         )
         parts.append(
-            f"time with the head in int8 over time with it in float, two trees differing only in that default "
-            f"(`{r['command']}`, {m['cpu']}, {r['repeats']} repetitions, {m['threads']} thread, load average "
-            f"{m['loadavg_before']} before; median [quartiles] of the paired ratios): {cells}"
+            f"{what}, two trees differing only in that default (`{r['command']}`, {m['cpu']}, {r['repeats']} "
+            f"repetitions, {m['threads']} thread, load average {m['loadavg_before']} before; median [quartiles] of "
+            f"the paired ratios): {cells}"
         )
     path = docs / "quant_head_bench.json"
     if path.is_file():
