@@ -150,10 +150,12 @@ def load(
     dtype: torch.dtype = torch.float32,
     dispatch: str = "auto",
     quantization: str | None = None,
+    quantize_lm_head: bool | None = None,
 ) -> Any:
     """A `MoLoRAModel` for the bundle at `path` (None: the embedded default; or a `Bundle` already parsed, e.g.
     `molora.userbundle.bundle_from_flags`), router and tokenizer attached. quantization ("int8", "int4", "w8a8";
-    default the manifest's "quantization", else none): the base's linears quantized on load (molora.model.attach)."""
+    default the manifest's "quantization", else none): the base's linears quantized on load (molora.model.attach;
+    quantize_lm_head: the LM head too, as attach takes it)."""
     from molora.model.attach import attach
     from molora.model.base import load_base
 
@@ -182,6 +184,7 @@ def load(
             check_base=bundle.check_base,
             quantization=quantization,
             calibration=calibration,
+            quantize_lm_head=quantize_lm_head,
         )
     except MoLoRAError as e:
         raise BundleError(f"bundle {bundle.folder}: {e}") from e

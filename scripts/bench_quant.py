@@ -32,15 +32,19 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {
-    "fp32": (torch.float32, None),
-    "bf16": (torch.bfloat16, None),
-    "int8": (torch.float32, "int8"),
-    "int8-bf16": (torch.bfloat16, "int8"),
-    "w8a8": (torch.float32, "w8a8"),
-    "w8a8-bf16": (torch.bfloat16, "w8a8"),
-    "int4-bf16": (torch.bfloat16, "int4"),
-    "int4": (torch.float32, "int4"),
+VARIANTS = {  # name -> (dtype, quantization, quantize_lm_head: None the scheme's default, molora.attach)
+    "fp32": (torch.float32, None, None),
+    "bf16": (torch.bfloat16, None, None),
+    "int8": (torch.float32, "int8", None),
+    "int8-bf16": (torch.bfloat16, "int8", None),
+    "int8-qhead": (torch.float32, "int8", True),  # the LM head (and the tied embedding) in int8 too
+    "int8-bf16-qhead": (torch.bfloat16, "int8", True),
+    "int8-fhead": (torch.float32, "int8", False),  # the LM head (and the tied embedding) in the model's dtype
+    "int8-bf16-fhead": (torch.bfloat16, "int8", False),
+    "w8a8": (torch.float32, "w8a8", None),
+    "w8a8-bf16": (torch.bfloat16, "w8a8", None),
+    "int4-bf16": (torch.bfloat16, "int4", None),
+    "int4": (torch.float32, "int4", None),
 }
 SCHEMES_DOC = (  # what the variants' schemes are (scripts/make_quant.py prints it beside the figures)
     "int8 is weight only (one scale per output channel, activations in the model's dtype) on molora's kernels: "
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from molora.data.general import general_rows
     from molora.engine import Engine
     from molora.model.base import default_gguf_path, load_base
-    from molora.model.quant_linear import weight_bytes
+    from molora.model.quant_linear import QuantizedLinear, weight_bytes
     from molora.routing import VocabRouter
 
     flags = next(
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     engines, outputs = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.variants:
-            dtype, scheme = VARIANTS[name]
+            dtype, scheme, head = VARIANTS[name]
             model, tok = load_base()
             vocab = model.config.vocab_size
             paths = make_adapters(model, Path(tmp), 4, 16)  # the same seed: the same adapters every time
@@ -116,13 +120,17 @@ def main(argv: list[str] | None = None) -> int:
             calib = None  # w8a8: SmoothQuant's ranges from the rows molora.load reads (molora.bundle.load)
             if scheme == "w8a8":
                 calib = general_rows(tok, QUANT_CALIBRATION_ROWS, CHATML_TEMPLATE, with_output=True)
-            mm = attach(model, paths, router=router, quantization=scheme, calibration=calib)
+            mm = attach(model, paths, router=router, quantization=scheme, calibration=calib, quantize_lm_head=head)
             if dtype != torch.float32:
                 mm.to(dtype)
             prompts, news = workload(a.requests, a.prompt_len, a.new_tokens, vocab, False)
             longest = a.prompt_len + a.new_tokens + 16
             engines[name] = Engine(mm, bench_config(a.requests, longest))
-            record["variants"][name] = {"dtype": str(dtype).removeprefix("torch."), "quantization": scheme}
+            record["variants"][name] = {
+                "dtype": str(dtype).removeprefix("torch."),
+                "quantization": scheme,
+                "lm_head_int8": isinstance(mm.model.get_output_embeddings(), QuantizedLinear),
+            }
         params = [SamplingParams(max_new_tokens=n) for n in news]
         names = list(engines)
         secs: dict[str, list[float]] = {n: [] for n in names}

@@ -90,34 +90,56 @@ def section(docs: Path) -> list[str]:
         "",
         *onecopy_lines(docs),
         *resident_lines(docs),
+        *head_lines(docs),
         *quality_lines(docs),
     ]
 
 
 def resident_lines(docs: Path) -> list[str]:
     """Every resident copy of the base weights per variant against llama.cpp's files (docs/quant_weight_bytes.json,
-    scripts/quant_weight_bytes.py), where the record exists."""
-    path = docs / "quant_weight_bytes.json"
-    if not path.is_file():
-        return []
-    r = json.loads(path.read_text())
+    scripts/quant_weight_bytes.py, and the earlier AMX machine's docs/quant_weight_bytes_amx.json), where the records
+    exist."""
+    out: list[str] = []
+    for fname in ("quant_weight_bytes.json", "quant_weight_bytes_amx.json"):
+        path = docs / fname
+        if path.is_file():
+            out += resident_table(json.loads(path.read_text()), fname)
+    return out
+
+
+def resident_table(r: dict, fname: str) -> list[str]:
+    m = r.get("machine")
+    where = (
+        f"{m['cpu']} ({', '.join(m['cpu_flags'])}; "
+        + ("AMX on" if m["amx"] else "no AMX: bfloat16 weights are not packed")
+        + ")"
+        if m
+        else "an AMX CPU (the record names none; its bfloat16 packed copies exist only where AMX runs)"
+    )
+    src = r.get("gguf_peer_from")
+    files = (
+        f" (llama.cpp file sizes from {src['record']}: the peer bench's files are not on this machine)" if src else ""
+    )
     out = [
-        "Resident base weights, every copy counted once (`" + r["command"] + "`: after a short generate, so the "
-        "kernels' copies exist; quantized: int8/int4 weights and scales as kept; float: embeddings with the tied "
-        "LM head, norms, float base linears; kernel copies: the runner's packed copies of float weights, the LM "
-        "head's in every variant, int8's float32 scales, w8a8's oneDNN copy), MB, against the llama.cpp file of "
-        f"the same type (the shipped {r['gguf_shipped']['file']}: {r['gguf_shipped']['bytes'] / 1e6:.1f} MB):",
+        f"Resident base weights on {where}, every copy counted once (docs/{fname}: `{r['command']}`: after a short "
+        "generate, so the kernels' copies exist; quantized: int8/int4 weights and scales as kept; float: embeddings "
+        "with the tied LM head, norms, float base linears; kernel copies: the runner's packed copies of float "
+        "weights, the LM head's where it stays float, int8's float32 scales, w8a8's oneDNN copy; head: the tied LM "
+        "head and the embeddings in int8, one copy, `quantize_lm_head`), MB, against the llama.cpp file of the same "
+        f"type{files} (the shipped {r['gguf_shipped']['file']}: {r['gguf_shipped']['bytes'] / 1e6:.1f} MB):",
         "",
-        "| variant | quantized | float | kernel copies | total | GGUF | total / GGUF | without kernel copies / GGUF |",
-        "|---|---:|---:|---:|---:|---|---:|---:|",
+        "| variant | head | quantized | float | kernel copies | total | GGUF | total / GGUF "
+        "| without kernel copies / GGUF |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     for name, v in r["variants"].items():
         b, g = v["bytes"], v.get("gguf")
         gg = f"{g} {r['gguf_peer'][g] / 1e6:.1f}" if g else "-"
         ratio = f"{v['total_over_gguf']:.2f}x | {v['without_kernel_copies_over_gguf']:.2f}x" if g else "- | -"
+        head = "int8" if v.get("lm_head_int8") else "float"
         out.append(
-            f"| {name} | {b['quantized'] / 1e6:.1f} | {b['float'] / 1e6:.1f} | {b['kernel_copies'] / 1e6:.1f} | "
-            f"{v['total'] / 1e6:.1f} | {gg} | {ratio} |"
+            f"| {name} | {head} | {b['quantized'] / 1e6:.1f} | {b['float'] / 1e6:.1f} | "
+            f"{b['kernel_copies'] / 1e6:.1f} | {v['total'] / 1e6:.1f} | {gg} | {ratio} |"
         )
     return [*out, ""]
 
@@ -157,6 +179,49 @@ def onecopy_lines(docs: Path) -> list[str]:
     ]
 
 
+def head_lines(docs: Path) -> list[str]:
+    """The LM head in int8 against float, timed: the engine bench's workloads on two trees that differ only in that
+    default (ab_engine_trees, docs/quant_head_ab.json) and bench_quant's variants in one process
+    (docs/quant_head_bench.json; paired: the ratio within each repetition), where the records exist."""
+    parts = []
+    for fname, what in (
+        ("quant_head_ab.json", "time with the head in int8 over time with it in float"),
+        ("quant_head_ab_swapped.json", "the same trees the other way round, time with it in float over int8"),
+    ):
+        path = docs / fname
+        if not path.is_file():
+            continue
+        r = json.loads(path.read_text())
+        m = r["machine"]
+        cells = "; ".join(
+            f"{k} {v['head_over_base_paired'][0]:.3f}x [{v['head_over_base_paired'][1]:.3f}-"
+            f"{v['head_over_base_paired'][2]:.3f}]"
+            for k, v in r["workloads"].items()
+        )
+        parts.append(
+            f"{what}, two trees differing only in that default (`{r['command']}`, {m['cpu']}, {r['repeats']} "
+            f"repetitions, {m['threads']} thread, load average {m['loadavg_before']} before; median [quartiles] of "
+            f"the paired ratios): {cells}"
+        )
+    path = docs / "quant_head_bench.json"
+    if path.is_file():
+        r = json.loads(path.read_text())
+        v = r["variants"]
+        cells = []
+        for q, f in (("int8-qhead", "int8-fhead"), ("int8-bf16-qhead", "int8-bf16-fhead")):
+            if q in v and f in v:
+                ratios = sorted(a / b for a, b in zip(v[q]["samples_s"], v[f]["samples_s"]))
+                n = len(ratios)
+                cells.append(f"{q} / {f} {ratios[n // 2]:.3f}x [{ratios[n // 4]:.3f}-{ratios[(3 * n) // 4]:.3f}]")
+        parts.append(
+            f"`{r['command']}` ({r['machine']['cpu']}, load average {r['machine']['loadavg_1_5_15']} before, "
+            f"{r['loadavg_after']} after; time ratio within each repetition, median [quartiles]): " + "; ".join(cells)
+        )
+    if not parts:
+        return []
+    return ["The LM head in int8, timed: " + ". ".join(parts) + ".", ""]
+
+
 def quality_lines(docs: Path) -> list[str]:
     """The smoothing choice (docs/quant_smooth_choice.json) and the skill / retention tables (EVAL_RECORDS), each
     where its record exists."""
@@ -190,31 +255,76 @@ def quality_lines(docs: Path) -> list[str]:
         ]
     for fname, split, old in EVAL_RECORDS:
         path = docs / fname
-        if not path.is_file():
-            continue
-        e = json.loads(path.read_text())
-        tasks = list(next(iter(e["variants"].values()))["skills"])
-        era = " (W8A8 era: its int8 is the old W8A8 path, now `--quantization w8a8`)" if old else ""
-        out += [
-            f"Skills and general retention on a quantized base, {split} split{era} (`{e['command']}`; bundle "
-            f"{e['fingerprint']}, learned routing, greedy; {e['n']} items per skill, {e['n_general']} general "
-            "prompts; retention: answers equal to the same model's own answer without adapters; base = fp32: its "
-            "answer without adapters equal to fp32's):",
-            "",
-            "| variant | " + " | ".join(tasks) + " | retention | base = fp32 |",
-            "|---|" + "---:|" * (len(tasks) + 2),
-        ]
-        for name, v in e["variants"].items():
-            d = v.get("skills_vs_fp32", {})
-            cells = [f"{v['skills'][t]:.1f}" + (f" ({d[t]:+.1f})" if name != "fp32" and t in d else "") for t in tasks]
-            g = v["general"]
-            same = g.get("base_equal_to_fp32_base")
-            out.append(
-                f"| {name} | " + " | ".join(cells) + f" | {g['retention']:.1f}% | "
-                f"{'-' if same is None else f'{same:.1f}%'} |"
-            )
-        out.append("")
+        if path.is_file():
+            out += eval_table(json.loads(path.read_text()), split, old)
     return out
+
+
+def eval_table(e: dict, split: str, old: bool) -> list[str]:
+    """One quant_eval record as a table: accuracy per skill (its difference from fp32, with the paired 95% interval
+    where the record has the items' hits), retention (with Wilson's 95% interval where recorded), base = fp32."""
+    tasks = list(next(iter(e["variants"].values()))["skills"])
+    era = " (W8A8 era: its int8 is the old W8A8 path, now `--quantization w8a8`)" if old else ""
+    m = e["machine"]
+    cpu = f", {m['cpu']}" if "cpu_flags" in m else ""  # older records named only the architecture
+    ci = any("skills_vs_fp32_ci95" in v for n, v in e["variants"].items() if n != "fp32")
+    out = [
+        f"Skills and general retention on a quantized base, {split} split{era} (`{e['command']}`; bundle "
+        f"{e['fingerprint']}{cpu}, learned routing, greedy; {e['n']} items per skill, {e['n_general']} general "
+        "prompts; retention: answers equal to the same model's own answer without adapters; base = fp32: its "
+        "answer without adapters equal to fp32's"
+        + (
+            "; in brackets the 95% interval on the difference from fp32 over the same items (paired) and on the "
+            "retention (Wilson)"
+            if ci
+            else ""
+        )
+        + (f"; fp32: the run of {e['fp32_from']['record']}" if "fp32_from" in e else "")
+        + (
+            "; the skill items are fresh (molora.eval.heldout: none of val's or test's), the general prompts are the "
+            "test split's (no other general prompts are left; no setting was chosen on them)"
+            if e["split"] == "test2"
+            else ""
+        )
+        + "):",
+        "",
+        "| variant | " + " | ".join(tasks) + " | retention | base = fp32 |",
+        "|---|" + "---:|" * (len(tasks) + 2),
+    ]
+    for name, v in e["variants"].items():
+        d, w = v.get("skills_vs_fp32", {}), v.get("skills_vs_fp32_ci95", {})
+        cells = []
+        for t in tasks:
+            cell = f"{v['skills'][t]:.1f}"
+            if name != "fp32" and t in d:
+                cell += f" ({d[t]:+.1f}" + (f" [{w[t][0]:+.1f}, {w[t][1]:+.1f}]" if t in w else "") + ")"
+            cells.append(cell)
+        g = v["general"]
+        same, r = g.get("base_equal_to_fp32_base"), g.get("retention_ci95")
+        ret = f"{g['retention']:.1f}%" + (f" [{r[0]:.1f}, {r[1]:.1f}]" if r else "")
+        out.append(f"| {name} | " + " | ".join(cells) + f" | {ret} | {'-' if same is None else f'{same:.1f}%'} |")
+    if ci:
+        widest = max(
+            (hi - lo) / 2
+            for n, v in e["variants"].items()
+            if n != "fp32" and "skills_vs_fp32_ci95" in v
+            for lo, hi in v["skills_vs_fp32_ci95"].values()
+        )
+        ref = e["variants"].get("fp32") or e.get("reference_fp32")
+        disc = max(
+            sum(x != y for x, y in zip(v["hits"][t], ref["hits"][t])) / len(ref["hits"][t])
+            for n, v in e["variants"].items()
+            if n != "fp32" and "hits" in v
+            for t in tasks
+        )
+        out += [
+            "",
+            f"At {e['n']} items per skill the widest of these intervals reaches +-{widest:.1f} points around its "
+            "difference: a 1-point goal is " + ("resolvable" if widest <= 1 else "not resolvable") + " here. At most "
+            f"{disc:.0%} of a skill's items change their score between fp32 and a variant; at that share an interval "
+            f"of +-1 point needs about {1.96**2 * disc / 0.01**2:.0f} items per skill (1.96^2 x share / 0.01^2).",
+        ]
+    return [*out, ""]
 
 
 # The quality records (file, split, made when int8 meant W8A8), oldest first: the weight-only int8's have "_w8"
@@ -223,6 +333,9 @@ EVAL_RECORDS = (
     ("quant_eval_test.json", "test", True),
     ("quant_eval_val_w8.json", "val", False),
     ("quant_eval_test_w8.json", "test", False),
+    ("quant_eval_val_head.json", "val (the LM head: float against int8)", False),
+    ("quant_eval_test2.json", "test2 (fresh, larger)", False),
+    ("quant_eval_test2_bf16.json", "test2 (fresh, larger; the int8-bf16 variants, a second process)", False),
 )
 
 
@@ -264,7 +377,8 @@ def readme_block(docs: Path, page: str) -> str:
                 + (f" ({x['total_over_gguf']:.2f}x its {x['gguf']})" if "gguf" in x else "")
                 for n, x in w["variants"].items()
             )
-            what = "resident base weights MB, every copy (the kernels' packed copies included)"
+            cpu = f" on {w['machine']['cpu']}" if "machine" in w else ""
+            what = f"resident base weights MB{cpu}, every copy (the kernels' packed copies included)"
         parts.append(
             f"engine throughput against float32 ({e['requests']} requests, per-token routing over 4 adapters, "
             f"{e['machine']['threads']} threads): {speed}; {what}: {sizes} (the GGUF it ships: "
@@ -285,6 +399,26 @@ def readme_block(docs: Path, page: str) -> str:
             )
         parts.append(
             f"skills on the test split against float32 (points, {q['n']} items per skill, learned routing): "
+            + "; ".join(rows)
+        )
+    rows, n_items = [], None
+    for fname in ("quant_eval_test2.json", "quant_eval_test2_bf16.json"):
+        if (docs / fname).is_file():
+            q = json.loads((docs / fname).read_text())
+            n_items = q["n"]
+            rows += [
+                f"{n} "
+                + ", ".join(
+                    f"{t} {x:+.1f} [{v['skills_vs_fp32_ci95'][t][0]:+.1f}, {v['skills_vs_fp32_ci95'][t][1]:+.1f}]"
+                    for t, x in v["skills_vs_fp32"].items()
+                )
+                + f", retention {v['general']['retention']:.0f}%"
+                for n, v in q["variants"].items()
+                if n != "fp32" and "skills_vs_fp32" in v
+            ]
+    if rows:
+        parts.append(
+            f"on the fresh test2 split ({n_items} items per skill, 95% intervals on the difference, paired): "
             + "; ".join(rows)
         )
     found = newest(docs, "peer_llamacpp_w8.json", "peer_llamacpp.json")

@@ -331,3 +331,18 @@ def test_counting_distractors_are_frequent_and_several():
         kinds[len(other)] += 1
     assert abs(with_distractors / questions - DISTRACTOR_SHARE) < 0.06
     assert all(kinds[k] > 0.05 * questions for k in (1, 2, 3, 4)) and max(kinds) == 4
+
+
+def test_test2_items_are_fresh_distinct_and_disjoint_from_val_and_test():
+    from molora.eval.heldout import EARLIER_SIZES, held_out
+
+    banned = {generate("navigate", 3, 1)[0].input}  # a "training" input: never drawn
+    for task in ("object_counting", "navigate"):
+        items, _ = held_out(task, 120, banned, split="test2")
+        inputs = [it.input for it in items]
+        assert len(inputs) == len(set(inputs)) == 120 and not set(inputs) & banned
+        earlier = {it.input for s in ("val", "test") for m in EARLIER_SIZES for it in held_out(task, m, banned, s)[0]}
+        assert not set(inputs) & earlier
+        assert inputs == [it.input for it in held_out(task, 120, banned, split="test2")[0]]  # the same every call
+    with pytest.raises(ValueError, match="valid splits"):
+        held_out("navigate", 1, set(), split="test3")

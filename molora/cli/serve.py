@@ -102,6 +102,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         '--dtype (default: the bundle\'s "quantization", else none)',
     )
     p.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        default=None,
+        help="with --quantization int8: the LM head in int8 too, the tied embeddings read from its rows (one int8 "
+        "copy, about 0.94x the Q8_0 GGUF's bytes for SmolLM2-135M; 6-11%% slower measured on a CPU without AMX: "
+        "docs/benchmarks.md)",
+    )
+    p.add_argument(
         "--request-timeout",
         type=float,
         default=600.0,
@@ -368,6 +376,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_cpu_loras=args.max_cpu_loras,
         lora_resolver_dirs=args.lora_resolver_dir + _env_list("VLLM_LORA_RESOLVER_CACHE_DIR"),
         quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
         lora_dirs=args.lora_dir,
         **keys,
     )
@@ -381,6 +390,8 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
         from molora.server import ray_serve
     except ImportError as e:
         raise MoLoRAError(f"--ray needs Ray Serve: pip install 'molora[ray]' ({e})") from None
+    if args.quantize_lm_head:
+        raise MoLoRAError("--quantize-lm-head is not passed to Ray replicas; serve without --ray to use it")
     cfg = ray_serve.RayConfig(
         bundles=tuple(args.bundle) or (None,),
         replicas=args.replicas,

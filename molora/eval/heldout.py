@@ -7,6 +7,9 @@ Splits of the generated skill items (`molora.data.skills.generate`, seeds far fr
     legacy  EVAL_SEED_BASE + k           the items earlier results reported (carry and probe were tuned on them)
     val     EVAL_SEED_BASE + 500 + k     validation: every setting of routing is chosen here
     test    EVAL_SEED_BASE + 300000 + k  fresh test items, scored once per bundle
+    test2   EVAL_SEED_BASE + 600000 + k  a second, larger test split, drawn after the others: its items also leave
+                                         out every val and test item at the sizes results were drawn with
+                                         (EARLIER_SIZES), so that no item read before is scored again
 
 (k = the task's index in SKILLS; a split that must replace dropped duplicates draws further batches at
 +1000 per batch). Mixed (two-skill) items use MIXED_SEEDS. `fingerprint` names a bundle's exact weights.
@@ -20,8 +23,21 @@ from typing import Any
 from molora.data.jsonl import read_jsonl
 from molora.data.skills import EVAL_SEED_BASE, SKILLS, Item, generate, generate_mixed
 
-SPLIT_SEEDS = {"legacy": EVAL_SEED_BASE, "val": EVAL_SEED_BASE + 500, "test": EVAL_SEED_BASE + 300_000}
-MIXED_SEEDS = {"legacy": EVAL_SEED_BASE + 100, "val": EVAL_SEED_BASE + 600, "test": EVAL_SEED_BASE + 300_100}
+SPLIT_SEEDS = {
+    "legacy": EVAL_SEED_BASE,
+    "val": EVAL_SEED_BASE + 500,
+    "test": EVAL_SEED_BASE + 300_000,
+    "test2": EVAL_SEED_BASE + 600_000,
+}
+MIXED_SEEDS = {
+    "legacy": EVAL_SEED_BASE + 100,
+    "val": EVAL_SEED_BASE + 600,
+    "test": EVAL_SEED_BASE + 300_100,
+    "test2": EVAL_SEED_BASE + 600_100,
+}
+FRESH_FROM = {"test2": ("val", "test")}  # a later split -> the earlier splits whose items it leaves out
+EARLIER_SIZES = (6, 24, 40, 50, 100, 200)  # items per skill the records of docs/ drew from val and test (a draw's
+# items depend on its size: navigate shuffles its labels first)
 
 
 def fingerprint(bundle: Any) -> str:
@@ -47,8 +63,20 @@ def training_inputs(bundle: Any) -> set[str]:
     return seen
 
 
+def earlier_inputs(task: str, split: str, banned: set[str]) -> set[str]:
+    """The inputs of `task` that the splits before `split` (FRESH_FROM) give at every size of EARLIER_SIZES."""
+    return {
+        it.input for s in FRESH_FROM.get(split, ()) for m in EARLIER_SIZES for it in held_out(task, m, banned, s)[0]
+    }
+
+
 def held_out(task: str, n: int, banned: set[str], split: str = "test") -> tuple[list[Item], int]:
-    """n items of `task` from the split's seed, none in `banned`; (items, how many were dropped)."""
+    """n items of `task` from the split's seed, none in `banned` (nor, for a later split, in the earlier splits:
+    `earlier_inputs`); (items, how many were dropped)."""
+    if split not in SPLIT_SEEDS:
+        raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLIT_SEEDS)}")
+    if split in FRESH_FROM:
+        banned = banned | earlier_inputs(task, split, banned)
     k = SKILLS.index(task)
     items, dropped, extra = [], 0, 0
     while len(items) < n:

@@ -29,7 +29,7 @@ from molora.adapters.io import LoRAAdapter, read_adapter, read_adapter_ranks
 from molora.config import LLAMA_PROJECTIONS, BankConfig
 from molora.errors import AdapterError, MoLoRAError, RoutingError
 from molora.model.lora_linear import RoutedLoRALinear, RoutingContext, linear_shapes, swap_modules
-from molora.model.quant_linear import QuantizedLinear, activation_ranges, quantize_linears
+from molora.model.quant_linear import HEAD_SCHEMES, QuantizedLinear, activation_ranges, quantize_head, quantize_linears
 from molora.ops import LoRADispatcher, fused_cpu
 from molora.routing import Router, Routing, SequenceRouter
 from molora.routing.base import InNetworkRouter, to_slots
@@ -359,6 +359,7 @@ def attach(
     check_base: bool = True,
     quantization: str | None = None,
     calibration: Sequence[Sequence[int]] | None = None,
+    quantize_lm_head: bool | None = None,
 ) -> MoLoRAModel:
     """Swap the target linears of `model` for routed layers and load `adapters` (name -> PEFT folder).
 
@@ -368,14 +369,22 @@ def attach(
     quantizes every linear but the LM head first, on the CPU (molora.model.quant_linear: int8 and int4 weight only,
     w8a8 rounds the activations to int8 too); the adapters stay in the model's dtype. calibration (w8a8): rows of
     token ids of general text the float model reads first, for SmoothQuant's activation ranges (molora.load gives
-    16 general prompts with their answers; without it w8a8 rounds the activations unsmoothed).
+    16 general prompts with their answers; without it w8a8 rounds the activations unsmoothed). quantize_lm_head: the
+    LM head too, and a tied input embedding reading the head's int8 copy (molora.model.quant_linear.quantize_head;
+    int8 only); None: the scheme's default (HEAD_SCHEMES).
     """
     if any(isinstance(m, RoutedLoRALinear) for m in model.modules()):
         raise MoLoRAError("this model is already attached; attach once and use load_adapter for more")
+    if quantize_lm_head and quantization != "int8":
+        raise MoLoRAError(f"quantize_lm_head needs quantization='int8', got {quantization!r}")
+    if quantize_lm_head and type(getattr(model, "get_output_embeddings", lambda: None)()) is not nn.Linear:
+        raise MoLoRAError("quantize_lm_head: the model has no plain nn.Linear LM head (get_output_embeddings)")
     if quantization is not None:
         try:
             amax = activation_ranges(model, calibration) if quantization == "w8a8" and calibration else None
             names = quantize_linears(model, quantization, act_amax=amax)
+            if quantize_lm_head or (quantize_lm_head is None and quantization in HEAD_SCHEMES):
+                names += quantize_head(model, quantization)
         except ValueError as e:
             raise MoLoRAError(f"cannot quantize the base model: {e}") from e
         log.info("quantized %d linears to %s", len(names), quantization)

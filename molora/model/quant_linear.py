@@ -16,9 +16,17 @@ no slower. `weight_bytes` counts every resident copy of the base weights, the ke
 w8a8 keeps oneDNN's packed copy of qweight (made at the first call, again when qweight, scales or
 smooth change), on which it runs with the activations quantized per token (molora.ops.quant), each input channel
 first multiplied by `smooth` when the layer was built with activation ranges (SmoothQuant, power-of-two factors;
-`activation_ranges` measures them, molora.load reads general text for it). The LM head (tied to the
-embeddings in small models) stays in float. A `RoutedLoRALinear` wraps a `QuantizedLinear` as it wraps an
-`nn.Linear`: the LoRA delta stays in the activation dtype, unquantized.
+`activation_ranges` measures them, molora.load reads general text for it). The LM head (tied to the embeddings in small
+models) stays in float by default. `quantize_head` (attach's quantize_lm_head=True) makes it an int8 `QuantizedLinear`
+too, and the tied input embeddings a `QuantizedEmbedding` that reads the rows of the same int8 copy: no float [V, D]
+matrix and no packed copy of it is left (SmolLM2-135M under int8: 135 MB of base weights, 0.94x the Q8_0 GGUF, against
+333 MB in float32 and 164 MB (220 MB on AMX, which packs a bfloat16 copy of the head) in bfloat16 with the head in
+float; docs/quant_weight_bytes.json). Not the default (HEAD_SCHEMES empty): on validation it kept every
+float32-activation skill item's score, but in bfloat16 general retention fell from 90% to 80%
+(docs/quant_eval_val_head.json), and the engine ran 6-11% slower with it on an AVX-512 CPU without AMX (linear_w8 on the
+head against the float32 panels or torch's bfloat16 GEMM; docs/quant_head_ab.json, and 6-9% with the trees swapped,
+docs/quant_head_ab_swapped.json). A `RoutedLoRALinear` wraps a `QuantizedLinear` as it wraps an `nn.Linear`: the LoRA
+delta stays in the activation dtype, unquantized.
 
 With autograd on (training adapters over a quantized base) the product runs on the dequantized weight, which
 autograd differentiates with respect to x; the weight itself is frozen.
@@ -33,6 +41,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from molora.ops import quant
+
+# schemes that quantize the LM head by default (`quantize_head`): none, chosen on validation (module docstring)
+HEAD_SCHEMES: tuple[str, ...] = ()
 
 
 class QuantizedLinear(nn.Module):
@@ -112,6 +123,12 @@ class QuantizedLinear(nn.Module):
         """The quantized weight as `quant.quantize` made it (int8: [d_out, d_in]; a copy where `tiled`)."""
         return quant.untile(self.qweight) if self.tiled else self.qweight
 
+    def take(self, ids: Tensor) -> Tensor:
+        """int8: the weight rows (output channels) `ids` [T] as int8 [T, d_in], from whichever layout is kept (the
+        tiles gathered in place: no copy of the whole weight)."""
+        assert self.scheme == "int8", self.scheme
+        return quant.take_tiles(self.qweight, ids) if self.tiled else self.qweight.index_select(0, ids)
+
     def _int8(self, x: Tensor, bias: Tensor | None) -> Tensor:  # the bias added in the kernel, before its rounding
         w, s32 = self.w8_operands(x.dtype)
         return quant.linear_int8(x, None if self.tiled else w, s32, w if self.tiled else None, bias)
@@ -180,6 +197,60 @@ class QuantizedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, scheme={self.scheme}{group}"
         )
+
+
+class QuantizedEmbedding(nn.Module):
+    """The input embeddings read from the int8 copy of a tied LM head (`quantize_head`): the rows of the tokens,
+    dequantized, so that the embedding and the head hold one int8 copy between them.
+
+        emb = QuantizedEmbedding(head)     # head: the int8 QuantizedLinear [V, D] that replaced the tied lm_head
+        h = emb(ids)                       # ids [...] -> [..., D] = qweight[ids] * scales[ids], in the scales' dtype
+    """
+
+    head: QuantizedLinear
+
+    def __init__(self, head: QuantizedLinear, padding_idx: int | None = None) -> None:
+        super().__init__()
+        if head.scheme != "int8":
+            raise ValueError(f"embeddings read from an int8 head only, got {head.scheme}")
+        self.num_embeddings, self.embedding_dim, self.padding_idx = head.out_features, head.in_features, padding_idx
+        # a reference, not a submodule: the model owns the head as lm_head (listed once by named_modules and
+        # state_dict, cast once by .to); the embedding reads its buffers at each call
+        object.__setattr__(self, "head", head)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1)  # [T]
+        s = self.head.scales
+        rows = quant.dequantize_int8(self.head.take(flat), s.index_select(0, flat))  # [T, D] float32
+        return rows.to(s.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows of the tied LM head"
+
+
+def quantize_head(model: nn.Module, scheme: str) -> list[str]:
+    """Swap the LM head (a transformers model's output embeddings, an `nn.Linear`) for a `QuantizedLinear` of
+    `scheme` ("int8" only) and, where it is tied to the input embeddings, the input embeddings for a
+    `QuantizedEmbedding` that reads the same int8 copy; the float matrix is dropped. Returns the names replaced
+    (none where the model has no plain linear head). Quantize before attaching (molora.attach does)."""
+    from molora.model.lora_linear import swap_modules
+
+    if scheme != "int8":
+        raise ValueError(f"the LM head is quantized under int8 only, got {scheme!r}")
+    by_id = {id(m): (n, m) for n, m in model.named_modules()}
+    head = by_id.get(id(getattr(model, "get_output_embeddings", lambda: None)()))
+    emb = by_id.get(id(getattr(model, "get_input_embeddings", lambda: None)()))
+    if head is None or not isinstance(lin := head[1], nn.Linear) or type(lin) is not nn.Linear:
+        return []
+    q = QuantizedLinear(lin, scheme)
+    tied = emb is not None and isinstance(e := emb[1], nn.Embedding) and e.weight is lin.weight
+    with torch.no_grad():
+        names = swap_modules(model, [head[0]], lambda _n, _old: q)
+        if tied:
+            assert emb is not None and isinstance(emb[1], nn.Embedding)
+            pad = emb[1].padding_idx
+            names += swap_modules(model, [emb[0]], lambda _n, _old: QuantizedEmbedding(q, pad))
+    return names
 
 
 def quantize_linears(

@@ -202,6 +202,13 @@ def untile(t: Tensor) -> Tensor:
     return t.view(p, c, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(16 * p, 32 * c)
 
 
+def take_tiles(t: Tensor, ids: Tensor) -> Tensor:
+    """Rows `ids` [T] of the int8 weight held as `tiles` t [N / 16, K / 32, 16, 32] -> int8 [T, K] (= untile(t)[ids],
+    without untiling the rest)."""
+    p, c = t.shape[0], t.shape[1]
+    return t.view(p, c, 16, 16, 2)[ids // 16, :, :, ids % 16, :].reshape(ids.shape[0], 32 * c)  # [T, K / 32, 16, 2]
+
+
 def linear_int8(
     x: Tensor, q: Tensor | None, scales: Tensor, q_tiles: Tensor | None = None, bias: Tensor | None = None
 ) -> Tensor:

@@ -51,12 +51,14 @@ def build_engine(
     dtype: str = "float32",
     max_cpu_loras: int | None = None,
     quantization: str | None = None,
+    quantize_lm_head: bool | None = None,
 ) -> Any:
     """An `Engine` over the bundle at `bundle` (a folder, a parsed `Bundle` such as `molora serve --model` makes,
     or None: the embedded default bundle); dtype "bfloat16" runs weights, adapters and KV cache in bf16 (AMX /
     avx512_bf16 on CPU; the router's gates stay fp32). max_cpu_loras (vLLM's flag): the CPU tier holds that
     many adapters of the slots' size beyond the slots (instead of EngineConfig.cpu_tier_bytes). quantization
-    ("int8", "int4", "w8a8", vLLM's --quantization): the base's linears quantized on load (molora.bundle.load)."""
+    ("int8", "int4", "w8a8", vLLM's --quantization): the base's linears quantized on load (molora.bundle.load);
+    quantize_lm_head: the LM head too (int8 only; molora.attach)."""
     import dataclasses
 
     import torch
@@ -64,7 +66,7 @@ def build_engine(
     from molora.bundle import load
     from molora.engine import Engine, EngineConfig
 
-    mm = load(bundle, quantization=quantization)
+    mm = load(bundle, quantization=quantization, quantize_lm_head=quantize_lm_head)
     if dtype != "float32":
         mm.to(getattr(torch, dtype))
     cfg = engine_config if engine_config is not None else EngineConfig()
@@ -135,11 +137,13 @@ def serve(
     lora_resolver_dirs: Sequence[str | Path] = (),
     quantization: str | None = None,
     lora_dirs: Sequence[str | Path] = (),
+    quantize_lm_head: bool | None = None,
 ) -> None:
     """Serve the OpenAI-compatible API until SIGTERM/SIGINT, then drain and return.
 
     bundle: a bundle folder, a parsed `Bundle` (molora.userbundle.bundle_from_flags) or None (the embedded
-    default); engine: an already built engine instead. max_cpu_loras, quantization: see `build_engine`.
+    default); engine: an already built engine instead. max_cpu_loras, quantization, quantize_lm_head: see
+    `build_engine`.
     lora_resolver_dirs: folders whose subfolder NAME loads as adapter NAME when a request first names it.
     lora_dirs: folders whose every subfolder NAME is adapter NAME from the start (`register_lora_dirs`).
     api_keys / admin_keys: Bearer keys (none: an open server; admin keys also work as API keys).
@@ -150,7 +154,7 @@ def serve(
     if not api_keys and not admin_keys and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without API keys: anyone who can reach this port can use it (--api-key)", host)
     if engine is None:
-        engine = build_engine(bundle, engine_config, dtype, max_cpu_loras, quantization)
+        engine = build_engine(bundle, engine_config, dtype, max_cpu_loras, quantization, quantize_lm_head)
     register_lora_dirs(engine, lora_dirs)
     extra = {"limits": limits} if limits is not None else {}
     app = create_app(
