@@ -22,8 +22,8 @@ pass and one prompt pass per adapter before the answer.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +81,58 @@ def hybrid_decide(
     if share.shape[0] != z.shape[0]:
         raise RoutingError(f"{share.shape[0]} shares for {z.shape[0]} prompts")
     top, k = z.max(1)
-    go = (share >= prompt_share) & (share > 0)
+    go = (share >= prompt_share) & (share > 0) & torch.isfinite(top)  # -inf: no adapter may be chosen
     if z_or is not None:
         go = go | (top >= z_or)
     if z_floor is not None:
         go = go & (top >= z_floor)
     return torch.where(go, k, -1).tolist()
+
+
+@dataclass(frozen=True)
+class HybridSettings:
+    """What a served hybrid chooser is built from (a bundle's router object {"kind": "hybrid", ...}): Arrow's
+    prompt-vote settings, the rule's z_or and z_floor, and the pool the confidence statistics are taken over (the
+    base model writes `pool_n` user turns, molora.calibration.sample_pool with these sampling settings)."""
+
+    arrow: ArrowConfig
+    z_or: float | None = None
+    z_floor: float | None = None
+    pool_n: int = 800
+    pool_seed: int = 0
+    pool_batch: int = 128
+    pool_max_new_tokens: int = 48
+    pool_temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("pool_n", "pool_batch", "pool_max_new_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (2 if name == "pool_n" else 1):
+                raise RoutingError(f"hybrid {name}={v!r}: a whole number >= {2 if name == 'pool_n' else 1}")
+        if not isinstance(self.pool_seed, int) or not self.pool_temperature > 0:
+            raise RoutingError(
+                f"hybrid pool_seed={self.pool_seed!r} (an integer), pool_temperature={self.pool_temperature!r} (> 0)"
+            )
+        for name in ("z_or", "z_floor"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (int, float)):
+                raise RoutingError(f"hybrid {name}={v!r}: a number or null")
+        HybridChooser._check_arrow(self.arrow)
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any], where: str = "hybrid router") -> HybridSettings:
+        """From a router object {"kind": "hybrid", "arrow": {...ArrowConfig}, "z_or", "z_floor", "pool_n", ...}."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known - {"kind"})
+        if unknown:
+            raise RoutingError(f"{where}: unknown hybrid settings {unknown}; known: {sorted(known)}")
+        if not isinstance(raw.get("arrow"), Mapping):
+            raise RoutingError(f'{where}: "arrow" must be an object of Arrow settings (prompt, rms_threshold, ...)')
+        arrow = ArrowConfig.from_json(raw["arrow"], where=f"{where} arrow")
+        try:
+            return cls(arrow, **{k: v for k, v in raw.items() if k in known and k != "arrow"})
+        except RoutingError as e:
+            raise RoutingError(f"{where}: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -99,7 +145,10 @@ class HybridChooser:
     z_floor: float | None = None
 
     def __post_init__(self) -> None:
-        a = self.arrow
+        self._check_arrow(self.arrow)
+
+    @staticmethod
+    def _check_arrow(a: ArrowConfig) -> None:
         if not (a.prompt and a.granularity == "per_block" and a.rms_threshold is not None):
             raise RoutingError("the hybrid's Arrow settings need prompt=true, per_block and rms_threshold")
 
@@ -127,10 +176,41 @@ class HybridChooser:
         """One adapter name (None: base) per question, with `template` ("{prompt}" in it; default mm's bundle's)
         applied."""
         rows = prompt_rows(mm, self.adapter_names, questions, template, "the hybrid chooser")
+        return [c["adapter"] for c in self.decide_rows(mm, rows, list(range(len(self.adapter_names))), batch_size)]
+
+    def decide_rows(
+        self, mm: Any, rows: Sequence[Sequence[int]], mm_index: Sequence[int | None], batch_size: int = 16
+    ) -> list[dict[str, Any]]:
+        """Per prompt (token ids, template applied) {"adapter": name or None (the base model), "share": Arrow's
+        claimed share, "z": {adapter: its confidence z}}, choosing among the adapters whose `mm_index` (their index
+        in mm.adapter_names, per adapter of this chooser) is not None; the others are neither run nor chosen."""
+        if len(mm_index) != len(self.adapter_names):
+            raise RoutingError(f"{len(mm_index)} model indices for the chooser's {len(self.adapter_names)} adapters")
         share = arrow_claim_share(self._router(mm), mm, rows, batch=batch_size)
-        z = self.chooser.zscores(first_token_entropy(mm, rows, batch=batch_size))
+        which = [k for k, i in enumerate(mm_index) if i is not None]
+        z = torch.full((len(rows), len(self.adapter_names)), float("-inf"), dtype=torch.float64)
+        if which:
+            ent = first_token_entropy(mm, rows, batch=batch_size, adapters=[int(mm_index[k]) for k in which])  # type: ignore[arg-type]
+            z[:, which] = self.chooser.zscores(ent, which)
         picks = hybrid_decide(share, z, self.arrow.prompt_share, self.z_or, self.z_floor)
-        return [None if p < 0 else self.adapter_names[p] for p in picks]
+        return [
+            {
+                "adapter": None if p < 0 else self.adapter_names[p],
+                "share": round(float(s), 4),
+                "z": {self.adapter_names[k]: round(float(z[j, k]), 3) for k in which},
+            }
+            for j, (p, s) in enumerate(zip(picks, share.tolist()))
+        ]
+
+    def choose_served(
+        self, mm: Any, questions: Sequence[str], allowed: Sequence[str] | None = None, batch_size: int = 16
+    ) -> list[dict[str, Any]]:
+        """`decide_rows` for question texts in mm's bundle template, over whichever of this chooser's adapters mm
+        holds now (an engine's hot set orders and evicts them) and `allowed` names (None: all)."""
+        rows = prompt_rows(mm, None, questions, None, "the hybrid chooser")
+        held = mm.adapter_names
+        index = [held.index(n) if n in held and (allowed is None or n in allowed) else None for n in self.adapter_names]
+        return self.decide_rows(mm, rows, index, batch_size)
 
     def save(self, folder: str | Path) -> Path:
         folder = Path(folder)

@@ -1,0 +1,152 @@
+"""What the served hybrid chooser costs a request end to end: `molora serve`'s app (HTTP, the engine thread) on the
+default bundle with `--router hybrid`, answering each validation item once through the chooser (model=<the
+bundle's name>) and once pinned to the item's own adapter (model=<adapter>), interleaved.
+
+    .venv/bin/python scripts/hybrid_serve_cost.py --json docs/hybrid_serve_cost.json --cache runs/hybrid_cache \
+        [--limit 4] [--repeats 2] [--threads 1]
+
+The calibration is read from --cache (scripts/hybrid_serve_startup.py writes it; a cold cache computes it first).
+For each skill, the first --limit validation items (`molora.eval.heldout` split "val", as scripts/arrow_cost.py
+takes them) are sent one at a time as a chat turn with the evaluation's token budget for the answer kind
+(`molora.eval.runner.MAX_NEW_TOKENS`), greedy; each (item, repetition) is a pair whose order rotates every pair
+(style.md 18), after one untimed request under each variant. The prefix cache is off, so neither variant reuses
+the other's prompt KV. Per pair the ratio of seconds and of seconds per answer token; the record keeps every pair
+(with the chooser's pick), the medians overall and per skill, the chooser's own time per call (/metrics), the load
+average before and after, and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    import httpx
+    import torch
+
+    from molora.bench.common import machine_info
+    from molora.bundle import default_bundle_dir, read_bundle
+    from molora.engine import EngineConfig
+    from molora.eval.heldout import held_out, training_inputs
+    from molora.eval.runner import MAX_NEW_TOKENS
+    from molora.eval.tasks import answer_kind
+    from molora.manifest import MANIFEST, parse_manifest
+    from molora.server.app import create_app
+    from molora.server.launch import ServerThread, build_engine
+    from molora.userbundle import router_entry
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--cache", required=True, help="the calibration cache (scripts/hybrid_serve_startup.py)")
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    os.environ["MOLORA_HYBRID_CACHE"] = str(a.cache)
+    torch.set_num_threads(a.threads)
+    load_before = os.getloadavg()
+    folder = default_bundle_dir()
+    raw = json.loads((folder / MANIFEST).read_text())
+    bundle = parse_manifest({**raw, "router": router_entry("hybrid")}, folder, "hybrid")
+    t0 = time.perf_counter()
+    engine = build_engine(bundle, EngineConfig(enable_prefix_caching=False))
+    build_s = time.perf_counter() - t0
+    own_bundle = read_bundle(folder)
+    banned = training_inputs(own_bundle)
+    tasks = [ad.tasks[0] for ad in own_bundle.adapters if ad.tasks]
+    work = []
+    for t in tasks:
+        items, _ = held_out(t, a.limit, banned, split="val")
+        work += [(t, it, own_bundle.adapter_for_task(t)) for it in items[: a.limit]]
+    pairs = []
+    with ServerThread(create_app(engine)) as url, httpx.Client(base_url=url, timeout=600) as http:
+
+        def ask(model: str, item) -> dict:  # noqa: ANN001
+            budget = MAX_NEW_TOKENS.get(answer_kind(item.task, item.target), 64)
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": item.input}],
+                "max_tokens": budget,
+                "temperature": 0,
+            }
+            t0 = time.perf_counter()
+            r = http.post("/chat/completions", json=body)
+            seconds = time.perf_counter() - t0
+            r.raise_for_status()
+            out = r.json()
+            pick = (out["choices"][0].get("molora") or {}).get("chooser", {}).get("adapter", model)
+            return {"seconds": seconds, "tokens": out["usage"]["completion_tokens"], "pick": pick}
+
+        _, first, own = work[0]
+        ask(bundle.name, first), ask(own, first)  # untimed: the first requests of a process pay for allocations
+        for rep in range(a.repeats):
+            for t, item, own in work:
+                flip = len(pairs) % 2
+                variants = [("hybrid", bundle.name), ("own", own)]
+                got = {name: ask(model, item) for name, model in variants[flip:] + variants[:flip]}
+                h, o = got["hybrid"], got["own"]
+                pairs.append(
+                    {
+                        "task": t,
+                        "repeat": rep,
+                        "first": variants[flip][0],
+                        "pick": h["pick"],
+                        "own_adapter": own,
+                        "hybrid_s": round(h["seconds"], 3),
+                        "own_s": round(o["seconds"], 3),
+                        "hybrid_tokens": h["tokens"],
+                        "own_tokens": o["tokens"],
+                        "time_ratio": round(h["seconds"] / o["seconds"], 3),
+                        "per_token_ratio": round(
+                            (h["seconds"] / max(h["tokens"], 1)) / (o["seconds"] / max(o["tokens"], 1)), 3
+                        ),
+                    }
+                )
+                print(json.dumps(pairs[-1]), flush=True)
+        metrics = http.get(url.removesuffix("/v1") + "/metrics").text
+    total = float(re.search(r"^molora_chooser_seconds_sum (\S+)$", metrics, re.M).group(1))  # type: ignore[union-attr]
+    calls = float(re.search(r"^molora_chooser_seconds_count (\S+)$", metrics, re.M).group(1))  # type: ignore[union-attr]
+
+    def med(rows: list[dict], key: str) -> float:
+        return round(statistics.median(p[key] for p in rows), 3)
+
+    rec = {
+        "command": f"python scripts/hybrid_serve_cost.py --json {a.json} --cache {a.cache} --limit {a.limit} "
+        f"--repeats {a.repeats} --threads {a.threads}",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine_info(),
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "router": router_entry("hybrid"),
+        "engine": {"enable_prefix_caching": False},
+        "build_s": round(build_s, 1),
+        "limit": a.limit,
+        "repeats": a.repeats,
+        "chooser_calls": int(calls),
+        "chooser_mean_s": round(total / calls, 3),
+        "pairs": pairs,
+        "picked_own_adapter": round(100 * statistics.mean(p["pick"] == p["own_adapter"] for p in pairs), 1),
+        "median_time_ratio": med(pairs, "time_ratio"),
+        "median_per_token_ratio": med(pairs, "per_token_ratio"),
+        "per_task": {
+            t: {
+                "median_time_ratio": med([p for p in pairs if p["task"] == t], "time_ratio"),
+                "median_per_token_ratio": med([p for p in pairs if p["task"] == t], "per_token_ratio"),
+                "median_own_tokens": statistics.median(p["own_tokens"] for p in pairs if p["task"] == t),
+            }
+            for t in tasks
+        },
+    }
+    Path(a.json).write_text(json.dumps(rec, indent=1) + "\n")
+    print(json.dumps({k: rec[k] for k in ("median_time_ratio", "median_per_token_ratio", "chooser_mean_s")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
