@@ -11,7 +11,9 @@ scripts/arrow_variants_choose.py in the same order (40 per skill, the 60 general
 turn), whose Arrow claimed shares (molora.routing.hybrid.arrow_claim_share, the served setting) and per-adapter
 entropies are computed here. For each pool size the chooser's statistics come from the pool's first n turns and
 every validation prompt is decided by the served rule (molora.routing.hybrid.hybrid_decide, z_or 3.5), scored with
-scripts/arrow_variants_choose.py's `hit_rates` (the same items and rule as scripts/datafree_hybrid.py).
+scripts/arrow_variants_choose.py's `hit_rates` (the same items and rule as scripts/datafree_hybrid.py). Also checked
+on the same prompts: the served per-request path's `joint_pass` (one forward of each prompt on the base model and
+every adapter together) against the separate passes the validation used, picks and largest differences.
 
 Rule, fixed before any size was scored: the smallest size whose skills mean is within 1.25 points (two skill items
 of 160) of the 800-turn pool's and which keeps >= 95% of general prompts on the base model.
@@ -66,12 +68,21 @@ def pool_entropies(cache: Path, names: list[str], n: int) -> torch.Tensor:
     return torch.tensor([by_name[x] for x in names], dtype=torch.float64).T
 
 
+def chosen_n(grid: list[dict], full_n: int) -> int:
+    """The rule (module docstring): the smallest size within 1.25 points of the full pool's skills mean and keeping
+    >= 95% general; the full pool if none."""
+    top = next(r for r in grid if r["pool_n"] == full_n)
+    ok = [r["pool_n"] for r in grid if r["skills_mean"] >= top["skills_mean"] - 1.25 and r["general"] >= 95]
+    return min(ok) if ok else full_n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--cache", required=True)
     ap.add_argument("--sizes", default="50,100,200,400,800")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--wait-s", type=float, default=0.0, help="wait this long for the cache to be complete")
     ap.add_argument("--val-entropy", default="runs/hybrid_val_entropy.pt", help="cache of the validation entropies")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -79,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from molora.bench.common import machine_info
     from molora.bundle import load
     from molora.routing.confidence import ConfidenceChooser, first_token_entropy
-    from molora.routing.hybrid import HybridChooser, HybridSettings, arrow_claim_share, hybrid_decide
+    from molora.routing.hybrid import HybridChooser, HybridSettings, arrow_claim_share, hybrid_decide, joint_pass
     from molora.userbundle import router_entry
 
     sizes = sorted(int(s) for s in a.sizes.split(","))
@@ -89,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     own = {t: names.index(mm.bundle.adapter_for_task(t)) for t in tasks}
     labels, rows = val_prompts(mm)
     s = HybridSettings.from_json(router_entry("hybrid"))
-    full = pool_entropies(Path(a.cache), names, s.pool_n)
     unused = ConfidenceChooser(tuple(names), (0.0,) * len(names), (1.0,) * len(names), 0.0, 0.0)
     hybrid = HybridChooser(unused, s.arrow, s.z_or, s.z_floor).bind(mm)
     share = arrow_claim_share(hybrid._router(mm), mm, rows)
@@ -99,14 +109,35 @@ def main(argv: list[str] | None = None) -> int:
         ent = first_token_entropy(mm, rows)
         Path(a.val_entropy).parent.mkdir(parents=True, exist_ok=True)
         torch.save(ent, a.val_entropy)
+    t1 = time.time()
+    j_share, j_ent = joint_pass(hybrid._router(mm), mm, rows, list(range(len(names))))
+    joint_s = time.time() - t1
+    deadline = time.time() + a.wait_s  # the pool's entropies may still be being written by the start-up script
+    while True:
+        try:
+            full = pool_entropies(Path(a.cache), names, s.pool_n)
+            break
+        except SystemExit:
+            if time.time() > deadline:
+                raise
+            time.sleep(20)
     grid = []
     for n in sizes:
         conf = ConfidenceChooser.from_pool(names, full[:n], z_min=0.0, margin=0.0)
         dest = hybrid_decide(share, conf.zscores(ent), s.arrow.prompt_share, s.z_or, s.z_floor)
         grid.append({"pool_n": n, **hit_rates(labels, dest, tasks, own)})
-    top = next(r for r in grid if r["pool_n"] == s.pool_n)
-    ok = [r for r in grid if r["skills_mean"] >= top["skills_mean"] - 1.25 and r["general"] >= 95]
-    chosen = min(ok, key=lambda r: r["pool_n"]) if ok else top
+    conf = ConfidenceChooser.from_pool(names, full[: chosen_n(grid, s.pool_n)], z_min=0.0, margin=0.0)
+    sep = hybrid_decide(share, conf.zscores(ent), s.arrow.prompt_share, s.z_or, s.z_floor)
+    one = hybrid_decide(j_share, conf.zscores(j_ent), s.arrow.prompt_share, s.z_or, s.z_floor)
+    joint = {
+        "note": "molora.routing.hybrid.joint_pass (one forward of each prompt on the base and every adapter) "
+        "against the separate passes, at the chosen pool size, on every validation prompt",
+        "picks_differ": sum(x != y for x, y in zip(sep, one)),
+        "max_abs_share_diff": round(float((share - j_share).abs().max()), 6),
+        "max_abs_entropy_diff": round(float((ent - j_ent).abs().max()), 6),
+        "joint_seconds": round(joint_s, 1),
+    }
+    chosen = next(r for r in grid if r["pool_n"] == chosen_n(grid, s.pool_n))
     validated = json.loads(Path("docs/datafree_hybrid_choice.json").read_text())["chosen"]
     committed = json.loads(Path("docs/datafree_confidence/confidence.json").read_text())
     served = ConfidenceChooser.from_pool(names, full, z_min=0.0, margin=0.0)
@@ -121,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "n_val_prompts": len(rows),
         "grid": grid,
         "chosen": chosen,
+        "joint_pass_check": joint,
         "validated_choice_row": {k: validated[k] for k in grid[0] if k in validated},
         "served_pool_stats": {"mean": [round(x, 4) for x in served.mean], "std": [round(x, 4) for x in served.std]},
         "committed_pool_stats": {

@@ -148,5 +148,75 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _startup_lines(docs: Path) -> list[str]:
+    out = []
+    for path in sorted(docs.glob("hybrid_serve_startup*.json")):
+        r = json.loads(path.read_text())
+        ent = r["entropy_s"]
+        out.append(
+            f"- `{r['command']}` on {r['date']} (load average {r['loadavg_before'][0]} before, "
+            f"{r['loadavg_after'][0]} after; {r['machine']['threads']} thread): pool of **{r['pool_prompts']}** turns. "
+            f"`build_engine` (what `molora serve` runs before it listens) took {r['build_none_s']:.0f} s with no "
+            f"router, **{r['build_hybrid_cold_s']:.0f} s** with the hybrid on an empty cache (the pool "
+            f"{r['pool_s']:.0f} s; each adapter's entropies over it "
+            + ", ".join(f"{k} {v:.0f} s" for k, v in ent.items())
+            + f") and **{r['build_hybrid_warm_s']:.0f} s** on the cache it wrote (a restart)."
+        )
+    return out
+
+
+def render_section(rec: dict) -> list[str]:
+    """docs/results.md's section on the served hybrid chooser: its start-up calibration
+    (docs/hybrid_serve_startup*.json), its pool size (docs/hybrid_pool_size_choice.json) and its cost per request
+    (this script's record), each where its record exists."""
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    out = [
+        "## Serving the hybrid data-free chooser (`--router hybrid`)",
+        "",
+        "`molora serve --model M --lora-modules ... --router hybrid` serves the hybrid above with its validation "
+        "setting (`molora.userbundle.HYBRID_ROUTER`): calibrated at start-up on the user's own base and adapters "
+        "(`molora/calibration.py`, cached on disk), then asked per request on the engine thread (docs/serving.md). "
+        "Measured on the default bundle's base and adapters (its ChatML template), 1 thread:",
+        "",
+        *_startup_lines(docs),
+    ]
+    size = docs / "hybrid_pool_size_choice.json"
+    if size.is_file():
+        z = json.loads(size.read_text())
+        cols = [k for k in z["grid"][0] if k != "pool_n"]
+        out += [
+            "",
+            f"**Pool size, chosen on validation** (`{z['command']}`; {z['n_val_prompts']} validation prompts of "
+            "scripts/datafree_hybrid.py, same `hit_rates`; the first n turns of the 800-turn pool are the pool of n). "
+            f"Rule: {z['rule']}. Chosen: **{z['chosen']['pool_n']}** turns. The 800-turn row beside the committed "
+            f"choice's validation row {json.dumps(z['validated_choice_row'])} checks that the served calibration "
+            "reproduces the validated one.",
+            "",
+            "| pool turns | " + " | ".join(cols) + " |",
+            "|---" * (len(cols) + 1) + "|",
+            *[f"| {r['pool_n']} | " + " | ".join(str(r[c]) for c in cols) + " |" for r in z["grid"]],
+        ]
+    ok = rec["median_time_ratio"] <= 1.25
+    out += [
+        "",
+        f"**Cost per request, served** (`{rec['command']}` on {rec['date']}, load average {rec['loadavg_before'][0]} "
+        f"before and {rec['loadavg_after'][0]} after): the first {rec['limit']} validation items of each skill sent "
+        "one at a time over HTTP, through the chooser (model = the bundle) and pinned to the skill's own adapter, "
+        f"interleaved with the order rotated, {rec['repeats']} repetitions, prefix cache off. Median time ratio "
+        f"**{rec['median_time_ratio']:.2f}x** (goal <= 1.25x: {'met' if ok else 'not met'}), per answer token "
+        f"{rec['median_per_token_ratio']:.2f}x; the chooser's own time {rec['chooser_mean_s']:.2f} s per call "
+        f"(mean of {rec['chooser_calls']}); it picked the item's own adapter in {rec['picked_own_adapter']}% of pairs.",
+        "",
+        "| skill | median time ratio | median per-token ratio | median answer tokens (own) |",
+        "|---|---|---|---|",
+        *[
+            f"| {t} | {v['median_time_ratio']:.2f} | {v['median_per_token_ratio']:.2f} | {v['median_own_tokens']} |"
+            for t, v in rec["per_task"].items()
+        ],
+        "",
+    ]
+    return out
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

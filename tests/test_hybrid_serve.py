@@ -5,6 +5,7 @@ Tiny random Llama base and PEFT adapters, each drawn from its own generator."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -174,6 +175,24 @@ def test_calibration_is_cached_and_a_changed_adapter_recomputes_its_own_alone(se
     assert changed.chooser.mean[0] == first.chooser.mean[0] and changed.chooser.mean[1] != first.chooser.mean[1]
 
 
+def test_the_joint_pass_equals_the_separate_passes_and_the_allowed_set_limits_the_pick(served):
+    from molora.routing.confidence import first_token_entropy
+    from molora.routing.hybrid import arrow_claim_share, joint_pass
+
+    mm = molora.load(served)
+    h = mm.chooser
+    rows = [mm.tokenizer(TEMPLATE.replace("{prompt}", q), add_special_tokens=False)["input_ids"] for q in PROMPTS]
+    share, ent = joint_pass(h._router(mm), mm, rows, [1, 0], batch=5)  # prompts of different lengths, 1 per forward
+    assert torch.allclose(share, arrow_claim_share(h._router(mm), mm, rows, batch=4))
+    assert torch.allclose(ent, first_token_entropy(mm, rows, adapters=[1, 0]), rtol=1e-4, atol=1e-5)
+    separate = h.choose_served(mm, PROMPTS)
+    object.__setattr__(h, "joint", True)
+    assert [c["adapter"] for c in h.choose_served(mm, PROMPTS)] == [c["adapter"] for c in separate]
+    only = h.choose_served(mm, PROMPTS, allowed=["e1"])
+    assert {c["adapter"] for c in only} <= {"e1", None} and all(set(c["z"]) == {"e1"} for c in only)
+    assert [c["adapter"] for c in h.choose_served(mm, PROMPTS, allowed=[])] == [None] * len(PROMPTS)
+
+
 def test_bad_settings_and_flags_are_refused_with_the_fix(tmp_path, monkeypatch, capsys):
     from molora.bundle import read_bundle
     from molora.cli import main
@@ -214,3 +233,47 @@ def test_the_served_setting_is_the_committed_validation_choice():
     assert (s.z_or, s.z_floor) == (chosen["z_or"], chosen["z_floor"])
     want = f"--n {s.pool_n} --seed {s.pool_seed} --batch {s.pool_batch} --max-new-tokens {s.pool_max_new_tokens} "
     assert want + f"--temperature {s.pool_temperature}" in pool
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_served_with_the_flags_picks_as_the_chooser_does_offline(tmp_path, monkeypatch):
+    """SmolLM2-135M-Instruct (its dequantized cache folder) with two of the default bundle's adapters, served by
+    `--model ... --lora-modules ... --router hybrid --chat-template` (ChatML without a system turn, as the default
+    bundle's template), a small pool to keep it short: each pick equals the chooser's own offline, and the answer
+    equals the answer pinned to that pick."""
+    import openai
+
+    from molora.bundle import DEFAULT_BUNDLE_DIR
+    from molora.cli import build_parser, own_bundle
+    from molora.model.base import DEFAULT_BASE_NAME, cache_root, load_default_base
+
+    monkeypatch.setenv("MOLORA_HYBRID_CACHE", str(tmp_path / "cache"))
+    load_default_base()  # writes the cache folder on first use
+    folder = cache_root() / DEFAULT_BASE_NAME.rsplit("/", 1)[-1]
+    chatml = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    chatml += "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    adapters = [f"{n}={DEFAULT_BUNDLE_DIR / 'adapters' / n}" for n in ("counting", "navigate")]
+    args = build_parser().parse_args(
+        ["serve", "--model", str(folder), "--lora-modules", *adapters, "--router", "hybrid", "--chat-template", chatml]
+    )
+    bundle = own_bundle(args)
+    router = {**bundle.router_options, "pool_n": 24, "pool_batch": 24}
+    bundle = dataclasses.replace(bundle, router_options=router)
+    engine = build_engine(bundle, EngineConfig(max_model_len=512))
+    questions = [
+        "How many fruits do I have? I have an apple, two bananas, a plum and a violin.",
+        "If you follow these instructions, do you return to the starting point? Take 3 steps. Turn around. "
+        "Take 3 steps.",
+        "Write a short greeting for a birthday card.",
+    ]
+    offline = engine.mm.chooser.choose_per_request(engine.mm, questions)
+    with ServerThread(create_app(engine)) as url:
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        for q, pick in zip(questions, offline):
+            msg = [{"role": "user", "content": q}]
+            chat = client.chat.completions.create(model=str(folder), messages=msg, max_tokens=16, temperature=0)
+            assert chat.choices[0].model_extra["molora"]["chooser"]["adapter"] == pick
+            alone = {"model": pick} if pick else {"model": str(folder), "extra_body": {"molora": {"adapters": []}}}
+            pinned = client.chat.completions.create(messages=msg, max_tokens=16, temperature=0, **alone)
+            assert chat.choices[0].message.content == pinned.choices[0].message.content

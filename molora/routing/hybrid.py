@@ -73,6 +73,47 @@ def arrow_claim_share(router: ArrowRouter, mm: Any, rows: Sequence[Sequence[int]
     return torch.tensor(out)
 
 
+@torch.no_grad()
+def joint_pass(
+    router: ArrowRouter, mm: Any, rows: Sequence[Sequence[int]], adapters: Sequence[int], *, batch: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`arrow_claim_share` [N], `first_token_entropy` [N, len(adapters)]) of the same prompts from one forward per
+    group of prompts instead of one base pass and one pass per adapter: each prompt is repeated once on the base model
+    and once per adapter (`adapters`: indices into mm.adapter_names), left-padded together, at most `batch` rows a
+    forward. The same numbers up to float rounding (the served chooser's per-request path: fewer, larger forwards)."""
+    c = router.config
+    if c.rms_threshold is None or c.granularity != "per_block":
+        raise RoutingError("the hybrid's Arrow needs granularity='per_block' and rms_threshold (its calibration)")
+    if any(not len(r) for r in rows):
+        raise RoutingError("an empty prompt has no tokens to vote")
+    b, module, K = router.carry_source, router._block_linear[router.carry_source], len(adapters)
+    per = max(1, batch // (K + 1))  # prompts per forward
+    shares, ents = [], []
+    for i in range(0, len(rows), per):
+        chunk = [list(r) for r in rows[i : i + per] for _ in range(K + 1)]  # [base, adapter 0, ...] per prompt
+        width = max(len(r) for r in chunk)
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in chunk], device=mm.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in chunk], device=mm.device)
+        which = torch.tensor([-1, *adapters] * (len(chunk) // (K + 1)), device=mm.device)  # [R]
+        o = mm(
+            ids,
+            attention_mask=mask,
+            adapter_ids=which[:, None].expand_as(ids).contiguous(),
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        logp = o.logits[:, -1].float().log_softmax(-1)
+        ent = -(logp.exp() * logp).sum(-1).cpu().view(-1, K + 1)  # [prompts, K + 1]
+        ents.append(ent[:, 1:])
+        for j in range(0, len(chunk), K + 1):
+            x = router._block_norm[b](o.hidden_states[b][j, width - len(chunk[j]) :]).float()  # [T, D]
+            x = x[-c.prompt_window :] if c.prompt_window is not None else x
+            shares.append(float((router.general_ratio(module, x).max(-1).values >= c.rms_threshold).float().mean()))
+    return torch.tensor(shares), torch.cat(ents) if ents else torch.zeros(0, K)
+
+
 def hybrid_decide(
     share: torch.Tensor, z: torch.Tensor, prompt_share: float, z_or: float | None, z_floor: float | None
 ) -> list[int]:
@@ -143,6 +184,7 @@ class HybridChooser:
     arrow: ArrowConfig
     z_or: float | None = None
     z_floor: float | None = None
+    joint: bool = False  # decide_rows by `joint_pass` (one forward per group of prompts) instead of K + 1 passes
 
     def __post_init__(self) -> None:
         self._check_arrow(self.arrow)
@@ -186,11 +228,15 @@ class HybridChooser:
         in mm.adapter_names, per adapter of this chooser) is not None; the others are neither run nor chosen."""
         if len(mm_index) != len(self.adapter_names):
             raise RoutingError(f"{len(mm_index)} model indices for the chooser's {len(self.adapter_names)} adapters")
-        share = arrow_claim_share(self._router(mm), mm, rows, batch=batch_size)
         which = [k for k, i in enumerate(mm_index) if i is not None]
         z = torch.full((len(rows), len(self.adapter_names)), float("-inf"), dtype=torch.float64)
-        if which:
+        if self.joint:
+            adapters = [int(i) for i in mm_index if i is not None]
+            share, ent = joint_pass(self._router(mm), mm, rows, adapters, batch=batch_size)
+        else:
+            share = arrow_claim_share(self._router(mm), mm, rows, batch=batch_size)
             ent = first_token_entropy(mm, rows, batch=batch_size, adapters=[int(mm_index[k]) for k in which])  # type: ignore[arg-type]
+        if which:
             z[:, which] = self.chooser.zscores(ent, which)
         picks = hybrid_decide(share, z, self.arrow.prompt_share, self.z_or, self.z_floor)
         return [
