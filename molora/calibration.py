@@ -16,7 +16,8 @@ Nothing labelled is read, only the adapters' weights and text the base model wri
   start-up as `--router arrow` computes them (`HybridChooser.bind`), not cached.
 
 Cache (`$MOLORA_HYBRID_CACHE`, default `$MOLORA_CACHE/hybrid`): `pool-<key>.json` keyed by the base (its config and
-a fingerprint of its weights: every parameter's name, shape, dtype and a strided sample of 4096 of its values),
+a fingerprint of its weights: every parameter's, and a quantized linear's weight buffers', name, shape, dtype and a
+strided sample of 4096 of its values; the adapters live in the bank's buffers and are left out),
 the prompt template, the end-of-turn text, the weights' dtype and the pool settings; `entropy-<key>-<adapter>.json`
 per adapter, keyed by the pool's key and the adapter's contents as loaded (every module's A, B and scale). A
 restart reads both; a changed adapter recomputes its own entropies only; a changed base or setting recomputes
@@ -145,11 +146,19 @@ def _digest(h: Any, t: torch.Tensor) -> None:
 
 
 def base_fingerprint(mm: Any) -> str:
-    """A key of the base model's weights (module docstring: config, and per parameter its name, shape, dtype and a
-    strided sample of its values); the adapters live in the bank's buffers, not in parameters, so they are not in
-    it."""
+    """A key of the base model's weights (module docstring: config, and per parameter, and per buffer of a quantized
+    linear, its name, shape, dtype and a strided sample of its values); the adapters, in the bank's buffers, are not
+    in it."""
+    from molora.model.quant_linear import QuantizedLinear
+
     h = hashlib.sha256(mm.config.to_json_string(use_diff=False).encode())
-    for name, p in mm.model.named_parameters():
+    quantized = [
+        (f"{m_name}.{b_name}", b)
+        for m_name, m in mm.model.named_modules()
+        if isinstance(m, QuantizedLinear)
+        for b_name, b in m.named_buffers(recurse=False)
+    ]
+    for name, p in [*mm.model.named_parameters(), *quantized]:
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
         _digest(h, p)
     return h.hexdigest()[:20]

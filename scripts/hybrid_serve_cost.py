@@ -12,7 +12,9 @@ takes them) are sent one at a time as a chat turn with the evaluation's token bu
 (style.md 18), after one untimed request under each variant. The prefix cache is off, so neither variant reuses
 the other's prompt KV. Per pair the ratio of seconds and of seconds per answer token; the record keeps every pair
 (with the chooser's pick), the medians overall and per skill, the chooser's own time per call (/metrics), the load
-average before and after, and the machine.
+average before and after, and the machine. Before the server starts, the chooser alone is timed on every item both
+ways (its separate base and adapter passes, and `joint_pass`: one forward of the prompt on the base and every
+adapter), interleaved the same way; the server then runs the served setting (HybridChooser.joint as built).
 """
 
 from __future__ import annotations
@@ -64,6 +66,26 @@ def main(argv: list[str] | None = None) -> int:
     for t in tasks:
         items, _ = held_out(t, a.limit, banned, split="val")
         work += [(t, it, own_bundle.adapter_for_task(t)) for it in items[: a.limit]]
+    chooser, served_joint = engine.mm.chooser, engine.mm.chooser.joint
+    ab = []  # the chooser alone, before the server starts (nothing else runs on the model): separate passes or joint
+    for _rep in range(a.repeats):
+        for t, item, _ in work:
+            got = {}
+            flip = len(ab) % 2
+            for joint in [(False, True), (True, False)][flip]:
+                object.__setattr__(chooser, "joint", joint)
+                t1 = time.perf_counter()
+                pick = chooser.choose_served(engine.mm, [item.input])[0]["adapter"]
+                got[joint] = (time.perf_counter() - t1, pick)
+            ab.append(
+                {
+                    "task": t,
+                    "separate_s": round(got[False][0], 3),
+                    "joint_s": round(got[True][0], 3),
+                    "same_pick": got[False][1] == got[True][1],
+                }
+            )
+    object.__setattr__(chooser, "joint", served_joint)
     pairs = []
     with ServerThread(create_app(engine)) as url, httpx.Client(base_url=url, timeout=600) as http:
 
@@ -128,6 +150,14 @@ def main(argv: list[str] | None = None) -> int:
         "build_s": round(build_s, 1),
         "limit": a.limit,
         "repeats": a.repeats,
+        "served_joint_pass": served_joint,
+        "chooser_ab": {
+            "pairs": ab,
+            "median_separate_s": med(ab, "separate_s"),
+            "median_joint_s": med(ab, "joint_s"),
+            "median_joint_over_separate": round(statistics.median(p["joint_s"] / p["separate_s"] for p in ab), 3),
+            "same_picks": sum(p["same_pick"] for p in ab),
+        },
         "chooser_calls": int(calls),
         "chooser_mean_s": round(total / calls, 3),
         "pairs": pairs,
@@ -205,7 +235,12 @@ def render_section(rec: dict) -> list[str]:
         f"interleaved with the order rotated, {rec['repeats']} repetitions, prefix cache off. Median time ratio "
         f"**{rec['median_time_ratio']:.2f}x** (goal <= 1.25x: {'met' if ok else 'not met'}), per answer token "
         f"{rec['median_per_token_ratio']:.2f}x; the chooser's own time {rec['chooser_mean_s']:.2f} s per call "
-        f"(mean of {rec['chooser_calls']}); it picked the item's own adapter in {rec['picked_own_adapter']}% of pairs.",
+        f"(mean of {rec['chooser_calls']}, {'joint pass' if rec['served_joint_pass'] else 'separate passes'}); it "
+        f"picked the item's own adapter in {rec['picked_own_adapter']}% of pairs. The chooser alone, before serving: "
+        f"median {rec['chooser_ab']['median_separate_s']:.2f} s per prompt with separate base and adapter passes, "
+        f"{rec['chooser_ab']['median_joint_s']:.2f} s with one joint forward (median ratio "
+        f"{rec['chooser_ab']['median_joint_over_separate']:.2f}x; same pick in {rec['chooser_ab']['same_picks']} of "
+        f"{len(rec['chooser_ab']['pairs'])}).",
         "",
         "| skill | median time ratio | median per-token ratio | median answer tokens (own) |",
         "|---|---|---|---|",
