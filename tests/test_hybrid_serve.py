@@ -221,6 +221,7 @@ def test_the_served_setting_is_the_committed_validation_choice():
     root = Path(__file__).resolve().parent.parent / "docs"
     chosen = json.loads((root / "datafree_hybrid_choice.json").read_text())["chosen"]
     pool = json.loads((root / "datafree_confidence_choice.json").read_text())["pool_command"]
+    size = json.loads((root / "hybrid_pool_size_choice.json").read_text())
     s = HybridSettings.from_json(router_entry("hybrid"))
     a = s.arrow
     n_blocks = 30  # SmolLM2-135M's, where the choice was made: the default source block is 5/6 of the depth
@@ -231,8 +232,9 @@ def test_the_served_setting_is_the_committed_validation_choice():
         chosen["prompt_share"],
     )
     assert (s.z_or, s.z_floor) == (chosen["z_or"], chosen["z_floor"])
-    want = f"--n {s.pool_n} --seed {s.pool_seed} --batch {s.pool_batch} --max-new-tokens {s.pool_max_new_tokens} "
-    assert want + f"--temperature {s.pool_temperature}" in pool
+    want = f"--seed {s.pool_seed} --batch {s.pool_batch} --max-new-tokens {s.pool_max_new_tokens} "
+    assert want + f"--temperature {s.pool_temperature}" in pool  # the first pool_n turns of the validated pool
+    assert s.pool_n == size["chosen"]["pool_n"] and size["joint_pass_check"]["picks_differ"] == 0
 
 
 @pytest.mark.slow
