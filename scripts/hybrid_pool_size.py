@@ -2,7 +2,9 @@
 adapters' confidence statistics, the part of `--router hybrid`'s start-up calibration that grows with the pool.
 
     .venv/bin/python scripts/hybrid_pool_size.py --json docs/hybrid_pool_size_choice.json --cache runs/hybrid_cache \
-        [--sizes 50,100,200,400,800] [--threads 1]
+        [--sizes 50,100,200,400,800] [--full-n 800] [--threads 1]
+
+--cache holds the 800-turn pool: `scripts/hybrid_serve_startup.py --cache runs/hybrid_cache --pool-n 800`.
 
 Inputs, none labelled: the served calibration's cache (--cache, scripts/hybrid_serve_startup.py: the 800-turn pool
 and each adapter's first-answer-token entropy on every pooled turn, in the order drawn; the first n turns of that
@@ -82,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", required=True)
     ap.add_argument("--sizes", default="50,100,200,400,800")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--full-n", type=int, default=800, help="the cached pool's size: the pool the validation choice was made with"
+    )
     ap.add_argument("--wait-s", type=float, default=0.0, help="wait this long for the cache to be complete")
     ap.add_argument("--val-entropy", default="runs/hybrid_val_entropy.pt", help="cache of the validation entropies")
     a = ap.parse_args(argv)
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.time() + a.wait_s  # the pool's entropies may still be being written by the start-up script
     while True:
         try:
-            full = pool_entropies(Path(a.cache), names, s.pool_n)
+            full = pool_entropies(Path(a.cache), names, a.full_n)
             break
         except SystemExit:
             if time.time() > deadline:
@@ -126,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         conf = ConfidenceChooser.from_pool(names, full[:n], z_min=0.0, margin=0.0)
         dest = hybrid_decide(share, conf.zscores(ent), s.arrow.prompt_share, s.z_or, s.z_floor)
         grid.append({"pool_n": n, **hit_rates(labels, dest, tasks, own)})
-    conf = ConfidenceChooser.from_pool(names, full[: chosen_n(grid, s.pool_n)], z_min=0.0, margin=0.0)
+    conf = ConfidenceChooser.from_pool(names, full[: chosen_n(grid, a.full_n)], z_min=0.0, margin=0.0)
     sep = hybrid_decide(share, conf.zscores(ent), s.arrow.prompt_share, s.z_or, s.z_floor)
     one = hybrid_decide(j_share, conf.zscores(j_ent), s.arrow.prompt_share, s.z_or, s.z_floor)
     joint = {
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_abs_entropy_diff": round(float((ent - j_ent).abs().max()), 6),
         "joint_seconds": round(joint_s, 1),
     }
-    chosen = next(r for r in grid if r["pool_n"] == chosen_n(grid, s.pool_n))
+    chosen = next(r for r in grid if r["pool_n"] == chosen_n(grid, a.full_n))
     validated = json.loads(Path("docs/datafree_hybrid_choice.json").read_text())["chosen"]
     committed = json.loads(Path("docs/datafree_confidence/confidence.json").read_text())
     served = ConfidenceChooser.from_pool(names, full, z_min=0.0, margin=0.0)
@@ -148,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "rule": "smallest pool whose validation skills mean is within 1.25 points of the full pool's and keeps "
         ">= 95% of general prompts on the base model",
-        "setting": router_entry("hybrid"),
+        "setting": {**router_entry("hybrid"), "pool_n": a.full_n},
         "n_val_prompts": len(rows),
         "grid": grid,
         "chosen": chosen,
