@@ -216,7 +216,7 @@ def hybrid_chooser(mm: Any, settings: HybridSettings, folder: Path | None = None
         pool, pool_key = _pool(mm, settings, folder)
         ent = torch.stack([_entropies(mm, pool, pool_key, k, folder) for k in range(len(names))], 1)  # [N, K]
         chooser = ConfidenceChooser.from_pool(names, ent, z_min=0.0, margin=0.0)  # z_min, margin: unused here
-        # joint: each request's prompt runs on the base and every adapter in one forward; on the 340 validation
+        # joint: each request's prompt runs on the base and every adapter in one forward; on the 300 validation
         # prompts it picks as the separate passes do (docs/hybrid_pool_size_choice.json, joint_pass_check)
         hybrid = HybridChooser(chooser, settings.arrow, settings.z_or, settings.z_floor, joint=True).bind(mm)
     except (MoLoRAError, RuntimeError, ValueError) as e:

@@ -214,13 +214,20 @@ def render_section(rec: dict) -> list[str]:
     if size.is_file():
         z = json.loads(size.read_text())
         cols = [k for k in z["grid"][0] if k != "pool_n"]
+        full = {k: v for k, v in max(z["grid"], key=lambda r: r["pool_n"]).items() if k != "pool_n"}
+        j = z["joint_pass_check"]
         out += [
             "",
             f"**Pool size, chosen on validation** (`{z['command']}`; {z['n_val_prompts']} validation prompts of "
             "scripts/datafree_hybrid.py, same `hit_rates`; the first n turns of the 800-turn pool are the pool of n). "
-            f"Rule: {z['rule']}. Chosen: **{z['chosen']['pool_n']}** turns. The 800-turn row beside the committed "
-            f"choice's validation row {json.dumps(z['validated_choice_row'])} checks that the served calibration "
-            "reproduces the validated one.",
+            f"Rule: {z['rule']}. Chosen: **{z['chosen']['pool_n']}** turns. Check that the served calibration is the "
+            "validated one: the 800-turn row is "
+            + ("identical to" if full == z["validated_choice_row"] else "**not** identical to")
+            + " the committed choice's validation row (docs/datafree_hybrid_choice.json), and the pool statistics "
+            + ("equal" if z["served_pool_stats"] == z["committed_pool_stats"] else "**differ from**")
+            + " docs/datafree_confidence/confidence.json's to 4 decimals. The served per-request path (one joint "
+            f"forward of the prompt on the base and every adapter) picks differently on {j['picks_differ']} of the "
+            f"{z['n_val_prompts']} prompts (largest entropy difference {j['max_abs_entropy_diff']:g}).",
             "",
             "| pool turns | " + " | ".join(cols) + " |",
             "|---" * (len(cols) + 1) + "|",
