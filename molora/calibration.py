@@ -12,17 +12,17 @@ Nothing labelled is read, only the adapters' weights and text the base model wri
 - **Per adapter**: the entropy of its first answer token on every pooled prompt (molora.routing.confidence:
   `first_token_entropy`); the chooser z-scores an adapter's confidence by their mean and spread
   (`ConfidenceChooser.from_pool`).
-- **Arrow's prompt vote**: prototypes from the adapters' weights and the general-text calibration, computed at
-  start-up as `--router arrow` computes them (`HybridChooser.bind`), not cached.
+- **Arrow's prompt vote**: prototypes from the adapters' weights (computed at every start, a second) and the
+  general-text calibration (`ArrowRouter.calibrate`: the base model reads general prompts; cached).
 
 Cache (`$MOLORA_HYBRID_CACHE`, default `$MOLORA_CACHE/hybrid`): `pool-<key>.json` keyed by the base (its config and
 a fingerprint of its weights: every parameter's, and a quantized linear's weight buffers', name, shape, dtype and a
-strided sample of 4096 of its values; the adapters live in the bank's buffers and are left out),
-the prompt template, the end-of-turn text, the weights' dtype and the pool settings; `entropy-<key>-<adapter>.json`
-per adapter, keyed by the pool's key and the adapter's contents as loaded (every module's A, B and scale). A
-restart reads both; a changed adapter recomputes its own entropies only; a changed base or setting recomputes
-everything. A cache file that does not parse is recomputed (logged); one that cannot be written is logged and
-start-up goes on.
+strided sample of 4096 of its values; the adapters live in the bank's buffers and are left out), the prompt
+template, the end-of-turn text, the weights' dtype and the pool settings; `entropy-<key>-<adapter>.json` per
+adapter, keyed by the pool's key and the adapter's contents as loaded (every module's A, B and scale);
+`arrow-<key>.pt`, keyed by the base, the template, the dtype and Arrow's settings. A restart reads all three; a
+changed adapter recomputes its own entropies only; a changed base or setting recomputes everything. A cache file
+that does not parse is recomputed (logged); one that cannot be written is logged and start-up goes on.
 
 Knows models, adapters and the routing layer's choosers; nothing of engines, requests or HTTP.
 """
@@ -30,6 +30,7 @@ Knows models, adapters and the routing layer's choosers; nothing of engines, req
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -218,7 +219,8 @@ def hybrid_chooser(mm: Any, settings: HybridSettings, folder: Path | None = None
         chooser = ConfidenceChooser.from_pool(names, ent, z_min=0.0, margin=0.0)  # z_min, margin: unused here
         # joint: each request's prompt runs on the base and every adapter in one forward; on the 300 validation
         # prompts it picks as the separate passes do (docs/hybrid_pool_size_choice.json, joint_pass_check)
-        hybrid = HybridChooser(chooser, settings.arrow, settings.z_or, settings.z_floor, joint=True).bind(mm)
+        hybrid = HybridChooser(chooser, settings.arrow, settings.z_or, settings.z_floor, joint=True)
+        _bind_arrow(hybrid, mm, settings, folder)
     except (MoLoRAError, RuntimeError, ValueError) as e:
         raise BundleError(
             f"the hybrid chooser cannot calibrate for adapters {names} ({type(e).__name__}: {e}); serve them "
@@ -227,6 +229,38 @@ def hybrid_chooser(mm: Any, settings: HybridSettings, folder: Path | None = None
         ) from e
     log.info("hybrid chooser ready for %s in %.1f s (pool of %d prompts)", names, time.perf_counter() - t0, len(pool))
     return hybrid
+
+
+def _bind_arrow(hybrid: HybridChooser, mm: Any, s: HybridSettings, folder: Path) -> None:
+    """Bind the hybrid's Arrow, its general-text calibration (`ArrowRouter.calibrate`, adapter-free) read from the
+    cache or measured and cached, keyed by the base, the template, the dtype and Arrow's settings."""
+    from dataclasses import asdict
+
+    head, tail, _ = template_parts(mm)
+    dtype = str(next(mm.model.parameters()).dtype)
+    key = _key(["arrow", CACHE_FORMAT, base_fingerprint(mm), head, tail, dtype, asdict(s.arrow)])
+    path = folder / f"arrow-{key}.pt"
+    state = None
+    if path.is_file():
+        try:
+            state = torch.load(path, weights_only=True)
+            log.info("hybrid: Arrow's general-text calibration read from %s", path)
+        except (OSError, RuntimeError, ValueError) as e:
+            log.warning("hybrid: cache file %s is unreadable (%s); computing it again", path, e)
+    t0 = time.perf_counter()
+    hybrid.bind(mm, arrow_state=state)
+    if state is None:
+        log.info("hybrid: Arrow's general-text calibration computed in %.1f s", time.perf_counter() - t0)
+        buf = io.BytesIO()
+        torch.save(hybrid._router(mm).calibration_state(), buf)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(buf.getvalue())
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("hybrid: cannot write the cache file %s (%s); the next start computes it again", path, e)
 
 
 def _pool(mm: Any, s: HybridSettings, folder: Path) -> tuple[list[str], str]:

@@ -154,9 +154,10 @@ def test_calibration_is_cached_and_a_changed_adapter_recomputes_its_own_alone(se
 
     import molora.calibration as cal
 
-    first = molora.load(served).chooser
+    first_mm = molora.load(served)
+    first = first_mm.chooser
     files = sorted(p.name.split("-")[0] for p in (served.parent / "cache").glob("*.json"))
-    assert files == ["entropy", "entropy", "pool"]
+    assert files == ["entropy", "entropy", "pool"] and len(list((served.parent / "cache").glob("arrow-*.pt"))) == 1
     calls: list[int] = []
     real = cal.first_token_entropy
 
@@ -166,8 +167,13 @@ def test_calibration_is_cached_and_a_changed_adapter_recomputes_its_own_alone(se
 
     monkeypatch.setattr(cal, "first_token_entropy", counted)
     monkeypatch.setattr(cal, "sample_pool", lambda *a, **k: pytest.fail("the pool was drawn again"))
-    again = molora.load(served).chooser
+    from molora.routing.arrow import ArrowRouter
+
+    monkeypatch.setattr(ArrowRouter, "calibrate", lambda *a, **k: pytest.fail("Arrow's calibration was measured again"))
+    restarted = molora.load(served)
+    again = restarted.chooser
     assert calls == [] and again.chooser == first.chooser  # a restart reads everything back
+    assert again.choose_per_request(restarted, PROMPTS) == first.choose_per_request(first_mm, PROMPTS)
     f = served.parent / "e1" / "adapter_model.safetensors"
     save_file({k: v * 1.5 if "lora_B" in k else v for k, v in load_file(str(f)).items()}, str(f))
     changed = molora.load(served).chooser

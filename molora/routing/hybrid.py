@@ -198,12 +198,22 @@ class HybridChooser:
     def adapter_names(self) -> tuple[str, ...]:
         return self.chooser.adapter_names
 
-    def bind(self, mm: Any, calibration: Sequence[Sequence[int]] | None = None) -> HybridChooser:
+    def bind(
+        self,
+        mm: Any,
+        calibration: Sequence[Sequence[int]] | None = None,
+        arrow_state: Mapping[str, Any] | None = None,
+    ) -> HybridChooser:
         """Bind Arrow to mm (prototypes, and its calibration on `calibration`: token ids; default the router's
-        general text, `ArrowRouter.calibrate`); choose_per_request binds on first use."""
-        object.__setattr__(
-            self, "_bound", (mm, ArrowRouter(self.arrow, list(self.adapter_names)).bind(mm, calibration))
-        )
+        general text, `ArrowRouter.calibrate`; or `arrow_state`, an `ArrowRouter.calibration_state` measured before
+        on this base); choose_per_request binds on first use."""
+        router = ArrowRouter(self.arrow, list(self.adapter_names))
+        if arrow_state is not None and calibration is None:
+            router.set_calibration(arrow_state)
+        router.bind(mm, calibration)
+        if router.carry_source_module() not in router.calibration_state()["moments"]:
+            router.calibrate(calibration)  # a state of other blocks: measured again
+        object.__setattr__(self, "_bound", (mm, router))
         return self  # frozen: the binding is a cache, not a setting
 
     def _router(self, mm: Any) -> ArrowRouter:
