@@ -187,10 +187,11 @@ def _startup_lines(docs: Path) -> list[str]:
             f"- `{r['command']}` on {r['date']} (load average {r['loadavg_before'][0]} before, "
             f"{r['loadavg_after'][0]} after; {r['machine']['threads']} thread): pool of **{r['pool_prompts']}** turns. "
             f"`build_engine` (what `molora serve` runs before it listens) took {r['build_none_s']:.0f} s with no "
-            f"router, **{r['build_hybrid_cold_s']:.0f} s** with the hybrid on an empty cache (the pool "
-            f"{r['pool_s']:.0f} s; each adapter's entropies over it "
+            f"router (the process's first build), **{r['build_hybrid_cold_s']:.0f} s** with the hybrid on an empty "
+            f"cache (the pool {r['pool_s']:.0f} s; each adapter's entropies over it "
             + ", ".join(f"{k} {v:.0f} s" for k, v in ent.items())
             + f") and **{r['build_hybrid_warm_s']:.0f} s** on the cache it wrote (a restart)."
+            + (f" Note: {r['note']}." if r.get("note") else "")
         )
     return out
 

@@ -285,3 +285,13 @@ def test_real_model_served_with_the_flags_picks_as_the_chooser_does_offline(tmp_
             alone = {"model": pick} if pick else {"model": str(folder), "extra_body": {"molora": {"adapters": []}}}
             pinned = client.chat.completions.create(messages=msg, max_tokens=16, temperature=0, **alone)
             assert chat.choices[0].message.content == pinned.choices[0].message.content
+
+
+def test_the_results_section_renders_the_served_records():
+    from tests.conftest import load_script
+
+    rec = json.loads((Path(__file__).resolve().parent.parent / "docs" / "hybrid_serve_cost.json").read_text())
+    text = "\n".join(load_script("hybrid_serve_cost").render_section(rec))
+    assert text.startswith("## Serving the hybrid data-free chooser (`--router hybrid`)")
+    assert f"Median time ratio **{rec['median_time_ratio']:.2f}x**" in text and "Chosen: **400** turns" in text
+    assert "the 800-turn row is identical to the committed choice's validation row" in text
