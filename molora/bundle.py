@@ -59,6 +59,7 @@ __all__ = [  # the manifest's and the prompts' names are re-exported: their impo
     "QUANT_CALIBRATION_ROWS",
     "ROUTER_KINDS",
     "AdapterEntry",
+    "attach_chooser",
     "Bundle",
     "PromptResult",
     "chat_prompt_template",
@@ -151,11 +152,14 @@ def load(
     dispatch: str = "auto",
     quantization: str | None = None,
     quantize_lm_head: bool | None = None,
+    chooser: bool = True,
 ) -> Any:
     """A `MoLoRAModel` for the bundle at `path` (None: the embedded default; or a `Bundle` already parsed, e.g.
     `molora.userbundle.bundle_from_flags`), router and tokenizer attached. quantization ("int8", "int4", "w8a8";
     default the manifest's "quantization", else none): the base's linears quantized on load (molora.model.attach;
-    quantize_lm_head: the LM head too, as attach takes it)."""
+    quantize_lm_head: the LM head too, as attach takes it). A hybrid bundle gets its per-request chooser
+    (`mm.chooser`, calibrated: `attach_chooser`) unless chooser=False (the caller converts the weights first, then
+    calls attach_chooser)."""
     from molora.model.attach import attach
     from molora.model.base import load_base
 
@@ -193,6 +197,22 @@ def load(
     mm.bundle = bundle
     if hasattr(router, "bind"):  # Arrow: prototypes from the adapters' weights, once, before the first request
         router.bind(mm)  # (and a calibration on general text in the bundle's template, if asked)
+    if chooser and not base_only:
+        attach_chooser(mm)
+    return mm
+
+
+def attach_chooser(mm: Any) -> Any:
+    """Give a model of a hybrid bundle (router kind "hybrid") its per-request chooser, `mm.chooser`: calibrated
+    on its adapters from the cache or computed now (molora.calibration.hybrid_chooser, which logs its progress);
+    other bundles are left as they are. Call it after any dtype conversion: the calibration is keyed by it."""
+    bundle = mm.bundle
+    if bundle is None or bundle.router_kind != "hybrid":
+        return mm
+    from molora.calibration import hybrid_chooser
+    from molora.routing.hybrid import HybridSettings
+
+    mm.chooser = hybrid_chooser(mm, HybridSettings.from_json(bundle.router_options, where=f"bundle {bundle.name!r}"))
     return mm
 
 

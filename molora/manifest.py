@@ -19,6 +19,9 @@ A router {"kind": "arrow", "top_k": 1, "temperature": 1.0, "granularity": "per_l
 "threshold": null} needs no folder and no training: it routes from the adapters' own weights;
 {"kind": "arrow", "granularity": "per_block", "prompt": true, "rms_threshold": 2.0, "prompt_share": 0.2} decides per
 prompt with a base option calibrated on general text (what `--router arrow` writes; `molora.routing.arrow`).
+{"kind": "hybrid", "arrow": {...}, "z_or": 3.5, "pool_n": 800, ...} chooses one adapter (or the base model) per
+request (`molora.routing.hybrid.HybridSettings`; what `--router hybrid` writes), calibrated at load on text the base
+model writes (`molora.calibration`).
 
 Relative paths resolve against the bundle folder; every file the manifest names is checked to exist when it is read
 (`read_bundle`, `parse_manifest`), so a bad bundle is refused before any weights load. Also the chat-turn text the
@@ -37,7 +40,7 @@ from pathlib import Path
 from molora.errors import BundleError
 
 MANIFEST = "molora.json"
-ROUTER_KINDS = ("learned", "arrow", "gates", "vocab", "sequence", "none")
+ROUTER_KINDS = ("learned", "arrow", "hybrid", "gates", "vocab", "sequence", "none")
 FORMAT = "molora-bundle/1"
 DEFAULT_BUNDLE_DIR = Path(__file__).parent / "default_bundle"
 CHATML_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
@@ -146,6 +149,14 @@ def parse_manifest(raw: dict, folder: Path, where: str) -> Bundle:
 
         try:
             ArrowConfig.from_json(router, where=f"router of {path}")
+        except (RoutingError, TypeError) as e:
+            raise BundleError(f"{path}: router: {e}") from e
+    if kind == "hybrid":
+        from molora.errors import RoutingError
+        from molora.routing.hybrid import HybridSettings
+
+        try:
+            HybridSettings.from_json(router, where=f"router of {path}")
         except (RoutingError, TypeError) as e:
             raise BundleError(f"{path}: router: {e}") from e
     router_path = (folder / router["path"]).resolve() if router.get("path") else None

@@ -1,6 +1,6 @@
 """A bundle from your own model and PEFT folders, named the way vLLM's flags name them.
 
-    molora serve --model DIR --lora-modules sql=PATH '{"name": "chat", "path": "PATH"}' [--router arrow|DIR]
+    molora serve --model DIR --lora-modules sql=PATH '{"name": "chat", "path": "PATH"}' [--router arrow|hybrid|DIR]
     molora bundle init --model DIR --lora-modules sql=PATH --out BUNDLE     # the same, written as molora.json
     molora bundle check BUNDLE                                               # what is wrong, file by file
 
@@ -120,18 +120,41 @@ ARROW_ROUTER = {
 }
 
 
+# `--router hybrid`: what scripts/datafree_hybrid.py chose on validation (docs/datafree_hybrid_choice.json: Arrow's own
+# setting above, block 25 of 30, with z_or 3.5 and no z_floor; scored once on test in docs/datafree_hybrid_prompt.json),
+# over the pool of scripts/datafree_pool.py's seeded command (seed 0, batches of 128, 48 tokens, T 1.0), of which the
+# first 400 turns: the pool size scripts/hybrid_pool_size.py chose on validation (docs/hybrid_pool_size_choice.json;
+# the 800 turns the choice was made with take twice the start-up time)
+HYBRID_ROUTER = {
+    "kind": "hybrid",
+    "arrow": {k: v for k, v in ARROW_ROUTER.items() if k != "kind"},
+    "z_or": 3.5,
+    "z_floor": None,
+    "pool_n": 400,
+    "pool_seed": 0,
+    "pool_batch": 128,
+    "pool_max_new_tokens": 48,
+    "pool_temperature": 1.0,
+}
+
+
 def router_entry(value: str | None) -> dict:
     """`--router`: none (default: the base name runs the base model), arrow (data-free routing from the adapters'
     weights: prompt-level Arrow with a base option calibrated on general text, the settings chosen on validation
-    in docs/arrow_variants_choice.json) or the folder of a router trained by `molora train-router`."""
+    in docs/arrow_variants_choice.json), hybrid (data-free, one adapter or the base model per request: Arrow's
+    prompt vote decides whether, the adapters' confidence over a pool the base model writes decides which; chosen
+    in docs/datafree_hybrid_choice.json; calibrated at start-up, cached: molora.calibration) or the folder of a
+    router trained by `molora train-router`."""
     if value in (None, "none"):
         return {"kind": "none"}
     if value == "arrow":
         return dict(ARROW_ROUTER)
+    if value == "hybrid":
+        return {**HYBRID_ROUTER, "arrow": dict(HYBRID_ROUTER["arrow"])}
     p = Path(value).expanduser()
     if not p.is_dir():
         raise FlagError(
-            f"--router {value!r}: give none, arrow, or the folder of a router trained by "
+            f"--router {value!r}: give none, arrow, hybrid, or the folder of a router trained by "
             "`molora train-router` (it holds router.json)"
         )
     if (p / "gates.json").is_file():  # per-adapter gates (molora.routing.gates), each trained on its adapter's prompts

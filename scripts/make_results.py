@@ -645,6 +645,7 @@ SECTIONS = [
     ("gates_cost.json", "arrow_cost.py"),
     ("datafree_prompt.json", "datafree_choose.py"),
     ("datafree_hybrid_cost.json", "arrow_cost.py"),
+    ("hybrid_serve_cost.json", "hybrid_serve_cost.py"),
     ("multimodal.json", "make_multimodal.py"),
 ]
 

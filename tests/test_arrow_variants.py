@@ -130,7 +130,7 @@ def test_hybrid_cost_and_validation_sections_name_the_hybrid_and_test_only_a_win
         "median_per_token_ratio": 1.5,
     }
     text = "\n".join(cost.render_section(rec))
-    assert "## What the hybrid data-free chooser (not served) costs" in text and "| a | 0 | hybrid | 15.0 |" in text
+    assert "## What the hybrid data-free chooser costs offline" in text and "| a | 0 | hybrid | 15.0 |" in text
     dc = load_script("datafree_choose")
     row = {"object_counting": 80.0, "general": 95.0, "mixed_turn1": 90.0, "mixed_turn2": 80.0, "skills_mean": 80.0}
     setting = {"block": 25, "threshold": 2.0, "window": 64, "prompt_share": 0.2}

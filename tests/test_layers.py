@@ -22,6 +22,7 @@ LAYER = {  # module prefix -> layer (the longest matching prefix wins)
     "molora.routing": 2,
     "molora.model": 3,
     "molora.bundle": 3,
+    "molora.calibration": 3,  # the served hybrid chooser's pool and calibration (molora.bundle builds it)
     "molora.manifest": 3,  # the bundle manifest (molora.bundle re-exports it)
     "molora.prompts": 3,  # prompts through a loaded bundle model (molora.bundle re-exports it)
     "molora.engine": 4,

@@ -6,13 +6,18 @@ adapters it pins while in flight. Every refusal is a `RoutingError` (or the hot 
 names) raised before anything changes. A draining adapter (`Engine.unload_adapter`) is refused to a pinned request
 and left out of a router's allowed set and pins.
 
+`run_chooser` asks a model's per-request chooser (`mm.chooser`, `--router hybrid`) which adapter each question goes
+to, with the adapters it may choose pinned in slots while it runs (BankFullError when they cannot all be: retry).
+
 Knows routing modes, routers and the hot set's names; nothing about KV blocks, scheduling or sampling.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from molora.engine.hotset import HotSet
-from molora.errors import AdapterDraining, RoutingError
+from molora.errors import AdapterDraining, BankFullError, RoutingError
 from molora.routing import ArrowRouter, SequenceRouter, VocabRouter
 from molora.routing.base import Router
 
@@ -93,3 +98,26 @@ def _adapter_names(router: Router) -> list[str]:
     if names is None:
         raise RoutingError(f"the in-network router {type(router).__name__} has no adapter_names to route between")
     return list(names)
+
+
+def run_chooser(mm: Any, hotset: HotSet, questions: list[str], allowed: list[str] | None) -> list[dict]:
+    """`mm.chooser.choose_served` over the chooser's adapters that are registered, not draining and in `allowed`
+    (None: all), pinned in slots for the call; each question's {"adapter", "share", "z"}. Runs on the engine
+    thread between steps (it shares the model's routing context with the steps)."""
+    chooser = getattr(mm, "chooser", None)
+    if chooser is None:
+        raise RoutingError("this model has no per-request chooser; serve its bundle with --router hybrid")
+    names = [
+        n
+        for n in chooser.adapter_names
+        if n in hotset.paths and n not in hotset.draining and (allowed is None or n in allowed)
+    ]
+    if not hotset.acquire(names):
+        raise BankFullError(
+            f"the chooser's adapters {names} are not all in slots now (one is being read, or every slot is pinned "
+            "by running requests); retry shortly"
+        )
+    try:
+        return list(chooser.choose_served(mm, questions, names))
+    finally:
+        hotset.release(names)

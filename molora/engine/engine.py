@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from molora.config import SamplingParams
-from molora.engine.admission import ROUTING_CHOICES, resolve_routing
+from molora.engine.admission import ROUTING_CHOICES, resolve_routing, run_chooser
 from molora.engine.faults import CorruptSlots, FaultIsolation
 from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
@@ -441,6 +441,11 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
             self.prefix.invalidate()
         self.runner.cache.clear_blocks(range(self.allocator.num_blocks))
         return outs
+
+    def choose(self, questions: list[str], allowed: list[str] | None = None) -> list[dict]:
+        """The per-request chooser's pick for each question text (molora.engine.admission.run_chooser); between
+        steps, on the engine thread. The caller then adds each request pinned to its pick (None: the base)."""
+        return run_chooser(self.mm, self.hotset, questions, allowed)
 
     # ------------------------------------------------------------------------------------ stats
     def stats(self) -> dict:

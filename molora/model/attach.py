@@ -66,6 +66,9 @@ class MoLoRAModel(nn.Module):
         # [K] adapter index -> bank slot; a buffer (not persistent: no state_dict key) so mm.to(device) moves it
         self.register_buffer("_index_to_slot", torch.empty(0, dtype=torch.long), persistent=False)
         self.bundle: Any = None  # set by molora.load: the manifest this model came from
+        # a per-request chooser (molora.routing.hybrid.HybridChooser, `--router hybrid`): the engine asks it which
+        # adapter a request runs on (Engine.choose), while `router` (None then) routes per token
+        self.chooser: Any = None
         self.last_carry: torch.Tensor | None = None  # [B, L] decisions at the router's carry_source block
 
     # ------------------------------------------------------------------------------------ adapters

@@ -197,6 +197,10 @@ class ArrowRouter(Router):
             raise RoutingError(f"arrow source_block={self.config.source_block} outside the model's {n} blocks")
         return b
 
+    def carry_source_module(self) -> str:
+        """The projection whose input the prompt vote reads: `carry_source`'s deciding linear (bound, per_block)."""
+        return self._block_linear[self.carry_source]
+
     def prompt_routes(self, probe: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The prompt tokens' decisions [B, L] from the probe's [B, L] (molora.routing.base.fill_prompt_routes);
         the last token of each prompt takes the prompt's own adapter, so its answer (which carries that last
@@ -421,6 +425,23 @@ class ArrowRouter(Router):
         self._calib_tokens = count
         log.info("arrow: calibrated on %d tokens of general text (%d prompts)", count, len(rows))
         return {"tokens": count, "prompts": len(rows)}
+
+    def calibration_state(self) -> dict[str, Any]:
+        """What `calibrate` measured ({"moments": {module: E[x̂ x̂ᵀ] [d_in, d_in]}, "tokens": count}), for a cache."""
+        return {"moments": dict(self._moments), "tokens": self._calib_tokens}
+
+    def set_calibration(self, state: Mapping[str, Any]) -> ArrowRouter:
+        """Take a `calibration_state` measured before on the same base model and text (before `bind`, which then
+        skips `calibrate`); RoutingError for a state of another shape."""
+        moments = state.get("moments")
+        if not isinstance(moments, Mapping) or not all(
+            isinstance(m, torch.Tensor) and m.dim() == 2 and m.shape[0] == m.shape[1] for m in moments.values()
+        ):
+            raise RoutingError("arrow calibration state: 'moments' must map module paths to square matrices")
+        self._moments = {str(k): v.float().cpu() for k, v in moments.items()}
+        self._calib_tokens = int(state.get("tokens", 0))
+        self._rms.clear()
+        return self
 
     def traced_block(self, module: str) -> int | None:
         """per_linear: the block whose decision a routing trace records from linear `module` (its block's first

@@ -62,11 +62,16 @@ def first_token_entropy(
 
 
 def prompt_rows(
-    mm: Any, adapter_names: Sequence[str], questions: Sequence[str], template: str | None, who: str
+    mm: Any,
+    adapter_names: Sequence[str] | None,
+    questions: Sequence[str],
+    template: str | None,
+    who: str,
 ) -> list[list[int]]:
     """The token ids of each question in `template` ("{prompt}" in it; default mm's bundle's), for a per-request
-    chooser (`who`, in errors) calibrated for `adapter_names`, which must be mm's adapters in the same order."""
-    if list(mm.adapter_names) != list(adapter_names):
+    chooser (`who`, in errors) calibrated for `adapter_names`, which must be mm's adapters in the same order (None:
+    the caller maps names to mm's adapters itself, as a served chooser over an engine's hot set does)."""
+    if adapter_names is not None and list(mm.adapter_names) != list(adapter_names):
         raise RoutingError(f"chooser calibrated for {list(adapter_names)}, model has {mm.adapter_names}")
     template = template or getattr(getattr(mm, "bundle", None), "prompt_template", None)
     if not template or "{prompt}" not in template:
@@ -103,10 +108,13 @@ class ConfidenceChooser:
         c = (1.0 / pool_entropy.double().clamp_min(1e-6)).log()
         return cls(tuple(names), tuple(c.mean(0).tolist()), tuple(c.std(0).clamp_min(1e-6).tolist()), z_min, margin)
 
-    def zscores(self, entropy: torch.Tensor) -> torch.Tensor:
-        """[N, K] z of log(1 / entropy) per adapter against the pool."""
+    def zscores(self, entropy: torch.Tensor, adapters: Sequence[int] | None = None) -> torch.Tensor:
+        """[N, K] z of log(1 / entropy) per adapter against the pool; with `adapters` (indices into adapter_names),
+        entropy [N, len(adapters)] holds those adapters' columns alone."""
+        idx = list(range(len(self.adapter_names))) if adapters is None else list(adapters)
         c = (1.0 / entropy.double().clamp_min(1e-6)).log()
-        return (c - torch.tensor(self.mean, dtype=torch.float64)) / torch.tensor(self.std, dtype=torch.float64)
+        mean = torch.tensor([self.mean[k] for k in idx], dtype=torch.float64)
+        return (c - mean) / torch.tensor([self.std[k] for k in idx], dtype=torch.float64)
 
     def decide(self, entropy: torch.Tensor) -> list[int]:
         """Adapter index per prompt from its entropies [N, K], -1: the base model (module docstring)."""

@@ -22,8 +22,8 @@ pass and one prompt pass per adapter before the answer.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,47 @@ def arrow_claim_share(router: ArrowRouter, mm: Any, rows: Sequence[Sequence[int]
     return torch.tensor(out)
 
 
+@torch.no_grad()
+def joint_pass(
+    router: ArrowRouter, mm: Any, rows: Sequence[Sequence[int]], adapters: Sequence[int], *, batch: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`arrow_claim_share` [N], `first_token_entropy` [N, len(adapters)]) of the same prompts from one forward per
+    group of prompts instead of one base pass and one pass per adapter: each prompt is repeated once on the base model
+    and once per adapter (`adapters`: indices into mm.adapter_names), left-padded together, at most `batch` rows a
+    forward. The same numbers up to float rounding (the served chooser's per-request path: fewer, larger forwards)."""
+    c = router.config
+    if c.rms_threshold is None or c.granularity != "per_block":
+        raise RoutingError("the hybrid's Arrow needs granularity='per_block' and rms_threshold (its calibration)")
+    if any(not len(r) for r in rows):
+        raise RoutingError("an empty prompt has no tokens to vote")
+    b, module, K = router.carry_source, router._block_linear[router.carry_source], len(adapters)
+    per = max(1, batch // (K + 1))  # prompts per forward
+    shares, ents = [], []
+    for i in range(0, len(rows), per):
+        chunk = [list(r) for r in rows[i : i + per] for _ in range(K + 1)]  # [base, adapter 0, ...] per prompt
+        width = max(len(r) for r in chunk)
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in chunk], device=mm.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in chunk], device=mm.device)
+        which = torch.tensor([-1, *adapters] * (len(chunk) // (K + 1)), device=mm.device)  # [R]
+        o = mm(
+            ids,
+            attention_mask=mask,
+            adapter_ids=which[:, None].expand_as(ids).contiguous(),
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        logp = o.logits[:, -1].float().log_softmax(-1)
+        ent = -(logp.exp() * logp).sum(-1).cpu().view(-1, K + 1)  # [prompts, K + 1]
+        ents.append(ent[:, 1:])
+        for j in range(0, len(chunk), K + 1):
+            x = router._block_norm[b](o.hidden_states[b][j, width - len(chunk[j]) :]).float()  # [T, D]
+            x = x[-c.prompt_window :] if c.prompt_window is not None else x
+            shares.append(float((router.general_ratio(module, x).max(-1).values >= c.rms_threshold).float().mean()))
+    return torch.tensor(shares), torch.cat(ents) if ents else torch.zeros(0, K)
+
+
 def hybrid_decide(
     share: torch.Tensor, z: torch.Tensor, prompt_share: float, z_or: float | None, z_floor: float | None
 ) -> list[int]:
@@ -81,12 +122,58 @@ def hybrid_decide(
     if share.shape[0] != z.shape[0]:
         raise RoutingError(f"{share.shape[0]} shares for {z.shape[0]} prompts")
     top, k = z.max(1)
-    go = (share >= prompt_share) & (share > 0)
+    go = (share >= prompt_share) & (share > 0) & torch.isfinite(top)  # -inf: no adapter may be chosen
     if z_or is not None:
         go = go | (top >= z_or)
     if z_floor is not None:
         go = go & (top >= z_floor)
     return torch.where(go, k, -1).tolist()
+
+
+@dataclass(frozen=True)
+class HybridSettings:
+    """What a served hybrid chooser is built from (a bundle's router object {"kind": "hybrid", ...}): Arrow's
+    prompt-vote settings, the rule's z_or and z_floor, and the pool the confidence statistics are taken over (the
+    base model writes `pool_n` user turns, molora.calibration.sample_pool with these sampling settings)."""
+
+    arrow: ArrowConfig
+    z_or: float | None = None
+    z_floor: float | None = None
+    pool_n: int = 800
+    pool_seed: int = 0
+    pool_batch: int = 128
+    pool_max_new_tokens: int = 48
+    pool_temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("pool_n", "pool_batch", "pool_max_new_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (2 if name == "pool_n" else 1):
+                raise RoutingError(f"hybrid {name}={v!r}: a whole number >= {2 if name == 'pool_n' else 1}")
+        if not isinstance(self.pool_seed, int) or not self.pool_temperature > 0:
+            raise RoutingError(
+                f"hybrid pool_seed={self.pool_seed!r} (an integer), pool_temperature={self.pool_temperature!r} (> 0)"
+            )
+        for name in ("z_or", "z_floor"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (int, float)):
+                raise RoutingError(f"hybrid {name}={v!r}: a number or null")
+        HybridChooser._check_arrow(self.arrow)
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any], where: str = "hybrid router") -> HybridSettings:
+        """From a router object {"kind": "hybrid", "arrow": {...ArrowConfig}, "z_or", "z_floor", "pool_n", ...}."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known - {"kind"})
+        if unknown:
+            raise RoutingError(f"{where}: unknown hybrid settings {unknown}; known: {sorted(known)}")
+        if not isinstance(raw.get("arrow"), Mapping):
+            raise RoutingError(f'{where}: "arrow" must be an object of Arrow settings (prompt, rms_threshold, ...)')
+        arrow = ArrowConfig.from_json(raw["arrow"], where=f"{where} arrow")
+        try:
+            return cls(arrow, **{k: v for k, v in raw.items() if k in known and k != "arrow"})
+        except RoutingError as e:
+            raise RoutingError(f"{where}: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -97,9 +184,13 @@ class HybridChooser:
     arrow: ArrowConfig
     z_or: float | None = None
     z_floor: float | None = None
+    joint: bool = False  # decide_rows by `joint_pass` (one forward per group of prompts) instead of K + 1 passes
 
     def __post_init__(self) -> None:
-        a = self.arrow
+        self._check_arrow(self.arrow)
+
+    @staticmethod
+    def _check_arrow(a: ArrowConfig) -> None:
         if not (a.prompt and a.granularity == "per_block" and a.rms_threshold is not None):
             raise RoutingError("the hybrid's Arrow settings need prompt=true, per_block and rms_threshold")
 
@@ -107,12 +198,22 @@ class HybridChooser:
     def adapter_names(self) -> tuple[str, ...]:
         return self.chooser.adapter_names
 
-    def bind(self, mm: Any, calibration: Sequence[Sequence[int]] | None = None) -> HybridChooser:
+    def bind(
+        self,
+        mm: Any,
+        calibration: Sequence[Sequence[int]] | None = None,
+        arrow_state: Mapping[str, Any] | None = None,
+    ) -> HybridChooser:
         """Bind Arrow to mm (prototypes, and its calibration on `calibration`: token ids; default the router's
-        general text, `ArrowRouter.calibrate`); choose_per_request binds on first use."""
-        object.__setattr__(
-            self, "_bound", (mm, ArrowRouter(self.arrow, list(self.adapter_names)).bind(mm, calibration))
-        )
+        general text, `ArrowRouter.calibrate`; or `arrow_state`, an `ArrowRouter.calibration_state` measured before
+        on this base); choose_per_request binds on first use."""
+        router = ArrowRouter(self.arrow, list(self.adapter_names))
+        if arrow_state is not None and calibration is None:
+            router.set_calibration(arrow_state)
+        router.bind(mm, calibration)
+        if router.carry_source_module() not in router.calibration_state()["moments"]:
+            router.calibrate(calibration)  # a state of other blocks: measured again
+        object.__setattr__(self, "_bound", (mm, router))
         return self  # frozen: the binding is a cache, not a setting
 
     def _router(self, mm: Any) -> ArrowRouter:
@@ -127,10 +228,45 @@ class HybridChooser:
         """One adapter name (None: base) per question, with `template` ("{prompt}" in it; default mm's bundle's)
         applied."""
         rows = prompt_rows(mm, self.adapter_names, questions, template, "the hybrid chooser")
-        share = arrow_claim_share(self._router(mm), mm, rows, batch=batch_size)
-        z = self.chooser.zscores(first_token_entropy(mm, rows, batch=batch_size))
+        return [c["adapter"] for c in self.decide_rows(mm, rows, list(range(len(self.adapter_names))), batch_size)]
+
+    def decide_rows(
+        self, mm: Any, rows: Sequence[Sequence[int]], mm_index: Sequence[int | None], batch_size: int = 16
+    ) -> list[dict[str, Any]]:
+        """Per prompt (token ids, template applied) {"adapter": name or None (the base model), "share": Arrow's
+        claimed share, "z": {adapter: its confidence z}}, choosing among the adapters whose `mm_index` (their index
+        in mm.adapter_names, per adapter of this chooser) is not None; the others are neither run nor chosen."""
+        if len(mm_index) != len(self.adapter_names):
+            raise RoutingError(f"{len(mm_index)} model indices for the chooser's {len(self.adapter_names)} adapters")
+        which = [k for k, i in enumerate(mm_index) if i is not None]
+        z = torch.full((len(rows), len(self.adapter_names)), float("-inf"), dtype=torch.float64)
+        if self.joint:
+            adapters = [int(i) for i in mm_index if i is not None]
+            share, ent = joint_pass(self._router(mm), mm, rows, adapters, batch=batch_size)
+        else:
+            share = arrow_claim_share(self._router(mm), mm, rows, batch=batch_size)
+            ent = first_token_entropy(mm, rows, batch=batch_size, adapters=[int(mm_index[k]) for k in which])  # type: ignore[arg-type]
+        if which:
+            z[:, which] = self.chooser.zscores(ent, which)
         picks = hybrid_decide(share, z, self.arrow.prompt_share, self.z_or, self.z_floor)
-        return [None if p < 0 else self.adapter_names[p] for p in picks]
+        return [
+            {
+                "adapter": None if p < 0 else self.adapter_names[p],
+                "share": round(float(s), 4),
+                "z": {self.adapter_names[k]: round(float(z[j, k]), 3) for k in which},
+            }
+            for j, (p, s) in enumerate(zip(picks, share.tolist()))
+        ]
+
+    def choose_served(
+        self, mm: Any, questions: Sequence[str], allowed: Sequence[str] | None = None, batch_size: int = 16
+    ) -> list[dict[str, Any]]:
+        """`decide_rows` for question texts in mm's bundle template, over whichever of this chooser's adapters mm
+        holds now (an engine's hot set orders and evicts them) and `allowed` names (None: all)."""
+        rows = prompt_rows(mm, None, questions, None, "the hybrid chooser")
+        held = mm.adapter_names
+        index = [held.index(n) if n in held and (allowed is None or n in allowed) else None for n in self.adapter_names]
+        return self.decide_rows(mm, rows, index, batch_size)
 
     def save(self, folder: str | Path) -> Path:
         folder = Path(folder)

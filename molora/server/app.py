@@ -103,6 +103,7 @@ def create_app(
         default_max_tokens=default_max_tokens,
     )
     info.adapter_paths = {a["name"]: path_text(a.get("path")) for a in listed}
+    info.chooser = "hybrid" if getattr(mm, "chooser", None) is not None else None
     runner = EngineRunner(engine, max_in_flight=max_queue, stall_s=stall_s)
     return build_app(
         LocalClient(engine, runner, call_timeout_s=engine_call_timeout_s),

@@ -29,6 +29,7 @@ class ModelInfo:
     adapters: list[str] = field(default_factory=list)
     default_max_tokens: int = 512  # chat without max_tokens (capped by the context left)
     adapter_paths: dict[str, str | None] = field(default_factory=dict)  # /v1/models' "root" of each adapter
+    chooser: str | None = None  # "hybrid": model=<name> asks the engine's per-request chooser (molora.server.choosing)
 
     @property
     def models(self) -> list[str]:

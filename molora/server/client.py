@@ -89,6 +89,12 @@ class EngineClient(abc.ABC):
     async def unload_adapter(self, bundle: str, name: str, force: bool) -> str:
         """ "unloaded", or "draining" (it goes when the requests using it end); force ends them now."""
 
+    async def choose(self, bundle: str, questions: list[str], allowed: list[str] | None) -> list[dict]:
+        """The per-request chooser's pick for each question (`Engine.choose`: {"adapter", "share", "z"})."""
+        from molora.errors import MoLoRAError
+
+        raise MoLoRAError(f"{type(self).__name__} serves no per-request chooser (--router hybrid runs without --ray)")
+
 
 class LocalClient(EngineClient):
     """One engine in this process, driven by an `EngineRunner` thread (`molora serve`)."""
@@ -134,6 +140,9 @@ class LocalClient(EngineClient):
 
     async def unload_adapter(self, bundle: str, name: str, force: bool) -> str:
         return await self.runner.call(lambda: self.engine.unload_adapter(name, force=force))
+
+    async def choose(self, bundle: str, questions: list[str], allowed: list[str] | None) -> list[dict]:
+        return await self.runner.call(lambda: self.engine.choose(questions, allowed))
 
 
 async def load_into(engine: Any, runner: EngineRunner, name: str, path: Path, roots: Sequence[Path]) -> None:

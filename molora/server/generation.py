@@ -1,11 +1,12 @@
 """/v1/completions and /v1/chat/completions: from a validated request to engine requests and back.
 
-Owns: choosing the model and routing (`bundle` = per-token routing, `bundle:adapter` = one pinned
-adapter, the `molora` options), turning prompts into token ids (raw text for completions; for chat the
-bundle's prompt template on a single user message, else the tokenizer's chat template), context-length
-and vocabulary checks, `SamplingParams` per choice (n choices and batched prompts are one engine request
-each), and the two ways back: one JSON response, or SSE chunks ending in `data: [DONE]`. A client that
-disconnects (mid-stream, or while waiting for a non-streamed answer) aborts its engine requests.
+Owns: choosing the model and routing (`bundle` = per-token routing, or with --router hybrid the per-request
+chooser's pick, molora.server.choosing; `bundle:adapter` = one pinned adapter; the `molora` options), turning
+prompts into token ids (raw text for completions; for chat the bundle's prompt template on a single user message,
+else the tokenizer's chat template), context-length and vocabulary checks, `SamplingParams` per choice (n choices
+and batched prompts are one engine request each), and the two ways back: one JSON response, or SSE chunks ending
+in `data: [DONE]`. A client that disconnects (mid-stream, or while waiting for a non-streamed answer) aborts its
+engine requests.
 
 Time: every request has a deadline (`molora.timeout`, else the server's default, at most its cap) and a
 queue timeout, both enforced by the engine at step boundaries (KV blocks and pins are freed at once); the
@@ -31,6 +32,7 @@ The wire shapes (JSON responses, stream chunks, usage, the SSE response) live in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -44,6 +46,7 @@ from starlette.responses import JSONResponse, Response
 
 from molora.config import SamplingParams
 from molora.errors import AdapterDraining, AdapterNotFound, MoLoRAError
+from molora.server import choosing
 from molora.server.catalog import Catalog, ModelInfo
 from molora.server.client import EngineClient
 from molora.server.metrics import ServerMetrics
@@ -137,7 +140,8 @@ class Generation:
         size = sum(len(p) for p in items if isinstance(p, str))
         prompts = await _offload(size, lambda: [_encode_completion(info, p, i) for i, p in enumerate(items)])
         fmt = CompletionFormat(info, "cmpl-" + uuid.uuid4().hex, req)
-        return await self._run(req, info, adapter, prompts, req.max_tokens, req.logprobs, fmt, request)
+        ask = [choosing.completion_question(info, p) for p in items] if choosing.applies(info, adapter, req) else None
+        return await self._run(req, info, adapter, prompts, req.max_tokens, req.logprobs, fmt, request, ask)
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         req.check_supported()
@@ -145,7 +149,8 @@ class Generation:
         prompt = await _offload(sum(len(m.text()) for m in req.messages), lambda: _encode_chat(info, req))
         top = (req.top_logprobs or 0) if req.logprobs else None
         fmt = ChatFormat(info, "chatcmpl-" + uuid.uuid4().hex, req)
-        return await self._run(req, info, adapter, [prompt], req.token_limit, top, fmt, request)
+        ask = [choosing.chat_question(req)] if choosing.applies(info, adapter, req) else None
+        return await self._run(req, info, adapter, [prompt], req.token_limit, top, fmt, request, ask)
 
     # ------------------------------------------------------------------------------------ requests
     def _specs(
@@ -238,7 +243,9 @@ class Generation:
         logprobs: int | None,
         fmt: ResponseFormat,
         request: Request,
+        questions: list[str] | None = None,
     ) -> Response:
+        """questions: per prompt, the text the per-request chooser reads (None: it does not decide this request)."""
         constraint = fmt.constraint = await self._constraint(req, info)
         specs = self._specs(req, info, adapter, prompts, max_tokens, logprobs, constraint)
         if len(specs) > self.client.max_in_flight:
@@ -248,6 +255,9 @@ class Generation:
                 f"server admits at once ({self.client.max_in_flight}); lower n or split the batch",
                 param="n",
             )
+        if questions is not None:  # checked first, then pinned to each prompt's pick (None: the base model)
+            fmt.chosen = await choosing.choose(self.client, self.metrics, info, questions, req.options.adapters)
+            specs = [dataclasses.replace(s, adapter=fmt.chosen[s.index // req.n]["adapter"]) for s in specs]
         try:
             sub = await self.client.submit(specs, fmt.id, info.name)
         except (AdapterDraining, AdapterNotFound) as e:  # unloaded since the model check: it is gone

@@ -63,12 +63,13 @@ def build_engine(
 
     import torch
 
-    from molora.bundle import load
+    from molora.bundle import attach_chooser, load
     from molora.engine import Engine, EngineConfig
 
-    mm = load(bundle, quantization=quantization, quantize_lm_head=quantize_lm_head)
+    mm = load(bundle, quantization=quantization, quantize_lm_head=quantize_lm_head, chooser=False)
     if dtype != "float32":
         mm.to(getattr(torch, dtype))
+    attach_chooser(mm)  # --router hybrid: its calibration, in the dtype it serves in (cached on disk)
     cfg = engine_config if engine_config is not None else EngineConfig()
     if max_cpu_loras is not None:
         if max_cpu_loras < 0:

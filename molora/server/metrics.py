@@ -6,7 +6,8 @@ Owns two kinds of series and `render()`, which writes both as Prometheus text:
   `CollectorRegistry` of this instance alone (never the process-global `REGISTRY`: several apps live in
   one test process). Histograms: time to first token, time per output token, request latency, queue wait
   (arrival to first token), engine step time. Counters: HTTP responses by route and status, prompt and
-  completion tokens, finish reasons, expired deadlines by kind, engine failures by kind. A gauge of
+  completion tokens, finish reasons, expired deadlines by kind, engine failures by kind, the per-request
+  chooser's picks by adapter and its time per call (--router hybrid). A gauge of
   generated tokens/s over a sliding window, read when scraped.
 - What the engine and the server report at scrape time, passed to `render()`: the engine's `stats()` dict
   (queue depth, running, KV blocks, steps, preemptions, hot-set slots/hits/misses/evictions/loads, tokens
@@ -136,6 +137,19 @@ class ServerMetrics:
             ["kind"],
             registry=r,
         )
+        self.choices = Counter(
+            "molora_chooser_choices",
+            "Prompts the per-request chooser (--router hybrid) decided, by the adapter it picked ('base': none; "
+            "'error': it failed on that request).",
+            ["adapter"],
+            registry=r,
+        )
+        self.choose_time = Histogram(
+            "molora_chooser_seconds",
+            "Time of one chooser call (all of a request's prompts).",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         for kind in DEADLINE_KINDS:  # every kind exposed from the start, at 0, so rate() sees the first one
             self.deadlines.labels(kind=kind)
         for kind in FAILURE_KINDS:
@@ -188,6 +202,15 @@ class ServerMetrics:
     def count_engine_failure(self, kind: str = "step") -> None:
         """An engine failure; `kind` is one of FAILURE_KINDS."""
         self.failures.labels(kind=_check_kind(kind, FAILURE_KINDS, "engine failure")).inc()
+
+    def observe_choices(self, adapters: list[str | None], seconds: float) -> None:
+        """One chooser call: the adapter picked per prompt (None: the base model), and its time."""
+        self.choose_time.observe(seconds)
+        for a in adapters:
+            self.choices.labels(adapter=a if a is not None else "base").inc()
+
+    def count_choice_failure(self) -> None:
+        self.choices.labels(adapter="error").inc()
 
     # -------------------------------------------------------------------------------------- adapters
     def forget_adapter(self, name: str) -> None:

@@ -114,19 +114,22 @@ class ResponseFormat:
         self.created = int(time.time())
         self.routing = req.options.return_routing
         self.constraint: GrammarConstraint | None = None  # the request's structured output, set once compiled
+        self.chosen: list[dict] | None = None  # per prompt, the per-request chooser's pick (molora.server.choosing)
 
     def _routed(
         self, token_ids: list[int], adapters: list[str | None], ended: ChoiceState | None = None
     ) -> Routed | None:
         """The choice's molora extension: its routing (return_routing) and, once it has `ended`, why its answer
-        breaks the request's structured-output spec (GrammarConstraint.check), if it does."""
+        breaks the request's structured-output spec (GrammarConstraint.check), if it does, and what the per-request
+        chooser picked for its prompt, if one did."""
         why = None
         if ended is not None and ended.finish_reason == "stop" and self.constraint is not None:
             why = self.constraint.check(ended.text)
-        if not self.routing and why is None:
+        chosen = self.chosen[ended.index // self.req.n] if ended is not None and self.chosen else None
+        if not self.routing and why is None and chosen is None:
             return None
         routed: dict[str, Any] = {"token_ids": list(token_ids), "adapters": list(adapters)} if self.routing else {}
-        return Routed(**routed, structured_output_error=why)
+        return Routed(**routed, structured_output_error=why, chooser=chosen)
 
     def _token(self, token_id: int) -> str:
         return self.info.tokenizer.decode([token_id])

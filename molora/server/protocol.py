@@ -356,6 +356,16 @@ def _absent(v: Any) -> bool:
     return v is None
 
 
+class Chosen(BaseModel):
+    """The per-request chooser's decision (`--router hybrid`): the adapter the request ran on (None: the base model),
+    the share of the prompt's last tokens Arrow claimed, and each adapter's confidence z over the base model's pool."""
+
+    kind: str
+    adapter: str | None
+    share: float
+    z: dict[str, float]
+
+
 class Routed(BaseModel):
     """molora's extension of a choice: with return_routing, each generated token's id and the adapter it was routed
     to (None: the base model); for a structured-output answer that ended ("stop") but breaks its spec (a keyword
@@ -365,6 +375,8 @@ class Routed(BaseModel):
     token_ids: list[int] | None = Field(None, exclude_if=_absent)
     adapters: list[str | None] | None = Field(None, exclude_if=_absent)
     structured_output_error: str | None = Field(None, exclude_if=_absent)
+    # --router hybrid: what the per-request chooser picked for this choice's prompt (molora.server.choosing)
+    chooser: Chosen | None = Field(None, exclude_if=_absent)
 
 
 class CompletionLogprobs(BaseModel):

@@ -136,6 +136,11 @@ def bundle_specs(
     for path in bundles:
         b = read_bundle(default_bundle_dir() if path is None else path)
         own = {a.name: None for a in b.adapters}
+        if b.router_kind == "hybrid":
+            raise MoLoRAError(
+                f"bundle {b.name!r}: its hybrid chooser (router kind hybrid) is served without --ray for now; "
+                "serve it with `molora serve --bundle DIR`, or give it router kind arrow for Ray"
+            )
         clash = sorted(set(own) & set(extra))
         if clash:
             raise MoLoRAError(f"--lora-dir adapters {clash[:8]} have the names of bundle {b.name!r}'s own; rename them")

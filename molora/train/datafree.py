@@ -8,11 +8,11 @@ labelled by which adapter changes the model's behaviour on them most (issue 39, 
 
 Only two things are read: the adapters' weights (through the model they change) and text the base model writes.
 
-- **Pool.** The base model samples the user turn of its own chat template (the text after the template's
-  "{prompt}" opening, up to its end-of-turn token) at a temperature; a turn that does not end within the token
-  budget is cut after its last sentence or line end (dropped without one); empty turns and repeats (case and
-  whitespace folded) are dropped, and so is any turn in `exclude` (callers pass the evaluation items, so the pool
-  never holds one).
+- **Pool** (`sample_pool`, now in molora.calibration, where the served hybrid chooser draws its pool too): the
+  base model samples the user turn of its own chat template (the text after the template's "{prompt}" opening, up
+  to its end-of-turn token) at a temperature; a turn that does not end within the token budget is cut after its
+  last sentence or line end (dropped without one); empty turns and repeats (case and whitespace folded) are
+  dropped, and so is any turn in `exclude` (callers pass the evaluation items, so the pool never holds one).
 - **Sensitivity.** For each pooled prompt the base model answers greedily (`answer_tokens` tokens); the prompt and
   that answer are then read once on the base model and once per adapter, and KL(adapter || base) of the next-token
   distributions is averaged over the positions that predict the answer (the last prompt token onward): how far the
@@ -35,87 +35,15 @@ calibrated on this module's pool (scripts/datafree_confidence.py).
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from molora.calibration import sample_pool  # noqa: F401  (moved there: the served hybrid chooser needs it)
+from molora.calibration import template_parts as _template_parts
 from molora.errors import MoLoRAError
 from molora.routing.gates import Gate
-
-
-def _fold(text: str) -> str:
-    return " ".join(text.lower().split())
-
-
-def _template_parts(mm: Any) -> tuple[str, str, list[int]]:
-    """(text before "{prompt}", text after it, the end-of-turn token ids) of mm's bundle template."""
-    from molora.manifest import CHATML_TEMPLATE, END_OF_TURN
-
-    bundle = getattr(mm, "bundle", None)  # as molora.eval.runner.template_of: ChatML without a bundle
-    template = bundle.prompt_template if bundle is not None else CHATML_TEMPLATE
-    end = bundle.stop[0] if bundle is not None and bundle.stop else END_OF_TURN
-    if "{prompt}" not in template:
-        raise MoLoRAError(f"the prompt template {template!r} has no {{prompt}}")
-    head, tail = template.split("{prompt}", 1)
-    end_ids = list(mm.tokenizer(end, add_special_tokens=False)["input_ids"])
-    if len(end_ids) != 1:
-        raise MoLoRAError(f"the end-of-turn text {end!r} is {len(end_ids)} tokens; sampling needs it as one token")
-    return head, tail, end_ids
-
-
-@torch.no_grad()
-def sample_pool(
-    mm: Any,
-    n: int,
-    *,
-    seed: int,
-    exclude: Collection[str] = (),
-    batch: int = 64,
-    max_new_tokens: int = 64,
-    temperature: float = 1.0,
-    max_rounds: int | None = None,
-) -> list[str]:
-    """Up to `n` distinct user turns the base model writes (module docstring), in the order drawn. Rounds of
-    `batch` samples (generator seeded with seed + round) stop at n prompts or after `max_rounds` (default: 4 n /
-    batch + 4); no prompt equal to one in `exclude` (case and whitespace folded) is kept."""
-    from molora.routing.base import SequenceRouter
-
-    if n < 1 or batch < 1 or max_new_tokens < 1 or temperature <= 0:
-        raise MoLoRAError(
-            f"sample_pool: n={n}, batch={batch}, max_new_tokens={max_new_tokens}, temperature={temperature}"
-        )
-    head, _, end_ids = _template_parts(mm)
-    head_ids = list(mm.tokenizer(head, add_special_tokens=False)["input_ids"])
-    banned = {_fold(e) for e in exclude}
-    seen: set[str] = set()
-    out: list[str] = []
-    rounds = max_rounds if max_rounds is not None else 4 * n // batch + 4
-    for r in range(rounds):
-        x = torch.tensor([head_ids] * batch, device=mm.device)
-        toks = mm.generate(
-            x,
-            adapter_ids=SequenceRouter(None),
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            eos_token_id=end_ids,
-            seed=seed + r,
-        )[:, len(head_ids) :].tolist()
-        for row in toks:
-            if end_ids[0] in row:
-                text = mm.tokenizer.decode(row[: row.index(end_ids[0])], skip_special_tokens=True).strip()
-            else:  # the turn did not end within the budget: keep it up to its last sentence or line end
-                text = mm.tokenizer.decode(row, skip_special_tokens=True)
-                cut = max(text.rfind(c) for c in ".?!\n")
-                text = text[: cut + 1].strip() if cut > 0 else ""
-            key = _fold(text)
-            if not key or key in seen or key in banned:
-                continue
-            seen.add(key)
-            out.append(text)
-            if len(out) == n:
-                return out
-    return out
 
 
 def _left_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,318 @@
+"""The served hybrid chooser's calibration: what `molora serve ... --router hybrid` computes from the user's base model
+and adapters at start-up, cached on disk so that a restart reads it back (issue 39, the data-free path).
+
+    chooser = hybrid_chooser(mm, settings)     # a bound molora.routing.hybrid.HybridChooser; settings: HybridSettings
+
+Nothing labelled is read, only the adapters' weights and text the base model writes itself:
+
+- **The pool** (`sample_pool`): user turns the base model writes after its own chat template's user header, at a
+  temperature; a turn that does not end within the token budget is cut after its last sentence or line end
+  (dropped without one); empty turns and repeats (case and whitespace folded) are dropped, and so is any turn in
+  `exclude` (the experiments pass their evaluation items).
+- **Per adapter**: the entropy of its first answer token on every pooled prompt (molora.routing.confidence:
+  `first_token_entropy`); the chooser z-scores an adapter's confidence by their mean and spread
+  (`ConfidenceChooser.from_pool`).
+- **Arrow's prompt vote**: prototypes from the adapters' weights (computed at every start, a second) and the
+  general-text calibration (`ArrowRouter.calibrate`: the base model reads general prompts; cached).
+
+Cache (`$MOLORA_HYBRID_CACHE`, default `$MOLORA_CACHE/hybrid`): `pool-<key>.json` keyed by the base (its config and
+a fingerprint of its weights: every parameter's, and a quantized linear's weight buffers', name, shape, dtype and a
+strided sample of 4096 of its values; the adapters live in the bank's buffers and are left out), the prompt
+template, the end-of-turn text, the weights' dtype and the pool settings; `entropy-<key>-<adapter>.json` per
+adapter, keyed by the pool's key and the adapter's contents as loaded (every module's A, B and scale);
+`arrow-<key>.pt`, keyed by the base, the template, the dtype and Arrow's settings. A restart reads all three; a
+changed adapter recomputes its own entropies only; a changed base or setting recomputes everything. A cache file
+that does not parse is recomputed (logged); one that cannot be written is logged and start-up goes on.
+
+Knows models, adapters and the routing layer's choosers; nothing of engines, requests or HTTP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from molora.errors import BundleError, MoLoRAError
+from molora.routing.base import SequenceRouter
+from molora.routing.confidence import ConfidenceChooser, first_token_entropy
+from molora.routing.hybrid import HybridChooser, HybridSettings
+
+log = logging.getLogger("molora.calibration")
+
+CACHE_FORMAT = 1  # bump when what a cache file holds or how it is computed changes
+ENTROPY_BATCH = 16  # prompts per forward of the pool's entropies (left padding: part of the key)
+
+
+def cache_dir() -> Path:
+    """$MOLORA_HYBRID_CACHE, else $MOLORA_CACHE/hybrid (default ~/.cache/molora/hybrid)."""
+    if os.environ.get("MOLORA_HYBRID_CACHE"):
+        return Path(os.environ["MOLORA_HYBRID_CACHE"])
+    return Path(os.environ.get("MOLORA_CACHE", Path.home() / ".cache" / "molora")) / "hybrid"
+
+
+# ------------------------------------------------------------------------------------------------ pool
+def _fold(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def template_parts(mm: Any) -> tuple[str, str, list[int]]:
+    """(text before "{prompt}", text after it, the end-of-turn token ids) of mm's bundle template."""
+    from molora.manifest import CHATML_TEMPLATE, END_OF_TURN
+
+    bundle = getattr(mm, "bundle", None)  # as molora.eval.runner.template_of: ChatML without a bundle
+    template = bundle.prompt_template if bundle is not None else CHATML_TEMPLATE
+    end = bundle.stop[0] if bundle is not None and bundle.stop else END_OF_TURN
+    if "{prompt}" not in template:
+        raise MoLoRAError(f"the prompt template {template!r} has no {{prompt}}")
+    head, tail = template.split("{prompt}", 1)
+    end_ids = list(mm.tokenizer(end, add_special_tokens=False)["input_ids"])
+    if len(end_ids) != 1:
+        raise MoLoRAError(f"the end-of-turn text {end!r} is {len(end_ids)} tokens; sampling needs it as one token")
+    return head, tail, end_ids
+
+
+@torch.no_grad()
+def sample_pool(
+    mm: Any,
+    n: int,
+    *,
+    seed: int,
+    exclude: Collection[str] = (),
+    batch: int = 64,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    max_rounds: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[str]:
+    """Up to `n` distinct user turns the base model writes (module docstring), in the order drawn. Rounds of
+    `batch` samples (generator seeded with seed + round) stop at n prompts or after `max_rounds` (default: 4 n /
+    batch + 4); no prompt equal to one in `exclude` (case and whitespace folded) is kept. progress(kept, round)
+    after every round. The first m of a pool of n are the pool of m drawn with the same settings."""
+    if n < 1 or batch < 1 or max_new_tokens < 1 or temperature <= 0:
+        raise MoLoRAError(
+            f"sample_pool: n={n}, batch={batch}, max_new_tokens={max_new_tokens}, temperature={temperature}"
+        )
+    head, _, end_ids = template_parts(mm)
+    head_ids = list(mm.tokenizer(head, add_special_tokens=False)["input_ids"])
+    banned = {_fold(e) for e in exclude}
+    seen: set[str] = set()
+    out: list[str] = []
+    rounds = max_rounds if max_rounds is not None else 4 * n // batch + 4
+    for r in range(rounds):
+        x = torch.tensor([head_ids] * batch, device=mm.device)
+        toks = mm.generate(
+            x,
+            adapter_ids=SequenceRouter(None),
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            eos_token_id=end_ids,
+            seed=seed + r,
+        )[:, len(head_ids) :].tolist()
+        for row in toks:
+            if end_ids[0] in row:
+                text = mm.tokenizer.decode(row[: row.index(end_ids[0])], skip_special_tokens=True).strip()
+            else:  # the turn did not end within the budget: keep it up to its last sentence or line end
+                text = mm.tokenizer.decode(row, skip_special_tokens=True)
+                cut = max(text.rfind(c) for c in ".?!\n")
+                text = text[: cut + 1].strip() if cut > 0 else ""
+            key = _fold(text)
+            if not key or key in seen or key in banned:
+                continue
+            seen.add(key)
+            out.append(text)
+            if len(out) == n:
+                break
+        if progress is not None:
+            progress(len(out), r + 1)
+        if len(out) == n:
+            return out
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ keys
+def _digest(h: Any, t: torch.Tensor) -> None:
+    t = t.detach().reshape(-1)
+    step = max(1, t.numel() // 4096)
+    h.update(t[::step].float().cpu().numpy().tobytes())
+
+
+def base_fingerprint(mm: Any) -> str:
+    """A key of the base model's weights (module docstring: config, and per parameter, and per buffer of a quantized
+    linear, its name, shape, dtype and a strided sample of its values); the adapters, in the bank's buffers, are not
+    in it."""
+    from molora.model.quant_linear import QuantizedLinear
+
+    h = hashlib.sha256(mm.config.to_json_string(use_diff=False).encode())
+    quantized = [
+        (f"{m_name}.{b_name}", b)
+        for m_name, m in mm.model.named_modules()
+        if isinstance(m, QuantizedLinear)
+        for b_name, b in m.named_buffers(recurse=False)
+    ]
+    for name, p in [*mm.model.named_parameters(), *quantized]:
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+        _digest(h, p)
+    return h.hexdigest()[:20]
+
+
+def adapter_fingerprint(adapter: Any) -> str:
+    """A key of one loaded adapter's contents: every module's path, A, B (all their values) and scale."""
+    h = hashlib.sha256()
+    for path in sorted(adapter.modules):
+        m = adapter.modules[path]
+        h.update(f"{path}:{tuple(m.A.shape)}:{tuple(m.B.shape)}:{m.scale!r}".encode())
+        for t in (m.A, m.B):
+            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:20]
+
+
+def _key(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _read(path: Path) -> Any:
+    """A cache file's JSON, None when absent or unreadable (logged: it is recomputed)."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        log.warning("hybrid: cache file %s is unreadable (%s); computing it again", path, e)
+        return None
+
+
+def _write(path: Path, obj: Any) -> None:
+    """Write atomically (a temp file renamed); a failure is logged, not raised (serving goes on uncached)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("hybrid: cannot write the cache file %s (%s); the next start computes it again", path, e)
+
+
+# ------------------------------------------------------------------------------------------------ chooser
+def hybrid_chooser(mm: Any, settings: HybridSettings, folder: Path | None = None) -> HybridChooser:
+    """The hybrid chooser for mm's adapters (all of them, in mm.adapter_names order), calibrated from the cache in
+    `folder` (default `cache_dir()`) or computed and cached (module docstring), bound to mm. BundleError naming the
+    cause and the fix when it cannot be built."""
+    names = list(mm.adapter_names)
+    if not names:
+        raise BundleError("--router hybrid chooses among adapters and none are loaded; give --lora-modules NAME=PATH")
+    folder = cache_dir() if folder is None else Path(folder)
+    t0 = time.perf_counter()
+    try:
+        pool, pool_key = _pool(mm, settings, folder)
+        ent = torch.stack([_entropies(mm, pool, pool_key, k, folder) for k in range(len(names))], 1)  # [N, K]
+        chooser = ConfidenceChooser.from_pool(names, ent, z_min=0.0, margin=0.0)  # z_min, margin: unused here
+        # joint: each request's prompt runs on the base and every adapter in one forward; on the 300 validation
+        # prompts it picks as the separate passes do (docs/hybrid_pool_size_choice.json, joint_pass_check)
+        hybrid = HybridChooser(chooser, settings.arrow, settings.z_or, settings.z_floor, joint=True)
+        _bind_arrow(hybrid, mm, settings, folder)
+    except (MoLoRAError, RuntimeError, ValueError) as e:
+        raise BundleError(
+            f"the hybrid chooser cannot calibrate for adapters {names} ({type(e).__name__}: {e}); serve them "
+            "with --router arrow or none, or fix the cause (cache folder: "
+            f"{folder}, set $MOLORA_HYBRID_CACHE to move it)"
+        ) from e
+    log.info("hybrid chooser ready for %s in %.1f s (pool of %d prompts)", names, time.perf_counter() - t0, len(pool))
+    return hybrid
+
+
+def _bind_arrow(hybrid: HybridChooser, mm: Any, s: HybridSettings, folder: Path) -> None:
+    """Bind the hybrid's Arrow, its general-text calibration (`ArrowRouter.calibrate`, adapter-free) read from the
+    cache or measured and cached, keyed by the base, the template, the dtype and Arrow's settings."""
+    from dataclasses import asdict
+
+    head, tail, _ = template_parts(mm)
+    dtype = str(next(mm.model.parameters()).dtype)
+    key = _key(["arrow", CACHE_FORMAT, base_fingerprint(mm), head, tail, dtype, asdict(s.arrow)])
+    path = folder / f"arrow-{key}.pt"
+    state = None
+    if path.is_file():
+        try:
+            state = torch.load(path, weights_only=True)
+            log.info("hybrid: Arrow's general-text calibration read from %s", path)
+        except (OSError, RuntimeError, ValueError) as e:
+            log.warning("hybrid: cache file %s is unreadable (%s); computing it again", path, e)
+    t0 = time.perf_counter()
+    hybrid.bind(mm, arrow_state=state)
+    if state is None:
+        log.info("hybrid: Arrow's general-text calibration computed in %.1f s", time.perf_counter() - t0)
+        buf = io.BytesIO()
+        torch.save(hybrid._router(mm).calibration_state(), buf)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(buf.getvalue())
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("hybrid: cannot write the cache file %s (%s); the next start computes it again", path, e)
+
+
+def _pool(mm: Any, s: HybridSettings, folder: Path) -> tuple[list[str], str]:
+    head, tail, end_ids = template_parts(mm)
+    dtype = str(next(mm.model.parameters()).dtype)
+    knobs = [s.pool_n, s.pool_seed, s.pool_batch, s.pool_max_new_tokens, s.pool_temperature]
+    key = _key(["pool", CACHE_FORMAT, base_fingerprint(mm), head, tail, end_ids, dtype, knobs])
+    path = folder / f"pool-{key}.json"
+    cached = _read(path)
+    if isinstance(cached, dict) and isinstance(cached.get("prompts"), list) and len(cached["prompts"]) >= 2:
+        log.info("hybrid: pool of %d prompts read from %s", len(cached["prompts"]), path)
+        return [str(p) for p in cached["prompts"]], key
+    t0 = time.perf_counter()
+    log.info("hybrid: the base model writes its pool of %d user turns (once; cached in %s)", s.pool_n, folder)
+
+    def progress(kept: int, rounds: int) -> None:
+        log.info("hybrid: pool %d/%d prompts after %d rounds, %.0f s", kept, s.pool_n, rounds, time.perf_counter() - t0)
+
+    pool = sample_pool(
+        mm,
+        s.pool_n,
+        seed=s.pool_seed,
+        batch=s.pool_batch,
+        max_new_tokens=s.pool_max_new_tokens,
+        temperature=s.pool_temperature,
+        progress=progress,
+    )
+    if len(pool) < 2:
+        raise MoLoRAError(
+            f"the base model wrote only {len(pool)} distinct user turns; the pool needs at least 2 (does it end a "
+            f"turn with the template's end-of-turn token {mm.tokenizer.decode(end_ids)!r}? give --chat-template)"
+        )
+    _write(path, {"prompts": pool, "seconds": round(time.perf_counter() - t0, 1), "settings": knobs})
+    return pool, key
+
+
+def _entropies(mm: Any, pool: list[str], pool_key: str, k: int, folder: Path) -> torch.Tensor:
+    """[N]: adapter k's first-answer-token entropy on every pooled prompt, from the cache or computed."""
+    name = mm.adapter_names[k]
+    key = _key(["entropy", CACHE_FORMAT, pool_key, adapter_fingerprint(mm.adapters[name]), ENTROPY_BATCH])
+    path = folder / f"entropy-{pool_key}-{key}.json"
+    cached = _read(path)
+    if isinstance(cached, dict) and isinstance(cached.get("entropy"), list) and len(cached["entropy"]) == len(pool):
+        log.info("hybrid: %s's entropies over the pool read from %s", name, path)
+        return torch.tensor(cached["entropy"], dtype=torch.float64)
+    t0 = time.perf_counter()
+    head, tail, _ = template_parts(mm)
+    rows = [list(mm.tokenizer(head + p + tail, add_special_tokens=False)["input_ids"]) for p in pool]
+    ent = first_token_entropy(mm, rows, batch=ENTROPY_BATCH, adapters=[k])[:, 0].double()
+    if not torch.isfinite(ent).all():
+        raise MoLoRAError(f"adapter {name!r} gives non-finite entropies on the pool (are its weights finite?)")
+    seconds = time.perf_counter() - t0
+    log.info("hybrid: %s's entropies over %d pooled prompts computed in %.1f s", name, len(pool), seconds)
+    _write(path, {"adapter": name, "entropy": ent.tolist(), "seconds": round(seconds, 1)})
+    return ent
