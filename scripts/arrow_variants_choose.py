@@ -52,10 +52,10 @@ VARIANTS = ("arrow", "gks_mean")
 def features(a: argparse.Namespace) -> dict:
     """Labels, token ids and the normed deciding inputs [T, D] per prompt and block, and the prototypes."""
     from molora.bundle import load
-    from molora.data.general import general_split
+    from molora.data.general import calibration_rows, general_split
     from molora.eval.heldout import held_out, held_out_mixed, training_inputs
     from molora.eval.runner import _ids, template_of, turn_text
-    from molora.routing.arrow import ArrowConfig, ArrowRouter, calibration_rows
+    from molora.routing.arrow import ArrowConfig, ArrowRouter
     from molora.routing.arrow_protos import general_subtracted, top_right_singular_vector
 
     mm = load(None)

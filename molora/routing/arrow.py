@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from molora.data.general import calibration_rows
 from molora.errors import RoutingError
 from molora.ops.device import host_readable
 from molora.routing.arrow_linear import LinearRouting
@@ -483,25 +484,3 @@ class ArrowRouter(Router):
         """per_linear: the decision of linear `module` from its own input x [T, d_in]."""
         with torch.no_grad():
             return self.choose(x, module, allowed)
-
-
-def calibration_rows(mm: Any, n: int) -> list[list[int]]:
-    """Token ids of n general prompts of the train split (molora.data.general), each rendered as the model's
-    bundle renders one user message (its prompt template; the tokenizer's chat template without a bundle):
-    `molora.data.general.general_rows`, which this refuses to let fall back to plain text."""
-    from molora.data.general import general_rows
-
-    tok = getattr(mm, "tokenizer", None)
-    if tok is None:
-        raise RoutingError(
-            "arrow rms_threshold calibrates on general text and needs the model's tokenizer "
-            "(molora.load attaches it; or call router.calibrate(rows) with token ids)"
-        )
-    template = getattr(getattr(mm, "bundle", None), "prompt_template", None)
-    if template is None and getattr(tok, "chat_template", None) is None:
-        raise RoutingError(
-            "arrow rms_threshold renders general prompts in the model's chat template, and its "
-            "tokenizer has none: load it through a bundle with a prompt_template, or call "
-            "router.calibrate(rows) with token ids"
-        )
-    return general_rows(tok, n, template)
