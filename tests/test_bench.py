@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -194,6 +195,7 @@ def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys, monkeypatch):
     raises otherwise), the one-adapter variant loads at most its one adapter, the many-adapter ones load many, and
     the CPU tier stays within its budget at every sampled step (HotSet.check also asserts it each step)."""
     monkeypatch.delenv("MOLORA_LOADER_NICE", raising=False)  # the default, 0
+    monkeypatch.delenv("MOLORA_GC_FREEZE", raising=False)  # the default, on
     assert (
         bench_main(
             [
@@ -207,6 +209,7 @@ def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys, monkeypatch):
                 "--threads",
                 "1",
                 "--loader-nice-ab",
+                "--gc-freeze-ab",
                 "--json",
                 str(tmp_path / "t.json"),
             ]
@@ -214,7 +217,7 @@ def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys, monkeypatch):
         == 0
     )
     line = _last_json(capsys)
-    variants = {"one", "many_fcfs", "many_slots", "many_fcfs_nice10"}
+    variants = {"one", "many_fcfs", "many_slots", "many_fcfs_nice10", "many_fcfs_nofreeze"}
     assert line["bench"] == "hotset_traffic" and set(line["runs"]) == variants
     assert line["loader_nice"]["many_fcfs_nice10"] == 10 and line["loader_nice"]["many_fcfs"] == 0
     for v, (run,) in line["runs"].items():
@@ -223,11 +226,13 @@ def test_hotset_traffic_bench_quick_on_tiny(tmp_path, capsys, monkeypatch):
         assert run["output_tokens"] == 10 * line["new_tokens"]
         assert run["ttft_ms"]["warm"]["n"] + run["ttft_ms"]["cold"]["n"] == 10
         assert run["memory"]["peak"]["cpu_tier_bytes"] <= run["memory"]["cpu_tier_budget"]
+        assert (run["gc"]["frozen_objects"] > 0) == (v != "many_fcfs_nofreeze")
         kinds = run["stalls"]["by_kind"]  # every step counted once, under the kind its gaps were filed under
         assert sum(k["steps"] for k in kinds.values()) == run["steps"]
         assert all(0 <= k["stalls"] <= k["steps"] for k in kinds.values())
         assert v == "one" or kinds["load_admits"]["steps"] > 0
         assert run["stalls"]["with_gen2"] <= run["gc"]["steps_with_gen2"] <= run["gc"]["collections_by_generation"][2]
+    assert gc.get_freeze_count() == 0  # every variant's freeze undone
     misses = {v: run["hotset"]["misses"] for v, (run,) in line["runs"].items()}
     assert misses["one"] <= 1 < min(misses["many_fcfs"], misses["many_slots"], misses["many_fcfs_nice10"])
     assert line["vs_one"]["one"] == 1.0
@@ -268,8 +273,6 @@ def test_engine_bench_json_on_tiny(monkeypatch, capsys):
 
 
 def test_gc_clock_times_full_collections_and_uninstalls():
-    import gc
-
     from molora.bench.hotset_traffic import GcClock
 
     with GcClock() as clock:

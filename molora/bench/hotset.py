@@ -276,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="add many_fcfs_nice10: many_fcfs with the adapter loader at nice +10 (MOLORA_LOADER_NICE=10)",
     )
+    t.add_argument(
+        "--gc-freeze-ab",
+        action="store_true",
+        help="add many_fcfs_nofreeze: many_fcfs without gc.freeze() once the engine is built (molora.engine.heap)",
+    )
     add_common_args(p)
     a = p.parse_args(argv)
     if a.traffic:
@@ -337,6 +342,7 @@ def _traffic(p: argparse.ArgumentParser, a: argparse.Namespace, argv: list[str])
         stderr_log,
         a.max_num_batched_tokens,
         a.loader_nice_ab,
+        a.gc_freeze_ab,
     )
     out = {"command": "molora bench hotset " + " ".join(argv), **out}  # what reproduces the record
     print(ht.format_table(out))

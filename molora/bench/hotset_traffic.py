@@ -18,6 +18,8 @@ Variants, each a full run of the same traffic on a fresh engine, the order rotat
   many_slots  the traffic as drawn, slot-aware admission (molora.engine.scheduler: bounded bypass)
   many_fcfs_nice10  (--loader-nice-ab) many_fcfs with the loader thread at nice +10
               (MOLORA_LOADER_NICE=10; the others run at the default, 0: molora.engine.loader)
+  many_fcfs_nofreeze  (--gc-freeze-ab) many_fcfs without `gc.freeze()` once the engine is built; every other
+              variant freezes the heap as `molora serve` does (molora.engine.heap)
 
 Reported per variant: output tokens/s (and the ratio to `one`), also per second of this process's CPU time (all
 its threads: on a machine shared with other work, wall time counts theirs too, CPU time far less); time to first
@@ -47,10 +49,12 @@ from typing import Any
 
 import torch
 
+from molora.engine.heap import freeze_heap, unfreeze_heap
 from molora.engine.loader import loader_nice
 
 VARIANTS = ("one", "many_fcfs", "many_slots")
 NICE10 = "many_fcfs_nice10"  # --loader-nice-ab: many_fcfs with the loader thread at nice +10
+NOFREEZE = "many_fcfs_nofreeze"  # --gc-freeze-ab: many_fcfs without gc.freeze() once the engine is built
 TARGETS = ("q_proj", "v_proj")
 
 
@@ -356,6 +360,7 @@ def run(
     log: Any,
     max_num_batched_tokens: int | None = None,
     loader_nice_ab: bool = False,
+    gc_freeze_ab: bool = False,
 ) -> dict:
     from molora.bench.common import machine_info
     from molora.bench.model_workloads import load_model
@@ -370,7 +375,7 @@ def run(
         log(f"# {adapters} adapters (r={rank}, {', '.join(TARGETS)}, bf16) written in {make_s:.1f} s")
         traffic = make_traffic(list(paths), requests, s, learned_share, vocab, prompt_len, seed)
         top = Counter(tr["adapter"] if "adapter" in tr else tr["allowed"][0] for tr in traffic).most_common(1)[0][0]
-        variants = VARIANTS + ((NICE10,) if loader_nice_ab else ())
+        variants = VARIANTS + ((NICE10,) if loader_nice_ab else ()) + ((NOFREEZE,) if gc_freeze_ab else ())
         runs: dict[str, list[dict]] = {v: [] for v in variants}
         for rep in range(repeats):
             k = rep % len(variants)
@@ -378,8 +383,12 @@ def run(
                 admission = "slots" if v == "many_slots" else "fcfs"
                 with _loader_nice("10" if v == NICE10 else None):  # the pool reads it when the first read starts
                     engine = build_engine(base, paths, slots, cpu_mib, concurrency, admission, seed, budget)
+                    frozen = freeze_heap() if v != NOFREEZE else 0  # as `molora serve` does once it is built
                     out = run_traffic(engine, on_one(traffic, top) if v == "one" else traffic, concurrency, new_tokens)
+                    out["gc"]["frozen_objects"] = frozen
                     engine.close()
+                    del engine
+                    unfreeze_heap()
                 runs[v].append(out)
                 log(
                     f"  rep {rep} {v:<10} {out['tokens_per_s']:8.2f} tok/s  ttft warm {out['ttft_ms']['warm']} "

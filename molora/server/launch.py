@@ -3,8 +3,10 @@
 Owns: loading (`molora.bundle.load` -> `Engine`), the uvicorn configuration, and the drain on SIGTERM or
 Ctrl-C: the app starts answering new requests with 503 at once, uvicorn stops accepting connections,
 requests in flight run to the end (up to `drain_timeout_s`, then they are cancelled and their engine
-requests aborted), the engine thread stops and the process exits. `ServerThread` runs the same server on
-a background thread (tests, benchmarks). Knows nothing of the routes themselves.
+requests aborted), the engine thread stops and the process exits. Once the engine is built, the heap is
+frozen out of Python's full collections (molora.engine.heap; not under Ray, whose replicas build and drop
+bundles' engines). `ServerThread` runs the same server on a background thread (tests, benchmarks). Knows
+nothing of the routes themselves.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from molora.engine.heap import freeze_heap
 from molora.errors import MoLoRAError
 from molora.server.app import create_app
 from molora.server.state import ADAPTER_NAME
@@ -170,6 +173,7 @@ def serve(
         **extra,
     )
     log.info("serving %s on http://%s:%d/v1", ", ".join(app.state.molora.catalog.infos), host, port)
+    freeze_heap()  # the engine lives as long as the process: keep full collections off it (molora.engine.heap)
     run_app(app, host, port, drain_timeout_s=drain_timeout_s, log_level=log_level)
 
 
