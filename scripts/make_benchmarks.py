@@ -685,19 +685,40 @@ def hotset_traffic_section(docs: Path) -> list[str]:
             "",
         ]
         lines += _hotset_traffic_table(t)
-    st = docs / "hotset_traffic_stalls.json"
-    if st.is_file():
+    for name, what in (
+        ("hotset_traffic_stalls.json", "counting stalls by kind of step, before the heap freeze"),
+        (
+            "hotset_gc_freeze_ab.json",
+            "with the heap frozen once the engine is built, as `molora serve` does (molora.engine.heap), and "
+            "many_fcfs_nofreeze without it",
+        ),
+    ):
+        st = docs / name
+        if not st.is_file():
+            continue
         t = json.loads(st.read_text(encoding="utf-8"))
         m = t["machine"]
         lines += [
             "",
-            f"The same bench, counting stalls by kind of step (record `docs/hotset_traffic_stalls.json`, "
-            f"`{t['command']}`), on another CPU ({m['cpu']}, {m['cores']} cores, {m['threads']} threads), load "
-            f"average {m['loadavg_1_5_15']} at the start, beside other work, {t['repeats']} repetition(s):",
+            f"The same bench, {what} (record `docs/{name}`, `{t['command']}`), on another CPU ({m['cpu']}, "
+            f"{m['cores']} cores, {m['threads']} threads), load average {m['loadavg_1_5_15']} at the start, "
+            f"{t['repeats']} repetition(s):",
             "",
         ]
         lines += _hotset_traffic_table(t)
     lines += _hotset_stalls(docs)
+    gp = docs / "gc_pause.json"
+    if gp.is_file():
+        g = json.loads(gp.read_text(encoding="utf-8"))
+        med = g["collect_ms_median"]
+        lines += [
+            "",
+            f"One full collection in a process holding this bench's engine ({g['adapters']} adapters, "
+            f"{g['objects_tracked']:,} objects tracked; record `docs/gc_pause.json`, `{g['command']}`, "
+            f"{g['repeats']} of each, alternating): **{med['unfrozen']:.0f} ms** unfrozen, **{med['frozen']:.3f} ms** "
+            "after `freeze_heap()`, which `molora serve` calls once its engine is built (molora.engine.heap; "
+            "`MOLORA_GC_FREEZE=0` turns it off).",
+        ]
     return lines + [
         "",
         "Goals (issue 37): many / one ≥ 0.85; cold TTFT ≤ 1.5 × warm; a warm request's ITL rises "
@@ -760,7 +781,7 @@ def _hotset_traffic_table(r: dict) -> list[str]:
 def _hotset_stalls(docs: Path) -> list[str]:
     """Stalls by kind of step, from the traffic records that count them (`stalls`, `gc` per run)."""
     lines: list[str] = []
-    for name in ("hotset_traffic_stalls.json", "hotset_traffic_2threads.json", "hotset_traffic.json"):
+    for name in ("hotset_gc_freeze_ab.json", "hotset_traffic_stalls.json", "hotset_traffic_2threads.json"):
         path = docs / name
         r = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
         if not r or not all("stalls" in run for runs in r["runs"].values() for run in runs):
@@ -773,7 +794,8 @@ def _hotset_stalls(docs: Path) -> list[str]:
                 "the repetitions. A load that stalled the engine would show as a higher rate on load steps than on "
                 "the steps of the same work without a load (decode only: quiet against loads, decode only; with "
                 "prefill: admits against loads + admits); the machine's own pauses strike every kind alike. Full "
-                "collections: Python's generation-2 garbage collections during the run, and how many fell in a stall.",
+                "collections: Python's generation-2 garbage collections during the runs, how many fell in a stall, "
+                "the longest.",
                 "",
                 "| record | variant | quiet | loads, decode only | admits | loads + admits | full collections "
                 "(in a stall) |",
@@ -785,9 +807,11 @@ def _hotset_stalls(docs: Path) -> list[str]:
                 n = sum(run["stalls"]["by_kind"][k]["steps"] for run in runs)
                 x = sum(run["stalls"]["by_kind"][k]["stalls"] for run in runs)
                 cells.append(f"{x} / {n} ({100 * x / n:.1f}%)" if n else "–")
-            g2 = sum(run["gc"]["collections_by_generation"][2] for run in runs)
+            g2 = [run["gc"]["gen2_ms"] for run in runs if run["gc"]["gen2_ms"].get("n")]
+            n2 = sum(run["gc"]["collections_by_generation"][2] for run in runs)
             gs = sum(run["stalls"]["with_gen2"] for run in runs)
-            lines.append(f"| `{name}` | {v} | " + " | ".join(cells) + f" | {g2} ({gs}) |")
+            longest = f", longest {max(g['p99'] for g in g2):.0f} ms" if g2 else ""
+            lines.append(f"| `{name}` | {v} | " + " | ".join(cells) + f" | {n2} ({gs} in a stall{longest}) |")
     return lines
 
 
