@@ -86,12 +86,31 @@ def section(docs: Path) -> list[str]:
         "",
         *engine_table(eng),
         "",
+        *other_cpu_lines(docs),
         *kernel_table(lin),
         "",
         *onecopy_lines(docs),
         *resident_lines(docs),
         *head_lines(docs),
         *quality_lines(docs),
+    ]
+
+
+def other_cpu_lines(docs: Path) -> list[str]:
+    """The same engine bench on a CPU without AMX (docs/quant_noamx.json), where the record exists."""
+    path = docs / "quant_noamx.json"
+    if not path.is_file():
+        return []
+    r = json.loads(path.read_text())
+    m = r["machine"]
+    return [
+        f"The same bench on {m['cpu']} ({', '.join(m['cpu_flags'] + m['int8_flags'])}; no AMX: int8 with bfloat16 "
+        "activations runs molora's int8 kernel on rows, bfloat16 weights are not packed), nothing else running "
+        f"(load average {m['loadavg_1_5_15']}), {m['threads']} thread(s), record docs/quant_noamx.json "
+        f"(`{r['command']}`):",
+        "",
+        *engine_table(r),
+        "",
     ]
 
 
