@@ -274,6 +274,22 @@ def test_ray_replicas_take_the_quantization_and_check_it():
     assert rs.RayConfig().quantization is None
     with pytest.raises(MoLoRAError, match="--quantization 'int3'"):
         rs.RayConfig(quantization="int3")
+    assert rs.RayConfig(quantization="int8", quantize_lm_head=True).quantize_lm_head is True
+    with pytest.raises(MoLoRAError, match="--quantize-lm-head needs --quantization int8, got 'int4'"):
+        rs.RayConfig(quantization="int4", quantize_lm_head=True)
+
+
+def test_ray_replicas_build_their_engines_with_the_lm_head_flag(monkeypatch):
+    """A replica's engine is built with the config's quantization and LM-head flag (molora.server.launch)."""
+    pytest.importorskip("ray")
+    from molora.server import launch
+    from molora.server import ray_deployments as rd
+    from molora.server import ray_serve as rs
+
+    seen = {}
+    monkeypatch.setattr(launch, "build_engine", lambda *a, **k: seen.update(k) or "engine")
+    assert rd.build_engine(rs.RayConfig(quantization="int8", quantize_lm_head=True), None) == "engine"
+    assert seen == {"quantization": "int8", "quantize_lm_head": True}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

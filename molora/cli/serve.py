@@ -402,8 +402,6 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
         from molora.server import ray_serve
     except ImportError as e:
         raise MoLoRAError(f"--ray needs Ray Serve: pip install 'molora[ray]' ({e})") from None
-    if args.quantize_lm_head:
-        raise MoLoRAError("--quantize-lm-head is not passed to Ray replicas; serve without --ray to use it")
     cfg = ray_serve.RayConfig(
         bundles=tuple(args.bundle) or (None,),
         replicas=args.replicas,
@@ -424,6 +422,7 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
         },
         dtype=args.dtype,
         quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
         stall_s=args.stall_timeout,
         ingress=args.ray_ingress,
         placement=args.ray_placement,

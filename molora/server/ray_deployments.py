@@ -29,11 +29,17 @@ if TYPE_CHECKING:
 
 def build_engine(cfg: RayConfig, path: str | None) -> Any:
     """One engine of a replica: the bundle at `path` (None: the embedded default) with cfg's engine settings,
-    dtype and quantization."""
+    dtype, quantization and LM-head quantization."""
     from molora.engine import EngineConfig
     from molora.server.launch import build_engine as build
 
-    return build(path, EngineConfig(**cfg.engine_config), cfg.dtype, quantization=cfg.quantization)
+    return build(
+        path,
+        EngineConfig(**cfg.engine_config),
+        cfg.dtype,
+        quantization=cfg.quantization,
+        quantize_lm_head=cfg.quantize_lm_head,
+    )
 
 
 class EngineDeployment:

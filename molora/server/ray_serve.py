@@ -91,6 +91,7 @@ class RayConfig:
     engine_config: dict = field(default_factory=dict)
     dtype: str = "float32"
     quantization: str | None = None  # vLLM's --quantization: each replica's engines quantize the base on load
+    quantize_lm_head: bool | None = None  # --quantize-lm-head: the LM head in int8 too (None: attach's default)
     stall_s: float = 30.0
     ingress: str = "serve"  # "serve": a Serve deployment; "process": in this process
     placement: str = "adapters"  # "adapters": AdapterSetRouter; "bundle": Ray's default router (by bundle only)
@@ -101,6 +102,8 @@ class RayConfig:
             raise MoLoRAError(f"--ray-ingress {self.ingress!r}: use one of {', '.join(INGRESS_KINDS)}")
         if self.quantization not in (None, "int8", "int4", "w8a8"):  # molora.ops.quant.SCHEMES
             raise MoLoRAError(f"--quantization {self.quantization!r}: use int8, int4 or w8a8 (or leave it out)")
+        if self.quantize_lm_head and self.quantization != "int8":
+            raise MoLoRAError(f"--quantize-lm-head needs --quantization int8, got {self.quantization!r}")
         if self.placement not in PLACEMENTS:
             raise MoLoRAError(f"--ray-placement {self.placement!r}: use one of {', '.join(PLACEMENTS)}")
         if self.replicas < 1 or self.max_queue < 1 or self.bundles_per_replica < 1:
