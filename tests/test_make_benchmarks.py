@@ -27,7 +27,9 @@ def records() -> dict:
 
 
 def block(mb, records: dict) -> str:
-    return mb.readme_block(records, mb.script_command(records), "docs/benchmarks.md", "docs/benchmarks.json")
+    return mb.readme_block(
+        records, mb.script_command(records), "docs/benchmarks.md", "docs/benchmarks.json", ROOT / "docs"
+    )
 
 
 def iqr(p: list[float]) -> str:
