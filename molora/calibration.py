@@ -146,13 +146,20 @@ def _digest(h: Any, t: torch.Tensor) -> None:
     h.update(t[::step].float().cpu().numpy().tobytes())
 
 
+# config keys that say where a model was loaded from (a GGUF's folder the first time, the dequantized copy's after)
+WHERE_KEYS = ("_name_or_path", "_commit_hash")
+
+
 def base_fingerprint(mm: Any) -> str:
     """A key of the base model's weights (module docstring: config, and per parameter, and per buffer of a quantized
     linear, its name, shape, dtype and a strided sample of its values); the adapters, in the bank's buffers, are not
     in it."""
     from molora.model.quant_linear import QuantizedLinear
 
-    h = hashlib.sha256(mm.config.to_json_string(use_diff=False).encode())
+    config = json.loads(mm.config.to_json_string(use_diff=False))
+    for where in WHERE_KEYS:  # where the weights were read from, not what they are
+        config.pop(where, None)
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     quantized = [
         (f"{m_name}.{b_name}", b)
         for m_name, m in mm.model.named_modules()
@@ -217,9 +224,11 @@ def hybrid_chooser(mm: Any, settings: HybridSettings, folder: Path | None = None
         pool, pool_key = _pool(mm, settings, folder)
         ent = torch.stack([_entropies(mm, pool, pool_key, k, folder) for k in range(len(names))], 1)  # [N, K]
         chooser = ConfidenceChooser.from_pool(names, ent, z_min=0.0, margin=0.0)  # z_min, margin: unused here
-        # joint: each request's prompt runs on the base and every adapter in one forward; on the 300 validation
-        # prompts it picks as the separate passes do (docs/hybrid_pool_size_choice.json, joint_pass_check)
-        hybrid = HybridChooser(chooser, settings.arrow, settings.z_or, settings.z_floor, joint=True)
+        # separate passes (the base model's, then one per adapter), which the server runs one between two engine
+        # steps (molora.server.client.LocalClient.choose), so a choice pauses the other requests for one pass; the
+        # joint pass (all in one forward, 0.71x the time, the same picks on the 300 validation prompts:
+        # docs/hybrid_pool_size_choice.json, joint_pass_check) paused them for all of it (docs/hybrid_stall.json)
+        hybrid = HybridChooser(chooser, settings.arrow, settings.z_or, settings.z_floor, joint=False)
         _bind_arrow(hybrid, mm, settings, folder)
     except (MoLoRAError, RuntimeError, ValueError) as e:
         raise BundleError(

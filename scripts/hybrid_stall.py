@@ -91,7 +91,7 @@ def render_section(r: dict) -> list[str]:
     )
     return [
         "",
-        "### What a served choice costs the other requests",
+        f"### What a served choice costs the other requests: {r.get('server_chooser', 'joint pass')}",
         "",
         f"A streamed request pinned to one adapter ({r['stream_tokens']} tokens) while {r['arrivals']} short chat "
         "requests arrive one after another, decided by the hybrid chooser (chooser) or pinned to an adapter "
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arrivals", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--label", default="", help="how the server's chooser runs its passes (kept in the record)")
     a = ap.parse_args(argv)
     base = httpx.get(a.url + "/v1/models").json()["data"][0]["id"]
     runs = []
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "dyck=... navigate=... (the default bundle's adapters) --router hybrid, 2 threads",
         "cpu": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?"),
         "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+        "server_chooser": a.label,
         "arrivals": a.arrivals,
         "stream_tokens": a.stream_tokens,
         "repeats": a.repeats,

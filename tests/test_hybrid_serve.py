@@ -132,18 +132,20 @@ def test_bypasses_and_a_failing_chooser_answers_that_request_alone(served):
         assert none["choices"][0]["molora"]["chooser"]["adapter"] is None  # nothing allowed: the base model
         explicit = _post(http, "/chat/completions", {"model": "d", "messages": msg, "molora": {"routing": "arrow"}})
         assert explicit.status_code == 400 and "router" in explicit.json()["error"]["message"]  # not asked: refused
-        real = engine.mm.chooser.choose_served
+        real = engine.mm.chooser.served_stages
         calls = []
 
-        def broken(*a, **k):
+        def broken(mm, questions, allowed=None, batch_size=16):  # fails in its second stage, adapters pinned
             calls.append(1)
+            yield None
             raise RuntimeError("boom")
 
-        object.__setattr__(engine.mm.chooser, "choose_served", broken)
+        object.__setattr__(engine.mm.chooser, "served_stages", broken)
         bad = _post(http, "/chat/completions", {"model": "d", "messages": msg})
         assert bad.status_code == 500 and bad.json()["error"]["code"] == "chooser_error"
         assert "boom" in bad.json()["error"]["message"] and calls
-        object.__setattr__(engine.mm.chooser, "choose_served", real)
+        assert not any(engine.hotset.pins.values())  # the failed choice's pins are gone
+        object.__setattr__(engine.mm.chooser, "served_stages", real)
         assert _post(http, "/chat/completions", {"model": "d", "messages": msg}).status_code == 200  # still serving
         metrics = http.get(url.removesuffix("/v1") + "/metrics").text
     assert 'molora_chooser_choices_total{adapter="error"} 1.0' in metrics
@@ -179,6 +181,31 @@ def test_calibration_is_cached_and_a_changed_adapter_recomputes_its_own_alone(se
     changed = molora.load(served).chooser
     assert calls == [ROUTER["pool_n"]]  # one adapter's entropies over the pool, the other read back
     assert changed.chooser.mean[0] == first.chooser.mean[0] and changed.chooser.mean[1] != first.chooser.mean[1]
+
+
+def test_the_staged_choice_equals_the_choice_in_one_go_and_unpins_when_closed(served):
+    """The server's choice runs one forward pass per stage (Engine.choose_stages): the same picks as Engine.choose,
+    its adapters pinned from its first stage until it ends or is closed half-way."""
+    from molora.engine import Engine, EngineConfig
+
+    engine = Engine(molora.load(served), EngineConfig(max_num_seqs=4))
+    whole = engine.choose(list(PROMPTS))
+    stages = engine.choose_stages(list(PROMPTS))
+    n = 0
+    while True:
+        try:
+            next(stages)
+            n += 1
+            assert any(engine.hotset.pins.values())  # pinned between stages
+        except StopIteration as end:
+            assert end.value == whole
+            break
+    assert n == len(engine.mm.chooser.adapter_names) and not any(engine.hotset.pins.values())
+    half = engine.choose_stages(list(PROMPTS))
+    next(half)
+    assert any(engine.hotset.pins.values())
+    half.close()  # a client gave up
+    assert not any(engine.hotset.pins.values())
 
 
 def test_the_joint_pass_equals_the_separate_passes_and_the_allowed_set_limits_the_pick(served):
@@ -295,3 +322,16 @@ def test_the_results_section_renders_the_served_records():
     assert text.startswith("## Serving the hybrid data-free chooser (`--router hybrid`)")
     assert f"Median time ratio **{rec['median_time_ratio']:.2f}x**" in text and "Chosen: **400** turns" in text
     assert "the 800-turn row is identical to the committed choice's validation row" in text
+
+
+def test_the_base_fingerprint_ignores_where_the_weights_were_read_from(served):
+    """A GGUF's first load and later loads from its dequantized copy differ only in config._name_or_path: the
+    calibration cache must hit on both."""
+    from molora.calibration import base_fingerprint
+
+    mm = molora.load(served)
+    before = base_fingerprint(mm)
+    mm.config._name_or_path = "/somewhere/else"
+    assert base_fingerprint(mm) == before
+    mm.config.vocab_size += 1  # what the model is still counts
+    assert base_fingerprint(mm) != before

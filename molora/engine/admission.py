@@ -14,6 +14,7 @@ Knows routing modes, routers and the hot set's names; nothing about KV blocks, s
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import Any
 
 from molora.engine.hotset import HotSet
@@ -104,6 +105,17 @@ def run_chooser(mm: Any, hotset: HotSet, questions: list[str], allowed: list[str
     """`mm.chooser.choose_served` over the chooser's adapters that are registered, not draining and in `allowed`
     (None: all), pinned in slots for the call; each question's {"adapter", "share", "z"}. Runs on the engine
     thread between steps (it shares the model's routing context with the steps)."""
+    from molora.routing.hybrid import drain
+
+    return drain(chooser_stages(mm, hotset, questions, allowed))
+
+
+def chooser_stages(
+    mm: Any, hotset: HotSet, questions: list[str], allowed: list[str] | None
+) -> Generator[None, None, list[dict]]:
+    """`run_chooser` in stages, one forward pass each (`HybridChooser.served_stages`), for the engine thread to run
+    one at a time between steps. Its adapters stay pinned from the first stage until it ends, raises or is closed
+    (a generator's `close()`), so no load can move them between stages."""
     chooser = getattr(mm, "chooser", None)
     if chooser is None:
         raise RoutingError("this model has no per-request chooser; serve its bundle with --router hybrid")
@@ -118,6 +130,9 @@ def run_chooser(mm: Any, hotset: HotSet, questions: list[str], allowed: list[str
             "by running requests); retry shortly"
         )
     try:
-        return list(chooser.choose_served(mm, questions, names))
+        stages = getattr(chooser, "served_stages", None)
+        if stages is None:  # a chooser without stages decides in one go
+            return list(chooser.choose_served(mm, questions, names))
+        return list((yield from stages(mm, questions, names)))
     finally:
         hotset.release(names)

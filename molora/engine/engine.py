@@ -41,6 +41,7 @@ import logging
 import random
 import time
 from collections import Counter, deque
+from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 
 from molora.config import SamplingParams
-from molora.engine.admission import ROUTING_CHOICES, resolve_routing, run_chooser
+from molora.engine.admission import ROUTING_CHOICES, chooser_stages, resolve_routing, run_chooser
 from molora.engine.faults import CorruptSlots, FaultIsolation
 from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
@@ -446,6 +447,14 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
         """The per-request chooser's pick for each question text (molora.engine.admission.run_chooser); between
         steps, on the engine thread. The caller then adds each request pinned to its pick (None: the base)."""
         return run_chooser(self.mm, self.hotset, questions, allowed)
+
+    def choose_stages(
+        self, questions: list[str], allowed: list[str] | None = None
+    ) -> Generator[None, None, list[dict]]:
+        """`choose` in stages of one forward pass (molora.engine.admission.chooser_stages): advance it on the engine
+        thread, one stage between two steps, and close it if the caller gives up (its adapters stay pinned till
+        then)."""
+        return chooser_stages(self.mm, self.hotset, questions, allowed)
 
     # ------------------------------------------------------------------------------------ stats
     def stats(self) -> dict:

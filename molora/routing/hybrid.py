@@ -22,10 +22,10 @@ pass and one prompt pass per adapter before the answer.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,6 +34,7 @@ from molora.routing.arrow import ArrowConfig, ArrowRouter
 from molora.routing.confidence import CONFIDENCE_FILE, ConfidenceChooser, first_token_entropy, prompt_rows
 
 HYBRID_FILE = "hybrid.json"
+T = TypeVar("T")
 
 
 @torch.no_grad()
@@ -112,6 +113,15 @@ def joint_pass(
             x = x[-c.prompt_window :] if c.prompt_window is not None else x
             shares.append(float((router.general_ratio(module, x).max(-1).values >= c.rms_threshold).float().mean()))
     return torch.tensor(shares), torch.cat(ents) if ents else torch.zeros(0, K)
+
+
+def drain(stages: Generator[None, None, T]) -> T:
+    """Run a staged computation (a generator of None) to its end; its return value."""
+    while True:
+        try:
+            next(stages)
+        except StopIteration as done:
+            return done.value
 
 
 def hybrid_decide(
@@ -236,6 +246,14 @@ class HybridChooser:
         """Per prompt (token ids, template applied) {"adapter": name or None (the base model), "share": Arrow's
         claimed share, "z": {adapter: its confidence z}}, choosing among the adapters whose `mm_index` (their index
         in mm.adapter_names, per adapter of this chooser) is not None; the others are neither run nor chosen."""
+        return drain(self.decide_stages(mm, rows, mm_index, batch_size))
+
+    def decide_stages(
+        self, mm: Any, rows: Sequence[Sequence[int]], mm_index: Sequence[int | None], batch_size: int = 16
+    ) -> Generator[None, None, list[dict[str, Any]]]:
+        """`decide_rows` in stages: a generator that runs one forward pass per step of it (the joint pass; or the
+        base model's pass, then one pass per adapter) and returns the decisions. A server runs one stage at a time
+        between engine steps, so that a choice pauses the other requests for one pass, not all of them."""
         if len(mm_index) != len(self.adapter_names):
             raise RoutingError(f"{len(mm_index)} model indices for the chooser's {len(self.adapter_names)} adapters")
         which = [k for k, i in enumerate(mm_index) if i is not None]
@@ -245,7 +263,11 @@ class HybridChooser:
             share, ent = joint_pass(self._router(mm), mm, rows, adapters, batch=batch_size)
         else:
             share = arrow_claim_share(self._router(mm), mm, rows, batch=batch_size)
-            ent = first_token_entropy(mm, rows, batch=batch_size, adapters=[int(mm_index[k]) for k in which])  # type: ignore[arg-type]
+            cols = []
+            for k in which:
+                yield None
+                cols.append(first_token_entropy(mm, rows, batch=batch_size, adapters=[int(mm_index[k])]))  # type: ignore[arg-type]
+            ent = torch.cat(cols, 1) if cols else torch.zeros(len(rows), 0)
         if which:
             z[:, which] = self.chooser.zscores(ent, which)
         picks = hybrid_decide(share, z, self.arrow.prompt_share, self.z_or, self.z_floor)
@@ -263,10 +285,16 @@ class HybridChooser:
     ) -> list[dict[str, Any]]:
         """`decide_rows` for question texts in mm's bundle template, over whichever of this chooser's adapters mm
         holds now (an engine's hot set orders and evicts them) and `allowed` names (None: all)."""
+        return drain(self.served_stages(mm, questions, allowed, batch_size))
+
+    def served_stages(
+        self, mm: Any, questions: Sequence[str], allowed: Sequence[str] | None = None, batch_size: int = 16
+    ) -> Generator[None, None, list[dict[str, Any]]]:
+        """`choose_served` in stages (`decide_stages`)."""
         rows = prompt_rows(mm, None, questions, None, "the hybrid chooser")
         held = mm.adapter_names
         index = [held.index(n) if n in held and (allowed is None or n in allowed) else None for n in self.adapter_names]
-        return self.decide_rows(mm, rows, index, batch_size)
+        return (yield from self.decide_stages(mm, rows, index, batch_size))
 
     def save(self, folder: str | Path) -> Path:
         folder = Path(folder)

@@ -142,7 +142,26 @@ class LocalClient(EngineClient):
         return await self.runner.call(lambda: self.engine.unload_adapter(name, force=force))
 
     async def choose(self, bundle: str, questions: list[str], allowed: list[str] | None) -> list[dict]:
-        return await self.runner.call(lambda: self.engine.choose(questions, allowed))
+        """One forward pass of the chooser between two engine steps (`Engine.choose_stages`), so a choice pauses
+        the running requests for one pass at a time, not for all of its passes."""
+        stages = await self.runner.call(lambda: self.engine.choose_stages(questions, allowed))
+        done, value = False, None
+        try:
+            while not done:
+                done, value = await self.runner.call(lambda: _advance(stages))
+            return value
+        finally:
+            if not done:  # cancelled or failed mid-way: its adapters' pins go now
+                await asyncio.shield(self.runner.call(stages.close))
+
+
+def _advance(stages: Any) -> tuple[bool, Any]:
+    """Run one stage of a staged computation: (False, None), or (True, its result) once it has ended."""
+    try:
+        next(stages)
+    except StopIteration as end:
+        return True, end.value
+    return False, None
 
 
 async def load_into(engine: Any, runner: EngineRunner, name: str, path: Path, roots: Sequence[Path]) -> None:
