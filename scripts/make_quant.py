@@ -163,6 +163,17 @@ def resident_table(r: dict, fname: str) -> list[str]:
     return [*out, ""]
 
 
+def ab_cells(r: dict, mark_tokens: bool = False) -> str:
+    """An ab_engine_trees record's workloads as "name median x [quartiles]" (paired time ratios, head over base),
+    with "(tokens differ)" where the two trees' greedy tokens differed and mark_tokens is set."""
+    cells = []
+    for k, v in r["workloads"].items():
+        med, lo, hi = v["head_over_base_paired"][:3]
+        differ = mark_tokens and v["same_tokens"] is False
+        cells.append(f"{k} {med:.3f}x [{lo:.3f}-{hi:.3f}]" + (" (tokens differ)" if differ else ""))
+    return "; ".join(cells)
+
+
 def onecopy_lines(docs: Path) -> list[str]:
     """The one-int8-copy change against the two copies before it, paired both ways round (ab_engine_trees on an
     int8 base: docs/quant_w8_onecopy_ab.json, head = one copy; docs/quant_w8_onecopy_ab_swapped.json, head = two),
@@ -177,11 +188,7 @@ def onecopy_lines(docs: Path) -> list[str]:
             continue
         r = json.loads(path.read_text())
         m = r["machine"]
-        cells = "; ".join(
-            f"{k} {v['head_over_base_paired'][0]:.3f}x [{v['head_over_base_paired'][1]:.3f}-"
-            f"{v['head_over_base_paired'][2]:.3f}]" + ("" if v["same_tokens"] is not False else " (tokens differ)")
-            for k, v in r["workloads"].items()
-        )
+        cells = ab_cells(r, mark_tokens=True)
         same = all(v["same_tokens"] is not False for v in r["workloads"].values())
         runs.append(
             f"time {head} (`{r['command']}`, {r['repeats']} repetitions, {m['threads']} thread, load average "
@@ -212,11 +219,7 @@ def head_lines(docs: Path) -> list[str]:
             continue
         r = json.loads(path.read_text())
         m = r["machine"]
-        cells = "; ".join(
-            f"{k} {v['head_over_base_paired'][0]:.3f}x [{v['head_over_base_paired'][1]:.3f}-"
-            f"{v['head_over_base_paired'][2]:.3f}]"
-            for k, v in r["workloads"].items()
-        )
+        cells = ab_cells(r)
         parts.append(
             f"{what}, two trees differing only in that default (`{r['command']}`, {m['cpu']}, {r['repeats']} "
             f"repetitions, {m['threads']} thread, load average {m['loadavg_before']} before; median [quartiles] of "
