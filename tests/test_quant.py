@@ -187,11 +187,14 @@ def _dequantized_twin(mq: molora.MoLoRAModel, arch: str) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_per_token_routing_over_a_quantized_base_equals_routing_over_the_dequantized_weights(tmp_path, arch, scheme):
+@pytest.mark.parametrize(("scheme", "head"), [(s, False) for s in SCHEMES] + [("int8", True)])
+def test_per_token_routing_over_a_quantized_base_equals_routing_over_the_dequantized_weights(
+    tmp_path, arch, scheme, head
+):
+    """head: the LM head in int8 too (quantize_lm_head); the float twin's tied head holds its dequantized rows."""
     paths = {n: make_peft_adapter(tmp_path / n, arch, seed=i, **s) for i, (n, s) in enumerate(SPECS.items())}
-    mq = molora.attach(tiny_model(arch), paths, quantization=scheme)
-    assert sum(isinstance(m, QuantizedLinear) for m in mq.modules()) == 7 * mq.config.num_hidden_layers
+    mq = molora.attach(tiny_model(arch), paths, quantization=scheme, quantize_lm_head=head)
+    assert sum(isinstance(m, QuantizedLinear) for m in mq.modules()) == 7 * mq.config.num_hidden_layers + head
     # int8 and int4 are weight only: the float model on the dequantized weights; w8a8 also rounds its activations:
     # the quantized model on the reference kernel
     mf = molora.attach(_dequantized_twin(mq, arch), paths) if scheme != "w8a8" else _reference_twin(mq)

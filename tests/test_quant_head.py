@@ -18,8 +18,7 @@ from molora.errors import MoLoRAError
 from molora.model.quant_linear import QuantizedEmbedding, QuantizedLinear, quantize_head, weight_bytes
 from molora.model.runner import BatchMeta, ModelRunner, StepRouting
 from molora.ops import quant
-from tests.conftest import VOCAB, make_peft_adapter, tiny_model
-from tests.test_quant import SPECS, _dequantized_twin
+from tests.conftest import VOCAB, tiny_model
 
 
 def _head_model(dtype: torch.dtype = torch.float32) -> molora.MoLoRAModel:
@@ -76,33 +75,6 @@ def test_embeddings_read_the_heads_rows_dequantized_in_either_layout(tiled):
     with torch.no_grad():
         assert torch.equal(emb(ids), ref)
         assert torch.equal(quant.take_tiles(quant.tiles(rows), ids.reshape(-1)), rows[ids.reshape(-1)])
-
-
-def test_routing_over_an_int8_head_equals_routing_over_the_dequantized_weights(tmp_path):
-    paths = {n: make_peft_adapter(tmp_path / n, "llama", seed=i, **s) for i, (n, s) in enumerate(SPECS.items())}
-    mq = molora.attach(tiny_model("llama"), paths, quantization="int8", quantize_lm_head=True)
-    mf = molora.attach(_dequantized_twin(mq, "llama"), paths)  # its tied lm_head holds the head's dequantized rows
-    g = torch.Generator().manual_seed(8)
-    ids = torch.randint(3, VOCAB, (2, 9), generator=g)
-    route = torch.randint(-1, 2, (2, 9), generator=g)
-    with torch.no_grad():
-        lq, lf = mq(ids, adapter_ids=route).logits, mf(ids, adapter_ids=route).logits
-    assert (lq - lf).abs().max() <= 1e-4
-    outs = []
-    for mm in (mq, mf):
-        runner = ModelRunner(mm, num_blocks=16, block_size=4, max_model_len=64)
-        slots = mm.slot_routing(molora.Routing(route), ids.shape)[0]  # [18, 1]
-        with torch.no_grad():
-            outs.append(
-                runner(
-                    ids.reshape(-1),
-                    torch.arange(9).repeat(2),
-                    BatchMeta([9, 9], [9, 9], [[0, 1, 2], [3, 4, 5]]),
-                    StepRouting(slots),
-                    logits=True,
-                ).logits
-            )
-    assert (outs[0] - outs[1]).abs().max() <= 1e-4
 
 
 def test_head_quantization_is_refused_where_it_cannot_apply_and_changes_nothing():
