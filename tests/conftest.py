@@ -152,6 +152,18 @@ def tiny_tokenizer():
     )
 
 
+def save_eos_prone_base(folder) -> None:
+    """A tiny Llama and its tokenizer saved in `folder`, whose base model ends a turn (eos, id 1) often: eos's row of
+    the head along the mean final state, so eos takes about a fifth of each step (the data-free choosers' pools)."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        ids = torch.randint(3, 128, (4, 12), generator=torch.Generator().manual_seed(0))
+        mu = model.model(ids).last_hidden_state.mean((0, 1))
+        model.lm_head.weight[1] = mu / mu.norm() * 1.5
+    model.save_pretrained(str(folder))
+    tiny_tokenizer().save_pretrained(str(folder))
+
+
 @pytest.fixture(params=["qwen3", "llama"])
 def arch(request) -> str:
     return request.param

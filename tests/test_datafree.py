@@ -10,7 +10,7 @@ import molora
 from molora.errors import MoLoRAError
 from molora.routing.gates import GateConfig, GateRouter
 from molora.train.datafree import gates_from_labels, label_prompts, sample_pool, sensitivity, zscores
-from tests.conftest import make_peft_adapter, tiny_model, tiny_tokenizer
+from tests.conftest import make_peft_adapter, save_eos_prone_base
 
 TEMPLATE = "w3 {prompt} w4"
 
@@ -23,13 +23,7 @@ def _bundle(tmp_path, zero: set[int] = frozenset()) -> molora.MoLoRAModel:  # ty
     from molora.bundle import write_manifest
 
     base = tmp_path / "base"
-    model = tiny_model("llama")
-    with torch.no_grad():  # eos's row along the mean final state: eos takes about a fifth of each step
-        ids = torch.randint(3, 128, (4, 12), generator=torch.Generator().manual_seed(0))
-        mu = model.model(ids).last_hidden_state.mean((0, 1))
-        model.lm_head.weight[1] = mu / mu.norm() * 1.5
-    model.save_pretrained(str(base))
-    tiny_tokenizer().save_pretrained(str(base))
+    save_eos_prone_base(base)
     adapters = []
     for i in range(2):
         path = make_peft_adapter(tmp_path / f"e{i}", "llama", seed=i)

@@ -18,7 +18,7 @@ from molora.engine import EngineConfig
 from molora.errors import BundleError
 from molora.server.app import create_app
 from molora.server.launch import ServerThread, build_engine
-from tests.conftest import make_peft_adapter, tiny_model, tiny_tokenizer
+from tests.conftest import make_peft_adapter, save_eos_prone_base
 
 TEMPLATE = "w3 {prompt} w4"
 ENGINE = EngineConfig(max_num_seqs=8, max_model_len=128, kv_budget_tokens=2048)
@@ -48,13 +48,7 @@ def _bundle(root: Path, router: dict = ROUTER, adapters: int = 2) -> Path:
 
     base = root / "base"
     if not base.exists():
-        model = tiny_model("llama")
-        with torch.no_grad():  # eos's row along the mean final state: eos takes about a fifth of each step
-            ids = torch.randint(3, 128, (4, 12), generator=torch.Generator().manual_seed(0))
-            mu = model.model(ids).last_hidden_state.mean((0, 1))
-            model.lm_head.weight[1] = mu / mu.norm() * 1.5
-        model.save_pretrained(str(base))
-        tiny_tokenizer().save_pretrained(str(base))
+        save_eos_prone_base(base)
     entries = []
     for i in range(adapters):
         path = root / f"e{i}"
