@@ -102,9 +102,9 @@ def _adapter_names(router: Router) -> list[str]:
 
 
 def run_chooser(mm: Any, hotset: HotSet, questions: list[str], allowed: list[str] | None) -> list[dict]:
-    """`mm.chooser.choose_served` over the chooser's adapters that are registered, not draining and in `allowed`
-    (None: all), pinned in slots for the call; each question's {"adapter", "share", "z"}. Runs on the engine
-    thread between steps (it shares the model's routing context with the steps)."""
+    """`mm.chooser.choose_served` (a `HybridChooser`) over the chooser's adapters that are registered, not draining
+    and in `allowed` (None: all), pinned in slots for the call; each question's {"adapter", "share", "z"}. Runs on
+    the engine thread between steps (it shares the model's routing context with the steps)."""
     from molora.routing.hybrid import drain
 
     return drain(chooser_stages(mm, hotset, questions, allowed))
@@ -130,9 +130,6 @@ def chooser_stages(
             "by running requests); retry shortly"
         )
     try:
-        stages = getattr(chooser, "served_stages", None)
-        if stages is None:  # a chooser without stages decides in one go
-            return list(chooser.choose_served(mm, questions, names))
-        return list((yield from stages(mm, questions, names)))
+        return list((yield from chooser.served_stages(mm, questions, names)))
     finally:
         hotset.release(names)
