@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_budget_tokens=32 * 300,
         max_model_len=290,
         stop_at_eos=False,
+        enable_prefix_caching=False,  # timed repetitions of the same prompts (molora.bench.engine.bench_config)
     )
     engines = {}
     for name in ("eager", "compiled"):

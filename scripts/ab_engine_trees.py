@@ -63,13 +63,14 @@ def worker(args: argparse.Namespace) -> None:
     router = VocabRouter([(i * q, (i + 1) * q if i < 3 else vocab, f"skill{i}") for i in range(4)])
     prompts, news = workload(args.requests, args.prompt_len, args.new_tokens, vocab, False)
     longest = args.prompt_len + args.new_tokens + 2 * args.steps + 16
-    cfg = EngineConfig(
+    cfg = EngineConfig(  # the engine bench's settings (bench_config), spelled out: an older tree's may differ
         max_num_seqs=args.requests,
         max_tokens_per_step=512,
         block_size=16,
         kv_budget_tokens=args.requests * (longest + 16),
         max_model_len=longest,
         stop_at_eos=False,
+        enable_prefix_caching=False,  # timed repetitions of the same prompts
     )
     bf16 = copy.deepcopy(model) if args.bf16 else None  # a copy before attach changes the model
     quant = args.quantization  # the base linears quantized (as bench_quant: attach, then the dtype)

@@ -417,6 +417,7 @@ def check_engine(device: Any, shape: dict, K: int, seqs: int, prompt_len: int, n
         kv_budget_tokens=seqs * (longest + 16),
         max_model_len=longest,
         stop_at_eos=False,
+        enable_prefix_caching=False,  # timed repetitions of the same prompts (molora.bench.engine.bench_config)
     )
     engine = Engine(mm, cfg)
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)

@@ -77,7 +77,10 @@ def section(docs: Path) -> list[str]:
         f"with other work (load average {m['loadavg_1_5_15']} at the engine run), {m['threads']} thread(s): read "
         f"the ratios, not the absolute figures. {eng.get('schemes', OLD_SCHEMES)} Records: "
         "`scripts/bench_quant.py --json docs/quant.json`, `scripts/ab_quant_linear.py --json "
-        "docs/quant_linear.json`; rendered by `scripts/make_quant.py`."
+        "docs/quant_linear.json`; rendered by `scripts/make_quant.py`. The engine records made before stop 47 "
+        "(all but docs/quant_w8a8_*.json) timed repetitions of the same prompts with the engine's prefix cache on, "
+        "so a repetition skipped up to three quarters of its prefill (molora.bench.engine.bench_config); their "
+        "ratios compare variants that all had it."
     )
     return [
         "## Quantized base (`--quantization int8|int4`)",
@@ -87,6 +90,7 @@ def section(docs: Path) -> list[str]:
         *engine_table(eng),
         "",
         *other_cpu_lines(docs),
+        *w8a8_lines(docs),
         *kernel_table(lin),
         "",
         *onecopy_lines(docs),
@@ -358,6 +362,7 @@ EVAL_RECORDS = (
     ("quant_eval_val_head.json", "val (the LM head: float against int8)", False),
     ("quant_eval_test2.json", "test2 (fresh, larger)", False),
     ("quant_eval_test2_bf16.json", "test2 (fresh, larger; the int8-bf16 variants, a second process)", False),
+    ("quant_eval_test2_w8a8.json", "test2 (fresh, larger; w8a8 on torch._int_mm, stop 47, a third process)", False),
 )
 
 
@@ -375,6 +380,54 @@ def newest(docs: Path, *names: str) -> tuple[dict, bool] | None:
         if (docs / n).is_file():
             return json.loads((docs / n).read_text()), i > 0
     return None
+
+
+W8A8_ENGINE = (  # the engine bench for --quantization w8a8 on torch._int_mm (stop 47), prefix cache off
+    ("quant_w8a8_noamx.json", "the engine bench's workload"),
+    ("quant_w8a8_noamx_prefill.json", "long prompts, few new tokens (prefill-heavy)"),
+)
+
+
+def w8a8_lines(docs: Path) -> list[str]:
+    """`--quantization w8a8` on torch._int_mm with molora's rounding and scaling kernels (stop 47): the engine bench
+    (W8A8_ENGINE) and the linear's A/B (docs/quant_w8a8_kernel.json), where the records exist."""
+    out: list[str] = []
+    for fname, what in W8A8_ENGINE:
+        path = docs / fname
+        if not path.is_file():
+            continue
+        r = json.loads(path.read_text())
+        m = r["machine"]
+        out += [
+            f"W8A8 on torch._int_mm (stop 47), {what}, prefix cache off, on {m['cpu']} "
+            f"({', '.join(m['cpu_flags'] + m['int8_flags'])}), load average {m['loadavg_1_5_15']}, "
+            f"{m['threads']} thread(s), record docs/{fname} (`{r['command']}`):",
+            "",
+            *engine_table(r),
+            "",
+        ]
+    path = docs / "quant_w8a8_kernel.json"
+    if path.is_file():
+        r = json.loads(path.read_text())
+        m = r["machine"]
+        out += [
+            f"W8A8's linear alone on SmolLM2-135M's shapes, {r['unit']}, {m['cpu']} ({', '.join(m['cpu_flags'])}), "
+            f"{m['threads']} thread(s), medians of {r['repeats']} interleaved repetitions (`{r['command']}`, "
+            "docs/quant_w8a8_kernel.json): w8a8 = what `--quantization w8a8` runs (molora's rounding and scaling "
+            "kernels around torch._int_mm), torch ops = the same arithmetic in torch ops, oneDNN s8 = what it ran "
+            "before (oneDNN's qlinear on signed int8 activations), fp32 = molora's float32 panels GEMM:",
+            "",
+            "| rows | shape (N x K) | w8a8 us | torch ops us | oneDNN s8 us | fp32 us | fp32 / w8a8 |",
+            "|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for c in r["cells"]:
+            one = f"{c['onednn_s8']:.0f}" if "onednn_s8" in c else "-"
+            out.append(
+                f"| {c['rows']} | {c['shape']} ({c['n']} x {c['k']}) | {c['w8a8']:.1f} | {c['w8a8_torch_ops']:.1f} | "
+                f"{one} | {c['fp32_panels']:.1f} | {c['fp32_over_w8a8']:.2f}x |"
+            )
+        out.append("")
+    return out
 
 
 def readme_block(docs: Path, page: str) -> str:
@@ -424,7 +477,7 @@ def readme_block(docs: Path, page: str) -> str:
             + "; ".join(rows)
         )
     rows, n_items = [], None
-    for fname in ("quant_eval_test2.json", "quant_eval_test2_bf16.json"):
+    for fname in ("quant_eval_test2.json", "quant_eval_test2_bf16.json", "quant_eval_test2_w8a8.json"):
         if (docs / fname).is_file():
             q = json.loads((docs / fname).read_text())
             n_items = q["n"]
@@ -455,7 +508,20 @@ def readme_block(docs: Path, page: str) -> str:
         )
         parts.append(
             f"llama.cpp's time over molora's on the same prompts ({r['llama_cpp']['n_threads']} thread, "
-            f"llama.cpp's repacked quantized layouts off: they crash in this build): {cells}"
+            f"llama.cpp's repacked quantized layouts off: they crash in this build; molora's prefix cache was on "
+            f"and its repetitions partly hit it, not re-measured since: llama-cpp-python is not on this machine): "
+            f"{cells}"
+        )
+    w8 = [(json.loads((docs / f).read_text()), what) for f, what in W8A8_ENGINE if (docs / f).is_file()]
+    if w8:
+        cpu = w8[0][0]["machine"]["cpu"]
+        parts.append(
+            f"w8a8 on torch._int_mm on {cpu} (AVX512-VNNI, no AMX; prefix cache off): "
+            + ", ".join(
+                f"{r['variants']['w8a8']['vs_fp32']:.2f}x float32 ({r['requests']} x ({r['prompt_len']} prompt + "
+                f"{r['new_tokens']} new))"
+                for r, _ in w8
+            )
         )
     body = (
         "- **Quantized base** (`--quantization int8|int4|w8a8`, "

@@ -169,7 +169,10 @@ def test_a_family_turned_off_declines_and_the_others_still_run(kernels_off, fami
                 "lora": fused_cpu.available(),
                 "block": fused_cpu.block_supports(x),
                 "w8": fused_cpu.linear_w8(x, q8, s8) is not None
-                and (not amx or fused_cpu.linear_amx_w8(x.bfloat16(), quant.tiles(q8), s8) is not None),
+                and (not amx or fused_cpu.linear_amx_w8(x.bfloat16(), quant.tiles(q8), s8) is not None)
+                and fused_cpu.quantize_rows(x) is not None
+                and fused_cpu.scale_rows(torch.zeros(4, 32, dtype=torch.int32), torch.ones(4, 1), s8, x.dtype)
+                is not None,
             }
 
     before = runs()

@@ -395,6 +395,71 @@ def test_linear_w8_checks(mod, case):
     _check(mod, "linear_w8", w8_args, change, match)
 
 
+def quantize_rows_args() -> dict:
+    g = gen(12)
+    return dict(
+        xq=torch.empty(5, 32, dtype=torch.int8),
+        step=torch.empty(5, 1),
+        x=torch.randn(5, 32, generator=g),
+        smooth=torch.empty(0),
+    )
+
+
+QUANTIZE_ROWS = {
+    "xq of another width": (dict(xq=torch.empty(5, 16, dtype=torch.int8)), "xq must be a contiguous int8 .M, K."),
+    "xq of other rows": (dict(xq=torch.empty(4, 32, dtype=torch.int8)), "xq must be a contiguous int8 .M, K."),
+    "xq not int8": (dict(xq=torch.empty(5, 32)), "xq must be a contiguous int8"),
+    "xq not contiguous": (dict(xq=torch.empty(32, 5, dtype=torch.int8).t()), "xq must be a contiguous int8"),
+    "step of another length": (dict(step=torch.empty(4, 1)), "step must be a contiguous float32 of M = 5"),
+    "step in bfloat16": (dict(step=torch.empty(5, 1, dtype=torch.bfloat16)), "step must be a contiguous float32"),
+    "smooth of another length": (dict(smooth=torch.ones(31)), "smooth must be a contiguous float32 .K. = .32."),
+    "smooth in bfloat16": (dict(smooth=torch.ones(32, dtype=torch.bfloat16)), "smooth must be a contiguous float32"),
+    "x not [M, K]": (dict(x=torch.zeros(5, 32, 1)), "x must be .M, K."),
+    "x with a column stride": (dict(x=torch.zeros(32, 5).t()), "unit column stride"),
+    "int8 x": (dict(x=lambda x: x.to(torch.int8)), "x must be float32 or bfloat16"),
+    "x not on the CPU": (dict(x=torch.empty(5, 32, device=META)), "x must be a CPU tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(QUANTIZE_ROWS))
+def test_quantize_rows_checks(mod, case):
+    change, match = QUANTIZE_ROWS[case]
+    _check(mod, "quantize_rows_", quantize_rows_args, change, match)
+
+
+def scale_rows_args() -> dict:
+    g = gen(13)
+    return dict(
+        y=torch.empty(5, 20),
+        acc=torch.randint(-1000, 1000, (5, 20), generator=g, dtype=torch.int32),
+        step=torch.rand(5, 1, generator=g),
+        scale=torch.rand(20, generator=g),
+        bias=torch.empty(0),
+    )
+
+
+SCALE_ROWS = {
+    "acc of another width": (dict(acc=torch.zeros(5, 16, dtype=torch.int32)), "acc must be a contiguous int32 .M, N."),
+    "acc of other rows": (dict(acc=torch.zeros(4, 20, dtype=torch.int32)), "acc must be a contiguous int32 .M, N."),
+    "acc not int32": (dict(acc=torch.zeros(5, 20)), "acc must be a contiguous int32"),
+    "acc not contiguous": (dict(acc=torch.zeros(20, 5, dtype=torch.int32).t()), "acc must be a contiguous int32"),
+    "step of another length": (dict(step=torch.ones(4, 1)), "step must be a contiguous float32 of M = 5"),
+    "scale of another length": (dict(scale=torch.ones(19)), "scale must be a contiguous float32 .N. = .20."),
+    "scale in bfloat16": (dict(scale=torch.ones(20, dtype=torch.bfloat16)), "scale must be a contiguous float32"),
+    "a bias of another length": (dict(bias=torch.zeros(19)), "bias must be a contiguous"),
+    "a bias of another dtype": (dict(bias=torch.zeros(20, dtype=torch.bfloat16)), "one dtype"),
+    "y not [M, N]": (dict(y=torch.empty(5, 20, 1)), "y must be .M, N."),
+    "int32 y": (dict(y=torch.empty(5, 20, dtype=torch.int32)), "y must be float32 or bfloat16"),
+    "acc not on the CPU": (dict(acc=torch.empty(5, 20, dtype=torch.int32, device=META)), "acc must be a CPU tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(SCALE_ROWS))
+def test_scale_rows_checks(mod, case):
+    change, match = SCALE_ROWS[case]
+    _check(mod, "scale_rows_", scale_rows_args, change, match)
+
+
 def amx_w8_args() -> dict:
     g = gen(11)
     return dict(

@@ -24,7 +24,7 @@ from molora.model import quant_linear
 from molora.model.lora_linear import RoutedLoRALinear, linear_shapes
 from molora.model.quant_linear import QuantizedLinear, quantize_linears, weight_bytes
 from molora.model.runner import BatchMeta, ModelRunner, StepRouting
-from molora.ops import quant
+from molora.ops import fused_cpu, quant
 from tests.conftest import VOCAB, make_peft_adapter, tiny_model
 
 SCHEMES = ("int8", "int4", "w8a8")
@@ -119,6 +119,29 @@ def test_smoothing_moves_range_between_activations_and_weights_in_powers_of_two(
         QuantizedLinear(base, "w8a8", act_amax=torch.ones(63))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_w8a8_rounding_and_scaling_kernels_equal_torchs_ops_bit_for_bit(dtype, smooth):
+    """quantize_rows / scale_rows (csrc/linear_w8a8.cpp) are what linear_w8a8 runs around torch._int_mm where built:
+    the same int8 rows and steps as quantize_tokens, the same outputs as acc.float() * step * scales in x's dtype."""
+    if not fused_cpu.available():
+        pytest.skip(f"no kernel build here: {fused_cpu.unavailable_reason()}")
+    g = torch.Generator().manual_seed(21)
+    for m, k, n in ((1, 64, 16), (7, 100, 33), (40, 576, 96)):  # odd widths take the kernels' scalar tails
+        x = (torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]).to(dtype)
+        x[0, :3] = 0.5 * x[0].abs().max()  # ties between two integers after the division: rounded half to even
+        sm = torch.exp2(torch.randint(-4, 4, (k,), generator=g).float()) if smooth else None
+        with torch.no_grad():
+            xq, step = fused_cpu.quantize_rows(x, sm)
+            ref_q, ref_step = quant.quantize_tokens(x, sm)
+            assert torch.equal(xq, ref_q) and torch.equal(step, ref_step)
+            acc = torch.randint(-(2**20), 2**20, (m, n), generator=g, dtype=torch.int32)
+            scales = torch.rand(n, generator=g)
+            ref = acc.float().mul_(ref_step).mul_(scales)
+            assert torch.equal(fused_cpu.scale_rows(acc, step, scales, dtype), ref.to(dtype))
+    assert fused_cpu.quantize_rows(torch.zeros(2, 8, dtype=torch.int8)) is None  # not float: torch's ops run
+
+
 def test_w8a8_weight_packing_checks_its_inputs():
     q = torch.zeros(8, 16, dtype=torch.int8)
     with pytest.raises(ValueError, match="int8"):
@@ -127,6 +150,10 @@ def test_w8a8_weight_packing_checks_its_inputs():
         quant.prepack_w8a8(q, torch.ones(7))
     with pytest.raises(ValueError, match="smooth"):
         quant.prepack_w8a8(q, torch.ones(8), torch.ones(15))
+    w = quant.prepack_w8a8(q, torch.ones(8))
+    for x in (torch.ones(3, 15), torch.ones(16)):  # the wrong width, or not [T, K]
+        with pytest.raises(ValueError, match=r"x must be \[T, 16\]"):
+            quant.linear_w8a8(x, w)
 
 
 def test_calibration_ranges_are_each_linears_input_maximum_and_attach_smooths_with_them(tmp_path):

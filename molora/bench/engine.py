@@ -230,7 +230,11 @@ def swap_cost(mm: Any, name: str, repeats: int = 5) -> dict[str, float]:
 
 def bench_config(requests: int, longest: int) -> EngineConfig:
     """The engine settings of the engine benches: `requests` sequences of up to `longest` tokens all resident, steps
-    of up to 512 tokens, no EOS stop (every request decodes its full count)."""
+    of up to 512 tokens, no EOS stop (every request decodes its full count), and no prefix cache: the benches time
+    the same prompts repeatedly on one engine, and with the cache on a repetition found most of its prompt blocks
+    cached by the one before (768 of 1024 prompt tokens at 16 x 64) and skipped that prefill, which the peers it is
+    compared with (transformers, llama.cpp) do not. Until stop 47 the cache was on here (molora.bench.prefix
+    measures what it saves)."""
     return EngineConfig(
         max_num_seqs=requests,
         max_tokens_per_step=512,
@@ -238,6 +242,7 @@ def bench_config(requests: int, longest: int) -> EngineConfig:
         kv_budget_tokens=requests * (longest + 16),
         max_model_len=longest,
         stop_at_eos=False,
+        enable_prefix_caching=False,
     )
 
 

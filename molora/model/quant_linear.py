@@ -13,8 +13,8 @@ AMX qweight itself is turned into the tiles' layout (`tiled`; prefill and decode
 a call in another dtype; `rows` gives the rows to the paths that need them (the state dict holds rows). Measured
 against keeping rows and tiles both (scripts/ab_engine_trees.py --quantization int8, docs/quant_w8_onecopy_ab.json):
 no slower. `weight_bytes` counts every resident copy of the base weights, the kernels' copies included.
-w8a8 keeps oneDNN's packed copy of qweight (made at the first call, again when qweight, scales or
-smooth change), on which it runs with the activations quantized per token (molora.ops.quant), each input channel
+w8a8 runs on qweight itself (torch._int_mm on a transposed view; float32 scales made at the first call, again when
+qweight, scales or smooth change) with the activations quantized per token (molora.ops.quant), each input channel
 first multiplied by `smooth` when the layer was built with activation ranges (SmoothQuant, power-of-two factors;
 `activation_ranges` measures them, molora.load reads general text for it). The LM head (tied to the embeddings in small
 models) stays in float by default. `quantize_head` (attach's quantize_lm_head=True) makes it an int8 `QuantizedLinear`
@@ -77,7 +77,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", scales.to(base.weight.dtype))
         self.register_buffer("smooth", smooth)  # w8a8 with calibration: x's factor per channel (powers of two)
         self.bias = base.bias
-        self._packed: tuple | None = None  # w8a8: (key, oneDNN's packed weight); int8: (key, float32 scales)
+        self._packed: tuple | None = None  # w8a8: (key, quant.W8A8Weight); int8: (key, float32 scales)
         self.tiled = False  # int8: qweight is held in the AMX tiles' layout (`w8_operands`), not as rows
         # chosen once: forward never branches on the scheme; (x, bias) -> x @ W.T + bias
         self._kernel = {"int8": self._int8, "w8a8": self._w8a8, "int4": self._int4}[scheme]
@@ -182,13 +182,13 @@ class QuantizedLinear(nn.Module):
 
     def kernel_copies(self) -> list[Tensor]:
         """The tensors this layer keeps for its kernel beside its buffers, now: int8 its float32 scales (the scales
-        themselves in a float32 model), w8a8 oneDNN's packed weight with its scales and zero points. Made at the
+        themselves in a float32 model), w8a8 its float32 scales (the int8 weight is read in place). Made at the
         first call (`weight_bytes` counts them)."""
         if self._packed is None:
             return []
         if self.scheme == "w8a8":
-            w = self._packed[1]
-            return [t for t in (w.packed, w.scales, w.zeros, w.smooth) if t is not None]
+            w = self._packed[1]  # qt is a view of qweight: not a copy
+            return [t for t in (w.scales, w.smooth) if t is not None and t is not self.smooth]
         return [self._packed[1]]
 
     def extra_repr(self) -> str:
@@ -320,7 +320,10 @@ def weight_bytes(model: nn.Module, kernel_copies: Iterable[Tensor] = ()) -> dict
         try:
             st = t.untyped_storage()
             key, size = st.data_ptr(), st.nbytes()
-        except (RuntimeError, NotImplementedError):  # an opaque tensor (oneDNN's packed weight): no storage to share
+        except (
+            RuntimeError,
+            NotImplementedError,
+        ):  # an opaque tensor (e.g. a backend's packed weight): no storage to share
             key, size = id(t), t.numel() * t.element_size()
         if key not in seen and size:
             seen.add(key)

@@ -222,6 +222,36 @@ def linear_w8(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None) 
     return y
 
 
+def quantize_rows(x: Tensor, smooth: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+    """x [M, K] (float32 or bfloat16; times smooth [K] float32, if given) -> (xq int8 [M, K], step float32 [M, 1]),
+    each row rounded over its own range, bit for bit molora.ops.quant.quantize_tokens in one pass
+    (csrc/linear_w8a8.cpp). None: cannot run (not built, `suspended`, turned off (MOLORA_KERNELS_OFF=w8), not a
+    float CPU x, autograd on)."""
+    if not glue_supports(x) or x.dim() != 2 or off("w8"):
+        return None
+    x = x if x.stride(1) == 1 else x.contiguous()
+    xq = torch.empty(x.shape, dtype=torch.int8)
+    step = torch.empty(x.shape[0], 1)
+    with _profiled("molora::quantize_rows_"):
+        ops().quantize_rows_(xq, step, x, _EMPTY if smooth is None else smooth)
+    return xq, step
+
+
+def scale_rows(
+    acc: Tensor, step: Tensor, scales: Tensor, dtype: torch.dtype, bias: Tensor | None = None
+) -> Tensor | None:
+    """acc int32 [M, N] -> a new [M, N] of `dtype` (float32 or bfloat16) = (acc * step[m]) * scales[n] (+ bias), one
+    rounding to dtype: what torch computes as acc.float().mul_(step).mul_(scales), in one pass (csrc/linear_w8a8.cpp).
+    None: cannot run."""
+    if ready() is None or off("w8") or dtype not in DTYPES or torch.is_grad_enabled():
+        return None
+    y = torch.empty(acc.shape, dtype=dtype)
+    no_bias = _EMPTY_BF16 if dtype == torch.bfloat16 else _EMPTY
+    with _profiled("molora::scale_rows_"):
+        ops().scale_rows_(y, acc, step, scales, no_bias if bias is None else bias)
+    return y
+
+
 def linear_amx_w8(x: Tensor, tiles: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor | None:
     """Weight-only int8 on AMX: x [M, K] bfloat16 @ (q * scales).T (+ bias) -> a new [M, N] bfloat16, q int8 packed as
     tiles [N / 16, K / 32, 16, 32] (molora.ops.quant.tiles), scales float32 [N] (csrc/linear_amx.cpp). None: cannot

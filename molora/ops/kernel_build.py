@@ -48,6 +48,7 @@ _SOURCES: tuple[Path, ...] = tuple(
         "linear_panels.cpp",  # float32 GEMM on panels
         "linear_amx.cpp",  # bfloat16 GEMM on AMX tiles (amx_ready, linear_amx)
         "linear_w8.cpp",  # weight-only int8 GEMM (linear_w8)
+        "linear_w8a8.cpp",  # W8A8's rounding and scaling around torch._int_mm (quantize_rows_, scale_rows_)
         "decode_block.cpp",  # a whole decoder block of a decode step (BoundBlock)
         "bindings.cpp",  # TORCH_LIBRARY(molora): every op's schema
     )
@@ -76,7 +77,8 @@ FAMILIES: dict[str, str] = {
     "glue": "add_rms_norm, rope_write, silu_mul -> torch ops",
     "panels": "float32 GEMM on panels (linear_panels) -> MKL's packed sgemm",
     "amx": "bfloat16 GEMM on AMX tiles (linear_amx) -> torch's bfloat16 linear (oneDNN)",
-    "w8": "weight-only int8 GEMMs (linear_w8, linear_amx_w8) -> torch's linear on the dequantized weight",
+    "w8": "weight-only int8 GEMMs (linear_w8, linear_amx_w8) -> torch's linear on the dequantized weight; W8A8's "
+    "rounding and scaling around torch._int_mm (quantize_rows_, scale_rows_) -> torch ops",
     "block": "a decode step's block as one call (run_block) -> the block kernel by kernel",
 }
 _off: frozenset[str] | None = None

@@ -32,8 +32,15 @@ CPU kernels ran far behind the float32 GEMM molora packs (molora.ops.packed) at 
   In bfloat16, linear_amx_w8 ran 0.73-1.09x the bf16 AMX GEMM and torch's `_weight_int8pack_mm` (bf16 activations,
   the kernel the issue proposed calling from C++) 0.10-0.38x.
   The weights alone in int8 kept 96% top-1 agreement with float32 on validation text (bfloat16: 97%).
-- **w8a8**: weights *and* activations in 8 bits on oneDNN's int8 GEMM (`linear_w8a8`,
-  `torch.ops.onednn.qlinear_pointwise`, what torch's x86 inductor quantization calls; AMX-INT8 here): each
+- **w8a8**: weights *and* activations in 8 bits on torch's int8 GEMM (`linear_w8a8`: `torch._int_mm`, oneDNN's
+  s8 x s8 -> s32 matmul, on the int8 rows themselves: no packed copy), the rounding before it and the scaling after
+  it each one pass of molora's kernels (csrc/linear_w8a8.cpp: `fused_cpu.quantize_rows`, `scale_rows`; torch's
+  six to eight small ops cost more than the GEMM at a decode step's 16 rows). Until stop 47 it ran on
+  `torch.ops.onednn.qlinear_pointwise` with signed int8 activations (what torch's x86 inductor quantization
+  calls), which on an AVX512-VNNI CPU without AMX ran oneDNN's slow reference path, hundreds of times slower than
+  the float32 GEMM (scripts/ab_w8a8_kernel.py, docs/quant_w8a8_kernel.json). A GEMM of molora's own on
+  AVX512-VNNI (vpdpbusd on the row-major weight) was tried on that CPU and ran about half as fast as torch._int_mm,
+  so it was not kept (issue 38's note). Each
   activation row rounded symmetrically over its own range (`quantize_tokens`: a row's result depends on that row
   alone), the int32 sums exact, scaled in float32. Rounding activations costs quality on SmolLM2 (outlier channels):
   top-1 agreement with float32 89% on validation text. **SmoothQuant** (`smoothing`) moves range from the
@@ -59,7 +66,9 @@ from torch import Tensor
 
 from molora.ops import fused_cpu, packed
 
-SCHEMES = ("int8", "int4", "w8a8")  # int8: weight only; w8a8: activations in int8 too
+SCHEMES = ("int8", "int4", "w8a8")
+# w8a8 below this many rows runs molora's VNNI kernel, from it on torch._int_mm (module docstring: the crossover)
+W8A8_KERNEL_ROWS = 32  # int8: weight only; w8a8: activations in int8 too
 SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength for w8a8, chosen on validation (docs/quant_smooth_choice.json)
 INT4_GROUP = 32  # group size along K for int4 (module docstring; measured in docs/quant_linear.json)
 _INNER_K_TILES = 1  # argument of torch's int4 packing on the CPU (its layout does not depend on it there)
@@ -132,28 +141,28 @@ def dequantize(q: Tensor, scales: Tensor, scheme: str, group: int, shape: tuple[
 
 @dataclass(frozen=True)
 class W8A8Weight:
-    """What `linear_w8a8` multiplies by (`prepack_w8a8` makes it once per weight): oneDNN's packed int8 weight
-    [N, K], its float32 scales [N] (and zero points: zeros), and `smooth`, float32 [K] or None: the factor each
-    activation channel is multiplied by before it is rounded (SmoothQuant's 1 / s, powers of two; `smoothing`)."""
+    """What `linear_w8a8` multiplies by (`prepack_w8a8` makes it once per weight): the int8 weight as torch._int_mm
+    reads it, qt [K, N] (a transposed view of the rows q [N, K]: no copy), its float32 scales [N], and `smooth`,
+    float32 [K] or None: the factor each activation channel is multiplied by before it is rounded (SmoothQuant's
+    1 / s, powers of two; `smoothing`)."""
 
-    packed: Tensor
+    qt: Tensor
     scales: Tensor
-    zeros: Tensor
     smooth: Tensor | None
     shape: tuple[int, int]
 
 
 def prepack_w8a8(q: Tensor, scales: Tensor, smooth: Tensor | None = None) -> W8A8Weight:
-    """(q int8 [N, K], scales [N], smooth [K] or None) -> the `W8A8Weight` of `linear_w8a8` (oneDNN's packing)."""
+    """(q int8 [N, K], scales [N], smooth [K] or None) -> the `W8A8Weight` of `linear_w8a8` (q itself, viewed
+    [K, N]; the scales widened to float32)."""
     n, k = q.shape
     if q.dtype != torch.int8 or scales.shape != (n,) or (smooth is not None and smooth.shape != (k,)):
         raise ValueError(
             f"int8 weight: q must be int8 [N, K], scales [N], smooth [K]; got q {q.dtype} {tuple(q.shape)}, "
             f"scales {tuple(scales.shape)}, smooth {None if smooth is None else tuple(smooth.shape)}"
         )
-    packed = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
-    zeros = torch.zeros(n, dtype=torch.long)
-    return W8A8Weight(packed, scales.float().contiguous(), zeros, None if smooth is None else smooth.float(), (n, k))
+    m = None if smooth is None else smooth.float().contiguous()
+    return W8A8Weight(q.t(), scales.float().contiguous(), m, (n, k))
 
 
 def quantize_tokens(x: Tensor, smooth: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -168,16 +177,19 @@ def quantize_tokens(x: Tensor, smooth: Tensor | None = None) -> tuple[Tensor, Te
 def linear_w8a8(x: Tensor, w: W8A8Weight) -> Tensor:
     """x [T, K] (float32 or bfloat16) @ W.T -> [T, N] in x's dtype, W the int8 weight of `w` (`prepack_w8a8`),
     the activations rounded per token at each call (`quantize_tokens`), the integer products summed exactly in
-    int32 by oneDNN (AMX-INT8 or AVX512-VNNI), scaled in float32 by the weight's and the row's scales."""
-    xq, step = quantize_tokens(x, w.smooth)
-    one = xq.shape[0] == 1
-    if one:  # oneDNN picks a slow kernel for one row at some widths (N = 192: 2.7 ms against 26 us for two rows)
-        xq = xq.expand(2, -1).contiguous()
-    y = torch.ops.onednn.qlinear_pointwise(
-        xq, 1.0, 0, w.packed, w.scales, w.zeros, None, 1.0, 0, torch.float32, "none", [], ""
-    )
-    y = (y[:1] if one else y).mul_(step)
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
+    int32 by torch._int_mm (oneDNN's s8 x s8 -> s32 matmul: AVX512-VNNI, or AMX-INT8 where the CPU has it), then
+    scaled in float32 by the row's and the weight's scales: the rounding and the scaling each in one pass of molora's
+    kernels where they are built (fused_cpu.quantize_rows / scale_rows), in torch ops otherwise (equal bit for bit)."""
+    if x.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"linear_w8a8: x must be [T, {w.shape[1]}]; got {tuple(x.shape)}")
+    rounded = fused_cpu.quantize_rows(x, w.smooth)
+    xq, step = rounded if rounded is not None else quantize_tokens(x, w.smooth)
+    acc = torch._int_mm(xq, w.qt)
+    y = fused_cpu.scale_rows(acc, step, w.scales, x.dtype)
+    if y is None:
+        y = acc.float().mul_(step).mul_(w.scales)
+        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+    return y
 
 
 def smoothing(act_amax: Tensor, weight: Tensor, alpha: float) -> Tensor:

@@ -23,5 +23,7 @@ TORCH_LIBRARY(molora, m) {
   m.def("linear_amx(Tensor(a!) y, Tensor x, Tensor tiles, Tensor bias) -> ()", &linear_amx);
   m.def("linear_amx_w8(Tensor(a!) y, Tensor x, Tensor tiles, Tensor scale, Tensor bias) -> ()", &linear_amx_w8);
   m.def("linear_w8(Tensor(a!) y, Tensor x, Tensor q, Tensor scale, Tensor bias) -> ()", &linear_w8);
+  m.def("quantize_rows_(Tensor(a!) xq, Tensor(b!) step, Tensor x, Tensor smooth) -> ()", &quantize_rows_);
+  m.def("scale_rows_(Tensor(a!) y, Tensor acc, Tensor step, Tensor scale, Tensor bias) -> ()", &scale_rows_);
   register_decode_block(m);
 }

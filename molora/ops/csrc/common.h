@@ -110,5 +110,8 @@ void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor
 void linear_amx_w8(torch::Tensor y, torch::Tensor x, torch::Tensor Pq, torch::Tensor scale, torch::Tensor bias);
 // linear_w8.cpp
 void linear_w8(torch::Tensor y, torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor bias);
+// linear_w8a8.cpp
+void quantize_rows_(torch::Tensor xq, torch::Tensor step, torch::Tensor x, torch::Tensor smooth);
+void scale_rows_(torch::Tensor y, torch::Tensor acc, torch::Tensor step, torch::Tensor scale, torch::Tensor bias);
 // decode_block.cpp: registers the BoundBlock class (torch.classes.molora.BoundBlock)
 void register_decode_block(torch::Library& m);
