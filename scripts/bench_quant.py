@@ -43,6 +43,7 @@ VARIANTS = {  # name -> (dtype, quantization, quantize_lm_head: None the scheme'
     "int8-bf16-fhead": (torch.bfloat16, "int8", False),
     "w8a8": (torch.float32, "w8a8", None),
     "w8a8-bf16": (torch.bfloat16, "w8a8", None),
+    "w8a8-qhead": (torch.float32, "w8a8", True),  # the LM head in w8a8 too (the tied embedding reads its rows)
     "int4-bf16": (torch.bfloat16, "int4", None),
     "int4": (torch.float32, "int4", None),
 }

@@ -214,11 +214,12 @@ def _dequantized_twin(mq: molora.MoLoRAModel, arch: str) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize(("scheme", "head"), [(s, False) for s in SCHEMES] + [("int8", True)])
+@pytest.mark.parametrize(("scheme", "head"), [(s, False) for s in SCHEMES] + [("int8", True), ("w8a8", True)])
 def test_per_token_routing_over_a_quantized_base_equals_routing_over_the_dequantized_weights(
     tmp_path, arch, scheme, head
 ):
-    """head: the LM head in int8 too (quantize_lm_head); the float twin's tied head holds its dequantized rows."""
+    """head: the LM head in int8 too (quantize_lm_head); the float twin's tied head holds its dequantized rows (w8a8:
+    the reference twin's head rounds the final hidden state as the kernel does)."""
     paths = {n: make_peft_adapter(tmp_path / n, arch, seed=i, **s) for i, (n, s) in enumerate(SPECS.items())}
     mq = molora.attach(tiny_model(arch), paths, quantization=scheme, quantize_lm_head=head)
     assert sum(isinstance(m, QuantizedLinear) for m in mq.modules()) == 7 * mq.config.num_hidden_layers + head
@@ -305,7 +306,8 @@ def test_ray_replicas_take_the_quantization_and_check_it():
     with pytest.raises(MoLoRAError, match="--quantization 'int3'"):
         rs.RayConfig(quantization="int3")
     assert rs.RayConfig(quantization="int8", quantize_lm_head=True).quantize_lm_head is True
-    with pytest.raises(MoLoRAError, match="--quantize-lm-head needs --quantization int8, got 'int4'"):
+    assert rs.RayConfig(quantization="w8a8", quantize_lm_head=True).quantize_lm_head is True
+    with pytest.raises(MoLoRAError, match="--quantize-lm-head needs --quantization int8 or w8a8, got 'int4'"):
         rs.RayConfig(quantization="int4", quantize_lm_head=True)
 
 

@@ -1,4 +1,4 @@
-"""The LM head under int8 (`quantize_head`): the tied head and the input embeddings share one int8 copy, the logits
+"""The LM head under int8 or w8a8 (`quantize_head`): the tied head and the input embeddings share one int8 copy, the logits
 stay within the int8 rounding's bound of the float head, the model equals the float model on the dequantized weights
 (a case of test_quant's routing test), and bad requests are refused with nothing changed.
 
@@ -21,14 +21,15 @@ from molora.ops import quant
 from tests.conftest import VOCAB, tiny_model
 
 
-def _head_model(dtype: torch.dtype = torch.float32) -> molora.MoLoRAModel:
-    mm = molora.attach(tiny_model("llama"), {}, quantization="int8", quantize_lm_head=True)
+def _head_model(dtype: torch.dtype = torch.float32, scheme: str = "int8") -> molora.MoLoRAModel:
+    mm = molora.attach(tiny_model("llama"), {}, quantization=scheme, quantize_lm_head=True)
     return mm.to(dtype)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "w8a8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_tied_head_and_the_embeddings_hold_one_int8_copy(dtype):
-    mm = _head_model(dtype)
+def test_the_tied_head_and_the_embeddings_hold_one_int8_copy(dtype, scheme):
+    mm = _head_model(dtype, scheme)
     head, emb = mm.model.lm_head, mm.model.model.embed_tokens
     assert isinstance(head, QuantizedLinear) and isinstance(emb, QuantizedEmbedding) and emb.head is head
     v, d = head.out_features, head.in_features
@@ -44,7 +45,7 @@ def test_the_tied_head_and_the_embeddings_hold_one_int8_copy(dtype):
     assert not any(t.numel() >= v * d for t in runner.packed_weights())
     quantized = [m for m in mm.modules() if isinstance(m, QuantizedLinear)]
     assert wb["quantized"] == sum(m.nbytes() for m in quantized)  # the head counted once, with its scales
-    float_head = molora.attach(tiny_model("llama"), {}, quantization="int8", quantize_lm_head=False).to(dtype)
+    float_head = molora.attach(tiny_model("llama"), {}, quantization=scheme, quantize_lm_head=False).to(dtype)
     fb, qb = weight_bytes(float_head.model), weight_bytes(mm.model)
     saved = fb["quantized"] + fb["float"] - qb["quantized"] - qb["float"]  # the model's own tensors
     assert saved == v * d * dtype.itemsize - head.nbytes()  # one float [V, D] matrix less, one int8 head more
@@ -78,9 +79,9 @@ def test_embeddings_read_the_heads_rows_dequantized_in_either_layout(tiled):
 
 
 def test_head_quantization_is_refused_where_it_cannot_apply_and_changes_nothing():
-    for scheme in ("int4", "w8a8", None):
+    for scheme in ("int4", None):
         model = tiny_model("llama")
-        with pytest.raises(MoLoRAError, match="quantize_lm_head needs quantization='int8'"):
+        with pytest.raises(MoLoRAError, match="quantize_lm_head needs quantization='int8' or 'w8a8'"):
             molora.attach(model, {}, quantization=scheme, quantize_lm_head=True)
         assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
     model = tiny_model("llama")
@@ -89,11 +90,14 @@ def test_head_quantization_is_refused_where_it_cannot_apply_and_changes_nothing(
         molora.attach(model, {}, quantization="int8", quantize_lm_head=True)
     assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="int8 only"):
+    with pytest.raises(ValueError, match="int8 or w8a8 only"):
         quantize_head(model, "int4")
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight
-    with pytest.raises(ValueError, match="int8 head only"):
+    with pytest.raises(ValueError, match="unsmoothed int8 or w8a8 head only"):
         QuantizedEmbedding(QuantizedLinear(tiny_model("llama").lm_head, "int4"))
+    lin = tiny_model("llama").lm_head  # a smoothed head's rows are W * s, not W: the embeddings cannot read them
+    with pytest.raises(ValueError, match="unsmoothed int8 or w8a8 head only"):
+        QuantizedEmbedding(QuantizedLinear(lin, "w8a8", act_amax=torch.ones(lin.in_features)))
 
 
 def test_an_untied_head_is_quantized_alone():

@@ -97,14 +97,15 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="quantize the base model's linears on load, on the CPU (vLLM's flag): int8 weights per output "
         "channel, activations in --dtype (weight only); int4 weights in groups of 32 (weight only, slower); w8a8: "
-        "int8 weights and activations quantized per token after SmoothQuant factors (oneDNN); adapters stay in "
+        "int8 weights and activations quantized per token after SmoothQuant factors (torch._int_mm: on an "
+        "AVX512-VNNI CPU without AMX 1.51x float32's engine throughput, docs/benchmarks.md); adapters stay in "
         '--dtype (default: the bundle\'s "quantization", else none)',
     )
     p.add_argument(
         "--quantize-lm-head",
         action="store_true",
         default=None,
-        help="with --quantization int8: the LM head in int8 too, the tied embeddings read from its rows (one int8 "
+        help="with --quantization int8 or w8a8: the LM head in int8 too, the tied embeddings read from its rows (one int8 "
         "copy, about 0.94x the Q8_0 GGUF's bytes for SmolLM2-135M; 6-11%% slower measured on a CPU without AMX: "
         "docs/benchmarks.md)",
     )

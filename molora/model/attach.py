@@ -29,7 +29,7 @@ from molora.adapters.io import LoRAAdapter, read_adapter, read_adapter_ranks
 from molora.config import LLAMA_PROJECTIONS, BankConfig
 from molora.errors import AdapterError, MoLoRAError, RoutingError
 from molora.model.lora_linear import RoutedLoRALinear, RoutingContext, linear_shapes, swap_modules
-from molora.model.quant_linear import HEAD_SCHEMES, QuantizedLinear, activation_ranges, quantize_head, quantize_linears
+from molora.model.quant_linear import HEAD_CAPABLE, HEAD_SCHEMES, QuantizedLinear, activation_ranges, quantize_head, quantize_linears
 from molora.ops import LoRADispatcher, fused_cpu
 from molora.routing import Router, Routing, SequenceRouter
 from molora.routing.base import InNetworkRouter, to_slots
@@ -378,8 +378,8 @@ def attach(
     """
     if any(isinstance(m, RoutedLoRALinear) for m in model.modules()):
         raise MoLoRAError("this model is already attached; attach once and use load_adapter for more")
-    if quantize_lm_head and quantization != "int8":
-        raise MoLoRAError(f"quantize_lm_head needs quantization='int8', got {quantization!r}")
+    if quantize_lm_head and quantization not in HEAD_CAPABLE:
+        raise MoLoRAError(f"quantize_lm_head needs quantization='int8' or 'w8a8', got {quantization!r}")
     if quantize_lm_head and type(getattr(model, "get_output_embeddings", lambda: None)()) is not nn.Linear:
         raise MoLoRAError("quantize_lm_head: the model has no plain nn.Linear LM head (get_output_embeddings)")
     if quantization is not None:

@@ -18,7 +18,7 @@ qweight, scales or smooth change) with the activations quantized per token (molo
 first multiplied by `smooth` when the layer was built with activation ranges (SmoothQuant, power-of-two factors;
 `activation_ranges` measures them, molora.load reads general text for it). The LM head (tied to the embeddings in small
 models) stays in float by default. `quantize_head` (attach's quantize_lm_head=True) makes it an int8 `QuantizedLinear`
-too, and the tied input embeddings a `QuantizedEmbedding` that reads the rows of the same int8 copy: no float [V, D]
+too (under w8a8 a w8a8 one, unsmoothed: the final hidden state rounded per token), and the tied input embeddings a `QuantizedEmbedding` that reads the rows of the same int8 copy: no float [V, D]
 matrix and no packed copy of it is left (SmolLM2-135M under int8: 135 MB of base weights, 0.94x the Q8_0 GGUF, against
 333 MB in float32 and 164 MB (220 MB on AMX, which packs a bfloat16 copy of the head) in bfloat16 with the head in
 float; docs/quant_weight_bytes.json). Not the default (HEAD_SCHEMES empty): on validation it kept every
@@ -44,6 +44,8 @@ from molora.ops import quant
 
 # schemes that quantize the LM head by default (`quantize_head`): none, chosen on validation (module docstring)
 HEAD_SCHEMES: tuple[str, ...] = ()
+# schemes whose LM head can be quantized (`quantize_head`): both keep int8 rows [V, D] the embeddings can read
+HEAD_CAPABLE: tuple[str, ...] = ("int8", "w8a8")
 
 
 class QuantizedLinear(nn.Module):
@@ -124,9 +126,9 @@ class QuantizedLinear(nn.Module):
         return quant.untile(self.qweight) if self.tiled else self.qweight
 
     def take(self, ids: Tensor) -> Tensor:
-        """int8: the weight rows (output channels) `ids` [T] as int8 [T, d_in], from whichever layout is kept (the
-        tiles gathered in place: no copy of the whole weight)."""
-        assert self.scheme == "int8", self.scheme
+        """int8 / w8a8: the weight rows (output channels) `ids` [T] as int8 [T, d_in], from whichever layout is kept
+        (the tiles gathered in place: no copy of the whole weight)."""
+        assert self.scheme in HEAD_CAPABLE, self.scheme
         return quant.take_tiles(self.qweight, ids) if self.tiled else self.qweight.index_select(0, ids)
 
     def _int8(self, x: Tensor, bias: Tensor | None) -> Tensor:  # the bias added in the kernel, before its rounding
@@ -211,8 +213,8 @@ class QuantizedEmbedding(nn.Module):
 
     def __init__(self, head: QuantizedLinear, padding_idx: int | None = None) -> None:
         super().__init__()
-        if head.scheme != "int8":
-            raise ValueError(f"embeddings read from an int8 head only, got {head.scheme}")
+        if head.scheme not in HEAD_CAPABLE or head.smooth is not None:
+            raise ValueError(f"embeddings read from an unsmoothed int8 or w8a8 head only, got {head.scheme}")
         self.num_embeddings, self.embedding_dim, self.padding_idx = head.out_features, head.in_features, padding_idx
         # a reference, not a submodule: the model owns the head as lm_head (listed once by named_modules and
         # state_dict, cast once by .to); the embedding reads its buffers at each call
@@ -230,13 +232,14 @@ class QuantizedEmbedding(nn.Module):
 
 def quantize_head(model: nn.Module, scheme: str) -> list[str]:
     """Swap the LM head (a transformers model's output embeddings, an `nn.Linear`) for a `QuantizedLinear` of
-    `scheme` ("int8" only) and, where it is tied to the input embeddings, the input embeddings for a
+    `scheme` ("int8" or "w8a8", HEAD_CAPABLE; w8a8 rounds the final hidden state per token, unsmoothed) and, where
+    it is tied to the input embeddings, the input embeddings for a
     `QuantizedEmbedding` that reads the same int8 copy; the float matrix is dropped. Returns the names replaced
     (none where the model has no plain linear head). Quantize before attaching (molora.attach does)."""
     from molora.model.lora_linear import swap_modules
 
-    if scheme != "int8":
-        raise ValueError(f"the LM head is quantized under int8 only, got {scheme!r}")
+    if scheme not in HEAD_CAPABLE:
+        raise ValueError(f"the LM head is quantized under {' or '.join(HEAD_CAPABLE)} only, got {scheme!r}")
     by_id = {id(m): (n, m) for n, m in model.named_modules()}
     head = by_id.get(id(getattr(model, "get_output_embeddings", lambda: None)()))
     emb = by_id.get(id(getattr(model, "get_input_embeddings", lambda: None)()))

@@ -61,7 +61,7 @@ def build_engine(
     avx512_bf16 on CPU; the router's gates stay fp32). max_cpu_loras (vLLM's flag): the CPU tier holds that
     many adapters of the slots' size beyond the slots (instead of EngineConfig.cpu_tier_bytes). quantization
     ("int8", "int4", "w8a8", vLLM's --quantization): the base's linears quantized on load (molora.bundle.load);
-    quantize_lm_head: the LM head too (int8 only; molora.attach)."""
+    quantize_lm_head: the LM head too (int8 or w8a8; molora.attach)."""
     import dataclasses
 
     import torch

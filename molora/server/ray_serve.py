@@ -102,8 +102,8 @@ class RayConfig:
             raise MoLoRAError(f"--ray-ingress {self.ingress!r}: use one of {', '.join(INGRESS_KINDS)}")
         if self.quantization not in (None, "int8", "int4", "w8a8"):  # molora.ops.quant.SCHEMES
             raise MoLoRAError(f"--quantization {self.quantization!r}: use int8, int4 or w8a8 (or leave it out)")
-        if self.quantize_lm_head and self.quantization != "int8":
-            raise MoLoRAError(f"--quantize-lm-head needs --quantization int8, got {self.quantization!r}")
+        if self.quantize_lm_head and self.quantization not in ("int8", "w8a8"):  # quant_linear.HEAD_CAPABLE
+            raise MoLoRAError(f"--quantize-lm-head needs --quantization int8 or w8a8, got {self.quantization!r}")
         if self.placement not in PLACEMENTS:
             raise MoLoRAError(f"--ray-placement {self.placement!r}: use one of {', '.join(PLACEMENTS)}")
         if self.replicas < 1 or self.max_queue < 1 or self.bundles_per_replica < 1:
