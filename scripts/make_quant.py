@@ -362,6 +362,7 @@ EVAL_RECORDS = (
     ("quant_eval_val_head.json", "val (the LM head: float against int8)", False),
     ("quant_eval_test2.json", "test2 (fresh, larger)", False),
     ("quant_eval_test2_bf16.json", "test2 (fresh, larger; the int8-bf16 variants, a second process)", False),
+    ("quant_eval_val_w8a8_head.json", "val (w8a8 on torch._int_mm, and its LM head in w8a8 too; stop 47)", False),
     ("quant_eval_test2_w8a8.json", "test2 (fresh, larger; w8a8 on torch._int_mm, stop 47, a third process)", False),
 )
 
@@ -385,6 +386,7 @@ def newest(docs: Path, *names: str) -> tuple[dict, bool] | None:
 W8A8_ENGINE = (  # the engine bench for --quantization w8a8 on torch._int_mm (stop 47), prefix cache off
     ("quant_w8a8_noamx.json", "the engine bench's workload"),
     ("quant_w8a8_noamx_prefill.json", "long prompts, few new tokens (prefill-heavy)"),
+    ("quant_w8a8_head_noamx.json", "with the LM head in w8a8 too (w8a8-qhead: memory, not speed)"),
 )
 
 
@@ -512,7 +514,7 @@ def readme_block(docs: Path, page: str) -> str:
             f"and its repetitions partly hit it, not re-measured since: llama-cpp-python is not on this machine): "
             f"{cells}"
         )
-    w8 = [(json.loads((docs / f).read_text()), what) for f, what in W8A8_ENGINE if (docs / f).is_file()]
+    w8 = [(json.loads((docs / f).read_text()), what) for f, what in W8A8_ENGINE[:2] if (docs / f).is_file()]
     if w8:
         cpu = w8[0][0]["machine"]["cpu"]
         parts.append(
@@ -522,6 +524,7 @@ def readme_block(docs: Path, page: str) -> str:
                 f"{r['new_tokens']} new))"
                 for r, _ in w8
             )
+            + ", at the cost of arithmetic and retention (its test2 row above)"
         )
     body = (
         "- **Quantized base** (`--quantization int8|int4|w8a8`, "
