@@ -280,3 +280,28 @@ def test_gc_clock_times_full_collections_and_uninstalls():
         assert clock.take() > 0 and clock.take() == 0  # take() empties it
     assert clock.count[2] >= 1 and len(clock.gen2_s) == clock.count[2]
     assert clock not in gc.callbacks
+
+
+def test_engine_bench_repetitions_recompute_every_prompt():
+    """The engine benches time the same prompts again and again on one engine (molora.bench.engine.measure, the peer
+    bench, bench_quant): with bench_config no repetition may find its prompt's KV blocks cached by the one before,
+    or it would skip prefill work its peers (transformers, llama.cpp) do."""
+    import dataclasses
+
+    import molora
+    from molora.bench.engine import bench_config, workload
+    from molora.config import SamplingParams
+    from molora.engine import Engine
+
+    mm = molora.attach(tiny_model("llama"), {})
+    prompts, news = workload(4, 40, 3, mm.config.vocab_size, False, seed=3)
+    engine = Engine(mm, bench_config(4, 40 + 3 + 16))
+    params = [SamplingParams(max_new_tokens=n) for n in news]
+    first = [r.new_token_ids for r in engine.generate(prompts, params, routing="none")]
+    again = [r.new_token_ids for r in engine.generate(prompts, params, routing="none")]
+    assert again == first  # greedy: the same work
+    assert engine.prefix is None  # no cache: the second repetition prefilled all 160 prompt tokens again
+    cached = Engine(mm, dataclasses.replace(bench_config(4, 40 + 3 + 16), enable_prefix_caching=True))
+    for _ in range(2):
+        cached.generate(prompts, params, routing="none")
+    assert cached.prefix is not None and cached.prefix.stats()["hit_tokens"] > 0  # what the cache would have skipped

@@ -1,6 +1,6 @@
-"""The LM head under int8 or w8a8 (`quantize_head`): the tied head and the input embeddings share one int8 copy, the logits
-stay within the int8 rounding's bound of the float head, the model equals the float model on the dequantized weights
-(a case of test_quant's routing test), and bad requests are refused with nothing changed.
+"""The LM head under int8 or w8a8 (`quantize_head`): the tied head and the input embeddings share one int8 copy, the
+logits stay within the int8 rounding's bound of the float head, the model equals the float model on the dequantized
+weights (a case of test_quant's routing test), and bad requests are refused with nothing changed.
 
 Tolerances: the head's logits differ from the float head's by at most ||h||_1 * scale_n / 2 per vocabulary row n (each
 weight moves by at most half a step), plus 1e-5 of the largest logit for the order of float32 sums; the whole model

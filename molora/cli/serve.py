@@ -105,8 +105,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "--quantize-lm-head",
         action="store_true",
         default=None,
-        help="with --quantization int8 or w8a8: the LM head in int8 too, the tied embeddings read from its rows (one int8 "
-        "copy, about 0.94x the Q8_0 GGUF's bytes for SmolLM2-135M; 6-11%% slower measured on a CPU without AMX: "
+        help="with --quantization int8 or w8a8: the LM head in int8 too, the tied embeddings read from its rows (one "
+        "int8 copy, about 0.94x the Q8_0 GGUF's bytes for SmolLM2-135M; 6-11%% slower measured on a CPU without AMX: "
         "docs/benchmarks.md)",
     )
     p.add_argument(

@@ -29,7 +29,14 @@ from molora.adapters.io import LoRAAdapter, read_adapter, read_adapter_ranks
 from molora.config import LLAMA_PROJECTIONS, BankConfig
 from molora.errors import AdapterError, MoLoRAError, RoutingError
 from molora.model.lora_linear import RoutedLoRALinear, RoutingContext, linear_shapes, swap_modules
-from molora.model.quant_linear import HEAD_CAPABLE, HEAD_SCHEMES, QuantizedLinear, activation_ranges, quantize_head, quantize_linears
+from molora.model.quant_linear import (
+    HEAD_CAPABLE,
+    HEAD_SCHEMES,
+    QuantizedLinear,
+    activation_ranges,
+    quantize_head,
+    quantize_linears,
+)
 from molora.ops import LoRADispatcher, fused_cpu
 from molora.routing import Router, Routing, SequenceRouter
 from molora.routing.base import InNetworkRouter, to_slots

@@ -16,17 +16,20 @@ no slower. `weight_bytes` counts every resident copy of the base weights, the ke
 w8a8 runs on qweight itself (torch._int_mm on a transposed view; float32 scales made at the first call, again when
 qweight, scales or smooth change) with the activations quantized per token (molora.ops.quant), each input channel
 first multiplied by `smooth` when the layer was built with activation ranges (SmoothQuant, power-of-two factors;
-`activation_ranges` measures them, molora.load reads general text for it). The LM head (tied to the embeddings in small
-models) stays in float by default. `quantize_head` (attach's quantize_lm_head=True) makes it an int8 `QuantizedLinear`
-too (under w8a8 a w8a8 one, unsmoothed: the final hidden state rounded per token), and the tied input embeddings a `QuantizedEmbedding` that reads the rows of the same int8 copy: no float [V, D]
-matrix and no packed copy of it is left (SmolLM2-135M under int8: 135 MB of base weights, 0.94x the Q8_0 GGUF, against
-333 MB in float32 and 164 MB (220 MB on AMX, which packs a bfloat16 copy of the head) in bfloat16 with the head in
-float; docs/quant_weight_bytes.json). Not the default (HEAD_SCHEMES empty): on validation it kept every
-float32-activation skill item's score, but in bfloat16 general retention fell from 90% to 80%
-(docs/quant_eval_val_head.json), and the engine ran 6-11% slower with it on an AVX-512 CPU without AMX (linear_w8 on the
-head against the float32 panels or torch's bfloat16 GEMM; docs/quant_head_ab.json, and 6-9% with the trees swapped,
-docs/quant_head_ab_swapped.json). A `RoutedLoRALinear` wraps a `QuantizedLinear` as it wraps an `nn.Linear`: the LoRA
-delta stays in the activation dtype, unquantized.
+`activation_ranges` measures them, molora.load reads general text for it). The LM head (tied to the embeddings in
+small models) stays in float by default. `quantize_head` (attach's quantize_lm_head=True) makes it an int8
+`QuantizedLinear` too (under w8a8 a w8a8 one, unsmoothed: the final hidden state rounded per token), and the tied
+input embeddings a `QuantizedEmbedding` that reads the rows of the same int8 copy: no float [V, D] matrix and no
+packed copy of it is left (SmolLM2-135M under int8: 135 MB of base weights, 0.94x the Q8_0 GGUF, against 333 MB in
+float32 and 164 MB (220 MB on AMX, which packs a bfloat16 copy of the head) in bfloat16 with the head in float;
+docs/quant_weight_bytes.json). Not the default (HEAD_SCHEMES empty): on validation it kept every float32-activation
+skill item's score, but in bfloat16 general retention fell from 90% to 80% (docs/quant_eval_val_head.json), and the
+engine ran 6-11% slower with it on an AVX-512 CPU without AMX (linear_w8 on the head against the float32 panels or
+torch's bfloat16 GEMM; docs/quant_head_ab.json, and 6-9% with the trees swapped, docs/quant_head_ab_swapped.json).
+Under w8a8 the head in w8a8 ran no faster (1.51x float32 against 1.54x without it, docs/quant_w8a8_head_noamx.json)
+and lost on validation (navigate -16.7 points, retention 77.5% against 82.5%, docs/quant_eval_val_w8a8_head.json):
+off by default too, for its memory only. A `RoutedLoRALinear` wraps a `QuantizedLinear` as it wraps an `nn.Linear`:
+the LoRA delta stays in the activation dtype, unquantized.
 
 With autograd on (training adapters over a quantized base) the product runs on the dequantized weight, which
 autograd differentiates with respect to x; the weight itself is frozen.
