@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from molora.errors import AdapterDraining, BankFullError, MoLoRAError
+from molora.errors import AdapterDraining, BankFullError, CalibrationError, MoLoRAError
 from molora.server.catalog import Catalog, ModelInfo
 from molora.server.client import EngineClient
 from molora.server.generation import Generation, Limits
@@ -138,6 +138,8 @@ class ServerState:
             raise APIError(409, str(e), param=param, code="no_free_slot") from e
         except AdapterDraining as e:
             raise APIError(409, str(e), param=param, code="adapter_draining") from e
+        except CalibrationError as e:  # --router hybrid: not the adapter's fault; nothing was changed
+            raise APIError(500, str(e), type="server_error", code="chooser_calibration_failed") from e
         except MoLoRAError as e:
             raise APIError(400, str(e), param="path" if param == "name" else "lora_path", code="invalid_adapter") from e
         self.metrics.known_adapter(name)
