@@ -24,6 +24,12 @@ adapter, keyed by the pool's key and the adapter's contents as loaded (every mod
 changed adapter recomputes its own entropies only; a changed base or setting recomputes everything. A cache file
 that does not parse is recomputed (logged); one that cannot be written is logged and start-up goes on.
 
+Run time (`HybridCalibration`, kept as `mm.calibration`): when an adapter is loaded or unloaded while serving, the
+engine rebuilds the chooser for the new set of adapters (`rebuild_stages`, molora.engine.runtime_adapters): the pool
+and Arrow's calibration are kept in memory, the other adapters keep their statistics and prototypes, and only a new
+adapter's entropies are read from the cache (keyed by its contents) or computed, one batch of the pool per stage so
+that a server runs one between two engine steps.
+
 Knows models, adapters and the routing layer's choosers; nothing of engines, requests or HTTP.
 """
 

@@ -87,6 +87,10 @@ def test_unload_drops_the_adapter_and_a_new_one_of_the_same_name_is_calibrated_a
 
 
 def test_a_failing_calibration_leaves_adapters_and_chooser_as_they_were(tmp_path, monkeypatch):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
     import molora.calibration as cal
 
     monkeypatch.setenv("MOLORA_HYBRID_CACHE", str(tmp_path / "cache"))
@@ -117,6 +121,15 @@ def test_a_failing_calibration_leaves_adapters_and_chooser_as_they_were(tmp_path
         )
         assert _chat(http, PROMPTS[0])["molora"]["chooser"]["adapter"] in ("e0", None)  # still serving
         monkeypatch.setattr(cal, "first_token_entropy", real)
+        shutil.copytree(
+            tmp_path / "new", tmp_path / "huge"
+        )  # finite weights whose answers are not: the adapter's fault
+        f = tmp_path / "huge" / "adapter_model.safetensors"
+        save_file({k: v * 3e38 if "lora_B" in k else v for k, v in load_file(str(f)).items()}, str(f))
+        r = http.post("/adapters", json={"name": "huge", "path": str(tmp_path / "huge")})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_adapter", r.text
+        assert "non-finite entropies" in r.json()["error"]["message"]
+        assert engine.mm.chooser is chooser and engine.hotset.names == names and not any(engine.hotset.pins.values())
         r = http.post("/adapters", json={"name": "new", "path": str(tmp_path / "new")})  # fixed: it loads now
         assert r.status_code == 201, r.text
         assert engine.mm.chooser.adapter_names == ("e0", "new")

@@ -122,7 +122,9 @@ class ServerState:
         self, bundle: str | None, name: str, path: str, *, param: str, roots: Sequence[Path] | None = None
     ) -> ModelInfo:
         """Load the PEFT folder `path` (confined to `roots`, default the adapter roots) as adapter `name` of
-        `bundle`; 4xx otherwise."""
+        `bundle`; 4xx otherwise. With --router hybrid it returns once the chooser has been recalibrated with the
+        adapter; a calibration that fails leaves nothing changed and answers 500 chooser_calibration_failed (400
+        invalid_adapter when the adapter is the cause, 409 no_free_slot when the chooser would outgrow the slots)."""
         roots = self.adapter_roots if roots is None else tuple(roots)
         info = self.catalog.bundle(bundle)
         if name in info.adapters:
