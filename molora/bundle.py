@@ -204,15 +204,17 @@ def load(
 
 def attach_chooser(mm: Any) -> Any:
     """Give a model of a hybrid bundle (router kind "hybrid") its per-request chooser, `mm.chooser`: calibrated
-    on its adapters from the cache or computed now (molora.calibration.hybrid_chooser, which logs its progress);
-    other bundles are left as they are. Call it after any dtype conversion: the calibration is keyed by it."""
+    on its adapters from the cache or computed now (molora.calibration.hybrid_calibration, which logs its progress),
+    and `mm.calibration`, what rebuilds it when adapters are loaded or unloaded at run time; other bundles are left
+    as they are. Call it after any dtype conversion: the calibration is keyed by it."""
     bundle = mm.bundle
     if bundle is None or bundle.router_kind != "hybrid":
         return mm
-    from molora.calibration import hybrid_chooser
+    from molora.calibration import hybrid_calibration
     from molora.routing.hybrid import HybridSettings
 
-    mm.chooser = hybrid_chooser(mm, HybridSettings.from_json(bundle.router_options, where=f"bundle {bundle.name!r}"))
+    settings = HybridSettings.from_json(bundle.router_options, where=f"bundle {bundle.name!r}")
+    mm.chooser, mm.calibration = hybrid_calibration(mm, settings)
     return mm
 
 

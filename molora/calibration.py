@@ -24,6 +24,12 @@ adapter, keyed by the pool's key and the adapter's contents as loaded (every mod
 changed adapter recomputes its own entropies only; a changed base or setting recomputes everything. A cache file
 that does not parse is recomputed (logged); one that cannot be written is logged and start-up goes on.
 
+Run time (`HybridCalibration`, kept as `mm.calibration`): when an adapter is loaded or unloaded while serving, the
+engine rebuilds the chooser for the new set of adapters (`rebuild_stages`, molora.engine.runtime_adapters): the pool
+and Arrow's calibration are kept in memory, the other adapters keep their statistics and prototypes, and only a new
+adapter's entropies are read from the cache (keyed by its contents) or computed, one batch of the pool per stage so
+that a server runs one between two engine steps.
+
 Knows models, adapters and the routing layer's choosers; nothing of engines, requests or HTTP.
 """
 
@@ -36,7 +42,8 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Generator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +52,7 @@ import torch
 from molora.errors import BundleError, MoLoRAError
 from molora.routing.base import SequenceRouter
 from molora.routing.confidence import ConfidenceChooser, first_token_entropy
-from molora.routing.hybrid import HybridChooser, HybridSettings
+from molora.routing.hybrid import HybridChooser, HybridSettings, drain
 
 log = logging.getLogger("molora.calibration")
 
@@ -214,7 +221,14 @@ def _write(path: Path, obj: Any) -> None:
 def hybrid_chooser(mm: Any, settings: HybridSettings, folder: Path | None = None) -> HybridChooser:
     """The hybrid chooser for mm's adapters (all of them, in mm.adapter_names order), calibrated from the cache in
     `folder` (default `cache_dir()`) or computed and cached (module docstring), bound to mm. BundleError naming the
-    cause and the fix when it cannot be built."""
+    cause and the fix when it cannot be built. `hybrid_calibration` also keeps what rebuilds it."""
+    return hybrid_calibration(mm, settings, folder)[0]
+
+
+def hybrid_calibration(
+    mm: Any, settings: HybridSettings, folder: Path | None = None
+) -> tuple[HybridChooser, HybridCalibration]:
+    """(`hybrid_chooser`'s chooser, the `HybridCalibration` that rebuilds it when adapters change at run time)."""
     names = list(mm.adapter_names)
     if not names:
         raise BundleError("--router hybrid chooses among adapters and none are loaded; give --lora-modules NAME=PATH")
@@ -222,7 +236,10 @@ def hybrid_chooser(mm: Any, settings: HybridSettings, folder: Path | None = None
     t0 = time.perf_counter()
     try:
         pool, pool_key = _pool(mm, settings, folder)
-        ent = torch.stack([_entropies(mm, pool, pool_key, k, folder) for k in range(len(names))], 1)  # [N, K]
+        head, tail, _ = template_parts(mm)
+        rows = [list(mm.tokenizer(head + p + tail, add_special_tokens=False)["input_ids"]) for p in pool]
+        cal = HybridCalibration(settings, folder, pool, pool_key, rows)
+        ent = torch.stack([drain(cal.entropy_stages(mm, name)) for name in names], 1)  # [N, K]
         chooser = ConfidenceChooser.from_pool(names, ent, z_min=0.0, margin=0.0)  # z_min, margin: unused here
         # separate passes (the base model's, then one per adapter), which the server runs one between two engine
         # steps (molora.server.client.LocalClient.choose), so a choice pauses the other requests for one pass; the
@@ -237,7 +254,76 @@ def hybrid_chooser(mm: Any, settings: HybridSettings, folder: Path | None = None
             f"{folder}, set $MOLORA_HYBRID_CACHE to move it)"
         ) from e
     log.info("hybrid chooser ready for %s in %.1f s (pool of %d prompts)", names, time.perf_counter() - t0, len(pool))
-    return hybrid
+    return hybrid, cal
+
+
+@dataclass
+class HybridCalibration:
+    """What a served hybrid chooser is calibrated from, kept so that it can be rebuilt when adapters are loaded or
+    unloaded at run time (molora.engine.runtime_adapters): the settings, the cache folder, the pool (its prompts and
+    their token ids, template applied) and its key, and each adapter's entropies over the pool by the adapter's
+    contents (`adapter_fingerprint`; in memory here and on disk in `folder`)."""
+
+    settings: HybridSettings
+    folder: Path
+    pool: list[str]
+    pool_key: str
+    rows: list[list[int]]
+    entropies: dict[str, torch.Tensor] = field(default_factory=dict)  # adapter_fingerprint -> [N]
+
+    def entropy_stages(self, mm: Any, name: str) -> Generator[None, None, torch.Tensor]:
+        """[N]: adapter `name`'s first-answer-token entropy on every pooled prompt, from memory or the cache (keyed
+        by its contents), else computed one batch of ENTROPY_BATCH prompts per stage (a yield before each: a server
+        runs one between two engine steps). `name` must stay resident in mm throughout (the caller pins it)."""
+        fingerprint = adapter_fingerprint(mm.adapters[name])
+        if fingerprint in self.entropies:
+            return self.entropies[fingerprint]
+        key = _key(["entropy", CACHE_FORMAT, self.pool_key, fingerprint, ENTROPY_BATCH])
+        path = self.folder / f"entropy-{self.pool_key}-{key}.json"
+        cached = _read(path)
+        n = len(self.rows)
+        if isinstance(cached, dict) and isinstance(cached.get("entropy"), list) and len(cached["entropy"]) == n:
+            log.info("hybrid: %s's entropies over the pool read from %s", name, path)
+            ent = torch.tensor(cached["entropy"], dtype=torch.float64)
+        else:
+            t0, parts = time.perf_counter(), []
+            for i in range(0, n, ENTROPY_BATCH):  # the same left-padded batches as one call over all the rows
+                yield None
+                k = mm.adapter_names.index(name)  # looked up again: the slots may change between stages
+                chunk = self.rows[i : i + ENTROPY_BATCH]
+                parts.append(first_token_entropy(mm, chunk, batch=ENTROPY_BATCH, adapters=[k])[:, 0].double())
+            ent = torch.cat(parts)
+            if not torch.isfinite(ent).all():
+                raise MoLoRAError(f"adapter {name!r} gives non-finite entropies on the pool (are its weights finite?)")
+            seconds = time.perf_counter() - t0
+            log.info("hybrid: %s's entropies over %d pooled prompts computed in %.1f s", name, n, seconds)
+            _write(path, {"adapter": name, "entropy": ent.tolist(), "seconds": round(seconds, 1)})
+        self.entropies[fingerprint] = ent
+        return ent
+
+    def rebuild_stages(
+        self, mm: Any, current: HybridChooser, names: Sequence[str], fresh: Sequence[str] = ()
+    ) -> Generator[None, None, HybridChooser]:
+        """A new chooser over `names` (in that order) with `current`'s rule, built aside (`current` is not touched):
+        an adapter of `current` not in `fresh` keeps its statistics and Arrow prototypes, any other is calibrated
+        now (`entropy_stages`; it must be resident in mm until the end). MoLoRAError for an adapter the chooser
+        cannot score (non-finite entropies); the model's own errors (RuntimeError, ...) pass through."""
+        if not names:
+            raise MoLoRAError("a hybrid chooser needs at least one adapter to choose among")
+        old = current.chooser
+        mean, std = [], []
+        for name in names:
+            if name in old.adapter_names and name not in fresh:
+                i = old.adapter_names.index(name)
+                mean.append(old.mean[i])
+                std.append(old.std[i])
+                continue
+            ent = yield from self.entropy_stages(mm, name)
+            one = ConfidenceChooser.from_pool([name], ent[:, None], z_min=old.z_min, margin=old.margin)
+            mean.append(one.mean[0])
+            std.append(one.std[0])
+        chooser = ConfidenceChooser(tuple(names), tuple(mean), tuple(std), old.z_min, old.margin)
+        return current.rebuilt(mm, chooser, fresh=[n for n in names if n not in old.adapter_names or n in fresh])
 
 
 def _bind_arrow(hybrid: HybridChooser, mm: Any, s: HybridSettings, folder: Path) -> None:
@@ -304,24 +390,3 @@ def _pool(mm: Any, s: HybridSettings, folder: Path) -> tuple[list[str], str]:
         )
     _write(path, {"prompts": pool, "seconds": round(time.perf_counter() - t0, 1), "settings": knobs})
     return pool, key
-
-
-def _entropies(mm: Any, pool: list[str], pool_key: str, k: int, folder: Path) -> torch.Tensor:
-    """[N]: adapter k's first-answer-token entropy on every pooled prompt, from the cache or computed."""
-    name = mm.adapter_names[k]
-    key = _key(["entropy", CACHE_FORMAT, pool_key, adapter_fingerprint(mm.adapters[name]), ENTROPY_BATCH])
-    path = folder / f"entropy-{pool_key}-{key}.json"
-    cached = _read(path)
-    if isinstance(cached, dict) and isinstance(cached.get("entropy"), list) and len(cached["entropy"]) == len(pool):
-        log.info("hybrid: %s's entropies over the pool read from %s", name, path)
-        return torch.tensor(cached["entropy"], dtype=torch.float64)
-    t0 = time.perf_counter()
-    head, tail, _ = template_parts(mm)
-    rows = [list(mm.tokenizer(head + p + tail, add_special_tokens=False)["input_ids"]) for p in pool]
-    ent = first_token_entropy(mm, rows, batch=ENTROPY_BATCH, adapters=[k])[:, 0].double()
-    if not torch.isfinite(ent).all():
-        raise MoLoRAError(f"adapter {name!r} gives non-finite entropies on the pool (are its weights finite?)")
-    seconds = time.perf_counter() - t0
-    log.info("hybrid: %s's entropies over %d pooled prompts computed in %.1f s", name, len(pool), seconds)
-    _write(path, {"adapter": name, "entropy": ent.tolist(), "seconds": round(seconds, 1)})
-    return ent

@@ -32,3 +32,8 @@ class RoutingError(MoLoRAError):
 
 class BundleError(MoLoRAError):
     """A bundle folder (molora.json) is missing, malformed or inconsistent."""
+
+
+class CalibrationError(MoLoRAError):
+    """A per-request chooser (`--router hybrid`) could not be calibrated on the adapters at run time (not the
+    adapter's fault: the model failed while scoring it)."""

@@ -225,6 +225,10 @@ class FakeEngine:
         self._same_thread()
         self.mm.adapter_names.append(name)
 
+    def load_adapter_stages(self, name: str, adapter: str, roots=None):  # a load in stages: one stage here
+        self.load_adapter(name, adapter, roots)
+        yield from ()
+
     def unload_adapter(self, name: str, force: bool = False) -> str:
         self._same_thread()
         self.mm.adapter_names.remove(name)

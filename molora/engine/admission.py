@@ -115,7 +115,9 @@ def chooser_stages(
 ) -> Generator[None, None, list[dict]]:
     """`run_chooser` in stages, one forward pass each (`HybridChooser.served_stages`), for the engine thread to run
     one at a time between steps. Its adapters stay pinned from the first stage until it ends, raises or is closed
-    (a generator's `close()`), so no load can move them between stages."""
+    (a generator's `close()`), so no load can move them between stages. It keeps the chooser it began with to its
+    end: a run-time load or unload swaps `mm.chooser` for a rebuilt one (molora.engine.runtime_adapters), and the
+    next choice asks that one."""
     chooser = getattr(mm, "chooser", None)
     if chooser is None:
         raise RoutingError("this model has no per-request chooser; serve its bundle with --router hybrid")

@@ -76,6 +76,8 @@ class MoLoRAModel(nn.Module):
         # a per-request chooser (molora.routing.hybrid.HybridChooser, `--router hybrid`): the engine asks it which
         # adapter a request runs on (Engine.choose), while `router` (None then) routes per token
         self.chooser: Any = None
+        # what rebuilds `chooser` when adapters are loaded or unloaded at run time (a HybridCalibration)
+        self.calibration: Any = None
         self.last_carry: torch.Tensor | None = None  # [B, L] decisions at the router's carry_source block
 
     # ------------------------------------------------------------------------------------ adapters

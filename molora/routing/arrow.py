@@ -273,6 +273,16 @@ class ArrowRouter(Router):
             self.calibrate(calibration)
         return self
 
+    def adopt_prototypes(self, other: ArrowRouter, skip: Sequence[str] = ()) -> list[str]:
+        """Take `other`'s prototypes of the adapters this router chooses between (but `skip`), so that a router
+        rebuilt for a changed set of adapters computes only the new ones' (`refresh` still recomputes an adapter
+        loaded again: a new `LoRAAdapter` object). Returns the names taken; call before `bind`."""
+        taken = [n for n in self.adapter_names if n in other._protos and n not in skip]
+        self._protos.update({n: other._protos[n] for n in taken})
+        self._stacks.clear()
+        self._rms.clear()
+        return taken
+
     def refresh(self) -> list[str]:
         """Compute prototypes for adapters loaded (or loaded again) since the last call; return their names."""
         if self._mm is None:

@@ -226,6 +226,23 @@ class HybridChooser:
         object.__setattr__(self, "_bound", (mm, router))
         return self  # frozen: the binding is a cache, not a setting
 
+    def rebuilt(self, mm: Any, chooser: ConfidenceChooser, fresh: Sequence[str] = ()) -> HybridChooser:
+        """A new chooser with this one's rule and Arrow settings over `chooser`'s adapters, bound to mm: Arrow's
+        general-text calibration (adapter-free) and the prototypes of this chooser's adapters but `fresh` are
+        taken over, a new adapter's prototypes computed from its weights (it must be resident in mm). This one
+        is left as it is (a server swaps the new one in: adapters loaded or unloaded at run time)."""
+        old = self._router(mm)
+        router = ArrowRouter(self.arrow, list(chooser.adapter_names))
+        router.set_calibration(old.calibration_state())
+        router.adopt_prototypes(old, skip=fresh)
+        router.bind(mm)
+        missing = [n for n in chooser.adapter_names if n not in router._protos]
+        if missing:
+            raise RoutingError(f"the hybrid chooser's Arrow has no prototypes of {missing}: load them into slots first")
+        new = HybridChooser(chooser, self.arrow, self.z_or, self.z_floor, self.joint)
+        object.__setattr__(new, "_bound", (mm, router))
+        return new
+
     def _router(self, mm: Any) -> ArrowRouter:
         cached = getattr(self, "_bound", None)
         if cached is None or cached[0] is not mm:

@@ -15,7 +15,9 @@ with no progress for `stall_s`: a hung step); 200 otherwise, also while draining
 while the engine thread has not started or the server drains. Endpoints that need the engine thread
 (`/v1/adapters`) wait at most `engine_call_timeout_s`, then answer 503 (`engine_busy`); `/metrics` then answers
 without the engine's figures (`molora_engine_healthy` tells why). Adapter loads read and check the files on a
-worker thread (`Engine.read_adapter`); only the registration runs on the engine thread. `DELETE
+worker thread (`Engine.read_adapter`); only the registration runs on the engine thread (with `--router hybrid`,
+then the chooser's calibration on the new adapter, one forward pass between two steps: `Engine.load_adapter_stages`;
+docs/serving.md says what its failures answer). `DELETE
 /v1/adapters/{name}` drains: new requests stop using the adapter at once and it unloads when the last request
 using it ends (202 "draining"); `?force=true` ends those requests with an error and unloads now.
 

@@ -7,6 +7,9 @@ that adapter, or on the base model. A request that pins an adapter (`model=NAME`
 another mode never asks it; `molora.adapters` limits what it may pick. The pick is reported per choice under
 `molora.chooser` (molora.server.protocol.Chosen) and counted in /metrics (`molora_chooser_choices_total`).
 
+The chooser follows adapters loaded and unloaded at run time (molora.engine.runtime_adapters: recalibrated and
+swapped in between engine steps; a choice in flight finishes on the chooser it began with).
+
 A chooser that fails on one request answers that request alone: 503 with Retry-After when its adapters cannot be
 put in slots now (`BankFullError`), else 500 naming the cause and the ways around it; the server goes on serving.
 Knows nothing of engines (an `EngineClient` runs the chooser) nor of the wire format of responses.

@@ -103,6 +103,8 @@ class LocalClient(EngineClient):
         self.engine, self.runner = engine, runner
         self.max_in_flight = runner.max_in_flight
         self.call_timeout_s = call_timeout_s
+        # loads and unloads one at a time: with --router hybrid each rebuilds the chooser from the one before
+        self._adapter_changes = asyncio.Lock()
 
     def attach(
         self, *, on_step: Callable[[int, float], None] | None = None, on_event: Callable[[str, Any], None] | None = None
@@ -136,23 +138,32 @@ class LocalClient(EngineClient):
         return await self.runner.call(self.engine.list_adapters, timeout=self.call_timeout_s)
 
     async def load_adapter(self, bundle: str, name: str, path: Path, roots: Sequence[Path]) -> None:
-        await load_into(self.engine, self.runner, name, path, roots)
+        async with self._adapter_changes:
+            await load_into(self.engine, self.runner, name, path, roots)
 
     async def unload_adapter(self, bundle: str, name: str, force: bool) -> str:
-        return await self.runner.call(lambda: self.engine.unload_adapter(name, force=force))
+        async with self._adapter_changes:
+            return await self.runner.call(lambda: self.engine.unload_adapter(name, force=force))
 
     async def choose(self, bundle: str, questions: list[str], allowed: list[str] | None) -> list[dict]:
         """One forward pass of the chooser between two engine steps (`Engine.choose_stages`), so a choice pauses
         the running requests for one pass at a time, not for all of its passes."""
         stages = await self.runner.call(lambda: self.engine.choose_stages(questions, allowed))
-        done, value = False, None
-        try:
-            while not done:
-                done, value = await self.runner.call(lambda: _advance(stages))
-            return value
-        finally:
-            if not done:  # cancelled or failed mid-way: its adapters' pins go now
-                await asyncio.shield(self.runner.call(stages.close))
+        return await run_stages(self.runner, stages)
+
+
+async def run_stages(runner: EngineRunner, stages: Any) -> Any:
+    """Run a staged computation (a generator of None) on the engine thread, one stage between two engine steps;
+    its result. Cancelled or failed mid-way, it is closed on the engine thread (a choice's pins go, a load rolls
+    back)."""
+    done, value = False, None
+    try:
+        while not done:
+            done, value = await runner.call(lambda: _advance(stages))
+        return value
+    finally:
+        if not done:
+            await asyncio.shield(runner.call(stages.close))
 
 
 def _advance(stages: Any) -> tuple[bool, Any]:
@@ -166,6 +177,8 @@ def _advance(stages: Any) -> tuple[bool, Any]:
 
 async def load_into(engine: Any, runner: EngineRunner, name: str, path: Path, roots: Sequence[Path]) -> None:
     """Read and check the adapter files on a worker thread (never on the engine thread or the event loop),
-    then register the adapter on the engine thread."""
+    then register the adapter on the engine thread (`Engine.load_adapter_stages`: with --router hybrid, the
+    chooser's calibration on it follows, one forward pass between two engine steps)."""
     adapter = await asyncio.to_thread(engine.read_adapter, name, str(path), roots=roots)
-    await runner.call(lambda: engine.load_adapter(name, adapter, roots=roots))
+    stages = await runner.call(lambda: engine.load_adapter_stages(name, adapter, roots=roots))
+    await run_stages(runner, stages)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from molora.errors import AdapterDraining, BankFullError, MoLoRAError
+from molora.errors import AdapterDraining, BankFullError, CalibrationError, MoLoRAError
 from molora.server.catalog import Catalog, ModelInfo
 from molora.server.client import EngineClient
 from molora.server.generation import Generation, Limits
@@ -122,7 +122,9 @@ class ServerState:
         self, bundle: str | None, name: str, path: str, *, param: str, roots: Sequence[Path] | None = None
     ) -> ModelInfo:
         """Load the PEFT folder `path` (confined to `roots`, default the adapter roots) as adapter `name` of
-        `bundle`; 4xx otherwise."""
+        `bundle`; 4xx otherwise. With --router hybrid it returns once the chooser has been recalibrated with the
+        adapter; a calibration that fails leaves nothing changed and answers 500 chooser_calibration_failed (400
+        invalid_adapter when the adapter is the cause, 409 no_free_slot when the chooser would outgrow the slots)."""
         roots = self.adapter_roots if roots is None else tuple(roots)
         info = self.catalog.bundle(bundle)
         if name in info.adapters:
@@ -138,6 +140,8 @@ class ServerState:
             raise APIError(409, str(e), param=param, code="no_free_slot") from e
         except AdapterDraining as e:
             raise APIError(409, str(e), param=param, code="adapter_draining") from e
+        except CalibrationError as e:  # --router hybrid: not the adapter's fault; nothing was changed
+            raise APIError(500, str(e), type="server_error", code="chooser_calibration_failed") from e
         except MoLoRAError as e:
             raise APIError(400, str(e), param="path" if param == "name" else "lora_path", code="invalid_adapter") from e
         self.metrics.known_adapter(name)
