@@ -69,7 +69,7 @@ class Variant:
     """molora's base precision against the llama.cpp GGUF type that stores the same bits per weight."""
 
     dtype: torch.dtype  # molora's activations and float weights
-    quantization: str | None  # molora's base linears: None, "int8" (weight only), "int4" (weight only)
+    quantization: str | None  # molora's base linears: None, "int8" / "int4" (weight only), "w8a8"
     gguf_type: str  # the llama.cpp file
     kv_type: str  # llama.cpp's KV cache, matching molora's (its KV cache is in the activation dtype)
 
@@ -79,6 +79,8 @@ VARIANTS = {
     "bf16": Variant(torch.bfloat16, None, "BF16", "BF16"),
     "int8": Variant(torch.float32, "int8", "Q8_0", "F32"),
     "int8-bf16": Variant(torch.bfloat16, "int8", "Q8_0", "BF16"),
+    # int8 weights and activations, as llama.cpp's Q8_0 dot products (activations rounded to Q8 blocks)
+    "w8a8": Variant(torch.float32, "w8a8", "Q8_0", "F32"),
     "int4": Variant(torch.bfloat16, "int4", "Q4_0", "BF16"),  # molora's int4 runs with bf16 activations
     "int4-k": Variant(torch.bfloat16, "int4", "Q4_K_M", "BF16"),
 }
@@ -276,8 +278,14 @@ def measure_variant(
 
     v = VARIANTS[name]
     prompts, news, threads = work["prompts"], work["news"], work["threads"]
-    model, _tok = load_base()
-    mm = attach(model, {"skill0": lora_folder}, quantization=v.quantization)
+    model, tok = load_base()
+    calib = None  # w8a8: SmoothQuant's ranges from the rows molora.load reads (as scripts/bench_quant.py)
+    if v.quantization == "w8a8":
+        from molora.bundle import CHATML_TEMPLATE, QUANT_CALIBRATION_ROWS
+        from molora.data.general import general_rows
+
+        calib = general_rows(tok, QUANT_CALIBRATION_ROWS, CHATML_TEMPLATE, with_output=True)
+    mm = attach(model, {"skill0": lora_folder}, quantization=v.quantization, calibration=calib)
     if v.dtype != torch.float32:
         mm.to(v.dtype)
     engine = Engine(mm, work["engine_config"])
