@@ -55,23 +55,35 @@ def files_table(rec: dict) -> list[str]:
     return out
 
 
-# The records: (file, title, how molora's weights were counted). The first two were made with the weight-only int8 and
-# the honest weight count (every resident copy), at 1 and 2 threads; the last when int8 meant W8A8 (now `w8a8`) and the
-# weights counted were the model's tensors only.
+# The records: (file, title, how molora's weights were counted). The first two (stop 47) with the prefix cache off on
+# molora's side and w8a8 on torch._int_mm, llama.cpp's repacked layouts off and on; the next two with the weight-only
+# int8 and the honest weight count (every resident copy), at 1 and 2 threads; the last when int8 meant W8A8 (now
+# `w8a8`) and the weights counted were the model's tensors only. All but the first two timed molora with its prefix
+# cache on: its repetitions after the first found up to three quarters of their prompt blocks cached.
 RECORDS = (
     (
+        "peer_llamacpp_nocache.json",
+        "prefix cache off, w8a8 on torch._int_mm (stop 47)",
+        "molora's weights: every resident copy (the model's, the packed kernel copies)",
+    ),
+    (
+        "peer_llamacpp_nocache_repack.json",
+        "prefix cache off, llama.cpp's repacked layouts on (stop 47)",
+        "molora's weights: every resident copy (the model's, the packed kernel copies)",
+    ),
+    (
         "peer_llamacpp_w8.json",
-        "weight-only int8",
+        "weight-only int8 (molora's prefix cache on)",
         "molora's weights: every resident copy (the model's, the packed kernel copies)",
     ),
     (
         "peer_llamacpp_w8_2threads.json",
-        "weight-only int8, 2 threads",
+        "weight-only int8, 2 threads (molora's prefix cache on)",
         "molora's weights: every resident copy (the model's, the packed kernel copies)",
     ),
     (
         "peer_llamacpp.json",
-        "W8A8 era: its int8 is the old W8A8 path, now `--quantization w8a8`",
+        "W8A8 era: its int8 is the old W8A8 path, now `--quantization w8a8` (molora's prefix cache on)",
         "molora's weights: the model's tensors only (the packed kernel copies not counted)",
     ),
 )

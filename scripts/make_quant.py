@@ -375,11 +375,11 @@ def label(rec: dict, name: str, old: bool | None = None) -> str:
 
 
 def newest(docs: Path, *names: str) -> tuple[dict, bool] | None:
-    """The first of the records `names` that exists (newest first), and whether it is the W8A8 era's (not the
-    first name), or None."""
+    """The first of the records `names` that exists (newest first), and whether it is the W8A8 era's (the last name of
+    two or more), or None."""
     for i, n in enumerate(names):
         if (docs / n).is_file():
-            return json.loads((docs / n).read_text()), i > 0
+            return json.loads((docs / n).read_text()), len(names) > 1 and i == len(names) - 1
     return None
 
 
@@ -498,9 +498,11 @@ def readme_block(docs: Path, page: str) -> str:
             f"on the fresh test2 split ({n_items} items per skill, 95% intervals on the difference, paired): "
             + "; ".join(rows)
         )
-    found = newest(docs, "peer_llamacpp_w8.json", "peer_llamacpp.json")
+    peer = ("peer_llamacpp_nocache.json", "peer_llamacpp_w8.json", "peer_llamacpp.json")  # newest first
+    found = newest(docs, *peer)
     if found:
         r, old = found
+        cached = not (docs / peer[0]).is_file()  # the records before stop 47 timed molora with its prefix cache on
         cells = ", ".join(
             f"{label(r, n, old)} vs {v['llama.cpp']['gguf_type']} {v['llama_over_molora'][0]:.2f}x "
             f"({v['llama_over_molora_lora'][0]:.2f}x with a LoRA"
@@ -508,10 +510,14 @@ def readme_block(docs: Path, page: str) -> str:
             + ")"
             for n, v in r["variants"].items()
         )
+        how = (
+            "llama.cpp's repacked quantized layouts off: they crash in this build; molora's prefix cache was on and "
+            "its repetitions partly hit it"
+            if cached
+            else f"on {r['machine']['cpu']}, molora's prefix cache off"
+        )
         parts.append(
-            f"llama.cpp's time over molora's on the same prompts ({r['llama_cpp']['n_threads']} thread, "
-            f"llama.cpp's repacked quantized layouts off: they crash in this build; molora's prefix cache was on "
-            f"and its repetitions partly hit it, not re-measured since: llama-cpp-python is not on this machine): "
+            f"llama.cpp's time over molora's on the same prompts ({r['llama_cpp']['n_threads']} thread(s), {how}): "
             f"{cells}"
         )
     w8 = [(json.loads((docs / f).read_text()), what) for f, what in W8A8_ENGINE[:2] if (docs / f).is_file()]
