@@ -6,16 +6,18 @@
 The engine bench's workload (molora.bench.engine: SmolLM2-135M, 4 random r=16 adapters on all seven projections, a
 VocabRouter over 4 vocabulary ranges, so every step routes per token over all adapters; random prompts, greedy, eos
 ignored), one `Engine` per variant, `Engine.generate` over all requests timed with the variants' order rotated every
-repetition; medians, throughput and the ratio to float32. Variants (`--variants`): fp32, bf16, int8 (weight-only int8,
-float32 activations: linear_w8), int8-bf16 (the same, bfloat16 model: linear_amx_w8), w8a8 (int8 weights and
-activations on oneDNN, SmoothQuant on the calibration rows molora.load reads; float32 model); w8a8-bf16, int4-bf16
-(weight only, bfloat16 activations) and int4 (float32 activations) only when asked for (DEFAULT).
+repetition; medians, throughput and the ratio to float32. Variants (`--variants`): fp32, bf16, int8 (weight-only
+int8, float32 activations: linear_w8), int8-bf16 (the same, bfloat16 model: linear_amx_w8), w8a8 (int8 weights and
+activations on torch._int_mm, SmoothQuant on the calibration rows molora.load reads; float32 model); w8a8-bf16,
+w8a8-qhead (its LM head in w8a8 too), int4-bf16 (weight only, bfloat16 activations) and int4 (float32 activations)
+only when asked for (DEFAULT).
 
-Also per variant: the bytes of the base weights resident after the warm-up (quantized linears, float parameters and the
-copies kept for the kernels: the runner's packed float weights, the int8 layers' float32 scales, w8a8's oneDNN copy;
-`molora.model.quant_linear.weight_bytes`) against the GGUF file the default model ships as, and the share of greedy
-tokens equal to fp32's (per request, up to its first differing token, over all requests). Ends with one JSON line (also
-written to --json), with the command line and the load average before (machine) and after the timed runs.
+Also per variant: the bytes of the base weights resident after the warm-up (quantized linears, float parameters and
+the copies kept for the kernels: the runner's packed float weights, the int8 layers' float32 scales (w8a8 keeps no
+copy of its weight since stop 47); `molora.model.quant_linear.weight_bytes`) against the GGUF file the default model
+ships as, and the share of greedy tokens equal to fp32's (per request, up to its first differing token, over all
+requests). Ends with one JSON line (also written to --json), with the command line and the load average before
+(machine) and after the timed runs.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ VARIANTS = {  # name -> (dtype, quantization, quantize_lm_head: None the scheme'
 }
 SCHEMES_DOC = (  # what the variants' schemes are (scripts/make_quant.py prints it beside the figures)
     "int8 is weight only (one scale per output channel, activations in the model's dtype) on molora's kernels: "
-    "linear_w8 for float32 activations, linear_amx_w8 (AMX) for bfloat16; w8a8 is W8A8 on oneDNN (activations "
+    "linear_w8 for float32 activations, linear_amx_w8 (AMX) for bfloat16; w8a8 is W8A8 on torch._int_mm (activations "
     "rounded per token after SmoothQuant's per-channel factors); int4 is weight only on torch's kernel, groups of "
     "32 (molora.ops.quant)."
 )
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         params = [SamplingParams(max_new_tokens=n) for n in news]
         names = list(engines)
         secs: dict[str, list[float]] = {n: [] for n in names}
-        for n in names:  # warm up (packing, oneDNN's prepack) on a short request
+        for n in names:  # warm up (packing) on a short request
             engines[n].generate(prompts[:2], SamplingParams(max_new_tokens=2), routing="vocab")
             # every copy of the base weights now resident: the model's, the kernels' (made at the first call)
             wb = weight_bytes(engines[n].mm.model, engines[n].runner.packed_weights())
