@@ -72,6 +72,7 @@ __all__ = [  # the manifest's and the prompts' names are re-exported: their impo
     "load_tokenizer",
     "make_router",
     "parse_manifest",
+    "quant_calibration_rows",
     "read_bundle",
     "run_prompt",
     "stop_ids",
@@ -85,6 +86,14 @@ __all__ = [  # the manifest's and the prompts' names are re-exported: their impo
 
 GATES_FOLDER = "gates"  # where a bundle keeps per-adapter gates beside another router (`--router gates`)
 QUANT_CALIBRATION_ROWS = 16  # general prompts with their answers an int8 base reads on load (SmoothQuant)
+
+
+def quant_calibration_rows(tokenizer: Any, template: str = CHATML_TEMPLATE) -> list[list[int]]:
+    """The token rows a w8a8 base measures SmoothQuant's activation ranges on (`load`, and the benches that build
+    the same model): QUANT_CALIBRATION_ROWS general prompts with their answers in `template`."""
+    from molora.data.general import general_rows
+
+    return general_rows(tokenizer, QUANT_CALIBRATION_ROWS, template, with_output=True)
 
 
 def make_router(bundle: Bundle, kind: str | None = None, tokenizer: Any = None) -> Router | None:
@@ -173,9 +182,7 @@ def load(
     quantization = quantization or bundle.manifest.get("quantization")
     calibration = None
     if quantization == "w8a8":  # SmoothQuant's activation ranges: general text in the bundle's template
-        from molora.data.general import general_rows
-
-        calibration = general_rows(tokenizer, QUANT_CALIBRATION_ROWS, bundle.prompt_template, with_output=True)
+        calibration = quant_calibration_rows(tokenizer, bundle.prompt_template)
     try:
         mm = attach(
             model,

@@ -83,9 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     from molora import attach
     from molora.bench.common import machine_info
     from molora.bench.engine import bench_config, make_adapters, workload
-    from molora.bundle import CHATML_TEMPLATE, QUANT_CALIBRATION_ROWS
+    from molora.bundle import quant_calibration_rows
     from molora.config import SamplingParams
-    from molora.data.general import general_rows
     from molora.engine import Engine
     from molora.model.base import default_gguf_path, load_base
     from molora.model.quant_linear import QuantizedLinear, weight_bytes
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             router = VocabRouter([(i * q, (i + 1) * q if i < 3 else vocab, f"skill{i}") for i in range(4)])
             calib = None  # w8a8: SmoothQuant's ranges from the rows molora.load reads (molora.bundle.load)
             if scheme == "w8a8":
-                calib = general_rows(tok, QUANT_CALIBRATION_ROWS, CHATML_TEMPLATE, with_output=True)
+                calib = quant_calibration_rows(tok)
             mm = attach(model, paths, router=router, quantization=scheme, calibration=calib, quantize_lm_head=head)
             if dtype != torch.float32:
                 mm.to(dtype)

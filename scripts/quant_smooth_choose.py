@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from molora.bundle import CHATML_TEMPLATE, QUANT_CALIBRATION_ROWS
+    from molora.bundle import CHATML_TEMPLATE, quant_calibration_rows
     from molora.data.general import general_rows
     from molora.model.base import load_default_base
     from molora.model.quant_linear import activation_ranges, quantize_linears
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_default_base(torch.float32)
     model.eval()
     rows = [r[: args.max_len] for r in general_rows(tok, args.rows, CHATML_TEMPLATE, with_output=True, split="val")]
-    calib = general_rows(tok, QUANT_CALIBRATION_ROWS, CHATML_TEMPLATE, with_output=True)
+    calib = quant_calibration_rows(tok)
     amax = activation_ranges(model, calib)
 
     def logits(m: torch.nn.Module) -> list[torch.Tensor]:

@@ -281,10 +281,9 @@ def measure_variant(
     model, tok = load_base()
     calib = None  # w8a8: SmoothQuant's ranges from the rows molora.load reads (as scripts/bench_quant.py)
     if v.quantization == "w8a8":
-        from molora.bundle import CHATML_TEMPLATE, QUANT_CALIBRATION_ROWS
-        from molora.data.general import general_rows
+        from molora.bundle import quant_calibration_rows
 
-        calib = general_rows(tok, QUANT_CALIBRATION_ROWS, CHATML_TEMPLATE, with_output=True)
+        calib = quant_calibration_rows(tok)
     mm = attach(model, {"skill0": lora_folder}, quantization=v.quantization, calibration=calib)
     if v.dtype != torch.float32:
         mm.to(v.dtype)

@@ -66,9 +66,7 @@ from torch import Tensor
 
 from molora.ops import fused_cpu, packed
 
-SCHEMES = ("int8", "int4", "w8a8")
-# w8a8 below this many rows runs molora's VNNI kernel, from it on torch._int_mm (module docstring: the crossover)
-W8A8_KERNEL_ROWS = 32  # int8: weight only; w8a8: activations in int8 too
+SCHEMES = ("int8", "int4", "w8a8")  # int8: weight only; w8a8: activations in int8 too
 SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength for w8a8, chosen on validation (docs/quant_smooth_choice.json)
 INT4_GROUP = 32  # group size along K for int4 (module docstring; measured in docs/quant_linear.json)
 _INNER_K_TILES = 1  # argument of torch's int4 packing on the CPU (its layout does not depend on it there)
