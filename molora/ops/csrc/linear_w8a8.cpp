@@ -1,8 +1,8 @@
 // The two halves of a W8A8 linear around torch._int_mm (oneDNN's s8 x s8 -> s32 GEMM): rounding the activations to
 // int8 per row (quantize_rows_), and scaling the int32 sums back (scale_rows_). Each is one pass where torch took six
 // to eight ops: at a decode step's 16 rows, the ops' overhead cost more than the GEMM itself (docs/quant_w8a8_kernel.json).
-// A GEMM of our own on AVX512-VNNI (vpdpbusd on the row-major weight) was tried and measured: it ran 0.5x torch._int_mm
-// at 16 rows and 0.4x at 1024 on this machine's AVX512-VNNI CPU, so the GEMM stays torch's.
+// A GEMM of our own on AVX512-VNNI (vpdpbusd on the row-major weight) was tried on an AVX512-VNNI CPU without AMX
+// and ran about half as fast as torch._int_mm (issue 38's note, stop 47: no record kept), so the GEMM stays torch's.
 #include "common.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
