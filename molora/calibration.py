@@ -241,10 +241,11 @@ def hybrid_calibration(
         cal = HybridCalibration(settings, folder, pool, pool_key, rows)
         ent = torch.stack([drain(cal.entropy_stages(mm, name)) for name in names], 1)  # [N, K]
         chooser = ConfidenceChooser.from_pool(names, ent, z_min=0.0, margin=0.0)  # z_min, margin: unused here
-        # separate passes (the base model's, then one per adapter), which the server runs one between two engine
-        # steps (molora.server.client.LocalClient.choose), so a choice pauses the other requests for one pass; the
-        # joint pass (all in one forward, 0.71x the time, the same picks on the 300 validation prompts:
-        # docs/hybrid_pool_size_choice.json, joint_pass_check) paused them for all of it (docs/hybrid_stall.json)
+        # joint=False: what a chooser outside an engine runs (separate passes: the base model's, then one per
+        # adapter). A served choice asks the engine instead (Engine.choose_stages, `decide_stages`' busy): with
+        # other requests running or waiting it runs one pass between two engine steps, so a choice pauses them for
+        # one pass (docs/hybrid_stall.json); with none, the passes left run as one forward (0.71x the time, the
+        # same picks on the 300 validation prompts: docs/hybrid_pool_size_choice.json, joint_pass_check)
         hybrid = HybridChooser(chooser, settings.arrow, settings.z_or, settings.z_floor, joint=False)
         _bind_arrow(hybrid, mm, settings, folder)
     except (MoLoRAError, RuntimeError, ValueError) as e:

@@ -15,7 +15,7 @@ import torch
 
 import molora
 from molora.engine import EngineConfig
-from molora.errors import BundleError
+from molora.errors import BundleError, RoutingError
 from molora.server.app import create_app
 from molora.server.launch import ServerThread, build_engine
 from tests.conftest import make_peft_adapter, save_eos_prone_base
@@ -129,7 +129,7 @@ def test_bypasses_and_a_failing_chooser_answers_that_request_alone(served):
         real = engine.mm.chooser.served_stages
         calls = []
 
-        def broken(mm, questions, allowed=None, batch_size=16):  # fails in its second stage, adapters pinned
+        def broken(mm, questions, allowed=None, batch_size=16, busy=None):  # fails in its second stage, pinned
             calls.append(1)
             yield None
             raise RuntimeError("boom")
@@ -178,33 +178,42 @@ def test_calibration_is_cached_and_a_changed_adapter_recomputes_its_own_alone(se
 
 
 def test_the_staged_choice_equals_the_choice_in_one_go_and_unpins_when_closed(served):
-    """The server's choice runs one forward pass per stage (Engine.choose_stages): the same picks as Engine.choose,
-    its adapters pinned from its first stage until it ends or is closed half-way."""
+    """The server's choice (Engine.choose_stages) runs one forward pass per stage while other requests are in the
+    engine, and all its passes as one when none is: the same picks as Engine.choose either way, its adapters
+    pinned from its first stage until it ends or is closed half-way."""
+    from molora.config import SamplingParams
     from molora.engine import Engine, EngineConfig
 
     engine = Engine(molora.load(served), EngineConfig(max_num_seqs=4))
     whole = engine.choose(list(PROMPTS))
-    stages = engine.choose_stages(list(PROMPTS))
-    n = 0
-    while True:
-        try:
-            next(stages)
-            n += 1
-            assert any(engine.hotset.pins.values())  # pinned between stages
-        except StopIteration as end:
-            assert end.value == whole
-            break
-    assert n == len(engine.mm.chooser.adapter_names) and not any(engine.hotset.pins.values())
+
+    def stages_of(choice) -> int:
+        n = 0
+        while True:
+            try:
+                next(choice)
+                n += 1
+                assert any(engine.hotset.pins.values())  # pinned between stages
+            except StopIteration as end:
+                assert [c["adapter"] for c in end.value] == [c["adapter"] for c in whole]
+                return n
+
+    assert stages_of(engine.choose_stages(list(PROMPTS))) == 0  # an idle engine: one forward, no pause
+    assert not any(engine.hotset.pins.values())
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))  # another request waits for the engine
+    assert stages_of(engine.choose_stages(list(PROMPTS))) == len(engine.mm.chooser.adapter_names)
+    assert engine.choose(list(PROMPTS)) == engine.choose(list(PROMPTS))  # busy: the separate passes, every time
     half = engine.choose_stages(list(PROMPTS))
     next(half)
     assert any(engine.hotset.pins.values())
     half.close()  # a client gave up
     assert not any(engine.hotset.pins.values())
+    engine.abort(rid)
 
 
 def test_the_joint_pass_equals_the_separate_passes_and_the_allowed_set_limits_the_pick(served):
     from molora.routing.confidence import first_token_entropy
-    from molora.routing.hybrid import arrow_claim_share, joint_pass
+    from molora.routing.hybrid import arrow_claim_share, joint_pass, variants_pass
 
     mm = molora.load(served)
     h = mm.chooser
@@ -212,6 +221,10 @@ def test_the_joint_pass_equals_the_separate_passes_and_the_allowed_set_limits_th
     share, ent = joint_pass(h._router(mm), mm, rows, [1, 0], batch=5)  # prompts of different lengths, 1 per forward
     assert torch.allclose(share, arrow_claim_share(h._router(mm), mm, rows, batch=4))
     assert torch.allclose(ent, first_token_entropy(mm, rows, adapters=[1, 0]), rtol=1e-4, atol=1e-5)
+    part_share, part = variants_pass(h._router(mm), mm, rows, [0], batch=3)  # the passes a busy choice has left
+    assert part_share is None and torch.allclose(part[:, 0], ent[:, 1], rtol=1e-4, atol=1e-5)
+    with pytest.raises(RoutingError, match="at most once"):
+        variants_pass(h._router(mm), mm, rows, [0, -1, 0])
     separate = h.choose_served(mm, PROMPTS)
     object.__setattr__(h, "joint", True)
     assert [c["adapter"] for c in h.choose_served(mm, PROMPTS)] == [c["adapter"] for c in separate]

@@ -14,7 +14,7 @@ Knows routing modes, routers and the hot set's names; nothing about KV blocks, s
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from molora.engine.hotset import HotSet
@@ -101,20 +101,23 @@ def _adapter_names(router: Router) -> list[str]:
     return list(names)
 
 
-def run_chooser(mm: Any, hotset: HotSet, questions: list[str], allowed: list[str] | None) -> list[dict]:
+def run_chooser(
+    mm: Any, hotset: HotSet, questions: list[str], allowed: list[str] | None, busy: Callable[[], bool] | None = None
+) -> list[dict]:
     """`mm.chooser.choose_served` (a `HybridChooser`) over the chooser's adapters that are registered, not draining
     and in `allowed` (None: all), pinned in slots for the call; each question's {"adapter", "share", "z"}. Runs on
     the engine thread between steps (it shares the model's routing context with the steps)."""
     from molora.routing.hybrid import drain
 
-    return drain(chooser_stages(mm, hotset, questions, allowed))
+    return drain(chooser_stages(mm, hotset, questions, allowed, busy))
 
 
 def chooser_stages(
-    mm: Any, hotset: HotSet, questions: list[str], allowed: list[str] | None
+    mm: Any, hotset: HotSet, questions: list[str], allowed: list[str] | None, busy: Callable[[], bool] | None = None
 ) -> Generator[None, None, list[dict]]:
     """`run_chooser` in stages, one forward pass each (`HybridChooser.served_stages`), for the engine thread to run
-    one at a time between steps. Its adapters stay pinned from the first stage until it ends, raises or is closed
+    one at a time between steps; `busy` (the engine's: has it requests?) says no and the passes still to come run
+    as one. Its adapters stay pinned from the first stage until it ends, raises or is closed
     (a generator's `close()`), so no load can move them between stages. It keeps the chooser it began with to its
     end: a run-time load or unload swaps `mm.chooser` for a rebuilt one (molora.engine.runtime_adapters), and the
     next choice asks that one."""
@@ -132,6 +135,6 @@ def chooser_stages(
             "by running requests); retry shortly"
         )
     try:
-        return list((yield from chooser.served_stages(mm, questions, names)))
+        return list((yield from chooser.served_stages(mm, questions, names, busy=busy)))
     finally:
         hotset.release(names)

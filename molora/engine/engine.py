@@ -446,15 +446,15 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
     def choose(self, questions: list[str], allowed: list[str] | None = None) -> list[dict]:
         """The per-request chooser's pick for each question text (molora.engine.admission.run_chooser); between
         steps, on the engine thread. The caller then adds each request pinned to its pick (None: the base)."""
-        return run_chooser(self.mm, self.hotset, questions, allowed)
+        return run_chooser(self.mm, self.hotset, questions, allowed, self.scheduler.has_work)
 
     def choose_stages(
         self, questions: list[str], allowed: list[str] | None = None
     ) -> Generator[None, None, list[dict]]:
         """`choose` in stages of one forward pass (molora.engine.admission.chooser_stages): advance it on the engine
         thread, one stage between two steps, and close it if the caller gives up (its adapters stay pinned till
-        then)."""
-        return chooser_stages(self.mm, self.hotset, questions, allowed)
+        then). With no request running or waiting, a stage runs every pass still to come in one forward."""
+        return chooser_stages(self.mm, self.hotset, questions, allowed, self.scheduler.has_work)
 
     # ------------------------------------------------------------------------------------ stats
     def stats(self) -> dict:

@@ -16,13 +16,14 @@ pool (`ConfidenceChooser.zscores`, its z_min and margin unused), when
     (claimed or top z >= z_or) and top z >= z_floor
 
 else to the base model. z_or None: Arrow alone decides; z_floor None: no floor. The cost is one base-model prompt
-pass and one prompt pass per adapter before the answer.
+pass and one prompt pass per adapter before the answer, or one forward of the prompt repeated on the base model and
+every adapter (`variants_pass`) where nothing else waits for the engine (`HybridChooser.decide_stages`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,88 +32,80 @@ import torch
 
 from molora.errors import BundleError, RoutingError
 from molora.routing.arrow import ArrowConfig, ArrowRouter
-from molora.routing.confidence import CONFIDENCE_FILE, ConfidenceChooser, first_token_entropy, prompt_rows
+from molora.routing.confidence import CONFIDENCE_FILE, ConfidenceChooser, prompt_rows
 
 HYBRID_FILE = "hybrid.json"
 T = TypeVar("T")
 
 
-@torch.no_grad()
 def arrow_claim_share(router: ArrowRouter, mm: Any, rows: Sequence[Sequence[int]], *, batch: int = 16) -> torch.Tensor:
     """[N]: per prompt (token ids), the share of its last `prompt_window` tokens whose best calibrated Arrow ratio
     at the router's source block reaches rms_threshold (the prompt vote's claimed share), from base-model forwards
     of left-padded batches. The router must be bound to mm, per_block with rms_threshold."""
-    c = router.config
-    if c.rms_threshold is None or c.granularity != "per_block":
-        raise RoutingError("the hybrid's Arrow needs granularity='per_block' and rms_threshold (its calibration)")
-    if any(not len(r) for r in rows):
-        raise RoutingError("an empty prompt has no tokens to vote")
-    b = router.carry_source
-    module = router._block_linear[b]
-    out = []
-    for i in range(0, len(rows), batch):
-        chunk = [list(r) for r in rows[i : i + batch]]
-        width = max(len(r) for r in chunk)
-        ids = torch.tensor([[0] * (width - len(r)) + r for r in chunk], device=mm.device)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in chunk], device=mm.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        o = mm(
-            ids,
-            attention_mask=mask,
-            adapter_ids=torch.full_like(ids, -1),
-            position_ids=pos,
-            output_hidden_states=True,
-            use_cache=False,
-            logits_to_keep=1,
-        )
-        for j, r in enumerate(chunk):
-            x = router._block_norm[b](o.hidden_states[b][j, width - len(r) :]).float()  # [T, D]
-            if c.prompt_window is not None:
-                x = x[-c.prompt_window :]
-            best = router.general_ratio(module, x).max(-1).values  # [T]
-            out.append(float((best >= c.rms_threshold).float().mean()))
-    return torch.tensor(out)
+    share, _ = variants_pass(router, mm, rows, [-1], batch=batch)
+    assert share is not None
+    return share
 
 
-@torch.no_grad()
 def joint_pass(
     router: ArrowRouter, mm: Any, rows: Sequence[Sequence[int]], adapters: Sequence[int], *, batch: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(`arrow_claim_share` [N], `first_token_entropy` [N, len(adapters)]) of the same prompts from one forward per
-    group of prompts instead of one base pass and one pass per adapter: each prompt is repeated once on the base model
-    and once per adapter (`adapters`: indices into mm.adapter_names), left-padded together, at most `batch` rows a
-    forward. The same numbers up to float rounding (the served chooser's per-request path: fewer, larger forwards)."""
+    group of prompts instead of one base pass and one pass per adapter (`adapters`: indices into mm.adapter_names):
+    `variants_pass` over the base model and every adapter. The same numbers up to float rounding."""
+    share, ent = variants_pass(router, mm, rows, [-1, *adapters], batch=batch)
+    assert share is not None
+    return share, ent
+
+
+@torch.no_grad()
+def variants_pass(
+    router: ArrowRouter, mm: Any, rows: Sequence[Sequence[int]], variants: Sequence[int], *, batch: int = 16
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The chooser's signals from prompts (token ids, template applied) read by several variants of the model at
+    once: `variants` holds -1 (the base model: Arrow's claimed share, `arrow_claim_share`) and adapter indices into
+    mm.adapter_names (each one's first-answer-token entropy, `first_token_entropy`). Each prompt is repeated once
+    per variant, left-padded together, at most `batch` rows a forward (at least one prompt). Returns (the share [N],
+    None without -1; the entropies [N, adapters in `variants` order])."""
     c = router.config
     if c.rms_threshold is None or c.granularity != "per_block":
         raise RoutingError("the hybrid's Arrow needs granularity='per_block' and rms_threshold (its calibration)")
     if any(not len(r) for r in rows):
         raise RoutingError("an empty prompt has no tokens to vote")
-    b, module, K = router.carry_source, router._block_linear[router.carry_source], len(adapters)
-    per = max(1, batch // (K + 1))  # prompts per forward
+    V = len(variants)
+    if not V or len(set(variants)) != V:
+        raise RoutingError(f"variants {list(variants)}: give each of the base (-1) and the adapters at most once")
+    b, module = router.carry_source, router._block_linear[router.carry_source]
+    base = variants.index(-1) if -1 in variants else None
+    cols = [v for v, a in enumerate(variants) if a != -1]
+    per = max(1, batch // V)  # prompts per forward
     shares, ents = [], []
     for i in range(0, len(rows), per):
-        chunk = [list(r) for r in rows[i : i + per] for _ in range(K + 1)]  # [base, adapter 0, ...] per prompt
+        chunk = [list(r) for r in rows[i : i + per] for _ in range(V)]  # each prompt once per variant
         width = max(len(r) for r in chunk)
         ids = torch.tensor([[0] * (width - len(r)) + r for r in chunk], device=mm.device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in chunk], device=mm.device)
-        which = torch.tensor([-1, *adapters] * (len(chunk) // (K + 1)), device=mm.device)  # [R]
+        which = torch.tensor(list(variants) * (len(chunk) // V), device=mm.device)  # [R]
         o = mm(
             ids,
             attention_mask=mask,
             adapter_ids=which[:, None].expand_as(ids).contiguous(),
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            output_hidden_states=True,
+            output_hidden_states=base is not None,
             use_cache=False,
             logits_to_keep=1,
         )
-        logp = o.logits[:, -1].float().log_softmax(-1)
-        ent = -(logp.exp() * logp).sum(-1).cpu().view(-1, K + 1)  # [prompts, K + 1]
-        ents.append(ent[:, 1:])
-        for j in range(0, len(chunk), K + 1):
+        if cols:
+            logp = o.logits[:, -1].float().log_softmax(-1)
+            ents.append((-(logp.exp() * logp).sum(-1).cpu().view(-1, V))[:, cols])  # [prompts, adapters]
+        if base is None:
+            continue
+        for j in range(base, len(chunk), V):
             x = router._block_norm[b](o.hidden_states[b][j, width - len(chunk[j]) :]).float()  # [T, D]
             x = x[-c.prompt_window :] if c.prompt_window is not None else x
             shares.append(float((router.general_ratio(module, x).max(-1).values >= c.rms_threshold).float().mean()))
-    return torch.tensor(shares), torch.cat(ents) if ents else torch.zeros(0, K)
+    ent = torch.cat(ents) if ents else torch.zeros(len(rows) if not cols else 0, len(cols))
+    return (torch.tensor(shares) if base is not None else None), ent
 
 
 def drain(stages: Generator[None, None, T]) -> T:
@@ -266,25 +259,40 @@ class HybridChooser:
         return drain(self.decide_stages(mm, rows, mm_index, batch_size))
 
     def decide_stages(
-        self, mm: Any, rows: Sequence[Sequence[int]], mm_index: Sequence[int | None], batch_size: int = 16
+        self,
+        mm: Any,
+        rows: Sequence[Sequence[int]],
+        mm_index: Sequence[int | None],
+        batch_size: int = 16,
+        busy: Callable[[], bool] | None = None,
     ) -> Generator[None, None, list[dict[str, Any]]]:
-        """`decide_rows` in stages: a generator that runs one forward pass per step of it (the joint pass; or the
-        base model's pass, then one pass per adapter) and returns the decisions. A server runs one stage at a time
-        between engine steps, so that a choice pauses the other requests for one pass, not all of them."""
+        """`decide_rows` in stages: a generator that runs one forward pass per step of it and returns the decisions.
+        Its passes are the base model's, then one per adapter; each stage asks `busy` (a server: are other requests
+        running or waiting?) and, when it says no, runs all the passes still to come as one (`variants_pass`: 0.71x
+        their time on the default bundle, docs/hybrid_serve_cost.json), or else the next one alone, so that a choice
+        pauses other requests for one pass at a time, not all of them (docs/hybrid_stall.json), and costs a request
+        that has the engine to itself the least. busy None: the chooser's `joint` setting decides once."""
         if len(mm_index) != len(self.adapter_names):
             raise RoutingError(f"{len(mm_index)} model indices for the chooser's {len(self.adapter_names)} adapters")
         which = [k for k, i in enumerate(mm_index) if i is not None]
         z = torch.full((len(rows), len(self.adapter_names)), float("-inf"), dtype=torch.float64)
-        if self.joint:
-            adapters = [int(i) for i in mm_index if i is not None]
-            share, ent = joint_pass(self._router(mm), mm, rows, adapters, batch=batch_size)
-        else:
-            share = arrow_claim_share(self._router(mm), mm, rows, batch=batch_size)
-            cols = []
-            for k in which:
+        if busy is None:
+            busy = (lambda: False) if self.joint else (lambda: True)
+        router = self._router(mm)
+        index = [int(i) for i in mm_index if i is not None]  # the adapters' own, `which` order
+        pending: list[int] = [-1, *index]
+        share: torch.Tensor | None = None
+        got: dict[int, torch.Tensor] = {}
+        while pending:
+            if len(pending) <= len(index):  # not the first stage
                 yield None
-                cols.append(first_token_entropy(mm, rows, batch=batch_size, adapters=[int(mm_index[k])]))  # type: ignore[arg-type]
-            ent = torch.cat(cols, 1) if cols else torch.zeros(len(rows), 0)
+            take = pending[:1] if busy() else pending
+            s, e = variants_pass(router, mm, rows, take, batch=batch_size)
+            share = s if s is not None else share
+            got.update(zip([a for a in take if a != -1], e.unbind(1)))
+            pending = pending[len(take) :]
+        assert share is not None
+        ent = torch.stack([got[i] for i in index], 1) if index else torch.zeros(len(rows), 0)
         if which:
             z[:, which] = self.chooser.zscores(ent, which)
         picks = hybrid_decide(share, z, self.arrow.prompt_share, self.z_or, self.z_floor)
@@ -305,13 +313,18 @@ class HybridChooser:
         return drain(self.served_stages(mm, questions, allowed, batch_size))
 
     def served_stages(
-        self, mm: Any, questions: Sequence[str], allowed: Sequence[str] | None = None, batch_size: int = 16
+        self,
+        mm: Any,
+        questions: Sequence[str],
+        allowed: Sequence[str] | None = None,
+        batch_size: int = 16,
+        busy: Callable[[], bool] | None = None,
     ) -> Generator[None, None, list[dict[str, Any]]]:
-        """`choose_served` in stages (`decide_stages`)."""
+        """`choose_served` in stages (`decide_stages`, with `busy`)."""
         rows = prompt_rows(mm, None, questions, None, "the hybrid chooser")
         held = mm.adapter_names
         index = [held.index(n) if n in held and (allowed is None or n in allowed) else None for n in self.adapter_names]
-        return (yield from self.decide_stages(mm, rows, index, batch_size))
+        return (yield from self.decide_stages(mm, rows, index, batch_size, busy))
 
     def save(self, folder: str | Path) -> Path:
         folder = Path(folder)
