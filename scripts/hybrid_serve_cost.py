@@ -262,7 +262,7 @@ def render_section(rec: dict) -> list[str]:
         f"before and {rec['loadavg_after'][0]} after): the first {rec['limit']} validation items of each skill sent "
         "one at a time over HTTP, through the chooser (model = the bundle) and pinned to the skill's own adapter, "
         f"interleaved with the order rotated, {rec['repeats']} repetitions, prefix cache off. Median time ratio "
-        f"**{rec['median_time_ratio']:.2f}x** (goal <= 1.25x: {'met' if ok else 'not met'}), per answer token "
+        f"**{rec['median_time_ratio']:.3f}x** (goal <= 1.25x: {'met' if ok else 'not met'}), per answer token "
         f"{rec['median_per_token_ratio']:.2f}x; the chooser's own time {rec['chooser_mean_s']:.2f} s per call "
         f"(mean of {rec['chooser_calls']}, {_served(rec)}); it "
         f"picked the item's own adapter in {rec['picked_own_adapter']}% of pairs. The chooser alone, before serving: "
