@@ -283,7 +283,62 @@ def quality_lines(docs: Path) -> list[str]:
         path = docs / fname
         if path.is_file():
             out += eval_table(json.loads(path.read_text()), split, old)
-    return out
+    return out + retention_lines(docs)
+
+
+RETENTION_RECORD = "quant_retention_test2.json"  # scripts/quant_retention.py: retention taken apart
+
+
+def retention_lines(docs: Path) -> list[str]:
+    """The retention decomposition (scripts/quant_retention.py) as a table, where its record exists."""
+    path = docs / RETENTION_RECORD
+    if not path.is_file():
+        return []
+    r = json.loads(path.read_text())
+    m = r["machine"]
+    return [
+        f"General retention taken apart (`{r['command']}` on {r['date']}, {m['cpu']}, {m['threads']} thread(s); "
+        f"the {r['n_general']} general prompts of the {r['split']} rows above; nothing chosen): engine = the tables' "
+        "retention again (routed run, then base run, in one engine as served); adapter tokens = answer tokens the "
+        "routed run computed on an adapter (0: the router kept every general prompt wholly on the base model); "
+        "base again = the base run repeated in a fresh engine, prefix cache off, prompts in reverse order, equal "
+        "to the first base run (how far the base's own answers move with the batch beside them); same batches = "
+        "retention with routed and base answered in identical batches (molora.eval.general), so that the batch "
+        "cannot differ:",
+        "",
+        "| variant | engine retention | adapter tokens (of answer tokens) | base again = base | same batches |",
+        "|---|---:|---:|---:|---:|",
+        *[
+            f"| {n} | {v['engine_retention']:.1f}% | {v['engine_adapter_tokens']} of {v['engine_routed_tokens']} | "
+            f"{v['engine_base_repeat']:.1f}% | {v['same_batches_retention']:.1f}% |"
+            for n, v in r["variants"].items()
+        ],
+        "",
+    ]
+
+
+def _noise_not_routing(docs: Path, variant: str) -> bool:
+    """Whether the retention decomposition says `variant`'s engine retention loss is not the router's: no answer
+    token on an adapter, and full retention where routed and base run in identical batches."""
+    path = docs / RETENTION_RECORD
+    v = json.loads(path.read_text())["variants"].get(variant) if path.is_file() else None
+    return bool(v) and v["engine_adapter_tokens"] == 0 and v["same_batches_retention"] >= 95.0
+
+
+def retention_cell(docs: Path) -> str | None:
+    """The README's one-line reading of the retention decomposition, where its record exists."""
+    path = docs / RETENTION_RECORD
+    if not path.is_file():
+        return None
+    v = json.loads(path.read_text())["variants"]
+    return "retention taken apart on the same general prompts (engine retention / answer tokens on an adapter / " + (
+        "the base's own answers repeated in another batch / retention in identical batches): "
+        + ", ".join(
+            f"{n} {x['engine_retention']:.0f}% / {x['engine_adapter_tokens']} / {x['engine_base_repeat']:.0f}% / "
+            f"{x['same_batches_retention']:.0f}%"
+            for n, x in v.items()
+        )
+    )
 
 
 def eval_table(e: dict, split: str, old: bool) -> list[str]:
@@ -498,6 +553,9 @@ def readme_block(docs: Path, page: str) -> str:
             f"on the fresh test2 split ({n_items} items per skill, 95% intervals on the difference, paired): "
             + "; ".join(rows)
         )
+    cell = retention_cell(docs)
+    if cell:
+        parts.append(cell)
     peer = ("peer_llamacpp_nocache.json", "peer_llamacpp_w8.json", "peer_llamacpp.json")  # newest first
     found = newest(docs, *peer)
     if found:
@@ -530,7 +588,13 @@ def readme_block(docs: Path, page: str) -> str:
                 f"{r['new_tokens']} new))"
                 for r, _ in w8
             )
-            + ", at the cost of arithmetic and retention (its test2 row above)"
+            + ", at the cost of "
+            + (
+                "arithmetic (its test2 row above; its lower retention is its base's answers moving with the batch, "
+                "not routing: see retention taken apart)"
+                if _noise_not_routing(docs, "w8a8")
+                else "arithmetic and retention (its test2 row above)"
+            )
         )
     body = (
         "- **Quantized base** (`--quantization int8|int4|w8a8`, "

@@ -327,8 +327,52 @@ def test_the_results_section_renders_the_served_records():
     rec = json.loads((Path(__file__).resolve().parent.parent / "docs" / "hybrid_serve_cost.json").read_text())
     text = "\n".join(load_script("hybrid_serve_cost").render_section(rec))
     assert text.startswith("## Serving the hybrid data-free chooser (`--router hybrid`)")
-    assert f"Median time ratio **{rec['median_time_ratio']:.2f}x**" in text and "Chosen: **400** turns" in text
+    assert f"Median time ratio **{rec['median_time_ratio']:.3f}x**" in text and "Chosen: **400** turns" in text
     assert "the 800-turn row is identical to the committed choice's validation row" in text
+
+
+def test_the_routing_evaluation_reads_issue_39s_goals_off_its_record():
+    """scripts/routing_eval.py's page: a skill 10.5 points behind fails "within 10", the general and two-skill
+    goals are read at their bounds (95% with none empty; sequence + 10 per turn)."""
+    from tests.conftest import load_script
+
+    def row(acc: float, vs: float) -> dict:
+        return {"accuracy": acc, "vs_learned": vs, "vs_learned_ci95": [vs - 5, vs + 5]}
+
+    def mixed(acc: float, vs: float) -> dict:
+        return {"accuracy": acc, "item_accuracy": 0.0, "vs_sequence": vs, "vs_sequence_ci95": [vs - 5, vs + 5]}
+
+    def general(ret: float, empty: float) -> dict:
+        return {"retention": ret, "retention_ci95": [90.0, 100.0], "empty_where_base_answers": empty,
+                "adapter_token_share": 0.0}  # fmt: skip
+
+    rec = {
+        "command": "python scripts/routing_eval.py --split test2",
+        "date": "2026-12-04",
+        "machine": {"cpu": "CPU", "threads": 2, "loadavg_end": [1.0, 1.0, 1.0]},
+        "split": "test2",
+        "fingerprint": "f",
+        "hybrid_router": {"pool_n": 400},
+        "n": 100,
+        "n_general": 60,
+        "n_mixed": 30,
+        "skills": {
+            "a": {"learned": row(90, 0), "hybrid": row(80, -10)},
+            "b": {"learned": row(50, 0), "hybrid": row(49, -1)},
+        },
+        "general": {"learned": general(100, 0), "hybrid": general(95, 0)},
+        "mixed": {"sequence": mixed(40, 0), "hybrid_turn": mixed(50, 10)},
+    }
+    render = load_script("routing_eval").render_section
+    text = "\n".join(render(rec))
+    assert "within 10 points of learned on every skill met (worst: a -10.0)" in text and "scored once" in text
+    assert "general >= 95% met (95.0%, 0.0% empty)" in text and "sequence + 10 met (hybrid_turn +10.0)" in text
+    rec["skills"]["b"]["hybrid"] = row(39.5, -10.5)
+    rec["general"]["hybrid"] = general(100, 2.5)
+    rec["mixed"]["hybrid_turn"] = mixed(49.9, 9.9)
+    text = "\n".join(render(rec))
+    assert "every skill not met (worst: b -10.5)" in text and "general >= 95% not met" in text
+    assert "sequence + 10 not met (hybrid_turn +9.9)" in text and "| b | 50.0 | 39.5 | -10.5 [-15.5, -5.5] |" in text
 
 
 def test_the_base_fingerprint_ignores_where_the_weights_were_read_from(served):

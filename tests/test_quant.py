@@ -417,3 +417,35 @@ def test_weight_bytes_count_every_copy_of_the_base_weights_the_model_and_runner_
         assert torch.equal(m(x), quant.linear_int8(x, q, s, quant.tiles(q) if tiled else None, m.bias))
         m(x.float())  # another dtype: back to rows, the same values
     assert not m.tiled and torch.equal(m.qweight, q)
+
+
+def test_the_retention_decomposition_says_when_the_loss_is_not_routing(tmp_path):
+    """scripts/make_quant.py reads scripts/quant_retention.py's record: a variant whose routed run put no answer token
+    on an adapter and whose identical-batch retention is full loses its engine retention to batch noise, not to
+    routing; one token on an adapter, or a lower same-batch figure, and it says nothing of the kind."""
+    import json
+
+    from tests.conftest import load_script
+
+    mq = load_script("make_quant")
+    assert mq.retention_lines(tmp_path) == [] and mq.retention_cell(tmp_path) is None
+    assert not mq._noise_not_routing(tmp_path, "w8a8")
+
+    def variant(tokens: int, same: float) -> dict:
+        return {"engine_retention": 75.0, "engine_adapter_tokens": tokens, "engine_routed_tokens": 3000,
+                "engine_base_repeat": 80.0, "same_batches_retention": same}  # fmt: skip
+
+    rec = {
+        "command": "python scripts/quant_retention.py --split test2",
+        "date": "2026-12-04",
+        "split": "test2",
+        "n_general": 60,
+        "machine": {"cpu": "CPU", "threads": 1},
+        "variants": {"w8a8": variant(0, 100.0), "bf16": variant(3, 100.0), "int8": variant(0, 90.0)},
+    }
+    (tmp_path / mq.RETENTION_RECORD).write_text(json.dumps(rec))
+    assert mq._noise_not_routing(tmp_path, "w8a8")
+    assert not mq._noise_not_routing(tmp_path, "bf16") and not mq._noise_not_routing(tmp_path, "int8")
+    assert not mq._noise_not_routing(tmp_path, "int4")  # not in the record
+    assert "| w8a8 | 75.0% | 0 of 3000 | 80.0% | 100.0% |" in mq.retention_lines(tmp_path)
+    assert "w8a8 75% / 0 / 80% / 100%" in mq.retention_cell(tmp_path)
