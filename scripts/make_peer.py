@@ -62,6 +62,11 @@ def files_table(rec: dict) -> list[str]:
 # cache on: its repetitions after the first found up to three quarters of their prompt blocks cached.
 RECORDS = (
     (
+        "peer_llamacpp_qhead.json",
+        "prefix cache off, int8 with its LM head in int8 too (int8-qhead) beside int8 (stop 48)",
+        "molora's weights: every resident copy (the model's, the packed kernel copies)",
+    ),
+    (
         "peer_llamacpp_nocache.json",
         "prefix cache off, w8a8 on torch._int_mm (stop 47)",
         "molora's weights: every resident copy (the model's, the packed kernel copies)",

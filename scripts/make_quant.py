@@ -317,6 +317,31 @@ def retention_lines(docs: Path) -> list[str]:
     ]
 
 
+PEER_QHEAD = "peer_llamacpp_qhead.json"  # molora bench peer with int8-qhead (stop 48)
+
+
+def peer_goal_cell(docs: Path) -> str | None:
+    """Issue 38's peer goals read off the int8-qhead peer record, where it exists: molora >= 1.0x llama.cpp's
+    Q8_0 without adapters and >= 1.3x with one LoRA, its resident weights within 1.5x of the GGUF's bytes."""
+    path = docs / PEER_QHEAD
+    if not path.is_file():
+        return None
+    r = json.loads(path.read_text())
+    cells = []
+    for n, v in r["variants"].items():
+        plain, lora = v["llama_over_molora"][0], v["llama_over_molora_lora"][0]
+        size = v["molora"]["weight_bytes"] / v["llama.cpp"]["file_bytes"]
+        met = plain >= 1.0 and lora >= 1.3 and size <= 1.5
+        cells.append(
+            f"{n} vs {v['llama.cpp']['gguf_type']} {plain:.2f}x ({lora:.2f}x with a LoRA; weights {size:.2f}x the "
+            f"GGUF's: the three peer goals {'met' if met else 'not all met'})"
+        )
+    return (
+        f"the same peer bench with the LM head in int8 ({r['llama_cpp']['n_threads']} thread(s), on "
+        f"{r['machine']['cpu']}, prefix cache off): " + ", ".join(cells)
+    )
+
+
 def _noise_not_routing(docs: Path, variant: str) -> bool:
     """Whether the retention decomposition says `variant`'s engine retention loss is not the router's: no answer
     token on an adapter, and full retention where routed and base run in identical batches."""
@@ -578,6 +603,9 @@ def readme_block(docs: Path, page: str) -> str:
             f"llama.cpp's time over molora's on the same prompts ({r['llama_cpp']['n_threads']} thread(s), {how}): "
             f"{cells}"
         )
+    qhead = peer_goal_cell(docs)
+    if qhead:
+        parts.append(qhead)
     w8 = [(json.loads((docs / f).read_text()), what) for f, what in W8A8_ENGINE[:2] if (docs / f).is_file()]
     if w8:
         cpu = w8[0][0]["machine"]["cpu"]

@@ -449,3 +449,28 @@ def test_the_retention_decomposition_says_when_the_loss_is_not_routing(tmp_path)
     assert not mq._noise_not_routing(tmp_path, "int4")  # not in the record
     assert "| w8a8 | 75.0% | 0 of 3000 | 80.0% | 100.0% |" in mq.retention_lines(tmp_path)
     assert "w8a8 75% / 0 / 80% / 100%" in mq.retention_cell(tmp_path)
+
+
+def test_the_peer_goals_are_read_off_the_int8_head_record(tmp_path):
+    """Issue 38's three peer goals together (>= 1.0x llama.cpp without adapters, >= 1.3x with a LoRA, weights within
+    1.5x of the GGUF's bytes), read per variant of the int8-qhead peer record; each bound is inclusive."""
+    import json
+
+    from tests.conftest import load_script
+
+    mq = load_script("make_quant")
+    assert mq.peer_goal_cell(tmp_path) is None
+
+    def variant(plain: float, lora: float, weights: int) -> dict:
+        return {"llama_over_molora": [plain, plain], "llama_over_molora_lora": [lora, lora],
+                "molora": {"weight_bytes": weights}, "llama.cpp": {"gguf_type": "Q8_0", "file_bytes": 100}}  # fmt: skip
+
+    rec = {
+        "machine": {"cpu": "CPU"},
+        "llama_cpp": {"n_threads": 2},
+        "variants": {"int8-qhead": variant(1.0, 1.3, 150), "int8": variant(1.3, 1.5, 230)},
+    }
+    (tmp_path / mq.PEER_QHEAD).write_text(json.dumps(rec))
+    cell = mq.peer_goal_cell(tmp_path)
+    assert "int8-qhead vs Q8_0 1.00x (1.30x with a LoRA; weights 1.50x the GGUF's: the three peer goals met)" in cell
+    assert "int8 vs Q8_0 1.30x (1.50x with a LoRA; weights 2.30x the GGUF's: the three peer goals not all met)" in cell

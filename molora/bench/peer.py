@@ -72,12 +72,15 @@ class Variant:
     quantization: str | None  # molora's base linears: None, "int8" / "int4" (weight only), "w8a8"
     gguf_type: str  # the llama.cpp file
     kv_type: str  # llama.cpp's KV cache, matching molora's (its KV cache is in the activation dtype)
+    quantize_lm_head: bool | None = None  # molora's LM head (and the tied embedding) quantized too (None: its default)
 
 
 VARIANTS = {
     "fp32": Variant(torch.float32, None, "F32", "F32"),
     "bf16": Variant(torch.bfloat16, None, "BF16", "BF16"),
     "int8": Variant(torch.float32, "int8", "Q8_0", "F32"),
+    # the LM head and the tied embedding in int8 too: molora's smallest int8 base (--quantize-lm-head)
+    "int8-qhead": Variant(torch.float32, "int8", "Q8_0", "F32", quantize_lm_head=True),
     "int8-bf16": Variant(torch.bfloat16, "int8", "Q8_0", "BF16"),
     # int8 weights and activations, as llama.cpp's Q8_0 dot products (activations rounded to Q8 blocks)
     "w8a8": Variant(torch.float32, "w8a8", "Q8_0", "F32"),
@@ -284,7 +287,13 @@ def measure_variant(
         from molora.bundle import quant_calibration_rows
 
         calib = quant_calibration_rows(tok)
-    mm = attach(model, {"skill0": lora_folder}, quantization=v.quantization, calibration=calib)
+    mm = attach(
+        model,
+        {"skill0": lora_folder},
+        quantization=v.quantization,
+        calibration=calib,
+        quantize_lm_head=v.quantize_lm_head,
+    )
     if v.dtype != torch.float32:
         mm.to(v.dtype)
     engine = Engine(mm, work["engine_config"])
