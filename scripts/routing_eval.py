@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda m=mode, p=path: evaluate(mm, f"bbh:{p}", m, progress=False, batch_size=a.batch_size),
             )
             skills[t][label] = {k: s[k] for k in SUMMARY} | {"hits": _hits(preds)}
+        skills[t]["hybrid"]["picks"] = _picks(hybrid.choose_served(mm, [it.input for it in items]), skills[t])
     rows = general_split()["test" if a.split == "test2" else a.split][: a.n_general]
     gpath = work / "data" / "general.jsonl"
     write_jsonl(gpath, [{"id": r["id"], "source": r["source"], "prompt": r["prompt"]} for r in rows])
@@ -168,6 +169,24 @@ def _run(path: Path, run: Any) -> tuple[dict, list[dict]]:
     return s, preds
 
 
+def _picks(choices: list[dict], by: dict) -> dict:
+    """What the hybrid chose on a skill's items (its decisions again, deterministic: the same calls the evaluation
+    made): per pick (an adapter, or "base"), how many items and how many of them it answered right; for the items it
+    kept on the base model, the range of Arrow's claimed share and of the largest z (the rule's two signals)."""
+    hits = by["hybrid"]["hits"]
+    out: dict = {"by_pick": {}}
+    for c, h in zip(choices, hits):
+        k = out["by_pick"].setdefault(c["adapter"] or "base", {"items": 0, "right": 0})
+        k["items"] += 1
+        k["right"] += h == "1"
+    home = [c for c in choices if c["adapter"] is None]
+    if home:
+        tops = [max(c["z"].values()) for c in home if c["z"]]
+        out["base_share_range"] = [min(c["share"] for c in home), max(c["share"] for c in home)]
+        out["base_top_z_range"] = [round(min(tops), 3), round(max(tops), 3)] if tops else None
+    return out
+
+
 def _hits(preds: list[dict]) -> str:
     """ "1"/"0" per scored prediction (a two-skill item: per part), in file order."""
     return "".join("1" if p["correct"] else "0" for p in preds)
@@ -218,6 +237,20 @@ def render_section(rec: dict) -> list[str]:
             f"| {t} | {by['learned']['accuracy']:.1f} | {h['accuracy']:.1f} | {h['vs_learned']:+.1f} "
             f"[{lo:+.1f}, {hi:+.1f}] |"
         )
+    picks = {t: by["hybrid"].get("picks") for t, by in rec["skills"].items()}
+    if all(picks.values()):
+        out += ["", "The hybrid's picks on each skill's items (items, of them answered right):", ""]
+        for t, p in picks.items():
+            line = f"- {t}: " + ", ".join(f"{k} {v['items']} ({v['right']} right)" for k, v in p["by_pick"].items())
+            if "base_share_range" in p:
+                lo, hi = p["base_share_range"]
+                line += f"; kept on the base model with Arrow's claimed share {lo:.3f}-{hi:.3f}"
+                if p.get("base_top_z_range"):
+                    zl, zh = p["base_top_z_range"]
+                    line += f" and top z {zl:.2f}-{zh:.2f}"
+                line += f" (the rule: share >= {rec['hybrid_router']['arrow']['prompt_share']} or z >= "
+                line += f"{rec['hybrid_router']['z_or']})"
+            out.append(line)
     out += ["", "| general prompts | retention % (95% interval) | empty where the base answers % | adapter tokens % |"]
     out += ["|---|---|---:|---:|"]
     for k, g in rec["general"].items():
