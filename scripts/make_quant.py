@@ -283,7 +283,39 @@ def quality_lines(docs: Path) -> list[str]:
         path = docs / fname
         if path.is_file():
             out += eval_table(json.loads(path.read_text()), split, old)
-    return out + retention_lines(docs)
+    return out + retention_lines(docs) + keep_lines(docs)
+
+
+KEEP_RECORDS = ("quant_w8a8_keep_val.json", "quant_w8a8_down_alpha_val.json")  # scripts/w8a8_keep_probe.py
+
+
+def keep_lines(docs: Path) -> list[str]:
+    """Where w8a8 loses against float32, by projection (scripts/w8a8_keep_probe.py, validation), where recorded."""
+    out: list[str] = []
+    for fname in KEEP_RECORDS:
+        path = docs / fname
+        if not path.is_file():
+            continue
+        r = json.loads(path.read_text())
+        sets = list(next(iter(r["variants"].values())))
+        out += [
+            f"Where w8a8 loses, by projection (`{r['command']}` on {r['date']}, {r['machine']['cpu']}; validation: "
+            f"{r['n']} arithmetic items on the arithmetic adapter and {r['n']} general prompts on the base model, "
+            f"float32's greedy answers read back teacher-forced; top-1 = the share of answer positions whose argmax "
+            "is float32's token, KL = mean KL(float32 || variant) per position; keep X = w8a8 with the projections X "
+            "in weight-only int8; not a served option, nothing scored on test):",
+            "",
+            "| variant | " + " | ".join(f"{k} top-1 | {k} KL" for k in sets) + " |",
+            "|---|" + "---:|" * (2 * len(sets)),
+            *[
+                f"| {n} | "
+                + " | ".join(f"{v[k]['top1_agreement']:.4f} | {v[k]['kl_per_position']:.5f}" for k in sets)
+                + " |"
+                for n, v in r["variants"].items()
+            ],
+            "",
+        ]
+    return out
 
 
 RETENTION_RECORD = "quant_retention_test2.json"  # scripts/quant_retention.py: retention taken apart

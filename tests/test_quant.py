@@ -474,3 +474,29 @@ def test_the_peer_goals_are_read_off_the_int8_head_record(tmp_path):
     cell = mq.peer_goal_cell(tmp_path)
     assert "int8-qhead vs Q8_0 1.00x (1.30x with a LoRA; weights 1.50x the GGUF's: the three peer goals met)" in cell
     assert "int8 vs Q8_0 1.30x (1.50x with a LoRA; weights 2.30x the GGUF's: the three peer goals not all met)" in cell
+
+
+def test_the_w8a8_probe_records_render_one_row_per_variant(tmp_path):
+    """scripts/make_quant.py's table of scripts/w8a8_keep_probe.py's records: every variant a row, every set a
+    top-1 and a KL column; nothing while no record exists."""
+    import json
+
+    from tests.conftest import load_script
+
+    mq = load_script("make_quant")
+    assert mq.keep_lines(tmp_path) == []
+    cell = {"top1_agreement": 0.99, "kl_per_position": 0.00344, "positions": 10}
+    rec = {
+        "command": "python scripts/w8a8_keep_probe.py --json x",
+        "date": "2026-12-04",
+        "machine": {"cpu": "CPU"},
+        "n": 48,
+        "variants": {
+            "w8a8": {"arithmetic": cell, "general": cell},
+            "w8a8 keep down_proj": {"arithmetic": cell, "general": cell},
+        },
+    }
+    (tmp_path / mq.KEEP_RECORDS[0]).write_text(json.dumps(rec))
+    lines = mq.keep_lines(tmp_path)
+    assert "| variant | arithmetic top-1 | arithmetic KL | general top-1 | general KL |" in lines
+    assert "| w8a8 keep down_proj | 0.9900 | 0.00344 | 0.9900 | 0.00344 |" in lines
