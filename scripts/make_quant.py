@@ -499,6 +499,11 @@ W8A8_ENGINE = (  # the engine bench for --quantization w8a8 on torch._int_mm (st
     ("quant_w8a8_noamx.json", "the engine bench's workload"),
     ("quant_w8a8_noamx_prefill.json", "long prompts, few new tokens (prefill-heavy)"),
     ("quant_w8a8_head_noamx.json", "with the LM head in w8a8 too (w8a8-qhead: memory, not speed)"),
+    (
+        "quant_w8a8_keepdown_noamx.json",
+        "with down_proj in weight-only int8 (w8a8-keepdown, a bench-only variant: the projection behind half of "
+        "w8a8's arithmetic KL on validation, see below; stop 48)",
+    ),
 )
 
 
