@@ -57,14 +57,22 @@ class _Pager:
         return list(t)
 
 
+@pytest.mark.parametrize("merge", [0, 256])
 @pytest.mark.parametrize("adapters", [False, True])
-def test_one_step_prefill_of_ragged_batch_equals_transformers(mm, adapters):
+def test_one_step_prefill_of_ragged_batch_equals_transformers(mm, adapters, merge, monkeypatch):
+    """Fresh prompts of several lengths in one step, each length one causal call (the default) or all of them
+    merged under a block-diagonal mask (MERGE_PREFILL_TOKENS on): logits as transformers gives each alone."""
+    import molora.model.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "MERGE_PREFILL_TOKENS", merge)
     runner = ModelRunner(mm, num_blocks=32, block_size=4, max_model_len=64)
     lens = [5, 9, 1, 4]
     seqs = [_seq(n, i) for i, n in enumerate(lens)]
     routes = [_route(n, i) if adapters else None for i, n in enumerate(lens)]
     pager = _Pager(4)
     meta = BatchMeta(lens, lens, [pager.table(i, n) for i, n in enumerate(lens)])
+    plan = runner.plan(torch.cat([torch.arange(n) for n in lens]), meta)
+    assert sum(p.mask is not None for p in plan.prefill) == (1 if merge else 0)  # the one merged call, or none
     routing = StepRouting(torch.cat([_slots(mm, r) for r in routes])) if adapters else None
     logits = runner(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), meta, routing, logits=True).logits
     for i, s in enumerate(seqs):
@@ -73,7 +81,8 @@ def test_one_step_prefill_of_ragged_batch_equals_transformers(mm, adapters):
 
 @pytest.mark.parametrize("lens, sizes", [([90, 90, 40, 90], [3, 1]), ([80, 80, 80, 80], [4])])
 def test_fresh_prompts_of_one_length_share_a_batched_causal_call(mm, lens, sizes):
-    """Over MERGE_PREFILL_TOKENS in all, fresh prompts of one length run as one [P, H, n, hd] causal call:
+    """Unmerged (MERGE_PREFILL_TOKENS, off by default, or more tokens than it), fresh prompts of one length run as one
+    [P, H, n, hd] causal call:
     rows adjacent in the step (a slice) or not (an index: a 40-token prompt lies between); logits as
     transformers gives each sequence alone."""
     from molora.model.batch import MERGE_PREFILL_TOKENS

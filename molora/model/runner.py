@@ -53,7 +53,8 @@ one per batch-size bucket, static buffers, padding rows writing into the cache's
 Attention has two paths, planned once per step (`ModelRunner.plan` -> `AttnPlan`): paged decode (every
 sequence with one new token, `Decode`; on CPU the fused kernel `fused_cpu.paged_decode` reads each context
 where it lies in the cache, elsewhere its blocks are gathered for SDPA) and ragged prefill (`Prefill` entries: P prompts
-of one length in one causal call, fresh prompts merged under a block-diagonal mask, or a chunk attending to its cached
+of one length in one causal call (fresh prompts merged under a block-diagonal mask where MERGE_PREFILL_TOKENS allows;
+off by default, molora.model.batch), or a chunk attending to its cached
 context).
 """
 
