@@ -321,12 +321,20 @@ def keep_lines(docs: Path) -> list[str]:
 RETENTION_RECORD = "quant_retention_test2.json"  # scripts/quant_retention.py: retention taken apart
 
 
+RETENTION_BEFORE = "quant_retention_test2_merged.json"  # the same, before prefill merging went off (stop 48)
+
+
 def retention_lines(docs: Path) -> list[str]:
-    """The retention decomposition (scripts/quant_retention.py) as a table, where its record exists."""
-    path = docs / RETENTION_RECORD
-    if not path.is_file():
-        return []
-    r = json.loads(path.read_text())
+    """The retention decompositions (scripts/quant_retention.py) as tables, where their records exist."""
+    out: list[str] = []
+    for name in (RETENTION_RECORD, RETENTION_BEFORE):
+        path = docs / name
+        if path.is_file():
+            out += _retention_table(json.loads(path.read_text()))
+    return out
+
+
+def _retention_table(r: dict) -> list[str]:
     m = r["machine"]
     return [
         f"General retention taken apart (`{r['command']}` on {r['date']}, {m['cpu']}, {m['threads']} thread(s); "
@@ -336,7 +344,7 @@ def retention_lines(docs: Path) -> list[str]:
         "base again = the base run repeated in a fresh engine, prefix cache off, prompts in reverse order, equal "
         "to the first base run (how far the base's own answers move with the batch beside them); same batches = "
         "retention with routed and base answered in identical batches (molora.eval.general), so that the batch "
-        "cannot differ:",
+        "cannot differ" + (f" (note: {r['note']})" if r.get("note") else "") + ":",
         "",
         "| variant | engine retention | adapter tokens (of answer tokens) | base again = base | same batches |",
         "|---|---:|---:|---:|---:|",
