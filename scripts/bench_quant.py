@@ -59,6 +59,16 @@ SCHEMES_DOC = (  # what the variants' schemes are (scripts/make_quant.py prints 
 # built here by quantizing before attach (molora.model.quant_linear.quantize_linears twice; no served option yet),
 # after scripts/w8a8_keep_probe.py found down_proj's rounded activations behind half of w8a8's arithmetic KL
 W8A8_KEEP = {"w8a8-keepdown": ("down_proj",)}
+
+
+def quantize_keeping(model: torch.nn.Module, keep: tuple[str, ...], act_amax: dict | None = None) -> list[str]:
+    """w8a8 on every linear of `model` but the LM head and the projections `keep` (last names), SmoothQuant from
+    act_amax as attach does it; then `keep` in weight-only int8. The names quantized (what attach's call returns)."""
+    from molora.model.quant_linear import quantize_linears
+
+    return quantize_linears(model, "w8a8", skip=("lm_head", *keep), act_amax=act_amax) + quantize_linears(model, "int8")
+
+
 DEFAULT = ["fp32", "bf16", "int8", "int8-bf16", "w8a8"]  # int4 in float32: torch's kernel ran 0.01-0.03x the
 # packed float32 GEMM at T = 8-128 (docs/quant_linear.json), a 1024-token prefill alone would take minutes
 
@@ -91,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from molora.config import SamplingParams
     from molora.engine import Engine
     from molora.model.base import default_gguf_path, load_base
-    from molora.model.quant_linear import QuantizedLinear, activation_ranges, quantize_linears, weight_bytes
+    from molora.model.quant_linear import QuantizedLinear, activation_ranges, weight_bytes
     from molora.routing import VocabRouter
 
     flags = next(
@@ -128,9 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             if scheme == "w8a8":
                 calib = quant_calibration_rows(tok)
             if keep:  # w8a8 but `keep` (SmoothQuant as attach does it), then those in weight-only int8
-                amax = activation_ranges(model, calib)
-                quantize_linears(model, "w8a8", skip=("lm_head", *keep), act_amax=amax)
-                quantize_linears(model, "int8")
+                quantize_keeping(model, keep, activation_ranges(model, calib))
                 scheme = None  # quantized already
             mm = attach(model, paths, router=router, quantization=scheme, calibration=calib, quantize_lm_head=head)
             if dtype != torch.float32:

@@ -293,10 +293,10 @@ def keep_lines(docs: Path) -> list[str]:
     """Where w8a8 loses against float32, by projection (scripts/w8a8_keep_probe.py, validation), where recorded."""
     out: list[str] = []
     for fname in KEEP_RECORDS:
-        path = docs / fname
-        if not path.is_file():
+        found = newest(docs, fname)
+        if not found:
             continue
-        r = json.loads(path.read_text())
+        r = found[0]
         sets = list(next(iter(r["variants"].values())))
         out += [
             f"Where w8a8 loses, by projection (`{r['command']}` on {r['date']}, {r['machine']['cpu']}; validation: "
@@ -319,8 +319,6 @@ def keep_lines(docs: Path) -> list[str]:
 
 
 RETENTION_RECORD = "quant_retention_test2.json"  # scripts/quant_retention.py: retention taken apart
-
-
 RETENTION_BEFORE = "quant_retention_test2_merged.json"  # the same, before prefill merging went off (stop 48)
 
 
@@ -328,9 +326,9 @@ def retention_lines(docs: Path) -> list[str]:
     """The retention decompositions (scripts/quant_retention.py) as tables, where their records exist."""
     out: list[str] = []
     for name in (RETENTION_RECORD, RETENTION_BEFORE):
-        path = docs / name
-        if path.is_file():
-            out += _retention_table(json.loads(path.read_text()))
+        found = newest(docs, name)
+        if found:
+            out += _retention_table(found[0])
     return out
 
 
@@ -363,10 +361,10 @@ PEER_QHEAD = "peer_llamacpp_qhead.json"  # molora bench peer with int8-qhead (st
 def peer_goal_cell(docs: Path) -> str | None:
     """Issue 38's peer goals read off the int8-qhead peer record, where it exists: molora >= 1.0x llama.cpp's
     Q8_0 without adapters and >= 1.3x with one LoRA, its resident weights within 1.5x of the GGUF's bytes."""
-    path = docs / PEER_QHEAD
-    if not path.is_file():
+    found = newest(docs, PEER_QHEAD)
+    if not found:
         return None
-    r = json.loads(path.read_text())
+    r = found[0]
     cells = []
     for n, v in r["variants"].items():
         plain, lora = v["llama_over_molora"][0], v["llama_over_molora_lora"][0]
@@ -385,17 +383,17 @@ def peer_goal_cell(docs: Path) -> str | None:
 def _noise_not_routing(docs: Path, variant: str) -> bool:
     """Whether the retention decomposition says `variant`'s engine retention loss is not the router's: no answer
     token on an adapter, and full retention where routed and base run in identical batches."""
-    path = docs / RETENTION_RECORD
-    v = json.loads(path.read_text())["variants"].get(variant) if path.is_file() else None
+    found = newest(docs, RETENTION_RECORD)
+    v = found[0]["variants"].get(variant) if found else None
     return bool(v) and v["engine_adapter_tokens"] == 0 and v["same_batches_retention"] >= 95.0
 
 
 def retention_cell(docs: Path) -> str | None:
     """The README's one-line reading of the retention decomposition, where its record exists."""
-    path = docs / RETENTION_RECORD
-    if not path.is_file():
+    found = newest(docs, RETENTION_RECORD)
+    if not found:
         return None
-    v = json.loads(path.read_text())["variants"]
+    v = found[0]["variants"]
     return "retention taken apart on the same general prompts (engine retention / answer tokens on an adapter / " + (
         "the base's own answers repeated in another batch / retention in identical batches): "
         + ", ".join(

@@ -15,7 +15,7 @@ keeps, per variant and per set, the share of answer positions whose argmax equal
 weight-only int8 (default: each of the seven alone), and w8a8 with down_proj's SmoothQuant strength at each
 --down-alpha (the others at SMOOTH_ALPHA). Validation only: nothing here is scored on test; a choice made
 from it is scored on a fresh split once, later. The mixed variants are built here by quantizing in two passes
-(molora.model.quant_linear.quantize_linears with `skip`, then the rest as int8) before the adapters attach: not a
+(scripts/bench_quant.py's quantize_keeping: w8a8 with `skip`, then the rest as int8) before the adapters attach: not a
 served option yet.
 """
 
@@ -26,6 +26,9 @@ import json
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_quant import quantize_keeping  # noqa: E402  (w8a8 with some projections weight-only, as the bench builds it)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -95,9 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     real = attach_mod.quantize_linears
 
     def variant(keep: tuple[str, ...] | None, scheme: str, down_alpha: float | None = None) -> dict:
-        def two_pass(model, q, **kw):  # noqa: ANN001, ANN003
-            names = real(model, q, skip=("lm_head", *keep), **kw)
-            return names + real(model, "int8", skip=("lm_head",))
+        def two_pass(model, q, **kw):  # noqa: ANN001, ANN003  (attach's call, w8a8 with `keep` weight-only)
+            return quantize_keeping(model, keep, kw.get("act_amax"))
 
         def down_smoothed(model, q, **kw):  # noqa: ANN001, ANN003  (down_proj in w8a8 at its own alpha)
             names = real(model, q, skip=("lm_head", "down_proj"), **kw)
