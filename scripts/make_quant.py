@@ -320,12 +320,13 @@ def keep_lines(docs: Path) -> list[str]:
 
 RETENTION_RECORD = "quant_retention_test2.json"  # scripts/quant_retention.py: retention taken apart
 RETENTION_BEFORE = "quant_retention_test2_merged.json"  # the same, before prefill merging went off (stop 48)
+RETENTION_MORE = "quant_retention_test2_int8bf16.json"  # the int8-bf16 variants, same command and prompts (stop 49)
 
 
 def retention_lines(docs: Path) -> list[str]:
     """The retention decompositions (scripts/quant_retention.py) as tables, where their records exist."""
     out: list[str] = []
-    for name in (RETENTION_RECORD, RETENTION_BEFORE):
+    for name in (RETENTION_RECORD, RETENTION_MORE, RETENTION_BEFORE):
         found = newest(docs, name)
         if found:
             out += _retention_table(found[0])
@@ -380,26 +381,45 @@ def peer_goal_cell(docs: Path) -> str | None:
     )
 
 
+def _retention_variants(docs: Path) -> dict:
+    """Every variant's retention decomposition since prefill merging went off (RETENTION_RECORD, RETENTION_MORE)."""
+    out: dict = {}
+    for name in (RETENTION_RECORD, RETENTION_MORE):
+        found = newest(docs, name)
+        if found:
+            r = found[0]
+            out |= {
+                n: x | {"_of": f"the same {r['n_general']} general prompts of {r['split']}"}
+                for n, x in r["variants"].items()
+            }
+    return out
+
+
 def _noise_not_routing(docs: Path, variant: str) -> bool:
     """Whether the retention decomposition says `variant`'s engine retention loss is not the router's: no answer
     token on an adapter, and full retention where routed and base run in identical batches."""
-    found = newest(docs, RETENTION_RECORD)
-    v = found[0]["variants"].get(variant) if found else None
+    v = _retention_variants(docs).get(variant)
     return bool(v) and v["engine_adapter_tokens"] == 0 and v["same_batches_retention"] >= 95.0
 
 
 def retention_cell(docs: Path) -> str | None:
-    """The README's one-line reading of the retention decomposition, where its record exists."""
-    found = newest(docs, RETENTION_RECORD)
-    if not found:
+    """The README's one-line reading of the retention decompositions, where their records exist."""
+    v = _retention_variants(docs)
+    if not v:
         return None
-    v = found[0]["variants"]
-    return "retention taken apart on the same general prompts (engine retention / answer tokens on an adapter / " + (
-        "the base's own answers repeated in another batch / retention in identical batches): "
+    noise = [n for n, x in v.items() if x["engine_retention"] < 100 and _noise_not_routing(docs, n)]
+    return (
+        f"taken apart on {sorted({x['_of'] for x in v.values()})[0]} (engine retention / answer tokens on an "
+        "adapter / the base's own answers repeated in another batch / retention in identical batches): "
         + ", ".join(
             f"{n} {x['engine_retention']:.0f}% / {x['engine_adapter_tokens']} / {x['engine_base_repeat']:.0f}% / "
             f"{x['same_batches_retention']:.0f}%"
             for n, x in v.items()
+        )
+        + (
+            f"; below 100% ({', '.join(noise)}) is the base's own answers moving with the batch, not routing"
+            if noise
+            else ""
         )
     )
 
@@ -556,51 +576,94 @@ def w8a8_lines(docs: Path) -> list[str]:
 
 
 def readme_block(docs: Path, page: str) -> str:
-    """The README's quantized-base block (QUANT_BEGIN ... QUANT_END): one bullet from docs/quant.json, the test
-    split's docs/quant_eval_test_w8.json and docs/peer_llamacpp_w8.json (each where it exists, else the W8A8 era's
-    docs/quant_eval_test.json and docs/peer_llamacpp.json, labelled so); page: the
-    link to docs/benchmarks.md relative to the README."""
+    """The README's quantized-base block (QUANT_BEGIN ... QUANT_END): one bullet with a sub-bullet per question a
+    user asks (speed, memory, against llama.cpp, quality, general retention), each from its records where they
+    exist (the older 24-item test split and the other per-record detail stay in docs/benchmarks.md); page: the link
+    to docs/benchmarks.md relative to the README."""
     from molora.docblock import markers
 
     begin, end = markers("quant", "scripts/make_quant.py")
-    parts = []
-    if (docs / "quant.json").is_file():
-        e = json.loads((docs / "quant.json").read_text())
-        v = e["variants"]
-        speed = ", ".join(f"{label(e, n)} {v[n]['vs_fp32']:.2f}x" for n in v if n != "fp32")
-        sizes = ", ".join(f"{label(e, n)} {v[n]['weight_bytes_total'] / 1e6:.0f}" for n in v)
-        what = "base weights MB (the model's tensors)"
-        if (docs / "quant_weight_bytes.json").is_file():  # every resident copy, the kernels' included
-            w = json.loads((docs / "quant_weight_bytes.json").read_text())
-            sizes = ", ".join(
-                f"{n} {x['total'] / 1e6:.0f}"
-                + (f" ({x['total_over_gguf']:.2f}x its {x['gguf']})" if "gguf" in x else "")
-                for n, x in w["variants"].items()
+    parts = [p for p in (_speed_cell(docs), _memory_cell(docs), _peer_cell(docs), _quality_cell(docs)) if p]
+    cell = retention_cell(docs)
+    if cell:
+        parts.append(("General retention", cell))
+    head = (
+        "- **Quantized base** (`--quantization int8|int4|w8a8`, "
+        f"[details]({page}#quantized-base---quantization-int8int4))"
+    )
+    body = (
+        head + ":\n" + "\n".join(f"  - **{t}**: {x}." for t, x in parts)
+        if parts
+        else "- **Quantized base**: no record yet."
+    )
+    return f"{begin}\n{body}\n{end}"
+
+
+def _speed_cell(docs: Path) -> tuple[str, str] | None:
+    """The engine bench against float32 per CPU: docs/quant.json (AMX), docs/quant_noamx.json and the w8a8 records."""
+    cells = []
+    for fname in ("quant.json", "quant_noamx.json"):
+        if (docs / fname).is_file():
+            e = json.loads((docs / fname).read_text())
+            v = e["variants"]
+            amx = "AMX" if any(f.startswith("amx") for f in e["machine"].get("cpu_flags", [])) else "no AMX"
+            cells.append(
+                f"{e['machine']['cpu']} ({amx}; {e['requests']} requests, per-token routing over 4 adapters, "
+                f"{e['machine']['threads']} threads, prefix cache on in every variant): "
+                + ", ".join(f"{label(e, n)} {v[n]['vs_fp32']:.2f}x" for n in v if n != "fp32")
             )
-            cpu = f" on {w['machine']['cpu']}" if "machine" in w else ""
-            what = f"resident base weights MB{cpu}, every copy (the kernels' packed copies included)"
-        parts.append(
-            f"engine throughput against float32 ({e['requests']} requests, per-token routing over 4 adapters, "
-            f"{e['machine']['threads']} threads): {speed}; {what}: {sizes} (the GGUF it ships: "
-            f"{e['gguf_bytes'] / 1e6:.0f})"
+    w8 = [json.loads((docs / f).read_text()) for f, _ in W8A8_ENGINE[:2] if (docs / f).is_file()]
+    if w8:
+        cells.append(
+            f"w8a8 on torch._int_mm on {w8[0]['machine']['cpu']} (prefix cache off): "
+            + ", ".join(
+                f"{r['variants']['w8a8']['vs_fp32']:.2f}x ({r['requests']} x ({r['prompt_len']} prompt + "
+                f"{r['new_tokens']} new))"
+                for r in w8
+            )
         )
-    found = newest(docs, "quant_eval_test_w8.json", "quant_eval_test.json")
+    return ("Speed against float32", "; ".join(cells)) if cells else None
+
+
+def _memory_cell(docs: Path) -> tuple[str, str] | None:
+    """Every resident copy of the base weights (docs/quant_weight_bytes.json) against the GGUF files."""
+    if not (docs / "quant_weight_bytes.json").is_file():
+        return None
+    w = json.loads((docs / "quant_weight_bytes.json").read_text())
+    sizes = ", ".join(
+        f"{n} {x['total'] / 1e6:.0f}" + (f" ({x['total_over_gguf']:.2f}x its {x['gguf']})" if "gguf" in x else "")
+        for n, x in w["variants"].items()
+    )
+    cpu = f" on {w['machine']['cpu']}" if "machine" in w else ""
+    return ("Memory", f"resident base weights MB{cpu}, every copy (the kernels' packed copies included): {sizes}")
+
+
+def _peer_cell(docs: Path) -> tuple[str, str] | None:
+    """llama.cpp's time over molora's (docs/peer_llamacpp_nocache.json, else the older records) and the int8-qhead
+    peer record with issue 38's goals."""
+    cells = []
+    peer = ("peer_llamacpp_nocache.json", "peer_llamacpp_w8.json", "peer_llamacpp.json")  # newest first
+    found = newest(docs, *peer)
     if found:
-        q, old = found
-        rows = []
-        for n, v in q["variants"].items():
-            if n == "fp32":
-                continue
-            d = v["skills_vs_fp32"]
-            rows.append(
-                f"{label(q, n, old)} "
-                + ", ".join(f"{t} {x:+.1f}" for t, x in d.items())
-                + f", retention {v['general']['retention']:.0f}%"
+        r, old = found
+        cached = not (docs / peer[0]).is_file()  # the records before stop 47 timed molora with its prefix cache on
+        how = "molora's prefix cache on: repetitions partly hit it" if cached else "molora's prefix cache off"
+        cells.append(
+            f"{r['llama_cpp']['n_threads']} thread(s) on {r['machine']['cpu']}, {how}: "
+            + ", ".join(
+                f"{label(r, n, old)} vs {v['llama.cpp']['gguf_type']} {v['llama_over_molora'][0]:.2f}x "
+                f"({v['llama_over_molora_lora'][0]:.2f}x with a LoRA)"
+                for n, v in r["variants"].items()
             )
-        parts.append(
-            f"skills on the test split against float32 (points, {q['n']} items per skill, learned routing): "
-            + "; ".join(rows)
         )
+    qhead = peer_goal_cell(docs)
+    if qhead:
+        cells.append(qhead)
+    return ("llama.cpp's time over molora's, same prompts", "; ".join(cells)) if cells else None
+
+
+def _quality_cell(docs: Path) -> tuple[str, str] | None:
+    """The skills on the fresh test2 split against float32, paired 95% intervals (docs/quant_eval_test2*.json)."""
     rows, n_items = [], None
     for fname in ("quant_eval_test2.json", "quant_eval_test2_bf16.json", "quant_eval_test2_w8a8.json"):
         if (docs / fname).is_file():
@@ -609,71 +672,19 @@ def readme_block(docs: Path, page: str) -> str:
             rows += [
                 f"{n} "
                 + ", ".join(
-                    f"{t} {x:+.1f} [{v['skills_vs_fp32_ci95'][t][0]:+.1f}, {v['skills_vs_fp32_ci95'][t][1]:+.1f}]"
+                    f"{t} {x:+.0f} [{v['skills_vs_fp32_ci95'][t][0]:+.1f}, {v['skills_vs_fp32_ci95'][t][1]:+.1f}]"
                     for t, x in v["skills_vs_fp32"].items()
                 )
-                + f", retention {v['general']['retention']:.0f}%"
                 for n, v in q["variants"].items()
                 if n != "fp32" and "skills_vs_fp32" in v
             ]
-    if rows:
-        parts.append(
-            f"on the fresh test2 split ({n_items} items per skill, 95% intervals on the difference, paired): "
-            + "; ".join(rows)
-        )
-    cell = retention_cell(docs)
-    if cell:
-        parts.append(cell)
-    peer = ("peer_llamacpp_nocache.json", "peer_llamacpp_w8.json", "peer_llamacpp.json")  # newest first
-    found = newest(docs, *peer)
-    if found:
-        r, old = found
-        cached = not (docs / peer[0]).is_file()  # the records before stop 47 timed molora with its prefix cache on
-        cells = ", ".join(
-            f"{label(r, n, old)} vs {v['llama.cpp']['gguf_type']} {v['llama_over_molora'][0]:.2f}x "
-            f"({v['llama_over_molora_lora'][0]:.2f}x with a LoRA"
-            + ("" if old else f"; weights {v['molora']['weight_bytes'] / v['llama.cpp']['file_bytes']:.2f}x the GGUF's")
-            + ")"
-            for n, v in r["variants"].items()
-        )
-        how = (
-            "llama.cpp's repacked quantized layouts off: they crash in this build; molora's prefix cache was on and "
-            "its repetitions partly hit it"
-            if cached
-            else f"on {r['machine']['cpu']}, molora's prefix cache off"
-        )
-        parts.append(
-            f"llama.cpp's time over molora's on the same prompts ({r['llama_cpp']['n_threads']} thread(s), {how}): "
-            f"{cells}"
-        )
-    qhead = peer_goal_cell(docs)
-    if qhead:
-        parts.append(qhead)
-    w8 = [(json.loads((docs / f).read_text()), what) for f, what in W8A8_ENGINE[:2] if (docs / f).is_file()]
-    if w8:
-        cpu = w8[0][0]["machine"]["cpu"]
-        parts.append(
-            f"w8a8 on torch._int_mm on {cpu} (AVX512-VNNI, no AMX; prefix cache off): "
-            + ", ".join(
-                f"{r['variants']['w8a8']['vs_fp32']:.2f}x float32 ({r['requests']} x ({r['prompt_len']} prompt + "
-                f"{r['new_tokens']} new))"
-                for r, _ in w8
-            )
-            + ", at the cost of "
-            + (
-                "arithmetic (its test2 row above; its lower retention is its base's answers moving with the batch, "
-                "not routing: see retention taken apart)"
-                if _noise_not_routing(docs, "w8a8")
-                else "arithmetic and retention (its test2 row above)"
-            )
-        )
-    body = (
-        "- **Quantized base** (`--quantization int8|int4|w8a8`, "
-        f"[details]({page}#quantized-base---quantization-int8int4)): " + "; ".join(parts) + "."
-        if parts
-        else "- **Quantized base**: no record yet."
+    if not rows:
+        return None
+    return (
+        "Skills against float32",
+        f"learned routing on the fresh test2 split, {n_items} items per skill, points with the paired 95% interval: "
+        + "; ".join(rows),
     )
-    return f"{begin}\n{body}\n{end}"
 
 
 def main(argv: list[str] | None = None) -> int:

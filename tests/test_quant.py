@@ -449,6 +449,13 @@ def test_the_retention_decomposition_says_when_the_loss_is_not_routing(tmp_path)
     assert not mq._noise_not_routing(tmp_path, "int4")  # not in the record
     assert "| w8a8 | 75.0% | 0 of 3000 | 80.0% | 100.0% |" in mq.retention_lines(tmp_path)
     assert "w8a8 75% / 0 / 80% / 100%" in mq.retention_cell(tmp_path)
+    assert "60 general prompts of test2" in mq.retention_cell(tmp_path)
+    assert "below 100% (w8a8) is the base's own answers moving with the batch" in mq.retention_cell(tmp_path)
+    more = rec | {"variants": {"int8-bf16-qhead": variant(0, 100.0)}}  # a second record of more variants
+    (tmp_path / mq.RETENTION_MORE).write_text(json.dumps(more))
+    assert mq._noise_not_routing(tmp_path, "int8-bf16-qhead")
+    assert "(w8a8, int8-bf16-qhead)" in mq.retention_cell(tmp_path)
+    assert "| int8-bf16-qhead | 75.0% | 0 of 3000 | 80.0% | 100.0% |" in mq.retention_lines(tmp_path)
 
 
 def test_the_peer_goals_are_read_off_the_int8_head_record(tmp_path):
