@@ -647,6 +647,7 @@ SECTIONS = [
     ("datafree_hybrid_cost.json", "arrow_cost.py"),
     ("hybrid_serve_cost.json", "hybrid_serve_cost.py"),
     ("routing_test2.json", "routing_eval.py"),
+    ("hybrid_ceiling.json", "hybrid_ceiling.py"),
     ("hybrid_stall.json", "hybrid_stall.py"),
     ("hybrid_stall_staged.json", "hybrid_stall.py"),
     ("multimodal.json", "make_multimodal.py"),
