@@ -30,32 +30,31 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 SHARES = [round(0.01 * i, 2) for i in range(0, 101)]
 Z_OR = [None] + [round(0.25 * i, 2) for i in range(0, 41)]
 GENERAL_KEPT = 95.0
 
 
-def signals(hybrid: object, mm: object, questions: list[str]) -> list[dict]:
-    """The served chooser's decision per question ({"adapter", "share", "z"}), every adapter allowed."""
-    return hybrid.choose_served(mm, questions)  # type: ignore[attr-defined]
+def picks(ds: list[dict], share: float, z_or: float | None) -> list[str | None]:
+    """What the served rule (molora.routing.hybrid.hybrid_decide, z_floor None) picks for these decisions' signals
+    at (share, z_or): an adapter name, or None for the base model."""
+    import torch
 
+    from molora.routing.hybrid import hybrid_decide
 
-def go(d: dict, share: float, z_or: float | None) -> bool:
-    """The served rule's whether-decision (molora.routing.hybrid.hybrid_decide, z_floor None)."""
-    top = max(d["z"].values())
-    return (d["share"] >= share and d["share"] > 0) or (z_or is not None and top >= z_or)
+    names = list(ds[0]["z"])
+    z = torch.tensor([[d["z"][n] for n in names] for d in ds], dtype=torch.float64)
+    k = hybrid_decide(torch.tensor([d["share"] for d in ds]), z, share, z_or, None)
+    return [None if i < 0 else names[i] for i in k]
 
 
 def score(sig: dict, share: float, z_or: float | None) -> dict:
     """Per skill % of its items sent to its own adapter (the top z's), and % of general prompts kept home."""
     out: dict = {"share": share, "z_or": z_or, "skills": {}}
     for skill, (adapter, ds) in sig["skills"].items():
-        right = sum(go(d, share, z_or) and max(d["z"], key=d["z"].get) == adapter for d in ds)
-        out["skills"][skill] = round(100 * right / len(ds), 1)
+        out["skills"][skill] = round(100 * picks(ds, share, z_or).count(adapter) / len(ds), 1)
     g = sig["general"]
-    out["general_kept"] = round(100 * sum(not go(d, share, z_or) for d in g) / len(g), 1)
+    out["general_kept"] = round(100 * picks(g, share, z_or).count(None) / len(g), 1)
     out["worst"] = min(out["skills"].values())
     return out
 
@@ -139,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         sig: dict = {"skills": {}}
         for task, adapter in own.items():
             items, _ = held_out(task, n, banned, split=split)
-            sig["skills"][task] = (adapter, signals(hybrid, mm, [it.input for it in items]))
+            sig["skills"][task] = (adapter, hybrid.choose_served(mm, [it.input for it in items]))
         rows = general_split()["test" if split.startswith("test") else split][: a.n_general]
-        sig["general"] = signals(hybrid, mm, [r["prompt"] for r in rows])
+        sig["general"] = hybrid.choose_served(mm, [r["prompt"] for r in rows])
         sigs[split] = sig
         by_source: dict = {}
         for r, d in zip(rows, sig["general"]):

@@ -381,35 +381,27 @@ def peer_goal_cell(docs: Path) -> str | None:
     )
 
 
-def _retention_variants(docs: Path) -> dict:
-    """Every variant's retention decomposition since prefill merging went off (RETENTION_RECORD, RETENTION_MORE)."""
-    out: dict = {}
-    for name in (RETENTION_RECORD, RETENTION_MORE):
-        found = newest(docs, name)
-        if found:
-            r = found[0]
-            out |= {
-                n: x | {"_of": f"the same {r['n_general']} general prompts of {r['split']}"}
-                for n, x in r["variants"].items()
-            }
-    return out
+def _retention_records(docs: Path) -> list[dict]:
+    """The retention decompositions since prefill merging went off (RETENTION_RECORD, RETENTION_MORE) that exist."""
+    return [found[0] for name in (RETENTION_RECORD, RETENTION_MORE) if (found := newest(docs, name))]
 
 
-def _noise_not_routing(docs: Path, variant: str) -> bool:
-    """Whether the retention decomposition says `variant`'s engine retention loss is not the router's: no answer
+def _is_noise(v: dict) -> bool:
+    """Whether a variant's retention decomposition says its engine retention loss is not the router's: no answer
     token on an adapter, and full retention where routed and base run in identical batches."""
-    v = _retention_variants(docs).get(variant)
-    return bool(v) and v["engine_adapter_tokens"] == 0 and v["same_batches_retention"] >= 95.0
+    return v["engine_adapter_tokens"] == 0 and v["same_batches_retention"] >= 95.0
 
 
 def retention_cell(docs: Path) -> str | None:
     """The README's one-line reading of the retention decompositions, where their records exist."""
-    v = _retention_variants(docs)
-    if not v:
+    recs = _retention_records(docs)
+    if not recs:
         return None
-    noise = [n for n, x in v.items() if x["engine_retention"] < 100 and _noise_not_routing(docs, n)]
+    v = {n: x for r in recs for n, x in r["variants"].items()}
+    of = " and ".join(sorted({f"the same {r['n_general']} general prompts of {r['split']}" for r in recs}))
+    noise = [n for n, x in v.items() if x["engine_retention"] < 100 and _is_noise(x)]
     return (
-        f"taken apart on {sorted({x['_of'] for x in v.values()})[0]} (engine retention / answer tokens on an "
+        f"taken apart on {of} (engine retention / answer tokens on an "
         "adapter / the base's own answers repeated in another batch / retention in identical batches): "
         + ", ".join(
             f"{n} {x['engine_retention']:.0f}% / {x['engine_adapter_tokens']} / {x['engine_base_repeat']:.0f}% / "

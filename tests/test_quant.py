@@ -429,7 +429,6 @@ def test_the_retention_decomposition_says_when_the_loss_is_not_routing(tmp_path)
 
     mq = load_script("make_quant")
     assert mq.retention_lines(tmp_path) == [] and mq.retention_cell(tmp_path) is None
-    assert not mq._noise_not_routing(tmp_path, "w8a8")
 
     def variant(tokens: int, same: float) -> dict:
         return {"engine_retention": 75.0, "engine_adapter_tokens": tokens, "engine_routed_tokens": 3000,
@@ -444,16 +443,15 @@ def test_the_retention_decomposition_says_when_the_loss_is_not_routing(tmp_path)
         "variants": {"w8a8": variant(0, 100.0), "bf16": variant(3, 100.0), "int8": variant(0, 90.0)},
     }
     (tmp_path / mq.RETENTION_RECORD).write_text(json.dumps(rec))
-    assert mq._noise_not_routing(tmp_path, "w8a8")
-    assert not mq._noise_not_routing(tmp_path, "bf16") and not mq._noise_not_routing(tmp_path, "int8")
-    assert not mq._noise_not_routing(tmp_path, "int4")  # not in the record
+    v = rec["variants"]
+    assert mq._is_noise(v["w8a8"]) and not mq._is_noise(v["bf16"]) and not mq._is_noise(v["int8"])
     assert "| w8a8 | 75.0% | 0 of 3000 | 80.0% | 100.0% |" in mq.retention_lines(tmp_path)
     assert "w8a8 75% / 0 / 80% / 100%" in mq.retention_cell(tmp_path)
     assert "60 general prompts of test2" in mq.retention_cell(tmp_path)
     assert "below 100% (w8a8) is the base's own answers moving with the batch" in mq.retention_cell(tmp_path)
     more = rec | {"variants": {"int8-bf16-qhead": variant(0, 100.0)}}  # a second record of more variants
     (tmp_path / mq.RETENTION_MORE).write_text(json.dumps(more))
-    assert mq._noise_not_routing(tmp_path, "int8-bf16-qhead")
+    assert mq._is_noise(more["variants"]["int8-bf16-qhead"])
     assert "(w8a8, int8-bf16-qhead)" in mq.retention_cell(tmp_path)
     assert "| int8-bf16-qhead | 75.0% | 0 of 3000 | 80.0% | 100.0% |" in mq.retention_lines(tmp_path)
 
