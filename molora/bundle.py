@@ -6,7 +6,7 @@ This module turns a parsed `Bundle` into a model: `load` reads the base, attache
 on request), builds the router (`make_router`) and fills in what the manifest leaves to the tokenizer
 (`with_tokenizer`: the chat template and its stop tokens; `load_tokenizer` for a front end that only tokenises).
 
-Its rooms: molora.manifest owns the manifest format (`Bundle`, `read_bundle`, `parse_manifest`, `write_manifest`,
+Its parts: molora.manifest owns the manifest format (`Bundle`, `read_bundle`, `parse_manifest`, `write_manifest`,
 the ChatML defaults); molora.prompts runs prompts through a loaded model outside the engine (`run_prompt`,
 `generate_batch`, stop ids, per-token adapter traces). Their names are re-exported here, so
 `from molora.bundle import read_bundle, run_prompt` keeps working. Knows nothing of requests or HTTP.

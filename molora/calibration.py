@@ -1,5 +1,5 @@
 """The served hybrid chooser's calibration: what `molora serve ... --router hybrid` computes from the user's base model
-and adapters at start-up, cached on disk so that a restart reads it back (issue 39, the data-free path).
+and adapters at start-up, cached on disk so that a restart reads it back (the data-free path).
 
     chooser = hybrid_chooser(mm, settings)     # a bound molora.routing.hybrid.HybridChooser; settings: HybridSettings
 

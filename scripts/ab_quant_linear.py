@@ -12,7 +12,7 @@ repetition:
 - `torch`: torch's own linear on the plain weight;
 - `int8`: what `--quantization int8` runs (`molora.ops.quant.linear_int8`: weight only, molora's kernels:
   `linear_w8` in float32, `linear_amx_w8` on AMX in bfloat16);
-- `w8a8`: what `--quantization w8a8` runs (`molora.ops.quant.linear_w8a8`: torch._int_mm since stop 47, oneDNN's
+- `w8a8`: what `--quantization w8a8` runs (`molora.ops.quant.linear_w8a8`: torch._int_mm, oneDNN's
   qlinear before; the activations rounded to int8 per token by molora, no smoothing factors: they add one multiply);
 - `int8-wo`: torch's weight-only int8 kernel `torch._weight_int8pack_mm` (int8 weight [N, K], one scale per output
   channel, activations in their own dtype);

@@ -9,7 +9,7 @@ Variants, each on the same random weight (quantized per output channel, molora.o
   torch._int_mm, the int32 sums scaled by molora's kernel (fused_cpu.scale_rows).
 - `w8a8_torch_ops`: the same arithmetic in torch ops (quantize_tokens, torch._int_mm, acc.float() * step * scales):
   what the two kernels replace (equal bit for bit: tests/test_quant.py).
-- `onednn_s8`: what linear_w8a8 ran until stop 47: torch.ops.onednn.qlinear_pointwise on signed int8 activations
+- `onednn_s8`: what linear_w8a8 ran before torch._int_mm: torch.ops.onednn.qlinear_pointwise on signed int8 activations
   (oneDNN's prepacked weight); only at --onednn-rows (default 1 and 16), it is slow where the CPU has no AMX.
 - `fp32_panels`: the float32 GEMM molora runs on unquantized weights (molora.ops.packed panels, linear_panels).
 

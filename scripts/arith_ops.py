@@ -279,8 +279,8 @@ def render_section(after: dict, docs: Path | None = None) -> list[str]:
         f'{after["items"]["n"]} validation items (`docs/arith_val_items.json`, held-out split "val"), answered '
         'by the arithmetic adapter alone; `scripts/arith_ops.py` reads every written step "a op b = c" and '
         "scores it against true arithmetic (how many steps, or items, in brackets). Before: the adapter shipped "
-        "before "
-        f"issue 22 ({after.get('compared_with', '-')}). After: {after.get('adapter', '-')}. The choice was made "
+        "before it "
+        f"({after.get('compared_with', '-')}). After: {after.get('adapter', '-')}. The choice was made "
         "on these items, so they are not a test score; the test score is in the table above.",
         "",
         *lines,

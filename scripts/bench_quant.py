@@ -14,7 +14,7 @@ only when asked for (DEFAULT).
 
 Also per variant: the bytes of the base weights resident after the warm-up (quantized linears, float parameters and
 the copies kept for the kernels: the runner's packed float weights, the int8 layers' float32 scales (w8a8 keeps no
-copy of its weight since stop 47); `molora.model.quant_linear.weight_bytes`) against the GGUF file the default model
+copy of its weight); `molora.model.quant_linear.weight_bytes`) against the GGUF file the default model
 ships as, and the share of greedy tokens equal to fp32's (per request, up to its first differing token, over all
 requests). Ends with one JSON line (also written to --json), with the command line and the load average before
 (machine) and after the timed runs.

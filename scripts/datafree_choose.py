@@ -357,7 +357,7 @@ def _hybrid_section(cols: list[str]) -> list[str]:
         + (
             "was not scored on test."
             if not beats
-            else "was scored on test once (below), the second data-free method scored on test this session (the "
+            else "was scored on test once (below), the second data-free method scored on test (the "
             "first: the confidence chooser above)."
             if Path("docs/datafree_hybrid_prompt.json").is_file()
             else "is the candidate for the test (not scored yet)."

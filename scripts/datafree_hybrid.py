@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         "learned": conf_rec["learned"],
         "beats_confidence_chosen": best["skills_mean"] > conf_rec["chosen"]["skills_mean"] and best["general"] >= 95,
         "test_policy": "scored on test (scripts/gates_eval.py --hybrid) only if it beats the confidence chooser's "
-        "validation skills mean at >= 95% general; that test is the second data-free method scored on test this "
-        "session (the first: the confidence chooser, docs/datafree_prompt.json)",
+        "validation skills mean at >= 95% general; that test is the second data-free method scored on test "
+        "(the first: the confidence chooser, docs/datafree_prompt.json)",
         "seconds": round(time.time() - t0, 1),
     }
     Path(a.json).write_text(json.dumps(rec, indent=1) + "\n")

@@ -1,4 +1,4 @@
-"""One prepared device check for issue 17: the GPU path of molora, measured in one run that prints one JSON line.
+"""One prepared device check: the GPU path of molora, measured in one run that prints one JSON line.
 
     python scripts/gpu_check.py [--json OUT]            # a CUDA machine: under 8 minutes
     python scripts/gpu_check.py --dry-run               # tiny shapes on the CPU, under a minute (plumbing only)
@@ -21,7 +21,7 @@ reported (an error is recorded in the JSON, never hidden, and the rest still run
   engine      Engine.generate vs transformers (the same per-token VocabRouter routing through MoLoRAModel's
               forward, static batch; and plain `model.generate` without adapters) at 64 concurrent sequences
 
-Goals of issue 17 are checked in "goals" from the figures above (null where a figure is missing). Without CUDA
+The GPU goals are checked in "goals" from the figures above (null where a figure is missing). Without CUDA
 (and without --dry-run / --device cpu) it exits with status 2 and says why.
 """
 
@@ -455,7 +455,7 @@ def check_engine(device: Any, shape: dict, K: int, seqs: int, prompt_len: int, n
 
 
 def goals(out: dict) -> dict:
-    """Issue 17's goals from the measured figures (None where the figure is missing)."""
+    """The GPU goals from the measured figures (None where the figure is missing)."""
     disp = [r for r in out.get("dispatch") or [] if r.get("K") == 4 and r.get("T", 0) >= 256 and "ms" in r]
     worst = max((r["triton_vs_single"] for r in disp if "triton_vs_single" in r), default=None)
     eng = out.get("engine") or {}
@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     dry = a.dry_run or a.device == "cpu"
     if dry:
         a.device = "cpu"
-        # triton's CPU interpreter; set before triton is first imported (its own helpers are decorated then)
+        # triton's CPU interpreter; set before triton is first imported (its own functions are decorated then)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 

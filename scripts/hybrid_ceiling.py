@@ -3,7 +3,7 @@
     .venv/bin/python scripts/hybrid_ceiling.py --cache runs/hybrid_cache400 --json docs/hybrid_ceiling.json \
         [--n 100] [--n-val 40] [--n-general 60] [--threads 2]
 
-Issue 39 asks data-free routing for scores within 10 points of the learned router on every skill while >= 95% of
+The data-free goal asks for scores within 10 points of the learned router on every skill while >= 95% of
 general prompts keep the base model's answer. The served hybrid (`molora serve --router hybrid`, molora.routing.hybrid)
 sends a prompt away from the base model when Arrow's claimed share reaches prompt_share or the top confidence z
 reaches z_or, to the adapter of the top z. This script asks the chooser for its two signals on every prompt (no
@@ -190,7 +190,7 @@ if __name__ == "__main__":
 
 def render_section(rec: dict) -> list[str]:
     """docs/results.md's section on this record: each split's served and best rules, the signals' AUCs, and what
-    they say of issue 39's 10-point goal."""
+    they say of the data-free 10-point goal."""
     m, test = rec["machine"], rec["test_split"]
     sp = rec["splits"]
     tasks = list(sp["val"]["served_rule"]["skills"])
@@ -245,7 +245,8 @@ def render_section(rec: dict) -> list[str]:
                 f"Reading: even the rule chosen on {test}'s own items leaves "
                 + ", ".join(f"{t} {g:+.1f}" for t, g in short.items())
                 + " points against the learned router's accuracy (a ceiling: an adapter sent its items may still "
-                "answer wrong), so no threshold on these two signals meets issue 39's within-10-points goal there."
+                "answer wrong), so no threshold on these two signals meets the data-free goal (within 10 points of the "
+                "learned router) there."
             )
             if short
             else f"Reading: the rule chosen on {test}'s own items is within 10 points of the learned router on "

@@ -3,7 +3,7 @@
     PYTHONPATH=. python scripts/kernel_keep.py --repeats 5 --threads 2 --dtype fp32 [--json docs/kernel_keep_fp32.json]
     PYTHONPATH=. python scripts/kernel_keep.py --quantization int8 --dtype bf16 --arms w8   # the int8 kernels' knob
 
-Issue 36's rule: keep a kernel of our own only where it beats what a maintained library gives through torch by >= 1.15x
+The keep rule: keep a kernel of our own only where it beats what a maintained library gives through torch by >= 1.15x
 on the engine bench, measured side by side. One worker process per arm (scripts/ab_engine_trees.py's worker:
 SmolLM2-135M, 4 random-weight adapters r=16, a VocabRouter over 4 ranges, fixed seeds), all on this checkout, each with
 MOLORA_KERNELS_OFF naming what it turns off (molora.ops.kernel_build.FAMILIES says what runs in each family's place;

@@ -46,7 +46,7 @@ from molora.docblock import markers, replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ("ops", "ops_grid", "model", "hotset", "engine", "engine_mixed", "serve")
-OPS_SINGLE_GOAL, OPS_KPASS_GOAL = 1.3, 3  # issue 7, per linear at K=4, T >= 512: time / single, K-pass / time
+OPS_SINGLE_GOAL, OPS_KPASS_GOAL = 1.3, 3  # per linear at K=4, T >= 512: time / single, K-pass / time
 
 
 def bench_args(what: str, quick: bool, threads: int, work: Path, docs: Path) -> list[str]:
@@ -188,7 +188,7 @@ def commands_section(records: dict[str, dict], script_cmd: str) -> list[str]:
 
 def goals_section(records: dict[str, dict]) -> list[str]:
     lines = [
-        "## Goals (issue 7)",
+        "## Goals",
         "",
         "Each ratio is the median over the repetitions of the two times taken side by side in that repetition "
         "(interquartile range in brackets), then the ratio of the two medians and of the two minima. met? "
@@ -721,7 +721,7 @@ def hotset_traffic_section(docs: Path) -> list[str]:
         ]
     return lines + [
         "",
-        "Goals (issue 37): many / one ≥ 0.85; cold TTFT ≤ 1.5 × warm; a warm request's ITL rises "
+        "Goals: many / one ≥ 0.85; cold TTFT ≤ 1.5 × warm; a warm request's ITL rises "
         "by at most one step while adapters load. Each figure is the median over the repetitions of each run's "
         "own figure (cold / warm: of each run's ratio; memory: the highest peak); the record holds every run and "
         "the memory samples. × one, CPU time: the ratio of output tokens per second of the process's CPU time, "
@@ -1011,14 +1011,14 @@ def readme_goals(g: dict[str, dict]) -> list[str]:
     if all(ok for _, row in judged for ok in row["met"].values()):
         paths = dict.fromkeys(p for _, row in judged for p in row["met"])
         return [
-            "- **Goals met** (issue 7, on the paired medians: "
+            "- **Goals met** (on the paired medians: "
             + ", ".join(f"{lab} ≤ {row['limit']}×" for lab, row in judged)
             + ") by "
             + " and ".join(PATH_NAMES.get(p, p) for p in paths)
             + "."
         ]
     return [
-        "- **Goals** (issue 7, on the paired medians): "
+        "- **Goals** (on the paired medians): "
         + "; ".join(
             f"{lab} ≤ {row['limit']}×: "
             + ", ".join(f"{PATH_NAMES.get(p, p)} {'met' if ok else '**not met**'}" for p, ok in row["met"].items())
@@ -1105,7 +1105,7 @@ def readme_ops(records: dict[str, dict]) -> list[str]:
         lab = auto_label(g)
         dims = ", ".join(f"{k} {min(r[k] for r in g)}–{max(r[k] for r in g)}" for k in ("T", "K", "r"))
         line += (
-            f" Over the issue's whole grid ({dims}; {len(g)} shapes, "
+            f" Over the whole grid ({dims}; {len(g)} shapes, "
             f"{records['ops_grid']['result']['repeats']} repetitions) {lab} costs "
             f"{_span([r['paired_vs_single']['auto'][0] for r in g if r['T'] >= 512])}× one adapter at T ≥ 512 "
             f"and {_span([r['paired_vs_single']['auto'][0] for r in g if r['T'] < 512])}× below, and is "

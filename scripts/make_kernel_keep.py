@@ -4,7 +4,7 @@
 
 The records come from `scripts/kernel_keep.py --dtype fp32|bf16 --json docs/kernel_keep_<dtype>.json` (the engine
 bench with each C++ kernel family turned off, paired in one run; `--quantization int8 --arms w8 --json
-docs/kernel_keep_w8_<dtype>.json`: the int8 kernels on an int8 base). `verdicts` applies issue 36's rule to them: a
+docs/kernel_keep_w8_<dtype>.json`: the int8 kernels on an int8 base). `verdicts` applies the keep rule to them: a
 family stays where turning it off makes some engine-bench workload at least `keep_at` (1.15x) slower in some dtype.
 This script measures nothing.
 """
@@ -66,7 +66,7 @@ def section(docs: Path) -> list[str]:
         f"process per arm, asked in turn, order rotated, {first['repeats']} repetitions; the cell is the median "
         "of the paired ratio (time with the family off / with every kernel on), quartiles in brackets. lora, "
         "glue and paged run inside the one-call block, so turning one off also turns the block off. **none**: "
-        "every kernel off (torch ops, MKL's packed sgemm, the eager LoRA backends). Issue 36's rule: a family "
+        "every kernel off (torch ops, MKL's packed sgemm, the eager LoRA backends). The keep rule: a family "
         "stays where some workload runs at least 1.15x slower without it. "
         f"CPU: {m['cpu']}, {m['cores']} cores, {m['threads']} threads; "
         + "; ".join(

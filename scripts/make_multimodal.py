@@ -1,4 +1,4 @@
-"""Measure vocabulary routing on the early-fusion digits bundle and render its docs (issue 20).
+"""Measure vocabulary routing on the early-fusion digits bundle and render its docs.
 
     .venv/bin/python scripts/make_multimodal.py [--bundle DIR] [--n 100] [--reps 5]
     .venv/bin/python scripts/make_multimodal.py --render-only      # README block from docs/multimodal.json

@@ -55,7 +55,7 @@ def files_table(rec: dict) -> list[str]:
     return out
 
 
-# The records: (file, title, how molora's weights were counted). The first two (stop 47) with the prefix cache off on
+# The records: (file, title, how molora's weights were counted). The first two with the prefix cache off on
 # molora's side and w8a8 on torch._int_mm, llama.cpp's repacked layouts off and on; the next two with the weight-only
 # int8 and the honest weight count (every resident copy), at 1 and 2 threads; the last when int8 meant W8A8 (now
 # `w8a8`) and the weights counted were the model's tensors only. All but the first two timed molora with its prefix
@@ -63,17 +63,17 @@ def files_table(rec: dict) -> list[str]:
 RECORDS = (
     (
         "peer_llamacpp_qhead.json",
-        "prefix cache off, int8 with its LM head in int8 too (int8-qhead) beside int8 (stop 48)",
+        "prefix cache off, int8 with its LM head in int8 too (int8-qhead) beside int8",
         "molora's weights: every resident copy (the model's, the packed kernel copies)",
     ),
     (
         "peer_llamacpp_nocache.json",
-        "prefix cache off, w8a8 on torch._int_mm (stop 47)",
+        "prefix cache off, w8a8 on torch._int_mm",
         "molora's weights: every resident copy (the model's, the packed kernel copies)",
     ),
     (
         "peer_llamacpp_nocache_repack.json",
-        "prefix cache off, llama.cpp's repacked layouts on (stop 47)",
+        "prefix cache off, llama.cpp's repacked layouts on",
         "molora's weights: every resident copy (the model's, the packed kernel copies)",
     ),
     (

@@ -77,7 +77,7 @@ def section(docs: Path) -> list[str]:
         f"with other work (load average {m['loadavg_1_5_15']} at the engine run), {m['threads']} thread(s): read "
         f"the ratios, not the absolute figures. {eng.get('schemes', OLD_SCHEMES)} Records: "
         "`scripts/bench_quant.py --json docs/quant.json`, `scripts/ab_quant_linear.py --json "
-        "docs/quant_linear.json`; rendered by `scripts/make_quant.py`. The engine records made before stop 47 "
+        "docs/quant_linear.json`; rendered by `scripts/make_quant.py`. The older engine records "
         "(all but docs/quant_w8a8_*.json) timed repetitions of the same prompts with the engine's prefix cache on, "
         "so a repetition skipped up to three quarters of its prefill (molora.bench.engine.bench_config); their "
         "ratios compare variants that all had it."
@@ -319,8 +319,8 @@ def keep_lines(docs: Path) -> list[str]:
 
 
 RETENTION_RECORD = "quant_retention_test2.json"  # scripts/quant_retention.py: retention taken apart
-RETENTION_BEFORE = "quant_retention_test2_merged.json"  # the same, before prefill merging went off (stop 48)
-RETENTION_MORE = "quant_retention_test2_int8bf16.json"  # the int8-bf16 variants, same command and prompts (stop 49)
+RETENTION_BEFORE = "quant_retention_test2_merged.json"  # the same, before prefill merging went off
+RETENTION_MORE = "quant_retention_test2_int8bf16.json"  # the int8-bf16 variants, same command and prompts
 
 
 def retention_lines(docs: Path) -> list[str]:
@@ -356,7 +356,7 @@ def _retention_table(r: dict) -> list[str]:
     ]
 
 
-PEER_QHEAD = "peer_llamacpp_qhead.json"  # molora bench peer with int8-qhead (stop 48)
+PEER_QHEAD = "peer_llamacpp_qhead.json"  # molora bench peer with int8-qhead
 
 
 def peer_goal_cell(docs: Path) -> str | None:
@@ -492,8 +492,8 @@ EVAL_RECORDS = (
     ("quant_eval_val_head.json", "val (the LM head: float against int8)", False),
     ("quant_eval_test2.json", "test2 (fresh, larger)", False),
     ("quant_eval_test2_bf16.json", "test2 (fresh, larger; the int8-bf16 variants, a second process)", False),
-    ("quant_eval_val_w8a8_head.json", "val (w8a8 on torch._int_mm, and its LM head in w8a8 too; stop 47)", False),
-    ("quant_eval_test2_w8a8.json", "test2 (fresh, larger; w8a8 on torch._int_mm, stop 47, a third process)", False),
+    ("quant_eval_val_w8a8_head.json", "val (w8a8 on torch._int_mm, and its LM head in w8a8 too)", False),
+    ("quant_eval_test2_w8a8.json", "test2 (fresh, larger; w8a8 on torch._int_mm, a third process)", False),
 )
 
 
@@ -513,20 +513,20 @@ def newest(docs: Path, *names: str) -> tuple[dict, bool] | None:
     return None
 
 
-W8A8_ENGINE = (  # the engine bench for --quantization w8a8 on torch._int_mm (stop 47), prefix cache off
+W8A8_ENGINE = (  # the engine bench for --quantization w8a8 on torch._int_mm, prefix cache off
     ("quant_w8a8_noamx.json", "the engine bench's workload"),
     ("quant_w8a8_noamx_prefill.json", "long prompts, few new tokens (prefill-heavy)"),
     ("quant_w8a8_head_noamx.json", "with the LM head in w8a8 too (w8a8-qhead: memory, not speed)"),
     (
         "quant_w8a8_keepdown_noamx.json",
         "with down_proj in weight-only int8 (w8a8-keepdown, a bench-only variant: the projection behind half of "
-        "w8a8's arithmetic KL on validation, see below; stop 48)",
+        "w8a8's arithmetic KL on validation, see below)",
     ),
 )
 
 
 def w8a8_lines(docs: Path) -> list[str]:
-    """`--quantization w8a8` on torch._int_mm with molora's rounding and scaling kernels (stop 47): the engine bench
+    """`--quantization w8a8` on torch._int_mm with molora's rounding and scaling kernels: the engine bench
     (W8A8_ENGINE) and the linear's A/B (docs/quant_w8a8_kernel.json), where the records exist."""
     out: list[str] = []
     for fname, what in W8A8_ENGINE:
@@ -536,7 +536,7 @@ def w8a8_lines(docs: Path) -> list[str]:
         r = json.loads(path.read_text())
         m = r["machine"]
         out += [
-            f"W8A8 on torch._int_mm (stop 47), {what}, prefix cache off, on {m['cpu']} "
+            f"W8A8 on torch._int_mm, {what}, prefix cache off, on {m['cpu']} "
             f"({', '.join(m['cpu_flags'] + m['int8_flags'])}), load average {m['loadavg_1_5_15']}, "
             f"{m['threads']} thread(s), record docs/{fname} (`{r['command']}`):",
             "",
@@ -632,13 +632,13 @@ def _memory_cell(docs: Path) -> tuple[str, str] | None:
 
 def _peer_cell(docs: Path) -> tuple[str, str] | None:
     """llama.cpp's time over molora's (docs/peer_llamacpp_nocache.json, else the older records) and the int8-qhead
-    peer record with issue 38's goals."""
+    peer record with the peer goals."""
     cells = []
     peer = ("peer_llamacpp_nocache.json", "peer_llamacpp_w8.json", "peer_llamacpp.json")  # newest first
     found = newest(docs, *peer)
     if found:
         r, old = found
-        cached = not (docs / peer[0]).is_file()  # the records before stop 47 timed molora with its prefix cache on
+        cached = not (docs / peer[0]).is_file()  # the older records timed molora with its prefix cache on
         how = "molora's prefix cache on: repetitions partly hit it" if cached else "molora's prefix cache off"
         cells.append(
             f"{r['llama_cpp']['n_threads']} thread(s) on {r['machine']['cpu']}, {how}: "

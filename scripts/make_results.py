@@ -269,7 +269,7 @@ def render_training(training: dict) -> list[str]:
         _table(["adapter", "examples", "epochs", "steps", "tokens", "wall minutes", "CPU-minutes"], rows),
         "",
         "CPU-minutes: the training process's CPU time over all its threads (`cpu_seconds` in the adapter's "
-        "training_stats.json, recorded since issue 22); adapters trained before that record only wall time, "
+        "training_stats.json); adapters trained before it was recorded have only wall time, "
         "on 2 cores shared with other jobs. Goal: each adapter ≤ 60 CPU-minutes.",
         *notes,
         "",
@@ -284,7 +284,7 @@ def _router_settings(bundle: Any) -> dict:
 
 
 def goals(res: dict, cost: dict | None) -> list[dict]:
-    """The goals of issues 15 and 22, each with the measured numbers and met / not met (None: not measured)."""
+    """The quality goals, each with the measured numbers and met / not met (None: not measured)."""
     skills, tasks = res["skills"], res["tasks"]
     out = []
     g = res["general"].get("learned")
@@ -325,7 +325,7 @@ def goals(res: dict, cost: dict | None) -> list[dict]:
     out.append(
         {
             "goal": "learned routing above PaLM 540B with chain of thought on at least three of the four skills "
-            "(synthetic items here; the issue's check is on real BBH items)",
+            "(synthetic items here; the goal's check is on real BBH items)",
             "measured": f"{len(above)} of {len(tasks)}: "
             + ", ".join(f"{t} {skills[t]['learned']['accuracy']:.1f} vs {PALM_540B_COT.get(t, '-')}" for t in tasks),
             "met": len(above) >= 3,
@@ -388,8 +388,9 @@ def render_validation(val: dict) -> list[str]:
         f"validation seeds, {val['n_mixed']} two-skill items, {val['n_general']} general prompts of the "
         "validation split); no test item was read. Step 1 runs the probe alone (forwards, no generation): for "
         "each confidence, the share of each prompt's tokens it gives to adapters, and the prompt_share that "
-        "keeps all but 1% of each skill's prompts routed (per skill since issue 22; pooled over the skills "
-        "before) while keeping as many general prompts as possible on the base (halfway across the gap).",
+        "keeps all but 1% of each skill's prompts routed (per skill; a bound pooled over the skills "
+        "lets one skill lose many times its part) while keeping as many general prompts as possible on the base "
+        "(halfway across the gap).",
         "",
         _table(
             [
@@ -433,8 +434,8 @@ def render_validation(val: dict) -> list[str]:
         pol = ["own", "chosen", "no_probe", "no_carry"]
         out += [
             "Step 2 generates with the chosen settings on the validation items, and re-examines the policy "
-            "choices of earlier sessions (carry over blocks 0-1 and the probe were tuned on the items those "
-            "sessions reported): `no_probe` is learned routing without the probe, `no_carry` without carry "
+            "choices made before (carry over blocks 0-1 and the probe were tuned on the items earlier "
+            "reports used): `no_probe` is learned routing without the probe, `no_carry` without carry "
             "and probe (strict accuracy %).",
             "",
             _table(

@@ -8,7 +8,7 @@ default bundle, the same closed-loop streamed chat work against each, order rota
 measurement of Ray alone:
 
     one_replica          --replicas 1 (--ray-ingress serve: the app as a Serve deployment behind Ray's proxy) at
-                         concurrency 1 and 16: the cost of the extra hops (issue 16's goals: output tokens/s >=
+                         concurrency 1 and 16: the cost of the extra hops (goals: output tokens/s >=
                          0.9x at concurrency 16, added latency <= 15 ms per request at concurrency 1, paired
                          request by request) and whether greedy outputs agree token for token
     one_replica_process  the same with --ray-ingress process (the app in the server's own process, one hop)
@@ -242,7 +242,7 @@ def page_block(records: dict) -> str:
                 f"{_added_ms(row):.1f} ms | {row['same_greedy_outputs']} | "
                 f"{row['errors']['plain']} / {row['errors']['ray']} |"
             )
-    lines += ["", "Issue 16's goals, per ingress:"]
+    lines += ["", "Goals, per ingress:"]
     for ingress, one in ones:
         c1, c16 = _level(one, 1), _level(one, 16)
         equal = all(

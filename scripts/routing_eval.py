@@ -11,7 +11,7 @@ On the embedded default bundle (molora.load(None)):
   as the server does, molora.calibration.hybrid_chooser), one adapter or the base model per request (mode
   "sequence"; a two-skill item: one pick for the whole conversation), and on the two-skill items also per turn
   (hybrid_turn, mode "turn": each turn's own pick);
-- sequence: the learned router's one adapter per request (mode "sequence"), on the two-skill items only: the issue's
+- sequence: the learned router's one adapter per request (mode "sequence"), on the two-skill items only: the
   "one adapter per request" baseline.
 
 Items: --n per skill (molora.eval.heldout; test2 leaves out every val and test item), the first --n-general general
@@ -193,7 +193,7 @@ def _hits(preds: list[dict]) -> str:
 
 
 def _goals(rec: dict) -> str:
-    """Issue 39's goals read off the record: every skill within 10 points of the learned router, >= 95% of general
+    """The data-free goals read off the record: every skill within 10 points of the learned router, >= 95% of general
     prompts answered as the base model answers with none empty, the two-skill items >= one adapter per request + 10
     (per turn, as a served chat turn is chosen)."""
     worst = min(rec["skills"].items(), key=lambda kv: kv[1]["hybrid"]["vs_learned"])
@@ -224,7 +224,7 @@ def render_section(rec: dict) -> list[str]:
         f"{rec['n_general']} general prompts, {rec['n_mixed']} two-skill items; "
         + ("scored once, " if rec["split"].startswith("test") else "")
         + "no setting chosen here. Strict accuracy %; in brackets the paired 95% interval on the difference "
-        "(points). Issue 39's goals on these items: " + _goals(rec) + ".",
+        "(points). The data-free goals on these items: " + _goals(rec) + ".",
         "",
         "| skill | learned | hybrid | hybrid - learned |",
         "|---|---:|---:|---|",

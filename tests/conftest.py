@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random Qwen3 / Llama models and PEFT adapters made by PEFT itself.
 
-Every random tensor a fixture or helper makes is drawn from its own `torch.Generator(seed)` (`gen`), never from the
+Every random tensor a fixture makes is drawn from its own `torch.Generator(seed)` (`gen`), never from the
 process-wide RNG: a model's or an adapter's weights, and so every greedy output the tests compare, are the same
 whichever tests ran before (the suite also runs in a random order in CI, .ci/run). Constructors that draw their
 initial weights from the process RNG (transformers' `from_config`, PEFT's LoRA init) run inside `private_rng()`,

@@ -86,7 +86,7 @@ def test_router_data_always_trains_the_positions_that_pick_each_answers_first_to
     ],
 )
 def test_a_general_prompt_gets_the_base_models_answer(mm, prompt):
-    """The prompts a new user tried first (issue 15): the router keeps them, answer included, on the base."""
+    """The prompts a new user tries first: the router keeps them, answer included, on the base."""
     from molora.routing import SequenceRouter
 
     routed = run_prompt(mm, prompt, max_new_tokens=24, trace=True)

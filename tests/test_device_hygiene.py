@@ -1,4 +1,4 @@
-"""Device hygiene (issue 17): state that must follow `mm.to(device)`, no CPU kernel build for non-CPU tensors, no
+"""Device hygiene: state that must follow `mm.to(device)`, no CPU kernel build for non-CPU tensors, no
 host read of device values inside a step, device-aware bench timing, and the GPU recipe's manifests.
 
 No GPU is needed. A step's host reads are caught on the `meta` device: meta tensors have shapes but no data, so

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py, the prepared device check of issue 17: its CPU dry run goes end to end and reports every
+"""scripts/gpu_check.py, the prepared device check: its CPU dry run goes end to end and reports every
 section honestly; without CUDA the real run refuses with a clear message."""
 
 from __future__ import annotations

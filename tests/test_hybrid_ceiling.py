@@ -1,5 +1,5 @@
 """scripts/hybrid_ceiling.py: the rule family scored on given signals, the oracle's choice, AUC, and the rendered
-reading of issue 39's 10-point goal."""
+reading of the data-free goal (within 10 points of the learned router)."""
 
 from tests.conftest import load_script
 

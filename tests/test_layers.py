@@ -1,4 +1,5 @@
-"""The layering of ../shared/design.md: imports point down only (checked by parsing every module's imports)."""
+"""The layering of the README's "How it is built" table: imports point down only (checked by parsing every
+module's imports), and the table names every package placed here."""
 
 from __future__ import annotations
 

@@ -457,7 +457,7 @@ def test_the_retention_decomposition_says_when_the_loss_is_not_routing(tmp_path)
 
 
 def test_the_peer_goals_are_read_off_the_int8_head_record(tmp_path):
-    """Issue 38's three peer goals together (>= 1.0x llama.cpp without adapters, >= 1.3x with a LoRA, weights within
+    """The three peer goals together (>= 1.0x llama.cpp without adapters, >= 1.3x with a LoRA, weights within
     1.5x of the GGUF's bytes), read per variant of the int8-qhead peer record; each bound is inclusive."""
     import json
 

@@ -20,7 +20,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 REQUIRE_TRITON = os.environ.get("MOLORA_REQUIRE_TRITON") == "1"  # make test-triton: no skip may hide the GPU path
 needs_triton = pytest.mark.skipif(not HAS_TRITON and not REQUIRE_TRITON, reason="triton is not installed")
 if HAS_TRITON and "triton" not in sys.modules:
-    # Triton decorates its own helpers (tl.zeros, ...) for the interpreter only if TRITON_INTERPRET is set when
+    # Triton decorates its own functions (tl.zeros, ...) for the interpreter only if TRITON_INTERPRET is set when
     # triton is first imported; this module is imported at collection, before any test imports triton. Nothing
     # else in molora runs triton on the CPU, so the setting changes no other test.
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,4 +1,4 @@
-"""Shared helpers of the `molora bench` modules: threads, interleaved timing, machine info, the JSON line.
+"""Shared functions of the `molora bench` modules: threads, interleaved timing, machine info, the JSON line.
 
 Every benchmark here follows one recipe (style habit 12): build all variants first, time them
 *interleaved* inside each repetition (so load from other jobs and thermal drift hit every variant alike),
@@ -146,7 +146,7 @@ def time_interleaved(
 ) -> Timing:
     """Time every variant once per repetition, `repeats` times (after `warmup` untimed calls each). The order
     rotates by one variant per repetition (`rotated`), so no variant always runs first (cold caches) or
-    right after a given other one (warm caches from the same kernel, issue 19's `fused` vs `auto`).
+    right after a given other one (warm caches from the same kernel, as `fused` right after `auto`).
 
     reset[name], when given, runs untimed after each call of `name` (e.g. crop a KV cache back). A variant
     in max_repeats is timed only in its first max_repeats[name] repetitions and gets no warm-up call (a

@@ -188,7 +188,7 @@ def decode_steps(
     for i in range(steps):
         for name in rotated(list(engines), i):
             times[name].append(timed_ms(engines[name].step, dev[name]))
-    first = next(iter(engines))  # the routed engine: its decode step's kernel share (issue 19's goal)
+    first = next(iter(engines))  # the routed engine: its decode step's kernel share
     n = max(steps // 2, 1)
     run_n = lambda: [engines[first].step() for _ in range(n)]  # noqa: E731
     with fused_cpu.kernel_clock() as clock:  # n steps timing molora's kernels themselves, no profiler
@@ -233,7 +233,7 @@ def bench_config(requests: int, longest: int) -> EngineConfig:
     of up to 512 tokens, no EOS stop (every request decodes its full count), and no prefix cache: the benches time
     the same prompts repeatedly on one engine, and with the cache on a repetition found most of its prompt blocks
     cached by the one before (768 of 1024 prompt tokens at 16 x 64) and skipped that prefill, which the peers it is
-    compared with (transformers, llama.cpp) do not. Until stop 47 the cache was on here (molora.bench.prefix
+    compared with (transformers, llama.cpp) do not. Older records were made with the cache on (molora.bench.prefix
     measures what it saves)."""
     return EngineConfig(
         max_num_seqs=requests,

@@ -129,7 +129,7 @@ def build_engine(
     max_num_batched_tokens: int | None = None,
 ) -> Any:
     """A fresh engine over a copy of `base` with every adapter registered (read once, then cold or warm); its step
-    budget `max_num_batched_tokens` (None: max(256, 4 x max_num_seqs), the budget before issue 37's chunking)."""
+    budget `max_num_batched_tokens` (None: max(256, 4 x max_num_seqs), the budget before chunked prefill)."""
     import copy
 
     from molora import attach

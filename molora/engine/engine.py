@@ -14,7 +14,7 @@ budget, KV blocks and hot-set slots -> one flattened batch (tokens [T], position
 stop checks and streaming detokenization -> outputs. Finished and aborted requests free their KV blocks
 and adapter pins at once.
 
-The rooms beside this file, each a part of `Engine` with one owner: molora.engine.admission resolves a new
+The modules beside this file, each a part of `Engine` with one owner: molora.engine.admission resolves a new
 request's routing; molora.engine.sampler picks every sampled row's next id (constraints, min_tokens, logprobs);
 molora.engine.faults (`FaultIsolation`) isolates a step that raises and mends corrupt adapter slots;
 molora.engine.runtime_adapters (`RuntimeAdapters`) reads, registers, lists and unloads adapters at run time

@@ -241,7 +241,7 @@ def choose_prompt_share(
     it keeps and the highest general share below that; 0 when that skill share is 0.
 
     skill: one pool of shares, or shares per skill: then the bound holds for every skill on its own (a pooled
-    bound lets the skill with the lowest shares lose many times its part; issue 22: 2 of 50 counting prompts
+    bound lets the skill with the lowest shares lose many times its part: 2 of 50 counting prompts
     fell under a 1% bound pooled over 200)."""
     pools = [list(skill)] if not isinstance(skill, Mapping) else [list(v) for v in skill.values() if v]
     if not pools:

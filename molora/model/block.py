@@ -2,7 +2,7 @@
 weight-only int8 base's kernel, plus the routed LoRA delta) and the block's C++ decode path beside it
 (`Block.run_bound`: the whole block as one call on arguments bound once). The routed linears read the step's routing
 from the model's `RoutingContext`, which the runner writes once per step before the first block; the C++ path gets
-the routing's kernel arguments as an argument (`one_call`). Norm, RoPE and attention helpers used by the runner live
+the routing's kernel arguments as an argument (`one_call`). The norm, RoPE and attention functions the runner calls live
 here too. Legend as in molora.model.runner.
 """
 

@@ -35,12 +35,12 @@ CPU kernels ran far behind the float32 GEMM molora packs (molora.ops.packed) at 
 - **w8a8**: weights *and* activations in 8 bits on torch's int8 GEMM (`linear_w8a8`: `torch._int_mm`, oneDNN's
   s8 x s8 -> s32 matmul, on the int8 rows themselves: no packed copy), the rounding before it and the scaling after
   it each one pass of molora's kernels (csrc/linear_w8a8.cpp: `fused_cpu.quantize_rows`, `scale_rows`; torch's
-  six to eight small ops cost more than the GEMM at a decode step's 16 rows). Until stop 47 it ran on
+  six to eight small ops cost more than the GEMM at a decode step's 16 rows). It does not run on
   `torch.ops.onednn.qlinear_pointwise` with signed int8 activations (what torch's x86 inductor quantization
   calls), which on an AVX512-VNNI CPU without AMX ran oneDNN's slow reference path, hundreds of times slower than
   the float32 GEMM (scripts/ab_w8a8_kernel.py, docs/quant_w8a8_kernel.json). A GEMM of molora's own on
   AVX512-VNNI (vpdpbusd on the row-major weight) was tried on that CPU and ran about half as fast as torch._int_mm,
-  so it was not kept (issue 38's note). Each
+  so it was not kept (no record kept). Each
   activation row rounded symmetrically over its own range (`quantize_tokens`: a row's result depends on that row
   alone), the int32 sums exact, scaled in float32. Rounding activations costs quality on SmolLM2 (outlier channels):
   top-1 agreement with float32 89% on validation text. **SmoothQuant** (`smoothing`) moves range from the

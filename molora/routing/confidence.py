@@ -1,5 +1,5 @@
 """`ConfidenceChooser`: one adapter per request, the adapter that is unusually sure of how to start the answer,
-calibrated on text the base model writes itself; no labelled data (issue 39, the data-free path).
+calibrated on text the base model writes itself; no labelled data (the data-free path).
 
     chooser = ConfidenceChooser.from_pool(names, pool_entropy, z_min=2.0, margin=0.5)   # pool_entropy [N, K]
     chooser.choose_per_request(mm, ["How many ...?"])      # ["counting"], or [None]: the base model answers

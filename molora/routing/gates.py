@@ -1,5 +1,5 @@
 """`GateRouter`: one gate per adapter, each trained alone on its own adapter's prompts against general text,
-deciding at the prompt level; an adapter is added with its gate and no other gate changes (issue 39, Deliver 3).
+deciding at the prompt level; an adapter is added with its gate and no other gate changes.
 
 A gate is a linear score over one block's normed input (the input of the block's attention projections,
 input_layernorm(h), the state Arrow's prompt mode decides from) with its own threshold:

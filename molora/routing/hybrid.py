@@ -1,5 +1,5 @@
 """`HybridChooser`: one adapter (or the base model) per request with no training data, two signals each doing
-what it does well on validation (issue 39): prompt-level Arrow decides *whether* the prompt leaves the base model,
+what it does well on validation: prompt-level Arrow decides *whether* the prompt leaves the base model,
 the confidence chooser decides *which* adapter it goes to.
 
     hybrid = HybridChooser(chooser, arrow_config)            # molora.routing.confidence / molora.routing.arrow

@@ -1,5 +1,5 @@
 """Gates for `molora.routing.gates.GateRouter` with no training data: prompts the base model writes itself,
-labelled by which adapter changes the model's behaviour on them most (issue 39, the data-free path).
+labelled by which adapter changes the model's behaviour on them most (the data-free path).
 
     pool = sample_pool(mm, 2000, seed=0, exclude=eval_inputs)      # user turns the base model writes, deduplicated
     s = sensitivity(mm, pool, block=15)                            # per prompt and adapter: KL(adapter || base)

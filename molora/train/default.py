@@ -68,12 +68,12 @@ class DefaultRecipe:
     lr: float = 1e-3
     epochs: float = 1.0
     # per-adapter passes over the data where they differ from `epochs`, each chosen on validation items
-    # (issue 22: the counting solution that judges every listed item needs more than one pass; arithmetic with its
+    # (the counting solution that judges every listed item needs more than one pass; arithmetic with its
     # sign handling written: 1.5 passes, 20% of 100 validation items against 3% for the 1-pass old-format adapter)
     adapter_epochs: tuple[tuple[str, float], ...] = (("counting", 2.0), ("arithmetic", 1.5))
     # extra single-skill router sequences per skill, its shortest questions (the n shortest of 4n drawn): short
     # counting questions ("I have a fridge, and an oven. How many objects do I have?") read like chat to a router
-    # trained on the usual lengths, which sent them to the base (issue 22)
+    # trained on the usual lengths, which sent them to the base
     router_short: tuple[tuple[str, int], ...] = (("counting", 60),)
     batch_size: int = 16
     seed: int = 0

@@ -2,7 +2,7 @@
 // int8 per row (quantize_rows_), and scaling the int32 sums back (scale_rows_). Each is one pass where torch took six
 // to eight ops: at a decode step's 16 rows, the ops' overhead cost more than the GEMM itself (docs/quant_w8a8_kernel.json).
 // A GEMM of our own on AVX512-VNNI (vpdpbusd on the row-major weight) was tried on an AVX512-VNNI CPU without AMX
-// and ran about half as fast as torch._int_mm (issue 38's note, stop 47: no record kept), so the GEMM stays torch's.
+// and ran about half as fast as torch._int_mm (no record kept), so the GEMM stays torch's.
 #include "common.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
