@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from molora.errors import MoLoRAError
@@ -22,6 +23,12 @@ LLAMA_PROJECTIONS: tuple[str, ...] = (
     "up_proj",
     "down_proj",
 )
+
+
+# the bounds an adapter config must keep: a rank no linear reaches, and a scaling (alpha / r) far above what
+# training uses (PEFT's defaults give 1-2; rsLoRA with a large alpha, tens) but below where it only overflows
+MAX_LORA_RANK = 65536
+MAX_LORA_SCALE = 1024.0
 
 
 @dataclass(frozen=True)
@@ -43,10 +50,42 @@ class AdapterConfig:
     layers_to_transform: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.r <= 0:
-            raise MoLoRAError(f"LoRA rank r={self.r} must be positive")
+        if not 0 < self.r <= MAX_LORA_RANK:
+            raise MoLoRAError(f"LoRA rank r={self.r} must lie in [1, {MAX_LORA_RANK}]")
         if not self.target_modules:
             raise MoLoRAError("target_modules is empty: name at least one module (e.g. ['q_proj', 'v_proj'])")
+        for key, r in self.rank_pattern.items():
+            if not 0 < r <= MAX_LORA_RANK:
+                raise MoLoRAError(f"rank_pattern[{key!r}]={r} must lie in [1, {MAX_LORA_RANK}]")
+        for label, alpha in [
+            ("lora_alpha", self.lora_alpha),
+            *((f"alpha_pattern[{k!r}]", a) for k, a in self.alpha_pattern.items()),
+        ]:
+            if not math.isfinite(alpha):
+                raise MoLoRAError(f"{label}={alpha} is not a finite number")
+        for label, pattern in [
+            ("target_modules", self.target_modules),
+            *(
+                (f"{which} key", k)
+                for which, d in (("rank_pattern", self.rank_pattern), ("alpha_pattern", self.alpha_pattern))
+                for k in d
+            ),
+        ]:
+            if isinstance(pattern, str):
+                try:
+                    re.compile(pattern)
+                except (re.error, RecursionError, OverflowError) as e:
+                    raise MoLoRAError(f"{label} {pattern[:100]!r} is not a valid regular expression ({e})") from e
+        # the largest scaling any module can get: the largest |alpha| over the smallest rank the config names
+        alpha = max(abs(a) for a in (self.lora_alpha, *self.alpha_pattern.values()))
+        r = min((self.r, *self.rank_pattern.values()))
+        scale = alpha / (math.sqrt(r) if self.use_rslora else r)
+        if scale > MAX_LORA_SCALE:
+            raise MoLoRAError(
+                f"LoRA scaling lora_alpha / {'sqrt(r)' if self.use_rslora else 'r'} reaches {alpha:g} / "
+                f"{f'sqrt({r})' if self.use_rslora else r} = {scale:g}, over {MAX_LORA_SCALE:g}: such a delta "
+                "would swamp the base model (check lora_alpha, r and their patterns)"
+            )
 
     def rank_and_alpha(self, module: str) -> tuple[int, float]:
         """The (r, alpha) PEFT uses for `module` once rank/alpha patterns are applied."""
@@ -93,6 +132,14 @@ class SamplingParams:
     sampling, also with ignore_eos) and the text they make is not searched for stop strings, so the earliest
     stop is token N+1; max_new_tokens still ends the request. Benchmarks use ignore_eos=True (or
     min_tokens=max_new_tokens) to generate exactly max_new_tokens tokens.
+
+    The logit knobs follow OpenAI and vLLM, applied to the raw logits in this order (molora.sampling.adjust_logits_rows):
+    logit_bias {id: bias in [-100, 100]} is added; bad_words_ids (token-id sequences, vLLM's bad_words once
+    tokenized) ban a sequence's last id when the generated ids end with the rest of it (a one-id sequence is always
+    banned); repetition_penalty (> 0, 1 = off) divides the positive logits and multiplies the negative ones of every
+    id seen in the prompt or the output; then logits[t] -= frequency_penalty * count[t] + presence_penalty *
+    (count[t] > 0), count[t] being how often t was generated so far (both in [-2, 2]). Temperature comes next, then
+    min_p ([0, 1], 0 = off: drops the ids whose probability is below min_p times the top one's), top_k and top_p.
     """
 
     max_new_tokens: int = 64
@@ -105,10 +152,24 @@ class SamplingParams:
     logprobs: int = 0
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # None: the prompt is not scored; N >= 0: RequestOutput.prompt_logprobs holds every prompt token's logprob
+    # (the first's None) with the top N alternatives, under the request's routing (molora.engine.engine)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise MoLoRAError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        if self.max_new_tokens < 0:
+            raise MoLoRAError(
+                f"max_new_tokens={self.max_new_tokens} must be >= 0 (0: the request ends after its prompt, "
+                "which is useful with prompt_logprobs)"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise MoLoRAError(f"prompt_logprobs={self.prompt_logprobs} must lie in [0, 20] (or None: off)")
         if self.temperature < 0:
             raise MoLoRAError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
@@ -124,7 +185,51 @@ class SamplingParams:
                 f"min_tokens={self.min_tokens} exceeds max_new_tokens={self.max_new_tokens}; "
                 "lower min_tokens or raise max_new_tokens"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise MoLoRAError(f"{name}={getattr(self, name)} must lie in [-2, 2] (0 = off)")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise MoLoRAError(
+                f"repetition_penalty={self.repetition_penalty} must be a positive finite number "
+                "(1 = off, above 1 discourages repeats)"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise MoLoRAError(f"min_p={self.min_p} must lie in [0, 1] (0 = off)")
+        self._check_logit_bias()
+        self._check_bad_words()
+
+    def _check_logit_bias(self) -> None:
+        for token, bias in self.logit_bias.items():
+            if not _is_token_id(token):
+                raise MoLoRAError(f"logit_bias key {token!r} is not a token id (an int >= 0)")
+            if not -100.0 <= bias <= 100.0:
+                raise MoLoRAError(f"logit_bias[{token}]={bias} must lie in [-100, 100]")
+
+    def _check_bad_words(self) -> None:
+        words = tuple(tuple(word) for word in self.bad_words_ids)
+        for word in words:
+            if not word or not all(_is_token_id(t) for t in word):
+                raise MoLoRAError(
+                    f"bad_words_ids entry {list(word)} must be a non-empty sequence of token ids (ints >= 0)"
+                )
+        object.__setattr__(self, "bad_words_ids", words)  # lists from a caller become the declared tuples
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when a knob changes the raw logits (logit_bias, bad_words_ids or a penalty): the sampler then
+        works on an adjusted copy of this request's row; rows of requests without any skip that work."""
+        return bool(
+            self.logit_bias
+            or self.bad_words_ids
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -22,11 +22,39 @@ import re
 from typing import Any
 
 # what xgrammar 0.2.9 accepts in a schema but does not enforce (probed: a violating instance passes the matcher):
-# an answer may break these. `strict` specs with any of them are refused instead (`unenforced`).
-# what xgrammar 0.2.9 accepts in a schema but does not enforce (probed: a violating instance passes the matcher):
 # an answer may break these. `strict` specs with any of them are refused instead (`unenforced`). An if/then/else
 # that `split_conditional` rewrites is enforced.
 UNENFORCED = ("uniqueItems", "if", "then", "else", "not", "dependentRequired", "dependentSchemas")
+
+
+REF_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
+def external_refs(schema: Any, path: str = "") -> list[str]:
+    """Every reference in `schema` that points outside the document ("path: $ref 'value'"), in document order. A
+    reference inside it is "#" or starts with "#/" (a JSON pointer); anything else (a file, a URL, a name resolved
+    against an `$id`) would make a validator fetch it, and the grammar engine reads only in-document pointers
+    (it turns any other reference into "any value"). Values under enum/const/default/examples are data, not
+    schemas, and are not searched."""
+    out: list[str] = []
+    if isinstance(schema, dict):
+        for k, v in schema.items():
+            if k in REF_KEYWORDS:
+                if not (isinstance(v, str) and (v == "#" or v.startswith("#/"))):
+                    out.append(f"{path or '(top level)'}: {k} {v!r}"[:300])
+            elif k in _NAMED_SCHEMAS and isinstance(v, dict):  # keys are names (a property may be called "$ref")
+                for name, sub in v.items():
+                    out += external_refs(sub, f"{path}/{k}/{name}")
+            elif k not in _DATA_KEYWORDS:
+                out += external_refs(v, f"{path}/{k}")
+    elif isinstance(schema, list):
+        for i, v in enumerate(schema):
+            out += external_refs(v, f"{path}/{i}")
+    return out
+
+
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def unenforced(schema: Any, path: str = "") -> list[str]:

@@ -5,7 +5,7 @@ for one tokenizer into a `GrammarConstraint` (a `molora.sampling.Constraint`: on
     constraint = compiler.compile(StructuredSpec("json_schema", json.dumps(schema)))   # cached by spec
     engine.add_request(prompt_ids, params, constraint=constraint)
 
-The grammar engine is xgrammar, chosen by measurement (scripts/choose_grammar_engine.py, docs/serving.md):
+The grammar engine is xgrammar, chosen by measurement (experiments/choose_grammar_engine.py, docs/serving.md):
 on real-world schemas it accepted the most (26 of 27 validation schemas, against 25 for llguidance and
 outlines-core), filled the masks of a 32-row decode step fastest on this CPU, and takes a transformers
 tokenizer as it is. JSON is generated compact (no free whitespace: a small model given free whitespace may
@@ -19,6 +19,7 @@ Knows the tokenizer and the grammar engine; nothing of HTTP, requests or routing
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -32,17 +33,27 @@ import torch
 
 from molora.errors import MoLoRAError
 from molora.sampling import Constraint, ConstraintState
-from molora.schema_rules import UNENFORCED, engine_pattern, engine_schema, split_conditional, unenforced
+from molora.schema_rules import (
+    UNENFORCED,
+    engine_pattern,
+    engine_schema,
+    external_refs,
+    split_conditional,
+    unenforced,
+)
 
 __all__ = [  # the schema rules are re-exported: callers import them from here
+    "INSTALL_HINT",
     "UNENFORCED",
     "GrammarConstraint",
+    "GrammarEngineMissing",
     "Limits",
     "StructuredCompiler",
     "StructuredOutputError",
     "StructuredSpec",
     "engine_pattern",
     "engine_schema",
+    "external_refs",
     "split_conditional",
     "unenforced",
 ]
@@ -53,6 +64,13 @@ KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "gram
 
 class StructuredOutputError(MoLoRAError):
     """A structured-output spec that is too large, malformed, or that the grammar engine cannot compile."""
+
+
+class GrammarEngineMissing(StructuredOutputError):
+    """xgrammar (and jsonschema) are not installed: no spec can be compiled."""
+
+
+INSTALL_HINT = "pip install 'molora[structured]'"  # xgrammar and jsonschema (pyproject.toml's structured extra)
 
 
 @dataclass(frozen=True)
@@ -184,7 +202,13 @@ class StructuredCompiler:
         limits: Limits = Limits(),
         cache_size: int = 256,
     ) -> None:
-        import xgrammar as xgr
+        try:
+            import xgrammar as xgr
+        except ImportError as e:
+            raise GrammarEngineMissing(
+                f"structured output (response_format, structured_outputs, guided_*, tool_choice required or named) "
+                f"needs the grammar engine, which is not installed ({e}): {INSTALL_HINT}"
+            ) from e
 
         self.xgr, self.limits, self.cache_size = xgr, limits, cache_size
         stops = sorted({int(t) for t in stop_token_ids}) or None
@@ -238,6 +262,13 @@ class StructuredCompiler:
             schema = json.loads(spec.text)
             if not isinstance(schema, (dict, bool)):
                 raise StructuredOutputError(f"the JSON schema must be an object, not {type(schema).__name__}")
+            outside = external_refs(schema)
+            if outside:
+                raise StructuredOutputError(
+                    f"the JSON schema refers outside itself ({'; '.join(outside[:3])}); molora never fetches a "
+                    "schema from a file or URL: put the referenced schema under $defs and refer to it as "
+                    "#/$defs/NAME"
+                )
             _check_schema(schema)
             loose = unenforced(schema) if spec.strict else []
             if loose:
@@ -269,14 +300,34 @@ class StructuredCompiler:
 
 
 def _violation(schema: Any, value: Any) -> str | None:
-    """The first way `value` breaks `schema` ("at path: message", jsonschema's best match), None if it does not."""
+    """The first way `value` breaks `schema` ("at path: message", jsonschema's best match), None if it does not.
+    The validator resolves references only inside the schema: its registry refuses every retrieval (jsonschema
+    would otherwise open a `file:` or `http:` reference itself). `check` refuses such schemas before compiling;
+    this is the second line."""
     import jsonschema
+    import referencing.exceptions
 
-    error = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(schema)(schema).iter_errors(value))
+    validator = jsonschema.validators.validator_for(schema)(schema, registry=_closed_registry())
+    try:
+        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    except (referencing.exceptions.Unresolvable, RecursionError) as e:
+        return f"the answer could not be checked against the schema ({type(e).__name__}: {str(e)[:200]})"
     if error is None:
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
     return f"the answer breaks the schema at {where} ({error.validator}): {error.message[:200]}"
+
+
+def _refuse_retrieval(uri: str) -> Any:
+    raise StructuredOutputError(f"schema reference {uri[:200]!r} is outside the schema; nothing is fetched")
+
+
+@functools.cache
+def _closed_registry() -> Any:
+    """A referencing registry that holds nothing and retrieves nothing (immutable: one serves every validator)."""
+    import referencing
+
+    return referencing.Registry(retrieve=_refuse_retrieval)
 
 
 def _check_schema(schema: dict | bool) -> None:

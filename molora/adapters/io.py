@@ -15,6 +15,7 @@ the resolved paths. Reading touches no shared state: it is safe on any thread (t
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from molora.config import AdapterConfig
-from molora.errors import AdapterError
+from molora.errors import AdapterError, MoLoRAError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -114,6 +115,8 @@ def read_adapter_config(
         raise AdapterError(f"{who}: missing; a PEFT LoRA folder needs {CONFIG_FILE}") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterError(f"{who}: not valid JSON ({e})") from e
+    except RecursionError as e:
+        raise AdapterError(f"{who}: nested too deeply to be an adapter config") from e
     if not isinstance(raw, dict):
         raise AdapterError(f"{who}: expected a JSON object, got {type(raw).__name__}")
     _refuse_unsupported(raw, who)
@@ -136,7 +139,7 @@ def read_adapter_config(
             alpha_pattern={str(k): float(v) for k, v in (raw.get("alpha_pattern") or {}).items()},
             layers_to_transform=tuple(layers) if layers else None,
         )
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError, AttributeError, MoLoRAError) as e:
         raise AdapterError(f"{who}: bad value ({e})") from e
 
 
@@ -187,13 +190,16 @@ def read_adapter(
     name: str | None = None,
     base_name: str | None = None,
     roots: Sequence[str | Path] | None = None,
+    base_norms: Mapping[str, float] | None = None,
 ) -> LoRAAdapter:
     """Read and validate a PEFT LoRA folder against the base model.
 
     module_shapes maps each linear of the base model (module path, e.g. `model.layers.0.self_attn.q_proj`)
     to its `(d_out, d_in)`. base_name, when given, must match the adapter's `base_model_name_or_path`
     (compared by their last path component, case-insensitively). roots, when given, confine every file read
-    (module docstring: Confinement); the adapter remembers them for later re-reads.
+    (module docstring: Confinement); the adapter remembers them for later re-reads. base_norms, when given, maps
+    module paths to the Frobenius norm of the base weight: a module whose delta `scale * B @ A` is more than
+    MAX_DELTA_RATIO times that norm is refused (`delta_norm_ratio`).
     """
     folder = Path(path)
     name = name or folder.name
@@ -215,7 +221,9 @@ def read_adapter(
     except (SafetensorError, OSError, RuntimeError) as e:
         raise AdapterError(f"{who}: cannot read safetensors file ({e})") from e
     pairs, unexpected = _pair_keys(tensors)
-    missing = sorted(_expected_modules(cfg, module_shapes) - set(pairs))
+    expected = _expected_modules(cfg, module_shapes)
+    missing = sorted(expected - set(pairs))
+    untargeted = sorted(m for m in pairs if m in module_shapes and m not in expected)
     half = sorted(m for m, (a, b) in pairs.items() if a is None or b is None)
     unknown = sorted(m for m in pairs if m not in module_shapes)
     problems = []
@@ -227,11 +235,19 @@ def read_adapter(
         problems.append(f"modules not found among the base model's linears {unknown[:8]}")
     if missing:
         problems.append(f"missing keys for target modules {missing[:8]}{' …' if len(missing) > 8 else ''}")
+    if untargeted:
+        problems.append(
+            f"weights for modules {untargeted[:8]}{' …' if len(untargeted) > 8 else ''} that target_modules "
+            f"{cfg.target_modules!r} (with layers_to_transform {cfg.layers_to_transform}) does not name; the config "
+            "and the weights must agree"
+        )
     if problems:
         raise AdapterError(f"{who}: " + "; ".join(problems))
     if not pairs:
         raise AdapterError(f"{who}: holds no lora_A/lora_B weights")
     modules = {m: _module_lora(cfg, m, a, b, module_shapes[m], who) for m, (a, b) in sorted(pairs.items())}
+    if base_norms is not None:
+        _check_magnitude(modules, base_norms, who)
     return LoRAAdapter(name=name, path=folder, config=cfg, modules=modules, roots=roots)
 
 
@@ -312,6 +328,40 @@ def _module_lora(
     if cfg_r != r:
         raise AdapterError(f"{who}: module {module}: weights have rank {r} but the config says r={cfg_r}")
     return ModuleLoRA(A=A, B=B, scale=cfg.scaling(module, r))
+
+
+# A trained LoRA changes its base weight by a small fraction: the default bundle's adapters reach 0.032 of a base
+# linear's Frobenius norm, median about 0.008 (docs/adapter_magnitude.json, experiments/adapter_magnitude.py). A
+# delta a hundred times the base weight is no fine-tune: it swamps the model and, scaled further, overflows the
+# activations into non-finite logits, so such adapters are refused when they load.
+MAX_DELTA_RATIO = 100.0
+
+
+def delta_norm(m: ModuleLoRA) -> float:
+    """||scale * B @ A||_F, exactly, without forming the [d_out, d_in] product: ||BA||_F^2 = sum((B^T B) * (A A^T))
+    over r x r matrices, in float64 so that huge weights report a huge norm instead of overflowing."""
+    a, b = m.A.double(), m.B.double()
+    sq = float(((b.T @ b) * (a @ a.T)).sum())
+    return abs(m.scale) * math.sqrt(sq) if math.isfinite(sq) and sq >= 0 else math.inf
+
+
+def delta_norm_ratio(adapter: LoRAAdapter, base_norms: Mapping[str, float]) -> dict[str, float]:
+    """{module: ||delta||_F / ||W||_F} for the adapter's modules whose base norm is known and non-zero."""
+    return {m: delta_norm(lora) / base_norms[m] for m, lora in adapter.modules.items() if base_norms.get(m, 0.0) > 0.0}
+
+
+def _check_magnitude(modules: Mapping[str, ModuleLoRA], base_norms: Mapping[str, float], who: str) -> None:
+    for m, lora in modules.items():
+        base = base_norms.get(m, 0.0)
+        if base <= 0.0:
+            continue
+        ratio = delta_norm(lora) / base
+        if not ratio <= MAX_DELTA_RATIO:
+            raise AdapterError(
+                f"{who}: module {m}: the delta scale * B @ A has {ratio:.3g} times the Frobenius norm of the base "
+                f"weight (at most {MAX_DELTA_RATIO:g} is served; trained adapters stay far below 1); its weights or "
+                "lora_alpha are not those of a fine-tune of this model"
+            )
 
 
 # --------------------------------------------------------------------------------------------- writing

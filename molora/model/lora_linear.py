@@ -277,6 +277,25 @@ def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     }
 
 
+def linear_norms(model: nn.Module) -> dict[str, float]:
+    """Module path -> Frobenius norm of the base weight of every linear of `model` (a quantized base: of its
+    dequantized weight), what an adapter's delta is measured against when it loads
+    (molora.adapters.io.MAX_DELTA_RATIO)."""
+    out = {}
+    wrapped = {id(m._modules.get("qbase")) for m in model.modules() if isinstance(m, RoutedLoRALinear)}
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if id(m) in wrapped:
+                continue
+            if isinstance(m, RoutedLoRALinear):
+                m = m.qbase if m.weight is None else m
+            if isinstance(m, QuantizedLinear):
+                out[name] = float(m.dequantized().float().norm())
+            elif isinstance(m, (nn.Linear, RoutedLoRALinear)) and m.weight is not None:
+                out[name] = float(m.weight.float().norm())
+    return out
+
+
 def swap_modules(model: nn.Module, names: Iterable[str], make: Callable[[str, nn.Module], nn.Module]) -> list[str]:
     """Replace each named submodule by `make(name, old)`; return the names replaced, in order."""
     replaced = []
