@@ -138,6 +138,19 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         help="/health turns 503 when the engine is busy this long without a step (default 30)",
     )
     p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (vLLM\'s flag): the answer is parsed for tool calls by --tool-call-parser; without '
+        'it, "auto" is refused (400) and "required" or a named function still work (grammar-enforced)',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how tool_choice auto reads calls: hermes (<tool_call>{json}</tool_call>, the default) or json (the "
+        "whole answer is a call or a list of calls); molora.server.tools.register_tool_parser adds more",
+    )
+    p.add_argument(
         "--keepalive",
         type=float,
         default=15.0,
@@ -351,6 +364,11 @@ def _serve(args: argparse.Namespace) -> int:
             "--router hybrid is served without --ray for now (its chooser runs beside one in-process engine); "
             "drop --ray, or use --router arrow on Ray"
         )
+    if args.ray and args.enable_auto_tool_choice:
+        raise MoLoRAError(
+            "--enable-auto-tool-choice is served without --ray for now; drop --ray (tool_choice required or "
+            "named works on Ray too)"
+        )
     if args.ray:
         if bundle is not None:  # replicas load bundles from folders: the flags' manifest, written to a temp folder
             import tempfile
@@ -391,6 +409,8 @@ def _serve(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head,
         lora_dirs=args.lora_dir,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         **keys,
     )
     return 0

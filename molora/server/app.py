@@ -81,6 +81,8 @@ def create_app(
     stall_s: float = 30.0,
     engine_call_timeout_s: float = 10.0,
     lora_resolver_dirs: Sequence[str | Path] = (),
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine` (see the module docstring).
 
@@ -90,8 +92,11 @@ def create_app(
     timeout and SSE keep-alive (molora.server.generation.Limits). stall_s: /health turns 503 when the engine
     thread is busy this long without progress. engine_call_timeout_s: how long /metrics and /v1/adapters wait
     for the engine thread. lora_resolver_dirs: folders whose subfolder NAME loads as adapter NAME when a request
-    first names it (vLLM's filesystem resolver).
+    first names it (vLLM's filesystem resolver). enable_auto_tool_choice, tool_call_parser: vLLM's flags; tool_choice
+    "auto" is parsed by that parser (molora.server.tools; default `hermes`), and refused without the first.
     """
+    from molora.server.tools import auto_tool_parser
+
     mm = engine.mm
     bundle = getattr(mm, "bundle", None)
     listed = engine.list_adapters()
@@ -106,6 +111,7 @@ def create_app(
     )
     info.adapter_paths = {a["name"]: path_text(a.get("path")) for a in listed}
     info.chooser = "hybrid" if getattr(mm, "chooser", None) is not None else None
+    info.tool_parser = auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
     runner = EngineRunner(engine, max_in_flight=max_queue, stall_s=stall_s)
     return build_app(
         LocalClient(engine, runner, call_timeout_s=engine_call_timeout_s),

@@ -30,6 +30,7 @@ class ModelInfo:
     default_max_tokens: int = 512  # chat without max_tokens (capped by the context left)
     adapter_paths: dict[str, str | None] = field(default_factory=dict)  # /v1/models' "root" of each adapter
     chooser: str | None = None  # "hybrid": model=<name> asks the engine's per-request chooser (molora.server.choosing)
+    tool_parser: str | None = None  # --enable-auto-tool-choice: parses tool_choice "auto" (None: "auto" is refused)
 
     @property
     def models(self) -> list[str]:

@@ -46,7 +46,7 @@ from starlette.responses import JSONResponse, Response
 
 from molora.config import SamplingParams
 from molora.errors import AdapterDraining, AdapterNotFound, MoLoRAError
-from molora.server import choosing
+from molora.server import choosing, tools
 from molora.server.catalog import Catalog, ModelInfo
 from molora.server.client import EngineClient
 from molora.server.metrics import ServerMetrics
@@ -146,9 +146,11 @@ class Generation:
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         req.check_supported()
         info, adapter = await self.resolve(req.model)
+        calls = tools.check(req, info)  # tools, tool_choice and the messages' tool calls (molora.server.tools)
         prompt = await _offload(sum(len(m.text()) for m in req.messages), lambda: _encode_chat(info, req))
         top = (req.top_logprobs or 0) if req.logprobs else None
         fmt = ChatFormat(info, "chatcmpl-" + uuid.uuid4().hex, req)
+        fmt.tools = calls
         ask = [choosing.chat_question(req)] if choosing.applies(info, adapter, req) else None
         return await self._run(req, info, adapter, [prompt], req.token_limit, top, fmt, request, ask)
 
@@ -284,13 +286,14 @@ class Generation:
 
     async def _constraint(self, req: GenerationRequest, info: ModelInfo) -> GrammarConstraint | None:
         """The request's compiled structured-output constraint (None: none asked); 400 if it cannot be had."""
-        asked = req.structured_spec()
+        asked = tools.structured_spec(req)  # response_format & co, or a required / named tool choice's calls
         if asked is None:
             return None
         spec, param = asked
         try:
             return await asyncio.to_thread(self._compile, info, spec)
         except StructuredOutputError as e:
+            param = await asyncio.to_thread(tools.blame, req, param, lambda s: self._compile(info, s))
             raise APIError(400, str(e), param=param, code="invalid_structured_output") from e
 
     def _compile(self, info: ModelInfo, spec: StructuredSpec) -> GrammarConstraint:
@@ -301,6 +304,8 @@ class Generation:
                     compiler = StructuredCompiler(
                         info.tokenizer, vocab_size=info.vocab_size, stop_token_ids=info.stop_token_ids
                     )
+                except StructuredOutputError:  # the grammar engine is not installed: the message says how
+                    raise
                 except Exception as e:
                     raise StructuredOutputError(
                         f"model {info.name!r} cannot do structured output: its tokenizer "
@@ -417,12 +422,12 @@ def _encode_completion(info: ModelInfo, prompt: str | list[int], i: int) -> list
 
 def _encode_chat(info: ModelInfo, req: ChatCompletionRequest) -> list[int]:
     tok, msgs = info.tokenizer, req.messages
-    if info.prompt_template is not None and len(msgs) == 1 and msgs[0].role == "user":
+    if info.prompt_template is not None and len(msgs) == 1 and msgs[0].role == "user" and not req.tools:
         text = info.prompt_template.replace("{prompt}", msgs[0].text())
     elif getattr(tok, "chat_template", None):
-        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in msgs]
+        conversation, extra = tools.conversation(req, tok)  # with tools: `tools=`, or molora's default rendering
         try:
-            text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as e:  # jinja templates raise on conversations they do not accept
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from e
     else:

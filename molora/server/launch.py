@@ -142,6 +142,8 @@ def serve(
     quantization: str | None = None,
     lora_dirs: Sequence[str | Path] = (),
     quantize_lm_head: bool | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> None:
     """Serve the OpenAI-compatible API until SIGTERM/SIGINT, then drain and return.
 
@@ -154,6 +156,7 @@ def serve(
     adapter_roots: folders that POST /v1/adapters may load from (none: run-time loading disabled).
     limits: request deadlines, queue timeout, SSE keep-alive (molora.server.generation.Limits; None: defaults).
     stall_s: /health turns 503 when the engine thread is busy this long without progress.
+    enable_auto_tool_choice, tool_call_parser: tool_choice "auto" and its parser (create_app).
     """
     if not api_keys and not admin_keys and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without API keys: anyone who can reach this port can use it (--api-key)", host)
@@ -170,6 +173,8 @@ def serve(
         max_queue=max_queue,
         stall_s=stall_s,
         lora_resolver_dirs=lora_resolver_dirs,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
         **extra,
     )
     log.info("serving %s on http://%s:%d/v1", ", ".join(app.state.molora.catalog.infos), host, port)

@@ -193,6 +193,8 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
+    tools: Any = None  # molora.server.tools.ToolCalls: the answers may hold tool calls (None: plain text)
+
     def _logprobs(self, entries: list[dict]) -> ChatLogprobs | None:
         if not self.req.logprobs:
             return None
@@ -213,9 +215,9 @@ class ChatFormat(ResponseFormat):
         choices = [
             ChatChoice(
                 index=s.index,
-                message=ChatMessageOut(content=s.text),
+                message=ChatMessageOut(content=s.text) if self.tools is None else self.tools.message(s),
                 logprobs=self._logprobs(s.logprobs),
-                finish_reason=s.finish_reason,
+                finish_reason=s.finish_reason if self.tools is None else self.tools.finish_reason(s),
                 molora=self._routed(s.token_ids, s.adapters, s),
             )
             for s in states
@@ -229,13 +231,19 @@ class ChatFormat(ResponseFormat):
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])
 
     def chunk(self, state: ChoiceState, out: Any) -> ChatCompletionChunk | None:
-        if not (out.new_text or out.finished or (out.new_token_ids and (self.routing or self.req.logprobs))):
+        wants_tokens = out.new_token_ids and (self.routing or self.req.logprobs)
+        if not (out.new_text or out.finished or wants_tokens):
             return None
+        # with tools, text that may be a call is held until the choice ends (molora.server.tools.ToolCalls.delta)
+        delta = Delta(content=out.new_text or None) if self.tools is None else self.tools.delta(state, out.finished)
+        if delta.content is None and delta.tool_calls is None and not (out.finished or wants_tokens):
+            return None
+        finish = None if not out.finished else self.tools.finish_reason(state) if self.tools else out.finish_reason
         choice = ChatChunkChoice(
             index=state.index,
-            delta=Delta(content=out.new_text or None),
+            delta=delta,
             logprobs=self._logprobs(out.logprobs or []),
-            finish_reason=out.finish_reason if out.finished else None,
+            finish_reason=finish,
             molora=self._routed(out.new_token_ids, out.token_adapters, state if out.finished else None),
         )
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])

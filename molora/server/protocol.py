@@ -281,10 +281,53 @@ class ContentPart(_Strict):
     text: str
 
 
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionDefinition(_Strict):
+    """A tool's function: `parameters` is a JSON schema of its arguments object (left out: no arguments)."""
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    """tool_choice naming the one function the answer must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Strict):
+    name: FunctionName
+    arguments: str  # a JSON object, as text (OpenAI's form)
+
+
+class ToolCall(_Strict):
+    """One call of an assistant message: what a client sends back in `messages` and what a response holds."""
+
+    id: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -299,6 +342,10 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, lt=INT64)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # tool calling (molora.server.tools: rendering, parsing, the grammar of required and named choices)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -420,7 +467,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_absent)
 
 
 class ChatChoice(BaseModel):
@@ -441,9 +489,24 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(None, exclude_if=_absent)
+    arguments: str = ""
+
+
+class ToolCallDelta(BaseModel):
+    """A stream's piece of a tool call, in OpenAI's shape (molora sends each call whole, in one piece)."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=_absent)
+    type: Literal["function"] | None = Field(None, exclude_if=_absent)
+    function: FunctionCallDelta
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_absent)
     content: str | None = Field(None, exclude_if=_absent)
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=_absent)
 
 
 class ChatChunkChoice(BaseModel):
