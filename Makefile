@@ -42,8 +42,8 @@ test-triton: install
 
 # ruff's lint rules and mypy's packages are configured in pyproject.toml; the whole tree is ruff-formatted
 lint: install
-	$(BIN)/ruff check molora tests scripts
-	$(BIN)/ruff format --check molora tests scripts
+	$(BIN)/ruff check molora tests tools experiments
+	$(BIN)/ruff format --check molora tests tools experiments
 	$(BIN)/mypy
 
 clean:

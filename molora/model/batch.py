@@ -18,7 +18,7 @@ from torch import Tensor
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MERGE_PREFILL_TOKENS = 0  # fresh prompts up to this many tokens in all share one masked attention call (0: never).
-# Off: measured against 256 (scripts/ab_prefill_merge.py, docs/prefill_merge_ab.json) one batched causal call per
+# Off: measured against 256 (experiments/ab_prefill_merge.py, docs/prefill_merge_ab.json) one batched causal call per
 # prompt length was as fast (0.95x the time on 8 fresh ~25-token prompts a step), and in the merged call a prompt's
 # attention sums are grouped with its neighbours' keys, so its answer depends on its company: under w8a8 19 of 24
 # greedy answers stayed equal across max_num_seqs 4 and 32 merged, 23 per length (float32: 24 both)

@@ -1,6 +1,6 @@
 """Draw the routing view of one prompt as a PNG (docs/routing.png): each token boxed in its adapter's colour.
 
-    .venv/bin/python scripts/make_routing_png.py [--bundle DIR] [--out docs/routing.png]
+    .venv/bin/python -m tools.make_routing_png [--bundle DIR] [--out docs/routing.png]
 
 The default prompt puts two skills in one message (a counting question, then an arithmetic expression),
 so the picture shows the learned router switching adapters inside one sequence.

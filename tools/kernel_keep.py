@@ -1,10 +1,10 @@
 """Which of molora's C++ kernel families pay: the engine bench with each family turned off, paired in one run.
 
-    PYTHONPATH=. python scripts/kernel_keep.py --repeats 5 --threads 2 --dtype fp32 [--json docs/kernel_keep_fp32.json]
-    PYTHONPATH=. python scripts/kernel_keep.py --quantization int8 --dtype bf16 --arms w8   # the int8 kernels' knob
+    python -m tools.kernel_keep --repeats 5 --threads 2 --dtype fp32 [--json docs/kernel_keep_fp32.json]
+    python -m tools.kernel_keep --quantization int8 --dtype bf16 --arms w8   # the int8 kernels' knob
 
 The keep rule: keep a kernel of our own only where it beats what a maintained library gives through torch by >= 1.15x
-on the engine bench, measured side by side. One worker process per arm (scripts/ab_engine_trees.py's worker:
+on the engine bench, measured side by side. One worker process per arm (experiments/ab_engine_trees.py's worker:
 SmolLM2-135M, 4 random-weight adapters r=16, a VocabRouter over 4 ranges, fixed seeds), all on this checkout, each with
 MOLORA_KERNELS_OFF naming what it turns off (molora.ops.kernel_build.FAMILIES says what runs in each family's place;
 with --quantization int8 the base linears are weight-only int8 and the "w8" arm turns their kernels off: torch's linear
@@ -20,7 +20,6 @@ one JSON line.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -28,11 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from experiments import ab_engine_trees as ab
+
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("ab_engine_trees", ROOT / "scripts" / "ab_engine_trees.py")
-assert _spec is not None and _spec.loader is not None
-ab = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ab)
 
 # arm -> the families it turns off (MOLORA_KERNELS_OFF); "none": MOLORA_FUSED=0
 ARMS: dict[str, dict[str, str]] = {
@@ -102,7 +99,7 @@ def main() -> int:
 
     result: dict[str, Any] = {
         "bench": "kernel_keep",
-        "command": "PYTHONPATH=. python scripts/kernel_keep.py " + " ".join(sys.argv[1:]),
+        "command": "python -m tools.kernel_keep " + " ".join(sys.argv[1:]),
         "dtype": args.dtype,
         "quantization": args.quantization,
         "keep_at": KEEP_AT,

@@ -1,6 +1,6 @@
 """Run the C++ kernels' tests under AddressSanitizer and record the findings (docs/kernel_asan.json).
 
-    PYTHONPATH=. python scripts/kernel_asan.py [--json docs/kernel_asan.json] [--tests ...]
+    python -m tools.kernel_asan [--json docs/kernel_asan.json] [--tests ...]
 
 1. Builds the kernels with MOLORA_KERNELS_ASAN=1 (molora.ops.kernel_build: -fsanitize=address -fno-omit-frame-pointer
    -g, a build key of its own) in a plain process; loading that build there fails (the ASan runtime must come first in
@@ -76,7 +76,7 @@ def main() -> int:
     summary = next((line for line in reversed(out.splitlines()) if re.search(r"\d+ (passed|failed)", line)), "")
     record = {
         "what": "molora's C++ kernels (molora/ops/csrc) built with -fsanitize=address, their tests run under ASan",
-        "command": "PYTHONPATH=. python scripts/kernel_asan.py",
+        "command": "python -m tools.kernel_asan",
         "pytest": " ".join(["python -m pytest -p no:randomly", *[f"'{t}'" if " " in t else t for t in TESTS]]),
         "env": {"MOLORA_KERNELS_ASAN": "1", "LD_PRELOAD": preload, "ASAN_OPTIONS": "detect_leaks=0"},
         "build_key": key,  # MOLORA_KERNELS_ASAN=1: differs from the release build's

@@ -1,6 +1,6 @@
 """Measure Arrow routing (no training data) on the default bundle into docs/arrow.json; render its section.
 
-    .venv/bin/python scripts/make_arrow.py [--n 24] [--n-val 6] [--n-general 40] [--threads 1] [--reps 7] [--skip speed]
+    .venv/bin/python -m tools.make_arrow [--n 24] [--n-val 6] [--n-general 40] [--threads 1] [--reps 7] [--skip speed]
 
 Three parts, each cached under --work so an interrupted run resumes:
 
@@ -16,7 +16,7 @@ Three parts, each cached under --work so an interrupted run resumes:
    beside the learned router, the own adapter (= oracle), sequence and base, scored by `molora.eval.runner`;
    and base retention on the general test prompts (`molora.eval.general`).
 
-`render_section(record)` turns docs/arrow.json into markdown; scripts/make_results.py appends it to
+`render_section(record)` turns docs/arrow.json into markdown; tools/make_results.py appends it to
 docs/results.md when the record exists.
 """
 
@@ -32,9 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from molora.data.jsonl import read_jsonl
-
-sys.path.insert(0, str(Path(__file__).parent))
-from make_results import cached  # noqa: E402  (the one cache of evaluation runs)
+from tools.make_results import cached  # (the one cache of evaluation runs)
 
 DOCS = Path("docs")
 TOP_KS = (1, 2)  # the validation grid (temperature matters only for top_k > 1: PEFT's 1.0)
@@ -431,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     bundle = read_bundle(default_bundle_dir())
     work = Path(args.work) / f"{fingerprint(bundle)}-n{args.n}-v{args.n_val}-g{args.n_general}"
     work.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/make_arrow.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m tools.make_arrow " + " ".join(sys.argv[1:] if argv is None else argv)
     rec = {
         "command": command,
         "date": time.strftime("%Y-%m-%d"),

@@ -1,7 +1,7 @@
 """Fault and load harness: the real engine behind the server on 127.0.0.1, hit with traffic that breaks things.
 
-    python scripts/fault_harness.py [--requests 2000] [--concurrency 64] [--out docs/fault_harness.json]
-    python scripts/fault_harness.py --render-only        # docs/reliability.md from the record
+    python -m tools.fault_harness [--requests 2000] [--concurrency 64] [--out docs/fault_harness.json]
+    python -m tools.fault_harness --render-only        # docs/reliability.md from the record
 
 Starts `molora serve` on the embedded default bundle in a child process (with injected faults: a step
 whose batch holds a prompt starting with the poison marker raises, as a kernel bug on one request would; one
@@ -405,7 +405,7 @@ def measure(args: argparse.Namespace) -> dict:
     done = [r["latency"] for r in results if r["outcome"] == "completed"]
     otherwise = [r for r in results if r["outcome"] == "failed_otherwise"]
     return {
-        "command": f"python scripts/fault_harness.py --requests {args.requests} --concurrency {args.concurrency} "
+        "command": f"python -m tools.fault_harness --requests {args.requests} --concurrency {args.concurrency} "
         f"--seed {args.seed}",
         "bundle": "embedded default (SmolLM2-135M-Instruct, 4 adapters, learned routing), float32, CPU",
         "requests": len(results),
@@ -453,7 +453,7 @@ def render(record: dict) -> str:
         [
             "# Reliability under faults",
             "",
-            "Rendered by `scripts/fault_harness.py --render-only` from `docs/fault_harness.json`; measured with",
+            "Rendered by `tools/fault_harness.py --render-only` from `docs/fault_harness.json`; measured with",
             f"`{record['command']}` on {record['bundle']}.",
             "",
             f"{record['requests']} requests from {record['concurrency']} concurrent clients in {record['wall_s']} s: "
@@ -491,13 +491,13 @@ def _s(seconds: float | None) -> str:
     return "never" if seconds is None else f"{seconds:.2f} s"
 
 
-BEGIN, END = markers("reliability", "scripts/fault_harness.py")
+BEGIN, END = markers("reliability", "tools/fault_harness.py")
 
 
 def readme_block(record: dict) -> str:
     lat, kv = record["latency_completed_s"], record["kv_blocks"]
     return (
-        f"- **Under faults** ([docs/reliability.md](docs/reliability.md), `scripts/fault_harness.py`): "
+        f"- **Under faults** ([docs/reliability.md](docs/reliability.md), `tools/fault_harness.py`): "
         f"{record['requests']} requests from {record['concurrency']} concurrent clients against the default "
         "bundle, with random disconnects, short deadlines, malformed bodies, an adapter loaded and unloaded "
         f"(drain or force) during traffic and injected step faults: {record['completed']} completed, "

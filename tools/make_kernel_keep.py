@@ -1,8 +1,8 @@
 """The "Which kernels pay" section of docs/benchmarks.md from docs/kernel_keep_{fp32,bf16}.json (and _w8_<dtype>).
 
-    python scripts/make_kernel_keep.py          # prints the section (scripts/make_benchmarks.py places it)
+    python -m tools.make_kernel_keep          # prints the section (tools/make_benchmarks.py places it)
 
-The records come from `scripts/kernel_keep.py --dtype fp32|bf16 --json docs/kernel_keep_<dtype>.json` (the engine
+The records come from `tools/kernel_keep.py --dtype fp32|bf16 --json docs/kernel_keep_<dtype>.json` (the engine
 bench with each C++ kernel family turned off, paired in one run; `--quantization int8 --arms w8 --json
 docs/kernel_keep_w8_<dtype>.json`: the int8 kernels on an int8 base). `verdicts` applies the keep rule to them: a
 family stays where turning it off makes some engine-bench workload at least `keep_at` (1.15x) slower in some dtype.

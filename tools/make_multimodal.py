@@ -1,8 +1,8 @@
 """Measure vocabulary routing on the early-fusion digits bundle and render its docs.
 
-    .venv/bin/python scripts/make_multimodal.py [--bundle DIR] [--n 100] [--reps 5]
-    .venv/bin/python scripts/make_multimodal.py --render-only      # README block from docs/multimodal.json
-    .venv/bin/python scripts/make_multimodal.py --choose-joint A B  # train joint pairs, score them on validation
+    .venv/bin/python -m tools.make_multimodal [--bundle DIR] [--n 100] [--reps 5]
+    .venv/bin/python -m tools.make_multimodal --render-only      # README block from docs/multimodal.json
+    .venv/bin/python -m tools.make_multimodal --choose-joint A B  # train joint pairs, score them on validation
 
 Single-threaded, seeded. Splits: the SVC that reads generated images fits on the train images and picks its
 gamma and C on validation; every mode runs on validation first (draw seeds VAL_SEED, the validation images
@@ -11,7 +11,7 @@ to caption), which is where the bundle's choice of router (joint vs apart adapte
 after its own image, new phrasing share, broken captions, and the same for captions of real test images.
 Speed: one routed pass vs one pass per adapter (same outputs?) vs the plain base model, drawing n digits with
 their captions, order rotated per repetition, medians. Writes docs/multimodal.json and docs/multimodal_digits.png
-(the demo grid) and the README block between the markers; scripts/make_results.py appends
+(the demo grid) and the README block between the markers; tools/make_results.py appends
 `render_section(record)` to docs/results.md.
 """
 
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "multimodal.json"
 GRID = ROOT / "docs" / "multimodal_digits.png"
 README = ROOT / "README.md"
-BEGIN, END = markers("multimodal", "scripts/make_multimodal.py")
+BEGIN, END = markers("multimodal", "tools/make_multimodal.py")
 VAL_SEED, TEST_SEED, TEMPERATURE = 1, 2, 1.0
 TEXT_TEMPERATURES = (1.0, 0.0)  # candidates for the caption spans, chosen on validation (images: TEMPERATURE)
 # the joint pair's training settings tried (--choose-joint): label -> DigitsRecipe fields over the shipped recipe;
@@ -186,7 +186,7 @@ def measure(args: argparse.Namespace) -> dict:
     picked = [mm.adapter_names[i] for i in routes.route(ids, mm.adapter_names).adapter_ids[0].tolist()]
     return {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": "scripts/make_multimodal.py " + " ".join(sys.argv[1:]),
+        "command": "tools/make_multimodal.py " + " ".join(sys.argv[1:]),
         "bundle": str(bundle.relative_to(ROOT)) if bundle.is_relative_to(ROOT) else str(bundle),
         "threads": 1,
         "temperature": TEMPERATURE,

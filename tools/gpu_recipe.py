@@ -5,8 +5,8 @@ On a CUDA machine with access to the Hugging Face hub (about 1.5 h of training a
 H100-class GPU; GPQA is gated: accept its terms on the hub and `huggingface-cli login` first):
 
     pip install -e .[serve,recipe]
-    MOLORA_DEVICE=cuda python scripts/gpu_recipe.py all --work runs/gpu
-    MOLORA_DEVICE=cuda python scripts/gpu_recipe.py eval --work runs/gpu --limit 100    # a quicker eval
+    MOLORA_DEVICE=cuda python -m tools.gpu_recipe all --work runs/gpu
+    MOLORA_DEVICE=cuda python -m tools.gpu_recipe eval --work runs/gpu --limit 100    # a quicker eval
 
 Steps, each resumable (finished outputs are kept), `all` runs them in order:
   fetch    Qwen/Qwen3-1.7B and Qwen/Qwen3-8B into WORK/models (huggingface_hub.snapshot_download)
@@ -248,7 +248,7 @@ def bundle_manifest(base: str, adapters: list[str]) -> dict:
         "slots": max(1, len(adapters)),
         "max_rank": 16,
         "adapters": [
-            {"name": a, "path": f"adapters/{a}", "tasks": TASKS_OF[a], "description": f"{a} (scripts/gpu_recipe.py)"}
+            {"name": a, "path": f"adapters/{a}", "tasks": TASKS_OF[a], "description": f"{a} (tools/gpu_recipe.py)"}
             for a in adapters
         ],
     }
@@ -349,7 +349,7 @@ def report(work: Path) -> Path:
         "# GPU recipe: Qwen3-1.7B + MoLoRA against Qwen3-8B"
         + (" (SMOKE RUN: SmolLM2 stand-in, tiny sizes; plumbing only)" if smoke else ""),
         "",
-        "Accuracy in percent (BBH: mean over its tasks); `scripts/gpu_recipe.py`.",
+        "Accuracy in percent (BBH: mean over its tasks); `tools/gpu_recipe.py`.",
         "",
         "| model | routing | " + " | ".join(sets) + " |",
         "|---|---|" + "---|" * len(sets),

@@ -1,7 +1,7 @@
 """Render the measured block of docs/dispatch.md from docs/benchmarks.json and the constants of `pick_backend`.
 
-    .venv/bin/python scripts/make_dispatch_table.py            # rewrite the block in docs/dispatch.md
-    .venv/bin/python scripts/make_dispatch_table.py --check    # exit 1 if the block is out of date
+    .venv/bin/python -m tools.make_dispatch_table            # rewrite the block in docs/dispatch.md
+    .venv/bin/python -m tools.make_dispatch_table --check    # exit 1 if the block is out of date
 
 The block holds the thresholds and cost-model coefficients the code uses (`molora.ops.dispatch`), and one row per
 shape of the `ops_grid` record (`ops_grid.result.rows[*]`: T tokens, K slots, r rank, fp32, top-1): the medians
@@ -22,7 +22,7 @@ import torch
 from molora.docblock import markers, replace_block
 from molora.ops import dispatch
 
-BEGIN, END = markers("dispatch-table", "scripts/make_dispatch_table.py")
+BEGIN, END = markers("dispatch-table", "tools/make_dispatch_table.py")
 EAGER = ("stacked_mask", "sort_group")
 
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     new = replace_block(text, BEGIN, END, render(json.loads((a.docs / "benchmarks.json").read_text(encoding="utf-8"))))
     if a.check:
         if new != text:
-            print(f"{page} is out of date: run scripts/make_dispatch_table.py", file=sys.stderr)
+            print(f"{page} is out of date: run tools/make_dispatch_table.py", file=sys.stderr)
             return 1
         return 0
     page.write_text(new, encoding="utf-8")

@@ -1,9 +1,9 @@
 """Render the structured-output figures of docs/serving.md from their records.
 
-    PYTHONPATH=. python scripts/make_structured_docs.py
+    python -m tools.make_structured_docs
 
-Reads docs/grammar_engines.json (scripts/choose_grammar_engine.py: the engine choice, validation split) and
-docs/structured.json (scripts/structured_bench.py: the chosen engine on the real model, test split) and rewrites
+Reads docs/grammar_engines.json (experiments/choose_grammar_engine.py: the engine choice, validation split) and
+docs/structured.json (experiments/structured_bench.py: the chosen engine on the real model, test split) and rewrites
 the block between the structured markers in docs/serving.md. Every number on the page comes from those files.
 """
 
@@ -17,14 +17,14 @@ from molora.docblock import markers, wrap, write_block
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "serving.md"
 README = ROOT / "README.md"
-BEGIN, END = markers("structured", "scripts/make_structured_docs.py")
+BEGIN, END = markers("structured", "tools/make_structured_docs.py")
 
 
 def _engines(rec: dict) -> list[str]:
     lines = [
         f"Choice of grammar engine: {rec['schemas']} validation schemas, the {rec['tokenizer']} tokenizer "
         f"({rec['vocab_size']} ids), one thread of {rec['cpu']} "
-        "(`scripts/choose_grammar_engine.py` → `docs/grammar_engines.json`):",
+        "(`experiments/choose_grammar_engine.py` → `docs/grammar_engines.json`):",
         "",
         "| engine | version | schemas compiled | compile, median / max (ms) | masks of a 32-row step (ms) "
         "| tokenizer view (s) | random walks that ended: valid |",

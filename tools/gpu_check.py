@@ -1,7 +1,7 @@
 """One prepared device check: the GPU path of molora, measured in one run that prints one JSON line.
 
-    python scripts/gpu_check.py [--json OUT]            # a CUDA machine: under 8 minutes
-    python scripts/gpu_check.py --dry-run               # tiny shapes on the CPU, under a minute (plumbing only)
+    python -m tools.gpu_check [--json OUT]            # a CUDA machine: under 8 minutes
+    python -m tools.gpu_check --dry-run               # tiny shapes on the CPU, under a minute (plumbing only)
 
 Needs only torch, transformers, peft and (for the kernel) triton; no network, no model hub: molora is imported
 from this source tree, the models are random-weight Qwen3 models built from configs written below (the shapes of
@@ -508,7 +508,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    sys.path.insert(0, str(ROOT))
     from molora.ops.dispatch import triton_available
 
     device = torch.device(a.device)
@@ -516,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = t_start + a.budget_s
     triton_ok = triton_available()
     out: dict[str, Any] = {
-        "script": "scripts/gpu_check.py",
+        "script": "tools/gpu_check.py",
         "dry_run": dry,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),

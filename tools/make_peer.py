@@ -1,9 +1,9 @@
 """The llama.cpp section of docs/benchmarks.md from its records (docs/peer_llamacpp_w8.json, docs/peer_llamacpp.json).
 
-    python scripts/make_peer.py [--check]       # = scripts/make_benchmarks.py --render-only (or --check)
+    python -m tools.make_peer [--check]       # = tools/make_benchmarks.py --render-only (or --check)
 
 Each record comes from `molora bench peer --json docs/<record>` (molora.bench.peer; the command it ran is in it).
-`section` renders the lines; scripts/make_benchmarks.py, which renders the whole page, places them. This script
+`section` renders the lines; tools/make_benchmarks.py, which renders the whole page, places them. This script
 measures nothing.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +115,7 @@ def record_lines(docs: Path, name: str, title: str, weights: str) -> list[str]:
         "before the first difference (meaningful where the precisions match). Spread: the largest max / min over "
         "one system's repetitions (far above 1: a repetition stalled under the load; read that row's ratios with "
         f"care). {weights}. Record: `{command}` "
-        f"(docs/{name}); rendered by `scripts/make_peer.py`."
+        f"(docs/{name}); rendered by `tools/make_peer.py`."
     )
     return [
         f"### {title}",
@@ -143,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="only say whether docs/benchmarks.md is stale")
     a = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import make_benchmarks
+    from tools import make_benchmarks
 
     return make_benchmarks.main(["--check"] if a.check else ["--render-only"])
 

@@ -1,7 +1,7 @@
 """Measure `molora serve --ray` against `molora serve` and render the figures of docs/scaleout.md and the README.
 
-    .venv/bin/python scripts/make_scaleout.py [--requests 32] [--max-tokens 64] [--repeats 3]
-    .venv/bin/python scripts/make_scaleout.py --render-only      # docs and README from docs/scaleout.json
+    .venv/bin/python -m tools.make_scaleout [--requests 32] [--max-tokens 64] [--repeats 3]
+    .venv/bin/python -m tools.make_scaleout --render-only      # docs and README from docs/scaleout.json
 
 Runs three benches, each `molora bench serve --ray` (both servers started in child processes on the embedded
 default bundle, the same closed-loop streamed chat work against each, order rotated per repetition), and one
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "scaleout.json"
 PAGE = ROOT / "docs" / "scaleout.md"
 README = ROOT / "README.md"
-SCALE_BEGIN, SCALE_END = markers("scaleout", "scripts/make_scaleout.py")
+SCALE_BEGIN, SCALE_END = markers("scaleout", "tools/make_scaleout.py")
 
 
 BENCHES = ("one_replica", "one_replica_process", "two_replicas", "ray_floor")
@@ -173,7 +173,7 @@ def run(what: str, args: argparse.Namespace) -> dict[str, Any]:
         proc, result = _child_json([sys.executable, str(Path(__file__).resolve()), "--floor-child"], what)
         if proc.returncode:
             raise SystemExit(f"ray_floor failed (exit {proc.returncode})")
-        command = "python scripts/make_scaleout.py --only ray_floor"
+        command = "python -m tools.make_scaleout --only ray_floor"
     else:
         argv = bench_argv(what, args)
         print("$ molora bench " + shlex.join(argv), flush=True)
@@ -286,7 +286,7 @@ def page_block(records: dict) -> str:
         "",
         "Commands: `"
         + "`, `".join(r["command"] for r in [o for _, o in ones] + [two] + ([floor] if floor else []))
-        + "` (via `scripts/make_scaleout.py`).",
+        + "` (via `tools/make_scaleout.py`).",
         "",
         SCALE_END,
     ]
@@ -325,7 +325,7 @@ def render(records: dict, check: bool = False) -> int:
             if not check:
                 path.write_text(new)
     if check and stale:
-        print(f"out of date: {[str(p) for p in stale]}; run scripts/make_scaleout.py --render-only")
+        print(f"out of date: {[str(p) for p in stale]}; run tools/make_scaleout.py --render-only")
         return 1
     return 0
 

@@ -1,12 +1,12 @@
 """The quantized-base section of docs/benchmarks.md from its records (docs/quant*.json).
 
-    python scripts/make_quant.py [--check]       # = scripts/make_benchmarks.py --render-only (or --check)
+    python -m tools.make_quant [--check]       # = tools/make_benchmarks.py --render-only (or --check)
 
-docs/quant_linear.json comes from `scripts/ab_quant_linear.py --json docs/quant_linear.json` (the kernels on
-SmolLM2-135M's linear shapes), docs/quant.json from `scripts/bench_quant.py --json docs/quant.json` (the engine on
-the real model), docs/quant_smooth_choice.json from `scripts/quant_smooth_choose.py`,
-docs/quant_eval_{val,test}[_w8].json from `scripts/quant_eval.py --split val|test` (without _w8: made when int8
-meant W8A8). `section` renders the lines; scripts/make_benchmarks.py, which renders the whole page, places them.
+docs/quant_linear.json comes from `experiments/ab_quant_linear.py --json docs/quant_linear.json` (the kernels on
+SmolLM2-135M's linear shapes), docs/quant.json from `experiments/bench_quant.py --json docs/quant.json` (the engine on
+the real model), docs/quant_smooth_choice.json from `experiments/quant_smooth_choose.py`,
+docs/quant_eval_{val,test}[_w8].json from `experiments/quant_eval.py --split val|test` (without _w8: made when int8
+meant W8A8). `section` renders the lines; tools/make_benchmarks.py, which renders the whole page, places them.
 This script measures nothing.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +65,7 @@ OLD_SCHEMES = (
 
 def section(docs: Path) -> list[str]:
     """The "Quantized base" section of docs/benchmarks.md from docs/quant.json and docs/quant_linear.json (no lines
-    while either record is missing). scripts/make_benchmarks.py places it on the page it renders."""
+    while either record is missing). tools/make_benchmarks.py places it on the page it renders."""
     if not ((docs / "quant.json").is_file() and (docs / "quant_linear.json").is_file()):
         return []
     lin = json.loads((docs / "quant_linear.json").read_text())
@@ -76,8 +75,8 @@ def section(docs: Path) -> list[str]:
         f"Measured on {m['cpu']} ({', '.join(m['cpu_flags'] + m['int8_flags'])}), {m['cores']} cores shared "
         f"with other work (load average {m['loadavg_1_5_15']} at the engine run), {m['threads']} thread(s): read "
         f"the ratios, not the absolute figures. {eng.get('schemes', OLD_SCHEMES)} Records: "
-        "`scripts/bench_quant.py --json docs/quant.json`, `scripts/ab_quant_linear.py --json "
-        "docs/quant_linear.json`; rendered by `scripts/make_quant.py`. The older engine records "
+        "`experiments/bench_quant.py --json docs/quant.json`, `experiments/ab_quant_linear.py --json "
+        "docs/quant_linear.json`; rendered by `tools/make_quant.py`. The older engine records "
         "(all but docs/quant_w8a8_*.json) timed repetitions of the same prompts with the engine's prefix cache on, "
         "so a repetition skipped up to three quarters of its prefill (molora.bench.engine.bench_config); their "
         "ratios compare variants that all had it."
@@ -120,8 +119,8 @@ def other_cpu_lines(docs: Path) -> list[str]:
 
 def resident_lines(docs: Path) -> list[str]:
     """Every resident copy of the base weights per variant against llama.cpp's files (docs/quant_weight_bytes.json,
-    scripts/quant_weight_bytes.py, and the earlier AMX machine's docs/quant_weight_bytes_amx.json), where the records
-    exist."""
+    experiments/quant_weight_bytes.py, and the earlier AMX machine's docs/quant_weight_bytes_amx.json), where the
+    records exist."""
     out: list[str] = []
     for fname in ("quant_weight_bytes.json", "quant_weight_bytes_amx.json"):
         path = docs / fname
@@ -257,7 +256,7 @@ def quality_lines(docs: Path) -> list[str]:
         g = json.loads(path.read_text())
         i4, i8 = g["schemes"]["int4"], g["schemes"]["int8"]
         out += [
-            "GGUF weights (`scripts/quant_gguf_requant.py --json docs/quant_gguf.json`): the embedded "
+            "GGUF weights (`experiments/quant_gguf_requant.py --json docs/quant_gguf.json`): the embedded "
             f"{g['gguf']} holds "
             f"its {g['linears']} block linears as Q4_1 (groups of 32 along the input, a float16 scale and minimum "
             "each). molora loads them as floats and quantizes again on load; int4 (groups of 32, min/max) gives back "
@@ -286,11 +285,11 @@ def quality_lines(docs: Path) -> list[str]:
     return out + retention_lines(docs) + keep_lines(docs)
 
 
-KEEP_RECORDS = ("quant_w8a8_keep_val.json", "quant_w8a8_down_alpha_val.json")  # scripts/w8a8_keep_probe.py
+KEEP_RECORDS = ("quant_w8a8_keep_val.json", "quant_w8a8_down_alpha_val.json")  # experiments/w8a8_keep_probe.py
 
 
 def keep_lines(docs: Path) -> list[str]:
-    """Where w8a8 loses against float32, by projection (scripts/w8a8_keep_probe.py, validation), where recorded."""
+    """Where w8a8 loses against float32, by projection (experiments/w8a8_keep_probe.py, validation), where recorded."""
     out: list[str] = []
     for fname in KEEP_RECORDS:
         found = newest(docs, fname)
@@ -318,13 +317,13 @@ def keep_lines(docs: Path) -> list[str]:
     return out
 
 
-RETENTION_RECORD = "quant_retention_test2.json"  # scripts/quant_retention.py: retention taken apart
+RETENTION_RECORD = "quant_retention_test2.json"  # experiments/quant_retention.py: retention taken apart
 RETENTION_BEFORE = "quant_retention_test2_merged.json"  # the same, before prefill merging went off
 RETENTION_MORE = "quant_retention_test2_int8bf16.json"  # the int8-bf16 variants, same command and prompts
 
 
 def retention_lines(docs: Path) -> list[str]:
-    """The retention decompositions (scripts/quant_retention.py) as tables, where their records exist."""
+    """The retention decompositions (experiments/quant_retention.py) as tables, where their records exist."""
     out: list[str] = []
     for name in (RETENTION_RECORD, RETENTION_MORE, RETENTION_BEFORE):
         found = newest(docs, name)
@@ -574,7 +573,7 @@ def readme_block(docs: Path, page: str) -> str:
     to docs/benchmarks.md relative to the README."""
     from molora.docblock import markers
 
-    begin, end = markers("quant", "scripts/make_quant.py")
+    begin, end = markers("quant", "tools/make_quant.py")
     parts = [p for p in (_speed_cell(docs), _memory_cell(docs), _peer_cell(docs), _quality_cell(docs)) if p]
     cell = retention_cell(docs)
     if cell:
@@ -683,8 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="only say whether docs/benchmarks.md is stale")
     a = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import make_benchmarks
+    from tools import make_benchmarks
 
     return make_benchmarks.main(["--check"] if a.check else ["--render-only"])
 
