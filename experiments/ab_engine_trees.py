@@ -1,6 +1,6 @@
 """The engine bench's workloads on two source trees of molora, paired in one run: before vs after a change.
 
-    PYTHONPATH=. python scripts/ab_engine_trees.py --base /tmp/base --repeats 7 [--quantization int8]
+    python -m experiments.ab_engine_trees --base /tmp/base --repeats 7 [--quantization int8]
         [--json docs/x.json]
 
 Two worker processes, one per tree (`--base` and `--head`, default this checkout), each with PYTHONPATH on its tree,
@@ -92,7 +92,7 @@ def worker(args: argparse.Namespace) -> None:
             ms = (time.perf_counter() - t0) * 1e3
             sha = hashlib.sha256(json.dumps([o.new_token_ids for o in outs]).encode()).hexdigest()[:16]
             print(json.dumps({"ms": ms, "tokens": sha}), flush=True)
-        elif what == "kernels":  # which of molora's kernels a routed generate calls (scripts/kernel_keep.py)
+        elif what == "kernels":  # which of molora's kernels a routed generate calls (tools/kernel_keep.py)
             with fused_cpu.kernel_clock() as clock:
                 eng.generate(prompts, params, routing="vocab")
             print(json.dumps({"ms": 0.0, "tokens": None, "kernels": sorted(clock)}), flush=True)
@@ -116,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def start(tree: Path, argv: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
-    """A worker on `tree` (PYTHONPATH), with `env_extra` added to its environment (scripts/kernel_keep.py: the
+    """A worker on `tree` (PYTHONPATH), with `env_extra` added to its environment (tools/kernel_keep.py: the
     kernel families it turns off)."""
     env = {**os.environ, "PYTHONPATH": str(tree), **(env_extra or {})}
     proc = subprocess.Popen(
@@ -149,7 +149,7 @@ def interleave(
     """One untimed warm-up of each request on every worker, then `repeats` repetitions asking the workers in turn
     (order rotated each repetition, so only one runs at a time and all see the same load). requests: key -> the
     request line. Returns ({key: {worker: [ms]}}, {key: {worker: token hashes}}, the load average before the timed
-    repetitions). scripts/kernel_keep.py asks its arms through it too."""
+    repetitions). tools/kernel_keep.py asks its arms through it too."""
     from molora.bench.common import rotated
 
     names = list(procs)
@@ -217,7 +217,7 @@ def main() -> int:
         p.wait()
     result: dict[str, Any] = {
         "bench": "ab_engine_trees",
-        "command": "PYTHONPATH=. python scripts/ab_engine_trees.py " + " ".join(sys.argv[1:]),
+        "command": "python -m experiments.ab_engine_trees " + " ".join(sys.argv[1:]),
         "trees": {k: str(v) for k, v in trees.items()},
         "kernels_built": kernels,
         "repeats": args.repeats,

@@ -1,6 +1,6 @@
 """A/B of the paged decode attention kernel: this tree's build against the one at a git revision, in one process.
 
-    python scripts/ab_paged_decode.py [--rev d32c869] [--batch 32] [--ctx 160 1000] [--layers 30] [--repeats 12]
+    python -m experiments.ab_paged_decode [--rev d32c869] [--batch 32] [--ctx 160 1000] [--layers 30] [--repeats 12]
 
 Builds the kernels of `molora/ops/csrc` as they were at REV (one fused_lora.cpp up to the split into one file per
 kernel family, the folder's sources after) under another extension name (about a minute, once),
@@ -67,7 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    sys.path.insert(0, str(ROOT))
     from molora.ops import kernel_build
 
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")

@@ -1,7 +1,7 @@
 """Merged prefill attention against one causal call per prompt length: speed, and whether a prompt's answer depends on
 the batch it runs in.
 
-    .venv/bin/python scripts/ab_prefill_merge.py --json docs/prefill_merge_ab.json [--repeats 8] [--threads 2]
+    .venv/bin/python -m experiments.ab_prefill_merge --json docs/prefill_merge_ab.json [--repeats 8] [--threads 2]
 
 The runner can put the fresh prompts of a step (MERGE_PREFILL_TOKENS tokens in all at most) into one attention call
 under a block-diagonal mask (molora.model.runner.ModelRunner.plan); otherwise each prompt length is one batched causal
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     default = runner.MERGE_PREFILL_TOKENS
     settings = {"merged": 256, "per length": 0}
     rec: dict = {
-        "command": "python scripts/ab_prefill_merge.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m experiments.ab_prefill_merge " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info() | {"threads": a.threads},
         "settings": settings,

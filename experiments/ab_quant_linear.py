@@ -1,6 +1,7 @@
 """A/B of weight-only quantized base linears against molora's float32 and bfloat16 ones, in one process.
 
-    python scripts/ab_quant_linear.py [--rows 1 8 32 128] [--layers 30] [--repeats 9] [--threads 2] [--json out.json]
+    python -m experiments.ab_quant_linear [--rows 1 8 32 128] [--layers 30] [--repeats 9] [--threads 2] \
+        [--json out.json]
 
 SmolLM2-135M's seven linear shapes (q, k, v, o, gate, up, down: hidden 576, kv 192, intermediate 1536) over
 `--layers` separate weights (as an engine step meets them: cold), random weights from a seeded generator. Variants,
@@ -106,11 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    sys.path.insert(0, str(ROOT))
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, k, generator=g) * 0.05 for _ in range(a.layers) for n, k in SHAPES]
     record = {
-        "command": "python scripts/ab_quant_linear.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m experiments.ab_quant_linear " + " ".join(sys.argv[1:] if argv is None else argv),
         "cpu": cpu_info(),
         "torch": torch.__version__,
         "threads": a.threads,

@@ -1,7 +1,7 @@
 """W8A8's linear side by side on SmolLM2-135M's shapes: what `--quantization w8a8` runs against what it ran before,
 its parts in torch ops, and the float32 GEMM it replaces, interleaved, in one process.
 
-    python scripts/ab_w8a8_kernel.py [--rows 1 16 64 1024] [--repeats 7] [--threads 2]
+    python -m experiments.ab_w8a8_kernel [--rows 1 16 64 1024] [--repeats 7] [--threads 2]
         [--json docs/quant_w8a8_kernel.json]
 
 Variants, each on the same random weight (quantized per output channel, molora.ops.quant) and activations:
@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from molora.bench.common import machine_info
     from molora.ops import fused_cpu, packed, quant
 
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"molora's kernels are not built here: {fused_cpu.unavailable_reason()}")
     g = torch.Generator().manual_seed(0)
     record: dict = {
-        "command": "python scripts/ab_w8a8_kernel.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m experiments.ab_w8a8_kernel " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine_info(),
         "repeats": a.repeats,
         "unit": "microseconds per call (median)",

@@ -1,6 +1,6 @@
 """Per-operation accuracy of worked multistep_arithmetic_two answers (predictions JSONL of `molora eval`).
 
-    .venv/bin/python scripts/arith_ops.py runs/arith/before.jsonl --json runs/arith/before.json
+    .venv/bin/python -m experiments.arith_ops runs/arith/before.jsonl --json runs/arith/before.json
 
 Reads each prediction's worked solution, the format of `molora.data.solutions._arithmetic`:
 
@@ -254,7 +254,7 @@ def _pct(rate: dict | None) -> str:
 
 
 def render_section(after: dict, docs: Path | None = None) -> list[str]:
-    """The results page's section (scripts/make_results.py SECTIONS): per-operation accuracy of the adapter in
+    """The results page's section (tools/make_results.py SECTIONS): per-operation accuracy of the adapter in
     `after` beside the record it names in "compared_with" (a file beside it under docs/)."""
     docs = docs or Path(__file__).resolve().parent.parent / "docs"
     before = json.loads((docs / after["compared_with"]).read_text()) if after.get("compared_with") else {}
@@ -277,7 +277,7 @@ def render_section(after: dict, docs: Path | None = None) -> list[str]:
         "## Arithmetic, per operation (validation items)",
         "",
         f'{after["items"]["n"]} validation items (`docs/arith_val_items.json`, held-out split "val"), answered '
-        'by the arithmetic adapter alone; `scripts/arith_ops.py` reads every written step "a op b = c" and '
+        'by the arithmetic adapter alone; `experiments/arith_ops.py` reads every written step "a op b = c" and '
         "scores it against true arithmetic (how many steps, or items, in brackets). Before: the adapter shipped "
         "before it "
         f"({after.get('compared_with', '-')}). After: {after.get('adapter', '-')}. The choice was made "

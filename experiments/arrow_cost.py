@@ -1,8 +1,8 @@
 """What data-free routing costs end to end: `--router arrow` (prompt-level Arrow with the settings chosen on
-validation, scripts/arrow_variants_choose.py) against the request's own adapter alone, on the same requests,
+validation, experiments/arrow_variants_choose.py) against the request's own adapter alone, on the same requests,
 interleaved.
 
-    .venv/bin/python scripts/arrow_cost.py --choice docs/arrow_variants_choice.json --json docs/arrow_cost.json \
+    .venv/bin/python -m experiments.arrow_cost --choice docs/arrow_variants_choice.json --json docs/arrow_cost.json \
         [--limit 8] [--repeats 3] [--threads 1]
 
 For each skill, the first --limit validation items (`molora.eval.heldout` split "val") are answered by
@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from arrow_variants_choose import served_config  # noqa: E402  (the choice record -> ArrowConfig fields)
+from experiments.arrow_variants_choose import served_config  # (the choice record -> ArrowConfig fields)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from molora.routing.arrow import ArrowConfig, ArrowRouter
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--choice", required=True, help="the record of scripts/arrow_variants_choose.py")
+    ap.add_argument("--choice", required=True, help="the record of experiments/arrow_variants_choose.py")
     ap.add_argument("--json", required=True)
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
@@ -131,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(json.dumps(pairs[-1]), file=sys.stderr)
     rec = {
-        "command": f"python scripts/arrow_cost.py --choice {a.choice} --json {a.json} --limit {a.limit} "
+        "command": f"python -m experiments.arrow_cost --choice {a.choice} --json {a.json} --limit {a.limit} "
         f"--repeats {a.repeats} --threads {a.threads}"
         + (f" --gates {a.gates}" if a.gates else "")
         + (f" --hybrid {a.hybrid}" if a.hybrid else ""),

@@ -1,10 +1,10 @@
-"""Score prompt-level Arrow (settings chosen on validation by scripts/arrow_variants_choose.py) once on the test
+"""Score prompt-level Arrow (settings chosen on validation by experiments/arrow_variants_choose.py) once on the test
 items that docs/arrow.json scored the learned router and per-token Arrow on (the first --n test items per skill
 of `molora.eval.heldout`, the first --n-general general test prompts) and on --n-mixed two-skill test items
 (beside the learned router and one adapter per request, `sequence`), with the same evaluation code, and write
 docs/arrow_prompt.json.
 
-    .venv/bin/python scripts/arrow_prompt_eval.py --choice docs/arrow_variants_choice.json --json docs/arrow_prompt.json
+    python -m experiments.arrow_prompt_eval --choice docs/arrow_variants_choice.json --json docs/arrow_prompt.json
 
 Runs are cached under --work (an interrupted run resumes).
 """
@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
-from arrow_variants_choose import served_config  # noqa: E402  (the choice record -> ArrowConfig fields)
-from make_results import cached  # noqa: E402  (the one cache of evaluation runs)
+from experiments.arrow_variants_choose import served_config  # (the choice record -> ArrowConfig fields)
+from tools.make_results import cached  # (the one cache of evaluation runs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from molora.routing.arrow import ArrowConfig, ArrowRouter
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--choice", required=True, help="the record of scripts/arrow_variants_choose.py")
+    ap.add_argument("--choice", required=True, help="the record of experiments/arrow_variants_choose.py")
     ap.add_argument("--json", required=True)
     ap.add_argument("--n", type=int, default=24)
     ap.add_argument("--n-general", type=int, default=40)
@@ -110,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.part != "all":
         return 0
     rec = {
-        "command": "python scripts/arrow_prompt_eval.py --choice "
+        "command": "python -m experiments.arrow_prompt_eval --choice "
         + a.choice
         + " --json "
         + a.json

@@ -1,6 +1,6 @@
 """Choose prompt-level Arrow's settings on validation prompts only, GenKnowSub and the decision rules included.
 
-    .venv/bin/python scripts/arrow_variants_choose.py --json docs/arrow_variants_choice.json \
+    .venv/bin/python -m experiments.arrow_variants_choose --json docs/arrow_variants_choice.json \
         [--n-val 40] [--n-mixed 40] [--n-calib-gsm8k 96]
 
 Each prompt is scored by where its answer would run: its skill's adapter (a mixed item's turn: its question's
@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         v: max((r for r in ok if r["variant"] == v), key=lambda r: r["skills_mean"], default=None) for v in VARIANTS
     }
     rec = {
-        "command": f"python scripts/arrow_variants_choose.py --json {a.json} --n-val {a.n_val} --n-mixed {a.n_mixed} "
+        "command": f"python -m experiments.arrow_variants_choose --json {a.json} --n-val {a.n_val} "
+        f"--n-mixed {a.n_mixed} "
         f"--n-calib-gsm8k {a.n_calib_gsm8k}",
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info(),

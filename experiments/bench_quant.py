@@ -1,6 +1,6 @@
 """Engine throughput on a quantized base: int8 and int4 against float32 and bfloat16, interleaved, in one process.
 
-    python scripts/bench_quant.py [--requests 16] [--prompt-len 64] [--new-tokens 32] [--repeats 3]
+    python -m experiments.bench_quant [--requests 16] [--prompt-len 64] [--new-tokens 32] [--repeats 3]
         [--json docs/quant.json]
 
 The engine bench's workload (molora.bench.engine: SmolLM2-135M, 4 random r=16 adapters on all seven projections, a
@@ -49,7 +49,7 @@ VARIANTS = {  # name -> (dtype, quantization, quantize_lm_head: None the scheme'
     "int4-bf16": (torch.bfloat16, "int4", None),
     "int4": (torch.float32, "int4", None),
 }
-SCHEMES_DOC = (  # what the variants' schemes are (scripts/make_quant.py prints it beside the figures)
+SCHEMES_DOC = (  # what the variants' schemes are (tools/make_quant.py prints it beside the figures)
     "int8 is weight only (one scale per output channel, activations in the model's dtype) on molora's kernels: "
     "linear_w8 for float32 activations, linear_amx_w8 (AMX) for bfloat16; w8a8 is W8A8 on torch._int_mm (activations "
     "rounded per token after SmoothQuant's per-channel factors); int4 is weight only on torch's kernel, groups of "
@@ -57,7 +57,7 @@ SCHEMES_DOC = (  # what the variants' schemes are (scripts/make_quant.py prints 
 )
 # w8a8 with some projections (by last name) in weight-only int8 instead, float32 activations: bench-only variants,
 # built here by quantizing before attach (molora.model.quant_linear.quantize_linears twice; no served option yet),
-# after scripts/w8a8_keep_probe.py found down_proj's rounded activations behind half of w8a8's arithmetic KL
+# after experiments/w8a8_keep_probe.py found down_proj's rounded activations behind half of w8a8's arithmetic KL
 W8A8_KEEP = {"w8a8-keepdown": ("down_proj",)}
 
 
@@ -93,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    sys.path.insert(0, str(ROOT))
     from molora import attach
     from molora.bench.common import machine_info
     from molora.bench.engine import bench_config, make_adapters, workload
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         [],
     )
     record = {
-        "command": "python scripts/bench_quant.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m experiments.bench_quant " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": {**machine_info(), "int8_flags": [f for f in ("avx512_vnni", "amx_int8") if f in flags]},
         "requests": a.requests,
         "prompt_len": a.prompt_len,

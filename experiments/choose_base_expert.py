@@ -1,6 +1,6 @@
 """Choose the base-expert settings (confidence, prompt_share) and re-examine carry and probe, on validation only.
 
-    .venv/bin/python scripts/choose_base_expert.py --bundle DIR [--n-skill 50] [--n-mixed 30] [--write]
+    .venv/bin/python -m experiments.choose_base_expert --bundle DIR [--n-skill 50] [--n-mixed 30] [--write]
 
 Validation items only (molora.eval.heldout split "val"; molora.data.general "val"); nothing here reads a test item.
 
@@ -94,7 +94,7 @@ def main() -> int:
     p.add_argument("--stage1", default=None, help="reuse the probe shares of an earlier record (same prompts)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    command = "python scripts/choose_base_expert.py " + " ".join(sys.argv[1:])
+    command = "python -m experiments.choose_base_expert " + " ".join(sys.argv[1:])
     mm = load(args.bundle)
     bundle = mm.bundle
     work = Path(args.work)

@@ -1,9 +1,9 @@
 """Pick the grammar engine for structured output by measurement: xgrammar, llguidance, outlines-core.
 
-    PYTHONPATH=. python scripts/choose_grammar_engine.py [--out docs/grammar_engines.json] [--steps 48]
+    python -m experiments.choose_grammar_engine [--out docs/grammar_engines.json] [--steps 48]
 
 On the *validation* split of molora/data/schemas/schemas.json only (the test split is scored once, by
-scripts/structured_bench.py, with the engine chosen here), with the real SmolLM2 tokenizer
+experiments/structured_bench.py, with the engine chosen here), with the real SmolLM2 tokenizer
 (`molora.model.base.load_base()`, offline):
 
   setup_s       building the engine's tokenizer view from the transformers tokenizer (once per process)

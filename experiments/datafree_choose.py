@@ -1,12 +1,12 @@
 """Choose the data-free gates' settings (molora.train.datafree: prompts the base model writes, labelled by which
-adapter moves its answer most) on the validation prompts of scripts/gates_choose.py and
-scripts/arrow_variants_choose.py, beside the gates trained on each adapter's own prompts, prompt-Arrow and the
+adapter moves its answer most) on the validation prompts of experiments/gates_choose.py and
+experiments/arrow_variants_choose.py, beside the gates trained on each adapter's own prompts, prompt-Arrow and the
 learned router.
 
-    .venv/bin/python scripts/datafree_choose.py --pool runs/datafree_pool.json --json docs/datafree_choice.json \
+    .venv/bin/python -m experiments.datafree_choose --pool runs/datafree_pool.json --json docs/datafree_choice.json \
         [--gates-out runs/datafree_gates]
 
-Data: the pool (scripts/datafree_pool.py: user turns the base model wrote, none equal to an evaluation item) and
+Data: the pool (experiments/datafree_pool.py: user turns the base model wrote, none equal to an evaluation item) and
 the adapters' weights; nothing else trains or labels anything. The pool's sensitivity (KL of each adapter against
 the base on the base model's own answer) and block states are cached in --sens.
 
@@ -28,16 +28,14 @@ import argparse
 import itertools
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from arrow_variants_choose import hit_rates  # noqa: E402  (the same scoring as Arrow's and the gates' choices)
-from gates_choose import RULES, SHARES, WINDOWS, choice_key, prompt_destination  # noqa: E402
-from gates_eval import _row, test_tables  # noqa: E402  (the test tables of the records gates_eval writes)
+from experiments.arrow_variants_choose import hit_rates  # (the same scoring as Arrow's and the gates' choices)
+from experiments.gates_choose import RULES, SHARES, WINDOWS, choice_key, prompt_destination
+from experiments.gates_eval import _row, test_tables  # (the test tables of the records gates_eval writes)
 
 Z_MINS = (0.5, 1.0, 1.5, 2.0)
 MARGINS = (0.0, 0.5)
@@ -169,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     best = max(ok, key=choice_key)
     gates_rec = json.loads(Path("docs/gates_choice.json").read_text())
     rec = {
-        "command": f"python scripts/datafree_choose.py --pool {a.pool} --json {a.json} --n-direct {a.n_direct} "
+        "command": f"python -m experiments.datafree_choose --pool {a.pool} --json {a.json} --n-direct {a.n_direct} "
         f"--answer-tokens {a.answer_tokens}",
         "pool_command": pool_rec["command"],
         "date": time.strftime("%Y-%m-%d"),
@@ -228,15 +226,16 @@ if __name__ == "__main__":
 
 def render_section(rec: dict) -> list[str]:
     """docs/results.md's section on data-free routing (markdown lines): the test record of the confidence chooser
-    (docs/datafree_prompt.json, written by scripts/gates_eval.py --confidence), its validation choice
-    (scripts/datafree_confidence.py) and the gates trained on pseudo-labelled pool prompts (docs/datafree_choice.json,
-    this script's record)."""
+    (docs/datafree_prompt.json, written by experiments/gates_eval.py --confidence), its validation choice
+    (experiments/datafree_confidence.py) and the gates trained on pseudo-labelled pool prompts
+    (docs/datafree_choice.json, this script's record)."""
     c = rec["config"]
     out = [
         "## Data-free routing: the adapters' weights and text the base model writes, no labelled data",
         "",
-        "The base model writes a pool of user turns itself (`scripts/datafree_pool.py`; none equal to an evaluation "
-        "item). Two ways to route with it were measured (`molora/train/datafree.py`, `molora/routing/confidence.py`):",
+        "The base model writes a pool of user turns itself (`experiments/datafree_pool.py`; none equal to an "
+        "evaluation item). Two ways to route with it were measured (`molora/train/datafree.py`, "
+        "`molora/routing/confidence.py`):",
         "",
         "- **confidence chooser** (one adapter per request): each adapter reads the prompt, its confidence is 1 / the "
         "entropy of its first answer token, z-scored per adapter over the pool; the request goes to the adapter "
@@ -317,7 +316,7 @@ def _test_tables(rec: dict, what: str, who: str) -> list[str]:
 
 def _hybrid_section(cols: list[str]) -> list[str]:
     """The hybrid chooser (molora.routing.hybrid): its validation choice (docs/datafree_hybrid_choice.json,
-    scripts/datafree_hybrid.py) and, where it was scored, its test record (docs/datafree_hybrid_prompt.json)."""
+    experiments/datafree_hybrid.py) and, where it was scored, its test record (docs/datafree_hybrid_prompt.json)."""
     path = Path("docs/datafree_hybrid_choice.json")
     if not path.is_file():
         return []

@@ -1,12 +1,12 @@
 """Choose the data-free confidence chooser's rule (molora.routing.confidence: one adapter per request, the one
 unusually sure of the first answer token, z-scored over the prompts the base model wrote) on the validation
-prompts of scripts/gates_choose.py and scripts/arrow_variants_choose.py.
+prompts of experiments/gates_choose.py and experiments/arrow_variants_choose.py.
 
-    .venv/bin/python scripts/datafree_confidence.py --json docs/datafree_confidence_choice.json \
+    .venv/bin/python -m experiments.datafree_confidence --json docs/datafree_confidence_choice.json \
         [--sens runs/datafree_sens.pt] [--out runs/datafree_confidence]
 
-Calibration: the pool's first-answer-token entropies per adapter (scripts/datafree_choose.py's --sens cache of
-molora.train.datafree.sensitivity over scripts/datafree_pool.py's pool); no labelled data. Validation: every
+Calibration: the pool's first-answer-token entropies per adapter (experiments/datafree_choose.py's --sens cache of
+molora.train.datafree.sensitivity over experiments/datafree_pool.py's pool); no labelled data. Validation: every
 prompt of arrow_variants_choose's --features cache (40 per skill, 60 general, 40 two-skill items by turn),
 scored with the same `hit_rates`. Choice: the highest skills mean among rules keeping >= 95% of general
 validation prompts on the base model (ties: mixed second turns, general kept home, the larger z_min and margin).
@@ -17,15 +17,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from arrow_variants_choose import hit_rates  # noqa: E402
-from gates_choose import rebuild_ids  # noqa: E402
+from experiments.arrow_variants_choose import hit_rates
+from experiments.gates_choose import rebuild_ids
 
 Z_MINS = tuple(0.5 + 0.25 * i for i in range(15))  # 0.5 .. 4.0
 MARGINS = (0.0, 0.25, 0.5, 1.0)
@@ -98,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     gates_rec = json.loads(Path("docs/gates_choice.json").read_text())
     cols = (*tasks, "general", "mixed_turn1", "mixed_turn2", "skills_mean")
     rec = {
-        "command": f"python scripts/datafree_confidence.py --json {a.json}",
+        "command": f"python -m experiments.datafree_confidence --json {a.json}",
         "pool_command": json.loads(Path(a.pool).read_text())["command"],
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info(),

@@ -1,8 +1,8 @@
 """Choose the hybrid data-free chooser's settings (molora.routing.hybrid: prompt-level Arrow decides whether a prompt
 leaves the base model, the confidence chooser's largest z which adapter) on the validation prompts of
-scripts/arrow_variants_choose.py, scored with its `hit_rates`.
+experiments/arrow_variants_choose.py, scored with its `hit_rates`.
 
-    .venv/bin/python scripts/datafree_hybrid.py --json docs/datafree_hybrid_choice.json \
+    .venv/bin/python -m experiments.datafree_hybrid --json docs/datafree_hybrid_choice.json \
         [--confidence docs/datafree_confidence] [--out runs/datafree_hybrid]
 
 Inputs, none labelled: arrow_variants_choose's --features cache (the base model's normed states at the deciding
@@ -31,9 +31,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from arrow_variants_choose import SHARES, VOTE_THRESHOLDS, WINDOWS, hit_rates, ratios, scores  # noqa: E402
-from gates_choose import rebuild_ids  # noqa: E402
+from experiments.arrow_variants_choose import SHARES, VOTE_THRESHOLDS, WINDOWS, hit_rates, ratios, scores
+from experiments.gates_choose import rebuild_ids
 
 Z_OR = (None, 3.0, 3.5, 4.0, 5.0)
 Z_FLOOR = (None, 0.0, 1.0, 2.0)
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     conf_rec = json.loads(Path("docs/datafree_confidence_choice.json").read_text())
     cols = (*tasks, "general", "mixed_turn1", "mixed_turn2", "skills_mean")
     rec = {
-        "command": f"python scripts/datafree_hybrid.py --json {a.json} --confidence {a.confidence}",
+        "command": f"python -m experiments.datafree_hybrid --json {a.json} --confidence {a.confidence}",
         "features_command": arrow_rec["command"],
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info(),
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "arrow_prompt_chosen": {k: ac[k] for k in cols},
         "learned": conf_rec["learned"],
         "beats_confidence_chosen": best["skills_mean"] > conf_rec["chosen"]["skills_mean"] and best["general"] >= 95,
-        "test_policy": "scored on test (scripts/gates_eval.py --hybrid) only if it beats the confidence chooser's "
+        "test_policy": "scored on test (experiments/gates_eval.py --hybrid) only if it beats the confidence chooser's "
         "validation skills mean at >= 95% general; that test is the second data-free method scored on test "
         "(the first: the confidence chooser, docs/datafree_prompt.json)",
         "seconds": round(time.time() - t0, 1),

@@ -1,7 +1,7 @@
 """Write the data-free pool: user turns the base model writes itself (molora.train.datafree.sample_pool), none equal
 to a validation or test item of any skill, two-skill item or general prompt.
 
-    .venv/bin/python scripts/datafree_pool.py --out runs/datafree_pool.json [--n 800] [--seed 0]
+    .venv/bin/python -m experiments.datafree_pool --out runs/datafree_pool.json [--n 800] [--seed 0]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         temperature=a.temperature,
     )
     rec = {
-        "command": f"python scripts/datafree_pool.py --out {a.out} --n {a.n} --seed {a.seed} --batch {a.batch} "
+        "command": f"python -m experiments.datafree_pool --out {a.out} --n {a.n} --seed {a.seed} --batch {a.batch} "
         f"--max-new-tokens {a.max_new_tokens} --temperature {a.temperature}",
         "n_excluded_eval_inputs": len(excluded),
         "seconds": round(time.time() - t0, 1),

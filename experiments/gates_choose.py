@@ -1,7 +1,7 @@
 """Choose the composable per-adapter gates' settings (molora.routing.gates) on the validation prompts that
-scripts/arrow_variants_choose.py scores prompt-level Arrow on, beside Arrow's chosen setting and the learned router.
+experiments/arrow_variants_choose.py scores prompt-level Arrow on, beside Arrow's chosen setting and the learned router.
 
-    .venv/bin/python scripts/gates_choose.py --json docs/gates_choice.json [--n-pos 160] [--gates-out runs/gates]
+    .venv/bin/python -m experiments.gates_choose --json docs/gates_choice.json [--n-pos 160] [--gates-out runs/gates]
 
 Data each gate sees (and nothing else): its own adapter's training prompts (the first --n-pos of the items the
 adapter was trained on, `molora.data.skills.generate(task, n, TRAIN_SEED_BASE + 10 i)` as molora.train.default
@@ -10,7 +10,7 @@ writes them, minus any that is also a validation or test item) against general p
 for every gate. Each set is shuffled by a fixed seed; 80% trains the gate, 20% sets its threshold
 (molora.train.gates.fit_gate). No gate sees another adapter's prompts, the validation prompts or their labels.
 
-Validation: the prompts, labels and base-model states of scripts/arrow_variants_choose.py's --features cache
+Validation: the prompts, labels and base-model states of experiments/arrow_variants_choose.py's --features cache
 (runs it first if missing: 40 items per skill, 60 general prompts, 40 two-skill items, both turns), so every
 number here is on the same items as docs/arrow_variants_choice.json. A prompt's destination is where its answer
 runs: `fill_prompt_routes`' last-token decision (the code the router serves). The learned router's destination is
@@ -30,14 +30,12 @@ import argparse
 import itertools
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from arrow_variants_choose import hit_rates  # noqa: E402  (the same scoring as Arrow's choice)
+from experiments.arrow_variants_choose import hit_rates  # (the same scoring as Arrow's choice)
 
 L2S = (1e-3, 1e-2)
 RULES = [("quantile", q) for q in (0.9, 0.95, 0.98, 0.99, 0.995)] + [("youden", 0.0)]
@@ -126,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from molora.train.gates import gate_threshold, held_cut, train_gate
 
     if not Path(a.features).is_file():
-        import arrow_variants_choose
+        from experiments import arrow_variants_choose
 
         arrow_variants_choose.main(["--json", "runs/arrow_variants_choice_rerun.json", "--features", a.features])
     f = torch.load(a.features)
@@ -177,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     best = max(served, key=choice_key)
     arrow = json.loads(Path("docs/arrow_variants_choice.json").read_text())["chosen"]
     rec = {
-        "command": f"python scripts/gates_choose.py --json {a.json} --n-pos {a.n_pos}",
+        "command": f"python -m experiments.gates_choose --json {a.json} --n-pos {a.n_pos}",
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info(),
         "tasks": tasks,

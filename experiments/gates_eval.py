@@ -1,15 +1,16 @@
-"""Score the composable per-adapter gates (molora.routing.gates, chosen on validation by scripts/gates_choose.py)
+"""Score the composable per-adapter gates (molora.routing.gates, chosen on validation by experiments/gates_choose.py)
 once on the test items of docs/arrow_prompt.json (the first --n test items per skill, the first --n-general general
 test prompts, --n-mixed two-skill test items), with the same evaluation code, and write docs/gates_prompt.json
 beside that record's prompt-level Arrow, learned router and one-adapter-per-request results (same bundle
 fingerprint and item counts, checked).
 
-    .venv/bin/python scripts/gates_eval.py --gates runs/gates --choice docs/gates_choice.json \
+    .venv/bin/python -m experiments.gates_eval --gates runs/gates --choice docs/gates_choice.json \
         --json docs/gates_prompt.json [--beside docs/arrow_prompt.json]
 
-With --confidence instead of --gates, a molora.routing.confidence chooser (scripts/datafree_confidence.py) picks
+With --confidence instead of --gates, a molora.routing.confidence chooser (experiments/datafree_confidence.py) picks
 one adapter (or the base) per request, scored in the evaluation's "sequence" mode (two-skill items: one adapter
-for the whole conversation). With --hybrid, a molora.routing.hybrid chooser (scripts/datafree_hybrid.py: prompt-level
+for the whole conversation). With --hybrid, a molora.routing.hybrid chooser (experiments/datafree_hybrid.py:
+prompt-level
 Arrow decides whether a request leaves the base model, the confidence chooser which adapter), scored the same way.
 Runs are cached under --work (an interrupted run resumes).
 """
@@ -18,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
-from make_results import cached  # noqa: E402  (the one cache of evaluation runs)
+from tools.make_results import cached  # (the one cache of evaluation runs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,16 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     from molora.routing.hybrid import HybridChooser
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gates", help="the GateRouter folder scripts/gates_choose.py --gates-out wrote")
+    ap.add_argument("--gates", help="the GateRouter folder experiments/gates_choose.py --gates-out wrote")
     ap.add_argument(
         "--confidence",
-        help="instead of gates: a molora.routing.confidence chooser folder (scripts/datafree_confidence.py --out), "
+        help="instead of gates: a molora.routing.confidence chooser folder (experiments/datafree_confidence.py --out), "
         "scored in the evaluation's one-adapter-per-request mode",
     )
     ap.add_argument(
         "--hybrid", help="instead of gates: a molora.routing.hybrid chooser folder (datafree_hybrid.py --out)"
     )
-    ap.add_argument("--choice", required=True, help="the record of scripts/gates_choose.py")
+    ap.add_argument("--choice", required=True, help="the record of experiments/gates_choose.py")
     ap.add_argument("--json", required=True)
     ap.add_argument("--beside", default="docs/arrow_prompt.json", help="the record whose items and modes to join")
     ap.add_argument("--batch-size", type=int, default=16)
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         mixed.update(beside["mixed"])
     rec = {
-        "command": "python scripts/gates_eval.py "
+        "command": "python -m experiments.gates_eval "
         + (
             f"--gates {a.gates} "
             if a.gates

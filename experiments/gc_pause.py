@@ -1,7 +1,7 @@
 """How long one full garbage collection takes in a serving process, with and without the start-up heap freeze
 (molora.engine.heap), and how many objects it walks.
 
-    PYTHONPATH=. python scripts/gc_pause.py [--adapters 1000] [--repeats 7] --json docs/gc_pause.json
+    python -m experiments.gc_pause [--adapters 1000] [--repeats 7] --json docs/gc_pause.json
 
 Builds what the 1,000-adapter traffic bench builds (molora.bench.hotset_traffic.build_engine: the default base, N
 random rank-8 adapters registered, a learned router over all of them), runs a few requests so the engine's
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "what": "one full garbage collection (gc.collect()) in a process holding the 1,000-adapter traffic bench's "
         "engine, unfrozen and after freeze_heap(), alternating",
-        "command": "PYTHONPATH=. python scripts/gc_pause.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m experiments.gc_pause " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine_info(),
         "adapters": a.adapters,
         "repeats": a.repeats,

@@ -1,6 +1,6 @@
 """How far the served hybrid chooser's two signals can go: every rule of its family, each split's best.
 
-    .venv/bin/python scripts/hybrid_ceiling.py --cache runs/hybrid_cache400 --json docs/hybrid_ceiling.json \
+    .venv/bin/python -m experiments.hybrid_ceiling --cache runs/hybrid_cache400 --json docs/hybrid_ceiling.json \
         [--n 100] [--n-val 40] [--n-general 60] [--threads 2]
 
 The data-free goal asks for scores within 10 points of the learned router on every skill while >= 95% of
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     rec = {
         "what": "the served hybrid chooser's two signals on every prompt, every rule of its family scored: how far "
         "a threshold on them can go (no generation; sent-right % is a ceiling on a skill's accuracy)",
-        "command": "python scripts/hybrid_ceiling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m experiments.hybrid_ceiling " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info() | {"threads": a.threads, "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
         "fingerprint": fingerprint(bundle),

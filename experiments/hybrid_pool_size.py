@@ -1,19 +1,20 @@
 """Choose the served hybrid chooser's pool size on validation: how many user turns the base model must write for the
 adapters' confidence statistics, the part of `--router hybrid`'s start-up calibration that grows with the pool.
 
-    .venv/bin/python scripts/hybrid_pool_size.py --json docs/hybrid_pool_size_choice.json --cache runs/hybrid_cache \
+    python -m experiments.hybrid_pool_size --json docs/hybrid_pool_size_choice.json --cache runs/hybrid_cache \
         [--sizes 50,100,200,400,800] [--full-n 800] [--threads 1]
 
---cache holds the 800-turn pool: `scripts/hybrid_serve_startup.py --cache runs/hybrid_cache --pool-n 800`.
+--cache holds the 800-turn pool: `experiments/hybrid_serve_startup.py --cache runs/hybrid_cache --pool-n 800`.
 
-Inputs, none labelled: the served calibration's cache (--cache, scripts/hybrid_serve_startup.py: the 800-turn pool
+Inputs, none labelled: the served calibration's cache (--cache, experiments/hybrid_serve_startup.py: the 800-turn pool
 and each adapter's first-answer-token entropy on every pooled turn, in the order drawn; the first n turns of that
 pool are the pool of n, molora.calibration.sample_pool) and the validation prompts of
-scripts/arrow_variants_choose.py in the same order (40 per skill, the 60 general prompts, 40 two-skill items by
+experiments/arrow_variants_choose.py in the same order (40 per skill, the 60 general prompts, 40 two-skill items by
 turn), whose Arrow claimed shares (molora.routing.hybrid.arrow_claim_share, the served setting) and per-adapter
 entropies are computed here. For each pool size the chooser's statistics come from the pool's first n turns and
 every validation prompt is decided by the served rule (molora.routing.hybrid.hybrid_decide, z_or 3.5), scored with
-scripts/arrow_variants_choose.py's `hit_rates` (the same items and rule as scripts/datafree_hybrid.py). Also checked
+experiments/arrow_variants_choose.py's `hit_rates` (the same items and rule as experiments/datafree_hybrid.py). Also
+checked
 on the same prompts: the served per-request path's `joint_pass` (one forward of each prompt on the base model and
 every adapter together) against the separate passes the validation used, picks and largest differences.
 
@@ -25,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from arrow_variants_choose import hit_rates  # noqa: E402
+from experiments.arrow_variants_choose import hit_rates
 
 
 def val_prompts(mm, n_val: int = 40, n_mixed: int = 40) -> tuple[list[str], list[list[int]]]:  # noqa: ANN001
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     committed = json.loads(Path("docs/datafree_confidence/confidence.json").read_text())
     served = ConfidenceChooser.from_pool(names, full, z_min=0.0, margin=0.0)
     rec = {
-        "command": f"python scripts/hybrid_pool_size.py --json {a.json} --cache {a.cache} --sizes {a.sizes} "
+        "command": f"python -m experiments.hybrid_pool_size --json {a.json} --cache {a.cache} --sizes {a.sizes} "
         f"--threads {a.threads}",
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info(),

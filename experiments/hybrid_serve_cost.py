@@ -2,11 +2,11 @@
 default bundle with `--router hybrid`, answering each validation item once through the chooser (model=<the
 bundle's name>) and once pinned to the item's own adapter (model=<adapter>), interleaved.
 
-    .venv/bin/python scripts/hybrid_serve_cost.py --json docs/hybrid_serve_cost.json --cache runs/hybrid_cache \
+    .venv/bin/python -m experiments.hybrid_serve_cost --json docs/hybrid_serve_cost.json --cache runs/hybrid_cache \
         [--limit 4] [--repeats 2] [--threads 1]
 
-The calibration is read from --cache (scripts/hybrid_serve_startup.py writes it; a cold cache computes it first).
-For each skill, the first --limit validation items (`molora.eval.heldout` split "val", as scripts/arrow_cost.py
+The calibration is read from --cache (experiments/hybrid_serve_startup.py writes it; a cold cache computes it first).
+For each skill, the first --limit validation items (`molora.eval.heldout` split "val", as experiments/arrow_cost.py
 takes them) are sent one at a time as a chat turn with the evaluation's token budget for the answer kind
 (`molora.eval.runner.MAX_NEW_TOKENS`), greedy; each (item, repetition) is a pair whose order rotates every pair
 (style.md 18), after one untimed request under each variant. The prefix cache is off, so neither variant reuses
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
-    ap.add_argument("--cache", required=True, help="the calibration cache (scripts/hybrid_serve_startup.py)")
+    ap.add_argument("--cache", required=True, help="the calibration cache (experiments/hybrid_serve_startup.py)")
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         return round(statistics.median(p[key] for p in rows), 3)
 
     rec = {
-        "command": f"python scripts/hybrid_serve_cost.py --json {a.json} --cache {a.cache} --limit {a.limit} "
+        "command": f"python -m experiments.hybrid_serve_cost --json {a.json} --cache {a.cache} --limit {a.limit} "
         f"--repeats {a.repeats} --threads {a.threads}",
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info(),
@@ -241,7 +241,8 @@ def render_section(rec: dict) -> list[str]:
         out += [
             "",
             f"**Pool size, chosen on validation** (`{z['command']}`; {z['n_val_prompts']} validation prompts of "
-            "scripts/datafree_hybrid.py, same `hit_rates`; the first n turns of the 800-turn pool are the pool of n). "
+            "experiments/datafree_hybrid.py, same `hit_rates`; the first n turns of the 800-turn pool are the pool of "
+            "n). "
             f"Rule: {z['rule']}. Chosen: **{z['chosen']['pool_n']}** turns. Check that the served calibration is the "
             "validated one: the 800-turn row is "
             + ("identical to" if full == z["validated_choice_row"] else "**not** identical to")

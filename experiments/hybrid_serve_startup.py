@@ -1,7 +1,7 @@
 """What `molora serve ... --router hybrid` costs at start-up: the chooser's calibration (the pool the base model writes,
 each adapter's entropies over it, Arrow's binding) on the default bundle's base and adapters, cold and cached.
 
-    .venv/bin/python scripts/hybrid_serve_startup.py --json docs/hybrid_serve_startup.json --cache runs/hybrid_cache \
+    python -m experiments.hybrid_serve_startup --json docs/hybrid_serve_startup.json --cache runs/hybrid_cache \
         [--threads 1] [--pool-n 800]
 
 One process, in this order: `build_engine` (what `molora serve` runs before it listens) of the default bundle with
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = next(v for k, v in files.items() if k.startswith("pool-"))
     ent = {v["adapter"]: v["seconds"] for k, v in files.items() if k.startswith("entropy-")}
     rec = {
-        "command": f"python scripts/hybrid_serve_startup.py --json {a.json} --cache {a.cache} --threads {a.threads}"
+        "command": f"python -m experiments.hybrid_serve_startup --json {a.json} --cache {a.cache} --threads {a.threads}"
         + (f" --pool-n {a.pool_n}" if a.pool_n is not None else ""),
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info(),

@@ -3,7 +3,7 @@ request's inter-token gaps while requests arrive that the chooser decides, again
 adapter (no chooser), alternating.
 
     molora serve --model M --lora-modules a=PATH ... --router hybrid --port 8123     # in another shell
-    PYTHONPATH=. python scripts/hybrid_stall.py --url http://127.0.0.1:8123 --repeats 3 --json docs/hybrid_stall.json
+    python -m experiments.hybrid_stall --url http://127.0.0.1:8123 --repeats 3 --json docs/hybrid_stall.json
 
 Per repetition and arm: one stream (`--stream-adapter`, `--stream-tokens` tokens, ignore_eos), and after its first
 token `--arrivals` short chat requests one after another, on the base name (the chooser decides: arm "chooser") or
@@ -83,7 +83,7 @@ def run_arm(url: str, base: str, arm: str, a: argparse.Namespace) -> dict:
 
 
 def render_section(r: dict) -> list[str]:
-    """docs/results.md's lines for this record (scripts/make_results.py appends them)."""
+    """docs/results.md's lines for this record (tools/make_results.py appends them)."""
     s = r["summary"]
     row = lambda arm: (
         f"| {arm} | {s[arm]['median_ms']:.1f} | {s[arm]['p99_ms']:.1f} | {s[arm]['max_ms']:.1f} | "
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "what": "a streamed pinned request's inter-token gaps while requests arrive that the hybrid chooser decides, "
         "against the same arrivals pinned (no chooser), alternating; medians over repetitions",
-        "command": "PYTHONPATH=. python scripts/hybrid_stall.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m experiments.hybrid_stall " + " ".join(sys.argv[1:] if argv is None else argv),
         "server": "molora serve --model <SmolLM2-135M-Instruct GGUF> --lora-modules counting=... arithmetic=... "
         "dyck=... navigate=... (the default bundle's adapters) --router hybrid, 2 threads",
         "cpu": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?"),

@@ -1,6 +1,6 @@
 """Greedy agreement of molora's engine with transformers on the real model's general prompts, per source tree.
 
-    PYTHONPATH=. python scripts/norm_agreement.py --tree base=/tmp/base --tree head=. [--json docs/norm_agreement.json]
+    python -m experiments.norm_agreement --tree base=/tmp/base --tree head=. [--json docs/norm_agreement.json]
 
 What changes when the C++ RMSNorm takes its mean of squares as the float32 nearest the exact mean (a float64 sum)
 instead of replaying torch's float32 summation order: each tree (a checkout of molora) runs in a process of its own
@@ -100,7 +100,7 @@ def main() -> int:
 
     record: dict[str, Any] = {
         "what": "greedy tokens of molora's engine vs transformers' generate, default base, general val+test prompts",
-        "command": "PYTHONPATH=. python scripts/norm_agreement.py " + " ".join(sys.argv[1:]),
+        "command": "python -m experiments.norm_agreement " + " ".join(sys.argv[1:]),
         "machine": machine_info(),
         "trees": {},
     }

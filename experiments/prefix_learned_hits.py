@@ -3,7 +3,7 @@
 how many prompt tokens the probe pass and the real pass took from the cache, and how many distinct real-pass
 decision sequences (filled probe decisions, base-expert verdict) the shared system prompt got.
 
-    python scripts/prefix_learned_hits.py --json docs/prefix_cache_learned_hits.json
+    python -m experiments.prefix_learned_hits --json docs/prefix_cache_learned_hits.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Turn the per-run lines of a `molora bench engine --shared-prefix` stderr log into a record, for a run that
 was stopped before it wrote its JSON (the full run takes hours on a loaded 2-core machine).
 
-    python scripts/prefix_log_record.py docs/prefix_cache_learned.log --into docs/prefix_cache.json \\
+    python -m experiments.prefix_log_record docs/prefix_cache_learned.log --into docs/prefix_cache.json \\
         --key learned_from_log --command "molora bench engine --shared-prefix --repeats 1 --chats 4"
 
 Each line `  <part> <routing> <cache_on|cache_off>: <wall> s, median TTFT <ttft> s` becomes

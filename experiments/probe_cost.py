@@ -1,6 +1,6 @@
 """What the probe pass costs (molora.routing.learned: Probe), timed side by side with learned routing without it.
 
-    .venv/bin/python scripts/probe_cost.py --data DIR [--bundle DIR] [--limit 32] [--repeats 2] [--threads 2]
+    .venv/bin/python -m experiments.probe_cost --data DIR [--bundle DIR] [--limit 32] [--repeats 2] [--threads 2]
 
 For each skill file DIR/<task>.json (BBH format, e.g. make_results.py's held-out data) and each repetition,
 evaluates the first --limit items under learned routing with the probe, learned routing without it (the same
@@ -68,7 +68,7 @@ def main() -> int:
     }
     out["probe_time_over_no_probe"] = round(totals["probe"]["seconds"] / totals["no_probe"]["seconds"], 3)
     out["probe_time_over_own"] = round(totals["probe"]["seconds"] / totals["own"]["seconds"], 3)
-    out["command"] = "python scripts/probe_cost.py " + " ".join(
+    out["command"] = "python -m experiments.probe_cost " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None
     )
     out["limit"], out["date"] = args.limit, time.strftime("%Y-%m-%d")

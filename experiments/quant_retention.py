@@ -1,11 +1,11 @@
 """What a quantized base's general retention measures: the learned router's own effect, or the base model's answers
 moving with the batch they run in.
 
-    .venv/bin/python scripts/quant_retention.py --split test --n-general 60 --variants fp32 int8-qhead bf16 w8a8 \
+    .venv/bin/python -m experiments.quant_retention --split test --n-general 60 --variants fp32 int8-qhead bf16 w8a8 \
         --json docs/quant_retention_test.json [--threads 2]
 
-scripts/quant_eval.py's retention is the share of general prompts whose answer under the learned router equals the
-same model's answer without adapters, both through the engine (molora serve's path). Per variant (scripts/
+experiments/quant_eval.py's retention is the share of general prompts whose answer under the learned router equals the
+same model's answer without adapters, both through the engine (molora serve's path). Per variant (experiments/
 bench_quant.py's VARIANTS, on the embedded default bundle) on the same prompts (the first --n-general of the general
 split; test2 reads test's, as quant_eval does), this script measures that figure again and takes it apart:
 
@@ -30,9 +30,9 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.bench_quant import VARIANTS  # (name -> (dtype, scheme, quantize_lm_head))
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_quant import VARIANTS  # noqa: E402  (name -> (dtype, scheme, quantize_lm_head))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     rec: dict = {
         "what": "general retention on a quantized base, taken apart: the router's effect against the base model's "
         "answers moving with the batch",
-        "command": "python scripts/quant_retention.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m experiments.quant_retention " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
         "split": a.split,
         "n_general": len(prompts),

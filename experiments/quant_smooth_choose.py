@@ -1,6 +1,6 @@
 """Choose int8's SmoothQuant strength on validation text: the quantized base's next-token agreement with float32.
 
-    python scripts/quant_smooth_choose.py [--rows 24] [--json docs/quant_smooth_choice.json]
+    python -m experiments.quant_smooth_choose [--rows 24] [--json docs/quant_smooth_choice.json]
 
 The default base (SmolLM2-135M) in float32 reads --rows general prompts of the validation split (molora.data.general:
 Self-Instruct and GSM8K, never the test split), each with its reference answer, in the chat template the bundle uses
@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     best = min(smoothed, key=lambda k: (smoothed[k]["kl_per_position"], -smoothed[k]["top1_agreement"]))
     record = {
         "what": "int8 (W8A8) next-token agreement with float32 on validation general text, by SmoothQuant alpha",
-        "command": "python scripts/quant_smooth_choose.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m experiments.quant_smooth_choose " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {
             "cpu": platform.processor() or platform.machine(),
             "loadavg": os.getloadavg(),

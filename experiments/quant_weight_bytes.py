@@ -1,9 +1,10 @@
 """Resident bytes of the base weights per precision: every copy molora keeps, beside the GGUF files of llama.cpp.
 
-    PYTHONPATH=. python scripts/quant_weight_bytes.py [--variants fp32 bf16 int8 int8-bf16 w8a8 int4-bf16]
+    python -m experiments.quant_weight_bytes [--variants fp32 bf16 int8 int8-bf16 w8a8 int4-bf16]
         [--json docs/quant_weight_bytes.json]
 
-For each variant (scripts/bench_quant.py's VARIANTS: dtype, quantization, LM head; SmolLM2-135M, no adapters): `attach`,
+For each variant (experiments/bench_quant.py's VARIANTS: dtype, quantization, LM head; SmolLM2-135M, no adapters):
+`attach`,
 cast, one `Engine`, and a short `generate` (8 prompts of 32 token ids, 4 new tokens: a prefill step of several rows and
 decode steps, so every copy a kernel makes at its first call exists), then `quant_linear.weight_bytes` over the model
 and the runner's packed copies (`ModelRunner.packed_weights`): "quantized" (int8/int4 weights and scales, as kept),
@@ -25,10 +26,9 @@ from pathlib import Path
 
 import torch
 
+from experiments.bench_quant import VARIANTS  # (name -> (dtype, scheme, quantize_lm_head))
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_quant import VARIANTS  # noqa: E402  (name -> (dtype, scheme, quantize_lm_head))
 
 GGUF_OF = {"fp32": "F32", "bf16": "BF16", "int4-bf16": "Q4_0"} | {n: "Q8_0" for n in VARIANTS if n.startswith("int8")}
 
@@ -64,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     src = default_gguf_path()
     peer = cache_root() / "peer"
     record: dict = {
-        "command": "PYTHONPATH=. python scripts/quant_weight_bytes.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m experiments.quant_weight_bytes " + " ".join(sys.argv[1:] if argv is None else argv),
         "what": "resident bytes of the base weights after a short generate, every copy counted once "
         "(molora.model.quant_linear.weight_bytes with ModelRunner.packed_weights)",
         # which copies exist depends on the CPU: bfloat16 weights are packed (a second copy) only where AMX runs

@@ -1,8 +1,8 @@
 """Measure Ray placement by adapter set (`--ray-placement adapters`) against Ray's own choice by bundle
 (`--ray-placement bundle`) and keep the balance in docs/ray_placement.json.
 
-    .venv/bin/python scripts/ray_placement.py [--calls 160] [--adapters 24] [--repeats 1]
-    .venv/bin/python scripts/ray_placement.py --render-only     # docs/scaleout.md's block from the record
+    .venv/bin/python -m experiments.ray_placement [--calls 160] [--adapters 24] [--repeats 1]
+    .venv/bin/python -m experiments.ray_placement --render-only     # docs/scaleout.md's block from the record
 
 Setup: one bundle on the default base with N random rank-8 adapters (each a copy of the shapes of the embedded
 `counting` adapter, its own seeded weights): 4 in its manifest (a bundle holds at most as many as it has slots),
@@ -38,7 +38,7 @@ from molora.docblock import markers, wrap, write_block
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "ray_placement.json"
 PAGE = ROOT / "docs" / "scaleout.md"
-PLACE_BEGIN, PLACE_END = markers("ray-placement", "scripts/ray_placement.py")
+PLACE_BEGIN, PLACE_END = markers("ray-placement", "experiments/ray_placement.py")
 VARIANTS = ("adapters", "bundle")
 VOCAB = 49152  # SmolLM2's
 SLOTS = 4
@@ -211,7 +211,7 @@ def main() -> None:
     record = {
         "what": "Ray placement by adapter set vs by bundle: calls per replica and the share of calls whose "
         "adapters were all in a slot when they arrived",
-        "command": "python scripts/ray_placement.py " + " ".join(sys.argv[1:]),
+        "command": "python -m experiments.ray_placement " + " ".join(sys.argv[1:]),
         "date": dt.date.today().isoformat(),
         "setup": {
             "replicas": 2,

@@ -1,7 +1,7 @@
 """The served data-free chooser (`--router hybrid`) beside the bundle's learned router on one split, same items, same
 evaluation code: skills, general retention and two-skill items.
 
-    .venv/bin/python scripts/routing_eval.py --split test2 --n 100 --n-general 60 --n-mixed 50 \
+    .venv/bin/python -m experiments.routing_eval --split test2 --n 100 --n-general 60 --n-mixed 50 \
         --cache runs/hybrid_cache400 --work runs/routing_test2 --json docs/routing_test2.json [--threads 2]
 
 On the embedded default bundle (molora.load(None)):
@@ -15,10 +15,10 @@ On the embedded default bundle (molora.load(None)):
   "one adapter per request" baseline.
 
 Items: --n per skill (molora.eval.heldout; test2 leaves out every val and test item), the first --n-general general
-prompts of the split (test2 has none of its own: the test split's, as scripts/quant_eval.py reads them), --n-mixed
+prompts of the split (test2 has none of its own: the test split's, as experiments/quant_eval.py reads them), --n-mixed
 two-skill items of the split's mixed seed. Every number comes with the per-item hits, so differences get paired 95%
-intervals (scripts/quant_eval.py's). Runs are cached under --work (an interrupted run resumes); the record is written
-at the end. No setting is chosen here: the hybrid's were chosen on validation (docs/datafree_hybrid_choice.json,
+intervals (experiments/quant_eval.py's). Runs are cached under --work (an interrupted run resumes); the record is
+written at the end. No setting is chosen here: the hybrid's were chosen on validation (docs/datafree_hybrid_choice.json,
 docs/hybrid_pool_size_choice.json).
 """
 
@@ -32,9 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
-from make_results import cached  # noqa: E402  (the one cache of evaluation runs)
-from quant_eval import paired_ci95, wilson95  # noqa: E402  (paired and single-proportion intervals)
+from experiments.quant_eval import paired_ci95, wilson95  # (paired and single-proportion intervals)
+from tools.make_results import cached  # (the one cache of evaluation runs)
 
 SUMMARY = ("n", "accuracy", "seconds", "generated_tokens")
 
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             v["vs_learned"] = round(v["accuracy"] - by["learned"]["accuracy"], 2)
             v["vs_learned_ci95"] = paired_ci95(v["hits"], by["learned"]["hits"])
     rec = {
-        "command": "python scripts/routing_eval.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m experiments.routing_eval " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info() | {"threads": a.threads, "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
         "split": a.split,

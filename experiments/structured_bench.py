@@ -1,10 +1,10 @@
 """Structured output on the real model: coverage, validity, compile time and throughput on the *test* split.
 
-    PYTHONPATH=. python scripts/structured_bench.py [--out docs/structured.json] [--reps 3]
+    python -m experiments.structured_bench [--out docs/structured.json] [--reps 3]
 
 The default bundle (SmolLM2-135M-Instruct with its adapters and learned router: every token routed), fp32,
 on the engine (no HTTP). The schemas are the test split of molora/data/schemas/schemas.json (the engine was
-chosen on the validation split, scripts/choose_grammar_engine.py); they are scored once, nothing is tuned to them.
+chosen on the validation split, experiments/choose_grammar_engine.py); they are scored once, nothing is tuned to them.
 
   coverage      share of test schemas that compile (molora.structured.StructuredCompiler, xgrammar)
   compile_ms    per schema, first compile (fresh compiler, no cache) and cached (the compiler's LRU): medians
@@ -262,7 +262,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "load_avg_start": [round(x, 2) for x in os.getloadavg()],
-        "command": " ".join(["PYTHONPATH=. python scripts/structured_bench.py"] + sys.argv[1:]),
+        "command": " ".join(["python -m experiments.structured_bench"] + sys.argv[1:]),
         "compile": comp,
     }
     try:

@@ -1,7 +1,7 @@
 """Which projections cost w8a8 its arithmetic: each of the seven kept in weight-only int8 (float activations) in turn,
 the rest in w8a8, teacher-forced on validation items against float32.
 
-    .venv/bin/python scripts/w8a8_keep_probe.py --json docs/quant_w8a8_keep_val.json [--n 48] [--threads 2]
+    .venv/bin/python -m experiments.w8a8_keep_probe --json docs/quant_w8a8_keep_val.json [--n 48] [--threads 2]
         [--keep down_proj gate_proj,up_proj,down_proj]
 
 w8a8 (int8 weights and per-token int8 activations on torch._int_mm, SmoothQuant on the rows molora.load reads) lost
@@ -15,8 +15,8 @@ keeps, per variant and per set, the share of answer positions whose argmax equal
 weight-only int8 (default: each of the seven alone), and w8a8 with down_proj's SmoothQuant strength at each
 --down-alpha (the others at SMOOTH_ALPHA). Validation only: nothing here is scored on test; a choice made
 from it is scored on a fresh split once, later. The mixed variants are built here by quantizing in two passes
-(scripts/bench_quant.py's quantize_keeping: w8a8 with `skip`, then the rest as int8) before the adapters attach: not a
-served option yet.
+(experiments/bench_quant.py's quantize_keeping: w8a8 with `skip`, then the rest as int8) before the adapters attach:
+not a served option yet.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_quant import quantize_keeping  # noqa: E402  (w8a8 with some projections weight-only, as the bench builds it)
+from experiments.bench_quant import quantize_keeping  # (w8a8 with some projections weight-only, as the bench builds it)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     for x in a.down_alpha:
         variants[f"w8a8 down_proj alpha={x}"] = variant(None, "w8a8", down_alpha=x)
     rec = {
-        "command": "python scripts/w8a8_keep_probe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m experiments.w8a8_keep_probe " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info() | {"threads": a.threads},
         "fingerprint": fingerprint(read_bundle(default_bundle_dir())),
