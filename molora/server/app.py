@@ -47,6 +47,7 @@ from molora.server.generation import Limits
 from molora.server.guards import Gate, add_error_handlers, auth, can_see_paths, parse_body
 from molora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from molora.server.metrics import ServerMetrics
+from molora.server.openapi import hoist_defs, json_body
 from molora.server.protocol import (
     AdapterLoadRequest,
     APIError,
@@ -196,6 +197,7 @@ def build_app(
     app.state.molora = state
     add_error_handlers(app, state)
     _add_routes(app, state)
+    hoist_defs(app)  # the hand-parsed bodies' schemas (json_body) in app.openapi()
     app.add_middleware(Gate, state=state)
     return app
 
@@ -206,11 +208,11 @@ def build_app(
 def _add_routes(app: FastAPI, s: ServerState) -> None:
     api, admin = Depends(auth(s, admin=False)), Depends(auth(s, admin=True))
 
-    @app.post("/v1/completions", dependencies=[api])
+    @app.post("/v1/completions", dependencies=[api], openapi_extra=json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await s.generation.completions(await parse_body(request, CompletionRequest, s), request)
 
-    @app.post("/v1/chat/completions", dependencies=[api])
+    @app.post("/v1/chat/completions", dependencies=[api], openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await s.generation.chat(await parse_body(request, ChatCompletionRequest, s), request)
 
@@ -267,7 +269,7 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
             data = [{k: v for k, v in a.items() if k != "path"} for a in data]
         return JSONResponse({"object": "list", "data": jsonable_encoder(data)})
 
-    @app.post("/v1/adapters", dependencies=[admin], status_code=201)
+    @app.post("/v1/adapters", dependencies=[admin], status_code=201, openapi_extra=json_body(AdapterLoadRequest))
     async def load_adapter(request: Request) -> JSONResponse:
         req = await parse_body(request, AdapterLoadRequest, s)
         info = await s.load_adapter(req.bundle, req.name, req.path, param="name")
@@ -292,7 +294,7 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
         )
 
     # vLLM's runtime LoRA endpoints (what inference gateways and LoRA-aware routers call): plain-text success
-    @app.post("/v1/load_lora_adapter", dependencies=[admin])
+    @app.post("/v1/load_lora_adapter", dependencies=[admin], openapi_extra=json_body(LoadLoRAAdapterRequest))
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         req = await parse_body(request, LoadLoRAAdapterRequest, s)
         if req.load_inplace:
@@ -305,7 +307,7 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
         await s.load_adapter(None, req.lora_name, req.lora_path, param="lora_name")
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", dependencies=[admin])
+    @app.post("/v1/unload_lora_adapter", dependencies=[admin], openapi_extra=json_body(UnloadLoRAAdapterRequest))
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         req = await parse_body(request, UnloadLoRAAdapterRequest, s)
         _, state = await s.unload_adapter(None, req.lora_name, False, param="lora_name")
