@@ -22,6 +22,13 @@ molora.engine.runtime_adapters (`RuntimeAdapters`) reads, registers, lists and u
 stop rules to each new token and ends requests (stop, length, deadlines, abort), freeing what they hold;
 molora.engine.offline (`OfflineGenerate`) runs a list of prompts to completion (`generate`).
 
+Prompt scoring (SamplingParams.prompt_logprobs, what an echo of the prompt with logprobs needs): the runner returns
+the logits of every prompt position of such a request too (`_scored_rows`, `ModelRunner.forward(token_logits=)`), each
+under the routing its chunk runs on (pinned, token-id router, learned router per block, base), so chunked prefill
+scores a prompt chunk by chunk; the entries land in `Request.prompt_scores` and go out once, on the request's first
+output after its whole prompt is computed (RequestOutput.prompt_logprobs). Such a request takes no prefix-cache hits
+(molora.engine.prefix). max_new_tokens 0 ends a request once its prompt is computed (finish_reason "length").
+
 Faults and time: a request may carry deadlines (`add_request(timeout_s=, queue_timeout_s=)`), checked at the start
 of every step: it ends with finish_reason "timeout" and `RequestOutput.error` saying which. A step that raises is
 run again in halves until the request(s) that make it raise are found; only they end (finish_reason "error"), see
@@ -59,7 +66,7 @@ from molora.engine.prefix import PrefixCache
 from molora.engine.request import IncrementalDetokenizer, Request, RequestOutput, TextState
 from molora.engine.routing import RouteState, plan_routing, record_carry, record_probe
 from molora.engine.runtime_adapters import RuntimeAdapters
-from molora.engine.sampler import sample_step, step_logprobs
+from molora.engine.sampler import sample_step, score_tokens, step_logprobs
 from molora.engine.scheduler import ADMISSION, Scheduled, Scheduler
 from molora.errors import MoLoRAError
 from molora.model.batch import BatchMeta
@@ -314,10 +321,14 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
         each request's results on its own (an error there ends that request only)."""
         tokens, positions, meta = self._inputs(scheduled)
         routing = plan_routing(scheduled, self.hotset, self.runner.device)
-        rows = [i for i, s in enumerate(scheduled) if s.samples]
+        # a request of max_new_tokens 0 samples nothing: it ends once its prompt is computed
+        rows = [i for i, s in enumerate(scheduled) if s.samples and s.request.params.max_new_tokens > 0]
+        scored, targets, spans = self._scored_rows(scheduled)
         masks = self._fill_masks([scheduled[i].request for i in rows])  # while the step computes
         try:
-            out = self.runner(tokens, positions, meta, routing, logits=rows)  # StepOutput, logits [b, V]
+            out = self.runner(
+                tokens, positions, meta, routing, logits=rows, token_logits=scored or None
+            )  # StepOutput, logits [b, V], token_logits [t, V]
         finally:
             bitmask = masks.result() if masks is not None else None  # [c, W] of constrained rows
         last_slots, last_carry, carry_rows = out.last_slot_ids, out.last_carry, out.carry_rows
@@ -345,6 +356,11 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
             chosen, dead = sample_step(reqs, logits, finite, self.eos_ids, bitmask)  # [b]
             logprobs = step_logprobs(reqs, logits, chosen)
             picked = (chosen if last_slots is None else torch.cat([chosen, last_slots[:, 0]])).tolist()
+        scores: list[dict] = []
+        if scored:
+            assert out.token_logits is not None, "the runner returned no logits for the prompt rows asked for"
+            top = max(scheduled[i].request.params.prompt_logprobs or 0 for i in spans)
+            scores = score_tokens(out.token_logits, to_device(targets, out.token_logits.device), top)
         self.tokens_computed += len(tokens)
         # ---- commit, request by request
         outputs: list[RequestOutput] = []
@@ -380,11 +396,18 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
                         self.scheduler.restart(req)
                 else:
                     req.num_computed += s.n
+                if i in spans and req.prompt_scores is not None:  # prompt positions p predict tokens p + 1
+                    a, b = spans[i]
+                    n = req.params.prompt_logprobs or 0
+                    for k, e in enumerate(scores[a:b]):
+                        req.prompt_scores[s.start + 1 + k] = {**e, "top": e["top"][:n]}
                 if self.prefix is not None:
                     self.prefix.publish(req)  # before _advance, which may free the table
                 if j is not None:
                     slot = -1 if last_slots is None else picked[len(rows) + i]
                     outputs.append(self._advance(req, picked[j], table[slot] if slot >= 0 else None, logprobs[j]))
+                elif s.samples and req.params.max_new_tokens == 0:
+                    outputs.append(self._end(req, "length"))  # its prompt is computed (and scored): done
             except Exception as e:
                 log.error(
                     "request %s failed alone while committing its step: %s: %s",
@@ -402,6 +425,26 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
         self.scheduler.check()
         queued = {r.request_id for r in self.scheduler.waiting} | {r.request_id for r in self.scheduler.running}
         assert queued == set(self.requests), (sorted(queued ^ set(self.requests)), "requests and queues disagree")
+
+    @staticmethod
+    def _scored_rows(scheduled: list[Scheduled]) -> tuple[list[int], list[int], dict[int, tuple[int, int]]]:
+        """The rows of the step whose logits score a prompt (SamplingParams.prompt_logprobs): (rows in T, the
+        prompt token each row predicts, {chunk index: its span in those rows}). A chunk's positions p < P - 1
+        predict prompt token p + 1 under the routing the chunk runs on; a probe chunk scores nothing (its prompt
+        is computed again with the probe's decisions)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: dict[int, tuple[int, int]] = {}
+        offset = 0
+        for i, s in enumerate(scheduled):
+            req = s.request
+            end = min(s.start + s.n, len(req.prompt_ids) - 1)  # the last prompt position predicts no prompt token
+            if req.params.prompt_logprobs is not None and not s.probe and s.start < end:
+                spans[i] = (len(rows), len(rows) + end - s.start)
+                rows += range(offset, offset + end - s.start)
+                targets += req.prompt_ids[s.start + 1 : end + 1]
+            offset += s.n
+        return rows, targets, spans
 
     def _inputs(self, scheduled: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
         toks: list[int] = []

@@ -67,6 +67,8 @@ class OfflineGenerate:
                     out.completion_tokens,
                 )
                 a.cached_tokens = out.cached_tokens
+                if out.prompt_logprobs is not None:  # given once (SamplingParams.prompt_logprobs)
+                    a.prompt_logprobs = out.prompt_logprobs
                 a.error = out.error if out.error is not None else a.error
         return [agg[rid] for rid in ids]
 

@@ -37,6 +37,8 @@ learned: Probe) is keyed the same way, with every token on its gates, and its bl
 decisions (`BlockAllocator.meta`): a probe that hits over the whole prompt is finished without a forward,
 otherwise it resumes after the cached blocks. When the probe ends the request drops its probe blocks and
 looks its real pass up by the probe's decisions (a prompt kept on the base model looks up base blocks).
+A request that scores its prompt (SamplingParams.prompt_logprobs) takes no cached blocks, neither at admission nor
+later: it needs the logits of every prompt position, which a cached block does not hold; it still publishes its own.
 
 Owns the keys, the per-request key chains (`Request.prefix`) and the hit counters; the blocks, reference
 counts and LRU are the allocator's (molora.engine.kv). Knows nothing about tensors or HTTP.
@@ -110,6 +112,8 @@ class PrefixCache:
             self.probe_queried_tokens += req.route.prompt_len
             self.probe_hit_tokens += req.route.prompt_len
         req.prefix = PrefixState(False, self.epoch)
+        if req.params.prompt_logprobs is not None:
+            return []  # it scores every prompt position: a cached block would skip their logits (it still publishes)
         return self._walk(req, (len(req.tokens) - 1) // self.bs, probe=False)  # the last token is computed
 
     def in_flight(self, running: list[Request]) -> set[BlockKey]:
@@ -144,6 +148,7 @@ class PrefixCache:
         if (
             st is None
             or st.probe
+            or req.params.prompt_logprobs is not None  # scores every prompt position (`match`)
             or st.epoch != self.epoch
             or st.published != len(table)
             or req.num_computed != len(table) * self.bs

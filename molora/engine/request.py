@@ -37,6 +37,9 @@ class RequestOutput:
     logprobs: list[dict] | None  # per new token {"token_id", "logprob", "top": [(id, logprob), ...]}
     error: str | None = None  # why the engine ended it ("abort" by an operator, "timeout", "error")
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (molora.engine.prefix)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, else {"token_id", "logprob", "rank",
+    # "top": [(id, logprob), ...]}; given once, on the first output after the whole prompt is computed
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class IncrementalDetokenizer:
@@ -134,9 +137,14 @@ class Request:
     cached_tokens: int | None = None  # tokens its first real pass took from the prefix cache (None: not looked up)
     constraints: list = field(default_factory=list)  # ConstraintStates (molora.sampling) its next ids must obey
     bypassed: int = 0  # waiting requests admitted ahead of it by slot-aware admission (Scheduler)
+    # per prompt position, its token's logprob entry (RequestOutput.prompt_logprobs); filled chunk by chunk and
+    # rewritten if the prompt is computed again (preemption); None: not asked for, or already given out
+    prompt_scores: list[dict | None] | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_scores = [None] * len(self.prompt_ids)
 
     @property
     def num_generated(self) -> int:
@@ -162,6 +170,9 @@ class Request:
     def output(
         self, new_ids: list[int], new_text: str, adapters: list[str | None], logprobs: list[dict] | None
     ) -> RequestOutput:
+        scores = None
+        if self.prompt_scores is not None and self.num_computed >= len(self.prompt_ids):
+            scores, self.prompt_scores = self.prompt_scores, None  # the whole prompt is scored: given once
         return RequestOutput(
             self.request_id,
             new_ids,
@@ -174,4 +185,5 @@ class Request:
             logprobs,
             self.error,
             self.cached_tokens or 0,
+            scores,
         )

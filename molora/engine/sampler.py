@@ -141,3 +141,16 @@ def step_logprobs(reqs: list[Request], logits: torch.Tensor, chosen: torch.Tenso
         for k, j in enumerate(js):
             out[j] = [{"token_id": picked[k], "logprob": lps[k], "top": list(zip(top_ids[k], tops[k]))}]
     return out
+
+
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor, n: int) -> list[dict]:
+    """The prompt-logprob entry (RequestOutput.prompt_logprobs) of each row of logits [t, V] for the token that
+    follows it, targets [t]: its logprob, its rank (1 = the most likely; ties share the better rank, as vLLM's)
+    and the top n alternatives. Raw logits, as `step_logprobs`."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [t, V]
+    lp = logp.gather(-1, targets[:, None])  # [t, 1]
+    rank = (logp > lp).sum(-1) + 1  # [t]
+    vals, ids = torch.topk(logp, n, dim=-1)  # [t, n]
+    lp = lp[:, 0]
+    rows = zip(targets.tolist(), lp.tolist(), rank.tolist(), ids.tolist(), vals.tolist())
+    return [{"token_id": t, "logprob": v, "rank": r, "top": list(zip(i, tv))} for t, v, r, i, tv in rows]

@@ -160,7 +160,8 @@ class StepOutput:
     """Everything one forward produced. hidden [B, D]: the normed hidden state of each sequence's last token;
     logits [b, V] of the rows asked for (None if none); last_slot_ids / last_weights [B, k]: the routing of
     each sequence's last token (what produced its logits); last_carry [B] and carry_rows [T]: decisions at a
-    carrying router's carry_source block (-2: not routed), None without such a router."""
+    carrying router's carry_source block (-2: not routed), None without such a router. token_logits [t, V]: the
+    logits of the rows of T asked for by `token_logits=` (prompt scoring), each under its own row's routing."""
 
     hidden: Tensor
     logits: Tensor | None = None
@@ -168,3 +169,4 @@ class StepOutput:
     last_weights: Tensor | None = None
     last_carry: Tensor | None = None
     carry_rows: Tensor | None = None
+    token_logits: Tensor | None = None

@@ -172,18 +172,22 @@ class ModelRunner:
         routing: StepRouting | None = None,
         *,
         logits: bool | list[int] = False,
+        token_logits: list[int] | None = None,
     ) -> StepOutput:
         """tokens [T], positions [T] -> the `StepOutput` of the last token of each sequence; logits: True for
-        every sequence's, a list of sequence indices for those only, False for none.
+        every sequence's, a list of sequence indices for those only, False for none. token_logits: rows of T
+        whose logits come back too (`StepOutput.token_logits`, in that order; scoring a prompt).
 
         Writes the K/V of every token into the cache rows its sequence's block table names. A decode step the
-        runner's `graphs` accept (`enable_graphs`) is replayed from a captured graph instead.
+        runner's `graphs` accept (`enable_graphs`) is replayed from a captured graph instead (not one that asks
+        for token_logits: a graph returns the last rows only).
         """
-        if self.graphs is not None and self.graphs.accepts(meta, routing):
+        if self.graphs is not None and not token_logits and self.graphs.accepts(meta, routing):
             out = self.graphs.run(tokens, positions, meta, routing, logits)
             if out is not None:
                 return out
-        return self.compute(tokens, positions, self.plan(positions, meta), routing, logits=logits)
+        plan = self.plan(positions, meta)
+        return self.compute(tokens, positions, plan, routing, logits=logits, token_logits=token_logits)
 
     __call__ = forward
 
@@ -196,6 +200,7 @@ class ModelRunner:
         routing: StepRouting | None = None,
         *,
         logits: bool | list[int] = False,
+        token_logits: list[int] | None = None,
     ) -> StepOutput:
         """`forward` on a plan built already (by `plan`, or by `DecodeGraphs` from its static buffers)."""
         ctx = self.context
@@ -228,6 +233,9 @@ class ModelRunner:
                     self._decide(block.index, h, routing, slot_ids, weights, carry_out)
                     ctx.set(slot_ids, weights)  # rows changed in place: drop the step's cached plan
                 h, delta = block(h, delta, positions, plan, self.cache, self.cos, self.sin, one_call)
+            scored = None if not token_logits else to_device(token_logits, h.device)  # [t] rows of T
+            if scored is not None:  # h[scored] is a copy: the last rows below see h as the blocks left it
+                h_scored = add_norm(self.norm, h[scored], None if delta is None else delta[scored])  # [t, D]
             last = plan.last_rows
             h = add_norm(self.norm, h[last], None if delta is None else delta[last])  # [B, D]
         finally:
@@ -244,6 +252,9 @@ class ModelRunner:
             rows = slice(None) if logits is True else logits
             pick = lambda t: None if t is None else t[rows]
             out.logits = self.logits(h[rows], pick(out.last_slot_ids), pick(out.last_weights))
+        if scored is not None:  # each row's lm_head routing is its own token's, as for the last rows
+            at = lambda t: None if t is None else t[scored]
+            out.token_logits = self.logits(h_scored, at(slot_ids), at(weights))  # [t, V]
         return out
 
     def _one_call(self, h: Tensor, plan: AttnPlan, learned: bool) -> Any:

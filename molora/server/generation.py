@@ -188,6 +188,7 @@ class Generation:
                 param="molora.routing",
             )
         stop = req.stop_strings()
+        prompt_top = req.prompt_top()  # echo with logprobs, or prompt_logprobs: the engine scores the prompt
         timeout = self.limits.timeout(opts.timeout)
         specs = []
         # ignore_eos drops the model's end ids (tokenizer eos, the bundle's end of turn): vLLM's generation-config
@@ -216,6 +217,7 @@ class Generation:
                         logprobs=0 if logprobs is None else max(logprobs, 1),
                         ignore_eos=req.ignore_eos,
                         min_tokens=req.min_tokens,
+                        prompt_logprobs=prompt_top,
                     )
                 except MoLoRAError as e:
                     raise APIError(400, str(e)) from e
@@ -272,7 +274,7 @@ class Generation:
             ) from e
         except MoLoRAError as e:
             raise APIError(400, str(e)) from e
-        states = [ChoiceState(spec.index, len(spec.prompt_ids)) for spec in specs]
+        states = [ChoiceState(spec.index, len(spec.prompt_ids), prompt_ids=spec.prompt_ids) for spec in specs]
         deadline = time.monotonic() + specs[0].timeout_s + self.limits.deadline_grace_s
         headers = {REPLICA_HEADER: sub.replica} if sub.replica is not None else None
         if req.stream:
@@ -446,7 +448,7 @@ def _budget(info: ModelInfo, ids: list[int], max_tokens: int | None) -> int:
         raise APIError(400, "the prompt is empty (0 tokens); send some text", param="prompt")
     ctx = info.max_model_len
     if ctx is None:
-        return max_tokens or info.default_max_tokens
+        return max_tokens if max_tokens is not None else info.default_max_tokens  # 0: echo scores the prompt only
     if max_tokens is None:
         max_tokens = min(info.default_max_tokens, ctx - len(ids))
     if len(ids) + max(max_tokens, 1) > ctx:

@@ -31,6 +31,7 @@ from molora.server.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     Delta,
+    PromptLogprob,
     PromptTokensDetails,
     Routed,
     TokenLogprob,
@@ -55,9 +56,15 @@ class ChoiceState:
     finish_reason: str | None = None
     t_first: float | None = None
     t_last: float | None = None
+    prompt_ids: list[int] = field(default_factory=list)  # what an echo or prompt_logprobs writes out
+    prompt_logprobs: list[dict | None] | None = None  # the engine's RequestOutput.prompt_logprobs, once given
+    echoed: bool = False  # a stream has sent the echoed prompt
 
     def update(self, out: Any, now: float) -> None:
         self.prompt_tokens = out.prompt_tokens
+        scores = getattr(out, "prompt_logprobs", None)
+        if scores is not None:
+            self.prompt_logprobs = scores
         self.cached_tokens = getattr(out, "cached_tokens", 0)
         self.text += out.new_text
         self.token_ids += out.new_token_ids
@@ -134,6 +141,23 @@ class ResponseFormat:
     def _token(self, token_id: int) -> str:
         return self.info.tokenizer.decode([token_id])
 
+    def _prompt_logprobs(self, state: ChoiceState) -> list[dict[int, PromptLogprob] | None] | None:
+        """vLLM's prompt_logprobs of a choice: per prompt token None for the first, else {token id: entry} of the
+        token itself (its rank) and its top n alternatives (ranks 1..n); None when not asked for."""
+        n = getattr(self.req, "prompt_logprobs", None)
+        if n is None:
+            return None
+        out: list[dict[int, PromptLogprob] | None] = []
+        for tid, e in zip(state.prompt_ids, state.prompt_logprobs or [None] * len(state.prompt_ids)):
+            if e is None:
+                out.append(None)
+                continue
+            entry = {tid: PromptLogprob(logprob=float(e["logprob"]), rank=e["rank"], decoded_token=self._token(tid))}
+            for r, (i, v) in enumerate(e["top"][:n]):
+                entry.setdefault(i, PromptLogprob(logprob=float(v), rank=r + 1, decoded_token=self._token(i)))
+            out.append(entry)
+        return out
+
     def head(self, state: ChoiceState) -> BaseModel | None:
         return None
 
@@ -148,26 +172,56 @@ class ResponseFormat:
 
 
 class CompletionFormat(ResponseFormat):
-    def _logprobs(self, entries: list[dict], offset: int) -> CompletionLogprobs | None:
+    """echo=true: a choice's text and logprobs start with its prompt (the text sent, or the decoded ids), whose
+    first token has no logprob (null, as OpenAI and vLLM write it); a stream sends it in the choice's first chunk.
+    The prompt's text offsets count from 0 by token, the completion's from the end of the prompt text."""
+
+    def __init__(self, info: ModelInfo, id: str, req: Any) -> None:
+        super().__init__(info, id, req)
+        self._heads: dict[int, str] = {}  # prompt index -> the text echo writes for it
+
+    def _logprobs(self, entries: list[dict], offset: int, echo: ChoiceState | None = None) -> CompletionLogprobs | None:
         if self.req.logprobs is None:
             return None
         lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        if echo is not None:  # the prompt's tokens lead; each lists itself among its top too, as vLLM's do
+            at = 0
+            for tid, e in zip(echo.prompt_ids, echo.prompt_logprobs or [None] * len(echo.prompt_ids)):
+                token = self._token(tid)
+                self._add(lp, token, e, at, own=True)
+                at += len(token)
         for e in entries:
             token = self._token(e["token_id"])
-            lp.tokens.append(token)
-            lp.token_logprobs.append(float(e["logprob"]))
-            lp.top_logprobs.append({self._token(i): float(v) for i, v in e["top"][: self.req.logprobs]})
-            lp.text_offset.append(offset)
+            self._add(lp, token, e, offset)
             offset += len(token)
         return lp
 
+    def _add(self, lp: CompletionLogprobs, token: str, e: dict | None, offset: int, own: bool = False) -> None:
+        lp.tokens.append(token)
+        lp.token_logprobs.append(None if e is None else float(e["logprob"]))
+        top = None if e is None else {self._token(i): float(v) for i, v in e["top"][: self.req.logprobs]}
+        if own and top is not None and e is not None:
+            top.setdefault(token, float(e["logprob"]))
+        lp.top_logprobs.append(top)
+        lp.text_offset.append(offset)
+
+    def _prompt_text(self, state: ChoiceState) -> str:
+        """What echo writes of the choice's prompt: the text sent, or its token ids decoded (once per prompt)."""
+        p = state.index // self.req.n
+        if p not in self._heads:
+            prompt = self.req.prompt_list()[p]
+            self._heads[p] = prompt if isinstance(prompt, str) else self.info.tokenizer.decode(prompt)
+        return self._heads[p]
+
     def response(self, states: list[ChoiceState], usage: Usage) -> CompletionResponse:
+        echo = bool(self.req.echo)
         choices = [
             CompletionChoice(
                 index=s.index,
-                text=s.text,
-                logprobs=self._logprobs(s.logprobs, 0),
+                text=(head := self._prompt_text(s) if echo else "") + s.text,
+                logprobs=self._logprobs(s.logprobs, len(head), s if echo else None),
                 finish_reason=s.finish_reason,
+                prompt_logprobs=self._prompt_logprobs(s),
                 molora=self._routed(s.token_ids, s.adapters, s),
             )
             for s in states
@@ -176,13 +230,16 @@ class CompletionFormat(ResponseFormat):
 
     def chunk(self, state: ChoiceState, out: Any) -> CompletionChunk | None:
         wants_tokens = self.routing or self.req.logprobs is not None
-        if not (out.new_text or out.finished or (out.new_token_ids and wants_tokens)):
+        echo = bool(self.req.echo) and not state.echoed  # this chunk leads with the prompt
+        if not (echo or out.new_text or out.finished or (out.new_token_ids and wants_tokens)):
             return None
-        offset = len(state.text) - len(out.new_text)
+        state.echoed = state.echoed or echo
+        head = self._prompt_text(state) if self.req.echo else ""
+        offset = len(head) + len(state.text) - len(out.new_text)
         choice = CompletionChoice(
             index=state.index,
-            text=out.new_text,
-            logprobs=self._logprobs(out.logprobs or [], offset),
+            text=(head if echo else "") + out.new_text,
+            logprobs=self._logprobs(out.logprobs or [], offset, state if echo else None),
             finish_reason=out.finish_reason if out.finished else None,
             molora=self._routed(out.new_token_ids, out.token_adapters, state if out.finished else None),
         )
@@ -223,7 +280,12 @@ class ChatFormat(ResponseFormat):
             for s in states
         ]
         return ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.req.model, choices=choices, usage=usage
+            id=self.id,
+            created=self.created,
+            model=self.req.model,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=self._prompt_logprobs(states[0]) if states else None,  # one prompt for every choice
         )
 
     def head(self, state: ChoiceState) -> ChatCompletionChunk:

@@ -145,6 +145,8 @@ class GenerationRequest(_Strict):
     # ignore_eos generates past the model's end-of-sequence ids, min_tokens forbids stopping before that many
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, lt=INT64)
+    # vLLM's prompt_logprobs: each prompt token's logprob with the top N alternatives, in vLLM's shape
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     molora: MoloraOptions | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
@@ -182,6 +184,13 @@ class GenerationRequest(_Strict):
     @property
     def options(self) -> MoloraOptions:
         return self.molora or MoloraOptions()
+
+    def prompt_top(self) -> int | None:
+        """The top-n alternatives per prompt token the engine scores the prompt with (SamplingParams.
+        prompt_logprobs); None: the prompt is not scored."""
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: a stream has no place for them
+            raise APIError(400, "prompt_logprobs is not available with stream=true", param="prompt_logprobs")
+        return self.prompt_logprobs
 
     def structured_spec(self) -> tuple[StructuredSpec, str] | None:
         """(what the output must match, the parameter that asked) or None; 400 when more than one asks or one
@@ -247,7 +256,7 @@ class CompletionRequest(GenerationRequest):
     """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, lt=INT64)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=0, lt=INT64)  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -255,8 +264,12 @@ class CompletionRequest(GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo=true is not supported by molora; prepend the prompt yourself", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(
+                400,
+                "max_tokens=0 generates nothing; it is allowed with echo=true (to score the prompt)",
+                param="max_tokens",
+            )
         if self.suffix:
             raise APIError(400, "suffix (insertion) is not supported by molora", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -265,6 +278,11 @@ class CompletionRequest(GenerationRequest):
             raise APIError(400, "prompt is an empty list; send a string or token ids", param="prompt")
         if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) and len(self.prompt) > MAX_BATCH:
             raise APIError(400, f"{len(self.prompt)} prompts in one request; at most {MAX_BATCH}", param="prompt")
+
+    def prompt_top(self) -> int | None:
+        """echo with logprobs scores the prompt too (its tokens lead choices[].logprobs), as does prompt_logprobs."""
+        asked = [n for n in (super().prompt_top(), self.logprobs if self.echo else None) if n is not None]
+        return max(asked) if asked else None
 
     def prompt_list(self) -> list[str | list[int]]:
         """Each prompt of the call (a batch is several): text or token ids."""
@@ -428,9 +446,17 @@ class Routed(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing before it to predict it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's prompt_logprobs (a prompt token or one of its top alternatives)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -438,6 +464,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # per prompt token {token id: entry} (its own id and the top n), None for the first; vLLM's field
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = Field(None, exclude_if=_absent)
     molora: Routed | None = Field(None, exclude_if=_absent)
 
 
@@ -487,6 +515,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = Field(None, exclude_if=_absent)  # vLLM's
 
 
 class FunctionCallDelta(BaseModel):
