@@ -182,6 +182,7 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else eos or []) if config.stop_at_eos else frozenset()
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
+        self._suspects: list[str] = []  # adapters that gave non-finite logits this step (_quarantine)
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
         self.steps = self.tokens_generated = self.tokens_computed = 0
@@ -240,6 +241,12 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise MoLoRAError(f"token ids {bad[:5]} lie outside the vocabulary [0, {self.vocab_size})")
+        knob_ids = [*params.logit_bias, *(t for word in params.bad_words_ids for t in word)]
+        bad = [t for t in knob_ids if t >= self.vocab_size]
+        if bad:
+            raise MoLoRAError(
+                f"logit_bias / bad_words_ids name token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
+            )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise MoLoRAError(f"request id {rid!r} is already in flight; use a unique id")
@@ -312,9 +319,23 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
                 self._event("queue_wait", now - s.request.arrival)
         faults = self.faults
         outputs += self._run_isolating(scheduled)
+        if self._suspects:
+            self._quarantine()
         if self.faults != faults:
             self.check()  # a recovered fault must leave the scheduler, KV pool and pins consistent
         return outputs
+
+    def _quarantine(self) -> None:
+        """Unload (force) each adapter whose finite weights still gave a request non-finite logits on its own (the
+        only adapter on the request's last token): every later request on it would fail the same way. Its other
+        requests end with an error naming it; the event ("quarantined", name) reaches the server's metrics."""
+        names, self._suspects = sorted(set(self._suspects)), []
+        for name in names:
+            if name not in self.hotset.paths:
+                continue
+            log.error("adapter %r gave non-finite logits with finite weights; quarantined (unloaded)", name)
+            self.unload_adapter(name, force=True)
+            self.events.append(("quarantined", name))
 
     def _run(self, scheduled: list[Scheduled]) -> list[RequestOutput]:
         """Compute one group of chunks (may raise: nothing but KV rows and generators changed yet), then commit
@@ -373,6 +394,8 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
             j = sampled.get(i)
             if j is not None and not finite[j]:
                 used = sorted({table[x] for x in (last_slots[i].tolist() if last_slots is not None else []) if x >= 0})
+                if len(used) == 1:
+                    self._suspects.append(used[0])
                 outputs.append(
                     self._fail(
                         req,

@@ -61,6 +61,7 @@ from molora.server.openai_format import (
 )
 from molora.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerationRequest
 from molora.server.runner import EngineFailure, RequestSpec, Submission
+from molora.server.special_tokens import Shield
 from molora.structured import GrammarConstraint, StructuredCompiler, StructuredOutputError, StructuredSpec
 
 __all__ = ["OFFLOAD_CHARS", "REPLICA_HEADER", "Catalog", "Generation", "Limits", "ModelInfo"]
@@ -188,6 +189,8 @@ class Generation:
                 param="molora.routing",
             )
         stop = req.stop_strings()
+        logit_bias = req.token_bias(info.vocab_size)
+        bad_words = _bad_words_ids(info, req.bad_words or [])
         prompt_top = req.prompt_top()  # echo with logprobs, or prompt_logprobs: the engine scores the prompt
         timeout = self.limits.timeout(opts.timeout)
         specs = []
@@ -217,6 +220,12 @@ class Generation:
                         logprobs=0 if logprobs is None else max(logprobs, 1),
                         ignore_eos=req.ignore_eos,
                         min_tokens=req.min_tokens,
+                        presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty,
+                        repetition_penalty=req.repetition_penalty,
+                        min_p=req.min_p,
+                        logit_bias=logit_bias,
+                        bad_words_ids=bad_words,
                         prompt_logprobs=prompt_top,
                     )
                 except MoLoRAError as e:
@@ -411,6 +420,26 @@ class Generation:
         )
 
 
+def _bad_words_ids(info: ModelInfo, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """The token-id sequences the engine bans (SamplingParams.bad_words_ids), tokenized as vLLM does: each word
+    as written (leading whitespace stripped) and, when the tokenizer gives the word another first token after a
+    space (a word inside the text) in as many tokens, that form too."""
+    out: dict[tuple[int, ...], None] = {}  # ordered, without duplicates
+    for word in words:
+        plain = tuple(info.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(info.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise APIError(400, f"bad_words entry {word[:40]!r} gives no token", param="bad_words")
+        forms = [plain] + ([spaced] if spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+        for ids in forms:
+            if any(not 0 <= t < info.vocab_size for t in ids):
+                raise APIError(
+                    400, f"bad_words entry {word[:40]!r} tokenizes outside the model's vocabulary", param="bad_words"
+                )
+            out[ids] = None
+    return tuple(out)
+
+
 def _encode_completion(info: ModelInfo, prompt: str | list[int], i: int) -> list[int]:
     if isinstance(prompt, str):
         return list(info.tokenizer.encode(prompt, add_special_tokens=True))
@@ -424,10 +453,13 @@ def _encode_completion(info: ModelInfo, prompt: str | list[int], i: int) -> list
 
 def _encode_chat(info: ModelInfo, req: ChatCompletionRequest) -> list[int]:
     tok, msgs = info.tokenizer, req.messages
+    shield = Shield(tok) if not info.allow_special_tokens_in_chat else None  # typed special tokens are text
+    hide = shield.hide if shield is not None else (lambda v: v)
     if info.prompt_template is not None and len(msgs) == 1 and msgs[0].role == "user" and not req.tools:
-        text = info.prompt_template.replace("{prompt}", msgs[0].text())
+        text = info.prompt_template.replace("{prompt}", hide(msgs[0].text()))
     elif getattr(tok, "chat_template", None):
         conversation, extra = tools.conversation(req, tok)  # with tools: `tools=`, or molora's default rendering
+        conversation, extra = hide(conversation), hide(extra)
         try:
             text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as e:  # jinja templates raise on conversations they do not accept
@@ -439,7 +471,7 @@ def _encode_chat(info: ModelInfo, req: ChatCompletionRequest) -> list[int]:
             "user message, or use /v1/completions with your own prompt",
             param="messages",
         )
-    return list(tok.encode(text, add_special_tokens=False))
+    return shield.encode(text) if shield is not None else list(tok.encode(text, add_special_tokens=False))
 
 
 def _budget(info: ModelInfo, ids: list[int], max_tokens: int | None) -> int:
