@@ -483,8 +483,8 @@ def _default_rendering(messages: list[ChatMessage], tools: list[dict]) -> list[d
             ]
             text = "\n".join(([text] if text else []) + blocks)
         out.append({"role": _role(m), "content": text})
-    for m in out:
-        m.pop("tool_results", None)
+    for turn in out:
+        turn.pop("tool_results", None)
     if tools:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
         preamble = PREAMBLE.format(tools=listing)
