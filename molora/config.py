@@ -133,13 +133,14 @@ class SamplingParams:
     stop is token N+1; max_new_tokens still ends the request. Benchmarks use ignore_eos=True (or
     min_tokens=max_new_tokens) to generate exactly max_new_tokens tokens.
 
-    The logit knobs follow OpenAI and vLLM, applied to the raw logits in this order (molora.sampling.adjust_logits_rows):
-    logit_bias {id: bias in [-100, 100]} is added; bad_words_ids (token-id sequences, vLLM's bad_words once
-    tokenized) ban a sequence's last id when the generated ids end with the rest of it (a one-id sequence is always
-    banned); repetition_penalty (> 0, 1 = off) divides the positive logits and multiplies the negative ones of every
-    id seen in the prompt or the output; then logits[t] -= frequency_penalty * count[t] + presence_penalty *
-    (count[t] > 0), count[t] being how often t was generated so far (both in [-2, 2]). Temperature comes next, then
-    min_p ([0, 1], 0 = off: drops the ids whose probability is below min_p times the top one's), top_k and top_p.
+    The logit knobs follow OpenAI and vLLM, applied to the raw logits in this order (adjust_logits_rows in
+    molora.sampling): logit_bias {id: bias in [-100, 100]} is added; bad_words_ids (token-id sequences, vLLM's
+    bad_words once tokenized) ban a sequence's last id when the generated ids end with the rest of it (a one-id
+    sequence is always banned); repetition_penalty (> 0, 1 = off) divides the positive logits and multiplies the
+    negative ones of every id seen in the prompt or the output; then logits[t] -= frequency_penalty * count[t] +
+    presence_penalty * (count[t] > 0), count[t] being how often t was generated so far (both in [-2, 2]).
+    Temperature comes next, then min_p ([0, 1], 0 = off: drops the ids whose probability is below min_p times the
+    top one's), top_k and top_p.
     """
 
     max_new_tokens: int = 64

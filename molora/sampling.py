@@ -1,6 +1,11 @@
-"""Next-token selection from logits: greedy, temperature, top-k, top-p, top-n logprobs, and constraints.
+"""Next-token selection from logits: greedy, temperature, min-p, top-k, top-p, top-n logprobs, the logit knobs
+(logit bias, bad words, repetition/frequency/presence penalties), and constraints.
 
 Pure tensor functions (layer 1): they know nothing about models, adapters or requests.
+
+The logit knobs act on raw logits before temperature, in vLLM's order (`adjust_logits_rows`): bias, bad words,
+penalties. The penalties read per-row token counts, scattered into a [r, V] tensor for the rows that use them only
+(`token_counts`), so a step where no row uses a knob never builds one.
 
 Constraints are one mechanism: a packed bitmask of allowed token ids per row (int32 [B, W], W = ceil(V / 32),
 bit k of word w allows id 32 w + k: the layout xgrammar and llguidance fill), applied to the logits of a
@@ -15,7 +20,9 @@ depends on token ids only, never on routing or adapters.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,9 +35,13 @@ from molora.errors import MoLoRAError
 log = logging.getLogger(__name__)
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Scaled logits [B, V] with everything outside top-k / the top-p nucleus set to -inf."""
+def filter_logits(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
+    """Scaled logits [B, V] with everything below min-p, outside top-k or outside the top-p nucleus set to -inf."""
     out = logits.float() / max(temperature, 1e-6)
+    if min_p > 0.0:
+        out = _drop_below_min_p(out, _log_min_p([min_p] * out.shape[0], out.device))
     if top_k and top_k < out.shape[-1]:
         kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
         out = out.masked_fill(out < kth, float("-inf"))
@@ -45,19 +56,26 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
 
 
 def filter_logits_rows(
-    logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float]
+    logits: torch.Tensor,
+    temperature: Sequence[float],
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    min_p: Sequence[float] | None = None,
 ) -> torch.Tensor:
-    """`filter_logits` of every row of logits [B, V] with its own temperature, top_k and top_p (each of length B),
-    in one batched op per stage: row b equals filter_logits(logits[b:b+1], temperature[b], top_k[b], top_p[b])
-    bit for bit (tests/test_sampling.py). top_k 0 or >= V and top_p 1.0 leave a row whole."""
+    """`filter_logits` of every row of logits [B, V] with its own temperature, top_k, top_p and min_p (each of
+    length B; min_p None: 0 for all), in one batched op per stage: row b equals filter_logits(logits[b:b+1],
+    temperature[b], top_k[b], top_p[b], min_p[b]) bit for bit (tests/test_sampling.py). top_k 0 or >= V, top_p 1.0
+    and min_p 0 leave a row whole. Stages in vLLM's order: temperature, min_p, top_k, top_p."""
     B, V = logits.shape
-    if not len(temperature) == len(top_k) == len(top_p) == B:
+    if not len(temperature) == len(top_k) == len(top_p) == B or (min_p is not None and len(min_p) != B):
         raise MoLoRAError(
             f"filter_logits_rows: {B} rows but {len(temperature)} temperatures, {len(top_k)} top_k, "
-            f"{len(top_p)} top_p; give one of each per row"
+            f"{len(top_p)} top_p, {'no' if min_p is None else len(min_p)} min_p; give one of each per row"
         )
     temps = torch.tensor([max(t, 1e-6) for t in temperature], dtype=torch.float32, device=logits.device)
     out = logits.float() / temps[:, None]  # [B, V]
+    if min_p is not None and any(m > 0.0 for m in min_p):
+        out = _drop_below_min_p(out, _log_min_p(min_p, logits.device))
     ks = [k if 0 < k < V else 0 for k in top_k]
     if any(ks):
         vals = torch.topk(out, max(ks), dim=-1).values  # [B, kmax], descending
@@ -74,6 +92,19 @@ def filter_logits_rows(
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         out = torch.full_like(out, float("-inf")).scatter(-1, order, sorted_logits)
     return out
+
+
+def _log_min_p(min_p: Sequence[float], device: torch.device | str) -> torch.Tensor:
+    """log(min_p) [B, 1] float32; -inf for min_p 0 (the row keeps every id)."""
+    logs = [math.log(m) if m > 0.0 else -math.inf for m in min_p]
+    return torch.tensor(logs, dtype=torch.float32, device=device)[:, None]
+
+
+def _drop_below_min_p(scaled: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
+    """scaled [B, V] with the ids whose probability is below min_p times the top one's at -inf. In logits:
+    p[t] < min_p * p_max  <=>  scaled[t] < max(scaled) + log(min_p), so no softmax is needed."""
+    top = scaled.amax(-1, keepdim=True)  # [B, 1]
+    return scaled.masked_fill(scaled < top + log_min_p, float("-inf"))
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -106,6 +137,97 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[to
         return chosen_lp, empty, empty.long()
     vals, ids = torch.topk(logp, n, dim=-1)
     return chosen_lp, vals, ids
+
+
+# ------------------------------------------------------------------------------------------- logit knobs
+def token_counts(seqs: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """counts [r, V] float32: counts[i, t] is how often id t occurs in seqs[i]. One accumulating scatter of all
+    the rows' ids (vLLM's bin counts), so its cost grows with the ids counted, not with r * V beyond the zeros."""
+    counts = torch.zeros(len(seqs), vocab_size, dtype=torch.float32, device=device)
+    flat = list(itertools.chain.from_iterable(seqs))
+    if flat:
+        lens = torch.tensor([len(s) for s in seqs])
+        rows = torch.repeat_interleave(torch.arange(len(seqs)), lens).to(device)  # [n]
+        ids = torch.tensor(flat, dtype=torch.long, device=device)  # [n]
+        counts.index_put_((rows, ids), torch.ones(len(flat), device=device), accumulate=True)
+    return counts
+
+
+def banned_ids(output: Sequence[int], words: Sequence[Sequence[int]]) -> list[int]:
+    """The ids `words` (token-id sequences) ban as the next id after `output`: a word's last id when `output` ends
+    with the rest of the word; a one-id word is always banned (vLLM's bad_words)."""
+    out = []
+    for word in words:
+        head = len(word) - 1
+        if head == 0 or (len(output) >= head and tuple(output[len(output) - head :]) == tuple(word[:-1])):
+            out.append(word[-1])
+    return out
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    prompt_seen: torch.Tensor | None,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """logits [r, V] float32 penalized as vLLM does: the ids seen in the prompt (prompt_seen [r, V] bool; None: no
+    row has a repetition penalty) or the output (counts [r, V] > 0) get their positive logits divided and their
+    negative ones multiplied by repetition [r]; then logits -= frequency [r] * counts + presence [r] * (counts > 0).
+    A row with presence = frequency = 0 and repetition = 1 comes back unchanged."""
+    out = logits
+    emitted = counts > 0  # [r, V]
+    if prompt_seen is not None:
+        scale = torch.where(prompt_seen | emitted, repetition[:, None], 1.0)  # [r, V]
+        out = torch.where(out > 0, out / scale, out * scale)
+    return out - frequency[:, None] * counts - presence[:, None] * emitted
+
+
+def adjust_logits_rows(
+    logits: torch.Tensor,
+    logit_bias: Sequence[Mapping[int, float]],
+    bad_words: Sequence[Sequence[Sequence[int]]],
+    outputs: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int]],
+    presence: Sequence[float],
+    frequency: Sequence[float],
+    repetition: Sequence[float],
+) -> torch.Tensor:
+    """A float32 copy [r, V] of logits [r, V] with each row's knobs applied, in vLLM's order: its logit_bias
+    {id: bias} added, the ids its bad words ban after its output (`banned_ids`) at -inf, then the penalties
+    (`apply_penalties`) over its generated ids outputs[i] and, for the repetition penalty, its prompt ids
+    prompts[i]. Every argument has one entry per row; a row whose knobs are off comes back as it was."""
+    r, V = logits.shape
+    dev = logits.device
+    out = logits.to(torch.float32, copy=True)
+    cells = [(i, t, b) for i, bias in enumerate(logit_bias) for t, b in bias.items()]
+    if cells:
+        rows, ids, vals = zip(*cells)
+        out[list(rows), list(ids)] += torch.tensor(vals, dtype=torch.float32, device=dev)
+    bans = [(i, t) for i, words in enumerate(bad_words) if words for t in banned_ids(outputs[i], words)]
+    if bans:
+        rows, ids = zip(*bans)
+        out[list(rows), list(ids)] = float("-inf")
+    pen = [i for i in range(r) if presence[i] or frequency[i] or repetition[i] != 1.0]  # rows that count ids
+    if not pen:
+        return out
+    seen = None
+    if any(repetition[i] != 1.0 for i in pen):
+        seen = token_counts([prompts[i] for i in pen], V, dev) > 0  # [p, V]
+    p = len(pen)
+    penalized = apply_penalties(
+        out if p == r else out[pen],
+        token_counts([outputs[i] for i in pen], V, dev),
+        seen,
+        torch.tensor([presence[i] for i in pen], dtype=torch.float32, device=dev),
+        torch.tensor([frequency[i] for i in pen], dtype=torch.float32, device=dev),
+        torch.tensor([repetition[i] for i in pen], dtype=torch.float32, device=dev),
+    )  # [p, V]
+    if p == r:
+        return penalized
+    out[pen] = penalized
+    return out
 
 
 # ------------------------------------------------------------------------------------------- constraints

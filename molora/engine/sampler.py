@@ -1,10 +1,11 @@
 """The sampler of one engine step: the next token id of every sampled row, and its logprobs.
 
 `sample_step(reqs, logits, finite, eos_ids)` picks one id per row of logits [b, V] (row j belongs to
-reqs[j]); `constrain_rows` applies the requests' constraints (the bundle's spans, a request's grammar: one packed
-bitmask per constrained row, molora.sampling) and finds the rows at a dead end; `step_logprobs` reports the
-rows' logprobs as their requests asked for them. `logits` itself is never changed, so logprobs report the model's
-distribution (vLLM's default, raw logprobs).
+reqs[j]); `adjust_rows` applies the logit knobs of the rows whose requests set any (logit_bias, bad words,
+penalties) to a copy, before anything else, as vLLM does; `constrain_rows` applies the requests' constraints
+(the bundle's spans, a request's grammar: one packed bitmask per constrained row, molora.sampling) and finds the
+rows at a dead end; `step_logprobs` reports the rows' logprobs as their requests asked for them. `logits` itself
+is never changed, so logprobs report the model's distribution (vLLM's default, raw logprobs).
 
 Knows requests' sampling parameters, constraint states and generators; nothing about models, KV or routing.
 """
@@ -17,6 +18,7 @@ import torch
 
 from molora.engine.request import Request
 from molora.sampling import (
+    adjust_logits_rows,
     apply_bitmask,
     bitmask_words,
     constraint_bitmask,
@@ -37,14 +39,18 @@ def sample_step(
 ) -> tuple[torch.Tensor, dict[int, str]]:
     """(token ids [b], {row: why} of rows at a dead end) from logits [b, V].
 
-    Batched over the step's rows: one argmax for every row, constraints in one call (`constrain_rows`),
+    Batched over the step's rows: the logit knobs of the rows that set any in one batched op (`adjust_rows`; a
+    step where no row does takes no copy), one argmax for every row, constraints in one call (`constrain_rows`),
     the stop ids of every request short of its min_tokens masked in one indexed write, one argmax over those rows,
-    and the filtering (temperature, top-k, top-p) and softmax of every sampled row in one batched op each
+    and the filtering (temperature, min-p, top-k, top-p) and softmax of every sampled row in one batched op each
     (molora.sampling.filter_logits_rows); only the draw is per row, from the request's own generator, so a
     seeded request samples the same ids in any batch. A constrained row with nothing allowed (also once its stop
     ids are masked) is a dead end: it samples nothing and its request ends (Engine._run). finite[j]: row j's
     logits are finite (a row that is not draws nothing: its request ends). bitmask: the constrained rows' packed
     masks if filled ahead (Engine._fill_masks, while the forward ran), else filled here."""
+    knobs = [j for j, req in enumerate(reqs) if req.params.adjusts_logits]
+    if knobs:
+        logits = adjust_rows(reqs, logits, knobs)  # [b, V], a float32 copy
     chosen = greedy(logits)  # [b] greedy for all
     masked, dead = constrain_rows(reqs, logits, chosen, bitmask)
     short = [j for j, req in enumerate(reqs) if j not in dead and req.num_generated < req.params.min_tokens]
@@ -73,11 +79,39 @@ def sample_step(
     if drawn:
         ps = [reqs[j].params for j in drawn]
         probs = filter_logits_rows(
-            work[[at[j] for j in drawn]], [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps]
+            work[[at[j] for j in drawn]],
+            [p.temperature for p in ps],
+            [p.top_k for p in ps],
+            [p.top_p for p in ps],
+            [p.min_p for p in ps],
         ).softmax(-1)  # [d, V]
         for k, j in enumerate(drawn):  # each from its request's generator
             chosen[j] = torch.multinomial(probs[k : k + 1], 1, generator=reqs[j].generator)[0, 0]
     return chosen, dead
+
+
+def adjust_rows(reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """A float32 copy of logits [b, V] in which rows `rows` carry their requests' logit knobs (logit_bias, bad
+    words, repetition/frequency/presence penalties: molora.sampling.adjust_logits_rows, one batched op over those
+    rows); the other rows are copied as they are. The counts are read from each request's ids (prompt_ids, then
+    what it generated), so a request restarted or preempted needs no state of its own to be rebuilt."""
+    sub = [reqs[j] for j in rows]
+    ps = [req.params for req in sub]
+    adjusted = adjust_logits_rows(
+        logits if len(rows) == len(reqs) else logits[rows],  # [r, V]
+        [p.logit_bias for p in ps],
+        [p.bad_words_ids for p in ps],
+        [req.tokens[len(req.prompt_ids) :] for req in sub],
+        [req.prompt_ids for req in sub],
+        [p.presence_penalty for p in ps],
+        [p.frequency_penalty for p in ps],
+        [p.repetition_penalty for p in ps],
+    )  # [r, V] float32
+    if len(rows) == len(reqs):
+        return adjusted
+    out = logits.to(torch.float32, copy=True)
+    out[rows] = adjusted
+    return out
 
 
 def constrain_rows(

@@ -21,6 +21,8 @@ MAX_N = 16  # choices per request (each one is an engine request)
 MAX_STOP = 4  # stop strings, as OpenAI
 MAX_BATCH = 64  # prompts in one /v1/completions call
 MAX_LOGPROBS = 20  # top-n logprobs (SamplingParams' limit)
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
+MAX_BAD_WORDS = 256  # bad_words per request (each is tokenized and matched every step)
 INT64 = 2**63
 
 
@@ -79,6 +81,7 @@ class _Strict(BaseModel):
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+BadWord = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
@@ -139,12 +142,17 @@ class GenerationRequest(_Strict):
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # "token id" -> bias: token_bias()
     user: str | None = None
     # vLLM's extensions (top-level body fields, as vLLM takes them; see SamplingParams for the semantics):
     # ignore_eos generates past the model's end-of-sequence ids, min_tokens forbids stopping before that many
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, lt=INT64)
+    # repetition_penalty (1 = off) scales the logits of ids seen in prompt or output, min_p (0 = off) drops ids
+    # less likely than min_p times the top one, bad_words are never generated (tokenized by the server)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    bad_words: list[BadWord] | None = Field(None, max_length=MAX_BAD_WORDS)
     # vLLM's prompt_logprobs: each prompt token's logprob with the top N alternatives, in vLLM's shape
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     molora: MoloraOptions | None = None
@@ -157,7 +165,16 @@ class GenerationRequest(_Strict):
     guided_grammar: str | None = None
 
     @field_validator(
-        "temperature", "top_p", "top_k", "n", "stream", "presence_penalty", "frequency_penalty", mode="before"
+        "temperature",
+        "top_p",
+        "top_k",
+        "n",
+        "stream",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        mode="before",
     )
     @classmethod
     def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
@@ -170,13 +187,26 @@ class GenerationRequest(_Strict):
             raise APIError(400, f"stop holds {len(stops)} strings; at most {MAX_STOP} are allowed", param="stop")
         return tuple(stops)
 
+    def token_bias(self, vocab_size: int) -> dict[int, float]:
+        """logit_bias as {token id: bias}: each key a token id written in decimal, in [0, vocab_size), each bias in
+        [-100, 100] (OpenAI's range); a 400 naming logit_bias and the key otherwise."""
+        out: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            token = int(key) if key.isascii() and key.isdigit() else -1
+            if not 0 <= token < vocab_size:
+                raise APIError(
+                    400,
+                    f"logit_bias key {key[:40]!r} is not a token id of this model (a decimal integer in "
+                    f"[0, {vocab_size}))",
+                    param="logit_bias",
+                )
+            if not -100.0 <= bias <= 100.0:
+                raise APIError(400, f"logit_bias[{key!r}]={bias} must lie in [-100, 100]", param="logit_bias")
+            out[token] = bias
+        return out
+
     def check_supported(self) -> None:
         """Refuse, with a 400 naming the parameter, what molora accepts syntactically but does not do."""
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise APIError(400, f"{param} is not supported by molora; send 0 or leave it out", param=param)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by molora; leave it out", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         self.stop_strings()
