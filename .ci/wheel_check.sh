@@ -10,7 +10,7 @@ python3 -m venv "$work/venv"
 "$work/venv/bin/pip" install -q torch==2.13.0
 "$work/venv/bin/pip" wheel -q --no-deps -w "$work/dist" "$repo"
 "$work/venv/bin/pip" install -q "$work"/dist/molora-*.whl openai
-cp "$repo/scripts/wheel_smoke.py" "$work/"
+cp "$repo/tools/wheel_smoke.py" "$work/"
 cd "$work"
 "$work/venv/bin/python" -I -c "import molora, sys; print('molora from', molora.__file__); sys.exit('molora' in molora.__file__ and '$repo' in molora.__file__)"
 "$work/venv/bin/python" -I wheel_smoke.py "$work"

@@ -116,7 +116,7 @@ def make_router(bundle: Bundle, kind: str | None = None, tokenizer: Any = None) 
         if not folder.is_dir():
             raise BundleError(
                 f"bundle {bundle.name!r} has no per-adapter gates ({folder} is missing); train them with "
-                "scripts/gates_choose.py --gates-out DIR and name DIR as the router (kind gates)"
+                "experiments/gates_choose.py --gates-out DIR and name DIR as the router (kind gates)"
             )
         options = {k: v for k, v in bundle.router_options.items() if k not in ("kind", "path")} if own else {}
         gates = GateRouter.load(folder, options)

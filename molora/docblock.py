@@ -1,7 +1,7 @@
 """Rendered blocks in README and docs: a script owns the text between two HTML comments and rewrites it from
 its committed record, so a figure in the docs never drifts from its measurement.
 
-    <!-- results:begin (scripts/make_results.py) -->
+    <!-- results:begin (tools/make_results.py) -->
     ...generated...
     <!-- results:end -->
 

@@ -108,7 +108,7 @@ def read_chat_template(value: str | None) -> str | None:
     )
 
 
-# `--router arrow`: what scripts/arrow_variants_choose.py chose on validation (docs/arrow_variants_choice.json: block
+# `--router arrow`: what experiments/arrow_variants_choose.py chose on validation (docs/arrow_variants_choice.json: block
 # 25 of 30 = 5/6 of the depth, the default source_block; scored once on test in docs/arrow_prompt.json)
 ARROW_ROUTER = {
     "kind": "arrow",
@@ -120,10 +120,10 @@ ARROW_ROUTER = {
 }
 
 
-# `--router hybrid`: what scripts/datafree_hybrid.py chose on validation (docs/datafree_hybrid_choice.json: Arrow's own
+# `--router hybrid`: what experiments/datafree_hybrid.py chose on validation (docs/datafree_hybrid_choice.json: Arrow's own
 # setting above, block 25 of 30, with z_or 3.5 and no z_floor; scored once on test in docs/datafree_hybrid_prompt.json),
-# over the pool of scripts/datafree_pool.py's seeded command (seed 0, batches of 128, 48 tokens, T 1.0), of which the
-# first 400 turns: the pool size scripts/hybrid_pool_size.py chose on validation (docs/hybrid_pool_size_choice.json;
+# over the pool of experiments/datafree_pool.py's seeded command (seed 0, batches of 128, 48 tokens, T 1.0), of which the
+# first 400 turns: the pool size experiments/hybrid_pool_size.py chose on validation (docs/hybrid_pool_size_choice.json;
 # the 800 turns the choice was made with take twice the start-up time)
 HYBRID_ROUTER = {
     "kind": "hybrid",

@@ -9,8 +9,7 @@ which leaves the process RNG as it found it, and their weights are then overwrit
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_script(name: str):
-    """scripts/<name>.py as a module, registered in sys.modules under `name` (a script's dataclasses look their
-    module up there)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """tools/<name>.py or experiments/<name>.py, imported as a module of its package (the repository root is on
+    sys.path under pytest, as it is for `python -m tools.<name>`)."""
+    package = "tools" if (ROOT / "tools" / f"{name}.py").is_file() else "experiments"
+    return importlib.import_module(f"{package}.{name}")
 
 
 def tiny_config(arch: str):

@@ -1,4 +1,4 @@
-"""scripts/arith_ops.py: every written step is read, scored against true arithmetic, and replayed against the
+"""experiments/arith_ops.py: every written step is read, scored against true arithmetic, and replayed against the
 question, so a wrong copy and a wrong sum are told apart. Hand-written answers; no model runs here."""
 
 from __future__ import annotations

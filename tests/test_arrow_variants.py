@@ -1,4 +1,4 @@
-"""scripts/arrow_variants_choose.py: the served preset is the validation choice; the decision rules and the
+"""experiments/arrow_variants_choose.py: the served preset is the validation choice; the decision rules and the
 labelled ceiling on hand-made scores (no model runs here)."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _pair(task, first, arrow_s, own_s, arrow_tokens, own_tokens):
 def test_cost_section_judges_the_median_time_ratio_against_the_goal():
     cost = load_script("arrow_cost")
     rec = {
-        "command": "python scripts/arrow_cost.py ...",
+        "command": "python -m experiments.arrow_cost ...",
         "date": "2026-12-03",
         "machine": {"cpu": "cpu", "cores": 2},
         "loadavg_before": [1.0, 1.0, 1.0],
@@ -94,7 +94,7 @@ def test_prompt_section_renders_mixed_items_and_their_goal():
     ev = load_script("arrow_prompt_eval")
     mode = {"n": 24, "accuracy": 50.0, "seconds": 1.0, "generated_tokens": 10}
     rec = {
-        "command": "python scripts/arrow_prompt_eval.py ...",
+        "command": "python -m experiments.arrow_prompt_eval ...",
         "date": "2026-12-03",
         "fingerprint": "f",
         "config": {"source_block": -5, "rms_threshold": 2.0, "prompt_share": 0.2, "prompt_window": 64},
@@ -117,7 +117,7 @@ def test_prompt_section_renders_mixed_items_and_their_goal():
 def test_hybrid_cost_and_validation_sections_name_the_hybrid_and_test_only_a_winner(tmp_path, monkeypatch):
     cost = load_script("arrow_cost")
     rec = {
-        "command": "python scripts/arrow_cost.py ... --hybrid runs/h",
+        "command": "python -m experiments.arrow_cost ... --hybrid runs/h",
         "router": "hybrid",
         "date": "2026-12-03",
         "machine": {"cpu": "cpu", "cores": 2},
@@ -135,7 +135,7 @@ def test_hybrid_cost_and_validation_sections_name_the_hybrid_and_test_only_a_win
     row = {"object_counting": 80.0, "general": 95.0, "mixed_turn1": 90.0, "mixed_turn2": 80.0, "skills_mean": 80.0}
     setting = {"block": 25, "threshold": 2.0, "window": 64, "prompt_share": 0.2}
     choice = {
-        "command": "python scripts/datafree_hybrid.py ...",
+        "command": "python -m experiments.datafree_hybrid ...",
         "tasks": ["object_counting"],
         "settings_searched": 7,
         "chosen": {**setting, "z_or": 3.5, "z_floor": None, **row},

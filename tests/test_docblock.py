@@ -6,8 +6,8 @@ from molora.docblock import markers, replace_block, wrap, write_block
 
 
 def test_a_block_is_replaced_whole_and_the_rest_kept(tmp_path):
-    begin, end = markers("x", "scripts/x.py")
-    assert begin == "<!-- x:begin (scripts/x.py) -->" and end == "<!-- x:end -->"
+    begin, end = markers("x", "tools/x.py")
+    assert begin == "<!-- x:begin (tools/x.py) -->" and end == "<!-- x:end -->"
     text = f"head\n{begin}\nold\n{end}\ntail {end}\n"
     assert replace_block(text, begin, end, wrap(begin, end, "new")) == f"head\n{begin}\nnew\n{end}\ntail {end}\n"
     page = tmp_path / "page.md"

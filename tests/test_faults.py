@@ -228,7 +228,7 @@ def test_a_hung_step_turns_health_503_and_engine_calls_time_out():
             httpx.Client(base_url=url, timeout=30) as http,
             http.stream("POST", "/completions", json={"model": "toy", "prompt": "a", "max_tokens": 50, "stream": True}),
         ):
-            # the time it takes is measured by scripts/fault_harness.py (docs/reliability.md), not asserted here
+            # the time it takes is measured by tools/fault_harness.py (docs/reliability.md), not asserted here
             wait_for(lambda: httpx.get(base + "/health").status_code == 503, timeout=10)
             health = httpx.get(base + "/health").json()
             assert health["status"] == "stalled"

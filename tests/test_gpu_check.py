@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py, the prepared device check: its CPU dry run goes end to end and reports every
+"""tools/gpu_check.py, the prepared device check: its CPU dry run goes end to end and reports every
 section honestly; without CUDA the real run refuses with a clear message."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
+MODULE = "tools.gpu_check"
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+        [sys.executable, "-m", MODULE, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
     )
 
 

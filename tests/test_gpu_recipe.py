@@ -1,4 +1,4 @@
-"""The GPU recipe's plumbing, end to end on the CPU (scripts/gpu_recipe.py --smoke): data, four adapters, the
+"""The GPU recipe's plumbing, end to end on the CPU (tools/gpu_recipe.py --smoke): data, four adapters, the
 bundle, the router, every eval mode of both models, the report. Slow (a few minutes on 2 cores)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""scripts/hybrid_ceiling.py: the rule family scored on given signals, the oracle's choice, AUC, and the rendered
+"""experiments/hybrid_ceiling.py: the rule family scored on given signals, the oracle's choice, AUC, and the rendered
 reading of the data-free goal (within 10 points of the learned router)."""
 
 from tests.conftest import load_script
@@ -61,7 +61,7 @@ def test_the_section_reads_the_goal_off_the_test_oracle():
         "auc_vs_general": hc.separation(sig),
     }
     rec = {
-        "command": "python scripts/hybrid_ceiling.py",
+        "command": "python -m experiments.hybrid_ceiling",
         "date": "2026-12-04",
         "machine": {"cpu": "CPU", "threads": 1},
         "fingerprint": "f",

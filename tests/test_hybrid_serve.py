@@ -332,7 +332,7 @@ def test_the_results_section_renders_the_served_records():
 
 
 def test_the_routing_evaluation_reads_issue_39s_goals_off_its_record():
-    """scripts/routing_eval.py's page: a skill 10.5 points behind fails "within 10", the general and two-skill
+    """experiments/routing_eval.py's page: a skill 10.5 points behind fails "within 10", the general and two-skill
     goals are read at their bounds (95% with none empty; sequence + 10 per turn)."""
     from tests.conftest import load_script
 
@@ -347,7 +347,7 @@ def test_the_routing_evaluation_reads_issue_39s_goals_off_its_record():
                 "adapter_token_share": 0.0}  # fmt: skip
 
     rec = {
-        "command": "python scripts/routing_eval.py --split test2",
+        "command": "python -m experiments.routing_eval --split test2",
         "date": "2026-12-04",
         "machine": {"cpu": "CPU", "threads": 2, "loadavg_end": [1.0, 1.0, 1.0]},
         "split": "test2",

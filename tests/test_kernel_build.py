@@ -138,7 +138,7 @@ def test_kernels_off_names_unknown_families(kernels_off):
 @pytest.mark.parametrize("family", sorted(kernel_build.FAMILIES))
 def test_a_family_turned_off_declines_and_the_others_still_run(kernels_off, family):
     """Each family's wrappers answer "cannot run" (the callers' torch or library path) when MOLORA_KERNELS_OFF names
-    it, and only its own: what scripts/kernel_keep.py measures each family against."""
+    it, and only its own: what tools/kernel_keep.py measures each family against."""
     if not fused_cpu.available():
         pytest.skip(f"no kernel build here: {fused_cpu.unavailable_reason()}")
     import torch

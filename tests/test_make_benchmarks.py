@@ -1,4 +1,4 @@
-"""scripts/make_benchmarks.py: docs/benchmarks.md and the README's speed block are renders of the committed
+"""tools/make_benchmarks.py: docs/benchmarks.md and the README's speed block are renders of the committed
 record docs/benchmarks.json, and a run of some benches keeps the others' records. No benchmark runs here."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_rendering_the_record_is_deterministic(mb, records) -> None:
 
 def test_readme_speed_block_is_a_fresh_render_of_the_record(mb, records) -> None:
     """A README edited by hand, or a record changed without re-rendering, fails here: run
-    `.venv/bin/python scripts/make_benchmarks.py --render-only`."""
+    `.venv/bin/python -m tools.make_benchmarks --render-only`."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     a, b = readme.index(mb.SPEED_BEGIN), readme.index(mb.SPEED_END) + len(mb.SPEED_END)
     assert readme[a:b] == block(mb, records)
@@ -170,7 +170,7 @@ def test_a_run_that_would_mix_configurations_is_refused(mb, records) -> None:
 
 
 def test_scaleout_docs_render_from_their_record():
-    """docs/scaleout.md and the README's scale-out line are what scripts/make_scaleout.py renders from
+    """docs/scaleout.md and the README's scale-out line are what tools/make_scaleout.py renders from
     docs/scaleout.json (no figure without its record)."""
     import subprocess
     import sys
@@ -178,6 +178,6 @@ def test_scaleout_docs_render_from_their_record():
 
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run(
-        [sys.executable, str(root / "scripts" / "make_scaleout.py"), "--check"], capture_output=True, text=True
+        [sys.executable, "-m", "tools.make_scaleout", "--check"], capture_output=True, text=True, cwd=root
     )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,4 +1,4 @@
-"""scripts/make_results.py: the goals table reads the records as they are (no model runs here)."""
+"""tools/make_results.py: the goals table reads the records as they are (no model runs here)."""
 
 from __future__ import annotations
 

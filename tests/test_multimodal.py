@@ -564,17 +564,17 @@ def test_shipped_digits_bundle_keeps_both_styles_in_one_sequence(tmp_path):
 
 
 def test_readme_block_and_results_section_render_from_the_record():
-    """docs/multimodal.json is the only source of the README's multimodal block (scripts/make_multimodal.py)."""
+    """docs/multimodal.json is the only source of the README's multimodal block (tools/make_multimodal.py)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     record = root / "docs" / "multimodal.json"
     if not record.is_file():
-        pytest.skip("no docs/multimodal.json yet: run scripts/make_multimodal.py")
+        pytest.skip("no docs/multimodal.json yet: run tools/make_multimodal.py")
     mod = load_script("make_multimodal")
     rec = json.loads(record.read_text())
     readme = (root / "README.md").read_text()
     assert f"{mod.BEGIN}\n{mod.readme_block(rec)}\n{mod.END}" in readme, (
-        "re-run scripts/make_multimodal.py --render-only"
+        "re-run tools/make_multimodal.py --render-only"
     )
     assert any(line.startswith("## Multimodal") for line in mod.render_section(rec))

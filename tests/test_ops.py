@@ -403,7 +403,7 @@ def test_pick_backend_is_pure(monkeypatch) -> None:
 
 
 def test_dispatch_doc_is_rendered_from_the_records() -> None:
-    """docs/dispatch.md's measured block is what scripts/make_dispatch_table.py renders from docs/benchmarks.json
+    """docs/dispatch.md's measured block is what tools/make_dispatch_table.py renders from docs/benchmarks.json
     and the constants of pick_backend today (rerun the script after changing either)."""
     script = load_script("make_dispatch_table")
     assert script.main(["--check", "--docs", str(ROOT / "docs")]) == 0

@@ -420,7 +420,7 @@ def test_weight_bytes_count_every_copy_of_the_base_weights_the_model_and_runner_
 
 
 def test_the_retention_decomposition_says_when_the_loss_is_not_routing(tmp_path):
-    """scripts/make_quant.py reads scripts/quant_retention.py's record: a variant whose routed run put no answer token
+    """tools/make_quant.py reads experiments/quant_retention.py's record: a variant whose routed run put no answer token
     on an adapter and whose identical-batch retention is full loses its engine retention to batch noise, not to
     routing; one token on an adapter, or a lower same-batch figure, and it says nothing of the kind."""
     import json
@@ -435,7 +435,7 @@ def test_the_retention_decomposition_says_when_the_loss_is_not_routing(tmp_path)
                 "engine_base_repeat": 80.0, "same_batches_retention": same}  # fmt: skip
 
     rec = {
-        "command": "python scripts/quant_retention.py --split test2",
+        "command": "python -m experiments.quant_retention --split test2",
         "date": "2026-12-04",
         "split": "test2",
         "n_general": 60,
@@ -482,7 +482,7 @@ def test_the_peer_goals_are_read_off_the_int8_head_record(tmp_path):
 
 
 def test_the_w8a8_probe_records_render_one_row_per_variant(tmp_path):
-    """scripts/make_quant.py's table of scripts/w8a8_keep_probe.py's records: every variant a row, every set a
+    """tools/make_quant.py's table of experiments/w8a8_keep_probe.py's records: every variant a row, every set a
     top-1 and a KL column; nothing while no record exists."""
     import json
 
@@ -492,7 +492,7 @@ def test_the_w8a8_probe_records_render_one_row_per_variant(tmp_path):
     assert mq.keep_lines(tmp_path) == []
     cell = {"top1_agreement": 0.99, "kl_per_position": 0.00344, "positions": 10}
     rec = {
-        "command": "python scripts/w8a8_keep_probe.py --json x",
+        "command": "python -m experiments.w8a8_keep_probe --json x",
         "date": "2026-12-04",
         "machine": {"cpu": "CPU"},
         "n": 48,

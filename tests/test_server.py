@@ -416,7 +416,8 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client):
     post = client.post
     assert_error(post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
-    assert_error(post("/v1/completions", content=b"[1, 2]"), 400)
+    assert_error(post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
+    assert_error(post("/v1/completions", content=b'{"model": "toy", "prompt": "a"}'), 415, "Content-Type")
     assert_error(post("/v1/completions", json={"model": "toy", "prompt": 5}), 400, "prompt")
     assert_error(post("/v1/completions", json={"model": "toy", "prompt": "a", "max_tokens": 0}), 400, "max_tokens")
     assert_error(post("/v1/completions", json={"model": "toy", "prompt": "a", "temperature": "1"}), 400, "temperature")
@@ -433,7 +434,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client):
     assert_error(post("/v1/completions", json={"model": "toy", "prompt": [300]}), 400, "prompt")
     assert_error(post("/v1/completions", json={"model": "toy", "prompt": "a", "n": 99}), 400, "n")
     assert_error(post("/v1/completions", json={"model": "toy", "prompt": ["a"] * 8, "n": 16}), 400, "n")  # > capacity
-    assert_error(post("/v1/completions", json={"model": "toy", "prompt": "a", "presence_penalty": 1}), 400)
+    assert_error(post("/v1/completions", json={"model": "toy", "prompt": "a", "presence_penalty": 3}), 400)
     assert_error(post("/v1/completions", json={"model": "toy", "prompt": "a", "frobnicate": 1}), 400, "frobnicate")
     assert_error(post("/v1/chat/completions", json={"model": "toy", "messages": []}), 400, "messages")
     tool_message = {"model": "toy", "messages": [{"role": "tool", "content": "x"}]}
@@ -505,7 +506,13 @@ NEAR = {
     "echo": st.booleans(),
     "best_of": st.integers(0, 4),
     "presence_penalty": st.floats(-3, 3),
-    "logit_bias": st.dictionaries(st.text(max_size=3), st.floats(-5, 5), max_size=2),
+    "logit_bias": st.dictionaries(
+        st.text(max_size=3) | st.integers(-2, 300).map(str), st.floats(-150, 150), max_size=2
+    ),
+    "frequency_penalty": st.floats(-3, 3),
+    "repetition_penalty": st.floats(-1, 3),
+    "min_p": st.floats(-0.5, 1.5),
+    "bad_words": st.lists(st.text(max_size=4), max_size=3),
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
     "molora": st.fixed_dictionaries(
         {},

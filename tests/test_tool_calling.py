@@ -11,6 +11,7 @@ field.
 from __future__ import annotations
 
 import json
+import sys
 
 import httpx
 import jsonschema
@@ -23,6 +24,7 @@ from molora.routing import VocabRouter
 from molora.server import ServerThread, create_app
 from molora.server import tools as tool_calls
 from molora.server.protocol import ChatCompletionRequest
+from molora.structured import INSTALL_HINT
 from tests.conftest import make_peft_adapter, random_model, tiny_config
 from tests.structured_fixtures import char_tokenizer
 
@@ -391,9 +393,14 @@ def test_bad_tool_input_gets_a_400_naming_the_field(server, body, param, words):
     assert err["param"] == param and words in err["message"], err
 
 
-def test_auto_needs_the_servers_flag(paths, tok):
+def test_auto_needs_the_servers_flag(paths, tok, monkeypatch):
     app = create_app(_engine(paths, tok), model_name="tiny")  # no --enable-auto-tool-choice
     with ServerThread(app) as url, httpx.Client(base_url=url, timeout=120) as http:
+        with monkeypatch.context() as m:  # without the grammar engine a constrained choice names the install
+            m.setitem(sys.modules, "xgrammar", None)
+            named = {"type": "function", "function": {"name": "get_weather"}}
+            r = http.post("/chat/completions", json=_chat(tools=[WEATHER], tool_choice=named))
+            assert r.status_code == 400 and INSTALL_HINT in r.json()["error"]["message"], r.text
         for extra in ({}, {"tool_choice": "auto"}):  # tools without tool_choice mean "auto", as OpenAI's
             r = http.post("/chat/completions", json=_chat(tools=[WEATHER], **extra))
             assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]

@@ -1,5 +1,5 @@
 """`molora bench model`'s output: the goals judged, the text table and the plot of time over the base per variant
-and scenario, from the result dict `molora.bench.model.run` returns (and from a committed record: scripts/
+and scenario, from the result dict `molora.bench.model.run` returns (and from a committed record: tools/
 make_benchmarks.py renders the docs with `goals` and `scenario_ratio`)."""
 
 from __future__ import annotations

@@ -282,7 +282,7 @@ def measure_variant(
     v = VARIANTS[name]
     prompts, news, threads = work["prompts"], work["news"], work["threads"]
     model, tok = load_base()
-    calib = None  # w8a8: SmoothQuant's ranges from the rows molora.load reads (as scripts/bench_quant.py)
+    calib = None  # w8a8: SmoothQuant's ranges from the rows molora.load reads (as experiments/bench_quant.py)
     if v.quantization == "w8a8":
         from molora.bundle import quant_calibration_rows
 

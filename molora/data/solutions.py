@@ -21,7 +21,7 @@ sums done in the head.
 
 Arithmetic writes the sign handling of every sum or difference with a negative operand or a negative result
 as an operation on sizes with the sign outside ("-7 + 3 = -(7-3) = -4"), so no step adds across zero in one
-go (single steps with a negative operand failed before; scripts/arith_ops.py measures per-operation
+go (single steps with a negative operand failed before; experiments/arith_ops.py measures per-operation
 accuracy by operation, operand signs and digits).
 
 Pure Python; knows the surface formats of the generators in `molora.data.skills`, nothing else.

@@ -8,7 +8,7 @@ process. `freeze_heap()` collects once and moves everything alive into the colle
 (`gc.freeze()`), so later collections walk only what was made after it; objects that die later are still freed (by
 reference counting, or by a collection if they were made after the freeze). In a process holding that engine
 (478,000 tracked objects), one full collection took 188 ms unfrozen and 0.003 ms frozen (medians of 7, alternating:
-scripts/gc_pause.py, docs/gc_pause.json). How often one falls in a step depends on how long the process has run:
+experiments/gc_pause.py, docs/gc_pause.json). How often one falls in a step depends on how long the process has run:
 the bench's A/B (`--gc-freeze-ab`, docs/hotset_gc_freeze_ab.json) starts every run after a full collection, and
 no arm, frozen or not, had one in 200 requests; a server runs for hours.
 

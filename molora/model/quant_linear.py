@@ -11,7 +11,7 @@ rest) as buffers. int8 is weight only: the activations stay in the model's dtype
 operands to the runner's one-call decode block). One int8 copy of the weight is kept: for bfloat16 activations on
 AMX qweight itself is turned into the tiles' layout (`tiled`; prefill and decode both read the tiles), rows again at
 a call in another dtype; `rows` gives the rows to the paths that need them (the state dict holds rows). Measured
-against keeping rows and tiles both (scripts/ab_engine_trees.py --quantization int8, docs/quant_w8_onecopy_ab.json):
+against keeping rows and tiles both (experiments/ab_engine_trees.py --quantization int8, docs/quant_w8_onecopy_ab.json):
 no slower. `weight_bytes` counts every resident copy of the base weights, the kernels' copies included.
 w8a8 runs on qweight itself (torch._int_mm on a transposed view; float32 scales made at the first call, again when
 qweight, scales or smooth change) with the activations quantized per token (molora.ops.quant), each input channel

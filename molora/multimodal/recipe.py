@@ -14,10 +14,10 @@ The package ships the result (molora/multimodal/bundle, 6.9 MB: base and adapter
 (seeded, one thread: the base took 18 minutes and the four adapters 12 on a shared 2-core machine).
 Adapters "apart" go through PEFT (`train_adapter`, what `molora train-adapter` runs); "joint" ones through
 `train_routed` under the bundle's own router (what `molora train-routed` runs). The apart pair uses 5 epochs at
-lr 4e-3, chosen on validation draws (scripts/make_multimodal.py's validation seed): 2 epochs at 3e-3 left the
+lr 4e-3, chosen on validation draws (tools/make_multimodal.py's validation seed): 2 epochs at 3e-3 left the
 image adapter unable to keep the digit (validation image accuracy of the image adapter on every token 0.30, of
 the joint routed pair 0.34). The joint pair uses 10 epochs at lr 2e-3 (`joint_epochs`, `joint_lr`), chosen by
-`scripts/make_multimodal.py --choose-joint` on validation only (recorded in docs/multimodal.json "joint_choice"):
+`tools/make_multimodal.py --choose-joint` on validation only (recorded in docs/multimodal.json "joint_choice"):
 image accuracy of the routed pair 0.92 and caption accuracy 0.98, against 0.59 / 0.69 at 5 epochs / 4e-3 and
 0.73 / 0.49 at 10 epochs / 4e-3. So the apart-vs-joint comparison mixes routing during training with the
 longer, gentler schedule: the apart pair was not retrained at 10 / 2e-3.

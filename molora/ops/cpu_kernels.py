@@ -19,7 +19,7 @@ molora.ops.quant runs (its docstring: the measurements): `linear_w8` (float32 or
 weight as stored) and `linear_amx_w8` (bfloat16 on AMX, the int8 weight in the tiles' layout).
 
 Each family stays because the engine bench runs at least 1.15x slower without it, measured side by side against what
-torch gives in its place (scripts/kernel_keep.py; docs/kernel_keep_fp32.json, docs/kernel_keep_bf16.json, rendered in
+torch gives in its place (tools/kernel_keep.py; docs/kernel_keep_fp32.json, docs/kernel_keep_bf16.json, rendered in
 docs/benchmarks.md). A greedy-pick kernel (each row's argmax and finiteness in one pass) measured about 1.0x there
 and was deleted; the engine takes torch's max.
 

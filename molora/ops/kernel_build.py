@@ -10,10 +10,10 @@ molora says so once (a log warning) and the callers run their torch fallbacks.
 
 Knobs (environment, read at the first load): MOLORA_FUSED=0 turns the kernels off; MOLORA_KERNELS_OFF=glue,paged
 turns single kernel families off (`off`, FAMILIES: each wrapper then answers "cannot run" and its caller takes the
-torch or library path, as without a build; what scripts/kernel_keep.py measures each family against);
+torch or library path, as without a build; what tools/kernel_keep.py measures each family against);
 MOLORA_KERNELS_ASAN=1 builds them
 with AddressSanitizer (`-fsanitize=address`, a build key of its own; the process must preload libasan:
-scripts/kernel_asan.py runs the kernel tests so).
+tools/kernel_asan.py runs the kernel tests so).
 
 Owns the build and whether the kernels may run now (`ready`, `suspended`); knows nothing of what they compute
 (molora.ops.fused_cpu: the LoRA backend; molora.ops.cpu_kernels: the decode path's kernels).

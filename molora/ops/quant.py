@@ -12,7 +12,7 @@ Weights (quantized once, on load):
   scale and one zero per group and output channel, in torch's int4 layout: q in [0, 15], w ~ (q - 8) * scale + zero
   with scale = (max - min) / 15 and zero = min + 8 * scale over the group.
 
-Kernels (scripts/ab_quant_linear.py, SmolLM2-135M's shapes, interleaved; docs/quant_linear.json): torch's weight-only
+Kernels (experiments/ab_quant_linear.py, SmolLM2-135M's shapes, interleaved; docs/quant_linear.json): torch's weight-only
 CPU kernels ran far behind the float32 GEMM molora packs (molora.ops.packed) at every T above 1:
 `torch._weight_int8pack_mm` 0.03-0.06x at T = 8-32 (float32 activations: not vectorized), the int4 one
 (`torch._weight_int4pack_mm_for_cpu`) 0.01-0.02x, and torchao brings no CPU kernel of its own. So:
@@ -25,7 +25,7 @@ CPU kernels ran far behind the float32 GEMM molora packs (molora.ops.packed) at 
   each output once. Weights cost a quarter (half) of float32's (bfloat16's) bytes, one int8 copy each: bfloat16
   activations read it in `tiles`' layout only (molora.model.quant_linear keeps it so; `untile` gives the rows back
   where a path needs them), float32 ones as rows. Measured side by side
-  (scripts/ab_quant_linear.py, 1 thread, 6 layers, load 7-11: docs/quant_linear_w8_loaded.json): in float32,
+  (experiments/ab_quant_linear.py, 1 thread, 6 layers, load 7-11: docs/quant_linear_w8_loaded.json): in float32,
   linear_w8 ran 1.34x, 0.82x, 0.89x, 0.77x, 0.71x the float32 panels at T = 8, 16, 32, 128, 512 (that run
   predates the widening into an L1 buffer; a rerun with it, load 7-9, docs/quant_linear_w8_loaded_b.json: 1.15x,
   0.97x, 0.89x at T = 8, 16, 32, no change that this load can resolve); torch's `_weight_int8pack_mm` 0.02-0.07x.
@@ -38,7 +38,7 @@ CPU kernels ran far behind the float32 GEMM molora packs (molora.ops.packed) at 
   six to eight small ops cost more than the GEMM at a decode step's 16 rows). It does not run on
   `torch.ops.onednn.qlinear_pointwise` with signed int8 activations (what torch's x86 inductor quantization
   calls), which on an AVX512-VNNI CPU without AMX ran oneDNN's slow reference path, hundreds of times slower than
-  the float32 GEMM (scripts/ab_w8a8_kernel.py, docs/quant_w8a8_kernel.json). A GEMM of molora's own on
+  the float32 GEMM (experiments/ab_w8a8_kernel.py, docs/quant_w8a8_kernel.json). A GEMM of molora's own on
   AVX512-VNNI (vpdpbusd on the row-major weight) was tried on that CPU and ran about half as fast as torch._int_mm,
   so it was not kept (no record kept). Each
   activation row rounded symmetrically over its own range (`quantize_tokens`: a row's result depends on that row
@@ -46,7 +46,7 @@ CPU kernels ran far behind the float32 GEMM molora packs (molora.ops.packed) at 
   top-1 agreement with float32 89% on validation text. **SmoothQuant** (`smoothing`) moves range from the
   activations into the weights per input channel, x @ W.T = (x / s) @ (W * s).T, from activation ranges on
   calibration text (`molora.load` reads 16 general prompts with their answers); alpha (SMOOTH_ALPHA) was chosen on
-  validation text: 93.5% agreement, KL to float32 0.046 -> 0.018 (scripts/quant_smooth_choose.py,
+  validation text: 93.5% agreement, KL to float32 0.046 -> 0.018 (experiments/quant_smooth_choose.py,
   docs/quant_smooth_choice.json). s is a power of two, so the division and multiplication are exact in every dtype.
 - **int4** runs on torch's weight-only int4 kernel (`linear_int4`, activations in their own dtype): it saves memory
   (half a byte a weight) and is slower than float; no faster int4 CPU kernel was found.

@@ -27,7 +27,7 @@ token would race on its row (and Triton has no bf16 atomics), so expand writes e
 [M, D_out] and torch sums the k choices into `out`. No backward: the dispatcher runs it with autograd off only.
 
 Tile sizes come from `TILES`, a host-side table keyed by M (nearest key at or above). The values are a first
-guess from the shapes (no GPU has timed them yet): retune on a GPU with scripts/gpu_check.py.
+guess from the shapes (no GPU has timed them yet): retune on a GPU with tools/gpu_check.py.
 
 Under TRITON_INTERPRET=1 the kernels run on CPU tensors (the exactness tests). The interpreter's tl.dot on bf16 is
 reported wrong (relative errors near 4e11 in this project's notes on the interpreter), so interpreted kernels

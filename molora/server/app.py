@@ -44,9 +44,10 @@ from molora.bundle import stop_token_ids
 from molora.server.catalog import Catalog, ModelInfo
 from molora.server.client import EngineClient, LocalClient
 from molora.server.generation import Limits
-from molora.server.guards import Gate, add_error_handlers, auth, parse_body
+from molora.server.guards import Gate, add_error_handlers, auth, can_see_paths, parse_body
 from molora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from molora.server.metrics import ServerMetrics
+from molora.server.openapi import hoist_defs, json_body
 from molora.server.protocol import (
     AdapterLoadRequest,
     APIError,
@@ -196,6 +197,7 @@ def build_app(
     app.state.molora = state
     add_error_handlers(app, state)
     _add_routes(app, state)
+    hoist_defs(app)  # the hand-parsed bodies' schemas (json_body) in app.openapi()
     app.add_middleware(Gate, state=state)
     return app
 
@@ -206,24 +208,26 @@ def build_app(
 def _add_routes(app: FastAPI, s: ServerState) -> None:
     api, admin = Depends(auth(s, admin=False)), Depends(auth(s, admin=True))
 
-    @app.post("/v1/completions", dependencies=[api])
+    @app.post("/v1/completions", dependencies=[api], openapi_extra=json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await s.generation.completions(await parse_body(request, CompletionRequest, s), request)
 
-    @app.post("/v1/chat/completions", dependencies=[api])
+    @app.post("/v1/chat/completions", dependencies=[api], openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await s.generation.chat(await parse_body(request, ChatCompletionRequest, s), request)
 
     @app.get("/v1/models", dependencies=[api])
-    async def models(limit: int | None = None, after: str | None = None) -> ModelList:
-        full = _model_list(s)
+    async def models(request: Request, limit: int | None = None, after: str | None = None) -> ModelList:
+        full = _model_list(s, paths=can_see_paths(s, request))
         return full if limit is None and after is None else _page(full, limit, after)
 
     @app.get("/v1/models/{model_id:path}", dependencies=[api])
-    async def model(model_id: str) -> ModelCard:
+    async def model(request: Request, model_id: str) -> ModelCard:
         info, adapter = s.catalog.resolve(model_id)
         return next(
-            card for card in _model_list(s).data if card.adapter == adapter and (card.parent or card.id) == info.name
+            card
+            for card in _model_list(s, paths=can_see_paths(s, request)).data
+            if card.adapter == adapter and (card.parent or card.id) == info.name
         )
 
     @app.get("/health")
@@ -258,12 +262,14 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
         return PlainTextResponse(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/adapters", dependencies=[api])
-    async def list_adapters(bundle: str | None = None) -> JSONResponse:
+    async def list_adapters(request: Request, bundle: str | None = None) -> JSONResponse:
         infos = [s.catalog.bundle(bundle)] if bundle is not None else list(s.catalog)
         data = [{**a, "bundle": info.name} for info in infos for a in await s.client.list_adapters(info.name)]
+        if not can_see_paths(s, request):  # a user key sees names, never where the files lie
+            data = [{k: v for k, v in a.items() if k != "path"} for a in data]
         return JSONResponse({"object": "list", "data": jsonable_encoder(data)})
 
-    @app.post("/v1/adapters", dependencies=[admin], status_code=201)
+    @app.post("/v1/adapters", dependencies=[admin], status_code=201, openapi_extra=json_body(AdapterLoadRequest))
     async def load_adapter(request: Request) -> JSONResponse:
         req = await parse_body(request, AdapterLoadRequest, s)
         info = await s.load_adapter(req.bundle, req.name, req.path, param="name")
@@ -288,7 +294,7 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
         )
 
     # vLLM's runtime LoRA endpoints (what inference gateways and LoRA-aware routers call): plain-text success
-    @app.post("/v1/load_lora_adapter", dependencies=[admin])
+    @app.post("/v1/load_lora_adapter", dependencies=[admin], openapi_extra=json_body(LoadLoRAAdapterRequest))
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         req = await parse_body(request, LoadLoRAAdapterRequest, s)
         if req.load_inplace:
@@ -301,10 +307,10 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
         await s.load_adapter(None, req.lora_name, req.lora_path, param="lora_name")
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", dependencies=[admin])
+    @app.post("/v1/unload_lora_adapter", dependencies=[admin], openapi_extra=json_body(UnloadLoRAAdapterRequest))
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         req = await parse_body(request, UnloadLoRAAdapterRequest, s)
-        _, state = await s.unload_adapter(None, req.lora_name, False)
+        _, state = await s.unload_adapter(None, req.lora_name, False, param="lora_name")
         if state == "unloaded":
             return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
         return PlainTextResponse(
@@ -340,7 +346,8 @@ def _page(full: ModelList, limit: int | None, after: str | None) -> ModelList:
     )
 
 
-def _model_list(s: ServerState) -> ModelList:
+def _model_list(s: ServerState, *, paths: bool) -> ModelList:
+    """Every served model; an adapter's `root` is its folder when `paths` (admin keys, open servers), else None."""
     created = int(s.metrics.started)
     cards = []
     for info in s.catalog:
@@ -351,7 +358,7 @@ def _model_list(s: ServerState) -> ModelList:
                 created=created,
                 adapter=a,
                 parent=info.name,
-                root=info.adapter_paths.get(a),
+                root=info.adapter_paths.get(a) if paths else None,
                 max_model_len=info.max_model_len,
             )
             for a in info.adapters

@@ -31,6 +31,8 @@ class ModelInfo:
     adapter_paths: dict[str, str | None] = field(default_factory=dict)  # /v1/models' "root" of each adapter
     chooser: str | None = None  # "hybrid": model=<name> asks the engine's per-request chooser (molora.server.choosing)
     tool_parser: str | None = None  # --enable-auto-tool-choice: parses tool_choice "auto" (None: "auto" is refused)
+    # chat messages' special-token literals are tokenized as text (molora.server.special_tokens) unless this is set
+    allow_special_tokens_in_chat: bool = False
 
     @property
     def models(self) -> list[str]:

@@ -32,7 +32,16 @@ from molora.server.protocol import APIError, validation_error
 from molora.server.runner import EngineBusy, RunnerStopped, Saturated
 from molora.server.state import ServerState
 
-__all__ = ["OFFLOAD_BODY_BYTES", "ROUTES", "Gate", "add_error_handlers", "auth", "error_response", "parse_body"]
+__all__ = [
+    "OFFLOAD_BODY_BYTES",
+    "ROUTES",
+    "Gate",
+    "add_error_handlers",
+    "auth",
+    "can_see_paths",
+    "error_response",
+    "parse_body",
+]
 
 log = logging.getLogger("molora.server")
 M = TypeVar("M", bound=BaseModel)
@@ -90,10 +99,48 @@ def _matches(token: str, keys: Sequence[str]) -> bool:
 # ---------------------------------------------------------------------------------------------- bodies
 
 
+def can_see_paths(s: ServerState, request: Request) -> bool:
+    """Whether this request may see filesystem paths (adapter folders): with keys configured, admin keys only; an
+    open server (no keys: the operator's own machine) shows them, as vLLM does."""
+    if not s.api_keys:
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and bool(token.strip()) and _matches(token.strip(), s.admin_keys)
+
+
+# a body must arrive within BODY_GRACE_S plus one second per BODY_RATE_FLOOR bytes: a client that sends a byte now
+# and then cannot hold a connection and its handler for long (a 4 MiB body at the floor: 74 s)
+BODY_GRACE_S = 10.0
+BODY_RATE_FLOOR = 64 << 10  # bytes per second
+
+
 async def parse_body(request: Request, model: type[M], s: ServerState) -> M:
-    """The body validated as `model`; 413 over the size limit, 400 for bad JSON or bad fields."""
+    """The body validated as `model`; 415 unless it is sent as JSON, 413 over the size limit, 408 when it arrives
+    slower than the floor (BODY_RATE_FLOOR), 400 for bad JSON or bad fields."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise APIError(
+            415,
+            f"Content-Type {media or '(none)'!r}: send the body as JSON with 'Content-Type: application/json'",
+            param="Content-Type",
+            code="unsupported_media_type",
+        )
     raw = bytearray()
-    async for chunk in request.stream():
+    start = asyncio.get_running_loop().time()
+    chunks = request.stream().__aiter__()
+    while True:
+        allowed = start + BODY_GRACE_S + len(raw) / BODY_RATE_FLOOR - asyncio.get_running_loop().time()
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), max(allowed, 0.0))
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise APIError(
+                408,
+                f"the request body arrived too slowly ({len(raw)} bytes so far; this server reads at least "
+                f"{BODY_RATE_FLOOR} bytes/s after {BODY_GRACE_S:g} s)",
+                code="body_timeout",
+            ) from None
         raw += chunk
         if len(raw) > s.max_body_bytes:
             raise APIError(413, f"request body over {s.max_body_bytes} bytes", code="request_too_large")

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from molora.engine.heap import freeze_heap
 from molora.errors import MoLoRAError
 from molora.server.app import create_app
+from molora.server.http_timeouts import protocol_class
 from molora.server.state import ADAPTER_NAME
 
 log = logging.getLogger("molora.server")
@@ -188,7 +189,13 @@ def run_app(
     """Run a molora app under uvicorn until SIGTERM/SIGINT, draining (`DrainingServer`); drain_timeout_s None:
     wait for in-flight requests without a limit. `molora serve` and `molora serve --ray --ray-ingress process`."""
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s, access_log=False
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=drain_timeout_s,
+        access_log=False,
+        http=protocol_class(),  # requests' headers must arrive within HEADER_TIMEOUT_S (molora.server.http_timeouts)
     )
     DrainingServer(config, app).run()
 
@@ -210,7 +217,13 @@ class ServerThread:
         self.port = port if port is not None else free_port(host)
         self.host = host
         config = uvicorn.Config(
-            app, host=host, port=self.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+            app,
+            host=host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            http=protocol_class(),
         )
         self.server = DrainingServer(config, app)
         self.thread = threading.Thread(target=self.server.run, name="molora-uvicorn", daemon=True)

@@ -74,7 +74,8 @@ LORA_INFO = "molora_lora_requests_info"  # vLLM's vllm:lora_requests_info, label
 LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
 
 DEADLINE_KINDS = ("request", "queue")  # whole-request deadline; time allowed in the queue
-FAILURE_KINDS = ("step", "isolated", "restart")  # a step raised; a request failed alone; the thread restarted
+# a step raised; a request failed alone; the thread restarted; an adapter was unloaded for non-finite logits
+FAILURE_KINDS = ("step", "isolated", "restart", "quarantine")
 
 
 class ServerMetrics:
@@ -133,7 +134,8 @@ class ServerMetrics:
         self.failures = Counter(
             "molora_engine_failures",
             "Engine failures by kind (step: a step raised; isolated: "
-            "a request failed alone after isolation; restart: the engine thread restarted).",
+            "a request failed alone after isolation; restart: the engine thread restarted; quarantine: an adapter "
+            "was unloaded because its requests gave non-finite logits).",
             ["kind"],
             registry=r,
         )

@@ -113,6 +113,13 @@ class ServerState:
             m.count_deadline(str(value))
         elif kind in ("fault", "isolated", "restart"):
             m.count_engine_failure({"fault": "step"}.get(kind, kind))
+        elif kind == "quarantined":  # the engine unloaded an adapter that gave non-finite logits: new requests 404
+            m.count_engine_failure("quarantine")
+            m.forget_adapter(str(value))
+            for info in self.catalog:
+                if value in info.adapters:
+                    info.adapters = [a for a in info.adapters if a != value]
+                    info.adapter_paths.pop(str(value), None)
 
     def begin_drain(self) -> None:
         """From now on new requests get 503; the ones in flight go on to the end."""
@@ -133,7 +140,8 @@ class ServerState:
             )
         if name in self.catalog.infos:
             raise APIError(400, f"adapter name {name!r} is the served model's own name; choose another", param=param)
-        resolved = resolve_adapter_path(path, roots)
+        path_param = "path" if param == "name" else "lora_path"  # the body's own field names (/v1/adapters, vLLM's)
+        resolved = resolve_adapter_path(path, roots, param=path_param)
         try:  # the client reads and checks the files off the engine thread, confined to the roots
             await self.client.load_adapter(info.name, name, resolved, roots)
         except BankFullError as e:
@@ -143,24 +151,26 @@ class ServerState:
         except CalibrationError as e:  # --router hybrid: not the adapter's fault; nothing was changed
             raise APIError(500, str(e), type="server_error", code="chooser_calibration_failed") from e
         except MoLoRAError as e:
-            raise APIError(400, str(e), param="path" if param == "name" else "lora_path", code="invalid_adapter") from e
+            raise APIError(400, str(e), param=path_param, code="invalid_adapter") from e
         self.metrics.known_adapter(name)
         await self.refresh_adapters(info)
         return info
 
-    async def unload_adapter(self, bundle: str | None, name: str, force: bool) -> tuple[ModelInfo, str]:
+    async def unload_adapter(
+        self, bundle: str | None, name: str, force: bool, *, param: str = "name"
+    ) -> tuple[ModelInfo, str]:
         """Unload (drain; force: now) adapter `name` of `bundle`: (bundle, "unloaded" | "draining"); 404 if
-        unknown."""
+        unknown. Errors name `param`, the field that gave the name."""
         info = self.catalog.bundle(bundle)
         known = [a["name"] for a in await self.client.list_adapters(info.name)]
         if name not in known:
             raise APIError(
-                404, f"adapter {name!r} is not loaded; loaded: {info.adapters}", param="name", code="adapter_not_found"
+                404, f"adapter {name!r} is not loaded; loaded: {info.adapters}", param=param, code="adapter_not_found"
             )
         try:
             state = await self.client.unload_adapter(info.name, name, force)
         except MoLoRAError as e:
-            raise APIError(409, str(e), param="name", code="adapter_busy") from e
+            raise APIError(409, str(e), param=param, code="adapter_busy") from e
         self.metrics.forget_adapter(name)
         await self.refresh_adapters(info)
         return info, state
@@ -177,8 +187,9 @@ def path_text(path: Any) -> str | None:
     return None if path is None else str(path)
 
 
-def resolve_adapter_path(path: str, roots: Sequence[Path]) -> Path:
-    """The adapter folder `path` names, resolved (symlinks and '..' followed), if it lies under a root.
+def resolve_adapter_path(path: str, roots: Sequence[Path], *, param: str = "path") -> Path:
+    """The adapter folder `path` names, resolved (symlinks and '..' followed), if it lies under a root; errors name
+    `param`, the body field that gave the path.
 
     Relative paths are taken relative to each root in turn; absolute ones must resolve inside a root.
     """
@@ -186,21 +197,21 @@ def resolve_adapter_path(path: str, roots: Sequence[Path]) -> Path:
         raise APIError(
             403,
             "loading adapters at run time is disabled: start the server with --adapter-root DIR",
-            param="path",
+            param=param,
             code="adapter_loading_disabled",
         )
     given = Path(path)
     try:
         candidates = [given.resolve()] if given.is_absolute() else [(root / given).resolve() for root in roots]
     except (OSError, ValueError, RuntimeError) as e:  # null bytes, symlink loops
-        raise APIError(400, f"adapter path {path!r} is not a valid path ({e})", param="path") from e
+        raise APIError(400, f"adapter path {path!r} is not a valid path ({e})", param=param) from e
     inside = [c for c in candidates if any(c.is_relative_to(root) for root in roots)]
     if not inside:
         raise APIError(
             403,
             f"adapter path {path!r} lies outside the adapter roots; give a folder under one of "
             f"{[str(r) for r in roots]}",
-            param="path",
+            param=param,
             code="path_outside_roots",
         )
     found = next((c for c in inside if (c / "adapter_config.json").is_file()), None)
@@ -208,7 +219,7 @@ def resolve_adapter_path(path: str, roots: Sequence[Path]) -> Path:
         raise APIError(
             404,
             f"no PEFT adapter (adapter_config.json) at {path!r} under the adapter roots",
-            param="path",
+            param=param,
             code="adapter_not_found",
         )
     return found

@@ -26,10 +26,10 @@ Only two things are read: the adapters' weights (through the model they change) 
   against the prompts no adapter claims: the same logistic gate and threshold rules as the gates trained on an
   adapter's own prompts, so `--router gates` serves them unchanged.
 
-Measured on the default bundle (scripts/datafree_choose.py, docs/datafree_choice.json): the gates fail on
+Measured on the default bundle (experiments/datafree_choose.py, docs/datafree_choice.json): the gates fail on
 validation (skills mean 23%), since the pool holds almost no skill-like prompt, while the first-answer-token
 confidence routes the skill prompts themselves well; molora.routing.confidence serves that signal per request,
-calibrated on this module's pool (scripts/datafree_confidence.py).
+calibrated on this module's pool (experiments/datafree_confidence.py).
 """
 
 from __future__ import annotations

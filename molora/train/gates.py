@@ -140,7 +140,7 @@ def held_cut(n: int, held: float) -> int:
     return n - max(1, int(held * n))
 
 
-# the settings scripts/gates_choose.py chose on the default bundle's validation prompts (docs/gates_choice.json)
+# the settings experiments/gates_choose.py chose on the default bundle's validation prompts (docs/gates_choice.json)
 CHOSEN = {"source_block": -15, "l2": 0.01, "rule": "youden", "value": 0.0, "prompt_share": 0.4, "prompt_window": 32}
 
 

@@ -87,7 +87,7 @@ static inline void softmax_rows(float* sc, int64_t nq, int64_t n, float* inv) {
   }
 }
 
-// Rows prefetched ahead in attend_tiled. Measured against no prefetch (scripts/ab_paged_decode.py, 16 repetitions):
+// Rows prefetched ahead in attend_tiled. Measured against no prefetch (experiments/ab_paged_decode.py, 16 repetitions):
 // 1.10x and 1.06x in float32 at contexts 160 and 1000, 0.99x and 1.00x in bf16 (half the lines per row).
 constexpr int64_t PF = 8;
 
