@@ -445,3 +445,20 @@ def test_the_openai_client_round_trip(server):
     chunks = list(stream)
     (piece,) = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
     assert piece.function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_serve_flags_reach_the_server(monkeypatch):
+    import molora.server
+    from molora.cli import build_parser
+    from molora.cli.serve import _serve
+
+    seen = {}
+    monkeypatch.setattr(molora.server, "serve", lambda bundle, **kw: seen.update(kw))
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "json"])
+    assert _serve(args) == 0
+    assert seen["enable_auto_tool_choice"] is True and seen["tool_call_parser"] == "json"
+    args = build_parser().parse_args(["serve"])
+    _serve(args)
+    assert seen["enable_auto_tool_choice"] is False and seen["tool_call_parser"] is None
+    with pytest.raises(MoLoRAError, match="--enable-auto-tool-choice"):
+        _serve(build_parser().parse_args(["serve", "--ray", "--enable-auto-tool-choice"]))
