@@ -170,7 +170,12 @@ class GrammarConstraint(Constraint):
                 return f"the answer is not JSON: {e}"
             return _violation(json.loads(self.spec.text) if kind == "json_schema" else {"type": "object"}, value)
         if kind == "regex":
-            return None if re.fullmatch(self.spec.text, text) else f"the answer does not match {self.spec.text!r}"
+            _budget.deadline = time.monotonic() + CHECK_BUDGET_S
+            try:
+                matched = _search(self.spec.text, text, full=True)
+            except _CheckTimeout:
+                return f"the answer could not be checked against the regex (over {CHECK_BUDGET_S:g} s)"
+            return None if matched else f"the answer does not match {self.spec.text!r}"
         if kind == "choice":
             return None if text in json.loads(self.spec.text) else "the answer is none of the choices"
         return None
@@ -299,6 +304,78 @@ class StructuredCompiler:
         return c.compile_grammar(self.xgr.Grammar.from_ebnf(spec.text))
 
 
+# The answer check runs user regexes (a regex spec, a schema's pattern/patternProperties) on the server's event loop,
+# against answers a stop string may have cut: Python's re can take exponential time on such input. The check uses
+# the `regex` module with a deadline instead; past it, the answer is reported as unchecked.
+CHECK_BUDGET_S = 0.25
+
+
+class _CheckTimeout(Exception):
+    pass
+
+
+class _Budget(threading.local):
+    deadline = 0.0
+
+
+_budget = _Budget()
+
+
+def _search(pattern: str, text: str, *, full: bool = False) -> bool:
+    import regex
+
+    left = _budget.deadline - time.monotonic()
+    if left <= 0:
+        raise _CheckTimeout
+    try:
+        return (regex.fullmatch if full else regex.search)(pattern, text, timeout=left) is not None
+    except TimeoutError:
+        raise _CheckTimeout from None
+    except regex.error:
+        return re.search(pattern, text) is not None if not full else re.fullmatch(pattern, text) is not None
+
+
+def _pattern(validator: Any, patrn: str, instance: Any, schema: Any) -> Any:
+    import jsonschema
+
+    if validator.is_type(instance, "string") and not _search(patrn, instance):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {patrn!r}")
+
+
+def _pattern_properties(validator: Any, patterns: dict, instance: Any, schema: Any) -> Any:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for k, v in instance.items():
+            if _search(pattern, k):
+                yield from validator.descend(v, subschema, path=k, schema_path=pattern)
+
+
+def _additional_properties(validator: Any, extra_schema: Any, instance: Any, schema: Any) -> Any:
+    import jsonschema
+
+    if not validator.is_type(instance, "object"):
+        return
+    named, patterns = schema.get("properties", {}), list(schema.get("patternProperties", {}))
+    extras = [k for k in instance if k not in named and not any(_search(p, k) for p in patterns)]
+    if validator.is_type(extra_schema, "object"):
+        for k in extras:
+            yield from validator.descend(instance[k], extra_schema, path=k)
+    elif not extra_schema and extras:
+        yield jsonschema.ValidationError(f"additional properties are not allowed ({', '.join(map(repr, extras))})")
+
+
+@functools.cache
+def _guarded(cls: Any) -> Any:
+    """jsonschema's validator class `cls` with its regex keywords under the check's deadline."""
+    import jsonschema
+
+    return jsonschema.validators.extend(
+        cls,
+        {"pattern": _pattern, "patternProperties": _pattern_properties, "additionalProperties": _additional_properties},
+    )
+
+
 def _violation(schema: Any, value: Any) -> str | None:
     """The first way `value` breaks `schema` ("at path: message", jsonschema's best match), None if it does not.
     The validator resolves references only inside the schema: its registry refuses every retrieval (jsonschema
@@ -307,11 +384,14 @@ def _violation(schema: Any, value: Any) -> str | None:
     import jsonschema
     import referencing.exceptions
 
-    validator = jsonschema.validators.validator_for(schema)(schema, registry=_closed_registry())
+    validator = _guarded(jsonschema.validators.validator_for(schema))(schema, registry=_closed_registry())
+    _budget.deadline = time.monotonic() + CHECK_BUDGET_S
     try:
         error = jsonschema.exceptions.best_match(validator.iter_errors(value))
     except (referencing.exceptions.Unresolvable, RecursionError) as e:
         return f"the answer could not be checked against the schema ({type(e).__name__}: {str(e)[:200]})"
+    except _CheckTimeout:
+        return f"the answer could not be checked against the schema (its patterns took over {CHECK_BUDGET_S:g} s)"
     if error is None:
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "(top level)"

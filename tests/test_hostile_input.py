@@ -151,6 +151,22 @@ def test_the_answer_check_never_retrieves_a_reference(tmp_path, monkeypatch):
     assert opened == []
 
 
+def test_the_answer_check_gives_up_on_a_catastrophic_pattern(tok):
+    """A pattern that backtracks exponentially on a non-matching answer (a stop string may cut an answer short) is
+    checked under a deadline: the answer is reported unchecked instead of freezing the event loop."""
+    compiler = StructuredCompiler(tok, vocab_size=128, stop_token_ids=[1])
+    evil = "^(a|aa)+$"
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": evil}}}
+    assert "could not be checked" in _violation(schema, {"s": "a" * 60 + "!"})
+    keys = {"type": "object", "patternProperties": {evil: {}}, "additionalProperties": False}
+    assert "could not be checked" in _violation(keys, {"a" * 60 + "!": 1})
+    assert "could not be checked" in compiler.compile(StructuredSpec("regex", "(a|aa)+")).check("a" * 60 + "!")
+    # ordinary patterns are checked as before
+    assert "does not match" in _violation(schema | {"properties": {"s": {"pattern": "^[a-z]+$"}}}, {"s": "a1"})
+    assert _violation(keys | {"patternProperties": {"^k": {}}}, {"k1": 1}) is None
+    assert "additional properties" in _violation(keys | {"patternProperties": {"^k": {}}}, {"x": 1})
+
+
 def test_a_schema_pointing_at_a_file_or_a_silent_socket_is_a_400_and_nothing_is_read(server, tmp_path):
     secret = tmp_path / "secret.json"
     secret.write_text(json.dumps({"type": "string", "const": SECRET}))

@@ -151,6 +151,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "whole answer is a call or a list of calls); molora.server.tools.register_tool_parser adds more",
     )
     p.add_argument(
+        "--allow-special-tokens-in-chat",
+        action="store_true",
+        help="read special-token literals typed in chat messages (<|im_end|>, ...) as special tokens; by default they "
+        "are text, so a message cannot close its turn and write another (completions always keep them)",
+    )
+    p.add_argument(
         "--keepalive",
         type=float,
         default=15.0,
@@ -411,6 +417,7 @@ def _serve(args: argparse.Namespace) -> int:
         lora_dirs=args.lora_dir,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
         **keys,
     )
     return 0

@@ -84,6 +84,7 @@ def create_app(
     lora_resolver_dirs: Sequence[str | Path] = (),
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
+    allow_special_tokens_in_chat: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine` (see the module docstring).
 
@@ -95,6 +96,8 @@ def create_app(
     for the engine thread. lora_resolver_dirs: folders whose subfolder NAME loads as adapter NAME when a request
     first names it (vLLM's filesystem resolver). enable_auto_tool_choice, tool_call_parser: vLLM's flags; tool_choice
     "auto" is parsed by that parser (molora.server.tools; default `hermes`), and refused without the first.
+    allow_special_tokens_in_chat: read special-token literals in chat messages as special tokens (default: as text,
+    molora.server.special_tokens).
     """
     from molora.server.tools import auto_tool_parser
 
@@ -113,6 +116,7 @@ def create_app(
     info.adapter_paths = {a["name"]: path_text(a.get("path")) for a in listed}
     info.chooser = "hybrid" if getattr(mm, "chooser", None) is not None else None
     info.tool_parser = auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
+    info.allow_special_tokens_in_chat = allow_special_tokens_in_chat
     runner = EngineRunner(engine, max_in_flight=max_queue, stall_s=stall_s)
     return build_app(
         LocalClient(engine, runner, call_timeout_s=engine_call_timeout_s),

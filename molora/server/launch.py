@@ -145,6 +145,7 @@ def serve(
     quantize_lm_head: bool | None = None,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
+    allow_special_tokens_in_chat: bool = False,
 ) -> None:
     """Serve the OpenAI-compatible API until SIGTERM/SIGINT, then drain and return.
 
@@ -158,6 +159,7 @@ def serve(
     limits: request deadlines, queue timeout, SSE keep-alive (molora.server.generation.Limits; None: defaults).
     stall_s: /health turns 503 when the engine thread is busy this long without progress.
     enable_auto_tool_choice, tool_call_parser: tool_choice "auto" and its parser (create_app).
+    allow_special_tokens_in_chat: special-token literals in chat messages stay special tokens (create_app).
     """
     if not api_keys and not admin_keys and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without API keys: anyone who can reach this port can use it (--api-key)", host)
@@ -176,6 +178,7 @@ def serve(
         lora_resolver_dirs=lora_resolver_dirs,
         enable_auto_tool_choice=enable_auto_tool_choice,
         tool_call_parser=tool_call_parser,
+        allow_special_tokens_in_chat=allow_special_tokens_in_chat,
         **extra,
     )
     log.info("serving %s on http://%s:%d/v1", ", ".join(app.state.molora.catalog.infos), host, port)
