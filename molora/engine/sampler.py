@@ -48,9 +48,8 @@ def sample_step(
     ids are masked) is a dead end: it samples nothing and its request ends (Engine._run). finite[j]: row j's
     logits are finite (a row that is not draws nothing: its request ends). bitmask: the constrained rows' packed
     masks if filled ahead (Engine._fill_masks, while the forward ran), else filled here."""
-    knobs = [j for j, req in enumerate(reqs) if req.params.adjusts_logits]
-    if knobs:
-        logits = adjust_rows(reqs, logits, knobs)  # [b, V], a float32 copy
+    if any(req.params.adjusts_logits for req in reqs):
+        logits = adjust_rows(reqs, logits)  # [b, V], a float32 copy
     chosen = greedy(logits)  # [b] greedy for all
     masked, dead = constrain_rows(reqs, logits, chosen, bitmask)
     short = [j for j, req in enumerate(reqs) if j not in dead and req.num_generated < req.params.min_tokens]
@@ -90,28 +89,23 @@ def sample_step(
     return chosen, dead
 
 
-def adjust_rows(reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """A float32 copy of logits [b, V] in which rows `rows` carry their requests' logit knobs (logit_bias, bad
-    words, repetition/frequency/presence penalties: molora.sampling.adjust_logits_rows, one batched op over those
-    rows); the other rows are copied as they are. The counts are read from each request's ids (prompt_ids, then
-    what it generated), so a request restarted or preempted needs no state of its own to be rebuilt."""
-    sub = [reqs[j] for j in rows]
-    ps = [req.params for req in sub]
-    adjusted = adjust_logits_rows(
-        logits if len(rows) == len(reqs) else logits[rows],  # [r, V]
+def adjust_rows(reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of logits [b, V] in which each row carries its request's logit knobs (logit_bias, bad words,
+    repetition/frequency/presence penalties: molora.sampling.adjust_logits_rows, batched over the rows); rows
+    without knobs are copied as they are. The counts are read from each request's ids (prompt_ids, then what it
+    generated), so a request restarted or preempted has no state of its own to rebuild."""
+    ps = [req.params for req in reqs]
+    outputs = [req.tokens[len(req.prompt_ids) :] if p.adjusts_logits else () for req, p in zip(reqs, ps)]
+    return adjust_logits_rows(
+        logits,
         [p.logit_bias for p in ps],
         [p.bad_words_ids for p in ps],
-        [req.tokens[len(req.prompt_ids) :] for req in sub],
-        [req.prompt_ids for req in sub],
+        outputs,
+        [req.prompt_ids for req in reqs],
         [p.presence_penalty for p in ps],
         [p.frequency_penalty for p in ps],
         [p.repetition_penalty for p in ps],
-    )  # [r, V] float32
-    if len(rows) == len(reqs):
-        return adjusted
-    out = logits.to(torch.float32, copy=True)
-    out[rows] = adjusted
-    return out
+    )  # [b, V] float32
 
 
 def constrain_rows(
