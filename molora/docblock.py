@@ -6,7 +6,8 @@ its committed record, so a figure in the docs never drifts from its measurement.
     <!-- results:end -->
 
 `markers(name, script)` gives the pair, `replace_block` swaps one block in a text (the block carries its own
-markers, as `wrap` builds it), `write_block` does it in a file (or, with check, only says whether it is stale).
+markers, as `wrap` builds it), `write_block` does it in a file (or, with check, only says whether it is stale);
+`from_docs` moves a README-relative block's links to a page in docs/.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def replace_block(text: str, begin: str, end: str, block: str, where: str | Path
     if a < 0 or b < 0:
         raise SystemExit(f"{where} has no {begin} ... {end} block to render into; add the two lines where it belongs")
     return text[:a] + block + text[b + len(end) :]
+
+
+def from_docs(block: str) -> str:
+    """A block rendered with README-relative links (`](docs/x)`), its links made relative to a page in docs/."""
+    return block.replace("](docs/", "](")
 
 
 def write_block(path: Path, begin: str, end: str, block: str, *, check: bool = False) -> bool:

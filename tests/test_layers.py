@@ -4,6 +4,7 @@ module's imports), and the table names every package placed here."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "molora"
@@ -66,3 +67,17 @@ def test_imports_point_down_only():
             if li > lm or apart:
                 bad.append(f"{mod} (layer {lm}) imports {imp} (layer {li})")
     assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_readme_layer_table_names_every_placed_package():
+    """Every package this test places is in the README's "How it is built" table, in the row of its layer."""
+    readme = (ROOT.parent / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## How it is built") :]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"\| (\d) \| (.*?) \|", line)
+        if m:
+            for name in re.findall(r"`(molora[\w.]*)`", m.group(2)):
+                rows[name] = int(m.group(1))
+    wrong = {p: (layer, rows.get(p)) for p, layer in LAYER.items() if rows.get(p) != layer}
+    assert not wrong, f"package: (layer here, layer in the README's table): {wrong}"

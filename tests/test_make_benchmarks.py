@@ -1,5 +1,6 @@
-"""tools/make_benchmarks.py: docs/benchmarks.md and the README's speed block are renders of the committed
-record docs/benchmarks.json, and a run of some benches keeps the others' records. No benchmark runs here."""
+"""tools/make_benchmarks.py: docs/benchmarks.md, docs/performance.md's speed block and the README's speed table
+are renders of the committed record docs/benchmarks.json, and a run of some benches keeps the others' records.
+No benchmark runs here."""
 
 from __future__ import annotations
 
@@ -27,9 +28,8 @@ def records() -> dict:
 
 
 def block(mb, records: dict) -> str:
-    return mb.readme_block(
-        records, mb.script_command(records), "docs/benchmarks.md", "docs/benchmarks.json", ROOT / "docs"
-    )
+    """The speed block as docs/performance.md holds it (links relative to docs/)."""
+    return mb.readme_block(records, mb.script_command(records), "benchmarks.md", "benchmarks.json", ROOT / "docs")
 
 
 def iqr(p: list[float]) -> str:
@@ -44,12 +44,14 @@ def test_rendering_the_record_is_deterministic(mb, records) -> None:
     assert mb.render(records, out, out.parent, cmd, "") == mb.render(again, out, out.parent, cmd, "")
 
 
-def test_readme_speed_block_is_a_fresh_render_of_the_record(mb, records) -> None:
-    """A README edited by hand, or a record changed without re-rendering, fails here: run
+def test_speed_block_and_readme_table_are_fresh_renders_of_the_record(mb, records) -> None:
+    """A page or README edited by hand, or a record changed without re-rendering, fails here: run
     `.venv/bin/python -m tools.make_benchmarks --render-only`."""
+    page = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    a, b = page.index(mb.SPEED_BEGIN), page.index(mb.SPEED_END) + len(mb.SPEED_END)
+    assert page[a:b] == block(mb, records)
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    a, b = readme.index(mb.SPEED_BEGIN), readme.index(mb.SPEED_END) + len(mb.SPEED_END)
-    assert readme[a:b] == block(mb, records)
+    assert mb.readme_table(records, "docs/performance.md") in readme
 
 
 def test_benchmarks_page_and_readme_pass_the_check(mb, capsys) -> None:
@@ -110,8 +112,10 @@ def test_render_only_needs_only_the_record(mb, tmp_path) -> None:
         str(tmp_path / "benchmarks.md"),
         "--work",
         str(tmp_path / "absent"),
-        "--readme",
+        "--summary",
         str(tmp_path / "README.md"),
+        "--readme",
+        "",
     ]
     assert mb.main(["--render-only", *argv]) == 0
     assert not (tmp_path / "absent").exists()
@@ -144,8 +148,10 @@ def test_only_replaces_its_benches_and_keeps_the_rest(mb, records, tmp_path, mon
                 str(tmp_path / "benchmarks.md"),
                 "--work",
                 str(tmp_path / "work"),
-                "--readme",
+                "--summary",
                 str(tmp_path / "README.md"),
+                "--readme",
+                "",
             ]
         )
         == 0
@@ -170,7 +176,7 @@ def test_a_run_that_would_mix_configurations_is_refused(mb, records) -> None:
 
 
 def test_scaleout_docs_render_from_their_record():
-    """docs/scaleout.md and the README's scale-out line are what tools/make_scaleout.py renders from
+    """docs/scaleout.md's block is what tools/make_scaleout.py renders from
     docs/scaleout.json (no figure without its record)."""
     import subprocess
     import sys

@@ -563,9 +563,11 @@ def test_shipped_digits_bundle_keeps_both_styles_in_one_sequence(tmp_path):
     assert main(["demo", "--multimodal", "--png", str(png)]) == 0 and png.stat().st_size > 1000
 
 
-def test_readme_block_and_results_section_render_from_the_record():
-    """docs/multimodal.json is the only source of the README's multimodal block (tools/make_multimodal.py)."""
+def test_page_block_and_results_section_render_from_the_record():
+    """docs/multimodal.json is the only source of docs/multimodal.md's block (tools/make_multimodal.py)."""
     from pathlib import Path
+
+    from molora.docblock import from_docs
 
     root = Path(__file__).resolve().parent.parent
     record = root / "docs" / "multimodal.json"
@@ -573,8 +575,8 @@ def test_readme_block_and_results_section_render_from_the_record():
         pytest.skip("no docs/multimodal.json yet: run tools/make_multimodal.py")
     mod = load_script("make_multimodal")
     rec = json.loads(record.read_text())
-    readme = (root / "README.md").read_text()
-    assert f"{mod.BEGIN}\n{mod.readme_block(rec)}\n{mod.END}" in readme, (
+    page = (root / "docs" / "multimodal.md").read_text()
+    assert from_docs(f"{mod.BEGIN}\n{mod.readme_block(rec)}\n{mod.END}") in page, (
         "re-run tools/make_multimodal.py --render-only"
     )
     assert any(line.startswith("## Multimodal") for line in mod.render_section(rec))

@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 from molora.bench.sse import SSEStream
-from molora.docblock import markers, replace_block, wrap
+from molora.docblock import from_docs, markers, replace_block, wrap
 
 ROOT = Path(__file__).resolve().parents[1]
 # Fault markers: a prompt that starts with three of these token ids (text never tokenizes to that at position
@@ -526,8 +526,9 @@ def main() -> int:
         out.write_text(json.dumps(record, indent=1) + "\n")
     record = json.loads(out.read_text())
     (ROOT / "docs" / "reliability.md").write_text(render(record))
-    readme = ROOT / "README.md"
-    readme.write_text(replace_block(readme.read_text(), BEGIN, END, wrap(BEGIN, END, readme_block(record)), readme))
+    page = ROOT / "docs" / "serving.md"  # the summary beside "Running it for others"
+    block = from_docs(wrap(BEGIN, END, readme_block(record)))
+    page.write_text(replace_block(page.read_text(), BEGIN, END, block, page))
     print(
         json.dumps(
             {

@@ -928,6 +928,7 @@ def serve_section(records: dict[str, dict]) -> list[str]:
 # ---------------------------------------------------------------------------------------------- README block
 
 SPEED_BEGIN, SPEED_END = markers("speed", "tools/make_benchmarks.py")
+TABLE_BEGIN, TABLE_END = markers("speed-table", "tools/make_benchmarks.py")
 MODEL_NAMES = {"smollm2": "SmolLM2-135M", "tiny": "a tiny random Llama"}
 PATH_NAMES = {"molora": "molora per-token", "runner": "the lean runner"}
 
@@ -1233,6 +1234,17 @@ def readme_block(records: dict[str, dict], script_cmd: str, page: str, record: s
     return "\n".join(lines + [SPEED_END])
 
 
+def readme_table(records: dict[str, dict], page: str) -> str:
+    """The README's speed table (TABLE_BEGIN ... TABLE_END): the model bench's time over the base model, the table
+    of the speed block without its prose; page: the link to the speed summary relative to the README."""
+    rows = [line for line in readme_model(records["model"], script_command(records)) if line.startswith("|")]
+    head = (
+        f"**Speed**, time over the base model on the same CPU (median of paired repetitions, quartiles in brackets; "
+        f"setup, the engine, serving, a thousand adapters and quantized bases in [{page}]({page})):"
+    )
+    return "\n".join([TABLE_BEGIN, head, "", *rows, TABLE_END])
+
+
 def render(records: dict[str, dict], out: Path, docs: Path, script_cmd: str, note: str) -> str:
     lines = [
         "# Benchmarks",
@@ -1326,7 +1338,14 @@ def main(argv: list[str] | None = None) -> int:
         help="markdown to write (default docs/benchmarks.md); the record is benchmarks.json beside it",
     )
     p.add_argument("--work", default="runs/bench", help="folder for each bench's raw JSON output")
-    p.add_argument("--readme", default="README.md", help="README whose speed block to render ('' leaves it alone)")
+    p.add_argument(
+        "--summary",
+        default="docs/performance.md",
+        help="page whose speed block (the summary of the records) to render ('' leaves it alone)",
+    )
+    p.add_argument(
+        "--readme", default="README.md", help="README whose speed table (the model bench's) to render ('' leaves it)"
+    )
     p.add_argument(
         "--note",
         default="",
@@ -1351,17 +1370,33 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no benchmark records in {record_path}; run without --render-only first")
     script_cmd = script_command(records)
     written = {out: render(records, out, docs, script_cmd, a.note)}
+    if a.summary:
+        summary = ROOT / a.summary
+        link = lambda f: os.path.relpath(f, summary.parent)  # noqa: E731
+        text = summary.read_text(encoding="utf-8")
+        text = replace_block(
+            text, SPEED_BEGIN, SPEED_END, readme_block(records, script_cmd, link(out), link(record_path), docs), summary
+        )
+        written[summary] = text
+    quant_page = docs / "quantization.md"
+    qbegin, qend = markers("quant", "tools/make_quant.py")
+    if quant_page.is_file() and qbegin in quant_page.read_text(encoding="utf-8"):  # the quantized-base summary
+        text = quant_page.read_text(encoding="utf-8")
+        page = os.path.relpath(out, quant_page.parent)
+        written[quant_page] = replace_block(
+            text, qbegin, qend, _script("make_quant").readme_block(docs, page), quant_page
+        )
     if a.readme:
         readme = ROOT / a.readme
         link = lambda f: os.path.relpath(f, readme.parent)  # noqa: E731
         text = readme.read_text(encoding="utf-8")
-        text = replace_block(
-            text, SPEED_BEGIN, SPEED_END, readme_block(records, script_cmd, link(out), link(record_path), docs), readme
+        written[readme] = replace_block(
+            text,
+            TABLE_BEGIN,
+            TABLE_END,
+            readme_table(records, link(ROOT / a.summary) if a.summary else link(out)),
+            readme,
         )
-        qbegin, qend = markers("quant", "tools/make_quant.py")
-        if qbegin in text:  # the quantized-base block, where the README has one
-            text = replace_block(text, qbegin, qend, _script("make_quant").readme_block(docs, link(out)), readme)
-        written[readme] = text
     if a.check:
         stale = [str(f) for f, text in written.items() if not f.is_file() or f.read_text(encoding="utf-8") != text]
         if stale:

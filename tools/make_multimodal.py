@@ -1,7 +1,7 @@
 """Measure vocabulary routing on the early-fusion digits bundle and render its docs.
 
     .venv/bin/python -m tools.make_multimodal [--bundle DIR] [--n 100] [--reps 5]
-    .venv/bin/python -m tools.make_multimodal --render-only      # README block from docs/multimodal.json
+    .venv/bin/python -m tools.make_multimodal --render-only      # docs/multimodal.md's block from docs/multimodal.json
     .venv/bin/python -m tools.make_multimodal --choose-joint A B  # train joint pairs, score them on validation
 
 Single-threaded, seeded. Splits: the SVC that reads generated images fits on the train images and picks its
@@ -11,7 +11,7 @@ to caption), which is where the bundle's choice of router (joint vs apart adapte
 after its own image, new phrasing share, broken captions, and the same for captions of real test images.
 Speed: one routed pass vs one pass per adapter (same outputs?) vs the plain base model, drawing n digits with
 their captions, order rotated per repetition, medians. Writes docs/multimodal.json and docs/multimodal_digits.png
-(the demo grid) and the README block between the markers; tools/make_results.py appends
+(the demo grid) and the block between the markers in docs/multimodal.md; tools/make_results.py appends
 `render_section(record)` to docs/results.md.
 """
 
@@ -25,12 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-from molora.docblock import markers, replace_block, wrap
+from molora.docblock import from_docs, markers, replace_block, wrap
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "multimodal.json"
 GRID = ROOT / "docs" / "multimodal_digits.png"
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "multimodal.md"
 BEGIN, END = markers("multimodal", "tools/make_multimodal.py")
 VAL_SEED, TEST_SEED, TEMPERATURE = 1, 2, 1.0
 TEXT_TEMPERATURES = (1.0, 0.0)  # candidates for the caption spans, chosen on validation (images: TEMPERATURE)
@@ -421,8 +421,8 @@ def readme_block(record: dict) -> str:
 
 
 def render(record: dict) -> None:
-    text = README.read_text()
-    README.write_text(replace_block(text, BEGIN, END, wrap(BEGIN, END, readme_block(record)), README))
+    text = PAGE.read_text()
+    PAGE.write_text(replace_block(text, BEGIN, END, from_docs(wrap(BEGIN, END, readme_block(record))), PAGE))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bundle", default=None, help="digits bundle (default: the shipped one)")
     p.add_argument("--n", type=int, default=100, help="drawn digits per mode and split (default 100)")
     p.add_argument("--reps", type=int, default=5, help="speed repetitions (default 5)")
-    p.add_argument("--render-only", action="store_true", help="only render the README from the record")
+    p.add_argument("--render-only", action="store_true", help="only render docs/multimodal.md from the record")
     p.add_argument(
         "--choose-joint",
         nargs="+",

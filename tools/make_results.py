@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from molora.data.jsonl import read_jsonl
-from molora.docblock import markers, write_block
+from molora.docblock import from_docs, markers, write_block
 
 # The BBH paper's per-task table (Suzgun et al. 2022, arXiv 2210.09261, 3-shot on the real benchmark items):
 # PaLM 540B answer-only, PaLM 540B with chain of thought, and the average human rater
@@ -669,7 +669,8 @@ def extra_sections(docs: Path = None) -> list[str]:
     return out
 
 
-README_BEGIN, README_END = markers("results", "tools/make_results.py")
+README_BEGIN, README_END = markers("results", "tools/make_results.py")  # the summary in docs/routing.md
+TABLE_BEGIN, TABLE_END = markers("quality-table", "tools/make_results.py")  # the README's table
 
 
 def render_readme(res: dict, val: dict | None, cost: dict | None) -> str:
@@ -743,6 +744,18 @@ def render_readme(res: dict, val: dict | None, cost: dict | None) -> str:
     return "\n".join(out)
 
 
+def render_readme_table(res: dict, val: dict | None, cost: dict | None) -> str:
+    """The README's quality table (TABLE_BEGIN ... TABLE_END): the table of the summary block and its footnote,
+    without the prose (which docs/routing.md keeps)."""
+    rows = [line for line in render_readme(res, val, cost).splitlines() if line.startswith(("|", "¹"))]
+    head = (
+        f"**Quality**, strict accuracy % on {res['n']} fresh synthetic test items per skill in the BIG-Bench-Hard "
+        "format, greedy (the general prompts, two-skill requests and the router's cost in "
+        "[docs/routing.md](docs/routing.md#figures), every table in [docs/results.md](docs/results.md)):"
+    )
+    return "\n".join([TABLE_BEGIN, head, "", *rows[:-1], "", rows[-1], TABLE_END])
+
+
 def plots(res: dict, folder: Path) -> list[str]:
     import matplotlib
 
@@ -800,7 +813,8 @@ def main(argv: list[str] | None = None) -> int:
     cost = json.loads((DOCS / "probe_cost.json").read_text()) if (DOCS / "probe_cost.json").is_file() else None
     images = plots(res, DOCS)
     (DOCS / "results.md").write_text(render(res, val, cost, images) + "\n", encoding="utf-8")
-    write_block(Path("README.md"), README_BEGIN, README_END, render_readme(res, val, cost))
+    write_block(DOCS / "routing.md", README_BEGIN, README_END, from_docs(render_readme(res, val, cost)))
+    write_block(Path("README.md"), TABLE_BEGIN, TABLE_END, render_readme_table(res, val, cost))
     log(
         "wrote docs/results.md from docs/results.json"
         + (", docs/validation.json" if val else "")

@@ -1,7 +1,7 @@
-"""Measure `molora serve --ray` against `molora serve` and render the figures of docs/scaleout.md and the README.
+"""Measure `molora serve --ray` against `molora serve` and render the figures of docs/scaleout.md.
 
     .venv/bin/python -m tools.make_scaleout [--requests 32] [--max-tokens 64] [--repeats 3]
-    .venv/bin/python -m tools.make_scaleout --render-only      # docs and README from docs/scaleout.json
+    .venv/bin/python -m tools.make_scaleout --render-only      # docs/scaleout.md from docs/scaleout.json
 
 Runs three benches, each `molora bench serve --ray` (both servers started in child processes on the embedded
 default bundle, the same closed-loop streamed chat work against each, order rotated per repetition), and one
@@ -18,7 +18,7 @@ measurement of Ray alone:
                          itself adds, the floor under any per-token design
 
 Keeps each bench's final JSON line, with its command and wall time, in docs/scaleout.json, then renders the
-block between SCALE_BEGIN and SCALE_END in docs/scaleout.md and the README line between the README markers.
+block between SCALE_BEGIN and SCALE_END in docs/scaleout.md.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from molora.docblock import markers, replace_block
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "scaleout.json"
 PAGE = ROOT / "docs" / "scaleout.md"
-README = ROOT / "README.md"
 SCALE_BEGIN, SCALE_END = markers("scaleout", "tools/make_scaleout.py")
 
 
@@ -293,31 +292,9 @@ def page_block(records: dict) -> str:
     return "\n".join(lines)
 
 
-def readme_line(records: dict) -> str:
-    parts = []
-    for ingress, one in _ones(records):
-        c1, c16 = _level(one, 1), _level(one, 16)
-        parts.append(
-            f"`--ray-ingress {ingress}` {c16['tok_s_ratio_median']:.2f}× the output tokens/s at "
-            f"concurrency 16 and {_added_ms(c1):+.0f} ms per request at concurrency 1"
-        )
-    c16 = _level(_ones(records)[0][1], 16)
-    ray2 = _level(records["two_replicas"], 32)["ray"][0]
-    return "\n".join(
-        [
-            SCALE_BEGIN,
-            f"- **Scale-out on Ray Serve** ([docs/scaleout.md](docs/scaleout.md)): `molora serve --ray` with one "
-            f"replica against `molora serve` on the same machine: {'; '.join(parts)}; greedy outputs equal "
-            f"({c16['same_greedy_outputs']}); two replicas: {ray2['errors']} of {ray2['requests']} requests failed at "
-            "concurrency 32.",
-            SCALE_END,
-        ]
-    )
-
-
 def render(records: dict, check: bool = False) -> int:
     stale = []
-    for path, block in ((PAGE, page_block(records)), (README, readme_line(records))):
+    for path, block in ((PAGE, page_block(records)),):
         text = path.read_text()
         new = replace_block(text, SCALE_BEGIN, SCALE_END, block, path)
         if new != text:

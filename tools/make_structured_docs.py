@@ -16,7 +16,6 @@ from molora.docblock import markers, wrap, write_block
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "serving.md"
-README = ROOT / "README.md"
 BEGIN, END = markers("structured", "tools/make_structured_docs.py")
 
 
@@ -146,30 +145,11 @@ def _bench(rec: dict) -> list[str]:
     return lines
 
 
-def readme_line(bench: dict) -> str:
-    """The README's one line: what is supported and the record's headline figures."""
-    c, v = bench["compile"], bench["validity"]
-    t = {x["batch"]: x for x in bench.get("throughput", [])}
-    speed = (
-        f"; decode with every request constrained at {t[32]['constrained_over_unconstrained']:g}× the "
-        f"unconstrained tokens/s at batch 32, +{t[1]['per_token_overhead']:.1%} per token at batch 1"
-        if 1 in t and 32 in t
-        else ""
-    )
-    return (
-        "- **Structured output** ([docs/serving.md](docs/serving.md#structured-output)): OpenAI's `response_format` "
-        "(`json_schema`, `json_object`) and vLLM's `structured_outputs` (regex, choice, grammar) on xgrammar, every "
-        f"token still routed. On {c['schemas']} held-out real-world schemas: {c['coverage']:.0%} compiled, "
-        f"{v['valid_share_of_finished']:.0%} of the {v['finished']} answers that finished parse and validate"
-        f"{speed} ({bench['cpu']}, {bench['threads']} threads; `docs/structured.json`)."
-    )
-
-
 def main() -> None:
     engines = json.loads((ROOT / "docs" / "grammar_engines.json").read_text())
     bench = json.loads((ROOT / "docs" / "structured.json").read_text())
     page = wrap(BEGIN, END, "\n".join([""] + _engines(engines) + [""] + _bench(bench) + [""]))
-    for path, block in ((PAGE, page), (README, wrap(BEGIN, END, readme_line(bench)))):
+    for path, block in ((PAGE, page),):
         if write_block(path, BEGIN, END, block):
             print(f"rendered {path.relative_to(ROOT)}")
 
