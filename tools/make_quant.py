@@ -359,7 +359,7 @@ PEER_QHEAD = "peer_llamacpp_qhead.json"  # molora bench peer with int8-qhead
 
 
 def peer_goal_cell(docs: Path) -> str | None:
-    """Issue 38's peer goals read off the int8-qhead peer record, where it exists: molora >= 1.0x llama.cpp's
+    """The peer goals read off the int8-qhead peer record, where it exists: molora >= 1.0x llama.cpp's
     Q8_0 without adapters and >= 1.3x with one LoRA, its resident weights within 1.5x of the GGUF's bytes."""
     found = newest(docs, PEER_QHEAD)
     if not found:

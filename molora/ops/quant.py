@@ -12,8 +12,8 @@ Weights (quantized once, on load):
   scale and one zero per group and output channel, in torch's int4 layout: q in [0, 15], w ~ (q - 8) * scale + zero
   with scale = (max - min) / 15 and zero = min + 8 * scale over the group.
 
-Kernels (experiments/ab_quant_linear.py, SmolLM2-135M's shapes, interleaved; docs/quant_linear.json): torch's weight-only
-CPU kernels ran far behind the float32 GEMM molora packs (molora.ops.packed) at every T above 1:
+Kernels (experiments/ab_quant_linear.py, SmolLM2-135M's shapes, interleaved; docs/quant_linear.json): torch's
+weight-only CPU kernels ran far behind the float32 GEMM molora packs (molora.ops.packed) at every T above 1:
 `torch._weight_int8pack_mm` 0.03-0.06x at T = 8-32 (float32 activations: not vectorized), the int4 one
 (`torch._weight_int4pack_mm_for_cpu`) 0.01-0.02x, and torchao brings no CPU kernel of its own. So:
 
