@@ -43,8 +43,8 @@ test-triton: install
 
 # ruff's lint rules and mypy's packages are configured in pyproject.toml; the whole tree is ruff-formatted
 lint: install
-	$(BIN)/ruff check molora tests tools experiments
-	$(BIN)/ruff format --check molora tests tools experiments
+	$(BIN)/ruff check molora tests tools experiments examples
+	$(BIN)/ruff format --check molora tests tools experiments examples
 	$(BIN)/mypy
 
 clean:

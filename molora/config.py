@@ -28,6 +28,9 @@ LLAMA_PROJECTIONS: tuple[str, ...] = (
 # the bounds an adapter config must keep: a rank no linear reaches, and a scaling (alpha / r) far above what
 # training uses (PEFT's defaults give 1-2; rsLoRA with a large alpha, tens) but below where it only overflows
 MAX_LORA_RANK = 65536
+# repetition_penalty scales float32 logits: past this factor a logit of any size already leaves the top (or tops
+# every other), and near float32's range a zero logit times it turns NaN
+MAX_REPETITION_PENALTY = 1e4
 MAX_LORA_SCALE = 1024.0
 
 
@@ -189,10 +192,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise MoLoRAError(f"{name}={getattr(self, name)} must lie in [-2, 2] (0 = off)")
-        if not 0.0 < self.repetition_penalty < math.inf:
+        if not 1 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise MoLoRAError(
-                f"repetition_penalty={self.repetition_penalty} must be a positive finite number "
-                "(1 = off, above 1 discourages repeats)"
+                f"repetition_penalty={self.repetition_penalty} must lie in [{1 / MAX_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1 = off, above 1 discourages repeats)"
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise MoLoRAError(f"min_p={self.min_p} must lie in [0, 1] (0 = off)")

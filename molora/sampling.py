@@ -51,6 +51,7 @@ def filter_logits(
         probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches top_p (the first token always stays)
         drop = probs.cumsum(-1) - probs >= top_p
+        drop[..., 0] = False  # also when top_p rounds to 0 in float32 (5e-324 is a valid top_p)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         out = torch.full_like(out, float("-inf")).scatter(-1, order, sorted_logits)
     return out
@@ -90,6 +91,7 @@ def filter_logits_rows(
         ps = torch.tensor(top_p, dtype=torch.float32, device=logits.device)
         # as filter_logits: drop a token when the mass before it already reaches top_p (rows with 1.0 keep all)
         drop = (probs.cumsum(-1) - probs >= ps[:, None]) & (ps < 1.0)[:, None]
+        drop[..., 0] = False  # the first token always stays, also when a top_p rounds to 0 in float32
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         out = torch.full_like(out, float("-inf")).scatter(-1, order, sorted_logits)
     return out

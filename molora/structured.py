@@ -241,6 +241,7 @@ class StructuredCompiler:
             what = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise StructuredOutputError(f"the {spec.kind.replace('_', ' ')} cannot be compiled: {what}") from e
         constraint = GrammarConstraint(spec, compiled, time.perf_counter() - t0)
+        self._check_spellable(constraint)
         with self._lock:
             self.misses += 1
             self._cache[spec] = constraint
@@ -289,6 +290,18 @@ class StructuredCompiler:
                 )
         if spec.kind in ("regex", "grammar") and not spec.text:
             raise StructuredOutputError(f"the {spec.kind} is empty")
+
+    def _check_spellable(self, constraint: GrammarConstraint) -> None:
+        """StructuredOutputError when no token of the vocabulary can start an answer (a regex of characters the
+        tokenizer has no token for): every request on it would dead-end at its first step."""
+        state = constraint.begin([])
+        mask = torch.zeros(1, (self.info.vocab_size + 31) // 32, dtype=torch.int32)
+        state.fill([], mask, 0)
+        if not bool(mask.any()):
+            raise StructuredOutputError(
+                f"no token of this model's vocabulary can start an answer that matches the {constraint.spec.kind} "
+                "(characters the tokenizer cannot spell?); change the spec"
+            )
 
     def _compile(self, spec: StructuredSpec) -> Any:
         c = self._compiler

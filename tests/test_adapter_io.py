@@ -235,6 +235,22 @@ def test_draining_under_vocab_routing_sends_its_tokens_to_the_base(paths):
     assert outs[holder][-1].finish_reason == "length" and "a" not in engine.hotset.paths
 
 
+def test_an_unloaded_adapter_of_a_vocab_router_leaves_its_tokens_to_the_base(paths):
+    """Once gone (not only draining), the adapter a fixed rule names is left out as well: routed requests are still
+    admitted and its range runs on the base model."""
+    mm = _mm(paths, names=("a", "b", "c"))
+    mm.router = VocabRouter([(0, 50, "a"), (50, 90, "b")], default="c")
+    engine = Engine(mm, CFG)
+    assert engine.unload_adapter("a") == "unloaded" and "a" not in engine.hotset.paths
+    prompt = _prompt(6, 7)
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=12), routing="vocab")
+    outs = _run(engine)
+    feed = [prompt[-1]] + _tokens(outs[rid])[:-1]
+    assert [a for o in outs[rid] for a in o.token_adapters] == [
+        None if t < 50 else "b" if t < 90 else "c" for t in feed
+    ]
+
+
 def test_drain_survives_preemption_of_its_users(paths):
     busy = EngineConfig(
         max_num_seqs=8, max_tokens_per_step=16, block_size=4, num_kv_blocks=32, max_model_len=128, stop_at_eos=False

@@ -635,7 +635,8 @@ def test_a_dead_end_answers_with_its_reason(server):
     naming the dead end (streamed: finish_reason "error" then the error event)."""
     body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 20, "ignore_eos": True, "guided_choice": ["ok"]}
     r = server.post("/completions", json=body)
-    assert r.status_code == 500 and "constraint dead end" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "constraint dead end" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "structured_output_dead_end"
     with server.stream("POST", "/completions", json={**body, "stream": True}) as s:
         lines = [line for line in s.iter_lines() if line.startswith("data: ")]
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "error"

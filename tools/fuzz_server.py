@@ -600,12 +600,10 @@ def adapter_outcomes(h: Harness) -> tuple[list[Outcome], dict[str, str]]:
 
 
 # 5xx answers to client input found by this harness and still open, by a fragment of their error message: the
-# test suite keeps them out of its invariant (each has a strict xfail reproducer there); the record counts them
-KNOWN_OPEN = {
-    "probability tensor contains": "top_p=5e-324 or repetition_penalty=1e307: non-finite probabilities, the sampler "
-    "raises (500)",
-    "constraint dead end": "a guided_regex the tokenizer cannot spell: the grammar allows no first token (500)",
-}
+# test suite keeps them out of its invariant (each with a strict xfail reproducer there); the record counts them.
+# None is open: the vanishing top_p / huge repetition_penalty NaNs and the unspellable regex were fixed (their
+# reproducers in tests/test_fuzz_server.py now pass as plain tests).
+KNOWN_OPEN: dict[str, str] = {}
 
 
 def known_open(o: Outcome) -> str | None:

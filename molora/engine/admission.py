@@ -18,11 +18,14 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from molora.engine.hotset import HotSet
+from molora.engine.routing import fixed_routes
 from molora.errors import AdapterDraining, BankFullError, RoutingError
 from molora.routing import ArrowRouter, SequenceRouter, VocabRouter
+from molora.routing.arrow import ArrowConfig
 from molora.routing.base import Router
+from molora.routing.names import router_config
 
-ROUTING_CHOICES = ("auto", "learned", "arrow", "vocab", "sequence", "none")
+ROUTING_CHOICES = ("auto", "learned", "arrow", "arrow-token", "vocab", "sequence", "none")
 
 
 def resolve_routing(
@@ -62,10 +65,13 @@ def resolve_routing(
         raise RoutingError(f"routing={routing!r} needs a router, but the model has none attached")
     if routing == "learned" and not router.in_network:
         raise RoutingError(f"routing='learned' needs an in-network router; the model has {type(router).__name__}")
-    if routing == "arrow" and not isinstance(router, ArrowRouter):
+    # a router name means one router (molora.routing.names): 'arrow' is a bundle's own Arrow (its settings win),
+    # 'arrow-token' Arrow's plain defaults; the engine runs the model's router, so it serves the name it is
+    if routing in ("arrow", "arrow-token") and not _is_named(router, routing):
         raise RoutingError(
-            f"routing='arrow' needs a bundle whose router is Arrow (molora.json router kind "
-            f'"arrow"); the model has {type(router).__name__}'
+            f"routing={routing!r} runs the router of that name, and this model's router is "
+            f"{type(router).__name__}{_config_of(router)}; serve a bundle whose router it is (molora serve --model M "
+            f'--lora-modules ... --router {routing}, or molora.json router {{"kind": "arrow", ...}})'
         )
     if routing == "vocab" and not isinstance(router, VocabRouter):
         raise RoutingError(f"routing='vocab' needs a VocabRouter; the model has {type(router).__name__}")
@@ -73,12 +79,10 @@ def resolve_routing(
         names = [n for n in _adapter_names(router) if n in hs.paths]
         mode = "learned"
     else:
-        if isinstance(router, VocabRouter):
-            names = [n for n in dict.fromkeys([r[2] for r in router.ranges] + [router.default]) if n is not None]
-            hs.check_known(names)
-        elif isinstance(router, SequenceRouter) and isinstance(router.adapters, str):
-            names = [router.adapters]
-            hs.check_known(names)
+        if isinstance(router, (VocabRouter, SequenceRouter)) and fixed_routes(router):
+            # an adapter the rule names that is no longer registered (unloaded at run time) gets its tokens on the
+            # base model, as a draining one does (molora.engine.routing._token_routing)
+            names = [n for n in fixed_routes(router) if n in hs.paths]
         else:
             names = hs.names
         mode = "tokens"
@@ -91,6 +95,18 @@ def resolve_routing(
             f"{num_slots} slots; restrict allowed_adapters or attach with more slots"
         )
     return mode, router, allowed, needs
+
+
+def _is_named(router: Router, name: str) -> bool:
+    """Whether `router` is what router name `name` (arrow, arrow-token) means on its model: any Arrow for 'arrow' (a
+    model's Arrow is its bundle's own, whose settings win), Arrow's plain defaults for 'arrow-token'."""
+    if not isinstance(router, ArrowRouter):
+        return False
+    return name == "arrow" or router.config == ArrowConfig.from_json(router_config(name))
+
+
+def _config_of(router: Router) -> str:
+    return f" ({router.config})" if isinstance(router, ArrowRouter) else ""
 
 
 def _adapter_names(router: Router) -> list[str]:

@@ -333,8 +333,16 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
         for name in names:
             if name not in self.hotset.paths:
                 continue
-            log.error("adapter %r gave non-finite logits with finite weights; quarantined (unloaded)", name)
-            self.unload_adapter(name, force=True)
+            try:
+                self.unload_adapter(name, force=True)
+                log.error("adapter %r gave non-finite logits with finite weights; quarantined (unloaded)", name)
+            except MoLoRAError as e:  # a fixed token router still names it: it stays, adding nothing
+                self.mm.bank.rewrite(name, None)
+                self.hotset.forget_warm(name)
+                self.hotset.forget_version(name)
+                if self.prefix is not None:
+                    self.prefix.invalidate()
+                log.error("adapter %r gave non-finite logits with finite weights; zeroed in its slot (%s)", name, e)
             self.events.append(("quarantined", name))
 
     def _run(self, scheduled: list[Scheduled]) -> list[RequestOutput]:

@@ -38,7 +38,8 @@ from molora.engine.hotset import HotSet
 from molora.engine.scheduler import Scheduled
 from molora.model.batch import RouterGroup, StepRouting
 from molora.ops.device import to_device
-from molora.routing.base import to_slots
+from molora.routing import SequenceRouter, VocabRouter
+from molora.routing.base import Router, to_slots
 
 MODES = ("none", "pinned", "tokens", "learned")
 
@@ -82,13 +83,32 @@ def slot_lookup(hotset: HotSet, allowed: frozenset[str] | None = None) -> Tensor
     )
 
 
+def fixed_routes(router: Router) -> list[str]:
+    """The adapters a token-id router names by a fixed rule, in its order: a VocabRouter's ranges and default, a
+    SequenceRouter's one adapter (empty for any other router)."""
+    if isinstance(router, VocabRouter):
+        return [n for n in dict.fromkeys([r[2] for r in router.ranges] + [router.default]) if n is not None]
+    if isinstance(router, SequenceRouter) and isinstance(router.adapters, str):
+        return [router.adapters]
+    return []
+
+
+def routed_names(router: Router, hotset: HotSet) -> list[str]:
+    """The names a token-id router's indices refer to: the registered adapters, then those its fixed rule names that
+    are no longer registered (unloaded at run time), whose tokens run on the base model."""
+    return [*hotset.names, *(n for n in fixed_routes(router) if n not in hotset.paths)]
+
+
 def _token_routing(s: Scheduled, hotset: HotSet) -> tuple[Tensor, Tensor | None]:
     """Slot ids [n, k] (and weights [n, k] or None) from the request's token-id router."""
     req = s.request
     ids = torch.tensor([req.tokens[s.start : s.start + s.n]], dtype=torch.long)  # [1, n]
-    routing = req.route.router.route(ids, hotset.names, start=s.start)
+    names = routed_names(req.route.router, hotset)
+    routing = req.route.router.route(ids, names, start=s.start)
     idx = routing.adapter_ids.reshape(s.n, -1).long()  # [n, k] indices
-    slots = to_slots(slot_lookup(hotset, req.route.allowed), idx)  # [n, k] slots
+    lookup = slot_lookup(hotset, req.route.allowed)  # [K]: registered names first, the gone ones after run on base
+    lookup = torch.cat([lookup, torch.full((len(names) - len(lookup),), -1, dtype=torch.long)])
+    slots = to_slots(lookup, idx)  # [n, k] slots
     w = None if routing.weights is None else routing.weights.reshape(s.n, -1).float()
     return slots, w
 
@@ -296,7 +316,8 @@ def _index_version(hotset: HotSet, route: RouteState, idx: int) -> int | None:
 def _token_descriptors(req: Any, hotset: HotSet, lo: int, hi: int) -> list | None:
     """`token_routes` of a token-id router: its choices as `_token_routing` makes them (an adapter it may not
     use becomes the base)."""
-    route, names = req.route, hotset.names
+    route = req.route
+    names = routed_names(route.router, hotset)
     ids = torch.tensor([req.tokens[lo:hi]], dtype=torch.long)  # [1, n]
     routing = route.router.route(ids, names, start=lo)
     idx = routing.adapter_ids.reshape(hi - lo, -1).long().tolist()  # [n][k] indices

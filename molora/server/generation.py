@@ -181,6 +181,13 @@ class Generation:
                 f"model pins adapter {adapter!r}, which molora.adapters {opts.adapters} excludes",
                 param="molora.adapters",
             )
+        if opts.routing == "hybrid" and info.chooser is None:
+            raise APIError(
+                400,
+                "molora.routing='hybrid' asks the per-request chooser, which this server runs only when started "
+                "with --router hybrid (or a bundle whose router kind is hybrid); leave molora.routing 'auto'",
+                param="molora.routing",
+            )
         if adapter is not None and opts.routing not in ("auto", "sequence"):
             raise APIError(
                 400,
@@ -270,7 +277,9 @@ class Generation:
             )
         if questions is not None:  # checked first, then pinned to each prompt's pick (None: the base model)
             fmt.chosen = await choosing.choose(self.client, self.metrics, info, questions, req.options.adapters)
-            specs = [dataclasses.replace(s, adapter=fmt.chosen[s.index // req.n]["adapter"]) for s in specs]
+            specs = [  # the pick runs pinned (None: the base model); "hybrid" is the server's, not the engine's
+                dataclasses.replace(s, adapter=fmt.chosen[s.index // req.n]["adapter"], routing="auto") for s in specs
+            ]
         try:
             sub = await self.client.submit(specs, fmt.id, info.name)
         except (AdapterDraining, AdapterNotFound) as e:  # unloaded since the model check: it is gone
@@ -501,6 +510,8 @@ def _ended_by_engine(out: Any) -> APIError:
         if out.error.startswith("queue timeout"):  # the engine names which deadline (Engine._expire)
             return APIError(503, out.error, type="server_error", code="queue_timeout", headers={"Retry-After": "1"})
         return APIError(504, out.error, type="server_error", code="timeout")
+    if out.error.startswith("constraint dead end"):  # the request's own spec (with ignore_eos or min_tokens)
+        return APIError(400, out.error, code="structured_output_dead_end")
     return APIError(
         500, out.error, type="server_error", code="engine_error" if out.finish_reason == "error" else "request_aborted"
     )

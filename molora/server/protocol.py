@@ -88,7 +88,8 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 class MoloraOptions(_Strict):
     """molora's own request options: how to route, over which adapters, and whether to report it."""
 
-    routing: Literal["auto", "learned", "arrow", "vocab", "sequence"] = "auto"
+    # arrow, arrow-token, hybrid: the named routers, the same as `molora route --router NAME` (molora.routing.names)
+    routing: Literal["auto", "learned", "arrow", "arrow-token", "hybrid", "vocab", "sequence"] = "auto"
     adapters: list[Name] | None = Field(None, max_length=256)
     return_routing: bool = False
     timeout: float | None = Field(None, gt=0.0)  # seconds; None: the server's default (capped by the server)
@@ -150,7 +151,7 @@ class GenerationRequest(_Strict):
     min_tokens: int = Field(0, ge=0, lt=INT64)
     # repetition_penalty (1 = off) scales the logits of ids seen in prompt or output, min_p (0 = off) drops ids
     # less likely than min_p times the top one, bad_words are never generated (tokenized by the server)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=1e-4, le=1e4)  # molora.config.MAX_REPETITION_PENALTY
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     bad_words: list[BadWord] | None = Field(None, max_length=MAX_BAD_WORDS)
     # vLLM's prompt_logprobs: each prompt token's logprob with the top N alternatives, in vLLM's shape
