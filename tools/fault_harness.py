@@ -440,6 +440,9 @@ def measure(args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------------------------------------- render
 
 
+FUZZ_BLOCK = "<!-- fuzz:begin"  # the page's second part, rendered by tools/fuzz_server.py
+
+
 def render(record: dict) -> str:
     lat = record["latency_completed_s"]
     rows = ["| kind | completed | failed by design | failed otherwise |", "|---|---:|---:|---:|"]
@@ -525,7 +528,10 @@ def main() -> int:
         record = measure(args)
         out.write_text(json.dumps(record, indent=1) + "\n")
     record = json.loads(out.read_text())
-    (ROOT / "docs" / "reliability.md").write_text(render(record))
+    reliability = ROOT / "docs" / "reliability.md"
+    old = reliability.read_text() if reliability.exists() else ""
+    kept = old[old.find(FUZZ_BLOCK) :] if FUZZ_BLOCK in old else ""  # tools/fuzz_server.py's block follows, as is
+    reliability.write_text(render(record) + ("\n" + kept if kept else ""))
     page = ROOT / "docs" / "serving.md"  # the summary beside "Running it for others"
     block = from_docs(wrap(BEGIN, END, readme_block(record)))
     page.write_text(replace_block(page.read_text(), BEGIN, END, block, page))
