@@ -202,8 +202,16 @@ class Generation:
         timeout = self.limits.timeout(opts.timeout)
         specs = []
         # ignore_eos drops the model's end ids (tokenizer eos, the bundle's end of turn): vLLM's generation-config
-        # eos ids; molora takes no stop_token_ids from the body, so nothing but stop strings and length ends it
-        stop_ids = () if req.ignore_eos else info.stop_token_ids
+        # eos ids; the body's stop_token_ids (vLLM's) still end it, as stop strings and length do
+        bad = [t for t in req.stop_token_ids or [] if t >= info.vocab_size]
+        if bad:
+            raise APIError(
+                400,
+                f"stop_token_ids {bad[:5]} lie outside the vocabulary [0, {info.vocab_size})",
+                param="stop_token_ids",
+            )
+        asked = tuple(dict.fromkeys(req.stop_token_ids or ()))
+        stop_ids = asked if req.ignore_eos else tuple(dict.fromkeys([*info.stop_token_ids, *asked]))
         for p, ids in enumerate(prompts):
             new_tokens = _budget(info, ids, max_tokens)
             if req.min_tokens > new_tokens:
@@ -470,6 +478,7 @@ def _encode_chat(info: ModelInfo, req: ChatCompletionRequest) -> list[int]:
         conversation, extra = tools.conversation(req, tok)  # with tools: `tools=`, or molora's default rendering
         conversation, extra = hide(conversation), hide(extra)
         try:
+            extra = {**(req.chat_template_kwargs or {}), **extra}  # the server's own variables win (checked too)
             text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as e:  # jinja templates raise on conversations they do not accept
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from e

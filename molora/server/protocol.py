@@ -21,6 +21,31 @@ MAX_N = 16  # choices per request (each one is an engine request)
 MAX_STOP = 4  # stop strings, as OpenAI
 MAX_BATCH = 64  # prompts in one /v1/completions call
 MAX_LOGPROBS = 20  # top-n logprobs (SamplingParams' limit)
+MAX_STOP_IDS = 64  # vLLM's stop_token_ids per request
+TemplateKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
+JSONScalar = str | int | float | bool | None
+# apply_chat_template's own arguments and the variables the server renders: a client may not replace them
+RESERVED_TEMPLATE_KEYS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "chat_template",
+        "return_dict",
+        "return_tensors",
+        "tokenizer_kwargs",
+        "padding",
+        "truncation",
+        "max_length",
+        "bos_token",
+        "eos_token",
+        "tool_call_parser",
+    }
+)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
 MAX_BAD_WORDS = 256  # bad_words per request (each is tokenized and matched every step)
 INT64 = 2**63
@@ -145,6 +170,13 @@ class GenerationRequest(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # "token id" -> bias: token_bias()
     user: str | None = None
+    # OpenAI's stored-completions fields: molora stores nothing, so they are accepted and not used
+    store: bool | None = None
+    metadata: (
+        dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]] | None
+    ) = Field(None, max_length=16)
+    # vLLM's stop_token_ids: generation also ends at these ids (besides the model's own end ids)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_IDS)
     # vLLM's extensions (top-level body fields, as vLLM takes them; see SamplingParams for the semantics):
     # ignore_eos generates past the model's end-of-sequence ids, min_tokens forbids stopping before that many
     ignore_eos: bool = False
@@ -395,9 +427,18 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's chat template variables (e.g. Qwen3's enable_thinking), passed to the tokenizer's own chat template
+    chat_template_kwargs: dict[TemplateKey, JSONScalar | list[JSONScalar]] | None = Field(None, max_length=16)
 
     def check_supported(self) -> None:
         super().check_supported()
+        reserved = sorted(set(self.chat_template_kwargs or ()) & RESERVED_TEMPLATE_KEYS)
+        if reserved:
+            raise APIError(
+                400,
+                f"chat_template_kwargs may not set {reserved}: the server renders those itself",
+                param="chat_template_kwargs",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
