@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from experiments.arrow_variants_choose import hit_rates  # (the same scoring as Arrow's and the gates' choices)
+from experiments.features import features_cache
 from experiments.gates_choose import RULES, SHARES, WINDOWS, choice_key, prompt_destination
 from experiments.gates_eval import _row, test_tables  # (the test tables of the records gates_eval writes)
 
@@ -90,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     from molora.train.datafree import label_prompts, sensitivity, zscores
     from molora.train.gates import CHOSEN, gate_threshold, held_cut, train_gate
 
-    f = torch.load(a.features)
-    labels, tasks, own, names = f["labels"], f["tasks"], f["own"], f["names"]
+    feats = features_cache(a.features)
+    f, labels, tasks, own, names = feats.raw, feats.labels, feats.tasks, feats.own, feats.names
     block = CHOSEN["source_block"] + f["num_blocks"]
     pool_rec = json.loads(Path(a.pool).read_text())
     pool = pool_rec["prompts"]

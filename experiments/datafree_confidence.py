@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 from experiments.arrow_variants_choose import hit_rates
+from experiments.features import features_cache
+from experiments.features import scored as scored_prompts
 from experiments.gates_choose import rebuild_ids
 
 Z_MINS = tuple(0.5 + 0.25 * i for i in range(15))  # 0.5 .. 4.0
@@ -50,13 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     from molora.bundle import load
     from molora.routing.confidence import ConfidenceChooser, first_token_entropy
 
-    f = torch.load(a.features)
-    labels, tasks, own, names = f["labels"], f["tasks"], f["own"], f["names"]
+    feats = features_cache(a.features)
+    f, labels, tasks, own, names = feats.raw, feats.labels, feats.tasks, feats.own, feats.names
     sens = torch.load(a.sens)
     pool_ent = sens["entropy_first"]
     mm = load(None)
     assert list(mm.adapter_names) == list(names)
-    scored = [i for i, lab in enumerate(labels) if not lab.startswith("calib")]
+    scored = scored_prompts(labels)
     if Path(a.val_entropy).is_file():
         ent = torch.load(a.val_entropy)
     else:

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 from experiments.arrow_variants_choose import SHARES, VOTE_THRESHOLDS, WINDOWS, hit_rates, ratios, scores
+from experiments.features import features_cache
+from experiments.features import scored as scored_prompts
 from experiments.gates_choose import rebuild_ids
 
 Z_OR = (None, 3.0, 3.5, 4.0, 5.0)
@@ -59,11 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     from molora.routing.confidence import ConfidenceChooser, first_token_entropy
     from molora.routing.hybrid import hybrid_decide
 
-    f = torch.load(a.features)
-    labels, tasks, own, names = f["labels"], f["tasks"], f["own"], f["names"]
+    feats = features_cache(a.features)
+    f, labels, tasks, own, names = feats.raw, feats.labels, feats.tasks, feats.own, feats.names
     chooser = ConfidenceChooser.load(a.confidence)
     assert list(chooser.adapter_names) == list(names), (chooser.adapter_names, names)
-    scored = [i for i, lab in enumerate(labels) if not lab.startswith("calib")]
+    scored = scored_prompts(labels)
     K = len(names)
     if Path(a.val_entropy).is_file():
         ent = torch.load(a.val_entropy)
