@@ -61,6 +61,7 @@ __all__ = [  # the manifest's and the prompts' names are re-exported: their impo
     "AdapterEntry",
     "attach_chooser",
     "Bundle",
+    "hybrid_chooser",
     "PromptResult",
     "chat_prompt_template",
     "default_bundle_dir",
@@ -71,6 +72,7 @@ __all__ = [  # the manifest's and the prompts' names are re-exported: their impo
     "load",
     "load_tokenizer",
     "make_router",
+    "named_router",
     "parse_manifest",
     "quant_calibration_rows",
     "read_bundle",
@@ -97,14 +99,16 @@ def quant_calibration_rows(tokenizer: Any, template: str = CHATML_TEMPLATE) -> l
 
 
 def make_router(bundle: Bundle, kind: str | None = None, tokenizer: Any = None) -> Router | None:
-    """The bundle's router (or another kind it can provide: 'vocab' needs vocab_routes). A vocab router
-    `from_tokenizer` reads its ranges from `tokenizer` (default: the base's, loaded here)."""
+    """The bundle's router (or another kind it can provide: 'vocab' needs vocab_routes; 'arrow' and 'arrow-token'
+    are the named routers of molora.routing.names, the bundle's own Arrow settings winning for 'arrow'; 'hybrid'
+    chooses per request and is no token router: `hybrid_chooser`). A vocab router `from_tokenizer` reads its ranges
+    from `tokenizer` (default: the base's, loaded here)."""
     kind = kind or bundle.router_kind
-    if kind == "arrow":
+    if kind in ("arrow", "arrow-token"):
         from molora.routing.arrow import ArrowConfig, ArrowRouter
+        from molora.routing.names import router_config
 
-        # the manifest's settings when its router is Arrow; Arrow's defaults when asked for over another kind
-        options = bundle.router_options if bundle.router_kind == "arrow" else {}
+        options = router_config(kind, bundle.router_options)
         return ArrowRouter(
             ArrowConfig.from_json(options, where=f"bundle {bundle.name!r} router"), [a.name for a in bundle.adapters]
         )
@@ -223,6 +227,38 @@ def attach_chooser(mm: Any) -> Any:
     settings = HybridSettings.from_json(bundle.router_options, where=f"bundle {bundle.name!r}")
     mm.chooser, mm.calibration = hybrid_calibration(mm, settings)
     return mm
+
+
+def named_router(mm: Any, name: str) -> Router:
+    """The token router that router `name` (arrow, arrow-token: molora.routing.names) means on mm's bundle, bound to
+    mm (Arrow's prototypes and its base option's calibration computed now): mm's own router when it is that one (an
+    Arrow bundle's 'arrow'), so a name runs the same router as the bundle does. 'hybrid' is a per-request chooser:
+    `hybrid_chooser`."""
+    if name not in ("arrow", "arrow-token"):
+        raise BundleError(
+            f"router {name!r} is no named token router; use arrow or arrow-token (hybrid: hybrid_chooser)"
+        )
+    router = make_router(mm.bundle, name, mm.tokenizer)
+    own = getattr(mm, "router", None)
+    if type(own) is type(router) and own.config == router.config:  # type: ignore[attr-defined]
+        return own
+    router.bind(mm)  # type: ignore[attr-defined]
+    return router
+
+
+def hybrid_chooser(mm: Any) -> Any:
+    """The per-request chooser that router name 'hybrid' means on mm (molora.routing.names): the bundle's own
+    (`mm.chooser`, calibrated by `load`) when its router is hybrid, else one with the named settings, calibrated
+    on mm's adapters from the cache or computed now (molora.calibration.hybrid_calibration: minutes the first
+    time, then read back). mm is left as it is."""
+    if getattr(mm, "chooser", None) is not None:
+        return mm.chooser
+    from molora.calibration import hybrid_chooser as calibrated
+    from molora.routing.hybrid import HybridSettings
+    from molora.routing.names import router_config
+
+    own = mm.bundle.router_options if mm.bundle is not None else None
+    return calibrated(mm, HybridSettings.from_json(router_config("hybrid", own), where="router 'hybrid'"))
 
 
 PLACEHOLDER = "{prompt}"

@@ -25,6 +25,7 @@ from typing import Any
 from molora.bundle import FORMAT, MANIFEST, Bundle, parse_manifest, read_bundle, with_tokenizer
 from molora.config import LLAMA_PROJECTIONS
 from molora.errors import BundleError, MoLoRAError
+from molora.routing.names import NAMED_ROUTERS, router_config
 
 
 class FlagError(MoLoRAError):
@@ -108,53 +109,24 @@ def read_chat_template(value: str | None) -> str | None:
     )
 
 
-# `--router arrow`: what experiments/arrow_variants_choose.py chose on validation (docs/arrow_variants_choice.json: block
-# 25 of 30 = 5/6 of the depth, the default source_block; scored once on test in docs/arrow_prompt.json)
-ARROW_ROUTER = {
-    "kind": "arrow",
-    "granularity": "per_block",
-    "prompt": True,
-    "rms_threshold": 2.0,
-    "prompt_share": 0.2,
-    "prompt_window": 64,
-}
-
-
-# `--router hybrid`: what experiments/datafree_hybrid.py chose on validation (docs/datafree_hybrid_choice.json: Arrow's own
-# setting above, block 25 of 30, with z_or 3.5 and no z_floor; scored once on test in docs/datafree_hybrid_prompt.json),
-# over the pool of experiments/datafree_pool.py's seeded command (seed 0, batches of 128, 48 tokens, T 1.0), of which the
-# first 400 turns: the pool size experiments/hybrid_pool_size.py chose on validation (docs/hybrid_pool_size_choice.json;
-# the 800 turns the choice was made with take twice the start-up time)
-HYBRID_ROUTER = {
-    "kind": "hybrid",
-    "arrow": {k: v for k, v in ARROW_ROUTER.items() if k != "kind"},
-    "z_or": 3.5,
-    "z_floor": None,
-    "pool_n": 400,
-    "pool_seed": 0,
-    "pool_batch": 128,
-    "pool_max_new_tokens": 48,
-    "pool_temperature": 1.0,
-}
+# `--router arrow` / `hybrid`: the named routers' settings (molora.routing.names, the one place that maps a name
+# to a router object; re-exported here for the scripts that build bundles from them)
+ARROW_ROUTER = NAMED_ROUTERS["arrow"]
+HYBRID_ROUTER = NAMED_ROUTERS["hybrid"]
 
 
 def router_entry(value: str | None) -> dict:
-    """`--router`: none (default: the base name runs the base model), arrow (data-free routing from the adapters'
-    weights: prompt-level Arrow with a base option calibrated on general text, the settings chosen on validation
-    in docs/arrow_variants_choice.json), hybrid (data-free, one adapter or the base model per request: Arrow's
-    prompt vote decides whether, the adapters' confidence over a pool the base model writes decides which; chosen
-    in docs/datafree_hybrid_choice.json; calibrated at start-up, cached: molora.calibration) or the folder of a
-    router trained by `molora train-router`."""
+    """`--router`: none (default: the base name runs the base model), a named router (arrow, arrow-token, hybrid:
+    molora.routing.names, the same router in every command) or the folder of a router trained by
+    `molora train-router`."""
     if value in (None, "none"):
         return {"kind": "none"}
-    if value == "arrow":
-        return dict(ARROW_ROUTER)
-    if value == "hybrid":
-        return {**HYBRID_ROUTER, "arrow": dict(HYBRID_ROUTER["arrow"])}
+    if value in NAMED_ROUTERS:
+        return router_config(value)
     p = Path(value).expanduser()
     if not p.is_dir():
         raise FlagError(
-            f"--router {value!r}: give none, arrow, hybrid, or the folder of a router trained by "
+            f"--router {value!r}: give none, {', '.join(NAMED_ROUTERS)}, or the folder of a router trained by "
             "`molora train-router` (it holds router.json)"
         )
     if (p / "gates.json").is_file():  # per-adapter gates (molora.routing.gates), each trained on its adapter's prompts

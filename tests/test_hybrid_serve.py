@@ -250,7 +250,7 @@ def test_bad_settings_and_flags_are_refused_with_the_fix(tmp_path, monkeypatch, 
     assert main([*argv, "--ray"]) != 0
     assert "--router hybrid is served without --ray" in capsys.readouterr().err
     assert main(["bundle", "init", *argv[1:-1], "hybird", "--out", str(tmp_path / "b2")]) != 0
-    assert "give none, arrow, hybrid, or the folder" in capsys.readouterr().err
+    assert "give none, arrow, arrow-token, hybrid, or the folder" in capsys.readouterr().err
 
 
 def test_the_served_setting_is_the_committed_validation_choice():

@@ -11,6 +11,8 @@ from molora.cli.registry import command
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
+    from molora.routing.names import names_help
+
     p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
     p.add_argument(
         "--task",
@@ -21,7 +23,12 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         "the base model's)",
     )
     p.add_argument(
-        "--routing", default="learned", help="base, adapter:NAME, oracle, sequence, turn, learned (default) or merge"
+        "--routing",
+        "--router",
+        dest="routing",
+        default="learned",
+        help="base, adapter:NAME, oracle, sequence, turn, learned (the bundle's router, default), merge, or a "
+        f"named router, the same as in route, generate and serve: {names_help()}",
     )
     p.add_argument("--limit", type=int, default=None, help="first N items only")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch (default 16)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from molora.cli.registry import command
@@ -11,11 +12,57 @@ from molora.cli.registry import command
 # --------------------------------------------------------------------------------------------- generate
 
 
+ROUTER_CHOICES = ["learned", "arrow", "arrow-token", "hybrid", "gates", "vocab", "sequence"]
+
+
+def add_router_arg(p: argparse.ArgumentParser) -> None:
+    """`--routing/--router NAME` of route and generate (eval takes the same names among its modes)."""
+    from molora.routing.names import names_help
+
+    p.add_argument(
+        "--routing",
+        "--router",
+        dest="routing",
+        default=None,
+        choices=ROUTER_CHOICES,
+        help="router to use (default: the bundle's); each name is the same router in every command and in the "
+        f"server's molora.routing: {names_help()}; gates: one gate per adapter, each trained on its own adapter's "
+        "prompts only; learned, vocab, sequence: the bundle's own",
+    )
+
+
+def prompt_routing(mm, name: str | None, adapter: str | None = None) -> Callable[[str], dict]:
+    """run_prompt's routing arguments ({"adapter", "router"}) per prompt text, for router `name` (None: the
+    bundle's): a token router built once from the name (Arrow's prototypes and calibration computed here), or for
+    hybrid the adapter its chooser picks for each prompt (the base model: none)."""
+    from molora.bundle import hybrid_chooser, make_router, named_router
+    from molora.errors import MoLoRAError
+    from molora.routing import SequenceRouter
+
+    if name is None and adapter is None and getattr(mm, "chooser", None) is not None:
+        name = "hybrid"  # a hybrid bundle's own router is its per-request chooser
+    if name is None:
+        return lambda prompt: {"adapter": adapter, "router": None}
+    if adapter is not None:
+        raise MoLoRAError(f"--adapter {adapter} pins every token, which contradicts --router {name}; give one")
+    if name == "hybrid":
+        chooser = hybrid_chooser(mm)
+
+        def pick(prompt: str) -> dict:
+            chosen = chooser.choose_per_request(mm, [prompt])[0]
+            return {"adapter": chosen, "router": None if chosen is not None else SequenceRouter(None)}
+
+        return pick
+    router = named_router(mm, name) if name in ("arrow", "arrow-token") else make_router(mm.bundle, name, mm.tokenizer)
+    return lambda prompt: {"adapter": None, "router": router}
+
+
 def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the user message (the bundle's prompt template wraps it)")
     p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
     p.add_argument("--base-only", action="store_true", help="ignore the bundle's adapters: the plain base model")
     p.add_argument("--adapter", default=None, help="pin one adapter for every token instead of the router")
+    add_router_arg(p)
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
@@ -25,15 +72,22 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> int:
     """One answer on a bundle (the default one unless --bundle), routed by its router or one pinned adapter."""
     from molora.bundle import load, run_prompt
+    from molora.errors import MoLoRAError
     from molora.sampling import bundle_constraint
 
     mm = load(args.bundle, base_only=args.base_only)
+    routing = prompt_routing(mm, args.routing, args.adapter)(args.prompt)
     if bundle_constraint(mm.bundle, mm.tokenizer) is not None:  # constrained spans: the engine applies them
+        if routing["router"] is not None and args.routing != "hybrid":
+            raise MoLoRAError(
+                f"bundle {mm.bundle.name!r} constrains spans, which its engine applies with the bundle's own router; "
+                f"drop --router {args.routing}"
+            )
         print(
             engine_answer(
                 mm,
                 args.prompt,
-                adapter=args.adapter,
+                adapter=routing["adapter"],
                 max_new_tokens=args.max_tokens,
                 temperature=args.temperature,
                 seed=args.seed,
@@ -43,7 +97,7 @@ def _generate(args: argparse.Namespace) -> int:
     result = run_prompt(
         mm,
         args.prompt,
-        adapter=args.adapter,
+        **routing,
         max_new_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
@@ -85,15 +139,7 @@ def engine_answer(
 def _route_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the user message")
     p.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default bundle)")
-    p.add_argument(
-        "--routing",
-        "--router",
-        dest="routing",
-        default=None,
-        choices=["learned", "arrow", "gates", "vocab", "sequence"],
-        help="router to use (default: the bundle's); arrow routes from the adapters' weights, no training; gates: "
-        "one gate per adapter, each trained on its own adapter's prompts only",
-    )
+    add_router_arg(p)
     p.add_argument("--adapter", default=None, help="pin one adapter instead of routing")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
     p.add_argument("--json", action="store_true", help='print {"tokens":[{"text","adapter"}...]} instead')
@@ -103,12 +149,12 @@ def _route_args(p: argparse.ArgumentParser) -> None:
 @command("route", _route_args)
 def _route(args: argparse.Namespace) -> int:
     """Generate and show each token of prompt and answer coloured by its adapter."""
-    from molora.bundle import load, make_router
+    from molora.bundle import load
     from molora.view import render_json, to_ansi, to_html, to_plain
 
     mm = load(args.bundle)
-    router = make_router(mm.bundle, args.routing, mm.tokenizer) if args.routing else None
-    view = routed_view(mm, args.prompt, adapter=args.adapter, router=router, max_new_tokens=args.max_tokens)
+    routing = prompt_routing(mm, args.routing, args.adapter)(args.prompt)
+    view = routed_view(mm, args.prompt, **routing, max_new_tokens=args.max_tokens)
     if args.json:
         print(render_json(view))
     else:

@@ -202,6 +202,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
     """vLLM's flags for serving your own model and adapters (molora.userbundle); serve and bundle init share them."""
+    from molora.routing.names import names_help
+
     own = p.add_argument_group("your own model and adapters (vLLM's flags)")
     own.add_argument(
         "--model",
@@ -222,14 +224,13 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     own.add_argument(
         "--router",
         default=None,
-        metavar="none|arrow|hybrid|DIR",
+        metavar="none|arrow|arrow-token|hybrid|DIR",
         help="what model=<the base name> runs: none (the base model, default); with no training data, hybrid "
-        "(pick this one: one adapter or the base model per request, Arrow's prompt vote deciding whether and the "
-        "adapters' confidence over turns the base model writes deciding which; validation skills mean 90.6 "
-        "against 76.9 for arrow, 95%% of general prompts kept on the base: docs/datafree_hybrid_choice.json; "
-        "calibrated at the first start, minutes, then cached in $MOLORA_CACHE/hybrid) or arrow (prompt-level "
-        "Arrow from the adapters' weights alone: no start-up calibration, per-token routing); or a router folder "
-        "from `molora train-router` (or per-adapter gates from `molora train-gates`)",
+        "(pick this one: validation skills mean 90.6 against 76.9 for arrow, 95%% of general prompts kept on the "
+        "base: docs/datafree_hybrid_choice.json) or arrow; each name is the same router as `molora route|generate|"
+        "eval --router NAME` and molora.routing NAME: "
+        + names_help()
+        + "; or a router folder from `molora train-router` (or per-adapter gates from `molora train-gates`)",
     )
     own.add_argument(
         "--served-model-name",

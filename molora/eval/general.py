@@ -161,7 +161,7 @@ def evaluate_general(
     elif len(base_answers) != len(rows):
         raise EvalError(f"base_answers has {len(base_answers)} answers for {len(rows)} prompts")
     chosen = (
-        sequence_choice(mm, [it["prompt"] for it in items], batch_size=batch_size)
+        sequence_choice(mm, [it["prompt"] for it in items], batch_size=batch_size, chooser=mode.router)
         if mode.kind in PER_REQUEST
         else [None] * len(rows)
     )

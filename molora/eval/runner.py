@@ -23,6 +23,11 @@ Routing modes (`routing`):
                    (a per-request server choosing on the latest user message); the whole conversation so
                    far then runs on that turn's adapter. Single items: the same as sequence.
     learned        the model's router (`mm.router`) on every token
+    arrow, arrow-token
+                   the named router (molora.routing.names: the same router as `molora route --router NAME`)
+                   on every token, as learned
+    hybrid         the named per-request chooser (`molora.bundle.hybrid_chooser`): one adapter or the base
+                   model per question, as sequence
 
 Single items are one turn: template(question) -> answer.  Mixed items (task "mixed") are answered turn
 by turn inside one sequence, rendered exactly as `molora.train.default.labelled_sequence` renders
@@ -45,13 +50,23 @@ from typing import Any
 
 import torch
 
-from molora.bundle import CHATML_TEMPLATE, END_OF_TURN, generate_batch, left_pad, stop_ids, turn_text
+from molora.bundle import (
+    CHATML_TEMPLATE,
+    END_OF_TURN,
+    generate_batch,
+    hybrid_chooser,
+    left_pad,
+    named_router,
+    stop_ids,
+    turn_text,
+)
 from molora.errors import MoLoRAError
 from molora.eval.tasks import EvalItem, answer_kind, load_task, score_item
 from molora.routing import OracleRouter, Router, SequenceRouter
 from molora.routing.merge import UniformMergeRouter
+from molora.routing.names import NAMED_ROUTERS
 
-MODES = ("base", "adapter:NAME", "merge", "oracle", "sequence", "turn", "learned")
+MODES = ("base", "adapter:NAME", "merge", "oracle", "sequence", "turn", "learned", *NAMED_ROUTERS)
 PER_REQUEST = ("sequence", "turn")  # one adapter (or the base) per request, chosen by sequence_choice
 END = END_OF_TURN
 CHATML = CHATML_TEMPLATE
@@ -95,17 +110,26 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
 
 @dataclass(frozen=True)
 class Mode:
-    """A parsed routing mode; `adapter` is set for adapter:NAME."""
+    """A parsed routing mode; `adapter` is set for adapter:NAME. A named router (molora.routing.names) runs as
+    kind learned (a token router) or sequence (hybrid's per-request chooser) with `router` set and `name` kept."""
 
     kind: str
     adapter: str | None = None
+    name: str | None = None
+    router: Any = field(default=None, compare=False)
 
     def __str__(self) -> str:
-        return f"adapter:{self.adapter}" if self.kind == "adapter" else self.kind
+        return self.name or (f"adapter:{self.adapter}" if self.kind == "adapter" else self.kind)
 
 
 def parse_mode(mm: Any, routing: str) -> Mode:
     """Check that `mm` can run `routing` (see the module docstring) and parse it."""
+    if routing in NAMED_ROUTERS:
+        if not mm.adapter_names or getattr(mm, "bundle", None) is None:
+            raise EvalError(f"routing {routing!r} routes among a bundle's adapters, and none are loaded")
+        if routing == "hybrid":
+            return Mode("sequence", name=routing, router=hybrid_chooser(mm))
+        return Mode("learned", name=routing, router=named_router(mm, routing))
     kind, sep, name = routing.partition(":")
     if kind == "adapter" and sep:
         if name not in mm.adapter_names:
@@ -135,11 +159,15 @@ def _vote(picks: Sequence[int], names: Sequence[str]) -> str | None:
 
 
 @torch.no_grad()
-def sequence_choice(mm: Any, questions: Sequence[str], *, batch_size: int = 16) -> list[str | None]:
+def sequence_choice(
+    mm: Any, questions: Sequence[str], *, batch_size: int = 16, chooser: Any = None
+) -> list[str | None]:
     """One adapter per question text: the router's vote over its question tokens (see module docstring), or the
-    router's own per-request choice where it has one (`choose_per_request`: molora.routing.confidence)."""
-    if hasattr(mm.router, "choose_per_request"):
-        return list(mm.router.choose_per_request(mm, questions, batch_size=batch_size))
+    router's own per-request choice where it has one (`choose_per_request`: molora.routing.confidence), or
+    `chooser`'s (a per-request chooser given by name: Mode.router)."""
+    chooser = chooser if chooser is not None else mm.router
+    if hasattr(chooser, "choose_per_request"):
+        return list(chooser.choose_per_request(mm, questions, batch_size=batch_size))
     template, _ = template_of(mm)
     head, _, tail = template.partition("{prompt}")
     n_head, n_tail = len(_ids(mm.tokenizer, head)), len(_ids(mm.tokenizer, tail))
@@ -180,7 +208,7 @@ def _spec(mm: Any, mode: Mode, labels: list[list[str | None]] | None, chosen: li
     if mode.kind == "merge":
         return UniformMergeRouter()
     if mode.kind == "learned":
-        return mm.router
+        return mode.router if mode.router is not None else mm.router
     if mode.kind in PER_REQUEST:
         return SequenceRouter(chosen)
     return OracleRouter(labels)
@@ -217,7 +245,8 @@ def _answer_all(
         active = [d for d in dialogs if len(d.parts) > turn]
         if mode.kind == "turn":  # each turn chosen again on its own question
             for d, adapter in zip(
-                active, sequence_choice(mm, [d.parts[turn].input for d in active], batch_size=batch_size)
+                active,
+                sequence_choice(mm, [d.parts[turn].input for d in active], batch_size=batch_size, chooser=mode.router),
             ):
                 d.adapter = adapter
         prompts = {id(d): d.ids + _ids(tok, turn_text(template, d.parts[turn].input)) for d in active}
@@ -287,7 +316,7 @@ def evaluate(
     start = time.perf_counter()
     if mode.kind == "sequence":
         whole = ["\n\n".join(p.input for p in d.parts) for d in dialogs]
-        for d, adapter in zip(dialogs, sequence_choice(mm, whole, batch_size=batch_size)):
+        for d, adapter in zip(dialogs, sequence_choice(mm, whole, batch_size=batch_size, chooser=mode.router)):
             d.adapter = adapter
     generated = _answer_all(mm, dialogs, mode, batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
     seconds = time.perf_counter() - start
