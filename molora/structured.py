@@ -104,17 +104,35 @@ class StructuredSpec:
 
     @classmethod
     def json_schema(cls, schema: dict | str, strict: bool = False) -> StructuredSpec:
-        """From a schema (dict or JSON text); the same schema gives the same spec (keys sorted)."""
+        """From a schema (dict or JSON text), written compactly; the same schema gives the same spec: keys sorted
+        everywhere but inside `properties`, whose order is kept, since the grammar engine writes an object's
+        properties in that order, as OpenAI does ("reasoning" before "answer" is the schema author's choice)."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}") from e
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), strict)
+        return cls("json_schema", json.dumps(_canonical(schema), separators=(",", ":")), strict)
 
     @classmethod
     def choice(cls, choices: Sequence[str]) -> StructuredSpec:
         return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+
+
+def _canonical(schema: Any, ordered: bool = False) -> Any:
+    """`schema` with every object's keys sorted, except a `properties` object's (`ordered`): their order is the
+    order an answer writes them in. Values under enum/const/default/examples are data and are left as they are."""
+    if isinstance(schema, list):
+        return [_canonical(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    keys = list(schema) if ordered else sorted(schema)
+    return {
+        k: schema[k]
+        if k in ("enum", "const", "default", "examples") and not ordered
+        else _canonical(schema[k], ordered=(k == "properties" and not ordered and isinstance(schema[k], dict)))
+        for k in keys
+    }
 
 
 class _MatcherState(ConstraintState):

@@ -642,3 +642,21 @@ def test_a_dead_end_answers_with_its_reason(server):
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "error"
     assert "constraint dead end" in json.loads(lines[-1][6:])["error"]["message"]
     assert server.post("/completions", json={**body, "ignore_eos": False}).json()["choices"][0]["text"] == "ok"
+
+
+def test_properties_are_written_in_the_schemas_order(paths, tok, compiler):
+    """The grammar follows `properties` in the order the schema gives them (not sorted): a schema that puts "name"
+    before "arguments" gets answers in that order."""
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "integer", "minimum": 0, "maximum": 9}, "alpha": {"type": "boolean"}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    mm = _mm(paths, tok)
+    engine = Engine(mm, CFG)
+    out = engine.generate(
+        [[5, 6, 7]], SamplingParams(max_new_tokens=100), constraint=compiler.compile(StructuredSpec.json_schema(schema))
+    )[0]
+    text = _text(tok, out.new_token_ids)
+    assert list(json.loads(text)) == ["zeta", "alpha"], text
