@@ -2,8 +2,8 @@
 `molora.routing` give the same prompt the same per-token adapters and the same answer under `arrow`, `arrow-token`
 and `hybrid` (molora.routing.names), whether the bundle's own router is that one or another kind.
 
-Tiny random Llama base (it ends a turn often, so the hybrid chooser's pool fills) and two PEFT adapters, each drawn
-from its own generator."""
+Tiny random Llama bases (for hybrid one that ends a turn often, so its chooser's pool fills) and two PEFT adapters,
+each drawn from its own generator."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from molora.engine import EngineConfig
 from molora.routing.names import ARROW_ROUTER, ARROW_TOKEN_ROUTER, HYBRID_ROUTER, NAMED_ROUTERS, router_config
 from molora.server.app import create_app
 from molora.server.launch import ServerThread, build_engine
-from tests.conftest import make_peft_adapter, save_eos_prone_base
+from tests.conftest import make_peft_adapter, save_eos_prone_base, tiny_model, tiny_tokenizer
 
 TEMPLATE = "w3 {prompt} w4"
 ENGINE = EngineConfig(max_num_seqs=4, max_model_len=128, kv_budget_tokens=1024)
@@ -28,14 +28,18 @@ PROMPTS = ["w40 w41 w42 w43 w44", "w90 w17 w23 w8 w61 w5", "w12 w12 w77"]
 MAX = 8
 # the named settings, with the hybrid's pool cut to what a test can write quickly (its own kind: it wins by name)
 HYBRID = {**HYBRID_ROUTER, "pool_n": 24, "pool_batch": 24, "pool_max_new_tokens": 6}
+OWN_ARROW = {**ARROW_ROUTER, "rms_threshold": 0.8, "prompt_share": 0.1}  # a bundle's own Arrow, claiming more
 
 
 def _bundle(root: Path, name: str, router: dict) -> Path:
     from molora.bundle import write_manifest
 
-    base = root / "base"
-    if not base.exists():
+    base = root / ("base-eos" if router.get("kind") == "hybrid" or name.endswith("hybrid") else "base")
+    if not base.exists() and base.name == "base-eos":
         save_eos_prone_base(base)
+    elif not base.exists():
+        tiny_model("llama").save_pretrained(str(base))
+        tiny_tokenizer().save_pretrained(str(base))
     entries = []
     for i in range(2):
         path = root / f"e{i}"
@@ -55,7 +59,8 @@ def bundles(tmp_path_factory) -> dict[str, Path]:
     mp = pytest.MonkeyPatch()
     mp.setenv("MOLORA_HYBRID_CACHE", str(root / "cache"))
     out = {"none": _bundle(root, "none", {"kind": "none"})}
-    for name, router in (("arrow", ARROW_ROUTER), ("arrow-token", ARROW_TOKEN_ROUTER), ("hybrid", HYBRID)):
+    named = (("arrow", ARROW_ROUTER), ("arrow-token", ARROW_TOKEN_ROUTER), ("hybrid", HYBRID), ("own", OWN_ARROW))
+    for name, router in named:
         out[name] = _bundle(root, name, router)
     yield out
     mp.undo()
@@ -69,11 +74,16 @@ def _cli(*argv: str) -> str:
 
 
 def _route(bundle: Path, name: str, prompt: str) -> tuple[str, list]:
-    """(answer text, per visible answer token its adapter) as `molora route --json` prints them."""
+    """(answer text, per answer token the adapter of the forward that produced it) from `molora route --json`, which
+    prints each token's own adapter: the producer of answer token i is the token before it (the last prompt token,
+    "w4" of the template, for the first). This is what the server's return_routing reports per generated token."""
     router = ("--router", name) if name != "bundle" else ()
     view = json.loads(_cli("route", prompt, "--bundle", str(bundle), *router, "--max-tokens", str(MAX), "--json"))
-    answer = [t for t in view["tokens"] if t["answer"]]
-    return "".join(t["text"] for t in answer).strip(), [t["adapter"] for t in answer]
+    tokens = view["tokens"]
+    first = next(i for i, t in enumerate(tokens) if t["answer"]) if any(t["answer"] for t in tokens) else len(tokens)
+    answer = tokens[first:]
+    producers = tokens[first - 1 : first - 1 + len(answer)]
+    return "".join(t["text"] for t in answer).strip(), [t["adapter"] for t in producers]
 
 
 def _served(bundle: Path, routing: str, prompts: list[str]) -> list[tuple[str, list, int]]:
@@ -152,12 +162,25 @@ def test_route_generate_eval_and_serve_agree_per_token(bundles, name, tmp_path):
     assert [text for text, _, _ in served] == [text for text, _ in routed]  # molora.routing NAME: the same answer
     if name != "arrow-token":  # per-linear routing has no one adapter per token that the server reports
         assert [ads for _, ads, _ in served] == [ads for _, ads in routed]  # and the same adapter per token
-    if name == "arrow-token":  # per token with no base option: every answer token fed back runs on an adapter
-        assert all(a is not None for _, ads in routed for a in ads[:-1])  # (the last is never fed: no decision)
-        assert any(len(ads) > 1 for _, ads in routed)
+    assert any(a is not None for _, ads in routed for a in ads)  # the comparison sees adapters, not only the base
+    if name != "arrow-token":  # a prompt-level decision: some prompt keeps the base model (or ends at once)
+        assert any(all(a is None for a in ads) for _, ads in routed)
+    if name == "arrow-token":  # per token with no base option: every answer token comes from an adapter
+        assert all(a is not None for _, ads in routed for a in ads)
 
 
 @pytest.mark.parametrize("name", ["arrow", "arrow-token", "hybrid"])
 def test_a_server_without_that_router_refuses_the_name(bundles, name):
     (_, _, status), *_ = _served(bundles["none"], name, PROMPTS[:1])
     assert status == 400
+
+
+def test_a_bundles_own_arrow_settings_win_in_every_command(bundles, tmp_path):
+    own = [_route(bundles["own"], "arrow", p) for p in PROMPTS]
+    assert own == [_route(bundles["own"], "bundle", p) for p in PROMPTS]  # its own router is what `arrow` means
+    assert own != [_route(bundles["none"], "arrow", p) for p in PROMPTS]  # not the named settings it replaced
+    assert [e["prediction"].strip() for e in _evaluated(bundles["own"], "arrow", PROMPTS, tmp_path)] == [
+        t for t, _ in own
+    ]
+    assert [(t, a) for t, a, _ in _served(bundles["own"], "arrow", PROMPTS)] == own
+    assert any(a is not None for _, ads in own for a in ads)  # the comparison sees adapters, not only the base
