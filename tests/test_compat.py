@@ -98,3 +98,12 @@ def test_openai_storage_fields_are_accepted_and_do_nothing(client):
     body = {"model": "toy", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
     r = client.post("/v1/chat/completions", json={**body, "store": False, "metadata": {"team": "x"}})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("name", ["sampling_knobs_cost", "tool_call_cost"])
+def test_the_cost_lines_in_serving_md_are_renders_of_their_records(name):
+    """A record changed without re-rendering fails here: run `python -m experiments.<name> --render-only`."""
+    import json
+
+    module = load_script(name)
+    assert module.render(json.loads(module.RECORD.read_text())) in module.PAGE.read_text()
