@@ -128,7 +128,13 @@ def test_a_failing_calibration_leaves_adapters_and_chooser_as_they_were(tmp_path
         save_file({k: v * 3e38 if "lora_B" in k else v for k, v in load_file(str(f)).items()}, str(f))
         r = http.post("/adapters", json={"name": "huge", "path": str(tmp_path / "huge")})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_adapter", r.text
+        assert "Frobenius norm" in r.json()["error"]["message"]  # refused when read, before any calibration
+        # an adapter the chooser cannot score (non-finite entropies) is the adapter's fault too: 400, nothing changed
+        monkeypatch.setattr(cal, "first_token_entropy", lambda *a, **k: real(*a, **k) * float("nan"))
+        r = http.post("/adapters", json={"name": "new", "path": str(tmp_path / "new")})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_adapter", r.text
         assert "non-finite entropies" in r.json()["error"]["message"]
+        monkeypatch.setattr(cal, "first_token_entropy", real)
         assert engine.mm.chooser is chooser and engine.hotset.names == names and not any(engine.hotset.pins.values())
         r = http.post("/adapters", json={"name": "new", "path": str(tmp_path / "new")})  # fixed: it loads now
         assert r.status_code == 201, r.text
