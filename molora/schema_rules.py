@@ -2,8 +2,8 @@
 the schema it is given instead of the user's (`engine_schema`): the same set of JSON values, written in the forms
 xgrammar 0.2.9 enforces exactly.
 
-Two rewrites, each exact (the rewritten schema accepts the same values; differential tests in
-tests/test_structured.py):
+Three rewrites, each exact (the rewritten schema accepts the same values; differential tests in
+tests/test_structured.py and tests/test_schema_required.py):
 
 - `engine_pattern`: a regex's optional groups as alternatives with the empty string.
 - `split_conditional`: an `if`/`then`/`else` that tests one required property against a const or enum, where the
@@ -11,6 +11,13 @@ tests/test_structured.py):
   merged into the properties it constrains. The engine accepts if/then/else and enforces neither branch
   (probed); the two cases are disjoint by that property's values, so anyOf is the schema's own meaning. A
   conditional of another shape is left as it is and listed by `unenforced`.
+- `list_required`: a `required` name that its object's `properties` does not list is added to `properties` with
+  the schema `additionalProperties` gives it ({} when absent or true). xgrammar 0.2.9 enforces `required` only for
+  listed properties (probed: {"properties": {"a": ...}, "required": ["b"]} accepts {"a": "x"}; a bare
+  {"required": [...]} in an anyOf branch accepts {}), so an answer could close the object without it. Beside
+  patternProperties, additionalProperties false, unevaluatedProperties or $ref, or in a schema with neither
+  properties nor type object (an anyOf branch), the rewrite would not be exact (or the engine's handling is
+  unprobed): those are listed by `unenforced`.
 
 Pure functions over JSON values; nothing of tokenizers, requests or the engine's objects.
 """
@@ -78,6 +85,8 @@ def unenforced(schema: Any, path: str = "") -> list[str]:
             out.append(f"{here}: oneOf (enforced as anyOf: an answer may match two branches)")
         if isinstance(schema.get("allOf"), list) and (len(schema["allOf"]) > 1 or set(schema) - _ANNOTATIONS):
             out.append(f"{here}: allOf (not merged: an answer may break all but one part)")
+        if _unlisted_required(schema) and not _listable(schema):
+            out.append(f"{here}: required {_unlisted_required(schema)} not in properties (the object may close early)")
         for k, v in schema.items():
             if k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(
                 v, dict
@@ -136,9 +145,42 @@ def engine_pattern(pattern: str) -> str:
     return "".join(out)
 
 
+def _unlisted_required(schema: dict) -> list[str]:
+    """The names `required` lists that `properties` does not (module docstring: list_required)."""
+    req, props = schema.get("required"), schema.get("properties")
+    if not isinstance(req, list):
+        return []
+    listed = props if isinstance(props, dict) else {}
+    return [n for n in req if isinstance(n, str) and n not in listed]
+
+
+def _listable(schema: dict) -> bool:
+    """Whether `list_required` is exact here: no patternProperties (a name may match a pattern), no $ref (its
+    target's properties), no unevaluatedProperties, additionalProperties absent, true or a schema."""
+    extra = schema.get("additionalProperties", True)
+    blocked = ("patternProperties", "unevaluatedProperties", *REF_KEYWORDS)
+    # a bare {"required": [...]} (an anyOf branch) would become a closed object of those names alone: xgrammar closes
+    # an object whose additionalProperties is absent, which narrows the branch, so it is not rewritten
+    shaped = "properties" in schema or schema.get("type") == "object"
+    return shaped and not any(k in schema for k in blocked) and (extra is True or isinstance(extra, dict))
+
+
+def list_required(schema: dict) -> dict:
+    """`schema` with every required name listed in `properties` (module docstring), where that is exact; else as
+    it is."""
+    missing = _unlisted_required(schema)
+    if not missing or not _listable(schema):
+        return schema
+    extra = schema.get("additionalProperties", True)
+    props = dict(schema.get("properties") or {})
+    props.update({n: (extra if isinstance(extra, dict) else {}) for n in missing})
+    return {**schema, "properties": props}
+
+
 def engine_schema(schema: Any) -> Any:
     """A copy of `schema` for the grammar engine: every `pattern` (and patternProperties key) through
-    `engine_pattern`, every if/then/else `split_conditional` can rewrite as its anyOf; everything else as it is."""
+    `engine_pattern`, every if/then/else `split_conditional` can rewrite as its anyOf, every required name listed
+    in its object's properties (`list_required`); everything else as it is."""
     if isinstance(schema, list):
         return [engine_schema(v) for v in schema]
     if not isinstance(schema, dict):
@@ -146,6 +188,7 @@ def engine_schema(schema: Any) -> Any:
     split = split_conditional(schema) if "if" in schema else None
     if split is not None:
         return engine_schema(split)
+    schema = list_required(schema)
     out = {}
     for k, v in schema.items():
         if k == "pattern" and isinstance(v, str):
