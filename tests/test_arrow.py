@@ -261,7 +261,7 @@ def test_engine_equals_generate_and_respects_allowed_adapters(adapters, gran):
     ref2 = mm.generate(torch.tensor([q]), adapter_ids="e2", max_new_tokens=5)[0, len(q) :].tolist()
     assert outs[2].new_token_ids == ref2
     mm.router = VocabRouter([(0, 50, "e0")])
-    with pytest.raises(RoutingError, match="routing='arrow' needs"):
+    with pytest.raises(RoutingError, match="routing='arrow' runs the router of that name"):
         Engine(mm, EngineConfig(max_model_len=64)).add_request(p, params, routing="arrow")
 
 
