@@ -81,7 +81,7 @@ def router_config(name: str, own: Mapping[str, Any] | None = None) -> dict[str, 
     `hybrid` on a hybrid one: the bundle's settings win), else the name's settings. A deep copy either way."""
     if name not in NAMED_ROUTERS:
         raise RoutingError(f"router {name!r}: the named routers are {', '.join(NAMED_ROUTERS)}")
-    chosen = NAMED_ROUTERS[name]
+    chosen: Mapping[str, Any] = NAMED_ROUTERS[name]
     if name != "arrow-token" and own is not None and own.get("kind") == chosen["kind"]:
         chosen = own
     return {k: dict(v) if isinstance(v, Mapping) else v for k, v in chosen.items()}
