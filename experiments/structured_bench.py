@@ -55,12 +55,23 @@ def _prompt(tok: Any, s: dict) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def compile_all(tok: Any, vocab: int, stops: list[int], schemas: list[dict]) -> tuple[dict, dict, Any]:
-    """(constraints by name, failures by name, the record) compiling each schema first fresh, then cached."""
+def compile_all(
+    tok: Any,
+    vocab: int,
+    stops: list[int],
+    schemas: list[dict],
+    max_string_chars: int | None = None,
+    max_array_items: int | None = None,
+) -> tuple[dict, dict, Any]:
+    """(constraints by name, failures by name, the record) compiling each schema first fresh, then cached;
+    max_string_chars: the compiler's bound on free strings (molora.schema_rules.bound_runaways; None: the compiler's
+    default)."""
     from molora.structured import StructuredCompiler, StructuredOutputError, StructuredSpec
 
     t0 = time.perf_counter()
-    compiler = StructuredCompiler(tok, vocab_size=vocab, stop_token_ids=stops)
+    bound = {} if max_string_chars is None else {"max_string_chars": max_string_chars or None}
+    bound |= {} if max_array_items is None else {"max_array_items": max_array_items or None}
+    compiler = StructuredCompiler(tok, vocab_size=vocab, stop_token_ids=stops, **bound)
     setup_s = time.perf_counter() - t0
     ok, failed, first, cached = {}, {}, [], []
     for s in schemas:
@@ -225,6 +236,18 @@ def main() -> None:
         help="schemas to score (validation: for finding and fixing failures; test: the record)",
     )
     ap.add_argument(
+        "--max-string-chars",
+        type=int,
+        default=None,
+        help="bound free strings at this many characters (0: none; default: the compiler's default)",
+    )
+    ap.add_argument(
+        "--max-array-items",
+        type=int,
+        default=None,
+        help="bound arrays without maxItems at this many items (0: none; default: the compiler's default)",
+    )
+    ap.add_argument(
         "--skip-throughput", action="store_true", help="stop after the validity run (keeps the record's throughput)"
     )
     ap.add_argument(
@@ -248,7 +271,7 @@ def main() -> None:
     tok = mm.tokenizer
     vocab = int(mm.model.config.vocab_size)
     stops = stop_token_ids(tok, mm.bundle)
-    constraints, _, comp = compile_all(tok, vocab, stops, schemas)
+    constraints, _, comp = compile_all(tok, vocab, stops, schemas, args.max_string_chars, args.max_array_items)
     print(json.dumps({k: v for k, v in comp.items() if k != "failures"}), flush=True)
     engine = Engine(mm, EngineConfig(max_num_seqs=32, max_model_len=2048, kv_budget_tokens=32 * 1024))
     out = Path(args.out)

@@ -25,6 +25,14 @@ LLAMA_PROJECTIONS: tuple[str, ...] = (
 )
 
 
+# A JSON answer that never ends is a string or a list the model repeats inside until max_tokens cuts it. The
+# compiler closes free strings and unbounded arrays at these bounds (molora.schema_rules.bound_runaways; 0/None:
+# off). Chosen on the validation schemas at 768 new tokens (docs/structured_bounds_val.json): finished answers
+# 11 of 26 unbounded, 20 with 128 or 256 characters and 16 items, 18 with 256 and 32 items; every answer that
+# finished unbounded kept its text. A schema's own maxLength / maxItems always win.
+DEFAULT_MAX_STRING_CHARS = 256
+DEFAULT_MAX_ARRAY_ITEMS = 16
+
 # the bounds an adapter config must keep: a rank no linear reaches, and a scaling (alpha / r) far above what
 # training uses (PEFT's defaults give 1-2; rsLoRA with a large alpha, tens) but below where it only overflows
 MAX_LORA_RANK = 65536

@@ -177,30 +177,53 @@ def list_required(schema: dict) -> dict:
     return {**schema, "properties": props}
 
 
-def engine_schema(schema: Any) -> Any:
+def engine_schema(schema: Any, max_string: int | None = None, max_items: int | None = None) -> Any:
     """A copy of `schema` for the grammar engine: every `pattern` (and patternProperties key) through
     `engine_pattern`, every if/then/else `split_conditional` can rewrite as its anyOf, every required name listed
-    in its object's properties (`list_required`); everything else as it is."""
+    in its object's properties (`list_required`); with `max_string` / `max_items`, every free string at most that
+    many characters and every unbounded array at most that many items (`bound_runaways`); everything else as it
+    is."""
     if isinstance(schema, list):
-        return [engine_schema(v) for v in schema]
+        return [engine_schema(v, max_string, max_items) for v in schema]
     if not isinstance(schema, dict):
         return schema
     split = split_conditional(schema) if "if" in schema else None
     if split is not None:
-        return engine_schema(split)
+        return engine_schema(split, max_string, max_items)
     schema = list_required(schema)
     out = {}
     for k, v in schema.items():
         if k == "pattern" and isinstance(v, str):
             out[k] = engine_pattern(v)
         elif k == "patternProperties" and isinstance(v, dict):
-            out[k] = {engine_pattern(p): engine_schema(sub) for p, sub in v.items()}
+            out[k] = {engine_pattern(p): engine_schema(sub, max_string, max_items) for p, sub in v.items()}
         elif k in ("enum", "const", "default", "examples"):
             out[k] = v  # values, not schemas
         elif k == "properties" and isinstance(v, dict):
-            out[k] = {name: engine_schema(sub) for name, sub in v.items()}
+            out[k] = {name: engine_schema(sub, max_string, max_items) for name, sub in v.items()}
         else:
-            out[k] = engine_schema(v)
+            out[k] = engine_schema(v, max_string, max_items)
+    return bound_runaways(out, max_string, max_items)
+
+
+# keywords that already shape a string (the grammar engine enforces them itself; maxLength beside a pattern it
+# would not enforce: `unenforced`)
+_SHAPED = ("maxLength", "pattern", "format", "enum", "const")
+
+
+def bound_runaways(schema: dict, max_string: int | None, max_items: int | None) -> dict:
+    """`schema` with `maxLength: max_string` when it is a free string (type string, or a type list holding it, and
+    none of maxLength, pattern, format, enum, const) and `maxItems: max_items` when it is an array without
+    maxItems: the grammar then closes a string or a list the model would repeat inside until its token budget runs
+    out. Not the schema's own meaning but a server bound; the mask of every shorter string or list is unchanged, so
+    an answer whose strings and lists stay under the bounds is the same, token for token."""
+    t = schema.get("type")
+    types = set(t) if isinstance(t, list) else {t}
+    out = schema
+    if max_string and "string" in types and not any(k in schema for k in _SHAPED):
+        out = {**out, "maxLength": max_string}
+    if max_items and "array" in types and "maxItems" not in schema and not any(k in schema for k in ("enum", "const")):
+        out = {**out, "maxItems": max(max_items, int(schema.get("minItems", 0)))}
     return out
 
 

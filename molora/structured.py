@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 
+from molora.config import DEFAULT_MAX_ARRAY_ITEMS, DEFAULT_MAX_STRING_CHARS
 from molora.errors import MoLoRAError
 from molora.sampling import Constraint, ConstraintState
 from molora.schema_rules import (
@@ -224,6 +225,8 @@ class StructuredCompiler:
         stop_token_ids: Sequence[int] = (),
         limits: Limits = Limits(),
         cache_size: int = 256,
+        max_string_chars: int | None = DEFAULT_MAX_STRING_CHARS,
+        max_array_items: int | None = DEFAULT_MAX_ARRAY_ITEMS,
     ) -> None:
         try:
             import xgrammar as xgr
@@ -234,6 +237,8 @@ class StructuredCompiler:
             ) from e
 
         self.xgr, self.limits, self.cache_size = xgr, limits, cache_size
+        # schema_rules.bound_runaways: free strings and unbounded arrays close at these (None: unbounded)
+        self.max_string_chars, self.max_array_items = max_string_chars, max_array_items
         stops = sorted({int(t) for t in stop_token_ids}) or None
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
@@ -324,7 +329,8 @@ class StructuredCompiler:
     def _compile(self, spec: StructuredSpec) -> Any:
         c = self._compiler
         if spec.kind == "json_schema":
-            return c.compile_json_schema(json.dumps(engine_schema(json.loads(spec.text))), any_whitespace=False)
+            schema = engine_schema(json.loads(spec.text), self.max_string_chars, self.max_array_items)
+            return c.compile_json_schema(json.dumps(schema), any_whitespace=False)
         if spec.kind == "json_object":
             return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "regex":

@@ -100,7 +100,7 @@ def test_openai_storage_fields_are_accepted_and_do_nothing(client):
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("name", ["sampling_knobs_cost", "tool_call_cost"])
+@pytest.mark.parametrize("name", ["sampling_knobs_cost", "tool_call_cost", "structured_bounds"])
 def test_the_cost_lines_in_serving_md_are_renders_of_their_records(name):
     """A record changed without re-rendering fails here: run `python -m experiments.<name> --render-only`."""
     import json

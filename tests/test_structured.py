@@ -31,7 +31,13 @@ from molora.sampling import (
     unpack_bitmask,
 )
 from molora.server import ServerThread, create_app
-from molora.structured import GrammarConstraint, StructuredCompiler, StructuredOutputError, StructuredSpec
+from molora.structured import (
+    GrammarConstraint,
+    StructuredCompiler,
+    StructuredOutputError,
+    StructuredSpec,
+    engine_schema,
+)
 from tests.conftest import make_peft_adapter, tiny_model
 from tests.structured_fixtures import char_tokenizer
 
@@ -661,3 +667,47 @@ def test_properties_are_written_in_the_schemas_order(paths, tok, compiler):
     )[0]
     text = _text(tok, out.new_token_ids)
     assert list(json.loads(text)) == ["zeta", "alpha"], text
+
+
+def test_free_strings_and_unbounded_arrays_get_the_compilers_bounds():
+    """bound_runaways: maxLength on a free string, maxItems on an array without one (at least its minItems); a
+    string shaped by pattern, format, enum or const, and a schema's own bounds, are left as they are."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "free": {"type": "string"},
+            "nullable": {"type": ["string", "null"]},
+            "own": {"type": "string", "maxLength": 3},
+            "pat": {"type": "string", "pattern": "^[a-z]+$"},
+            "mail": {"type": "string", "format": "email"},
+            "pick": {"type": "string", "enum": ["a", "b"]},
+            "list": {"type": "array", "items": {"type": "string"}},
+            "long": {"type": "array", "minItems": 40},
+            "short": {"type": "array", "maxItems": 2},
+        },
+    }
+    p = engine_schema(schema, 256, 16)["properties"]
+    assert p["free"]["maxLength"] == 256 and p["nullable"]["maxLength"] == 256 and p["own"]["maxLength"] == 3
+    assert all("maxLength" not in p[k] for k in ("pat", "mail", "pick"))
+    assert p["list"]["maxItems"] == 16 and p["list"]["items"]["maxLength"] == 256
+    assert p["long"]["maxItems"] == 40 and p["short"]["maxItems"] == 2
+    assert engine_schema(schema) == engine_schema(schema, None, None)  # unbounded: the schema's own grammar
+    assert "maxLength" not in engine_schema(schema)["properties"]["free"]
+
+
+def test_a_string_the_model_would_repeat_in_closes_at_the_bound(paths, tok):
+    """With a bound of 6 characters every free string of the answer has at most 6; the answer finishes and is valid."""
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string"}},
+        "required": ["s"],
+        "additionalProperties": False,
+    }
+    compiler = StructuredCompiler(tok, vocab_size=128, stop_token_ids=[1], max_string_chars=6)
+    engine = Engine(_mm(paths, tok), CFG)
+    params = [SamplingParams(max_new_tokens=100, temperature=1.0, seed=s) for s in range(4)]
+    outs = engine.generate([[5, 6, 7]] * 4, params, constraint=compiler.compile(StructuredSpec.json_schema(schema)))
+    for out in outs:
+        assert out.finish_reason == "stop"
+        value = json.loads(_text(tok, out.new_token_ids))
+        assert len(value["s"]) <= 6

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from molora.cli.registry import command
+from molora.config import DEFAULT_MAX_ARRAY_ITEMS, DEFAULT_MAX_STRING_CHARS
 from molora.errors import MoLoRAError
 
 # --------------------------------------------------------------------------------------------- serve
@@ -149,6 +150,22 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="how tool_choice auto reads calls: hermes (<tool_call>{json}</tool_call>, the default) or json (the "
         "whole answer is a call or a list of calls); molora.server.tools.register_tool_parser adds more",
+    )
+    p.add_argument(
+        "--max-json-string-chars",
+        type=int,
+        default=DEFAULT_MAX_STRING_CHARS,
+        metavar="N",
+        help=f"structured output: a string the schema leaves unbounded (no maxLength, pattern or format) closes at N "
+        f"characters, so an answer that would repeat inside it ends (default {DEFAULT_MAX_STRING_CHARS}; 0: unbounded)",
+    )
+    p.add_argument(
+        "--max-json-array-items",
+        type=int,
+        default=DEFAULT_MAX_ARRAY_ITEMS,
+        metavar="N",
+        help=f"structured output: an array without maxItems closes at N items (default {DEFAULT_MAX_ARRAY_ITEMS}; "
+        "0: unbounded); a schema's own maxLength and maxItems always win",
     )
     p.add_argument(
         "--allow-special-tokens-in-chat",
@@ -419,6 +436,8 @@ def _serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
+        max_json_string_chars=args.max_json_string_chars,
+        max_json_array_items=args.max_json_array_items,
         **keys,
     )
     return 0

@@ -41,6 +41,7 @@ from fastapi.encoders import jsonable_encoder
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from molora.bundle import stop_token_ids
+from molora.config import DEFAULT_MAX_ARRAY_ITEMS, DEFAULT_MAX_STRING_CHARS
 from molora.server.catalog import Catalog, ModelInfo
 from molora.server.client import EngineClient, LocalClient
 from molora.server.generation import Limits
@@ -85,6 +86,8 @@ def create_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     allow_special_tokens_in_chat: bool = False,
+    max_json_string_chars: int | None = DEFAULT_MAX_STRING_CHARS,
+    max_json_array_items: int | None = DEFAULT_MAX_ARRAY_ITEMS,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine` (see the module docstring).
 
@@ -97,7 +100,8 @@ def create_app(
     first names it (vLLM's filesystem resolver). enable_auto_tool_choice, tool_call_parser: vLLM's flags; tool_choice
     "auto" is parsed by that parser (molora.server.tools; default `hermes`), and refused without the first.
     allow_special_tokens_in_chat: read special-token literals in chat messages as special tokens (default: as text,
-    molora.server.special_tokens).
+    molora.server.special_tokens). max_json_string_chars, max_json_array_items: structured output closes free
+    strings and unbounded arrays at these (None or 0: unbounded; molora.structured).
     """
     from molora.server.tools import auto_tool_parser
 
@@ -117,6 +121,7 @@ def create_app(
     info.chooser = "hybrid" if getattr(mm, "chooser", None) is not None else None
     info.tool_parser = auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
     info.allow_special_tokens_in_chat = allow_special_tokens_in_chat
+    info.max_json_string_chars, info.max_json_array_items = max_json_string_chars or None, max_json_array_items or None
     runner = EngineRunner(engine, max_in_flight=max_queue, stall_s=stall_s)
     return build_app(
         LocalClient(engine, runner, call_timeout_s=engine_call_timeout_s),

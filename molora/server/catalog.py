@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from molora.config import DEFAULT_MAX_ARRAY_ITEMS, DEFAULT_MAX_STRING_CHARS
 from molora.errors import MoLoRAError
 from molora.server.protocol import APIError
 
@@ -33,6 +34,9 @@ class ModelInfo:
     tool_parser: str | None = None  # --enable-auto-tool-choice: parses tool_choice "auto" (None: "auto" is refused)
     # chat messages' special-token literals are tokenized as text (molora.server.special_tokens) unless this is set
     allow_special_tokens_in_chat: bool = False
+    # structured output closes free strings and unbounded arrays at these (molora.structured; None: unbounded)
+    max_json_string_chars: int | None = DEFAULT_MAX_STRING_CHARS
+    max_json_array_items: int | None = DEFAULT_MAX_ARRAY_ITEMS
 
     @property
     def models(self) -> list[str]:

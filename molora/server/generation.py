@@ -330,7 +330,11 @@ class Generation:
             if compiler is None:
                 try:
                     compiler = StructuredCompiler(
-                        info.tokenizer, vocab_size=info.vocab_size, stop_token_ids=info.stop_token_ids
+                        info.tokenizer,
+                        vocab_size=info.vocab_size,
+                        stop_token_ids=info.stop_token_ids,
+                        max_string_chars=info.max_json_string_chars,
+                        max_array_items=info.max_json_array_items,
                     )
                 except StructuredOutputError:  # the grammar engine is not installed: the message says how
                     raise
