@@ -8,9 +8,9 @@
 For each bound (max string characters : max array items; 0:0 = unbounded, the grammar of the schema alone), one
 greedy answer per schema of the split (experiments.structured_bench's validity run: the default bundle, learned
 routing, one batch, max 768 new tokens) and: how many finished, how many of those are valid, and how many of the
-answers that finished unbounded changed text (the bounds must leave them as they are). The choice rule, fixed
-before looking: the most answers finished on validation, ties to the looser bound; the test split is scored once
-with the chosen bound. Writes the record given by --json; ends with one JSON line.
+answers that finished unbounded changed text (the bounds must leave them as they are). The choice: the most
+answers finished on validation, ties to the looser bound (a rule written down after the validation runs, which
+were the only ones looked at); the test split was scored once, with the chosen bound. Writes the record given by --json; ends with one JSON line.
 """
 
 from __future__ import annotations
