@@ -10,7 +10,8 @@ greedy answer per schema of the split (experiments.structured_bench's validity r
 routing, one batch, max 768 new tokens) and: how many finished, how many of those are valid, and how many of the
 answers that finished unbounded changed text (the bounds must leave them as they are). The choice: the most
 answers finished on validation, ties to the looser bound (a rule written down after the validation runs, which
-were the only ones looked at); the test split was scored once, with the chosen bound. Writes the record given by --json; ends with one JSON line.
+were the only ones looked at); the test split was scored once, with the chosen bound. Writes the record given by
+--json; ends with one JSON line.
 """
 
 from __future__ import annotations
