@@ -20,7 +20,7 @@ from typing import Any
 from molora.engine.hotset import HotSet
 from molora.engine.routing import fixed_routes
 from molora.errors import AdapterDraining, BankFullError, RoutingError
-from molora.routing import ArrowRouter, SequenceRouter, VocabRouter
+from molora.routing import ArrowRouter, VocabRouter
 from molora.routing.arrow import ArrowConfig
 from molora.routing.base import Router
 from molora.routing.names import router_config
@@ -79,12 +79,10 @@ def resolve_routing(
         names = [n for n in _adapter_names(router) if n in hs.paths]
         mode = "learned"
     else:
-        if isinstance(router, (VocabRouter, SequenceRouter)) and fixed_routes(router):
-            # an adapter the rule names that is no longer registered (unloaded at run time) gets its tokens on the
-            # base model, as a draining one does (molora.engine.routing._token_routing)
-            names = [n for n in fixed_routes(router) if n in hs.paths]
-        else:
-            names = hs.names
+        # an adapter a fixed rule names that is no longer registered (unloaded at run time) gets its tokens on the
+        # base model, as a draining one does (molora.engine.routing._token_routing); other routers may use any
+        fixed = fixed_routes(router)
+        names = [n for n in fixed if n in hs.paths] if fixed else hs.names
         mode = "tokens"
     if hs.draining.intersection(names):  # as if absent: the allowed set (which routing obeys) leaves it out
         allowed = (allowed if allowed is not None else frozenset(hs.paths)) - hs.draining

@@ -107,7 +107,8 @@ def _token_routing(s: Scheduled, hotset: HotSet) -> tuple[Tensor, Tensor | None]
     routing = req.route.router.route(ids, names, start=s.start)
     idx = routing.adapter_ids.reshape(s.n, -1).long()  # [n, k] indices
     lookup = slot_lookup(hotset, req.route.allowed)  # [K]: registered names first, the gone ones after run on base
-    lookup = torch.cat([lookup, torch.full((len(names) - len(lookup),), -1, dtype=torch.long)])
+    if len(names) > len(lookup):
+        lookup = torch.cat([lookup, torch.full((len(names) - len(lookup),), -1, dtype=torch.long)])
     slots = to_slots(lookup, idx)  # [n, k] slots
     w = None if routing.weights is None else routing.weights.reshape(s.n, -1).float()
     return slots, w

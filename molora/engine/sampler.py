@@ -84,14 +84,8 @@ def sample_step(
             [p.top_p for p in ps],
             [p.min_p for p in ps],
         ).softmax(-1)  # [d, V]
-        # knobs at the edge of their range (top_p 5e-324, a repetition penalty of 1e307) can leave a row with no
-        # distribution (NaN, or all zero): that row takes its top token, as the filtering's limit would
-        valid = (torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)).tolist()  # [d]
         for k, j in enumerate(drawn):  # each from its request's generator
-            if valid[k]:
-                chosen[j] = torch.multinomial(probs[k : k + 1], 1, generator=reqs[j].generator)[0, 0]
-            else:
-                chosen[j] = greedy(work[at[j] : at[j] + 1])[0]
+            chosen[j] = torch.multinomial(probs[k : k + 1], 1, generator=reqs[j].generator)[0, 0]
     return chosen, dead
 
 
