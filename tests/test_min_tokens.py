@@ -20,9 +20,8 @@ PROMPTS = [[5, 70, 9, 11], [80, 81, 3], [7, 7, 100, 2, 66], [40, 90]]
 N = 8
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Engine:
-    root = tmp_path_factory.mktemp("adapters")
+def routed_engine(root, kv_budget_tokens: int = 1024) -> Engine:
+    """A tiny Qwen3 with two seeded adapters under a vocab router and the toy tokenizer (also test_sampling_knobs')."""
     adapters = {n: make_peft_adapter(root / n, "qwen3", seed=i) for i, n in enumerate(("math", "code"))}
     mm = attach(
         tiny_model("qwen3"),
@@ -31,7 +30,12 @@ def engine(tmp_path_factory) -> Engine:
         tokenizer=ToyTokenizer(),
         check_base=False,
     )
-    return Engine(mm, EngineConfig(max_model_len=256, kv_budget_tokens=1024))
+    return Engine(mm, EngineConfig(max_model_len=256, kv_budget_tokens=kv_budget_tokens))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Engine:
+    return routed_engine(tmp_path_factory.mktemp("adapters"))
 
 
 def gen(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], eos: set[int]):

@@ -14,17 +14,15 @@ import torch
 from fastapi.testclient import TestClient
 
 from molora.config import SamplingParams
-from molora.engine import Engine, EngineConfig
+from molora.engine import Engine
 from molora.engine import sampler as engine_sampler
 from molora.engine.request import Request
 from molora.engine.sampler import sample_step
 from molora.errors import MoLoRAError
-from molora.model.attach import attach
-from molora.routing import VocabRouter
 from molora.sampling import adjust_logits_rows, filter_logits, filter_logits_rows
 from molora.server import create_app
-from tests.conftest import make_peft_adapter, tiny_model
-from tests.test_server import FakeEngine, ToyTokenizer, assert_error
+from tests.test_min_tokens import PROMPTS, routed_engine
+from tests.test_server import FakeEngine, assert_error
 
 V = 61
 EOS = frozenset({2})
@@ -238,22 +236,12 @@ def test_sampling_params_validate_each_knob():
 
 # ------------------------------------------------------------------------------------------ the engine
 
-PROMPTS = [[5, 70, 9, 11], [80, 81, 3], [7, 7, 100, 2, 66], [40, 90]]
 N = 24
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> Engine:
-    root = tmp_path_factory.mktemp("adapters")
-    adapters = {n: make_peft_adapter(root / n, "qwen3", seed=i) for i, n in enumerate(("math", "code"))}
-    mm = attach(
-        tiny_model("qwen3"),
-        adapters,
-        router=VocabRouter([(0, 64, "math")], default="code"),
-        tokenizer=ToyTokenizer(),
-        check_base=False,
-    )
-    eng = Engine(mm, EngineConfig(max_model_len=256, kv_budget_tokens=2048))
+    eng = routed_engine(tmp_path_factory.mktemp("adapters"), kv_budget_tokens=2048)
     eng.eos_ids = frozenset()  # every request runs max_new_tokens
     return eng
 
