@@ -83,7 +83,7 @@ def test_a_request_whose_routing_raises_fails_alone(adapters):
     assert reason == "error" and "injected routing fault" in error and tokens == []
     for i in (0, 1, 3):  # the others are exactly what they were without the fault
         assert got[ids[i]][:2] == reference[list(reference)[i]][:2]
-    assert engine.faults >= 1 and engine.failures == 1
+    assert engine.isolation.faults >= 1 and engine.isolation.failures == 1
     engine.check()
     assert engine.allocator.num_free == free and not engine.hotset.pins
     assert engine.stats()["failed_requests"] == 1
@@ -118,7 +118,7 @@ def test_a_poisoned_adapter_slot_is_mended_or_fails_only_its_users(adapters, tmp
             assert got[rid][1] == "error" and "adapter 'math' was corrupt" in got[rid][2]
         else:  # mended from disk (or untouched): exactly as before
             assert got[rid][:2] == want
-    assert engine.faults >= 1
+    assert engine.isolation.faults >= 1
     engine.check()
     assert engine.allocator.num_free == free and not engine.hotset.pins
     # later requests on the freed blocks are still exact (failed requests' KV rows were zeroed)

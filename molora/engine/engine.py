@@ -14,13 +14,16 @@ budget, KV blocks and hot-set slots -> one flattened batch (tokens [T], position
 stop checks and streaming detokenization -> outputs. Finished and aborted requests free their KV blocks
 and adapter pins at once.
 
-The modules beside this file, each a part of `Engine` with one owner: molora.engine.admission resolves a new
-request's routing; molora.engine.sampler picks every sampled row's next id (constraints, min_tokens, logprobs);
-molora.engine.faults (`FaultIsolation`) isolates a step that raises and mends corrupt adapter slots;
-molora.engine.runtime_adapters (`RuntimeAdapters`) reads, registers, lists and unloads adapters at run time
-(the slots and tiers themselves: molora.engine.hotset); molora.engine.lifecycle (`RequestLifecycle`) applies the
-stop rules to each new token and ends requests (stop, length, deadlines, abort), freeing what they hold;
-molora.engine.offline (`OfflineGenerate`) runs a list of prompts to completion (`generate`).
+The engine is composed of parts it owns, each in a module beside this file: `scheduler` (molora.engine.scheduler:
+what runs this step), `hotset` (molora.engine.hotset: adapter slots and tiers), `allocator` and `prefix`
+(molora.engine.kv, molora.engine.prefix: KV blocks and the prefix cache), `lifecycle` (molora.engine.lifecycle:
+the requests in flight, the stop rules on each new token, deadlines, abort, and the freeing that ends a request),
+`isolation` (molora.engine.faults: a step that raises is bisected to the requests that make it raise; corrupt
+slots mend), `adapters` (molora.engine.runtime_adapters: read, register, list and unload adapters at run time;
+`load_adapter` & co. here are its front door). Functions it calls: molora.engine.admission resolves a new request's
+routing (once, before anything is queued), molora.engine.routing plans a step's routing, molora.engine.sampler
+picks every sampled row's next id (constraints, min_tokens, logprobs), molora.engine.offline runs a list of
+prompts to completion (`generate`).
 
 Prompt scoring (SamplingParams.prompt_logprobs, what an echo of the prompt with logprobs needs): the runner returns
 the logits of every prompt position of such a request too (`_scored_rows`, `ModelRunner.forward(token_logits=)`), each
@@ -47,25 +50,27 @@ import itertools
 import logging
 import random
 import time
-from collections import Counter, deque
-from collections.abc import Generator
+from collections import deque
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from molora.adapters.io import LoRAAdapter
 from molora.config import SamplingParams
 from molora.engine.admission import ROUTING_CHOICES, chooser_stages, resolve_routing, run_chooser
 from molora.engine.faults import CorruptSlots, FaultIsolation
 from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
 from molora.engine.lifecycle import RequestLifecycle
-from molora.engine.offline import OfflineGenerate
+from molora.engine.offline import generate
 from molora.engine.prefix import PrefixCache
 from molora.engine.request import IncrementalDetokenizer, Request, RequestOutput, TextState
 from molora.engine.routing import RouteState, plan_routing, record_carry, record_probe
-from molora.engine.runtime_adapters import RuntimeAdapters
+from molora.engine.runtime_adapters import AdapterManager
 from molora.engine.sampler import sample_step, score_tokens, step_logprobs
 from molora.engine.scheduler import ADMISSION, Scheduled, Scheduler
 from molora.errors import MoLoRAError
@@ -74,6 +79,9 @@ from molora.model.graphs import DEFAULT_BUCKETS
 from molora.model.runner import ModelRunner
 from molora.ops.device import to_device
 from molora.sampling import Constraint, bundle_constraint, constraint_bitmask
+
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
 log = logging.getLogger("molora.engine")
 
@@ -130,13 +138,13 @@ class EngineConfig:
         return self.num_kv_blocks if self.num_kv_blocks is not None else -(-self.kv_budget_tokens // self.block_size)
 
 
-class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters):
+class Engine:
     """Serves requests over one `MoLoRAModel` (module docstring)."""
 
-    def __init__(self, mm: Any, config: EngineConfig = EngineConfig(), *, tokenizer: Any = None) -> None:
+    def __init__(self, mm: MoLoRAModel, config: EngineConfig = EngineConfig(), *, tokenizer: Any = None) -> None:
         self.mm, self.config = mm, config
         self.tokenizer = tokenizer if tokenizer is not None else mm.tokenizer
-        mcfg = mm.model.config
+        mcfg = mm.config
         self.max_model_len = min(config.max_model_len, getattr(mcfg, "max_position_embeddings", None) or 1 << 30)
         if config.kv_blocks * config.block_size < self.max_model_len:
             raise MoLoRAError(
@@ -179,19 +187,20 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
         self._mask_pool: ThreadPoolExecutor | None = None  # fills constraint masks while a step computes
         eos = getattr(getattr(mm.model, "generation_config", None), "eos_token_id", None)
         eos = eos if eos is not None else getattr(mcfg, "eos_token_id", None)
-        self.eos_ids = frozenset([eos] if isinstance(eos, int) else eos or []) if config.stop_at_eos else frozenset()
-        self.requests: dict[str, Request] = {}
-        self._pending: list[RequestOutput] = []
-        self._suspects: list[str] = []  # adapters that gave non-finite logits this step (_quarantine)
-        self._ids = itertools.count()
-        self._rng = random.Random(config.seed)
-        self.steps = self.tokens_generated = self.tokens_computed = 0
-        self.faults = self.failures = 0  # chunks that raised / requests ended alone by a fault (step())
-        self.deadlines_expired: Counter[str] = Counter()
+        eos_ids = frozenset([eos] if isinstance(eos, int) else eos or []) if config.stop_at_eos else frozenset()
         # what happened, for a server's metrics: ("queue_wait", s), ("deadline", "request" | "queue"),
         # ("fault", message), ("isolated", message); the consumer pops from the left, the oldest drop off
         self.events: deque[tuple[str, Any]] = deque(maxlen=10000)
-        self.tokens_by_adapter: Counter[str] = Counter()
+        self.lifecycle = RequestLifecycle(self.scheduler, eos_ids, self.max_model_len, self.events)
+        self.requests = self.lifecycle.requests  # the requests in flight, by id (the lifecycle's table)
+        self.isolation = FaultIsolation(
+            mm, self.hotset, self.allocator, self.prefix, self.runner.cache, self.lifecycle, self.events
+        )
+        self.adapters = AdapterManager(self.hotset, self.scheduler, self.abort)
+        self._suspects: list[str] = []  # adapters that gave non-finite logits this step (_quarantine)
+        self._ids = itertools.count()
+        self._rng = random.Random(config.seed)
+        self.steps = self.tokens_computed = 0
         # the bundle's constrained spans (an early-fusion model's image spans), applied in `sample_step`; None: none
         self.constraint = bundle_constraint(getattr(mm, "bundle", None), self.tokenizer)
         log.info(
@@ -273,9 +282,32 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
         req.arrival = time.monotonic()
         req.timeout_s, req.queue_timeout_s = timeout_s, queue_timeout_s
         req.constraints = [c.begin(prompt) for c in (self.constraint, constraint) if c is not None]
-        self.requests[rid] = req
-        self.scheduler.add(req)
+        self.lifecycle.admit(req)
         return rid
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The ids that end a request (the model's eos; none with stop_at_eos=False): the lifecycle's stop rule."""
+        return self.lifecycle.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: frozenset[int]) -> None:
+        self.lifecycle.eos_ids = frozenset(ids)
+
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Cancel a request: its KV blocks and pins are freed now; the next step reports it finished ("abort",
+        with `error` as RequestOutput.error when given). Unknown or already finished ids are ignored."""
+        self.lifecycle.abort(request_id, error)
+
+    def has_unfinished(self) -> bool:
+        return self.lifecycle.has_unfinished()
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], **kw: Any
+    ) -> list[RequestOutput]:
+        """Run `prompts` to completion; one aggregated output per prompt, in order (molora.engine.offline.generate:
+        keyword arguments go to add_request, per prompt as lists where they may be)."""
+        return generate(self, prompts, params, **kw)
 
     # ------------------------------------------------------------------------------------ one step
     @torch.no_grad()
@@ -292,16 +324,11 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
         be read again is zeroed and only the requests that may use it end. The scheduler, KV pool and pins
         are checked after every recovered fault. An exception that escapes step() is an engine bug.
         """
-        outputs, self._pending = self._pending, []
+        outputs = self.lifecycle.take_pending()
         now = time.monotonic()
-        outputs += self._expire(now)
+        outputs += self.lifecycle.expire(now)
         scheduled = self.scheduler.schedule()
-        for req, why in self.scheduler.failed:
-            log.error("request %s aborted: %s", req.request_id, why)
-            self.requests.pop(req.request_id, None)
-            req.finish_reason, req.error = "abort", why
-            outputs.append(req.output([], "", [], None))
-        self.scheduler.failed.clear()
+        outputs += self.lifecycle.drop_refused()
         if not scheduled:
             if self.scheduler.waiting and not self.scheduler.running and not self.hotset.reads:
                 head = self.scheduler.waiting[0]  # a bookkeeping bug, but this request's alone: end it
@@ -310,18 +337,18 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
                     f"({self.allocator.num_free} free KV blocks, adapters {list(head.needs)})"
                 )
                 log.error("%s; ending it", why)
-                outputs.append(self._fail(head, why))
+                outputs.append(self.isolation.fail(head, why))
             return outputs
         self.steps += 1
         for s in scheduled:
             if not s.request.started:
                 s.request.started = True
-                self._event("queue_wait", now - s.request.arrival)
-        faults = self.faults
-        outputs += self._run_isolating(scheduled)
+                self.events.append(("queue_wait", now - s.request.arrival))
+        faults = self.isolation.faults
+        outputs += self.isolation.run(self._run, scheduled)
         if self._suspects:
             self._quarantine()
-        if self.faults != faults:
+        if self.isolation.faults != faults:
             self.check()  # a recovered fault must leave the scheduler, KV pool and pins consistent
         return outputs
 
@@ -405,7 +432,7 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
                 if len(used) == 1:
                     self._suspects.append(used[0])
                 outputs.append(
-                    self._fail(
+                    self.isolation.fail(
                         req,
                         f"the model produced non-finite logits for this request (adapters "
                         f"on its last token: {used or 'none'}); a corrupt adapter?",
@@ -414,7 +441,7 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
                 continue
             if j in dead:  # its constraint allows no next id: it ends alone, the step goes on
                 req.num_computed += s.n
-                outputs.append(self._end(req, "error", dead[j]))
+                outputs.append(self.lifecycle.end(req, "error", dead[j]))
                 continue
             try:
                 if routing is not None and routing.carry is not None and last_carry is not None:
@@ -436,9 +463,10 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
                     self.prefix.publish(req)  # before _advance, which may free the table
                 if j is not None:
                     slot = -1 if last_slots is None else picked[len(rows) + i]
-                    outputs.append(self._advance(req, picked[j], table[slot] if slot >= 0 else None, logprobs[j]))
+                    adapter = table[slot] if slot >= 0 else None
+                    outputs.append(self.lifecycle.advance(req, picked[j], adapter, logprobs[j]))
                 elif s.samples and req.params.max_new_tokens == 0:
-                    outputs.append(self._end(req, "length"))  # its prompt is computed (and scored): done
+                    outputs.append(self.lifecycle.end(req, "length"))  # its prompt is computed (and scored): done
             except Exception as e:
                 log.error(
                     "request %s failed alone while committing its step: %s: %s",
@@ -447,8 +475,8 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
                     e,
                     exc_info=True,
                 )
-                self.faults += 1
-                outputs.append(self._fail(req, f"the engine failed on this request ({type(e).__name__}: {e})"))
+                self.isolation.faults += 1
+                outputs.append(self.isolation.fail(req, f"the engine failed on this request ({type(e).__name__}: {e})"))
         return outputs
 
     def check(self) -> None:
@@ -492,7 +520,7 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
     def close(self) -> None:
         """Stop the adapter loader thread (HotSet.close) and the mask filler; the engine still works, a later miss
         or constrained step restarts them."""
-        super().close()
+        self.hotset.close()
         if self._mask_pool is not None:
             self._mask_pool.shutdown()
             self._mask_pool = None
@@ -511,7 +539,7 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
     def reset(self, why: str) -> list[RequestOutput]:
         """End every request in flight with finish_reason "error" and `why` (after an engine bug); their
         outputs are returned. The KV cache rows are zeroed."""
-        outs = [self._end(req, "error", why) for req in list(self.requests.values())]
+        outs = [self.lifecycle.end(req, "error", why) for req in list(self.requests.values())]
         if self.prefix is not None:
             self.prefix.invalidate()
         self.runner.cache.clear_blocks(range(self.allocator.num_blocks))
@@ -529,6 +557,38 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
         thread, one stage between two steps, and close it if the caller gives up (its adapters stay pinned till
         then). With no request running or waiting, a stage runs every pass still to come in one forward."""
         return chooser_stages(self.mm, self.hotset, questions, allowed, self.scheduler.has_work)
+
+    # ------------------------------------------------------------------------------------ adapters
+    # the front door to `self.adapters` (molora.engine.runtime_adapters.AdapterManager), in vLLM's engine terms
+    def read_adapter(self, name: str, path: str | Path, *, roots: Sequence[str | Path] | None = None) -> LoRAAdapter:
+        """Read and validate a PEFT folder on any thread (AdapterManager.read), for `load_adapter` afterwards."""
+        return self.adapters.read(name, path, roots=roots)
+
+    def load_adapter(
+        self, name: str, source: str | Path | LoRAAdapter, *, roots: Sequence[str | Path] | None = None
+    ) -> None:
+        """Register an adapter at run time, a folder or a `read_adapter` result (AdapterManager.load)."""
+        self.adapters.load(name, source, roots=roots)
+
+    def load_adapter_stages(
+        self, name: str, source: str | Path | LoRAAdapter, *, roots: Sequence[str | Path] | None = None
+    ) -> Generator[None, None, None]:
+        """`load_adapter` in stages for the engine thread, one between two steps (AdapterManager.load_stages)."""
+        return self.adapters.load_stages(name, source, roots=roots)
+
+    def register_adapters(
+        self, folders: Mapping[str, str | Path], *, roots: Sequence[str | Path] | None = None
+    ) -> None:
+        """Make folders known by name, weights read on first use (AdapterManager.register)."""
+        self.adapters.register(folders, roots=roots)
+
+    def unload_adapter(self, name: str, force: bool = False) -> str:
+        """ "unloaded" or "draining" (AdapterManager.unload); force=True aborts the requests that use it."""
+        return self.adapters.unload(name, force)
+
+    def list_adapters(self) -> list[dict]:
+        """Every adapter's name, path, slot, tier, pins and state (AdapterManager.describe)."""
+        return self.adapters.describe()
 
     # ------------------------------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -551,14 +611,14 @@ class Engine(RequestLifecycle, OfflineGenerate, FaultIsolation, RuntimeAdapters)
             "kv_blocks_total": self.allocator.num_blocks,
             "kv_blocks_free": self.allocator.num_free,
             "hotset": self.hotset.stats(),
-            "tokens_by_adapter": dict(self.tokens_by_adapter),
-            "tokens_generated": self.tokens_generated,
+            "tokens_by_adapter": dict(self.lifecycle.tokens_by_adapter),
+            "tokens_generated": self.lifecycle.tokens_generated,
             "tokens_computed": self.tokens_computed,
             "steps": self.steps,
             "num_preemptions": sched.num_preemptions,
-            "faults": self.faults,
-            "failed_requests": self.failures,
-            "deadlines_expired": dict(self.deadlines_expired),
+            "faults": self.isolation.faults,
+            "failed_requests": self.isolation.failures,
+            "deadlines_expired": dict(self.lifecycle.deadlines_expired),
             "lora_requests": lora,
             "decode_graphs": None
             if g is None

@@ -1,64 +1,91 @@
-"""How a request ends: the stop rules on each new token, deadlines, abort, and the freeing that follows.
+"""The requests in flight and how each one ends: stop rules on each new token, deadlines, abort, and the freeing.
 
-`RequestLifecycle` is the part of `Engine` (molora.engine.engine) that decides when a request is over and frees
-what it holds: `_advance` appends a sampled token and applies the stop rules (eos and stop ids past min_tokens, stop
-strings through the streaming detokenizer, max_new_tokens, max_model_len); `_expire` ends the requests past their
-`timeout_s` / `queue_timeout_s` at the start of a step; `abort` cancels one from outside; `_end` is the one way out,
-freeing its KV blocks and adapter pins at once (Scheduler.finish). The step loop and fault isolation call these;
-they run nothing on the model.
+`RequestLifecycle` is a part the `Engine` (molora.engine.engine) owns: the table of requests in flight
+(`requests`), the outputs waiting for the next step (`pending`: aborts), and the one way out of the engine
+(`end`), which frees a request's KV blocks and adapter pins at once (Scheduler.finish). `advance` appends a
+sampled token and applies the stop rules (eos and stop ids past min_tokens, stop strings through the streaming
+detokenizer, max_new_tokens, max_model_len); `expire` ends the requests past their `timeout_s` /
+`queue_timeout_s` at the start of a step; `abort` cancels one from outside. It runs nothing on the model.
 
-Owns the finish reasons ("stop", "length", "timeout", "abort", "error") and the counters of generated tokens and
-expired deadlines; knows nothing about KV layout, sampling or HTTP.
+Owns the finish reasons ("stop", "length", "timeout", "abort", "error") and the counters of generated tokens (in
+all and per adapter) and expired deadlines; knows nothing about KV layout, sampling or HTTP.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, deque
-from typing import Any, Protocol
+from typing import Any
 
 from molora.engine.request import Request, RequestOutput
 from molora.engine.scheduler import Scheduler
 
-
-class _EngineParts(Protocol):
-    """What RequestLifecycle uses of the engine it is part of."""
-
-    requests: dict[str, Request]
-    scheduler: Scheduler
-    _pending: list[RequestOutput]
-    eos_ids: frozenset[int]
-    max_model_len: int
-    tokens_generated: int
-    tokens_by_adapter: Counter[str]
-    deadlines_expired: Counter[str]
-    events: deque[tuple[str, Any]]
-
-    def _end(self, req: Request, reason: str, error: str | None = None) -> RequestOutput: ...
-
-    def _event(self, kind: str, value: Any) -> None: ...
+log = logging.getLogger("molora.engine")
 
 
 class RequestLifecycle:
-    """Engine's request endings (module docstring)."""
+    """The engine's requests in flight and their endings (module docstring). `events` is the engine's event queue
+    (shared: a server's metrics read it); deadline expiries land there as ("deadline", "request" | "queue")."""
 
-    def abort(self: _EngineParts, request_id: str, error: str | None = None) -> None:
+    def __init__(
+        self, scheduler: Scheduler, eos_ids: frozenset[int], max_model_len: int, events: deque[tuple[str, Any]]
+    ) -> None:
+        self.scheduler, self.eos_ids, self.max_model_len, self.events = scheduler, eos_ids, max_model_len, events
+        self.requests: dict[str, Request] = {}
+        self.pending: list[RequestOutput] = []  # outputs of requests ended between steps (abort)
+        self.tokens_generated = 0
+        self.tokens_by_adapter: Counter[str] = Counter()
+        self.deadlines_expired: Counter[str] = Counter()
+
+    def admit(self, req: Request) -> None:
+        """Take a new request in (its id checked unique by the caller) and queue it."""
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str, error: str | None = None) -> None:
         """Cancel a request: its KV blocks and pins are freed now; the next step reports it finished ("abort",
         with `error` as RequestOutput.error when given). Unknown or already finished ids are ignored."""
         req = self.requests.get(request_id)
         if req is not None:
-            self._pending.append(self._end(req, "abort", error))
+            self.pending.append(self.end(req, "abort", error))
 
-    def has_unfinished(self: _EngineParts) -> bool:
-        return bool(self.requests) or bool(self._pending)
+    def withdraw(self, request_ids: list[str]) -> None:
+        """End these requests as if they had never been added: freed now, and no output reports them."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self.end(req, "abort")
+        gone = set(request_ids)
+        self.pending = [o for o in self.pending if o.request_id not in gone]
 
-    def _end(self: _EngineParts, req: Request, reason: str, error: str | None = None) -> RequestOutput:
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self.pending)
+
+    def take_pending(self) -> list[RequestOutput]:
+        """The outputs of requests ended between steps, handed out once."""
+        out, self.pending = self.pending, []
+        return out
+
+    def end(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
         """Finish `req` now with `reason` (and `error`): free its KV blocks and pins, return its last output."""
         self.requests.pop(req.request_id, None)
         req.finish_reason, req.error = reason, error
         self.scheduler.finish(req)
         return req.output([], req.text.emit(final=True), [], None)
 
-    def _expire(self: _EngineParts, now: float) -> list[RequestOutput]:
+    def drop_refused(self) -> list[RequestOutput]:
+        """End the requests the scheduler gave up on this step (Scheduler.failed: they can never be admitted) with
+        finish_reason "abort" and the scheduler's reason; it already freed what they held."""
+        out = []
+        for req, why in self.scheduler.failed:
+            log.error("request %s aborted: %s", req.request_id, why)
+            self.requests.pop(req.request_id, None)
+            req.finish_reason, req.error = "abort", why
+            out.append(req.output([], "", [], None))
+        self.scheduler.failed.clear()
+        return out
+
+    def expire(self, now: float) -> list[RequestOutput]:
         """End the requests past their deadline (add_request's timeout_s / queue_timeout_s)."""
         out = []
         for req in list(self.requests.values()):
@@ -76,16 +103,11 @@ class RequestLifecycle:
             else:
                 continue
             self.deadlines_expired[kind] += 1
-            self._event("deadline", kind)
-            out.append(self._end(req, "timeout", why))
+            self.events.append(("deadline", kind))
+            out.append(self.end(req, "timeout", why))
         return out
 
-    def _event(self: _EngineParts, kind: str, value: Any) -> None:
-        self.events.append((kind, value))
-
-    def _advance(
-        self: _EngineParts, req: Request, token: int, adapter: str | None, lp: list[dict] | None
-    ) -> RequestOutput:
+    def advance(self, req: Request, token: int, adapter: str | None, lp: list[dict] | None) -> RequestOutput:
         """Append a sampled token, apply stop rules, stream text; finish and free the request if done."""
         req.tokens.append(token)
         self.tokens_generated += 1

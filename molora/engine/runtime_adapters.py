@@ -1,12 +1,13 @@
-"""Adapters at run time: the part of `Engine` (molora.engine.engine) that reads, registers, lists and unloads them.
+"""Adapters at run time: `AdapterManager`, the part an `Engine` (molora.engine.engine) owns that reads, registers,
+lists and unloads them (`Engine.load_adapter` & co. are its front door).
 
 A cold adapter is read and validated on the hot set's loader thread while the steps go on (the step only copies
-a read adapter into a slot); `read_adapter` reads on any thread and `load_adapter(name, adapter)` registers the
-result; `unload_adapter` drains an adapter that requests in flight still use (new requests leave it out) or, with
+a read adapter into a slot); `read` reads on any thread and `load(name, adapter)` registers the result; `unload`
+drains an adapter that requests in flight still use (new requests leave it out) or, with
 force=True, aborts them. The slots, tiers and pins themselves belong to molora.engine.hotset.
 
 On a model with a per-request chooser (`--router hybrid`: `mm.chooser`, rebuilt by `mm.calibration`), the chooser
-follows the adapters: a load recalibrates it for the new set (`load_adapter_stages`: only the new adapter's
+follows the adapters: a load recalibrates it for the new set (`load_stages`: only the new adapter's
 statistics are computed, one forward pass per stage, with the adapter pinned), built aside and swapped in by the
 last stage, between engine steps, so no step or choice ever sees a half-built one; a calibration that fails
 unregisters the adapter again (registry and chooser as they were) and raises. An unload drops the adapter from the
@@ -18,9 +19,9 @@ Knows adapter names, folders and the requests that use them; nothing about KV, s
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from molora.adapters.io import LoRAAdapter, resolve_roots
 from molora.engine.hotset import HotSet
@@ -31,42 +32,33 @@ from molora.model.lora_linear import linear_shapes
 log = logging.getLogger("molora.engine")
 
 
-class _EngineParts(Protocol):
-    """What RuntimeAdapters uses of the engine it is part of."""
+class AdapterManager:
+    """The engine's adapter management (module docstring). `abort(request_id, error)` ends a request in flight
+    (the engine's), for a forced unload."""
 
-    hotset: HotSet
-    scheduler: Scheduler
+    def __init__(self, hotset: HotSet, scheduler: Scheduler, abort: Callable[[str, str | None], None]) -> None:
+        self.hotset, self.scheduler, self.abort = hotset, scheduler, abort
 
-    def abort(self, request_id: str, error: str | None = None) -> None: ...
-
-
-class RuntimeAdapters:
-    """Engine's adapter management (module docstring)."""
-
-    hotset: HotSet
-
-    def read_adapter(self, name: str, path: str | Path, *, roots: Sequence[str | Path] | None = None) -> LoRAAdapter:
-        """Read and validate a PEFT folder for `load_adapter` (fits the bank; with `roots`, every file must
+    def read(self, name: str, path: str | Path, *, roots: Sequence[str | Path] | None = None) -> LoRAAdapter:
+        """Read and validate a PEFT folder for `load` (fits the bank; with `roots`, every file must
         resolve inside one of them). Touches no engine state: call it on any thread, e.g. a server's
-        `asyncio.to_thread`, then `load_adapter(name, adapter)` on the engine thread."""
+        `asyncio.to_thread`, then `load(name, adapter)` on the engine thread."""
         return self.hotset.read(name, path, roots)
 
-    def load_adapter(
-        self, name: str, source: str | Path | LoRAAdapter, *, roots: Sequence[str | Path] | None = None
-    ) -> None:
+    def load(self, name: str, source: str | Path | LoRAAdapter, *, roots: Sequence[str | Path] | None = None) -> None:
         """Register an adapter at run time: a PEFT folder (read and validated here, on this thread) or an
-        adapter from `read_adapter`. Loaded into a free slot if there is one. `roots` confine every later
-        re-read of the folder (an adapter from read_adapter keeps the roots it was read with). Refused, with
+        adapter from `read`. Loaded into a free slot if there is one. `roots` confine every later
+        re-read of the folder (an adapter from `read` keeps the roots it was read with). Refused, with
         nothing changed, for a bad folder, a name in use, or a name still draining. With a per-request chooser,
-        it is recalibrated in one go (`load_adapter_stages`)."""
+        it is recalibrated in one go (`load_stages`)."""
         from molora.routing.hybrid import drain
 
-        drain(self.load_adapter_stages(name, source, roots=roots))
+        drain(self.load_stages(name, source, roots=roots))
 
-    def load_adapter_stages(
+    def load_stages(
         self, name: str, source: str | Path | LoRAAdapter, *, roots: Sequence[str | Path] | None = None
     ) -> Generator[None, None, None]:
-        """`load_adapter` in stages for the engine thread to run one at a time between steps (a server's load).
+        """`load` in stages for the engine thread to run one at a time between steps (a server's load).
         Without a chooser: one stage, the registration. With one (module docstring): the registration, then the
         chooser's calibration of the new adapter over its pool, one forward pass per stage (none when its
         statistics are cached: the calibration cache keys them by the adapter's contents), then the swap. Raises,
@@ -124,9 +116,7 @@ class RuntimeAdapters:
         mm.chooser = new  # the swap: one reference, between two engine steps
         log.info("--router hybrid: the chooser now chooses among %s", names)
 
-    def register_adapters(
-        self, folders: Mapping[str, str | Path], *, roots: Sequence[str | Path] | None = None
-    ) -> None:
+    def register(self, folders: Mapping[str, str | Path], *, roots: Sequence[str | Path] | None = None) -> None:
         """Make PEFT folders known by name without reading their weights (thousands at start: a directory of
         adapters, `molora.adapters.io.scan_adapter_dir`). Each `adapter_config.json` is read and checked against
         the model and the bank now, all before any is registered: one bad folder or a name in use refuses them
@@ -146,7 +136,7 @@ class RuntimeAdapters:
             hs.register_cold(name, Path(path), confined)
         log.info("%d adapters registered (configs read; weights on first use)", len(folders))
 
-    def unload_adapter(self: _EngineParts, name: str, force: bool = False) -> str:
+    def unload(self, name: str, force: bool = False) -> str:
         """Unload an adapter: "unloaded" when it is gone now, "draining" when requests in flight (running or
         queued) may still route to it: new requests no longer do, and it is unloaded when the last of those
         finishes (Scheduler.finish). force=True aborts those requests (finish_reason "abort", with an error
@@ -157,7 +147,7 @@ class RuntimeAdapters:
         if force:
             why = f"adapter {name!r} was unloaded (force) while this request used it"
             for req in users:
-                self.abort(req.request_id, error=why)
+                self.abort(req.request_id, why)
             if name in hs.paths:  # the last abort already unregistered it if it was draining
                 hs.unregister(name)
             log.info("adapter %r unloaded (force), %d request(s) aborted", name, len(users))
@@ -174,14 +164,10 @@ class RuntimeAdapters:
         _drop_from_chooser(hs, name)
         return state
 
-    def list_adapters(self) -> list[dict]:
+    def describe(self) -> list[dict]:
         """name, path, slot (or None), tier ("slot" | "cpu" | "disk"), pin count and state ("ready" |
         "loading": a background read is in flight | "draining": being unloaded) of every adapter."""
         return self.hotset.describe()
-
-    def close(self) -> None:
-        """Stop the adapter loader thread (HotSet.close); the engine still works, a later miss restarts it."""
-        self.hotset.close()
 
 
 def _choosable(chooser: Any, hs: HotSet, leave_out: str | None = None) -> list[str]:

@@ -520,7 +520,7 @@ def _budget(info: ModelInfo, ids: list[int], max_tokens: int | None) -> int:
 def _ended_by_engine(out: Any) -> APIError:
     """The error a choice the engine ended on its own (deadline, fault, forced unload) answers with."""
     if out.finish_reason == "timeout":
-        if out.error.startswith("queue timeout"):  # the engine names which deadline (Engine._expire)
+        if out.error.startswith("queue timeout"):  # the engine names which deadline (RequestLifecycle.expire)
             return APIError(503, out.error, type="server_error", code="queue_timeout", headers={"Retry-After": "1"})
         return APIError(504, out.error, type="server_error", code="timeout")
     if out.error.startswith("constraint dead end"):  # the request's own spec (with ignore_eos or min_tokens)
