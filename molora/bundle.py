@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +49,9 @@ from molora.prompts import (
     trace_forwards,
 )
 from molora.routing import Router, SequenceRouter, VocabRouter
+
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
 __all__ = [  # the manifest's and the prompts' names are re-exported: their import path stays molora.bundle
     "CHATML_TEMPLATE",
@@ -213,7 +216,7 @@ def load(
     return mm
 
 
-def attach_chooser(mm: Any) -> Any:
+def attach_chooser(mm: MoLoRAModel) -> Any:
     """Give a model of a hybrid bundle (router kind "hybrid") its per-request chooser, `mm.chooser`: calibrated
     on its adapters from the cache or computed now (molora.calibration.hybrid_calibration, which logs its progress),
     and `mm.calibration`, what rebuilds it when adapters are loaded or unloaded at run time; other bundles are left
@@ -229,7 +232,7 @@ def attach_chooser(mm: Any) -> Any:
     return mm
 
 
-def named_router(mm: Any, name: str) -> Router:
+def named_router(mm: MoLoRAModel, name: str) -> Router:
     """The token router that router `name` (arrow, arrow-token: molora.routing.names) means on mm's bundle, bound to
     mm (Arrow's prototypes and its base option's calibration computed now): mm's own router when it is that one (an
     Arrow bundle's 'arrow'), so a name runs the same router as the bundle does. 'hybrid' is a per-request chooser:
@@ -246,7 +249,7 @@ def named_router(mm: Any, name: str) -> Router:
     return router
 
 
-def hybrid_chooser(mm: Any) -> Any:
+def hybrid_chooser(mm: MoLoRAModel) -> Any:
     """The per-request chooser that router name 'hybrid' means on mm (molora.routing.names): the bundle's own
     (`mm.chooser`, calibrated by `load`) when its router is hybrid, else one with the named settings, calibrated
     on mm's adapters from the cache or computed now (molora.calibration.hybrid_calibration: minutes the first

@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,6 +53,9 @@ from molora.errors import BundleError, MoLoRAError
 from molora.routing.base import SequenceRouter
 from molora.routing.confidence import ConfidenceChooser, first_token_entropy
 from molora.routing.hybrid import HybridChooser, HybridSettings, drain
+
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
 log = logging.getLogger("molora.calibration")
 
@@ -72,7 +75,7 @@ def _fold(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def template_parts(mm: Any) -> tuple[str, str, list[int]]:
+def template_parts(mm: MoLoRAModel) -> tuple[str, str, list[int]]:
     """(text before "{prompt}", text after it, the end-of-turn token ids) of mm's bundle template."""
     from molora.manifest import CHATML_TEMPLATE, END_OF_TURN
 
@@ -90,7 +93,7 @@ def template_parts(mm: Any) -> tuple[str, str, list[int]]:
 
 @torch.no_grad()
 def sample_pool(
-    mm: Any,
+    mm: MoLoRAModel,
     n: int,
     *,
     seed: int,
@@ -157,7 +160,7 @@ def _digest(h: Any, t: torch.Tensor) -> None:
 WHERE_KEYS = ("_name_or_path", "_commit_hash")
 
 
-def base_fingerprint(mm: Any) -> str:
+def base_fingerprint(mm: MoLoRAModel) -> str:
     """A key of the base model's weights (module docstring: config, and per parameter, and per buffer of a quantized
     linear, its name, shape, dtype and a strided sample of its values); the adapters, in the bank's buffers, are not
     in it."""
@@ -218,7 +221,7 @@ def _write(path: Path, obj: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ chooser
-def hybrid_chooser(mm: Any, settings: HybridSettings, folder: Path | None = None) -> HybridChooser:
+def hybrid_chooser(mm: MoLoRAModel, settings: HybridSettings, folder: Path | None = None) -> HybridChooser:
     """The hybrid chooser for mm's adapters (all of them, in mm.adapter_names order), calibrated from the cache in
     `folder` (default `cache_dir()`) or computed and cached (module docstring), bound to mm. BundleError naming the
     cause and the fix when it cannot be built. `hybrid_calibration` also keeps what rebuilds it."""
@@ -226,7 +229,7 @@ def hybrid_chooser(mm: Any, settings: HybridSettings, folder: Path | None = None
 
 
 def hybrid_calibration(
-    mm: Any, settings: HybridSettings, folder: Path | None = None
+    mm: MoLoRAModel, settings: HybridSettings, folder: Path | None = None
 ) -> tuple[HybridChooser, HybridCalibration]:
     """(`hybrid_chooser`'s chooser, the `HybridCalibration` that rebuilds it when adapters change at run time)."""
     names = list(mm.adapter_names)
@@ -272,7 +275,7 @@ class HybridCalibration:
     rows: list[list[int]]
     entropies: dict[str, torch.Tensor] = field(default_factory=dict)  # adapter_fingerprint -> [N]
 
-    def entropy_stages(self, mm: Any, name: str) -> Generator[None, None, torch.Tensor]:
+    def entropy_stages(self, mm: MoLoRAModel, name: str) -> Generator[None, None, torch.Tensor]:
         """[N]: adapter `name`'s first-answer-token entropy on every pooled prompt, from memory or the cache (keyed
         by its contents), else computed one batch of ENTROPY_BATCH prompts per stage (a yield before each: a server
         runs one between two engine steps). `name` must stay resident in mm throughout (the caller pins it)."""
@@ -303,7 +306,7 @@ class HybridCalibration:
         return ent
 
     def rebuild_stages(
-        self, mm: Any, current: HybridChooser, names: Sequence[str], fresh: Sequence[str] = ()
+        self, mm: MoLoRAModel, current: HybridChooser, names: Sequence[str], fresh: Sequence[str] = ()
     ) -> Generator[None, None, HybridChooser]:
         """A new chooser over `names` (in that order) with `current`'s rule, built aside (`current` is not touched):
         an adapter of `current` not in `fresh` keeps its statistics and Arrow prototypes, any other is calibrated
@@ -327,7 +330,7 @@ class HybridCalibration:
         return current.rebuilt(mm, chooser, fresh=[n for n in names if n not in old.adapter_names or n in fresh])
 
 
-def _bind_arrow(hybrid: HybridChooser, mm: Any, s: HybridSettings, folder: Path) -> None:
+def _bind_arrow(hybrid: HybridChooser, mm: MoLoRAModel, s: HybridSettings, folder: Path) -> None:
     """Bind the hybrid's Arrow, its general-text calibration (`ArrowRouter.calibrate`, adapter-free) read from the
     cache or measured and cached, keyed by the base, the template, the dtype and Arrow's settings."""
     from dataclasses import asdict
@@ -359,7 +362,7 @@ def _bind_arrow(hybrid: HybridChooser, mm: Any, s: HybridSettings, folder: Path)
             log.warning("hybrid: cannot write the cache file %s (%s); the next start computes it again", path, e)
 
 
-def _pool(mm: Any, s: HybridSettings, folder: Path) -> tuple[list[str], str]:
+def _pool(mm: MoLoRAModel, s: HybridSettings, folder: Path) -> tuple[list[str], str]:
     head, tail, end_ids = template_parts(mm)
     dtype = str(next(mm.model.parameters()).dtype)
     knobs = [s.pool_n, s.pool_seed, s.pool_batch, s.pool_max_new_tokens, s.pool_temperature]

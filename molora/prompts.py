@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from molora.manifest import END_OF_TURN, Bundle
 from molora.routing import Router, SequenceRouter
+
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
 
 @dataclass
@@ -32,7 +35,7 @@ class PromptResult:
     adapters: list[str | None]  # one per token of prompt_ids + answer_ids
 
 
-def encode_prompt(mm: Any, prompt: str) -> list[int]:
+def encode_prompt(mm: MoLoRAModel, prompt: str) -> list[int]:
     """Token ids of `prompt` wrapped in the bundle's template (or the tokenizer's chat template)."""
     tok = mm.tokenizer
     bundle = getattr(mm, "bundle", None)
@@ -53,13 +56,13 @@ def stop_token_ids(tok: Any, bundle: Bundle | None) -> list[int]:
     return sorted(ids)
 
 
-def stop_ids(mm: Any) -> list[int]:
+def stop_ids(mm: MoLoRAModel) -> list[int]:
     return stop_token_ids(mm.tokenizer, getattr(mm, "bundle", None))
 
 
 @torch.no_grad()
 def run_prompt(
-    mm: Any,
+    mm: MoLoRAModel,
     prompt: str,
     *,
     adapter: str | None = None,
@@ -113,7 +116,7 @@ def left_pad(rows: Sequence[Sequence[int]], pad: int, device: Any = None) -> tup
 
 
 def generate_batch(
-    mm: Any, rows: Sequence[Sequence[int]], spec: str | Router, max_new: Sequence[int], stops: Sequence[int]
+    mm: MoLoRAModel, rows: Sequence[Sequence[int]], spec: str | Router, max_new: Sequence[int], stops: Sequence[int]
 ) -> tuple[list[list[int]], int]:
     """Greedy answers (token ids, stop token dropped) for prompt ids `rows`, and the tokens generated.
 
@@ -163,7 +166,7 @@ def generation_adapters(trace: list, router: Router, n: int) -> list[str | None]
 
 
 @torch.no_grad()
-def token_adapters(mm: Any, ids: torch.Tensor, spec: Any) -> list[str | None]:
+def token_adapters(mm: MoLoRAModel, ids: torch.Tensor, spec: Any) -> list[str | None]:
     """The adapter each token of ids [1, N] is routed to (learned: the most frequent choice over blocks)."""
     names = mm.adapter_names
     router = spec if spec is not None else mm.router

@@ -41,7 +41,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,6 +52,9 @@ from molora.engine import Engine, EngineConfig
 from molora.engine.hotset import HotSet
 from molora.ops import fused_cpu
 from molora.routing import VocabRouter
+
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
 
 def make_adapters(model: Any, folder: Path, k: int, rank: int, seed: int = 0) -> dict[str, Path]:
@@ -138,7 +141,7 @@ def _padded(prompts: list[list[int]], device: torch.device | str = "cpu") -> tup
 
 
 @torch.no_grad()
-def _hf_routed(mm: Any, prompts: list[list[int]], news: list[int], batch: int) -> None:
+def _hf_routed(mm: MoLoRAModel, prompts: list[list[int]], news: list[int], batch: int) -> None:
     """Static batches through the transformers forward (DynamicCache, SDPA) with per-token routing; each
     batch runs until its longest request is done. MoLoRAModel.generate's loop, plus logits_to_keep=1
     (it computes prefill logits at every position, which would flatter the engine)."""
@@ -209,7 +212,7 @@ def decode_steps(
     return {**med, "kernel_share": clocked_s / plain_s, "kernel_share_profiled": kernel_s / wall_s}
 
 
-def swap_cost(mm: Any, name: str, repeats: int = 5) -> dict[str, float]:
+def swap_cost(mm: MoLoRAModel, name: str, repeats: int = 5) -> dict[str, float]:
     """ms to evict `name` from its slot and promote it back from the CPU tier, vs. copying its bytes."""
     hs = HotSet(mm, cpu_bytes=1 << 30)
     adapter = mm.adapters[name]
@@ -258,7 +261,7 @@ def workload(
 
 
 def measure(
-    mm: Any,
+    mm: MoLoRAModel,
     cfg: EngineConfig,
     prompts: list[list[int]],
     news: list[int],

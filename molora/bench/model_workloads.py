@@ -18,13 +18,16 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from molora.config import LLAMA_PROJECTIONS
 from molora.routing import Routing
+
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
 # ---------------------------------------------------------------------------------------------- models
 
@@ -106,7 +109,7 @@ class Stack:
 
     name: str
     base: nn.Module
-    mm: Any  # MoLoRAModel, K adapters
+    mm: MoLoRAModel  # MoLoRAModel, K adapters
     names: list[str]
     runner: Any = None  # ModelRunner over mm
     blocks_per_seq: int = 0  # runner cache blocks owned by each sequence (fixed tables)
@@ -278,7 +281,7 @@ def decode_fns(
 
 
 def kmodality_fns(
-    mm: Any, base: nn.Module, K: int, batch: int, length: int, segment: int, seed: int = 0
+    mm: MoLoRAModel, base: nn.Module, K: int, batch: int, length: int, segment: int, seed: int = 0
 ) -> dict[str, Callable[[], Any]]:
     """Sequences alternating K vocab-routed modalities: per-token (one pass, the VocabRouter decides)
     against per-sequence emulation (K passes, one adapter each over all tokens), plus the base."""

@@ -29,12 +29,15 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from molora.bench.sse import SSEStream
 from molora.data import SKILLS, generate, generate_mixed, render_mixed
+
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
 
 @dataclass
@@ -152,7 +155,9 @@ def summarize(concurrency: int, samples: list[Sample], wall: float) -> dict[str,
     }
 
 
-def hf_baseline(mm: Any, work: list[tuple[str, str]], batch: int, max_tokens: int, served_name: str) -> dict[str, Any]:
+def hf_baseline(
+    mm: MoLoRAModel, work: list[tuple[str, str]], batch: int, max_tokens: int, served_name: str
+) -> dict[str, Any]:
     """The same requests through transformers `generate`: static left-padded batches of `batch`, one model each.
 
     mm: a `MoLoRAModel` of the same bundle (`molora.bundle.load`), not shared with the engine.

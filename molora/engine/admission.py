@@ -15,7 +15,7 @@ Knows routing modes, routers and the hot set's names; nothing about KV blocks, s
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from molora.engine.hotset import HotSet
 from molora.engine.routing import fixed_routes
@@ -24,6 +24,9 @@ from molora.routing import ArrowRouter, VocabRouter
 from molora.routing.arrow import ArrowConfig
 from molora.routing.base import Router
 from molora.routing.names import router_config
+
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
 ROUTING_CHOICES = ("auto", "learned", "arrow", "arrow-token", "vocab", "sequence", "none")
 
@@ -116,7 +119,11 @@ def _adapter_names(router: Router) -> list[str]:
 
 
 def run_chooser(
-    mm: Any, hotset: HotSet, questions: list[str], allowed: list[str] | None, busy: Callable[[], bool] | None = None
+    mm: MoLoRAModel,
+    hotset: HotSet,
+    questions: list[str],
+    allowed: list[str] | None,
+    busy: Callable[[], bool] | None = None,
 ) -> list[dict]:
     """`mm.chooser.choose_served` (a `HybridChooser`) over the chooser's adapters that are registered, not draining
     and in `allowed` (None: all), pinned in slots for the call; each question's {"adapter", "share", "z"}. Runs on
@@ -127,7 +134,11 @@ def run_chooser(
 
 
 def chooser_stages(
-    mm: Any, hotset: HotSet, questions: list[str], allowed: list[str] | None, busy: Callable[[], bool] | None = None
+    mm: MoLoRAModel,
+    hotset: HotSet,
+    questions: list[str],
+    allowed: list[str] | None,
+    busy: Callable[[], bool] | None = None,
 ) -> Generator[None, None, list[dict]]:
     """`run_chooser` in stages, one forward pass each (`HybridChooser.served_stages`), for the engine thread to run
     one at a time between steps; `busy` (the engine's: has it requests?) says no and the passes still to come run

@@ -54,12 +54,15 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from molora.adapters.io import LoRAAdapter, resolve_roots
 from molora.engine.loader import folder_bytes, loader_pool
 from molora.errors import AdapterDraining, AdapterError, AdapterNotFound
 from molora.model.lora_linear import linear_shapes
+
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
 log = logging.getLogger("molora.engine")
 
@@ -71,7 +74,7 @@ READ_AHEAD = 4  # most reads (in flight or finished and not yet taken) that `pre
 class HotSet:
     """Adapter tiers of one `MoLoRAModel` (see the module docstring)."""
 
-    def __init__(self, mm: Any, cpu_bytes: int) -> None:
+    def __init__(self, mm: MoLoRAModel, cpu_bytes: int) -> None:
         self.mm = mm
         self.cpu_budget = cpu_bytes
         # registry: every known adapter, its folder (None: given in memory, never dropped from the CPU tier)

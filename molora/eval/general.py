@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,9 @@ from molora.eval.runner import (
     sequence_choice,
     template_of,
 )
+
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
 DEFAULT_TOKENS = 64
 
@@ -66,7 +69,7 @@ def load_general(spec: str) -> tuple[str, list[dict]]:
     return path.stem, rows
 
 
-def _render(mm: Any, template: str, item: dict) -> list[int]:
+def _render(mm: MoLoRAModel, template: str, item: dict) -> list[int]:
     """Prompt ids as the server renders a chat: the bundle's template for one user message, the tokenizer's
     chat template when a system message comes with it."""
     if not item.get("system"):
@@ -99,7 +102,7 @@ def _fixed_share(mode: Mode, adapter: str | None) -> bool:
 
 @torch.no_grad()
 def _answer(
-    mm: Any, rows: list[list[int]], mode: Mode, chosen: list[str | None], *, batch_size: int, max_new: int
+    mm: MoLoRAModel, rows: list[list[int]], mode: Mode, chosen: list[str | None], *, batch_size: int, max_new: int
 ) -> tuple[list[list[int]], list[list[bool]]]:
     """Greedy answers of every prompt under `mode`, and per answer token whether it ran on an adapter."""
     stops = stop_ids(mm)
@@ -130,7 +133,7 @@ def _answer(
 
 
 def evaluate_general(
-    mm: Any,
+    mm: MoLoRAModel,
     task_spec: str,
     routing: str,
     *,
@@ -215,7 +218,7 @@ def summarize_general(task: str, routing: str, predictions: list[dict], budget: 
 
 
 @torch.no_grad()
-def probe_shares(mm: Any, router: Any, prompts: list[str], *, batch_size: int = 16) -> list[float]:
+def probe_shares(mm: MoLoRAModel, router: Any, prompts: list[str], *, batch_size: int = 16) -> list[float]:
     """Per prompt (rendered with the bundle's template), the share of its tokens the router's probe pass gives
     to an adapter: what `prompt_share` is compared with (molora.routing.learned: Base expert)."""
     template, _ = template_of(mm)

@@ -46,7 +46,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -65,6 +65,9 @@ from molora.eval.tasks import EvalItem, answer_kind, load_task, score_item
 from molora.routing import OracleRouter, Router, SequenceRouter
 from molora.routing.merge import UniformMergeRouter
 from molora.routing.names import NAMED_ROUTERS
+
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
 MODES = ("base", "adapter:NAME", "merge", "oracle", "sequence", "turn", "learned", *NAMED_ROUTERS)
 PER_REQUEST = ("sequence", "turn")  # one adapter (or the base) per request, chosen by sequence_choice
@@ -93,7 +96,7 @@ class EvalError(MoLoRAError, ValueError):
 # ------------------------------------------------------------------------------------------- prompts
 
 
-def template_of(mm: Any) -> tuple[str, str]:
+def template_of(mm: MoLoRAModel) -> tuple[str, str]:
     """(prompt template with "{prompt}", end-of-turn text) of the model's bundle (ChatML without one)."""
     bundle = getattr(mm, "bundle", None)
     if bundle is None:
@@ -122,7 +125,7 @@ class Mode:
         return self.name or (f"adapter:{self.adapter}" if self.kind == "adapter" else self.kind)
 
 
-def parse_mode(mm: Any, routing: str) -> Mode:
+def parse_mode(mm: MoLoRAModel, routing: str) -> Mode:
     """Check that `mm` can run `routing` (see the module docstring) and parse it."""
     if routing in NAMED_ROUTERS:
         if not mm.adapter_names or getattr(mm, "bundle", None) is None:
@@ -160,7 +163,7 @@ def _vote(picks: Sequence[int], names: Sequence[str]) -> str | None:
 
 @torch.no_grad()
 def sequence_choice(
-    mm: Any, questions: Sequence[str], *, batch_size: int = 16, chooser: Any = None
+    mm: MoLoRAModel, questions: Sequence[str], *, batch_size: int = 16, chooser: Any = None
 ) -> list[str | None]:
     """One adapter per question text: the router's vote over its question tokens (see module docstring), or the
     router's own per-request choice where it has one (`choose_per_request`: molora.routing.confidence), or
@@ -199,7 +202,9 @@ def sequence_choice(
     return out
 
 
-def _spec(mm: Any, mode: Mode, labels: list[list[str | None]] | None, chosen: list[str | None] | None) -> str | Router:
+def _spec(
+    mm: MoLoRAModel, mode: Mode, labels: list[list[str | None]] | None, chosen: list[str | None] | None
+) -> str | Router:
     """The `adapter_ids` argument of mm.generate for one batch."""
     if mode.kind == "base":
         return SequenceRouter(None)
@@ -230,7 +235,7 @@ class _Dialog:
 
 
 def _answer_all(
-    mm: Any, dialogs: list[_Dialog], mode: Mode, *, batch_size: int, max_new_tokens: int | None, progress: bool
+    mm: MoLoRAModel, dialogs: list[_Dialog], mode: Mode, *, batch_size: int, max_new_tokens: int | None, progress: bool
 ) -> int:
     """Fill every dialog's answers, turn by turn, in batches of similar length; return tokens generated."""
     from tqdm import tqdm
@@ -287,7 +292,7 @@ def _answer_all(
 
 
 def evaluate(
-    mm: Any,
+    mm: MoLoRAModel,
     task_spec: str,
     routing: str,
     *,

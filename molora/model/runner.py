@@ -60,7 +60,7 @@ context).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -84,6 +84,9 @@ from molora.ops.device import to_device
 from molora.routing.arrow_linear import LinearRouting
 from molora.routing.base import decide_slots
 
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
+
 
 class ModelRunner:
     """Explicit-input forward of an attached Llama-family model over a paged KV cache (module docstring).
@@ -93,7 +96,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        mm: Any,
+        mm: MoLoRAModel,
         *,
         num_blocks: int,
         block_size: int = 16,
@@ -106,7 +109,8 @@ class ModelRunner:
                 f"the runner supports model types {SUPPORTED_MODEL_TYPES}, got "
                 f"{getattr(cfg, 'model_type', None)!r}; use MoLoRAModel.generate for others"
             )
-        inner = mm.model.model
+        hf: Any = mm.model  # a transformers causal LM of a supported type (checked above)
+        inner = hf.model
         self.mm = mm
         self.context = mm.context
         self.embed = inner.embed_tokens
@@ -116,7 +120,7 @@ class ModelRunner:
         # base GEMMs on packed weights (molora.ops.packed) where they run (`packed.form`: float32 on molora's kernel
         # or MKL, bfloat16 on AMX; each linear is asked on its own), unless False
         self.pack_weights = pack_weights is not False and param.device.type == "cpu"
-        self.lm_head = Linear(mm.model.lm_head, self.pack_weights)
+        self.lm_head = Linear(hf.lm_head, self.pack_weights)
         # The blocks' own submodules, resolved once.
         self.blocks = [Block(layer, i, cfg, self.pack_weights) for i, layer in enumerate(inner.layers)]
         b0 = self.blocks[0]

@@ -14,7 +14,7 @@ mode writes after its own drawn 7, and its caption of a real test image. Modes:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,8 +22,11 @@ from molora.multimodal import generate as mg
 from molora.multimodal.vocab import load_splits
 from molora.routing import VocabRouter
 
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
-def modes(mm: Any) -> dict[str, Any]:
+
+def modes(mm: MoLoRAModel) -> dict[str, Any]:
     """Mode label -> routing spec on a loaded digits bundle (apart and joint adapters both loaded)."""
     router = mm.router
     apart = VocabRouter([(lo, hi, f"{n}_apart") for lo, hi, n in router.ranges], f"{router.default}_apart")
@@ -70,7 +73,7 @@ def grid_png(rows: dict[str, list[np.ndarray | None]], path: str | Path, scale: 
     return Path(path)
 
 
-def run_demo(mm: Any, out_png: str | Path) -> tuple[Path, list[list[str]]]:
+def run_demo(mm: MoLoRAModel, out_png: str | Path) -> tuple[Path, list[list[str]]]:
     """Draw 0..9 under every mode (greedy), write the grid, and return it with the caption table rows
     [mode, caption after its own 7, caption of a real 7]."""
     test = load_splits()["test"]

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from molora.multimodal import generate as mg
 from molora.multimodal.vocab import LEVELS, Digits, invert, parse_caption
+
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
 INVERTED_MEAN = (LEVELS - 1) / 2
 
@@ -87,7 +90,7 @@ def score_captions(digits: Sequence[int], texts: Sequence[str], parsed: Sequence
 
 
 def evaluate_mode(
-    mm: Any,
+    mm: MoLoRAModel,
     reader: Reader,
     spec: Any,
     digits: Sequence[int],

@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ from molora.multimodal.vocab import BOI, EOI, PIXELS, WORDS, draw_prompt, image_
 from molora.routing import Router, Routing
 from molora.routing.base import adapter_index
 from molora.sampling import SpanConstraint, apply_bitmask, constraint_bitmask, sample_next
+
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
 CAPTION_TOKENS = 6  # the longest caption (5 words) and <eos>
 
@@ -74,7 +77,7 @@ def demo_spans(tokenizer: Any) -> SpanConstraint:
 
 
 def _forward(
-    mm: Any, spec: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any, start: int
+    mm: MoLoRAModel, spec: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any, start: int
 ) -> torch.Tensor:
     """Last-position logits [B, V] of one forward; spec None runs the plain base model (no routing)."""
     if spec is None:
@@ -96,7 +99,7 @@ def _forward(
 
 
 def _k_pass_forward(
-    mm: Any,
+    mm: MoLoRAModel,
     router: Router,
     passes: Sequence[str],
     ids: torch.Tensor,
@@ -129,7 +132,7 @@ def _k_pass_forward(
 
 @torch.no_grad()
 def generate_constrained(
-    mm: Any,
+    mm: MoLoRAModel,
     prompts: Sequence[Sequence[int]],
     spec: Any = None,
     *,
@@ -196,12 +199,12 @@ def parse(tokenizer: Any, tokens: Sequence[int]) -> Drawn:
     return Drawn(tokens, image, tokenizer.decode(rest, skip_special_tokens=True).strip())
 
 
-def encode(mm: Any, text: str) -> list[int]:
+def encode(mm: MoLoRAModel, text: str) -> list[int]:
     return mm.tokenizer("<bos> " + text, add_special_tokens=False)["input_ids"]
 
 
 def draw(
-    mm: Any,
+    mm: MoLoRAModel,
     digits: Sequence[int],
     spec: Any = None,
     *,
@@ -226,7 +229,12 @@ def draw(
 
 
 def caption_images(
-    mm: Any, images: Sequence[np.ndarray], spec: Any = None, *, temperature: float = 0.0, seed: int | None = None
+    mm: MoLoRAModel,
+    images: Sequence[np.ndarray],
+    spec: Any = None,
+    *,
+    temperature: float = 0.0,
+    seed: int | None = None,
 ) -> list[str]:
     """A caption per image (levels [64]): "<boi> codes <eoi>" continued under `spec`."""
     prompts = [encode(mm, image_span(im)) for im in images]

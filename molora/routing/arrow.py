@@ -61,7 +61,7 @@ from molora.errors import RoutingError
 from molora.ops.device import host_readable
 from molora.routing.arrow_linear import LinearRouting
 from molora.routing.arrow_protos import top_right_singular_vector
-from molora.routing.base import Router, Routing, base_only, fill_prompt_routes
+from molora.routing.base import RoutedModel, Router, Routing, base_only, fill_prompt_routes
 
 log = logging.getLogger("molora.routing")
 
@@ -163,7 +163,7 @@ class ArrowRouter(Router):
         self.fixed_names = None if adapter_names is None else list(adapter_names)
         if self.fixed_names is not None and len(set(self.fixed_names)) != len(self.fixed_names):
             raise RoutingError(f"arrow router: duplicate adapter names {self.fixed_names}")
-        self._mm: Any = None
+        self._mm: RoutedModel | None = None
         self._protos: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}  # name -> (its LoRAAdapter, module -> v)
         self._stacks: dict[
             tuple, tuple[torch.Tensor, torch.Tensor, bool]
@@ -231,7 +231,7 @@ class ArrowRouter(Router):
         return [] if self._mm is None else list(self._mm.adapter_names)
 
     # ------------------------------------------------------------------------------------ binding
-    def bind(self, mm: Any, calibration: Sequence[Sequence[int]] | None = None) -> ArrowRouter:
+    def bind(self, mm: RoutedModel, calibration: Sequence[Sequence[int]] | None = None) -> ArrowRouter:
         """Find mm's decoder blocks and routed linears and compute the prototypes of its adapters (once each);
         with rms_threshold, calibrate on `calibration` (token ids; default general text, `calibrate`)."""
         from molora.routing.learned import decoder_layers  # the one place that knows where blocks live
@@ -308,7 +308,7 @@ class ArrowRouter(Router):
             log.info("arrow: prototypes of %s computed (%s)", done, self.config.method)
         return done
 
-    def prepare(self, mm: Any, input_ids: torch.Tensor) -> None:
+    def prepare(self, mm: RoutedModel, input_ids: torch.Tensor) -> None:
         """Make mm route by this router for its next forward (transformers path; molora.model.attach)."""
         from molora.routing.learned import install_gates
 

@@ -18,12 +18,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+from torch import nn
 
 from molora.errors import RoutingError
 from molora.ops.device import host_readable
+
+if TYPE_CHECKING:
+    from molora.adapters.bank import AdapterBank
+    from molora.adapters.io import LoRAAdapter
 
 
 @dataclass
@@ -147,6 +152,35 @@ def adapter_index(names: Sequence[str], name: str | None) -> int:
         raise RoutingError(f"unknown adapter {name!r}; loaded adapters: {list(names)}") from None
 
 
+class RoutedModel(Protocol):
+    """What a router, the chooser and the engine use of a routed model: the surface `molora.model.MoLoRAModel`
+    implements (`molora.attach` builds one). A forward (`mm(input_ids, adapter_ids=..., **hf_kwargs)`) returns the
+    transformers output with each token's adapter applied; `context` is the per-step routing context the routed
+    linears read (molora.model.context); `adapters` are the loaded adapters in load order (index i is
+    `adapter_names[i]`), each in a slot of `bank`."""
+
+    model: nn.Module
+    bank: AdapterBank
+    context: Any
+    router: Router | None
+    tokenizer: Any
+    adapters: dict[str, LoRAAdapter]
+    chooser: Any  # a per-request chooser (molora.routing.hybrid.HybridChooser) or None
+    calibration: Any  # what rebuilds `chooser` at run time, or None
+    bundle: Any  # the manifest the model came from (molora.load), or None
+
+    @property
+    def adapter_names(self) -> list[str]: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def config(self) -> Any: ...
+
+    def __call__(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any: ...
+
+
 class Router(ABC):
     """Maps the tokens of a batch to adapter indices."""
 
@@ -176,7 +210,7 @@ class InNetworkRouter(Protocol):
 
     def gate_index(self, block: int) -> int | None: ...
 
-    def prepare(self, mm: Any, input_ids: torch.Tensor) -> None: ...
+    def prepare(self, mm: RoutedModel, input_ids: torch.Tensor) -> None: ...
 
     def prompt_routes(self, probe: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor: ...
 

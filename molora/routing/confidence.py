@@ -20,18 +20,18 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from molora.errors import BundleError, RoutingError
+from molora.routing.base import RoutedModel
 
 CONFIDENCE_FILE = "confidence.json"
 
 
 @torch.no_grad()
 def first_token_entropy(
-    mm: Any, rows: Sequence[Sequence[int]], *, batch: int = 16, adapters: Sequence[int] | None = None
+    mm: RoutedModel, rows: Sequence[Sequence[int]], *, batch: int = 16, adapters: Sequence[int] | None = None
 ) -> torch.Tensor:
     """[N, K]: the entropy (nats) of each adapter's next-token distribution after each prompt (token ids, template
     applied), adapters in mm.adapter_names order (or the indices `adapters`, -1: the base model); rows are
@@ -62,7 +62,7 @@ def first_token_entropy(
 
 
 def prompt_rows(
-    mm: Any,
+    mm: RoutedModel,
     adapter_names: Sequence[str] | None,
     questions: Sequence[str],
     template: str | None,
@@ -126,7 +126,7 @@ class ConfidenceChooser:
         return torch.where(ok, top.indices[:, 0], -1).tolist()
 
     def choose_per_request(
-        self, mm: Any, questions: Sequence[str], *, batch_size: int = 16, template: str | None = None
+        self, mm: RoutedModel, questions: Sequence[str], *, batch_size: int = 16, template: str | None = None
     ) -> list[str | None]:
         """One adapter name (None: base) per question, with `template` ("{prompt}" in it; default mm's bundle's)
         applied."""

@@ -35,7 +35,7 @@ from torch import nn
 
 from molora.errors import BundleError, RoutingError
 from molora.ops.device import host_readable
-from molora.routing.base import Router, Routing, base_only, fill_prompt_routes
+from molora.routing.base import RoutedModel, Router, Routing, base_only, fill_prompt_routes
 
 GATES_WEIGHTS = "gates.safetensors"
 GATES_CONFIG = "gates.json"
@@ -171,7 +171,7 @@ class GateRouter(Router):
         raise RoutingError("GateRouter decides inside the network; pass it as adapter_ids to a MoLoRAModel")
 
     # ------------------------------------------------------------------------------------ binding
-    def bind(self, mm: Any) -> GateRouter:
+    def bind(self, mm: RoutedModel) -> GateRouter:
         """Find mm's decoder blocks and the norm of the source block's input."""
         from molora.routing.learned import decoder_layers  # the one place that knows where blocks live
 
@@ -180,7 +180,7 @@ class GateRouter(Router):
         self._norm = layers[self.carry_source].get_submodule("input_layernorm")
         return self
 
-    def prepare(self, mm: Any, input_ids: torch.Tensor) -> None:
+    def prepare(self, mm: RoutedModel, input_ids: torch.Tensor) -> None:
         """Make mm route by this router for its next forward (installs gated blocks once)."""
         from molora.routing.learned import install_gates
 

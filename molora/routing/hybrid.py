@@ -32,13 +32,16 @@ import torch
 
 from molora.errors import BundleError, RoutingError
 from molora.routing.arrow import ArrowConfig, ArrowRouter
+from molora.routing.base import RoutedModel
 from molora.routing.confidence import CONFIDENCE_FILE, ConfidenceChooser, prompt_rows
 
 HYBRID_FILE = "hybrid.json"
 T = TypeVar("T")
 
 
-def arrow_claim_share(router: ArrowRouter, mm: Any, rows: Sequence[Sequence[int]], *, batch: int = 16) -> torch.Tensor:
+def arrow_claim_share(
+    router: ArrowRouter, mm: RoutedModel, rows: Sequence[Sequence[int]], *, batch: int = 16
+) -> torch.Tensor:
     """[N]: per prompt (token ids), the share of its last `prompt_window` tokens whose best calibrated Arrow ratio
     at the router's source block reaches rms_threshold (the prompt vote's claimed share), from base-model forwards
     of left-padded batches. The router must be bound to mm, per_block with rms_threshold."""
@@ -48,7 +51,7 @@ def arrow_claim_share(router: ArrowRouter, mm: Any, rows: Sequence[Sequence[int]
 
 
 def joint_pass(
-    router: ArrowRouter, mm: Any, rows: Sequence[Sequence[int]], adapters: Sequence[int], *, batch: int = 16
+    router: ArrowRouter, mm: RoutedModel, rows: Sequence[Sequence[int]], adapters: Sequence[int], *, batch: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(`arrow_claim_share` [N], `first_token_entropy` [N, len(adapters)]) of the same prompts from one forward per
     group of prompts instead of one base pass and one pass per adapter (`adapters`: indices into mm.adapter_names):
@@ -60,7 +63,7 @@ def joint_pass(
 
 @torch.no_grad()
 def variants_pass(
-    router: ArrowRouter, mm: Any, rows: Sequence[Sequence[int]], variants: Sequence[int], *, batch: int = 16
+    router: ArrowRouter, mm: RoutedModel, rows: Sequence[Sequence[int]], variants: Sequence[int], *, batch: int = 16
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The chooser's signals from prompts (token ids, template applied) read by several variants of the model at
     once: `variants` holds -1 (the base model: Arrow's claimed share, `arrow_claim_share`) and adapter indices into
@@ -203,7 +206,7 @@ class HybridChooser:
 
     def bind(
         self,
-        mm: Any,
+        mm: RoutedModel,
         calibration: Sequence[Sequence[int]] | None = None,
         arrow_state: Mapping[str, Any] | None = None,
     ) -> HybridChooser:
@@ -219,7 +222,7 @@ class HybridChooser:
         object.__setattr__(self, "_bound", (mm, router))
         return self  # frozen: the binding is a cache, not a setting
 
-    def rebuilt(self, mm: Any, chooser: ConfidenceChooser, fresh: Sequence[str] = ()) -> HybridChooser:
+    def rebuilt(self, mm: RoutedModel, chooser: ConfidenceChooser, fresh: Sequence[str] = ()) -> HybridChooser:
         """A new chooser with this one's rule and Arrow settings over `chooser`'s adapters, bound to mm: Arrow's
         general-text calibration (adapter-free) and the prototypes of this chooser's adapters but `fresh` are
         taken over, a new adapter's prototypes computed from its weights (it must be resident in mm). This one
@@ -236,14 +239,14 @@ class HybridChooser:
         object.__setattr__(new, "_bound", (mm, router))
         return new
 
-    def _router(self, mm: Any) -> ArrowRouter:
+    def _router(self, mm: RoutedModel) -> ArrowRouter:
         cached = getattr(self, "_bound", None)
         if cached is None or cached[0] is not mm:
             self.bind(mm)
         return self._bound[1]  # type: ignore[attr-defined]
 
     def choose_per_request(
-        self, mm: Any, questions: Sequence[str], *, batch_size: int = 16, template: str | None = None
+        self, mm: RoutedModel, questions: Sequence[str], *, batch_size: int = 16, template: str | None = None
     ) -> list[str | None]:
         """One adapter name (None: base) per question, with `template` ("{prompt}" in it; default mm's bundle's)
         applied."""
@@ -251,7 +254,7 @@ class HybridChooser:
         return [c["adapter"] for c in self.decide_rows(mm, rows, list(range(len(self.adapter_names))), batch_size)]
 
     def decide_rows(
-        self, mm: Any, rows: Sequence[Sequence[int]], mm_index: Sequence[int | None], batch_size: int = 16
+        self, mm: RoutedModel, rows: Sequence[Sequence[int]], mm_index: Sequence[int | None], batch_size: int = 16
     ) -> list[dict[str, Any]]:
         """Per prompt (token ids, template applied) {"adapter": name or None (the base model), "share": Arrow's
         claimed share, "z": {adapter: its confidence z}}, choosing among the adapters whose `mm_index` (their index
@@ -260,7 +263,7 @@ class HybridChooser:
 
     def decide_stages(
         self,
-        mm: Any,
+        mm: RoutedModel,
         rows: Sequence[Sequence[int]],
         mm_index: Sequence[int | None],
         batch_size: int = 16,
@@ -306,7 +309,7 @@ class HybridChooser:
         ]
 
     def choose_served(
-        self, mm: Any, questions: Sequence[str], allowed: Sequence[str] | None = None, batch_size: int = 16
+        self, mm: RoutedModel, questions: Sequence[str], allowed: Sequence[str] | None = None, batch_size: int = 16
     ) -> list[dict[str, Any]]:
         """`decide_rows` for question texts in mm's bundle template, over whichever of this chooser's adapters mm
         holds now (an engine's hot set orders and evicts them) and `allowed` names (None: all)."""
@@ -314,7 +317,7 @@ class HybridChooser:
 
     def served_stages(
         self,
-        mm: Any,
+        mm: RoutedModel,
         questions: Sequence[str],
         allowed: Sequence[str] | None = None,
         batch_size: int = 16,

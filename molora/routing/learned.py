@@ -76,7 +76,7 @@ from torch import nn
 
 from molora.errors import BundleError, RoutingError
 from molora.ops.device import host_readable
-from molora.routing.base import Router, Routing, base_only, fill_prompt_routes
+from molora.routing.base import RoutedModel, Router, Routing, base_only, fill_prompt_routes
 
 ROUTER_WEIGHTS = "router.safetensors"
 ROUTER_CONFIG = "router.json"
@@ -250,7 +250,7 @@ class LearnedRouter(Router, nn.Module):
     def route(self, input_ids: torch.Tensor, adapter_names: Sequence[str], *, start: int = 0) -> Routing:
         raise RoutingError("LearnedRouter decides inside the network; pass it as adapter_ids to a MoLoRAModel")
 
-    def prepare(self, mm: Any, input_ids: torch.Tensor) -> None:
+    def prepare(self, mm: RoutedModel, input_ids: torch.Tensor) -> None:
         """Make `mm` route by this router for its next forward (installs gated blocks once)."""
         install_gates(mm)
         missing = [n for n in self.adapter_names if n not in mm.bank]
@@ -342,7 +342,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def install_gates(mm: Any) -> list[int]:
+def install_gates(mm: RoutedModel) -> list[int]:
     """Let the in-network router decide before each decoder block of mm.model runs (once per model): a
     forward pre-hook on every block calls `mm.context.route_block(index, block input)`. A standard PyTorch
     hook, visible in `block._forward_pre_hooks`; the model's classes, module paths and state_dict keys are

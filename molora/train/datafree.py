@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,6 +44,9 @@ from molora.calibration import sample_pool  # noqa: F401  (moved there: the serv
 from molora.calibration import template_parts as _template_parts
 from molora.errors import MoLoRAError
 from molora.routing.gates import Gate
+
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
 
 
 def _left_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +58,7 @@ def _left_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, to
 
 @torch.no_grad()
 def sensitivity(
-    mm: Any,
+    mm: MoLoRAModel,
     prompts: Sequence[str],
     *,
     block: int | None = None,

@@ -16,18 +16,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from molora.routing.gates import Gate
 
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
+
 THRESHOLD_RULES = ("quantile", "youden")
 
 
 @torch.no_grad()
-def prompt_states(mm: Any, rows: Sequence[Sequence[int]], blocks: Sequence[int]) -> list[dict[int, torch.Tensor]]:
+def prompt_states(
+    mm: MoLoRAModel, rows: Sequence[Sequence[int]], blocks: Sequence[int]
+) -> list[dict[int, torch.Tensor]]:
     """Per prompt (token ids), {block: input_layernorm(block input) [T, D] fp32} from one base-model forward."""
     from molora.routing.learned import decoder_layers
 
@@ -159,7 +164,7 @@ def general_negatives() -> list[str]:
 
 
 def train_gates_for_bundle(
-    mm: Any,
+    mm: MoLoRAModel,
     prompts: dict[str, list[str]],
     *,
     out: Path,

@@ -6,7 +6,7 @@ import json
 import random
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from molora.bundle import MANIFEST
 from molora.errors import MoLoRAError
@@ -14,9 +14,12 @@ from molora.train.adapter import read_examples
 from molora.train.default import labelled_sequence
 from molora.train.router import RouterTrainConfig, routing_accuracy, train_router
 
+if TYPE_CHECKING:
+    from molora.model.attach import MoLoRAModel
+
 
 def train_router_for_bundle(
-    mm: Any,
+    mm: MoLoRAModel,
     data: dict[str, str],
     cfg: RouterTrainConfig,
     *,
