@@ -27,7 +27,13 @@ class BankFullError(MoLoRAError):
 
 
 class RoutingError(MoLoRAError):
-    """A routing request is malformed (wrong shape, unknown adapter, bad range)."""
+    """A routing request is malformed (wrong shape, unknown adapter, bad range). `field`: which part of a request's
+    routing (molora.engine.admission.RoutingRequest: "mode", "adapter", "allowed") is at fault, when one is; a
+    server names its own parameter for it."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class BundleError(MoLoRAError):

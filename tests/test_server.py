@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from molora.config import SamplingParams
-from molora.errors import AdapterError, MoLoRAError, RoutingError
+from molora.errors import AdapterError, AdapterNotFound, MoLoRAError, RoutingError
 from molora.server import ServerThread, create_app
 from molora.server.launch import free_port
 
@@ -140,7 +140,7 @@ class FakeEngine:
         self._same_thread()
         for name in [adapter] + list(allowed_adapters or []):
             if name is not None and name not in self.mm.adapter_names:
-                raise RoutingError(f"unknown adapter {name!r}")
+                raise AdapterNotFound(f"unknown adapter(s) [{name!r}]")  # as the engine's hot set says it
         if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
             raise MoLoRAError("prompt too long")
         assert request_id not in self.running

@@ -1,10 +1,14 @@
-"""What a new request's routing resolves to, checked before the engine queues it.
+"""What a new request's routing resolves to, checked once, before the engine queues it.
 
-`resolve_routing` turns `Engine.add_request`'s routing arguments (a mode name, a pinned adapter, an allowed set)
-into the parts of the request's `RouteState` (molora.engine.routing): its mode, router, allowed adapters and the
-adapters it pins while in flight. Every refusal is a `RoutingError` (or the hot set's `AdapterError` for unknown
-names) raised before anything changes. A draining adapter (`Engine.unload_adapter`) is refused to a pinned request
-and left out of a router's allowed set and pins.
+A request asks to be routed with one `RoutingRequest` (a mode name, a pinned adapter, an allowed set, and for the
+per-request chooser the text it reads), carried from the API (`Engine.add_request`'s routing arguments; a server's
+`RequestSpec`) to here. `resolve_routing` turns it into the parts of the request's `RouteState`
+(molora.engine.routing): its mode, router, allowed adapters and the adapters it pins while in flight. Every refusal
+is a `RoutingError` naming the field at fault (or the hot set's `AdapterError` for unknown names) raised before
+anything changes; a server maps the field to its own parameter instead of checking again. A draining adapter
+(`Engine.unload_adapter`) is refused to a pinned request and left out of a router's allowed set and pins. Mode
+"hybrid" resolves to "choosing": the request waits for the per-request chooser's pick (molora.engine.choosing),
+then resolves again, pinned to the pick (or on the base model).
 
 `run_chooser` asks a model's per-request chooser (`mm.chooser`, `--router hybrid`) which adapter each question goes
 to, with the adapters it may choose pinned in slots while it runs (BankFullError when they cannot all be: retry).
@@ -14,8 +18,9 @@ Knows routing modes, routers and the hot set's names; nothing about KV blocks, s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from molora.engine.hotset import HotSet
 from molora.engine.routing import fixed_routes
@@ -28,21 +33,31 @@ from molora.routing.names import router_config
 if TYPE_CHECKING:
     from molora.model.attach import MoLoRAModel
 
-ROUTING_CHOICES = ("auto", "learned", "arrow", "arrow-token", "vocab", "sequence", "none")
+ROUTING_CHOICES = ("auto", "learned", "arrow", "arrow-token", "vocab", "sequence", "hybrid", "none")
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    """How one request asks to be routed (module docstring). mode: one of ROUTING_CHOICES ("auto": the model's
+    router, or the pinned adapter, or the base model); adapter: pin the request to it; allowed: the adapters its
+    routing may use (None: any, empty: none, the base model); question: for mode "hybrid", the text the per-request
+    chooser reads (None: the prompt, decoded)."""
+
+    mode: str = "auto"
+    adapter: str | None = None
+    allowed: Sequence[str] | None = None
+    question: str | None = None
 
 
 def resolve_routing(
-    routing: str,
-    adapter: str | None,
-    allowed_adapters: list[str] | None,
-    hotset: HotSet,
-    router: Router | None,
-    num_slots: int,
+    ask: RoutingRequest, hotset: HotSet, router: Router | None, num_slots: int, chooser: Any = None
 ) -> tuple[str, Router | None, frozenset[str] | None, tuple[str, ...]]:
     """(mode, router, allowed, adapters to pin) of a request's RouteState, for a model with `router` attached
-    (None: none) and a bank of `num_slots` slots."""
+    (None: none), a per-request `chooser` (None: none) and a bank of `num_slots` slots. Mode "choosing": the request
+    waits for the chooser's pick and pins nothing yet."""
+    routing, adapter = ask.mode, ask.adapter
     if routing not in ROUTING_CHOICES:
-        raise RoutingError(f"routing={routing!r}; choose one of {ROUTING_CHOICES}")
+        raise RoutingError(f"routing={routing!r}; choose one of {ROUTING_CHOICES}", field="mode")
     hs = hotset
     hs.check_known([adapter] if adapter is not None else [])
     if adapter in hs.draining:
@@ -50,34 +65,54 @@ def resolve_routing(
             f"adapter {adapter!r} is being unloaded (draining: only requests already using it "
             "may finish on it); choose another adapter, or load it again once it is gone"
         )
-    allowed = None if allowed_adapters is None else frozenset(allowed_adapters)
+    allowed = None if ask.allowed is None else frozenset(ask.allowed)
     hs.check_known(sorted(allowed or ()))
+    if adapter is not None and allowed is not None and adapter not in allowed:
+        raise RoutingError(f"adapter {adapter!r} is not among the allowed adapters {sorted(allowed)}", field="allowed")
+    if routing == "hybrid":
+        if chooser is None:
+            raise RoutingError(
+                "routing='hybrid' asks the per-request chooser, which this model has only when its bundle's router "
+                "is hybrid (molora serve --router hybrid); leave routing 'auto'",
+                field="mode",
+            )
+        if adapter is not None:
+            raise RoutingError(
+                f"adapter={adapter!r} pins the request, which contradicts routing='hybrid' (the chooser picks)",
+                field="mode",
+            )
+        return "choosing", None, allowed, ()
     if routing == "none" or (routing == "auto" and adapter is None and router is None):
         if adapter is not None:
-            raise RoutingError(f"routing='none' runs the base model; drop adapter={adapter!r}")
+            raise RoutingError(f"routing='none' runs the base model; drop adapter={adapter!r}", field="mode")
         return "none", None, allowed, ()
     if adapter is not None or routing == "sequence":
         if adapter is None:
-            raise RoutingError("routing='sequence' pins one adapter per request: pass adapter=<name>")
+            raise RoutingError("routing='sequence' pins one adapter per request: pass adapter=<name>", field="adapter")
         if routing not in ("auto", "sequence"):
-            raise RoutingError(f"adapter={adapter!r} pins the request, which contradicts routing={routing!r}")
-        if allowed is not None and adapter not in allowed:
-            raise RoutingError(f"adapter {adapter!r} is not among allowed_adapters {sorted(allowed)}")
+            raise RoutingError(
+                f"adapter={adapter!r} pins the request, which contradicts routing={routing!r} (per-token routing "
+                "runs on the model's router: leave the adapter out)",
+                field="mode",
+            )
         return "pinned", None, allowed, (adapter,)
     if router is None:
-        raise RoutingError(f"routing={routing!r} needs a router, but the model has none attached")
+        raise RoutingError(f"routing={routing!r} needs a router, but the model has none attached", field="mode")
     if routing == "learned" and not router.in_network:
-        raise RoutingError(f"routing='learned' needs an in-network router; the model has {type(router).__name__}")
+        raise RoutingError(
+            f"routing='learned' needs an in-network router; the model has {type(router).__name__}", field="mode"
+        )
     # a router name means one router (molora.routing.names): 'arrow' is a bundle's own Arrow (its settings win),
     # 'arrow-token' Arrow's plain defaults; the engine runs the model's router, so it serves the name it is
     if routing in ("arrow", "arrow-token") and not _is_named(router, routing):
         raise RoutingError(
             f"routing={routing!r} runs the router of that name, and this model's router is "
             f"{type(router).__name__}{_config_of(router)}; serve a bundle whose router it is (molora serve --model M "
-            f'--lora-modules ... --router {routing}, or molora.json router {{"kind": "arrow", ...}})'
+            f'--lora-modules ... --router {routing}, or molora.json router {{"kind": "arrow", ...}})',
+            field="mode",
         )
     if routing == "vocab" and not isinstance(router, VocabRouter):
-        raise RoutingError(f"routing='vocab' needs a VocabRouter; the model has {type(router).__name__}")
+        raise RoutingError(f"routing='vocab' needs a VocabRouter; the model has {type(router).__name__}", field="mode")
     if router.in_network:
         names = [n for n in _adapter_names(router) if n in hs.paths]
         mode = "learned"
@@ -93,7 +128,8 @@ def resolve_routing(
     if len(needs) > num_slots:
         raise RoutingError(
             f"this request may route to {len(needs)} adapters {list(needs)}, but the bank has "
-            f"{num_slots} slots; restrict allowed_adapters or attach with more slots"
+            f"{num_slots} slots; restrict allowed_adapters or attach with more slots",
+            field="allowed",
         )
     return mode, router, allowed, needs
 

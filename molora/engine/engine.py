@@ -61,7 +61,8 @@ import torch
 
 from molora.adapters.io import LoRAAdapter
 from molora.config import SamplingParams
-from molora.engine.admission import ROUTING_CHOICES, chooser_stages, resolve_routing, run_chooser
+from molora.engine.admission import ROUTING_CHOICES, RoutingRequest, chooser_stages, resolve_routing, run_chooser
+from molora.engine.choosing import ChooserQueue
 from molora.engine.faults import CorruptSlots, FaultIsolation
 from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
@@ -197,6 +198,14 @@ class Engine:
             mm, self.hotset, self.allocator, self.prefix, self.runner.cache, self.lifecycle, self.events
         )
         self.adapters = AdapterManager(self.hotset, self.scheduler, self.abort)
+        self.choosing = ChooserQueue(
+            mm,
+            self.hotset,
+            admit=self._admit_chosen,
+            end=self.lifecycle.end,
+            busy=self.scheduler.has_work,
+            events=self.events,
+        )
         self._suspects: list[str] = []  # adapters that gave non-finite logits this step (_quarantine)
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
@@ -225,6 +234,7 @@ class Engine:
         timeout_s: float | None = None,
         queue_timeout_s: float | None = None,
         constraint: Constraint | None = None,
+        question: str | None = None,
     ) -> str:
         """Queue a request; returns its id. Bad input raises a MoLoRAError and changes nothing.
 
@@ -233,6 +243,10 @@ class Engine:
         finish_reason "error" (molora.engine.sampler). Routing is unaffected: the mask depends on the ids only.
 
         timeout_s: the request ends with finish_reason "timeout" once it has been in the engine this long;
+        routing "hybrid": the model's per-request chooser picks the one adapter (or the base model) the request runs
+        on, from `question` (None: the prompt, decoded); the request waits for the pick (molora.engine.choosing),
+        which its first output reports (RequestOutput.chosen).
+
         queue_timeout_s: the same if it has not started (been scheduled) by then. Both are checked at the start
         of every step, so they fire at the first step boundary past the deadline; KV blocks and pins are freed.
         """
@@ -261,8 +275,9 @@ class Engine:
             raise MoLoRAError(f"request id {rid!r} is already in flight; use a unique id")
         if params.stop and self.tokenizer is None:
             raise MoLoRAError("stop strings need a tokenizer; pass one to Engine(..., tokenizer=...)")
+        ask = RoutingRequest(routing, adapter, allowed_adapters, question)
         mode, router, allowed, needs = resolve_routing(
-            routing, adapter, allowed_adapters, self.hotset, self.mm.router, self.mm.bank.num_slots
+            ask, self.hotset, self.mm.router, self.mm.bank.num_slots, self.mm.chooser
         )
         gen = None
         if not params.greedy:
@@ -282,8 +297,29 @@ class Engine:
         req.arrival = time.monotonic()
         req.timeout_s, req.queue_timeout_s = timeout_s, queue_timeout_s
         req.constraints = [c.begin(prompt) for c in (self.constraint, constraint) if c is not None]
-        self.lifecycle.admit(req)
+        if mode == "choosing":
+            if question is None:
+                if self.tokenizer is None:
+                    raise MoLoRAError("routing='hybrid' reads the prompt as text: pass question= or a tokenizer")
+                question = self.tokenizer.decode(prompt, skip_special_tokens=True)
+            req.question = question
+            self.requests[rid] = req
+            self.choosing.add(req)
+        else:
+            self.lifecycle.admit(req)
         return rid
+
+    def _admit_chosen(self, req: Request, pick: str | None) -> None:
+        """Queue a request the chooser picked `pick` for (None: the base model), pinned to it. A pick that can no
+        longer run (unloaded meanwhile) ends the request with an error naming it."""
+        ask = RoutingRequest("auto" if pick is not None else "none", pick, req.route.allowed)
+        try:
+            mode, router, allowed, needs = resolve_routing(ask, self.hotset, self.mm.router, self.mm.bank.num_slots)
+        except MoLoRAError as e:
+            self.lifecycle.pending.append(self.lifecycle.end(req, "error", f"the chooser's pick cannot run: {e}"))
+            return
+        req.route = RouteState(mode, len(req.prompt_ids), router, pick if mode == "pinned" else None, allowed, needs)
+        self.scheduler.add(req)
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -327,10 +363,12 @@ class Engine:
         outputs = self.lifecycle.take_pending()
         now = time.monotonic()
         outputs += self.lifecycle.expire(now)
+        if len(self.choosing):
+            outputs += self.choosing.step(lambda r: r.request_id in self.requests)
         scheduled = self.scheduler.schedule()
         outputs += self.lifecycle.drop_refused()
         if not scheduled:
-            if self.scheduler.waiting and not self.scheduler.running and not self.hotset.reads:
+            if self.scheduler.waiting and not self.scheduler.running and not self.hotset.reads and not self.choosing:
                 head = self.scheduler.waiting[0]  # a bookkeeping bug, but this request's alone: end it
                 why = (
                     f"request {head.request_id!r} cannot be admitted on an idle engine "
@@ -483,6 +521,7 @@ class Engine:
         """Assert the engine's bookkeeping: scheduler queues, KV pool and adapter pins agree with the requests."""
         self.scheduler.check()
         queued = {r.request_id for r in self.scheduler.waiting} | {r.request_id for r in self.scheduler.running}
+        queued |= {r.request_id for r in self.choosing.requests()}
         assert queued == set(self.requests), (sorted(queued ^ set(self.requests)), "requests and queues disagree")
 
     @staticmethod
@@ -540,6 +579,7 @@ class Engine:
         """End every request in flight with finish_reason "error" and `why` (after an engine bug); their
         outputs are returned. The KV cache rows are zeroed."""
         outs = [self.lifecycle.end(req, "error", why) for req in list(self.requests.values())]
+        self.choosing.discard()
         if self.prefix is not None:
             self.prefix.invalidate()
         self.runner.cache.clear_blocks(range(self.allocator.num_blocks))
@@ -606,7 +646,7 @@ class Engine:
             "max_lora": self.mm.bank.num_slots,
         }
         return {
-            "num_waiting": len(sched.waiting),
+            "num_waiting": len(sched.waiting) + len(self.choosing),
             "num_running": len(sched.running),
             "kv_blocks_total": self.allocator.num_blocks,
             "kv_blocks_free": self.allocator.num_free,

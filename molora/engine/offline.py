@@ -54,6 +54,7 @@ def generate(
             if out.prompt_logprobs is not None:  # given once (SamplingParams.prompt_logprobs)
                 a.prompt_logprobs = out.prompt_logprobs
             a.error = out.error if out.error is not None else a.error
+            a.chosen = out.chosen if out.chosen is not None else a.chosen
     return [agg[rid] for rid in ids]
 
 

@@ -40,6 +40,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token, None for the first, else {"token_id", "logprob", "rank",
     # "top": [(id, logprob), ...]}; given once, on the first output after the whole prompt is computed
     prompt_logprobs: list[dict | None] | None = None
+    # routing "hybrid": the per-request chooser's pick {"adapter", "share", "z"}, given once, on the first output
+    chosen: dict | None = None
 
 
 class IncrementalDetokenizer:
@@ -140,6 +142,8 @@ class Request:
     # per prompt position, its token's logprob entry (RequestOutput.prompt_logprobs); filled chunk by chunk and
     # rewritten if the prompt is computed again (preemption); None: not asked for, or already given out
     prompt_scores: list[dict | None] | None = None
+    question: str | None = None  # routing "hybrid": the text the per-request chooser reads (molora.engine.choosing)
+    chosen: dict | None = None  # the chooser's pick, until it goes out on an output (RequestOutput.chosen)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -173,6 +177,7 @@ class Request:
         scores = None
         if self.prompt_scores is not None and self.num_computed >= len(self.prompt_ids):
             scores, self.prompt_scores = self.prompt_scores, None  # the whole prompt is scored: given once
+        chosen, self.chosen = self.chosen, None
         return RequestOutput(
             self.request_id,
             new_ids,
@@ -186,4 +191,5 @@ class Request:
             self.error,
             self.cached_tokens or 0,
             scores,
+            chosen,
         )

@@ -41,7 +41,7 @@ from molora.ops.device import to_device
 from molora.routing import SequenceRouter, VocabRouter
 from molora.routing.base import Router, to_slots
 
-MODES = ("none", "pinned", "tokens", "learned")
+MODES = ("none", "pinned", "tokens", "learned", "choosing")  # choosing: waits for the chooser, never scheduled
 
 
 @dataclass(eq=False)

@@ -89,12 +89,6 @@ class EngineClient(abc.ABC):
     async def unload_adapter(self, bundle: str, name: str, force: bool) -> str:
         """ "unloaded", or "draining" (it goes when the requests using it end); force ends them now."""
 
-    async def choose(self, bundle: str, questions: list[str], allowed: list[str] | None) -> list[dict]:
-        """The per-request chooser's pick for each question (`Engine.choose`: {"adapter", "share", "z"})."""
-        from molora.errors import MoLoRAError
-
-        raise MoLoRAError(f"{type(self).__name__} serves no per-request chooser (--router hybrid runs without --ray)")
-
 
 class LocalClient(EngineClient):
     """One engine in this process, driven by an `EngineRunner` thread (`molora serve`)."""
@@ -144,12 +138,6 @@ class LocalClient(EngineClient):
     async def unload_adapter(self, bundle: str, name: str, force: bool) -> str:
         async with self._adapter_changes:
             return await self.runner.call(lambda: self.engine.unload_adapter(name, force=force))
-
-    async def choose(self, bundle: str, questions: list[str], allowed: list[str] | None) -> list[dict]:
-        """One forward pass of the chooser between two engine steps (`Engine.choose_stages`), so a choice pauses
-        the running requests for one pass at a time, not for all of its passes."""
-        stages = await self.runner.call(lambda: self.engine.choose_stages(questions, allowed))
-        return await run_stages(self.runner, stages)
 
 
 async def run_stages(runner: EngineRunner, stages: Any) -> Any:

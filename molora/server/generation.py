@@ -45,7 +45,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from molora.config import SamplingParams
-from molora.errors import AdapterDraining, AdapterNotFound, MoLoRAError
+from molora.engine.choosing import CHOOSER_FAILED
+from molora.errors import AdapterDraining, AdapterNotFound, MoLoRAError, RoutingError
 from molora.server import choosing, tools
 from molora.server.catalog import Catalog, ModelInfo
 from molora.server.client import EngineClient
@@ -68,6 +69,9 @@ __all__ = ["OFFLOAD_CHARS", "REPLICA_HEADER", "Catalog", "Generation", "Limits",
 
 OFFLOAD_CHARS = 32 << 10  # prompts longer than this are tokenised on a worker thread
 REPLICA_HEADER = "X-Molora-Replica"  # which engine replica answered (molora serve --ray)
+
+# the API parameter of each part of a request's routing (molora.engine.admission.RoutingRequest), for a 400's param
+ROUTING_PARAMS = {"mode": "molora.routing", "adapter": "model", "allowed": "molora.adapters"}
 
 
 @dataclass(frozen=True)
@@ -166,35 +170,7 @@ class Generation:
         logprobs: int | None,
         constraint: GrammarConstraint | None = None,
     ) -> list[RequestSpec]:
-        opts = req.options
-        unknown = [a for a in opts.adapters or [] if a not in info.adapters]
-        if unknown:
-            raise APIError(
-                404,
-                f"unknown adapters {unknown} in molora.adapters; loaded: {info.adapters}",
-                param="molora.adapters",
-                code="adapter_not_found",
-            )
-        if adapter is not None and opts.adapters is not None and adapter not in opts.adapters:
-            raise APIError(
-                400,
-                f"model pins adapter {adapter!r}, which molora.adapters {opts.adapters} excludes",
-                param="molora.adapters",
-            )
-        if opts.routing == "hybrid" and info.chooser is None:
-            raise APIError(
-                400,
-                "molora.routing='hybrid' asks the per-request chooser, which this server runs only when started "
-                "with --router hybrid (or a bundle whose router kind is hybrid); leave molora.routing 'auto'",
-                param="molora.routing",
-            )
-        if adapter is not None and opts.routing not in ("auto", "sequence"):
-            raise APIError(
-                400,
-                f"model {req.model!r} pins one adapter; molora.routing={opts.routing!r} needs "
-                f"model={info.name!r} (per-token routing)",
-                param="molora.routing",
-            )
+        opts = req.options  # its routing is checked once, by the engine's admission (RoutingError: `_submit`)
         stop = req.stop_strings()
         logit_bias = req.token_bias(info.vocab_size)
         bad_words = _bad_words_ids(info, req.bad_words or [])
@@ -273,7 +249,8 @@ class Generation:
         request: Request,
         questions: list[str] | None = None,
     ) -> Response:
-        """questions: per prompt, the text the per-request chooser reads (None: it does not decide this request)."""
+        """questions: per prompt, the text the engine's per-request chooser reads (None: it does not decide this
+        request); each of its engine requests is routed "hybrid" and reports the pick on its first output."""
         constraint = fmt.constraint = await self._constraint(req, info)
         specs = self._specs(req, info, adapter, prompts, max_tokens, logprobs, constraint)
         if len(specs) > self.client.max_in_flight:
@@ -283,21 +260,21 @@ class Generation:
                 f"server admits at once ({self.client.max_in_flight}); lower n or split the batch",
                 param="n",
             )
-        if questions is not None:  # checked first, then pinned to each prompt's pick (None: the base model)
-            fmt.chosen = await choosing.choose(self.client, self.metrics, info, questions, req.options.adapters)
-            specs = [  # the pick runs pinned (None: the base model); "hybrid" is the server's, not the engine's
-                dataclasses.replace(s, adapter=fmt.chosen[s.index // req.n]["adapter"], routing="auto") for s in specs
-            ]
+        if questions is not None:  # the engine's chooser picks each prompt's adapter (molora.engine.choosing)
+            fmt.chooser = info.chooser
+            specs = [dataclasses.replace(s, routing="hybrid", question=questions[s.index // req.n]) for s in specs]
         try:
             sub = await self.client.submit(specs, fmt.id, info.name)
-        except (AdapterDraining, AdapterNotFound) as e:  # unloaded since the model check: it is gone
-            pinned = any(spec.adapter is not None for spec in specs)
+        except (AdapterDraining, AdapterNotFound) as e:  # not loaded, or unloaded since the model check
+            pinned = any(spec.adapter is not None and spec.adapter in str(e) for spec in specs)
             raise APIError(
                 404,
                 str(e),
                 param="model" if pinned else "molora.adapters",
                 code="model_not_found" if pinned else "adapter_not_found",
             ) from e
+        except RoutingError as e:  # the engine's admission names the routing field at fault
+            raise APIError(400, str(e), param=ROUTING_PARAMS.get(e.field or "", "molora.routing")) from e
         except MoLoRAError as e:
             raise APIError(400, str(e)) from e
         states = [ChoiceState(spec.index, len(spec.prompt_ids), prompt_ids=spec.prompt_ids) for spec in specs]
@@ -523,6 +500,8 @@ def _ended_by_engine(out: Any) -> APIError:
         if out.error.startswith("queue timeout"):  # the engine names which deadline (RequestLifecycle.expire)
             return APIError(503, out.error, type="server_error", code="queue_timeout", headers={"Retry-After": "1"})
         return APIError(504, out.error, type="server_error", code="timeout")
+    if out.error.startswith(CHOOSER_FAILED):  # the per-request chooser raised on this request (it ended alone)
+        return APIError(500, out.error, type="server_error", code="chooser_error")
     if out.error.startswith("constraint dead end"):  # the request's own spec (with ignore_eos or min_tokens)
         return APIError(400, out.error, code="structured_output_dead_end")
     return APIError(

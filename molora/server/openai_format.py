@@ -59,6 +59,7 @@ class ChoiceState:
     prompt_ids: list[int] = field(default_factory=list)  # what an echo or prompt_logprobs writes out
     prompt_logprobs: list[dict | None] | None = None  # the engine's RequestOutput.prompt_logprobs, once given
     echoed: bool = False  # a stream has sent the echoed prompt
+    chosen: dict | None = None  # the per-request chooser's pick for its prompt (RequestOutput.chosen), once given
 
     def update(self, out: Any, now: float) -> None:
         self.prompt_tokens = out.prompt_tokens
@@ -70,6 +71,8 @@ class ChoiceState:
         self.token_ids += out.new_token_ids
         self.adapters += out.token_adapters
         self.logprobs += out.logprobs or []
+        if getattr(out, "chosen", None) is not None:
+            self.chosen = out.chosen
         if out.new_token_ids:
             self.t_first = self.t_first if self.t_first is not None else now
             self.t_last = now
@@ -121,7 +124,7 @@ class ResponseFormat:
         self.created = int(time.time())
         self.routing = req.options.return_routing
         self.constraint: GrammarConstraint | None = None  # the request's structured output, set once compiled
-        self.chosen: list[dict] | None = None  # per prompt, the per-request chooser's pick (molora.server.choosing)
+        self.chooser: str | None = None  # the kind of per-request chooser that picks this request's adapter, if one
 
     def _routed(
         self, token_ids: list[int], adapters: list[str | None], ended: ChoiceState | None = None
@@ -132,7 +135,9 @@ class ResponseFormat:
         why = None
         if ended is not None and ended.finish_reason == "stop" and self.constraint is not None:
             why = self.constraint.check(ended.text)
-        chosen = self.chosen[ended.index // self.req.n] if ended is not None and self.chosen else None
+        chosen = None
+        if ended is not None and ended.chosen is not None and self.chooser is not None:
+            chosen = {"kind": self.chooser, **ended.chosen}
         if not self.routing and why is None and chosen is None:
             return None
         routed: dict[str, Any] = {"token_ids": list(token_ids), "adapters": list(adapters)} if self.routing else {}

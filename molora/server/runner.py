@@ -55,6 +55,7 @@ class RequestSpec:
     timeout_s: float | None = None  # engine-side deadlines (Engine.add_request)
     queue_timeout_s: float | None = None
     constraint: Any = None  # a compiled molora.sampling.Constraint (structured output) or None
+    question: str | None = None  # routing "hybrid": the text the engine's per-request chooser reads
 
 
 @dataclass(frozen=True)
@@ -279,7 +280,9 @@ class EngineRunner:
         added: list[str] = []
         try:
             for rid, spec in zip(sub.ids, specs):
-                extra = {"constraint": spec.constraint} if spec.constraint is not None else {}
+                extra: dict[str, Any] = {"constraint": spec.constraint} if spec.constraint is not None else {}
+                if spec.question is not None:
+                    extra["question"] = spec.question
                 self.engine.add_request(
                     spec.prompt_ids,
                     spec.params,

@@ -113,6 +113,12 @@ class ServerState:
             m.count_deadline(str(value))
         elif kind in ("fault", "isolated", "restart"):
             m.count_engine_failure({"fault": "step"}.get(kind, kind))
+        elif kind == "chose":  # the engine's per-request chooser decided a call's questions (molora.engine.choosing)
+            adapters, seconds = value
+            m.observe_choices(list(adapters), float(seconds))
+        elif kind == "chooser_failed":
+            for _ in range(int(value[0])):
+                m.count_choice_failure()
         elif kind == "quarantined":  # the engine unloaded an adapter that gave non-finite logits: new requests 404
             m.count_engine_failure("quarantine")
             m.forget_adapter(str(value))
