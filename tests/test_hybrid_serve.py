@@ -386,3 +386,37 @@ def test_the_base_fingerprint_ignores_where_the_weights_were_read_from(served):
     assert base_fingerprint(mm) == before
     mm.config.vocab_size += 1  # what the model is still counts
     assert base_fingerprint(mm) != before
+
+
+def test_routing_hybrid_in_the_engine_runs_each_request_pinned_to_the_choosers_pick(served):
+    """Engine.add_request(routing="hybrid") is one submit: the request waits for the engine's chooser (one forward
+    pass per step), then runs pinned to its pick, which its first output reports; the same tokens as the request
+    pinned by hand. Aborting a request mid-choice unpins the chooser's adapters; a model without a chooser refuses
+    the mode naming it."""
+    from molora.config import SamplingParams
+    from molora.engine import Engine, EngineConfig
+
+    engine = Engine(molora.load(served), EngineConfig(max_num_seqs=4))
+    picks = [c["adapter"] for c in engine.choose(list(PROMPTS[:4]))]
+    assert None in picks and any(picks)  # the base and an adapter both picked: pinning is visible
+    params = SamplingParams(max_new_tokens=4)
+    prompts = [engine.tokenizer(q, add_special_tokens=False)["input_ids"] for q in PROMPTS[:4]]
+    chosen = engine.generate(prompts, params, routing="hybrid", question=list(PROMPTS[:4]))
+    assert [o.chosen["adapter"] for o in chosen] == picks
+    pinned = engine.generate(prompts, params, adapter=picks, routing=["auto" if p else "none" for p in picks])
+    assert [o.new_token_ids for o in chosen] == [o.new_token_ids for o in pinned]
+    assert all(set(o.token_adapters) <= {p} for o, p in zip(chosen, picks))
+    engine.check()
+    rid = engine.add_request(prompts[0], params)  # a busy engine: the choice takes one pass per step
+    gone = engine.add_request(prompts[1], params, routing="hybrid", question=PROMPTS[1])
+    engine.step()
+    assert any(engine.hotset.pins.values())
+    engine.abort(gone)
+    engine.abort(rid)
+    engine.step()
+    engine.check()
+    assert not any(engine.hotset.pins.values()) and not engine.has_unfinished()
+    plain = Engine(molora.load(served, chooser=False), ENGINE)  # the same bundle, its chooser left out
+    with pytest.raises(RoutingError, match="per-request chooser") as e:
+        plain.add_request(prompts[0], params, routing="hybrid")
+    assert e.value.field == "mode" and not plain.has_unfinished()

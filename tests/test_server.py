@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from molora.config import SamplingParams
-from molora.errors import AdapterError, AdapterNotFound, MoLoRAError, RoutingError
+from molora.errors import AdapterError, AdapterNotFound, MoLoRAError
 from molora.server import ServerThread, create_app
 from molora.server.launch import free_port
 

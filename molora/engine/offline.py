@@ -22,7 +22,8 @@ def generate(
     engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], **kw: Any
 ) -> list[RequestOutput]:
     """Run `prompts` to completion; one aggregated output per prompt, in order. Keyword arguments go to
-    add_request; `adapter`, `routing`, `constraint` and `allowed_adapters` may also be given per prompt as lists.
+    add_request; `adapter`, `routing`, `constraint`, `question` and `allowed_adapters` may also be given per prompt as
+    lists.
     Outputs of other requests in flight are consumed by the steps taken here."""
     plist = params if isinstance(params, list) else [params] * len(prompts)
     if len(plist) != len(prompts):
@@ -60,7 +61,7 @@ def generate(
 
 def _per_prompt(key: str, value: Any, i: int, n: int) -> Any:
     """A generate() keyword's value for prompt i: lists of per-prompt values are indexed."""
-    if key in ("adapter", "routing", "request_id", "constraint") and isinstance(value, list):
+    if key in ("adapter", "routing", "request_id", "constraint", "question") and isinstance(value, list):
         return value[i]
     if (
         key == "allowed_adapters"
