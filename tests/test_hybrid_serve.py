@@ -331,7 +331,7 @@ def test_the_results_section_renders_the_served_records():
     assert "the 800-turn row is identical to the committed choice's validation row" in text
 
 
-def test_the_routing_evaluation_reads_issue_39s_goals_off_its_record():
+def test_the_routing_evaluation_reads_its_goals_off_its_record():
     """experiments/routing_eval.py's page: a skill 10.5 points behind fails "within 10", the general and two-skill
     goals are read at their bounds (95% with none empty; sequence + 10 per turn)."""
     from tests.conftest import load_script
