@@ -245,7 +245,7 @@ def hybrid_calibration(
         ent = torch.stack([drain(cal.entropy_stages(mm, name)) for name in names], 1)  # [N, K]
         chooser = ConfidenceChooser.from_pool(names, ent, z_min=0.0, margin=0.0)  # z_min, margin: unused here
         # joint=False: what a chooser outside an engine runs (separate passes: the base model's, then one per
-        # adapter). A served choice asks the engine instead (Engine.choose_stages, `decide_stages`' busy): with
+        # adapter). A served choice runs in the engine instead (molora.engine.choosing, `decide_stages`' busy): with
         # other requests running or waiting it runs one pass between two engine steps, so a choice pauses them for
         # one pass (docs/hybrid_stall.json); with none, the passes left run as one forward (0.71x the time, the
         # same picks on the 300 validation prompts: docs/hybrid_pool_size_choice.json, joint_pass_check)
