@@ -74,7 +74,8 @@ class MoLoRAModel(nn.Module):
         self.register_buffer("_index_to_slot", torch.empty(0, dtype=torch.long), persistent=False)
         self.bundle: Any = None  # set by molora.load: the manifest this model came from
         # a per-request chooser (molora.routing.hybrid.HybridChooser, `--router hybrid`): the engine asks it which
-        # adapter a request runs on (routing "hybrid": molora.engine.choosing), while `router` (None then) routes per token
+        # adapter a request runs on (routing "hybrid": molora.engine.choosing), while `router` (None then) routes
+        # per token
         self.chooser: Any = None
         # what rebuilds `chooser` when adapters are loaded or unloaded at run time (a HybridCalibration)
         self.calibration: Any = None
