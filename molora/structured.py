@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -194,6 +193,8 @@ class GrammarConstraint(Constraint):
                 matched = _search(self.spec.text, text, full=True)
             except _CheckTimeout:
                 return f"the answer could not be checked against the regex (over {CHECK_BUDGET_S:g} s)"
+            except _Uncheckable as e:
+                return f"the answer could not be checked against the regex ({e})"
             return None if matched else f"the answer does not match {self.spec.text!r}"
         if kind == "choice":
             return None if text in json.loads(self.spec.text) else "the answer is none of the choices"
@@ -351,6 +352,10 @@ class _CheckTimeout(Exception):
     pass
 
 
+class _Uncheckable(Exception):
+    """A pattern the `regex` module cannot parse: the answer is reported unchecked (no unbounded matcher runs)."""
+
+
 class _Budget(threading.local):
     deadline = 0.0
 
@@ -368,8 +373,8 @@ def _search(pattern: str, text: str, *, full: bool = False) -> bool:
         return (regex.fullmatch if full else regex.search)(pattern, text, timeout=left) is not None
     except TimeoutError:
         raise _CheckTimeout from None
-    except regex.error:
-        return re.search(pattern, text) is not None if not full else re.fullmatch(pattern, text) is not None
+    except regex.error as e:
+        raise _Uncheckable(f"the checker cannot parse the pattern {pattern[:80]!r}: {e}") from None
 
 
 def _pattern(validator: Any, patrn: str, instance: Any, schema: Any) -> Any:
@@ -429,6 +434,8 @@ def _violation(schema: Any, value: Any) -> str | None:
         return f"the answer could not be checked against the schema ({type(e).__name__}: {str(e)[:200]})"
     except _CheckTimeout:
         return f"the answer could not be checked against the schema (its patterns took over {CHECK_BUDGET_S:g} s)"
+    except _Uncheckable as e:
+        return f"the answer could not be checked against the schema ({e})"
     if error is None:
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "(top level)"

@@ -165,6 +165,9 @@ def test_the_answer_check_gives_up_on_a_catastrophic_pattern(tok):
     assert "does not match" in _violation(schema | {"properties": {"s": {"pattern": "^[a-z]+$"}}}, {"s": "a1"})
     assert _violation(keys | {"patternProperties": {"^k": {}}}, {"k1": 1}) is None
     assert "additional properties" in _violation(keys | {"patternProperties": {"^k": {}}}, {"x": 1})
+    # a pattern the timed matcher cannot parse is reported unchecked, never handed to an unbounded matcher
+    odd = schema | {"properties": {"s": {"type": "string", "pattern": "\\N{NO SUCH NAME}"}}}
+    assert "cannot parse the pattern" in _violation(odd, {"s": "a"})
 
 
 def test_a_schema_pointing_at_a_file_or_a_silent_socket_is_a_400_and_nothing_is_read(server, tmp_path):
