@@ -68,7 +68,7 @@ def resolve_routing(
     allowed = None if ask.allowed is None else frozenset(ask.allowed)
     hs.check_known(sorted(allowed or ()))
     if adapter is not None and allowed is not None and adapter not in allowed:
-        raise RoutingError(f"adapter {adapter!r} is not among the allowed adapters {sorted(allowed)}", field="allowed")
+        raise RoutingError(f"adapter {adapter!r} is not among allowed_adapters {sorted(allowed)}", field="allowed")
     if routing == "hybrid":
         if chooser is None:
             raise RoutingError(
