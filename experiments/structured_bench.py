@@ -62,6 +62,8 @@ def compile_all(
     schemas: list[dict],
     max_string_chars: int | None = None,
     max_array_items: int | None = None,
+    max_object_properties: int | None = None,
+    max_number_digits: int | None = None,
 ) -> tuple[dict, dict, Any]:
     """(constraints by name, failures by name, the record) compiling each schema first fresh, then cached;
     max_string_chars: the compiler's bound on free strings (molora.schema_rules.bound_runaways; None: the compiler's
@@ -71,6 +73,8 @@ def compile_all(
     t0 = time.perf_counter()
     bound = {} if max_string_chars is None else {"max_string_chars": max_string_chars or None}
     bound |= {} if max_array_items is None else {"max_array_items": max_array_items or None}
+    bound |= {} if max_object_properties is None else {"max_object_properties": max_object_properties or None}
+    bound |= {} if max_number_digits is None else {"max_number_digits": max_number_digits or None}
     compiler = StructuredCompiler(tok, vocab_size=vocab, stop_token_ids=stops, **bound)
     setup_s = time.perf_counter() - t0
     ok, failed, first, cached = {}, {}, [], []

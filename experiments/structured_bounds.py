@@ -62,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--split", choices=("validation", "test"))
     ap.add_argument("--render-only", action="store_true", help="render docs/serving.md's line from the records")
-    ap.add_argument("--bounds", nargs="+", default=["0:0", "256:16"], help="CHARS:ITEMS pairs (0: unbounded)")
+    ap.add_argument(
+        "--bounds",
+        nargs="+",
+        default=["0:0", "256:16"],
+        help="CHARS:ITEMS[:PROPERTIES[:DIGITS]] (0 or left out: unbounded)",
+    )
     ap.add_argument("--max-new", type=int, default=768)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -83,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     try:
         for b in args.bounds:
-            chars, items = (int(x) for x in b.split(":"))
-            constraints, _, _ = compile_all(tok, vocab, stops, schemas, chars, items)
+            chars, items, props, digits = ([int(x) for x in b.split(":")] + [0, 0])[:4]
+            constraints, _, _ = compile_all(tok, vocab, stops, schemas, chars, items, props, digits)
             runs[b] = validity(engine, tok, schemas, constraints, args.max_new)
     finally:
         engine.close()

@@ -177,33 +177,40 @@ def list_required(schema: dict) -> dict:
     return {**schema, "properties": props}
 
 
-def engine_schema(schema: Any, max_string: int | None = None, max_items: int | None = None) -> Any:
+def engine_schema(
+    schema: Any,
+    max_string: int | None = None,
+    max_items: int | None = None,
+    max_props: int | None = None,
+    max_digits: int | None = None,
+) -> Any:
     """A copy of `schema` for the grammar engine: every `pattern` (and patternProperties key) through
     `engine_pattern`, every if/then/else `split_conditional` can rewrite as its anyOf, every required name listed
-    in its object's properties (`list_required`); with `max_string` / `max_items`, every free string at most that
-    many characters and every unbounded array at most that many items (`bound_runaways`); everything else as it
-    is."""
+    in its object's properties (`list_required`); with the bounds (`bound_runaways`), every free string at most
+    `max_string` characters, every unbounded array at most `max_items` items, every open object at most `max_props`
+    properties and every number at most `max_digits` digits before its point; everything else as it is."""
+    bounds = (max_string, max_items, max_props, max_digits)
     if isinstance(schema, list):
-        return [engine_schema(v, max_string, max_items) for v in schema]
+        return [engine_schema(v, *bounds) for v in schema]
     if not isinstance(schema, dict):
         return schema
     split = split_conditional(schema) if "if" in schema else None
     if split is not None:
-        return engine_schema(split, max_string, max_items)
+        return engine_schema(split, *bounds)
     schema = list_required(schema)
     out = {}
     for k, v in schema.items():
         if k == "pattern" and isinstance(v, str):
             out[k] = engine_pattern(v)
         elif k == "patternProperties" and isinstance(v, dict):
-            out[k] = {engine_pattern(p): engine_schema(sub, max_string, max_items) for p, sub in v.items()}
+            out[k] = {engine_pattern(p): engine_schema(sub, *bounds) for p, sub in v.items()}
         elif k in ("enum", "const", "default", "examples"):
             out[k] = v  # values, not schemas
         elif k == "properties" and isinstance(v, dict):
-            out[k] = {name: engine_schema(sub, max_string, max_items) for name, sub in v.items()}
+            out[k] = {name: engine_schema(sub, *bounds) for name, sub in v.items()}
         else:
-            out[k] = engine_schema(v, max_string, max_items)
-    return bound_runaways(out, max_string, max_items)
+            out[k] = engine_schema(v, *bounds)
+    return bound_runaways(out, *bounds)
 
 
 # keywords that already shape a string (the grammar engine enforces them itself; maxLength beside a pattern it
@@ -211,20 +218,48 @@ def engine_schema(schema: Any, max_string: int | None = None, max_items: int | N
 _SHAPED = ("maxLength", "pattern", "format", "enum", "const")
 
 
-def bound_runaways(schema: dict, max_string: int | None, max_items: int | None) -> dict:
+def bound_runaways(
+    schema: dict,
+    max_string: int | None,
+    max_items: int | None,
+    max_props: int | None = None,
+    max_digits: int | None = None,
+) -> dict:
     """`schema` with `maxLength: max_string` when it is a free string (type string, or a type list holding it, and
-    none of maxLength, pattern, format, enum, const) and `maxItems: max_items` when it is an array without
-    maxItems: the grammar then closes a string or a list the model would repeat inside until its token budget runs
-    out. Not the schema's own meaning but a server bound; the mask of every shorter string or list is unchanged, so
-    an answer whose strings and lists stay under the bounds is the same, token for token."""
+    none of maxLength, pattern, format, enum, const), `maxItems: max_items` when it is an array without maxItems,
+    `maxProperties` of at least `max_props` (and of its listed properties) when it is an object open to properties
+    it does not list (additionalProperties not false) without maxProperties, and a `minimum` / `maximum` of
+    -/+ (10**max_digits - 1) where a number (or integer) has none (and no multipleOf): the grammar then closes a
+    string, list, object or number the model would repeat inside until its token budget runs out. Not the schema's
+    own meaning but a server bound; the mask of every shorter string, list, object or number is unchanged, so an
+    answer that stays under the bounds is the same, token for token (a bounded number is written without an
+    exponent and with at most 6 decimals, the grammar engine's form of a range)."""
     t = schema.get("type")
     types = set(t) if isinstance(t, list) else {t}
     out = schema
+    valued = any(k in schema for k in ("enum", "const"))
     if max_string and "string" in types and not any(k in schema for k in _SHAPED):
         out = {**out, "maxLength": max_string}
-    if max_items and "array" in types and "maxItems" not in schema and not any(k in schema for k in ("enum", "const")):
+    if max_items and "array" in types and "maxItems" not in schema and not valued:
         out = {**out, "maxItems": max(max_items, int(schema.get("minItems", 0)))}
+    if max_props and "object" in types and "maxProperties" not in schema and not valued:
+        if schema.get("additionalProperties", True) is not False:
+            listed = len(schema.get("properties") or {})
+            out = {**out, "maxProperties": max(max_props, listed, int(schema.get("minProperties", 0)))}
+    if max_digits and types & {"number", "integer"} and not valued and "multipleOf" not in schema:
+        edge = 10**max_digits - 1
+        low = _number(schema.get("minimum", schema.get("exclusiveMinimum")))
+        high = _number(schema.get("maximum", schema.get("exclusiveMaximum")))
+        if high is None and (low is None or low < edge):
+            out = {**out, "maximum": edge}
+        if low is None and (high is None or high > -edge):
+            out = {**out, "minimum": -edge}
     return out
+
+
+def _number(v: Any) -> float | None:
+    """A bound's value if it is a number (a bool is not), else None."""
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
 def _disjoint(branches: list) -> bool:

@@ -30,7 +30,12 @@ from typing import Any, Literal
 
 import torch
 
-from molora.config import DEFAULT_MAX_ARRAY_ITEMS, DEFAULT_MAX_STRING_CHARS
+from molora.config import (
+    DEFAULT_MAX_ARRAY_ITEMS,
+    DEFAULT_MAX_NUMBER_DIGITS,
+    DEFAULT_MAX_OBJECT_PROPERTIES,
+    DEFAULT_MAX_STRING_CHARS,
+)
 from molora.errors import MoLoRAError
 from molora.sampling import Constraint, ConstraintState
 from molora.schema_rules import (
@@ -228,6 +233,8 @@ class StructuredCompiler:
         cache_size: int = 256,
         max_string_chars: int | None = DEFAULT_MAX_STRING_CHARS,
         max_array_items: int | None = DEFAULT_MAX_ARRAY_ITEMS,
+        max_object_properties: int | None = DEFAULT_MAX_OBJECT_PROPERTIES,
+        max_number_digits: int | None = DEFAULT_MAX_NUMBER_DIGITS,
     ) -> None:
         try:
             import xgrammar as xgr
@@ -238,8 +245,9 @@ class StructuredCompiler:
             ) from e
 
         self.xgr, self.limits, self.cache_size = xgr, limits, cache_size
-        # schema_rules.bound_runaways: free strings and unbounded arrays close at these (None: unbounded)
-        self.max_string_chars, self.max_array_items = max_string_chars, max_array_items
+        # schema_rules.bound_runaways: free strings, unbounded arrays, open objects and numbers close at these (None:
+        # unbounded)
+        self.bounds = (max_string_chars, max_array_items, max_object_properties, max_number_digits)
         stops = sorted({int(t) for t in stop_token_ids}) or None
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
@@ -330,7 +338,7 @@ class StructuredCompiler:
     def _compile(self, spec: StructuredSpec) -> Any:
         c = self._compiler
         if spec.kind == "json_schema":
-            schema = engine_schema(json.loads(spec.text), self.max_string_chars, self.max_array_items)
+            schema = engine_schema(json.loads(spec.text), *self.bounds)
             return c.compile_json_schema(json.dumps(schema), any_whitespace=False)
         if spec.kind == "json_object":
             return c.compile_json_schema('{"type": "object"}', any_whitespace=False)

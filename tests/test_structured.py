@@ -695,6 +695,42 @@ def test_free_strings_and_unbounded_arrays_get_the_compilers_bounds():
     assert "maxLength" not in engine_schema(schema)["properties"]["free"]
 
 
+def test_open_objects_and_unbounded_numbers_get_the_compilers_bounds():
+    """bound_runaways: maxProperties on an object open to unlisted properties (at least its listed ones and its
+    minProperties), none on a closed one; a minimum / maximum of -/+ (10**digits - 1) on a number or integer where it
+    has none, none where its own bound lies beyond the edge or a multipleOf, enum or const shapes it. The grammar
+    engine then accepts no number with more digits before the point, and no object with more properties."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "open": {"type": "object", "additionalProperties": {"type": "boolean"}},
+            "wide": {"type": "object", "properties": {f"k{i}": {} for i in range(5)}, "minProperties": 6},
+            "closed": {"type": "object", "additionalProperties": False},
+            "n": {"type": "number"},
+            "low": {"type": "integer", "minimum": 3},
+            "far": {"type": "integer", "minimum": 10**12},
+            "step": {"type": "integer", "multipleOf": 5},
+            "pick": {"type": "integer", "enum": [1, 2]},
+        },
+        "additionalProperties": False,
+    }
+    p = engine_schema(schema, 256, 16, 4, 3)["properties"]
+    assert p["open"]["maxProperties"] == 4 and p["wide"]["maxProperties"] == 6 and "maxProperties" not in p["closed"]
+    assert (p["n"]["minimum"], p["n"]["maximum"]) == (-999, 999)
+    assert (p["low"]["minimum"], p["low"]["maximum"]) == (3, 999)
+    assert "maximum" not in p["far"] and "minimum" not in p["step"] and "minimum" not in p["pick"]
+    assert engine_schema(schema, 256, 16) == engine_schema(schema, 256, 16, None, None)  # off: as before
+    xgrammar = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    number = xgrammar.Grammar.from_json_schema(json.dumps(engine_schema(schema, 256, 16, 4, 3)["properties"]["n"]))
+    assert accepts(number, "-998.5") and not accepts(number, "1000") and not accepts(number, "12345")
+    bounded = engine_schema(schema, 256, 16, 4, 3)["properties"]["open"]
+    obj = xgrammar.Grammar.from_json_schema(json.dumps(bounded), any_whitespace=False)
+    four, five = ({f"k{i}": True for i in range(n)} for n in (4, 5))
+    assert accepts(obj, json.dumps(four)) and not accepts(obj, json.dumps(five))
+
+
 def test_a_string_the_model_would_repeat_in_closes_at_the_bound(paths, tok):
     """With a bound of 6 characters every free string of the answer has at most 6; the answer finishes and is valid."""
     schema = {

@@ -7,7 +7,12 @@ import os
 from pathlib import Path
 
 from molora.cli.registry import command
-from molora.config import DEFAULT_MAX_ARRAY_ITEMS, DEFAULT_MAX_STRING_CHARS
+from molora.config import (
+    DEFAULT_MAX_ARRAY_ITEMS,
+    DEFAULT_MAX_NUMBER_DIGITS,
+    DEFAULT_MAX_OBJECT_PROPERTIES,
+    DEFAULT_MAX_STRING_CHARS,
+)
 from molora.errors import MoLoRAError
 
 # --------------------------------------------------------------------------------------------- serve
@@ -166,6 +171,24 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"structured output: an array without maxItems closes at N items (default {DEFAULT_MAX_ARRAY_ITEMS}; "
         "0: unbounded); a schema's own maxLength and maxItems always win",
+    )
+    p.add_argument(
+        "--max-json-object-properties",
+        type=int,
+        default=DEFAULT_MAX_OBJECT_PROPERTIES or 0,
+        metavar="N",
+        help=f"structured output: an object open to properties it does not list (additionalProperties not false) "
+        f"and without maxProperties closes at N properties, or its listed ones if more (default "
+        f"{DEFAULT_MAX_OBJECT_PROPERTIES or 0}; 0: unbounded)",
+    )
+    p.add_argument(
+        "--max-json-number-digits",
+        type=int,
+        default=DEFAULT_MAX_NUMBER_DIGITS or 0,
+        metavar="N",
+        help=f"structured output: a number the schema leaves unbounded gets at most N digits before its point (a "
+        f"minimum / maximum of -/+ (10^N - 1), written without an exponent; default {DEFAULT_MAX_NUMBER_DIGITS or 0}; "
+        "0: unbounded)",
     )
     p.add_argument(
         "--allow-special-tokens-in-chat",
@@ -438,6 +461,8 @@ def _serve(args: argparse.Namespace) -> int:
         allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
         max_json_string_chars=args.max_json_string_chars,
         max_json_array_items=args.max_json_array_items,
+        max_json_object_properties=args.max_json_object_properties,
+        max_json_number_digits=args.max_json_number_digits,
         **keys,
     )
     return 0

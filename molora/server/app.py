@@ -41,7 +41,12 @@ from fastapi.encoders import jsonable_encoder
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from molora.bundle import stop_token_ids
-from molora.config import DEFAULT_MAX_ARRAY_ITEMS, DEFAULT_MAX_STRING_CHARS
+from molora.config import (
+    DEFAULT_MAX_ARRAY_ITEMS,
+    DEFAULT_MAX_NUMBER_DIGITS,
+    DEFAULT_MAX_OBJECT_PROPERTIES,
+    DEFAULT_MAX_STRING_CHARS,
+)
 from molora.server.catalog import Catalog, ModelInfo
 from molora.server.client import EngineClient, LocalClient
 from molora.server.generation import Limits
@@ -88,6 +93,8 @@ def create_app(
     allow_special_tokens_in_chat: bool = False,
     max_json_string_chars: int | None = DEFAULT_MAX_STRING_CHARS,
     max_json_array_items: int | None = DEFAULT_MAX_ARRAY_ITEMS,
+    max_json_object_properties: int | None = DEFAULT_MAX_OBJECT_PROPERTIES,
+    max_json_number_digits: int | None = DEFAULT_MAX_NUMBER_DIGITS,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine` (see the module docstring).
 
@@ -100,8 +107,9 @@ def create_app(
     first names it (vLLM's filesystem resolver). enable_auto_tool_choice, tool_call_parser: vLLM's flags; tool_choice
     "auto" is parsed by that parser (molora.server.tools; default `hermes`), and refused without the first.
     allow_special_tokens_in_chat: read special-token literals in chat messages as special tokens (default: as text,
-    molora.server.special_tokens). max_json_string_chars, max_json_array_items: structured output closes free
-    strings and unbounded arrays at these (None or 0: unbounded; molora.structured).
+    molora.server.special_tokens). max_json_string_chars, max_json_array_items, max_json_object_properties,
+    max_json_number_digits: structured output closes free strings, unbounded arrays, open objects and numbers (digits
+    before the point) at these (None or 0: unbounded; molora.schema_rules.bound_runaways).
     """
     from molora.server.tools import auto_tool_parser
 
@@ -122,6 +130,8 @@ def create_app(
     info.tool_parser = auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
     info.allow_special_tokens_in_chat = allow_special_tokens_in_chat
     info.max_json_string_chars, info.max_json_array_items = max_json_string_chars or None, max_json_array_items or None
+    info.max_json_object_properties = max_json_object_properties or None
+    info.max_json_number_digits = max_json_number_digits or None
     runner = EngineRunner(engine, max_in_flight=max_queue, stall_s=stall_s)
     return build_app(
         LocalClient(engine, runner, call_timeout_s=engine_call_timeout_s),

@@ -12,7 +12,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from molora.config import DEFAULT_MAX_ARRAY_ITEMS, DEFAULT_MAX_STRING_CHARS
+from molora.config import (
+    DEFAULT_MAX_ARRAY_ITEMS,
+    DEFAULT_MAX_NUMBER_DIGITS,
+    DEFAULT_MAX_OBJECT_PROPERTIES,
+    DEFAULT_MAX_STRING_CHARS,
+)
 from molora.errors import MoLoRAError
 from molora.server.protocol import APIError
 
@@ -34,9 +39,12 @@ class ModelInfo:
     tool_parser: str | None = None  # --enable-auto-tool-choice: parses tool_choice "auto" (None: "auto" is refused)
     # chat messages' special-token literals are tokenized as text (molora.server.special_tokens) unless this is set
     allow_special_tokens_in_chat: bool = False
-    # structured output closes free strings and unbounded arrays at these (molora.structured; None: unbounded)
+    # structured output closes free strings, unbounded arrays, open objects and numbers at these (molora.structured;
+    # None: unbounded)
     max_json_string_chars: int | None = DEFAULT_MAX_STRING_CHARS
     max_json_array_items: int | None = DEFAULT_MAX_ARRAY_ITEMS
+    max_json_object_properties: int | None = DEFAULT_MAX_OBJECT_PROPERTIES
+    max_json_number_digits: int | None = DEFAULT_MAX_NUMBER_DIGITS
 
     @property
     def models(self) -> list[str]:

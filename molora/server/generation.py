@@ -312,6 +312,8 @@ class Generation:
                         stop_token_ids=info.stop_token_ids,
                         max_string_chars=info.max_json_string_chars,
                         max_array_items=info.max_json_array_items,
+                        max_object_properties=info.max_json_object_properties,
+                        max_number_digits=info.max_json_number_digits,
                     )
                 except StructuredOutputError:  # the grammar engine is not installed: the message says how
                     raise

@@ -23,7 +23,12 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from molora.config import DEFAULT_MAX_ARRAY_ITEMS, DEFAULT_MAX_STRING_CHARS
+from molora.config import (
+    DEFAULT_MAX_ARRAY_ITEMS,
+    DEFAULT_MAX_NUMBER_DIGITS,
+    DEFAULT_MAX_OBJECT_PROPERTIES,
+    DEFAULT_MAX_STRING_CHARS,
+)
 from molora.engine.heap import freeze_heap
 from molora.errors import MoLoRAError
 from molora.server.app import create_app
@@ -149,6 +154,8 @@ def serve(
     allow_special_tokens_in_chat: bool = False,
     max_json_string_chars: int | None = DEFAULT_MAX_STRING_CHARS,
     max_json_array_items: int | None = DEFAULT_MAX_ARRAY_ITEMS,
+    max_json_object_properties: int | None = DEFAULT_MAX_OBJECT_PROPERTIES,
+    max_json_number_digits: int | None = DEFAULT_MAX_NUMBER_DIGITS,
 ) -> None:
     """Serve the OpenAI-compatible API until SIGTERM/SIGINT, then drain and return.
 
@@ -163,7 +170,8 @@ def serve(
     stall_s: /health turns 503 when the engine thread is busy this long without progress.
     enable_auto_tool_choice, tool_call_parser: tool_choice "auto" and its parser (create_app).
     allow_special_tokens_in_chat: special-token literals in chat messages stay special tokens (create_app).
-    max_json_string_chars, max_json_array_items: structured output's bounds on free strings and arrays (create_app).
+    max_json_string_chars, max_json_array_items, max_json_object_properties, max_json_number_digits: structured
+    output's bounds on free strings, arrays, open objects and numbers (create_app).
     """
     if not api_keys and not admin_keys and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without API keys: anyone who can reach this port can use it (--api-key)", host)
@@ -185,6 +193,8 @@ def serve(
         allow_special_tokens_in_chat=allow_special_tokens_in_chat,
         max_json_string_chars=max_json_string_chars,
         max_json_array_items=max_json_array_items,
+        max_json_object_properties=max_json_object_properties,
+        max_json_number_digits=max_json_number_digits,
         **extra,
     )
     log.info("serving %s on http://%s:%d/v1", ", ".join(app.state.molora.catalog.infos), host, port)
