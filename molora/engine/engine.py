@@ -242,11 +242,11 @@ class Engine:
         thread), on top of the bundle's constrained spans; a step where nothing is allowed ends the request with
         finish_reason "error" (molora.engine.sampler). Routing is unaffected: the mask depends on the ids only.
 
-        timeout_s: the request ends with finish_reason "timeout" once it has been in the engine this long;
         routing "hybrid": the model's per-request chooser picks the one adapter (or the base model) the request runs
         on, from `question` (None: the prompt, decoded); the request waits for the pick (molora.engine.choosing),
         which its first output reports (RequestOutput.chosen).
 
+        timeout_s: the request ends with finish_reason "timeout" once it has been in the engine this long;
         queue_timeout_s: the same if it has not started (been scheduled) by then. Both are checked at the start
         of every step, so they fire at the first step boundary past the deadline; KV blocks and pins are freed.
         """
