@@ -59,6 +59,7 @@ def test_fcfs_admits_in_arrival_order_and_priority_by_value_then_arrival(paths):
     for policy in ("fcfs", "priority"):
         engine = _engine(paths, policy)
         for i, p in enumerate(prios):
+            p = p if policy == "priority" else 0
             engine.add_request(_prompt(6, rng), SamplingParams(max_new_tokens=NEW), request_id=f"r{i}", priority=p)
         runs[policy] = _start_order(engine)
     assert runs["fcfs"] == ["r0", "r1", "r2", "r3", "r4"]
@@ -162,6 +163,8 @@ def test_bad_policy_and_priority_are_refused(paths):
         engine.add_request([5, 6], SamplingParams(), priority="high")  # type: ignore[arg-type]
     with pytest.raises(MoLoRAError, match="tenant=''"):
         engine.add_request([5, 6], SamplingParams(), tenant="")
+    with pytest.raises(MoLoRAError, match="priority=2 needs the priority scheduling policy.*runs 'fair'"):
+        _engine(paths, "fair").add_request([5, 6], SamplingParams(), priority=2)
     assert not engine.requests and not engine.scheduler.waiting
 
 

@@ -267,6 +267,12 @@ class Engine:
                 raise MoLoRAError(f"{name}={value} must be a positive number of seconds (or None: no limit)")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise MoLoRAError(f"priority={priority!r} must be an integer (lower goes first)")
+        if priority and self.config.scheduling_policy != "priority":
+            raise MoLoRAError(
+                f"priority={priority} needs the priority scheduling policy (EngineConfig.scheduling_policy='priority',"
+                f" molora serve --scheduling-policy priority); this engine runs {self.config.scheduling_policy!r}: "
+                "leave priority 0"
+            )
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
             raise MoLoRAError(f"tenant={tenant!r} must be a non-empty string (or None: the adapter, else 'default')")
         prompt = [int(t) for t in prompt_ids]
