@@ -277,6 +277,7 @@ class Generation:
             self.tenants.admit(tenant, len(specs), sum(len(s.prompt_ids) for s in specs), self.retry_after_s)
         except TenantLimitExceeded as e:
             log.info("%s refused (429): %s", fmt.id, e)
+            self.metrics.count_tenant_refusal(tenant, e.limit)
             raise APIError(
                 429,
                 str(e),
@@ -284,7 +285,9 @@ class Generation:
                 code="tenant_limit",
                 headers={"Retry-After": str(e.retry_after_s)},
             ) from None
-        states = [ChoiceState(spec.index, len(spec.prompt_ids), prompt_ids=spec.prompt_ids) for spec in specs]
+        states = [
+            ChoiceState(spec.index, len(spec.prompt_ids), prompt_ids=spec.prompt_ids, tenant=tenant) for spec in specs
+        ]
         try:
             sub = await self._submit(specs, fmt.id, info.name)
         except BaseException:
@@ -448,6 +451,9 @@ class Generation:
             prompt_tokens=s.prompt_tokens,
             completion_tokens=n,
             finish_reason=s.finish_reason,
+            tenant=s.tenant,
+            adapters=s.adapters,
+            gaps=s.gaps,
         )
 
 

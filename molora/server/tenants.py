@@ -74,9 +74,9 @@ class TenantLimits:
 class TenantLimitExceeded(Exception):
     """A tenant is over one of its limits: 429 with this message and Retry-After `retry_after_s`."""
 
-    def __init__(self, message: str, retry_after_s: int) -> None:
+    def __init__(self, message: str, retry_after_s: int, limit: str) -> None:
         super().__init__(message)
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.limit = retry_after_s, limit  # limit: "queued" or "tokens_per_minute"
 
 
 class Tenants:
@@ -98,6 +98,7 @@ class Tenants:
                 f"tenant {tenant!r} has {held} requests in flight and this one adds {requests}; its limit is "
                 f"{lim.max_queued} (--tenant-max-queued); retry after {retry_after_s} s",
                 retry_after_s,
+                "queued",
             )
         if lim.tokens_per_minute is not None:
             used = self._window(tenant)
@@ -107,6 +108,7 @@ class Tenants:
                     f"tenant {tenant!r} used {used} tokens in the last {WINDOW_S:g} s; its limit is "
                     f"{lim.tokens_per_minute} tokens per minute (--tenant-tokens-per-minute); retry after {wait} s",
                     wait,
+                    "tokens_per_minute",
                 )
         self.in_flight[tenant] = held + requests
         self.use(tenant, prompt_tokens)
