@@ -293,7 +293,7 @@ class Generation:
         except BaseException:
             self.tenants.done(tenant, len(specs), 0)
             raise
-        log.debug("%s: %d engine requests of tenant %r (priority %d)", fmt.id, len(specs), tenant, req.priority)
+        log.info("%s: %d engine requests of tenant %r (priority %d)", fmt.id, len(specs), tenant, req.priority)
         sub.on_close(lambda: self.tenants.done(tenant, len(specs), sum(len(st.token_ids) for st in states)))
         deadline = time.monotonic() + specs[0].timeout_s + self.limits.deadline_grace_s
         headers = {REPLICA_HEADER: sub.replica} if sub.replica is not None else None
