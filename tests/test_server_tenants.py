@@ -41,6 +41,7 @@ def test_priority_reaches_the_engine_and_is_checked():
         assert _post(client, priority=-3).status_code == 200
         assert_error(_post(client, priority="high"), 400, "priority")
         assert_error(_post(client, priority=2**70), 400, "priority")
+        assert_error(_post(client, user="u" * 257), 400, "user")  # a tenant name becomes a label: bounded
     assert [r["priority"] for r in engine.added] == [-3]
 
 
