@@ -136,6 +136,8 @@ class FakeEngine:
         routing="auto",
         timeout_s=None,
         queue_timeout_s=None,
+        tenant=None,
+        priority=0,
     ) -> str:
         self._same_thread()
         for name in [adapter] + list(allowed_adapters or []):
@@ -157,6 +159,8 @@ class FakeEngine:
             adapter=adapter,
             allowed=allowed_adapters,
             routing=routing,
+            tenant=tenant,
+            priority=priority,
         )
         self.running[request_id] = req
         self.added.append(req)

@@ -63,7 +63,8 @@ ENDPOINTS = {  # what OpenAI clients and vLLM's tools call
 NOTES = {
     "suffix": "accepted empty only; insertion is refused (400)",
     "best_of": "only best_of == n (400 otherwise)",
-    "user": "accepted, not used",
+    "user": "the request's tenant when its API key has no name (fair share, per-tenant limits and metrics)",
+    "priority": "lower first with --scheduling-policy priority; non-zero under another policy is a 400",
     "store": "accepted, not used (nothing is stored)",
     "metadata": "accepted, not used (nothing is stored)",
     "chat_template_kwargs": "variables for the tokenizer's own chat template (e.g. enable_thinking); the ones the "

@@ -13,6 +13,8 @@ requests, one model per batch) on a second copy of the model, for the comparison
 `--ray` runs the same closed-loop work against `molora serve` and `molora serve --ray --replicas N` (both
 started here, each in its own process), level by level with the order rotated per repetition: the cost of the
 extra hop (output tokens/s ratio, added p50 latency per request) and whether greedy outputs agree.
+`--tenants N` runs the many-tenants scenario instead (molora.bench.tenants): one tenant floods while N send short
+requests at a steady rate, under each scheduling policy side by side.
 Ends with one JSON line. Owns only load generation and reporting; knows the server through HTTP.
 """
 
@@ -204,6 +206,7 @@ def start_server(
     timeout_s: float = 600.0,
     ray_replicas: int | None = None,
     ray_ingress: str = "serve",
+    extra: Sequence[str] = (),
 ) -> tuple[subprocess.Popen, str]:
     """`molora serve` in a child process (so the load generator does not share its GIL) on a free port;
     with ray_replicas, `molora serve --ray --replicas N --ray-ingress KIND` (Ray and every replica stop with
@@ -223,6 +226,7 @@ def start_server(
         "--max-num-seqs",
         str(max(64, max_concurrency)),
     ] + (["--bundle", bundle] if bundle else [])
+    cmd += list(extra)  # later flags win (argparse): e.g. another --max-num-seqs
     if ray_replicas is not None:
         cmd += ["--ray", "--replicas", str(ray_replicas), "--ray-ingress", ray_ingress]
     proc = subprocess.Popen(cmd, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
@@ -274,7 +278,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--repeats", type=int, default=2, help="--ray: runs per level and server, order rotated")
     ap.add_argument("--json", metavar="OUT", help="also write the result JSON to this file")
+    from molora.bench import tenants
+
+    tenants.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.tenants:
+        if args.url or args.ray or args.baseline:
+            ap.error("--tenants starts one server per scheduling policy here: drop --url, --ray and --baseline")
+        return tenants.main(args)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if not levels or min(levels) < 1:
         ap.error(f"--concurrency {args.concurrency!r}: give positive integers, e.g. 1,4,16")

@@ -33,8 +33,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         action="append",
         default=[],
-        metavar="KEY",
-        help="accept this Bearer key (repeatable; also $MOLORA_API_KEYS, comma-separated); none: open",
+        metavar="[NAME=]KEY",
+        help="accept this Bearer key (repeatable; also $MOLORA_API_KEYS, comma-separated); none: open. NAME=KEY "
+        "names the key: its requests are tenant NAME (fair share, per-tenant limits and metrics)",
     )
     p.add_argument(
         "--admin-key",
@@ -81,6 +82,27 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         default="fcfs",
         help="order in which waiting requests start: fcfs (default), or slots: requests whose adapters are all in "
         "slots pass one that waits for a slot, at most 16 times each (molora.engine.scheduler)",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority", "fair"),
+        default="fcfs",
+        help="who is admitted first: fcfs (default), priority (the request's priority field, lower first; vLLM's), "
+        "or fair: a fair share per tenant by served tokens (molora.engine.policy)",
+    )
+    p.add_argument(
+        "--tenant-max-queued",
+        type=int,
+        default=None,
+        metavar="N",
+        help="engine requests one tenant may have in flight (queued or running); more get 429 (default: no limit)",
+    )
+    p.add_argument(
+        "--tenant-tokens-per-minute",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt + completion tokens one tenant may use in any 60 s; more get 429 (default: no limit)",
     )
     p.add_argument(
         "--enforce-eager",
@@ -398,8 +420,12 @@ def _serve(args: argparse.Namespace) -> int:
         queue_timeout_s=args.queue_timeout or None,
         keepalive_s=args.keepalive,
     )
+    from molora.server.tenants import TenantLimits
+
     keys = dict(
-        api_keys=args.api_key + _env_list("MOLORA_API_KEYS"), admin_keys=args.admin_key + _env_list("MOLORA_ADMIN_KEYS")
+        api_keys=args.api_key + _env_list("MOLORA_API_KEYS"),
+        admin_keys=args.admin_key + _env_list("MOLORA_ADMIN_KEYS"),
+        tenant_limits=TenantLimits(args.tenant_max_queued, args.tenant_tokens_per_minute),
     )
     import logging
 
@@ -448,6 +474,7 @@ def _serve(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             enable_prefix_caching=args.enable_prefix_caching,
             admission=args.admission,
+            scheduling_policy=args.scheduling_policy,
         ),
         limits=limits,
         stall_s=args.stall_timeout,
@@ -492,6 +519,7 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
             "enforce_eager": args.enforce_eager,
             "enable_prefix_caching": args.enable_prefix_caching,
             "admission": args.admission,
+            "scheduling_policy": args.scheduling_policy,
         },
         dtype=args.dtype,
         quantization=args.quantization,

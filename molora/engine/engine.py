@@ -68,6 +68,7 @@ from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
 from molora.engine.lifecycle import RequestLifecycle
 from molora.engine.offline import generate
+from molora.engine.policy import POLICIES
 from molora.engine.prefix import PrefixCache
 from molora.engine.request import IncrementalDetokenizer, Request, RequestOutput, TextState
 from molora.engine.routing import RouteState, plan_routing, record_carry, record_probe
@@ -109,10 +110,15 @@ class EngineConfig:
     pack_weights: bool | None = None  # base GEMMs on packed weights (molora.ops.packed; None: where they run)
     enable_prefix_caching: bool = True  # reuse full KV blocks of equal prefixes run on the same adapters (vLLM's name)
     admission: str = "fcfs"  # "slots": warm requests pass a slot-blocked one (molora.engine.scheduler)
+    scheduling_policy: str = "fcfs"  # "priority" (vLLM's) or "fair" (per-tenant token counters): molora.engine.policy
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSION:
             raise MoLoRAError(f"EngineConfig.admission={self.admission!r}: choose one of {', '.join(ADMISSION)}")
+        if self.scheduling_policy not in POLICIES:
+            raise MoLoRAError(
+                f"EngineConfig.scheduling_policy={self.scheduling_policy!r}: choose one of {', '.join(POLICIES)}"
+            )
         for name in ("max_num_seqs", "max_tokens_per_step", "block_size", "kv_budget_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise MoLoRAError(f"EngineConfig.{name}={getattr(self, name)} must be at least 1")
@@ -183,6 +189,7 @@ class Engine:
             prefix=self.prefix,
             admission=config.admission,
             chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
         )
         self.vocab_size = int(mcfg.vocab_size)
         self._mask_pool: ThreadPoolExecutor | None = None  # fills constraint masks while a step computes
@@ -235,8 +242,13 @@ class Engine:
         queue_timeout_s: float | None = None,
         constraint: Constraint | None = None,
         question: str | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request; returns its id. Bad input raises a MoLoRAError and changes nothing.
+
+        tenant: whose request it is, the unit of the fair share (EngineConfig.scheduling_policy "fair"; None: the
+        adapter it is pinned to, else "default"); priority: lower goes first under the "priority" policy (vLLM's).
 
         constraint: what its generated ids must obey (e.g. molora.structured.GrammarConstraint, compiled off this
         thread), on top of the bundle's constrained spans; a step where nothing is allowed ends the request with
@@ -253,6 +265,16 @@ class Engine:
         for name, value in (("timeout_s", timeout_s), ("queue_timeout_s", queue_timeout_s)):
             if value is not None and not value > 0:
                 raise MoLoRAError(f"{name}={value} must be a positive number of seconds (or None: no limit)")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise MoLoRAError(f"priority={priority!r} must be an integer (lower goes first)")
+        if priority and self.config.scheduling_policy != "priority":
+            raise MoLoRAError(
+                f"priority={priority} needs the priority scheduling policy (EngineConfig.scheduling_policy='priority',"
+                f" molora serve --scheduling-policy priority); this engine runs {self.config.scheduling_policy!r}: "
+                "leave priority 0"
+            )
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise MoLoRAError(f"tenant={tenant!r} must be a non-empty string (or None: the adapter, else 'default')")
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise MoLoRAError("the prompt is empty; give at least one token id")
@@ -295,6 +317,8 @@ class Engine:
         )
         req = Request(rid, prompt, params, route, generator=gen, detok=detok, text=TextState(tuple(params.stop)))
         req.arrival = time.monotonic()
+        req.tenant = tenant if tenant is not None else adapter if adapter is not None else "default"
+        req.priority = priority
         req.timeout_s, req.queue_timeout_s = timeout_s, queue_timeout_s
         req.constraints = [c.begin(prompt) for c in (self.constraint, constraint) if c is not None]
         if mode == "choosing":

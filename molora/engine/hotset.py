@@ -95,6 +95,10 @@ class HotSet:
         self.hits = self.misses = self.evictions = self.disk_reads = self.read_failures = 0
         self.prefetches = self.prefetch_deferred = 0  # reads started by `prefetch` / prefetches the budget refused
         self.load_ms_total = 0.0
+        # per adapter: slot loads, evictions and load time (ms) since it was first seen (the server's /metrics)
+        self.loads_by: Counter[str] = Counter()
+        self.evictions_by: Counter[str] = Counter()
+        self.load_ms_by: dict[str, float] = {}
         self.version = 0  # bumped whenever a slot changes hands (routing lookups depend on it)
         # content versions (`content_version`): name -> (the resident LoRAAdapter object, weakly, its version)
         self._versions: dict[str, tuple[weakref.ref, int]] = {}
@@ -167,6 +171,15 @@ class HotSet:
             "prefetches": self.prefetches,
             "prefetch_deferred": self.prefetch_deferred,
             "pinned": {n: c for n, c in self.pins.items() if c},
+            "adapters": {  # every registered adapter: its tier now, and its slot loads, evictions and load time
+                n: {
+                    "tier": self.tier(n),
+                    "loads": self.loads_by[n],
+                    "evictions": self.evictions_by[n],
+                    "load_ms": round(self.load_ms_by.get(n, 0.0), 3),
+                }
+                for n in self.paths
+            },
         }
 
     def host_bytes(self) -> int:
@@ -468,7 +481,10 @@ class HotSet:
     def _load(self, adapter: LoRAAdapter) -> None:
         t0 = time.perf_counter()
         self.mm.load_adapter(adapter.name, adapter)  # a copy into the slot tensors
-        self.load_ms_total += (time.perf_counter() - t0) * 1e3
+        ms = (time.perf_counter() - t0) * 1e3
+        self.load_ms_total += ms
+        self.loads_by[adapter.name] += 1
+        self.load_ms_by[adapter.name] = self.load_ms_by.get(adapter.name, 0.0) + ms
         self.slot_lru[adapter.name] = None
         self.version += 1
 
@@ -477,6 +493,7 @@ class HotSet:
         self.mm.unload_adapter(name)
         del self.slot_lru[name]
         self.evictions += 1
+        self.evictions_by[name] += 1
         self.version += 1
         self._cache(adapter)
         log.debug("evicted adapter %r from its slot", name)

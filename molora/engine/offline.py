@@ -61,7 +61,9 @@ def generate(
 
 def _per_prompt(key: str, value: Any, i: int, n: int) -> Any:
     """A generate() keyword's value for prompt i: lists of per-prompt values are indexed."""
-    if key in ("adapter", "routing", "request_id", "constraint", "question") and isinstance(value, list):
+    if key in ("adapter", "routing", "request_id", "constraint", "question", "tenant", "priority") and isinstance(
+        value, list
+    ):
         return value[i]
     if (
         key == "allowed_adapters"

@@ -138,6 +138,9 @@ class Request:
     prefix: Any = None  # its key chain in the prefix cache (molora.engine.prefix.PrefixState)
     cached_tokens: int | None = None  # tokens its first real pass took from the prefix cache (None: not looked up)
     constraints: list = field(default_factory=list)  # ConstraintStates (molora.sampling) its next ids must obey
+    tenant: str = "default"  # whose request it is: the fair share's unit (molora.engine.policy)
+    priority: int = 0  # lower first under the priority policy (vLLM's)
+    seq: int = 0  # arrival order in the scheduler (Scheduler.add)
     bypassed: int = 0  # waiting requests admitted ahead of it by slot-aware admission (Scheduler)
     # per prompt position, its token's logprob entry (RequestOutput.prompt_logprobs); filled chunk by chunk and
     # rewritten if the prompt is computed again (preemption); None: not asked for, or already given out

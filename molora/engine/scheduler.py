@@ -39,6 +39,11 @@ instead of waiting behind it; each request counts how many were moved ahead of i
 once that reaches `max_bypass` nothing more moves ahead of it: a cold request waits at most that many extra
 admissions. Measured against FCFS on Zipf traffic over many adapters in molora/bench/hotset.py (--adapters).
 
+Scheduling policy (molora.engine.policy: `fcfs`, `priority`, `fair`): each step the policy orders the waiting queue
+before admission (then the slot-aware rule applies, as above) and picks the victim of a preemption; the scheduler
+tells it what each step computes for whom (`Policy.charge`) and when a request enters and leaves. Under fcfs the
+queue is left as it stands and the victim is the request admitted last, as described above.
+
 Draining adapters (`HotSet.drain`, an unload while requests use it): when the last request in flight
 (waiting or running) that needs a draining adapter leaves (`finish`, or failing to start), the scheduler
 unregisters the adapter. A preempted request is still in flight and keeps the adapter registered.
@@ -58,6 +63,7 @@ from typing import TYPE_CHECKING
 
 from molora.engine.hotset import HotSet
 from molora.engine.kv import BlockAllocator
+from molora.engine.policy import Policy, make_policy
 from molora.engine.request import Request
 from molora.errors import MoLoRAError
 
@@ -89,7 +95,7 @@ class Scheduled:
 
 
 class Scheduler:
-    """FCFS continuous batching with chunked prefill and recompute preemption (module docstring)."""
+    """Continuous batching with chunked prefill and recompute preemption (module docstring)."""
 
     def __init__(
         self,
@@ -102,6 +108,7 @@ class Scheduler:
         admission: str = "fcfs",
         max_bypass: int = MAX_BYPASS,
         chunked_prefill: bool = True,
+        policy: str | Policy = "fcfs",
     ) -> None:
         if admission not in ADMISSION or max_bypass < 0:
             raise MoLoRAError(
@@ -114,6 +121,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self._seq = itertools.count()  # arrival order (Request.seq)
         self.failed: list[tuple[Request, str]] = []  # (request, why) that could not start; the engine reports them
 
     def has_work(self) -> bool:
@@ -122,7 +131,9 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a request and start reading its cold adapters now (`HotSet.prefetch`, within the CPU tier's
         budget), so they are usually warm when it reaches the front."""
+        request.seq = next(self._seq)
         self.waiting.append(request)
+        self.policy.enter(request)
         self.hotset.prefetch(request.needs)
 
     def _prefetch_queue(self) -> None:
@@ -157,11 +168,17 @@ class Scheduler:
                 out.append(Scheduled(req, req.num_computed, n, req.probing))
                 if self.prefix is not None:
                     computing.update(self.prefix.computing(req, req.num_computed + n))
+        if self.policy.name != "fcfs" and len(self.waiting) > 1:
+            order = self.policy.order(self.waiting)
+            self.waiting.clear()
+            self.waiting.extend(order)
         self._order_for_slots()
         if self._admit(out) and not out:  # nothing can run until an adapter read finishes: wait a little,
             self.hotset.wait_reads(READ_WAIT_S)  # bounded so that the engine thread stays responsive
             self._admit(out)  # (commands, deadlines, heartbeat); the next step waits again
         self._prefetch_queue()
+        for s in out:
+            self.policy.charge(s.request, s.n, output=s.n == 1 and s.start >= len(s.request.prompt_ids))
         return out
 
     def _admit(self, out: list[Scheduled]) -> bool:
@@ -187,6 +204,7 @@ class Scheduler:
                 del self.waiting[i]
                 req.error = str(e)
                 self.failed.append((req, str(e)))
+                self.policy.leave(req)
                 self._retire(req.needs)
                 continue
             hits: list[int] = []
@@ -266,7 +284,7 @@ class Scheduler:
         """Grow req's table to `length` rows, preempting the newest running requests for blocks.
         False if req itself had to be preempted."""
         while not self.allocator.grow(req.block_table, length):
-            victim = self.running[-1]
+            victim = self.policy.victim(self.running)
             for i, s in enumerate(scheduled):
                 if s.request is victim:  # it was already given tokens this step: take them back
                     del scheduled[i]
@@ -291,8 +309,10 @@ class Scheduler:
         self._release(req)
         if req in self.running:
             self.running.remove(req)
+            self.policy.leave(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            self.policy.leave(req)
         self._retire(req.needs)
 
     def users(self, name: str) -> list[Request]:
@@ -322,6 +342,7 @@ class Scheduler:
                 expected[n] = expected.get(n, 0) + 1
         assert dict(self.hotset.pins) == expected, (dict(self.hotset.pins), expected)
         in_flight = list(itertools.chain(self.running, self.waiting))
+        self.policy.check(in_flight)
         assert all(n in self.hotset.paths for r in in_flight for n in r.needs), "a request needs an unknown adapter"
         assert all(self.users(n) for n in self.hotset.draining), "a draining adapter without users was not unloaded"
         self.hotset.check()

@@ -66,6 +66,7 @@ from molora.server.protocol import (
 )
 from molora.server.runner import EngineBusy, EngineRunner, RunnerStopped
 from molora.server.state import ServerState, path_text, resolve_adapter_path
+from molora.server.tenants import TenantLimits
 
 __all__ = ["MAX_BODY_BYTES", "ServerState", "build_app", "create_app", "model_info", "resolve_adapter_path"]
 
@@ -95,6 +96,7 @@ def create_app(
     max_json_array_items: int | None = DEFAULT_MAX_ARRAY_ITEMS,
     max_json_object_properties: int | None = DEFAULT_MAX_OBJECT_PROPERTIES,
     max_json_number_digits: int | None = DEFAULT_MAX_NUMBER_DIGITS,
+    tenant_limits: TenantLimits = TenantLimits(),
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine` (see the module docstring).
 
@@ -109,7 +111,8 @@ def create_app(
     allow_special_tokens_in_chat: read special-token literals in chat messages as special tokens (default: as text,
     molora.server.special_tokens). max_json_string_chars, max_json_array_items, max_json_object_properties,
     max_json_number_digits: structured output closes free strings, unbounded arrays, open objects and numbers (digits
-    before the point) at these (None or 0: unbounded; molora.schema_rules.bound_runaways).
+    before the point) at these (None or 0: unbounded; molora.schema_rules.bound_runaways). api_keys: `KEY` or
+    `NAME=KEY` (the key's tenant, molora.server.tenants); tenant_limits: per-tenant limits, answered 429.
     """
     from molora.server.tools import auto_tool_parser
 
@@ -143,6 +146,7 @@ def create_app(
         retry_after_s=retry_after_s,
         limits=limits,
         lora_resolver_dirs=lora_resolver_dirs,
+        tenant_limits=tenant_limits,
     )
 
 
@@ -180,6 +184,7 @@ def build_app(
     retry_after_s: int = 1,
     limits: Limits = Limits(),
     lora_resolver_dirs: Sequence[str | Path] = (),
+    tenant_limits: TenantLimits = TenantLimits(),
 ) -> FastAPI:
     """The OpenAI-compatible app over any `EngineClient` serving the bundles of `catalog` (create_app's
     arguments of the same names)."""
@@ -195,6 +200,7 @@ def build_app(
         retry_after_s=retry_after_s,
         limits=limits,
         resolver_dirs=[Path(r).resolve() for r in lora_resolver_dirs],
+        tenant_limits=tenant_limits,
     )
     client.attach(on_step=metrics.observe_step, on_event=state.on_event)
 

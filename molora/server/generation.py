@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import threading
 import time
 import uuid
@@ -63,8 +64,10 @@ from molora.server.openai_format import (
 from molora.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerationRequest
 from molora.server.runner import EngineFailure, RequestSpec, Submission
 from molora.server.special_tokens import Shield
+from molora.server.tenants import TenantLimitExceeded, Tenants, tenant_of
 from molora.structured import GrammarConstraint, StructuredCompiler, StructuredOutputError, StructuredSpec
 
+log = logging.getLogger("molora.server")
 __all__ = ["OFFLOAD_CHARS", "REPLICA_HEADER", "Catalog", "Generation", "Limits", "ModelInfo"]
 
 OFFLOAD_CHARS = 32 << 10  # prompts longer than this are tokenised on a worker thread
@@ -122,8 +125,12 @@ class Generation:
         catalog: Catalog,
         limits: Limits = Limits(),
         resolver: Callable[[str], Awaitable[bool]] | None = None,
+        tenants: Tenants | None = None,
+        retry_after_s: int = 1,
     ) -> None:
         self.client, self.metrics, self.catalog, self.limits = client, metrics, catalog, limits
+        self.tenants = tenants if tenants is not None else Tenants()
+        self.retry_after_s = retry_after_s
         self._compilers: dict[str, StructuredCompiler] = {}  # bundle name -> its tokenizer's compiler
         self._compilers_lock = threading.Lock()
         self.resolver = resolver  # loads an adapter a request names on first use (--lora-resolver-dir)
@@ -232,6 +239,7 @@ class Generation:
                         timeout_s=timeout,
                         queue_timeout_s=self.limits.queue_timeout_s,
                         constraint=constraint,
+                        priority=req.priority,
                     )
                 )
         return specs
@@ -263,8 +271,45 @@ class Generation:
         if questions is not None:  # the engine's chooser picks each prompt's adapter (molora.engine.choosing)
             fmt.chooser = info.chooser
             specs = [dataclasses.replace(s, routing="hybrid", question=questions[s.index // req.n]) for s in specs]
+        tenant = tenant_of(getattr(request.state, "key_name", None), req.user, adapter)
+        specs = [dataclasses.replace(s, tenant=tenant) for s in specs]
         try:
-            sub = await self.client.submit(specs, fmt.id, info.name)
+            self.tenants.admit(tenant, len(specs), sum(len(s.prompt_ids) for s in specs), self.retry_after_s)
+        except TenantLimitExceeded as e:
+            log.info("%s refused (429): %s", fmt.id, e)
+            self.metrics.count_tenant_refusal(tenant, e.limit)
+            raise APIError(
+                429,
+                str(e),
+                type="rate_limit_error",
+                code="tenant_limit",
+                headers={"Retry-After": str(e.retry_after_s)},
+            ) from None
+        states = [
+            ChoiceState(spec.index, len(spec.prompt_ids), prompt_ids=spec.prompt_ids, tenant=tenant) for spec in specs
+        ]
+        try:
+            sub = await self._submit(specs, fmt.id, info.name)
+        except BaseException:
+            self.tenants.done(tenant, len(specs), 0)
+            raise
+        log.info("%s: %d engine requests of tenant %r (priority %d)", fmt.id, len(specs), tenant, req.priority)
+        sub.on_close(lambda: self.tenants.done(tenant, len(specs), sum(len(st.token_ids) for st in states)))
+        deadline = time.monotonic() + specs[0].timeout_s + self.limits.deadline_grace_s
+        headers = {REPLICA_HEADER: sub.replica} if sub.replica is not None else None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return SSEResponse(self._stream(sub, states, fmt, include_usage, req.n, deadline), sub, headers)
+        try:
+            await _until_done_or_gone(self._collect(sub, states, deadline), request)
+        finally:
+            sub.close()
+        return JSONResponse(fmt.response(states, usage_of(states, req.n)).model_dump(mode="json"), headers=headers)
+
+    async def _submit(self, specs: list[RequestSpec], call_id: str, model: str) -> Submission:
+        """`client.submit`, the engine's refusals mapped to 400 / 404 naming the field at fault."""
+        try:
+            return await self.client.submit(specs, call_id, model)
         except (AdapterDraining, AdapterNotFound) as e:  # not loaded, or unloaded since the model check
             pinned = any(spec.adapter is not None and spec.adapter in str(e) for spec in specs)
             raise APIError(
@@ -277,17 +322,6 @@ class Generation:
             raise APIError(400, str(e), param=ROUTING_PARAMS.get(e.field or "", "molora.routing")) from e
         except MoLoRAError as e:
             raise APIError(400, str(e)) from e
-        states = [ChoiceState(spec.index, len(spec.prompt_ids), prompt_ids=spec.prompt_ids) for spec in specs]
-        deadline = time.monotonic() + specs[0].timeout_s + self.limits.deadline_grace_s
-        headers = {REPLICA_HEADER: sub.replica} if sub.replica is not None else None
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(self._stream(sub, states, fmt, include_usage, req.n, deadline), sub, headers)
-        try:
-            await _until_done_or_gone(self._collect(sub, states, deadline), request)
-        finally:
-            sub.close()
-        return JSONResponse(fmt.response(states, usage_of(states, req.n)).model_dump(mode="json"), headers=headers)
 
     async def _constraint(self, req: GenerationRequest, info: ModelInfo) -> GrammarConstraint | None:
         """The request's compiled structured-output constraint (None: none asked); 400 if it cannot be had."""
@@ -417,6 +451,9 @@ class Generation:
             prompt_tokens=s.prompt_tokens,
             completion_tokens=n,
             finish_reason=s.finish_reason,
+            tenant=s.tenant,
+            adapters=s.adapters,
+            gaps=s.gaps,
         )
 
 

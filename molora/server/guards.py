@@ -74,7 +74,8 @@ def auth(s: ServerState, *, admin: bool) -> Any:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         token = token.strip() if scheme.lower() == "bearer" else ""
-        if not token or not _matches(token, s.api_keys):
+        key = _matching(token, s.api_keys) if token else None
+        if key is None:
             raise APIError(
                 401,
                 "missing or invalid API key: send 'Authorization: Bearer <key>'",
@@ -88,12 +89,22 @@ def auth(s: ServerState, *, admin: bool) -> Any:
                 type="permission_error",
                 code="admin_key_required",
             )
+        request.state.key_name = s.key_names.get(key)  # the tenant a named key (--api-key NAME=KEY) stands for
 
     return check
 
 
 def _matches(token: str, keys: Sequence[str]) -> bool:
-    return any(hmac.compare_digest(token.encode(), k.encode()) for k in keys)
+    return _matching(token, keys) is not None
+
+
+def _matching(token: str, keys: Sequence[str]) -> str | None:
+    """The configured key equal to `token` (compared in constant time against every key), or None."""
+    found = None
+    for k in keys:
+        if hmac.compare_digest(token.encode(), k.encode()):
+            found = k
+    return found
 
 
 # ---------------------------------------------------------------------------------------------- bodies

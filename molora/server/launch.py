@@ -156,6 +156,7 @@ def serve(
     max_json_array_items: int | None = DEFAULT_MAX_ARRAY_ITEMS,
     max_json_object_properties: int | None = DEFAULT_MAX_OBJECT_PROPERTIES,
     max_json_number_digits: int | None = DEFAULT_MAX_NUMBER_DIGITS,
+    tenant_limits: Any = None,
 ) -> None:
     """Serve the OpenAI-compatible API until SIGTERM/SIGINT, then drain and return.
 
@@ -172,6 +173,7 @@ def serve(
     allow_special_tokens_in_chat: special-token literals in chat messages stay special tokens (create_app).
     max_json_string_chars, max_json_array_items, max_json_object_properties, max_json_number_digits: structured
     output's bounds on free strings, arrays, open objects and numbers (create_app).
+    tenant_limits: per-tenant limits (molora.server.tenants.TenantLimits; None: none).
     """
     if not api_keys and not admin_keys and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without API keys: anyone who can reach this port can use it (--api-key)", host)
@@ -179,6 +181,8 @@ def serve(
         engine = build_engine(bundle, engine_config, dtype, max_cpu_loras, quantization, quantize_lm_head)
     register_lora_dirs(engine, lora_dirs)
     extra = {"limits": limits} if limits is not None else {}
+    if tenant_limits is not None:
+        extra["tenant_limits"] = tenant_limits
     app = create_app(
         engine,
         model_name=model_name,

@@ -54,12 +54,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from molora.server.usage import UsageMetrics
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # the media type of what `render()` returns, for the /metrics response
 
@@ -156,6 +158,7 @@ class ServerMetrics:
             self.deadlines.labels(kind=kind)
         for kind in FAILURE_KINDS:
             self.failures.labels(kind=kind)
+        self.usage = UsageMetrics(r, TTFT_BUCKETS, TPOT_BUCKETS)  # per adapter and per tenant, bounded
         Gauge(
             "molora_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW_S:g} s.", registry=r
         ).set_function(lambda: round(self.tokens_per_second(), 3))
@@ -179,8 +182,14 @@ class ServerMetrics:
         prompt_tokens: int,
         completion_tokens: int,
         finish_reason: str | None,
+        tenant: str | None = None,
+        adapters: Sequence[str | None] = (),
+        gaps: Sequence[float] = (),
     ) -> None:
-        """One finished engine request (one choice), as the handler saw it."""
+        """One finished engine request (one choice), as the handler saw it: with its `tenant`, the per-tenant and
+        per-adapter series too (`adapters`: each token's adapter; `gaps`: seconds between its outputs)."""
+        if tenant is not None:
+            self.usage.observe(tenant, adapters, ttft, gaps, prompt_tokens, completion_tokens)
         if ttft is not None:
             self.ttft.observe(ttft)
         if tpot is not None:
@@ -210,6 +219,10 @@ class ServerMetrics:
         self.choose_time.observe(seconds)
         for a in adapters:
             self.choices.labels(adapter=a if a is not None else "base").inc()
+
+    def count_tenant_refusal(self, tenant: str, limit: str) -> None:
+        """A request refused (429) by a per-tenant limit (molora.server.usage.TENANT_LIMITS)."""
+        self.usage.refuse(tenant, limit)
 
     def count_choice_failure(self) -> None:
         self.choices.labels(adapter="error").inc()
@@ -274,7 +287,7 @@ class ServerMetrics:
             forgotten=forgotten,
             lora=lora_view,
         )
-        return generate_latest(_Exposition(view, self.registry)).decode()
+        return generate_latest(_Exposition(view, self.registry, self.usage)).decode()
 
 
 def _lora_labels(lora: Mapping[str, Any] | None, bundle: str | None) -> tuple[str, ...] | None:
@@ -312,11 +325,12 @@ class _Scrape:
 class _Exposition:
     """A collector for one scrape: the families of `view`, then those of the server's own registry."""
 
-    def __init__(self, view: _Scrape, registry: CollectorRegistry) -> None:
-        self.view, self.registry = view, registry
+    def __init__(self, view: _Scrape, registry: CollectorRegistry, usage: UsageMetrics) -> None:
+        self.view, self.registry, self.usage = view, registry, usage
 
     def collect(self) -> Iterator[Metric]:
         yield from _scrape_families(self.view)
+        yield from self.usage.families(self.view.stats, self.view.forgotten)
         yield from self.registry.collect()
 
 
@@ -429,13 +443,6 @@ def _scrape_families(v: _Scrape) -> Iterator[Metric]:
     )
     for name, help_, value in counters:
         yield CounterMetricFamily(name, help_, value=value)
-    per_adapter = CounterMetricFamily(
-        "molora_adapter_tokens_total", "Tokens routed to each adapter ('base': none).", labels=["adapter"]
-    )
-    for name, n in sorted(((str(k), n) for k, n in (stats.get("tokens_by_adapter", {}) or {}).items())):
-        if name not in v.forgotten:
-            per_adapter.add_metric([name], n)
-    yield per_adapter
 
 
 def _kv_usage(stats: Mapping[str, Any]) -> float:

@@ -60,6 +60,8 @@ class ChoiceState:
     prompt_logprobs: list[dict | None] | None = None  # the engine's RequestOutput.prompt_logprobs, once given
     echoed: bool = False  # a stream has sent the echoed prompt
     chosen: dict | None = None  # the per-request chooser's pick for its prompt (RequestOutput.chosen), once given
+    tenant: str | None = None  # whose request it is (molora.server.tenants), for the per-tenant metrics
+    gaps: list[float] = field(default_factory=list)  # seconds between its outputs with tokens (inter-token times)
 
     def update(self, out: Any, now: float) -> None:
         self.prompt_tokens = out.prompt_tokens
@@ -74,6 +76,8 @@ class ChoiceState:
         if getattr(out, "chosen", None) is not None:
             self.chosen = out.chosen
         if out.new_token_ids:
+            if self.t_last is not None:
+                self.gaps.append(now - self.t_last)
             self.t_first = self.t_first if self.t_first is not None else now
             self.t_last = now
         if out.finished:

@@ -169,7 +169,9 @@ class GenerationRequest(_Strict):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # "token id" -> bias: token_bias()
-    user: str | None = None
+    # the request's tenant when its API key has no name (molora.server.tenants): a label in logs and /metrics
+    user: str | None = Field(None, max_length=256)
+    priority: int = Field(0, ge=-INT64, lt=INT64)  # vLLM's: lower first under --scheduling-policy priority
     # OpenAI's stored-completions fields: molora stores nothing, so they are accepted and not used
     store: bool | None = None
     metadata: (

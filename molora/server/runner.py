@@ -56,6 +56,8 @@ class RequestSpec:
     queue_timeout_s: float | None = None
     constraint: Any = None  # a compiled molora.sampling.Constraint (structured output) or None
     question: str | None = None  # routing "hybrid": the text the engine's per-request chooser reads
+    tenant: str | None = None  # whose request it is (molora.server.tenants; the engine's fair share)
+    priority: int = 0  # vLLM's priority field: lower first under --scheduling-policy priority
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,11 @@ class Submission:
         self.arrival = arrival
         self.replica = replica  # which engine replica runs it (None: this process)
         self._closed = False
+        self._on_close: list[Callable[[], None]] = []
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call `fn` once, when the submission closes (after its requests are aborted or finished)."""
+        self._on_close.append(fn)
 
     def finished(self, request_id: str) -> None:
         self.unfinished.discard(request_id)
@@ -102,7 +109,11 @@ class Submission:
         if self._closed:
             return
         self._closed = True
-        self._end()
+        try:
+            self._end()
+        finally:
+            for fn in self._on_close:
+                fn()
 
     def _end(self) -> None:
         """Abort what is unfinished and free the admission slots (once, from close)."""
@@ -292,6 +303,8 @@ class EngineRunner:
                     routing=spec.routing,
                     timeout_s=spec.timeout_s,
                     queue_timeout_s=spec.queue_timeout_s,
+                    tenant=spec.tenant,
+                    priority=spec.priority,
                     **extra,
                 )
                 added.append(rid)

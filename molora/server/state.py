@@ -23,6 +23,7 @@ from molora.server.client import EngineClient
 from molora.server.generation import Generation, Limits
 from molora.server.metrics import ServerMetrics
 from molora.server.protocol import APIError
+from molora.server.tenants import TenantLimits, Tenants, parse_api_keys
 
 log = logging.getLogger("molora.server")
 
@@ -45,10 +46,14 @@ class ServerState:
         retry_after_s: int,
         limits: Limits = Limits(),
         resolver_dirs: Sequence[Path] = (),
+        tenant_limits: TenantLimits = TenantLimits(),
     ) -> None:
         self.client, self.metrics, self.catalog = client, metrics, catalog
-        self.api_keys = tuple(api_keys) + tuple(admin_keys)  # an admin key is also an API key
-        self.admin_keys = tuple(admin_keys)
+        api, admin = parse_api_keys(api_keys), parse_api_keys(admin_keys)  # NAME=KEY: the key's tenant name
+        self.key_names = {**api, **admin}
+        self.api_keys = tuple(api) + tuple(admin)  # an admin key is also an API key
+        self.admin_keys = tuple(admin)
+        self.tenants = Tenants(tenant_limits)
         self.adapter_roots = tuple(adapter_roots)
         self.max_body_bytes = max_body_bytes
         self.retry_after_s = retry_after_s
@@ -56,7 +61,13 @@ class ServerState:
         self.resolver_dirs = tuple(resolver_dirs)
         self._resolving: dict[str, asyncio.Lock] = {}
         self.generation = Generation(
-            client, metrics, catalog, limits, resolver=self.resolve_lora if self.resolver_dirs else None
+            client,
+            metrics,
+            catalog,
+            limits,
+            resolver=self.resolve_lora if self.resolver_dirs else None,
+            tenants=self.tenants,
+            retry_after_s=retry_after_s,
         )
 
     async def resolve_lora(self, name: str) -> bool:
