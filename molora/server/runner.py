@@ -56,6 +56,8 @@ class RequestSpec:
     queue_timeout_s: float | None = None
     constraint: Any = None  # a compiled molora.sampling.Constraint (structured output) or None
     question: str | None = None  # routing "hybrid": the text the engine's per-request chooser reads
+    mix: dict[str, float] | str | None = None  # a static mix or a named mix's name (Engine.add_request)
+    scale: float | None = None  # the pinned adapter's weight (Engine.add_request)
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,10 @@ class EngineRunner:
                 extra: dict[str, Any] = {"constraint": spec.constraint} if spec.constraint is not None else {}
                 if spec.question is not None:
                     extra["question"] = spec.question
+                if spec.mix is not None:
+                    extra["mix"] = spec.mix
+                if spec.scale is not None:
+                    extra["scale"] = spec.scale
                 self.engine.add_request(
                     spec.prompt_ids,
                     spec.params,
