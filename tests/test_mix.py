@@ -284,9 +284,46 @@ def test_bad_mix_and_scale_requests_are_refused_naming_the_field_and_change_noth
     assert engine.stats() == before and not engine.has_unfinished() and engine.mixes.names() == []
     with pytest.raises(MoLoRAError, match="max_mix_weight"):
         EngineConfig(max_mix_weight=0.0)
+    per_prompt = engine.generate([[5, 6], [7]], SamplingParams(max_new_tokens=2), mix=[{"a": 1.0}, {"b": 0.5}])
+    assert [o.new_token_ids for o in per_prompt] == [
+        engine.generate([p], SamplingParams(max_new_tokens=2), mix=m)[0].new_token_ids
+        for p, m in (([5, 6], {"a": 1.0}), ([7], {"b": 0.5}))
+    ]
     engine.add_mix("ab", {"a": 0.5, "b": 0.5})
     out = engine.generate([[5, 6]], SamplingParams(max_new_tokens=2), mix="ab")[0]
     assert (
         out.new_token_ids
         == engine.generate([[5, 6]], SamplingParams(max_new_tokens=2), mix={"a": 0.5, "b": 0.5})[0].new_token_ids
     )
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@torch.no_grad()
+def test_mix_on_the_default_bundle_equals_peft_cat():
+    """The real model (SmolLM2-135M-Instruct) and two of the default bundle's trained adapters: a 50/50 mix's prompt
+    logprobs and greedy tokens equal PEFT's `cat` weighted adapter on the same base weights."""
+    from peft import PeftModel
+
+    from molora.manifest import default_bundle_dir, read_bundle
+    from molora.model.base import load_base
+
+    bundle = read_bundle(default_bundle_dir())
+    paths = {a.name: a.path for a in bundle.adapters}
+    names = list(paths)[:2]
+    mix = {names[0]: 0.5, names[1]: 0.5}
+    model, tok = load_base(bundle.base)
+    peft = PeftModel.from_pretrained(model, str(paths[names[0]]), adapter_name=names[0])
+    peft.load_adapter(str(paths[names[1]]), adapter_name=names[1])
+    peft.add_weighted_adapter(names, [0.5, 0.5], "mixed", combination_type="cat")
+    peft.set_adapter("mixed")
+    peft.eval()
+    prompt = tok.encode(bundle.format_prompt("How many apples and pears are in 3 + 4 * 2 baskets?"))
+    want_ids, ref = _peft_greedy(peft, prompt, 6)
+    engine = Engine(molora.load(), EngineConfig(max_model_len=256, kv_budget_tokens=1024, stop_at_eos=False))
+    params = SamplingParams(max_new_tokens=6, logprobs=1, prompt_logprobs=1)
+    out = engine.generate([prompt], params, mix=mix)[0]
+    assert out.new_token_ids == want_ids
+    got = torch.tensor([e["logprob"] for e in out.prompt_logprobs[1:]])
+    want = ref[: len(prompt) - 1].gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert (got - want).abs().max().item() < 1e-3  # a 30-block model: float32 rounding over more sums
