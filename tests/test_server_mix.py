@@ -116,3 +116,16 @@ def test_bad_mixes_answer_400_naming_the_field_and_change_nothing(paths):
             assert_error(http.post("/v1/mixes", json=mix_body), 400, param)
         assert http.get("/v1/models").json() == models
         assert http.post("/v1/completions", json={**body, "molora": {"mix": {"a": 0.5, "b": 0.5}}}).status_code == 200
+
+
+def test_serve_flag_sets_the_engines_mix_bound(monkeypatch, capsys):
+    """`molora serve --max-mix-weight W` reaches EngineConfig.max_mix_weight (a bad value is refused there)."""
+    import molora.server
+    from molora.cli import main
+
+    seen = {}
+    monkeypatch.setattr(molora.server, "serve", lambda bundle, **kw: seen.update(kw))
+    assert main(["serve", "--max-mix-weight", "0.5"]) == 0
+    assert seen["engine_config"].max_mix_weight == 0.5
+    assert main(["serve", "--max-mix-weight", "-1"]) != 0
+    assert "EngineConfig.max_mix_weight=-1.0 must be a positive finite number" in capsys.readouterr().err

@@ -83,6 +83,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "slots pass one that waits for a slot, at most 16 times each (molora.engine.scheduler)",
     )
     p.add_argument(
+        "--max-mix-weight",
+        type=float,
+        default=2.0,
+        help="the largest |weight| a request may give an adapter in molora.mix, or a pinned adapter in molora.scale "
+        "(default 2: a plain bound, twice the trained delta or its negation; EngineConfig.max_mix_weight)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="on a CUDA device, run every decode step eagerly (default: replay CUDA graphs)",
@@ -448,6 +455,7 @@ def _serve(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             enable_prefix_caching=args.enable_prefix_caching,
             admission=args.admission,
+            max_mix_weight=args.max_mix_weight,
         ),
         limits=limits,
         stall_s=args.stall_timeout,
@@ -492,6 +500,7 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
             "enforce_eager": args.enforce_eager,
             "enable_prefix_caching": args.enable_prefix_caching,
             "admission": args.admission,
+            "max_mix_weight": args.max_mix_weight,
         },
         dtype=args.dtype,
         quantization=args.quantization,
