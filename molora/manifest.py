@@ -12,7 +12,8 @@
       "vocab_routes": {"ranges": [[lo, hi, "adapter"]], "default": null},
                                               # or {"from_tokenizer": {"adapter": ["<token prefix>", ...]}}:
                                               # ranges read from the tokenizer's vocabulary
-      "slots": 8, "max_rank": 16
+      "slots": 8, "max_rank": 16,
+      "mixes": {"arith_words": {"arith": 0.5, "words": 0.5}}   # named static mixes (molora.routing.mix)
     }
 
 A router {"kind": "arrow", "top_k": 1, "temperature": 1.0, "granularity": "per_linear" | "per_block",
@@ -86,6 +87,7 @@ class Bundle:
     chat_template: str | None = None  # a Jinja chat template that replaces the tokenizer's own
     target_modules: tuple[str, ...] | None = None  # linears made routable besides the adapters' own targets
     check_base: bool = True  # refuse adapters whose base_model_name_or_path names another base
+    mixes: dict = field(default_factory=dict)  # name -> {adapter: weight}, checked by the engine (Engine.add_mix)
     manifest: dict = field(default_factory=dict, repr=False, compare=False)  # the parsed JSON, as given
 
     def adapter_for_task(self, task: str) -> str | None:
@@ -169,6 +171,12 @@ def parse_manifest(raw: dict, folder: Path, where: str) -> Bundle:
     for key, kind_ in (("slots", int), ("max_rank", int), ("target_modules", list), ("chat_template", str)):
         if raw.get(key) is not None and not isinstance(raw[key], kind_):
             raise BundleError(f"{path}: {key!r} must be a {kind_.__name__}, got {raw[key]!r}")
+    mixes = raw.get("mixes") or {}
+    if not isinstance(mixes, dict) or not all(isinstance(m, dict) for m in mixes.values()):
+        raise BundleError(f'{path}: "mixes" must map names to {{adapter: weight}} objects, got {mixes!r}')
+    clash = sorted(set(mixes) & set(names))
+    if clash:
+        raise BundleError(f"{path}: mixes {clash} share a name with an adapter; rename them")
     return Bundle(
         folder=folder,
         name=str(raw.get("name", folder.name)),
@@ -186,6 +194,7 @@ def parse_manifest(raw: dict, folder: Path, where: str) -> Bundle:
         chat_template=raw.get("chat_template"),
         target_modules=tuple(raw["target_modules"]) if raw.get("target_modules") else None,
         check_base=bool(raw.get("check_base", True)),
+        mixes={str(n): dict(m) for n, m in mixes.items()},
         manifest=dict(raw),
     )
 

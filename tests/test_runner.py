@@ -421,12 +421,17 @@ def _one_call_model(tmp_path, kind: str):
     return molora.attach(tiny_model("llama"), paths, quantization=quantization), names
 
 
-def _decode_steps(runner, mm, names, lens, tables, steps=([0, 1, 2], [0, 1, 2], [2, 0], [1])):
+def _decode_steps(runner, mm, names, lens, tables, steps=([0, 1, 2], [0, 1, 2], [2, 0], [1]), mix=False):
     """Logits of a ragged prefill, then of decode steps of the given sequences, with per-token routing over
-    `names` and the base model (None where there are no adapters)."""
+    `names` and the base model (None where there are no adapters); mix: top-2 weighted rows instead (a static mix of
+    both adapters, one adapter scaled, the base), as a step of mixed requests gives them."""
     slots = [mm.bank.slot_of(n) for n in names] + [-1]
+    mixes = [([slots[0], slots[-2]], [0.7, -0.3]), ([slots[-2], -1], [0.5, 0.0]), ([-1, -1], [0.0, 0.0])] if mix else []
 
     def routing(rows: list[int]) -> StepRouting | None:
+        if mix:
+            picked = [mixes[r % len(mixes)] for r in rows]
+            return StepRouting(torch.tensor([p[0] for p in picked]), torch.tensor([p[1] for p in picked]))
         return StepRouting(torch.tensor([[slots[r % len(slots)]] for r in rows])) if names else None
 
     seqs = [_seq(n, 20 + i) for i, n in enumerate(lens)]
@@ -488,6 +493,32 @@ def test_decode_block_in_one_call_equals_the_kernel_by_kernel_path(tmp_path, mon
     assert len(calls) == 3 * len(runners[0].blocks)  # the three steps of several sequences, every block
     for a, b in zip(one, each):
         assert a.dtype == dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top2_weighted_decode_steps_in_one_call_equal_the_kernel_by_kernel_path(tmp_path, monkeypatch, dtype):
+    """Static mixes and scaled pins (top-2 rows with weights, padding choices -1): the one-call block runs one LoRA
+    kernel call per choice column, in the order the per-linear path adds them, so the logits are equal bit for bit."""
+    from molora.ops import fused_cpu
+
+    if not fused_cpu.available() or (dtype == torch.bfloat16 and not fused_cpu.amx()):
+        pytest.skip("molora's C++ kernels (and, for bfloat16, the AMX tiles) are needed")
+    mm, names = _one_call_model(tmp_path, "llama")
+    mm.to(dtype)
+    runners = [ModelRunner(mm, num_blocks=32, block_size=4, max_model_len=64, pack_weights=True) for _ in range(2)]
+    calls = []
+    real = fused_cpu.run_block
+    monkeypatch.setattr(fused_cpu, "run_block", lambda *a: calls.append(len(a[3][2]) if a[3] else 0) or real(*a))
+    _one_call_off(monkeypatch, runners[1])
+    lens = [5, 9, 3]
+    pager = _Pager(4)
+    tables = [pager.table(i, n + 4) for i, n in enumerate(lens)]
+    one, each = (_decode_steps(r, mm, names, lens, tables, mix=True) for r in runners)
+    S = mm.bank.num_slots
+    # S counts per routed choice column: both columns routed in some steps, only the first in others
+    assert len(calls) == 3 * len(runners[0].blocks) and 2 * S in calls and set(calls) <= {S, 2 * S}
+    for a, b in zip(one, each):
+        assert torch.equal(a, b)
 
 
 def test_one_call_decode_steps_with_an_in_network_router_equal_the_kernel_by_kernel_path(tmp_path, monkeypatch):

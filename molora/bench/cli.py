@@ -6,6 +6,7 @@
     molora bench engine  [--quick] ...     continuous batching vs transformers (--shared-prefix: prefix cache)
     molora bench serve   [...]             load generator against the OpenAI-compatible server
     molora bench peer    [...]             the engine against llama.cpp at matching precisions (optional peer)
+    molora bench mix     [--quick] ...     a batch of two-adapter mixes against the same batch pinned
 
 Each module is imported only when chosen (they pull in different dependencies) and ends its stdout with
 one JSON line. `molora bench WHAT --help` lists that benchmark's options.
@@ -24,12 +25,13 @@ BENCHES: dict[str, str] = {
     "engine": "molora.bench.engine",
     "serve": "molora.bench.serve",
     "peer": "molora.bench.peer",
+    "mix": "molora.bench.mix",
 }
 
 
 def usage() -> str:
     lines = ["usage: molora bench {" + ",".join(BENCHES) + "} [options]", ""]
-    lines += [line for line in __doc__.splitlines()[2:9] if line.strip()]
+    lines += [line for line in __doc__.splitlines()[2:10] if line.strip()]
     return "\n".join(lines)
 
 

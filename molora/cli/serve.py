@@ -105,6 +105,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         help="prompt + completion tokens one tenant may use in any 60 s; more get 429 (default: no limit)",
     )
     p.add_argument(
+        "--max-mix-weight",
+        type=float,
+        default=2.0,
+        help="the largest |weight| a request may give an adapter in molora.mix, or a pinned adapter in molora.scale "
+        "(default 2: a plain bound, twice the trained delta or its negation; EngineConfig.max_mix_weight)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="on a CUDA device, run every decode step eagerly (default: replay CUDA graphs)",
@@ -475,6 +482,7 @@ def _serve(args: argparse.Namespace) -> int:
             enable_prefix_caching=args.enable_prefix_caching,
             admission=args.admission,
             scheduling_policy=args.scheduling_policy,
+            max_mix_weight=args.max_mix_weight,
         ),
         limits=limits,
         stall_s=args.stall_timeout,
@@ -520,6 +528,7 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
             "enable_prefix_caching": args.enable_prefix_caching,
             "admission": args.admission,
             "scheduling_policy": args.scheduling_policy,
+            "max_mix_weight": args.max_mix_weight,
         },
         dtype=args.dtype,
         quantization=args.quantization,

@@ -28,12 +28,13 @@ from molora.errors import AdapterDraining, BankFullError, RoutingError
 from molora.routing import ArrowRouter, VocabRouter
 from molora.routing.arrow import ArrowConfig
 from molora.routing.base import Router
+from molora.routing.mix import Mix
 from molora.routing.names import router_config
 
 if TYPE_CHECKING:
     from molora.model.attach import MoLoRAModel
 
-ROUTING_CHOICES = ("auto", "learned", "arrow", "arrow-token", "vocab", "sequence", "hybrid", "none")
+ROUTING_CHOICES = ("auto", "learned", "arrow", "arrow-token", "vocab", "sequence", "hybrid", "mix", "none")
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,16 @@ class RoutingRequest:
     """How one request asks to be routed (module docstring). mode: one of ROUTING_CHOICES ("auto": the model's
     router, or the pinned adapter, or the base model); adapter: pin the request to it; allowed: the adapters its
     routing may use (None: any, empty: none, the base model); question: for mode "hybrid", the text the per-request
-    chooser reads (None: the prompt, decoded)."""
+    chooser reads (None: the prompt, decoded); mix: a static mix already checked (molora.routing.mix.check_mix):
+    every token on the weighted sum of those adapters' deltas (mode "mix"); scale: the pinned adapter's weight
+    (None: 1), checked (molora.routing.mix.check_scale)."""
 
     mode: str = "auto"
     adapter: str | None = None
     allowed: Sequence[str] | None = None
     question: str | None = None
+    mix: Mix | None = None
+    scale: float | None = None
 
 
 def resolve_routing(
@@ -67,6 +72,14 @@ def resolve_routing(
         )
     allowed = None if ask.allowed is None else frozenset(ask.allowed)
     hs.check_known(sorted(allowed or ()))
+    if ask.scale is not None and adapter is None:
+        raise RoutingError(
+            "scale weighs a pinned adapter: pin one (adapter=<name>, or model=<adapter> over HTTP), or give a mix "
+            "of one adapter with that weight",
+            field="scale",
+        )
+    if ask.mix is not None or routing == "mix":
+        return _resolve_mix(ask, hs, allowed, num_slots)
     if adapter is not None and allowed is not None and adapter not in allowed:
         raise RoutingError(f"adapter {adapter!r} is not among allowed_adapters {sorted(allowed)}", field="allowed")
     if routing == "hybrid":
@@ -132,6 +145,40 @@ def resolve_routing(
             field="allowed",
         )
     return mode, router, allowed, needs
+
+
+def _resolve_mix(
+    ask: RoutingRequest, hs: HotSet, allowed: frozenset[str] | None, num_slots: int
+) -> tuple[str, Router | None, frozenset[str] | None, tuple[str, ...]]:
+    """resolve_routing of a static mix: mode "mix", no router, the mix's adapters pinned."""
+    if ask.mix is None:
+        raise RoutingError("routing='mix' runs a static mix: give the mix (mix={adapter: weight, ...})", field="mix")
+    if ask.mode not in ("auto", "mix"):
+        raise RoutingError(
+            f"a mix fixes every token's adapters, which contradicts routing={ask.mode!r}; leave routing 'auto'",
+            field="mode",
+        )
+    if ask.adapter is not None:
+        raise RoutingError(
+            f"adapter={ask.adapter!r} pins one adapter and a mix weighs several: give one of them (a pinned adapter "
+            "with a weight is a mix of one)",
+            field="mix",
+        )
+    names = tuple(n for n, _ in ask.mix)
+    hs.check_known(names)
+    draining = sorted(hs.draining.intersection(names))
+    if draining:
+        raise AdapterDraining(
+            f"adapter(s) {draining} of the mix are being unloaded (draining); leave them out of the mix"
+        )
+    if allowed is not None and not allowed.issuperset(names):
+        raise RoutingError(
+            f"the mix's adapters {sorted(set(names) - allowed)} are not among allowed_adapters {sorted(allowed)}",
+            field="allowed",
+        )
+    if len(names) > num_slots:
+        raise RoutingError(f"the mix has {len(names)} adapters but the bank has {num_slots} slots", field="mix")
+    return "mix", None, allowed, names
 
 
 def _is_named(router: Router, name: str) -> bool:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -80,6 +81,7 @@ from molora.model.batch import BatchMeta
 from molora.model.graphs import DEFAULT_BUCKETS
 from molora.model.runner import ModelRunner
 from molora.ops.device import to_device
+from molora.routing.mix import MixBook, check_scale
 from molora.sampling import Constraint, bundle_constraint, constraint_bitmask
 
 if TYPE_CHECKING:
@@ -111,6 +113,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse full KV blocks of equal prefixes run on the same adapters (vLLM's name)
     admission: str = "fcfs"  # "slots": warm requests pass a slot-blocked one (molora.engine.scheduler)
     scheduling_policy: str = "fcfs"  # "priority" (vLLM's) or "fair" (per-tenant token counters): molora.engine.policy
+    # the largest |weight| of an adapter in a request's mix or a pinned adapter's scale (molora.routing.mix): a plain
+    # bound on how far a request may push a delta (2: twice the trained delta, or its negation), not a measured one
+    max_mix_weight: float = 2.0
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSION:
@@ -134,6 +139,8 @@ class EngineConfig:
             raise MoLoRAError(f"EngineConfig.num_kv_blocks={self.num_kv_blocks} must be at least 1")
         if self.cpu_tier_bytes < 0:
             raise MoLoRAError(f"EngineConfig.cpu_tier_bytes={self.cpu_tier_bytes} must be >= 0")
+        if not (math.isfinite(self.max_mix_weight) and self.max_mix_weight > 0):
+            raise MoLoRAError(f"EngineConfig.max_mix_weight={self.max_mix_weight} must be a positive finite number")
 
     @property
     def token_budget(self) -> int:
@@ -168,13 +175,17 @@ class Engine:
         )
         if self.runner.device.type == "cuda" and not config.enforce_eager:
             # decode steps replayed from CUDA graphs, captured per batch bucket on first use (molora.model.graphs)
-            try:
+            try:  # k up to the slots: a static mix is top-k over its adapters (molora.engine.routing)
                 self.runner.enable_graphs(
-                    buckets=[b for b in DEFAULT_BUCKETS if b < config.max_num_seqs] + [config.max_num_seqs]
+                    buckets=[b for b in DEFAULT_BUCKETS if b < config.max_num_seqs] + [config.max_num_seqs],
+                    max_top_k=mm.bank.num_slots,
                 )
             except MoLoRAError as e:
                 log.warning("decode steps run eagerly: %s", e)
         self.hotset = HotSet(mm, config.cpu_tier_bytes)
+        self.mixes = MixBook()  # named mixes (add_mix; a bundle's molora.json "mixes")
+        for name, adapters in (getattr(getattr(mm, "bundle", None), "mixes", None) or {}).items():
+            self.add_mix(name, adapters)
         self.allocator = BlockAllocator(config.kv_blocks, config.block_size)
         self.prefix = (
             PrefixCache(self.allocator, self.hotset, ("model", id(mm), str(self.runner.cache.k.dtype)))
@@ -244,11 +255,18 @@ class Engine:
         question: str | None = None,
         tenant: str | None = None,
         priority: int = 0,
+        mix: Mapping[str, float] | str | None = None,
+        scale: float | None = None,
     ) -> str:
         """Queue a request; returns its id. Bad input raises a MoLoRAError and changes nothing.
 
         tenant: whose request it is, the unit of the fair share (EngineConfig.scheduling_policy "fair"; None: the
         adapter it is pinned to, else "default"); priority: lower goes first under the "priority" policy (vLLM's).
+
+        mix: every token on the weighted sum of these adapters' deltas, {adapter: weight} or a named mix (`add_mix`);
+        weights within +-EngineConfig.max_mix_weight, at most as many adapters as slots (molora.routing.mix).
+        scale: the pinned `adapter`'s weight (its delta times scale), within the same bound. Both are rows of slot ids
+        and weights to the dispatch, batched with every other request; a refusal is a RoutingError naming the field.
 
         constraint: what its generated ids must obey (e.g. molora.structured.GrammarConstraint, compiled off this
         thread), on top of the bundle's constrained spans; a step where nothing is allowed ends the request with
@@ -297,7 +315,10 @@ class Engine:
             raise MoLoRAError(f"request id {rid!r} is already in flight; use a unique id")
         if params.stop and self.tokenizer is None:
             raise MoLoRAError("stop strings need a tokenizer; pass one to Engine(..., tokenizer=...)")
-        ask = RoutingRequest(routing, adapter, allowed_adapters, question)
+        bound, slots = self.config.max_mix_weight, self.mm.bank.num_slots
+        pairs = None if mix is None else self.mixes.resolve(mix, self.hotset.paths, bound, slots)
+        weight = None if scale is None else check_scale(scale, bound)
+        ask = RoutingRequest(routing, adapter, allowed_adapters, question, pairs, weight)
         mode, router, allowed, needs = resolve_routing(
             ask, self.hotset, self.mm.router, self.mm.bank.num_slots, self.mm.chooser
         )
@@ -313,6 +334,8 @@ class Engine:
             adapter if mode == "pinned" else None,
             allowed,
             needs,
+            mix=pairs,
+            scale=None if weight == 1.0 else weight,  # a scale of 1 is the plain pinned request (shares its KV)
             prompt_routes=[] if mode == "learned" and getattr(router, "probe_prompt", False) else None,
         )
         req = Request(rid, prompt, params, route, generator=gen, detok=detok, text=TextState(tuple(params.stop)))
@@ -623,6 +646,11 @@ class Engine:
         return chooser_stages(self.mm, self.hotset, questions, allowed, self.scheduler.has_work)
 
     # ------------------------------------------------------------------------------------ adapters
+    def add_mix(self, name: str, adapters: Mapping[str, float]) -> None:
+        """Register (or replace) a named mix that requests may give as `mix=name` (molora.routing.mix.MixBook.add:
+        a RoutingError naming the field, nothing changed, for a name that is an adapter's or a bad mix)."""
+        self.mixes.add(name, adapters, self.hotset.paths, self.config.max_mix_weight, self.mm.bank.num_slots)
+
     # the front door to `self.adapters` (molora.engine.runtime_adapters.AdapterManager), in vLLM's engine terms
     def read_adapter(self, name: str, path: str | Path, *, roots: Sequence[str | Path] | None = None) -> LoRAAdapter:
         """Read and validate a PEFT folder on any thread (AdapterManager.read), for `load_adapter` afterwards."""
@@ -632,19 +660,27 @@ class Engine:
         self, name: str, source: str | Path | LoRAAdapter, *, roots: Sequence[str | Path] | None = None
     ) -> None:
         """Register an adapter at run time, a folder or a `read_adapter` result (AdapterManager.load)."""
+        self._not_a_mix([name])
         self.adapters.load(name, source, roots=roots)
 
     def load_adapter_stages(
         self, name: str, source: str | Path | LoRAAdapter, *, roots: Sequence[str | Path] | None = None
     ) -> Generator[None, None, None]:
         """`load_adapter` in stages for the engine thread, one between two steps (AdapterManager.load_stages)."""
+        self._not_a_mix([name])
         return self.adapters.load_stages(name, source, roots=roots)
 
     def register_adapters(
         self, folders: Mapping[str, str | Path], *, roots: Sequence[str | Path] | None = None
     ) -> None:
         """Make folders known by name, weights read on first use (AdapterManager.register)."""
+        self._not_a_mix(list(folders))
         self.adapters.register(folders, roots=roots)
+
+    def _not_a_mix(self, names: Sequence[str]) -> None:
+        clash = sorted(n for n in names if n in self.mixes)
+        if clash:
+            raise MoLoRAError(f"adapter name(s) {clash} are named mixes' (Engine.add_mix); choose other names")
 
     def unload_adapter(self, name: str, force: bool = False) -> str:
         """ "unloaded" or "draining" (AdapterManager.unload); force=True aborts the requests that use it."""

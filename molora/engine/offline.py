@@ -61,9 +61,8 @@ def generate(
 
 def _per_prompt(key: str, value: Any, i: int, n: int) -> Any:
     """A generate() keyword's value for prompt i: lists of per-prompt values are indexed."""
-    if key in ("adapter", "routing", "request_id", "constraint", "question", "tenant", "priority") and isinstance(
-        value, list
-    ):
+    per_prompt = ("adapter", "routing", "request_id", "constraint", "question", "tenant", "priority", "mix", "scale")
+    if key in per_prompt and isinstance(value, list):
         return value[i]
     if (
         key == "allowed_adapters"

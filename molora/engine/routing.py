@@ -1,7 +1,12 @@
 """Per-step routing of a mixed batch: each request's tokens go where its routing mode says.
 
     "none"     every token on the base model (slot -1)
-    "pinned"   every token on the request's one adapter (the per-sequence mode of today's servers)
+    "pinned"   every token on the request's one adapter (the per-sequence mode of today's servers), weighted by
+               its `scale` when one is given (a mix of one adapter)
+    "mix"      every token on the weighted sum of a static mix's adapters (molora.routing.mix): slot ids [n, K]
+               and the request's weights [n, K], the top-k dispatch with weights the request gives; a step with a
+               mix row widens every row to a power-of-two k (padding slot -1, weight 0), so decode graphs see a
+               few k's, not one per mix size (molora.model.graphs: k is part of a graph's key)
     "tokens"   a token-id router (VocabRouter, ...) routes each input token; its choice of an adapter the
                request does not allow becomes the base model
     "learned"  the in-network router decides per block from hidden states (`StepRouting.groups`); all the
@@ -40,8 +45,9 @@ from molora.model.batch import RouterGroup, StepRouting
 from molora.ops.device import to_device
 from molora.routing import SequenceRouter, VocabRouter
 from molora.routing.base import Router, to_slots
+from molora.routing.mix import Mix
 
-MODES = ("none", "pinned", "tokens", "learned", "choosing")  # choosing: waits for the chooser, never scheduled
+MODES = ("none", "pinned", "mix", "tokens", "learned", "choosing")  # choosing: waits for the chooser, never scheduled
 
 
 @dataclass(eq=False)
@@ -57,6 +63,8 @@ class RouteState:
     adapter: str | None = None  # the pinned adapter (mode "pinned")
     allowed: frozenset[str] | None = None  # names the router may choose (None: all)
     needs: tuple[str, ...] = ()  # adapters pinned while in flight
+    mix: Mix | None = None  # mode "mix": ((adapter, weight), ...) (molora.routing.mix)
+    scale: float | None = None  # mode "pinned": the adapter's weight (None: 1, no weights at all)
     # mode "learned" with a carrying router: the decision at its carry_source block of the tokens at positions
     # prompt_len - 1, prompt_len, ...: what each next generated token carries (molora.routing.learned)
     route_finals: list[int] = field(default_factory=list)
@@ -120,11 +128,19 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
     groups: dict[frozenset[str] | None, list[Tensor]] = {}
     router = None
     offset = 0
+    mixed = False
     bank = hotset.mm.bank
     for s in scheduled:
         route = s.request.route
         if route.mode == "pinned":
-            pieces.append((torch.full((s.n, 1), bank.slot_of(route.adapter), dtype=torch.long), None))
+            w = None if route.scale is None else torch.full((s.n, 1), route.scale, dtype=torch.float32)
+            pieces.append((torch.full((s.n, 1), bank.slot_of(route.adapter), dtype=torch.long), w))
+        elif route.mode == "mix":
+            assert route.mix is not None, "a mix request without its mix"
+            mix_slots = torch.tensor([bank.slot_of(n) for n, _ in route.mix], dtype=torch.long)  # [K]
+            mix_weights = torch.tensor([w for _, w in route.mix], dtype=torch.float32)  # [K]
+            pieces.append((mix_slots.expand(s.n, -1), mix_weights.expand(s.n, -1)))
+            mixed = True
         elif route.mode == "tokens":
             pieces.append(_token_routing(s, hotset))
         else:
@@ -136,6 +152,8 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
         offset += s.n
     T = offset
     k = max(p[0].shape[1] for p in pieces)
+    if mixed:  # a power of two, so that a new mix size rarely means a new graph key (module docstring)
+        k = 1 << (k - 1).bit_length()
     slot_ids = torch.cat([_widen(ids, k, -1) for ids, _ in pieces])  # [T, k]
     weights = None
     if any(w is not None for _, w in pieces) or k > 1:
@@ -266,7 +284,8 @@ def token_routes(req: Any, hotset: HotSet, lo: int, hi: int, probe: bool) -> lis
 
         v >= 1                       every block on the adapter whose content version is v (pinned, a top-1
                                      token-id router, a probed prompt token's fixed decision); -1: the base
-        ((v, w), ...)                a weighted top-k choice, the same at every block
+        ((v, w), ...)                a weighted top-k choice, the same at every block (a token-id router's top-k,
+                                     a static mix, a pinned adapter with a scale)
         ("gate", salt)               the in-network router's own gates at every block (learned or Arrow, no
                                      fixed decision; also the probe pass): a function of the tokens before it
                                      and the router, with the adapters it may choose and their versions (salt)
@@ -280,7 +299,15 @@ def token_routes(req: Any, hotset: HotSet, lo: int, hi: int, probe: bool) -> lis
         return [-1] * n
     if route.mode == "pinned":
         v = _version(hotset, route, route.adapter)
-        return None if v is None else [v] * n
+        if v is None:
+            return None
+        return [v] * n if route.scale is None else [((v, route.scale),)] * n
+    if route.mode == "mix":
+        assert route.mix is not None
+        versions = [_version(hotset, route, name) for name, _ in route.mix]
+        if any(v is None for v in versions):
+            return None
+        return [tuple((v, w) for v, (_, w) in zip(versions, route.mix))] * n
     if route.mode == "tokens":
         return _token_descriptors(req, hotset, lo, hi)
     names = route.router.adapter_names

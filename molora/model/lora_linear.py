@@ -216,10 +216,11 @@ class RoutedLoRALinear(nn.Module):
 
     def kernel_step(self, rows: int, dtype: torch.dtype) -> tuple | None:
         """How `add_delta` would add the routed deltas of `rows` tokens of `dtype` now, for every routed linear that
-        shares this one's context and dispatcher: () where it adds none (no routing in the context), the fused
-        kernel's step arguments (tok, weight, counts) where the kernel adds them (`LoRADispatcher.add_into`'s fast
-        path), None where it would take another path (per-linear routing, a recorded step, autograd, another
-        backend). With `kernel_operands`, what the runner's one-call decode block (fused_cpu.run_block) runs."""
+        shares this one's context and dispatcher: () where it adds none (no routing in the context, or no choice routes
+        a token), the fused kernel's step arguments (tok, weight, counts; top-k: its choice columns one after another,
+        `RoutingPlan.fused_block_step`) where the kernel adds them (`LoRADispatcher.add_into`'s fast path), None where
+        it would take another path (per-linear routing, a recorded step, autograd, another backend). With
+        `kernel_operands`, what the runner's one-call decode block (fused_cpu.run_block) runs."""
         ctx = self.context
         if ctx.linear is not None or recording.on or torch.is_grad_enabled():
             return None
@@ -232,7 +233,8 @@ class RoutedLoRALinear(nn.Module):
         A = lora._buffers["A"]
         assert A is not None
         S = A.shape[0]
-        return (ctx._plan or ctx.plan(self.dispatcher, S)).fused_step(self.dispatcher.backend, dtype)
+        d = self.dispatcher
+        return (ctx._plan or ctx.plan(d, S)).fused_block_step(d.backend, dtype, d.max_fused_top_k)
 
     def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(A, B, scale) of this linear's slots as the fused kernel takes them (`kernel_step`; A contiguous, as the

@@ -112,8 +112,10 @@ def pick_backend(
 
         triton         device "cuda", triton_available and a float32/float16/bfloat16 dtype (sync-free: the
                        per-slot counts stay on the device; molora.ops.triton_lora). Never on the CPU.
-        fused          fused_available, device "cpu", k = 1, and float32 at any T, or bfloat16 with
-                       T < FUSED_BF16_TOKENS_PER_SLOT * S (FUSED_BF16_SOFT_TOKENS_PER_SLOT * S without bf16_dot)
+        fused          fused_available, device "cpu", and float32 at any T, or bfloat16 with T * k <
+                       FUSED_BF16_TOKENS_PER_SLOT * S (FUSED_BF16_SOFT_TOKENS_PER_SLOT * S without bf16_dot); top-k
+                       runs one top-1 call per choice column (RoutingPlan.column_groups; fused_available is False
+                       past the dispatcher's max_fused_top_k)
         stacked_mask   otherwise, where the CPU cost model (`estimate_us`) says it costs no more than sort_group
         sort_group     otherwise
     Never "gather" nor "reference" (docs/dispatch.md: why). The cost model is measured on CPU only; on CUDA
@@ -127,8 +129,7 @@ def pick_backend(
         fused_available
         and device == "cpu"
         and dtype in fused_cpu.DTYPES
-        and k == 1
-        and (dtype != torch.bfloat16 or T < per_slot * S)
+        and (dtype != torch.bfloat16 or T * k < per_slot * S)
     ):
         return "fused"
     if estimate_us("stacked_mask", T, S, k, r, d) <= estimate_us("sort_group", T, S, k, r, d):
@@ -154,9 +155,11 @@ class RoutingPlan:
         self.weights = weights  # None or [T, k]
         self.num_slots = num_slots
         self._groups: SlotGroups | None = None
+        self._columns: list[SlotGroups] | None = None
         self._slot_weights: dict[torch.dtype, Tensor] = {}
         self._triton = None
-        self._fused: dict[tuple, tuple | None] = {}  # (backend, dtype) -> fused_step's answer
+        self._fused: dict[tuple, list[tuple] | None] = {}  # (backend, dtype, max_top_k) -> fused_step's answer
+        self._blocks: dict[tuple, tuple | None] = {}  # the same key -> fused_block_step's answer
         self.resolved: dict[tuple, str] = {}  # tensor signature -> backend, validated and "auto" resolved (_resolve)
 
     @property
@@ -173,23 +176,41 @@ class RoutingPlan:
             self._groups = group_by_slot(self.slot_ids, self.weights, self.num_slots)
         return self._groups
 
+    def column_groups(self) -> list[SlotGroups]:
+        """The fused kernel's metadata: one top-1 `SlotGroups` per choice column that routes any token (k = 1: the
+        plan's `groups`), so that each kernel call writes a row at most once; computed on first use (one sort and
+        one host read per column)."""
+        if self._columns is None:
+            if self.top_k == 1:
+                self._columns = [self.groups()]
+            else:
+                cols = []
+                for j in range(self.top_k):
+                    w = None if self.weights is None else self.weights[:, j : j + 1]
+                    g = group_by_slot(self.slot_ids[:, j : j + 1], w, self.num_slots)
+                    if sum(g.counts):
+                        cols.append(g)
+                self._columns = cols
+        return self._columns
+
     def triton_plan(self):
         """The triton backend's device metadata (`triton_lora.build_plan`: no host read), built on first use."""
         if self._triton is None:
             self._triton = _triton_lora().build_plan(self.slot_ids, self.weights, self.num_slots)
         return self._triton
 
-    def fused_step(self, backend: str, dtype: torch.dtype) -> tuple | None:
-        """The per-step arguments of the fused kernel, (tok, weight float32 or None, counts), where `backend` ("auto"
-        or "fused") runs it on this plan for CPU tensors of `dtype` with autograd off; else None. Computed once per
-        plan, backend and dtype (the first call sorts the plan's groups): `LoRADispatcher.add_into`'s fast path."""
-        key = (backend, dtype)
+    def fused_step(self, backend: str, dtype: torch.dtype, max_top_k: int | None = None) -> list[tuple] | None:
+        """The per-step arguments of the fused kernel, one (tok, weight float32 or None, counts) per choice column
+        (`column_groups`), where `backend` ("auto" or "fused") runs it on this plan for CPU tensors of `dtype` with
+        autograd off and top-k at most `max_top_k` (None: any); else None. Computed once per plan, backend and dtype
+        (the first call sorts the plan's columns): `LoRADispatcher.add_into`'s fast path."""
+        key = (backend, dtype, max_top_k)
         if key not in self._fused:
             step = None
             if (
                 self.slot_ids.device.type == "cpu"
                 and dtype in fused_cpu.DTYPES
-                and self.top_k == 1
+                and (max_top_k is None or self.top_k <= max_top_k)
                 and fused_cpu.available()
                 and (
                     backend == "fused"
@@ -199,7 +220,7 @@ class RoutingPlan:
                         dtype,
                         self.num_tokens,
                         self.num_slots,
-                        1,
+                        self.top_k,
                         0,
                         0,
                         fused_available=True,
@@ -208,10 +229,37 @@ class RoutingPlan:
                     == "fused"
                 )
             ):
-                g = self.groups()
-                step = (g.tok.contiguous(), None if g.weight is None else g.weight.float().contiguous(), g.counts)
+                step = [
+                    (g.tok.contiguous(), None if g.weight is None else g.weight.float().contiguous(), g.counts)
+                    for g in self.column_groups()
+                ]
             self._fused[key] = step
         return self._fused[key]
+
+    def fused_block_step(self, backend: str, dtype: torch.dtype, max_top_k: int | None = None) -> tuple | None:
+        """`fused_step` as the one-call decode block takes it (fused_cpu.run_block): one (tok, weight or None, counts)
+        whose counts are S per choice column, the columns one after another (the block runs one kernel call per
+        column, in this order, as `LoRADispatcher.add_into` does); () where no choice routes a token; None where
+        `fused_step` is None. Computed once per plan, backend, dtype and bound."""
+        key = (backend, dtype, max_top_k)
+        if key not in self._blocks:
+            steps = self.fused_step(backend, dtype, max_top_k)
+            joined: tuple | None = None
+            if steps is not None and len(steps) == 1:
+                joined = steps[0]
+            elif steps:
+                toks = torch.cat([t for t, _, _ in steps])
+                weighted = any(w is not None for _, w, _ in steps)
+                ws = (
+                    torch.cat([w if w is not None else torch.ones(t.shape[0]) for t, w, _ in steps])
+                    if weighted
+                    else None
+                )
+                joined = (toks, ws, [c for _, _, counts in steps for c in counts])
+            elif steps is not None:
+                joined = ()
+            self._blocks[key] = joined
+        return self._blocks[key]
 
     def slot_weights(self, dtype: torch.dtype) -> Tensor:
         """stacked_mask's [T, S] weight matrix in `dtype`, computed on first use."""
@@ -235,11 +283,11 @@ def _validate(
     validate_tensors(x, A, B, scale, plan.num_tokens, plan.num_slots)
     if out is not None and (out.shape != (x.shape[0], B.shape[1]) or out.dtype != x.dtype):
         _fail("out", f"a {x.dtype} tensor [T={x.shape[0]}, D_out={B.shape[1]}]", f"{out.dtype} {tuple(out.shape)}")
-    if backend == "fused" and plan.num_tokens and not fused_cpu.supports(x, B, plan.top_k):
+    if backend == "fused" and plan.num_tokens and not fused_cpu.supports(x, B):
         raise LoRAInputError(
-            "backend 'fused' runs on CPU float32 or bfloat16 tensors with top-1 routing, B stored "
+            "backend 'fused' runs on CPU float32 or bfloat16 tensors, B stored "
             "slot-major (B.transpose(1, 2) contiguous) and autograd off; got "
-            f"{x.device.type} {x.dtype}, top-{plan.top_k}, grad "
+            f"{x.device.type} {x.dtype}, B strides {tuple(B.stride())}, grad "
             f"{'on' if torch.is_grad_enabled() else 'off'}. Use backend='auto'."
         )
     if backend == "triton" and plan.num_tokens:
@@ -265,11 +313,15 @@ def _check_triton(x: Tensor, A: Tensor, B: Tensor, scale: Tensor) -> None:
         )
 
 
-def _pick(plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor) -> str:
+def _pick(plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, max_fused_top_k: int | None = None) -> str:
     """`pick_backend` for these tensors: x [T, D_in], A [S, R, D_in], B [S, D_out, R]. Loads the fused kernel
     (`fused_cpu.available`: built once per machine) only where the tensors suit it."""
     S, R, D_in = A.shape
-    fused = fused_cpu.supports(x, B, plan.top_k) and fused_cpu.available()  # supports() is False off the CPU
+    fused = (
+        (max_fused_top_k is None or plan.top_k <= max_fused_top_k)
+        and fused_cpu.supports(x, B)  # False off the CPU
+        and fused_cpu.available()
+    )
     return pick_backend(
         x.device.type,
         x.dtype,
@@ -285,7 +337,14 @@ def _pick(plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor) -> str:
 
 
 def _resolve(
-    backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None
+    backend: str,
+    plan: RoutingPlan,
+    x: Tensor,
+    A: Tensor,
+    B: Tensor,
+    scale: Tensor,
+    out: Tensor | None,
+    max_fused_top_k: int | None = None,
 ) -> str:
     """Validate the tensors and resolve "auto". Both depend only on shapes, dtypes, layout and the autograd
     mode, so the plan remembers the answer per signature: a step's 7 * L target linears have about 4."""
@@ -308,23 +367,34 @@ def _resolve(
     resolved = plan.resolved.get(key)
     if resolved is None:
         _validate(backend, plan, x, A, B, scale, out)
-        resolved = _pick(plan, x, A, B) if backend == "auto" else backend
+        resolved = _pick(plan, x, A, B, max_fused_top_k) if backend == "auto" else backend
         plan.resolved[key] = resolved
     return resolved
 
 
 def _apply(
-    backend: str, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None = None
+    backend: str,
+    plan: RoutingPlan,
+    x: Tensor,
+    A: Tensor,
+    B: Tensor,
+    scale: Tensor,
+    out: Tensor | None = None,
+    max_fused_top_k: int | None = None,
 ) -> Tensor:
     """Check the tensors against the plan, resolve "auto", run the kernel on the plan's metadata.
     With `out` the delta is added into it in place (and `out` returned); else a new tensor."""
-    backend = _resolve(backend, plan, x, A, B, scale, out)
+    backend = _resolve(backend, plan, x, A, B, scale, out, max_fused_top_k)
     if plan.num_tokens == 0:
         return x.new_zeros(0, B.shape[1]) if out is None else out  # [0, D_out]
     if backend == "triton":
         return _triton_lora().triton_apply(plan.triton_plan(), x, A, B, scale, out)
-    if backend == "fused":  # _resolve checked fused_cpu.supports for this signature
-        return fused_cpu.fused_apply(plan.groups(), x, A, B, scale, out)
+    if backend == "fused":  # _resolve checked fused_cpu.supports for this signature; one call per choice column
+        if out is None:
+            out = x.new_zeros(x.shape[0], B.shape[1])
+        for g in plan.column_groups():
+            fused_cpu.fused_apply(g, x, A, B, scale, out)
+        return out
     if backend == "sort_group":
         return sort_group_apply(plan.groups(), x, A, B, scale, out)
     if backend == "stacked_mask":
@@ -372,12 +442,19 @@ class LoRADispatcher:
     the CPU (no sync there), True everywhere (a device sync per plan on a GPU: for debugging), False never (inside
     CUDA graphs). Off the CPU an id outside [-1, S) is then not caught here: the triton backend treats it as -1,
     the eager backends may fail with a device-side index error.
+
+    max_fused_top_k: "auto" runs the fused kernel on plans of top-k at most this (None: any k, one kernel call per
+    choice column); 1 keeps top-k routing (static mixes, weighted routers) on the eager backends, as `molora bench
+    mix` compares. A plain attribute: set it between steps.
     """
 
-    def __init__(self, backend: str = "auto", *, check_ids: bool | None = None) -> None:
+    def __init__(
+        self, backend: str = "auto", *, check_ids: bool | None = None, max_fused_top_k: int | None = None
+    ) -> None:
         _check_backend(backend)
         self.backend = backend
         self.check_ids = check_ids
+        self.max_fused_top_k = max_fused_top_k
         if backend == "auto":
             log.info(
                 "LoRA dispatch backend: auto (triton on CUDA where triton is installed, autograd off; fused "
@@ -397,7 +474,7 @@ class LoRADispatcher:
     ) -> Tensor:
         """The delta [T, D_out] of one target linear (x [T, D_in], A [S, R, D_in], B [S, D_out, R], scale [S]);
         with out [T, D_out] (e.g. the base output) the delta is added into it in place, no new tensor."""
-        return _apply(self.backend, plan, x, A, B, scale, out)
+        return _apply(self.backend, plan, x, A, B, scale, out, self.max_fused_top_k)
 
     def add_into(self, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor) -> Tensor:
         """`apply(plan, x, A, B, scale, out)`: the delta added into out [T, D_out] in place, and out returned. Where
@@ -405,16 +482,22 @@ class LoRADispatcher:
         arguments and checks the shapes itself (a RuntimeError), without `apply`'s argument checks in Python; the
         routed linears call this once per linear and step. Anything else (another backend, a layout the kernel
         does not take, autograd on) goes through `apply`, checks included."""
-        step = None if torch.is_grad_enabled() else plan.fused_step(self.backend, x.dtype)
-        if step is not None and x.device.type == "cpu" and fused_cpu.lora_add(out, x, A, B, scale, *step):
-            return out
-        return _apply(self.backend, plan, x, A, B, scale, out)
+        steps = None if torch.is_grad_enabled() else plan.fused_step(self.backend, x.dtype, self.max_fused_top_k)
+        if steps is not None and x.device.type == "cpu":
+            if not steps:  # no choice routes any token
+                return out
+            if fused_cpu.lora_add(out, x, A, B, scale, *steps[0]):  # declined: nothing written, the checked path
+                for step in steps[1:]:  # the same layout: the kernel takes every column
+                    done = fused_cpu.lora_add(out, x, A, B, scale, *step)
+                    assert done, "the fused kernel declined a choice column after taking the first"
+                return out
+        return _apply(self.backend, plan, x, A, B, scale, out, self.max_fused_top_k)
 
     def backend_for(
         self, plan: RoutingPlan, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None = None
     ) -> str:
         """The backend `apply` runs for these tensors ("auto" resolved); checks them as `apply` does."""
-        return _resolve(self.backend, plan, x, A, B, scale, out)
+        return _resolve(self.backend, plan, x, A, B, scale, out, self.max_fused_top_k)
 
     def __call__(
         self, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, slot_ids: Tensor, weights: Tensor | None = None

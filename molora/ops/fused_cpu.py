@@ -8,9 +8,11 @@ Tokens are taken in sort_group's slot order (`SlotGroups`), in blocks of up to 4
     h[i]   *= scale[s] (* weight)
     out[t_i] += Bt[s].T @ h[i]       [D_out]   64-column tiles held in registers across the R ranks
 
-Blocks run in parallel on torch's intra-op threads (each token appears once when k = 1, so no two
-threads write one row). Written with GCC vector extensions (16-float vectors: AVX-512 where the CPU has
-it, split into narrower ones elsewhere) in `csrc/lora_fused.cpp`, registered as the torch op
+Blocks run in parallel on torch's intra-op threads (each token appears once in a call, so no two threads write one
+row). Top-k routing (a static mix, a weighted token-id router) runs as one call per choice column, each a top-1
+routing with its weights (`molora.ops.dispatch.RoutingPlan.column_groups`): a row of k adapters costs k adapters'
+work and k kernel calls, never a merged weight. Written with GCC vector extensions (16-float vectors: AVX-512 where
+the CPU has it, split into narrower ones elsewhere) in `csrc/lora_fused.cpp`, registered as the torch op
 `torch.ops.molora.lora_fused_` and built with the other kernels by molora.ops.kernel_build (keyed by a hash of the
 sources and flags). Without a C++ compiler molora says so once (a log warning) and runs the eager backends.
 
@@ -25,8 +27,8 @@ per thread rather than once per block, and rounds outputs with the CPU's convers
 and 0.69x the time of widening everything in software at T = 1024 (d_in x d_out 576 x 1536, 1536 x 576,
 1000 x 200; S = 4, r = 16, 2 threads).
 
-Limits (callers fall back to the eager backends): CPU, float32 or bfloat16, top-1 routing (k = 1), no autograd, B
-stored slot-major (B.transpose(1, 2) contiguous, as `LoRASlots` keeps it), x and out with unit column
+Limits (callers fall back to the eager backends): CPU, float32 or bfloat16, one choice per token and call, no
+autograd, B stored slot-major (B.transpose(1, 2) contiguous, as `LoRASlots` keeps it), x and out with unit column
 stride. `available()` says whether the library built; MOLORA_FUSED=0 turns every kernel off,
 MOLORA_KERNELS_OFF=lora this one (molora.ops.kernel_build.FAMILIES).
 
@@ -122,12 +124,12 @@ def bf16_dot() -> bool:
     return mod is not None and bool(mod.bf16_dot())
 
 
-def supports(x: Tensor, B: Tensor, top_k: int) -> bool:
-    """Whether a call with these tensors can run fused (module docstring: Limits); no build, no data read."""
+def supports(x: Tensor, B: Tensor) -> bool:
+    """Whether a call with these tensors can run fused (module docstring: Limits; top-k runs one call per choice
+    column); no build, no data read."""
     return (
         x.device.type == "cpu"
         and x.dtype in DTYPES
-        and top_k == 1
         and x.stride(-1) == 1
         and B.transpose(1, 2).is_contiguous()
         and not torch.is_grad_enabled()
@@ -135,7 +137,7 @@ def supports(x: Tensor, B: Tensor, top_k: int) -> bool:
 
 
 def fused_apply(g: SlotGroups, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, out: Tensor | None = None) -> Tensor:
-    """The fused backend on sort_group's metadata (k = 1): out [T, D_out] += each token's own delta.
+    """The fused backend on one top-1 SlotGroups (one choice column): out [T, D_out] += each token's own delta.
     out None: a new zero-initialised tensor is returned. Call only where `supports` and `available`."""
     mod = ready()
     if mod is None:

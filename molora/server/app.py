@@ -3,7 +3,7 @@
     app = create_app(engine, model_name="molora-default", api_keys=("sk-...",), adapter_roots=("adapters",))
     app = build_app(client, catalog, ...)   # any EngineClient (molora.server.client), e.g. Ray Serve's
 
-Owns: the HTTP surface (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/v1/adapters`,
+Owns: the HTTP surface (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/v1/adapters`, `/v1/mixes`,
 `/health`, `/ready`, `/metrics`), Bearer-key checks (any key for the API, an admin key for loading and
 unloading adapters), adapter paths confined to the configured roots, OpenAI-style error JSON for every
 failure (never FastAPI's 422), the body-size limit, the 429/503 answers with Retry-After, and the drain flag
@@ -60,6 +60,7 @@ from molora.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
+    MixRequest,
     ModelCard,
     ModelList,
     UnloadLoRAAdapterRequest,
@@ -129,6 +130,8 @@ def create_app(
         default_max_tokens=default_max_tokens,
     )
     info.adapter_paths = {a["name"]: path_text(a.get("path")) for a in listed}
+    book = getattr(engine, "mixes", None)  # named mixes (molora.routing.mix.MixBook); None: an engine without them
+    info.mixes = {} if book is None else {name: dict(mix) for name, mix in book.items()}
     info.chooser = "hybrid" if getattr(mm, "chooser", None) is not None else None
     info.tool_parser = auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
     info.allow_special_tokens_in_chat = allow_special_tokens_in_chat
@@ -252,7 +255,8 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
         return next(
             card
             for card in _model_list(s, paths=can_see_paths(s, request)).data
-            if card.adapter == adapter and (card.parent or card.id) == info.name
+            if (card.parent or card.id) == info.name
+            and (card.adapter == adapter if card.mix is None else card.id in (adapter, f"{info.name}:{adapter}"))
         )
 
     @app.get("/health")
@@ -317,6 +321,13 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
             {"object": "adapter", "name": name, "bundle": info.name, "deleted": done, "state": state},
             status_code=200 if done else 202,
         )
+
+    @app.post("/v1/mixes", dependencies=[admin], status_code=201, openapi_extra=json_body(MixRequest))
+    async def add_mix(request: Request) -> JSONResponse:
+        req = await parse_body(request, MixRequest, s)
+        info = await s.add_mix(req.bundle, req.name, dict(req.adapters))
+        body = {"object": "mix", "name": req.name, "adapters": info.mixes[req.name], "bundle": info.name}
+        return JSONResponse({**body, "model": s.catalog.adapter_id(info, req.name)}, status_code=201)
 
     # vLLM's runtime LoRA endpoints (what inference gateways and LoRA-aware routers call): plain-text success
     @app.post("/v1/load_lora_adapter", dependencies=[admin], openapi_extra=json_body(LoadLoRAAdapterRequest))
@@ -387,6 +398,17 @@ def _model_list(s: ServerState, *, paths: bool) -> ModelList:
                 max_model_len=info.max_model_len,
             )
             for a in info.adapters
+        ]
+        cards += [
+            ModelCard(
+                id=s.catalog.adapter_id(info, m),
+                created=created,
+                parent=info.name,
+                mix=mix,
+                max_model_len=info.max_model_len,
+            )
+            for m, mix in sorted(info.mixes.items())
+            if m not in info.adapters
         ]
     return ModelList(data=cards)
 

@@ -35,6 +35,7 @@ class ModelInfo:
     adapters: list[str] = field(default_factory=list)
     default_max_tokens: int = 512  # chat without max_tokens (capped by the context left)
     adapter_paths: dict[str, str | None] = field(default_factory=dict)  # /v1/models' "root" of each adapter
+    mixes: dict[str, dict[str, float]] = field(default_factory=dict)  # named mixes (POST /v1/mixes, molora.json)
     chooser: str | None = None  # "hybrid": model=<name> asks the engine's per-request chooser (molora.server.choosing)
     tool_parser: str | None = None  # --enable-auto-tool-choice: parses tool_choice "auto" (None: "auto" is refused)
     # chat messages' special-token literals are tokenized as text (molora.server.special_tokens) unless this is set
@@ -49,14 +50,16 @@ class ModelInfo:
     @property
     def models(self) -> list[str]:
         """The model ids this bundle answers to: itself (the base, or its router), each adapter's name (pinned,
-        as vLLM names a LoRA) and `name:adapter` (the same, unambiguous when a server serves several bundles)."""
-        return [self.name] + list(self.adapters) + [f"{self.name}:{a}" for a in self.adapters]
+        as vLLM names a LoRA) and `name:adapter` (the same, unambiguous when a server serves several bundles); a named
+        mix the same way as an adapter (`pinned` then names the mix: the handler tells them apart)."""
+        named = list(self.adapters) + [m for m in self.mixes if m not in self.adapters]
+        return [self.name] + named + [f"{self.name}:{a}" for a in named]
 
     def pinned(self, model: str) -> str | None:
         """The pinned adapter of `model`, one of `models` (None for the base name)."""
         if model == self.name:
             return None
-        return model if model in self.adapters else model[len(self.name) + 1 :]
+        return model if model in self.adapters or model in self.mixes else model[len(self.name) + 1 :]
 
 
 class Catalog:
@@ -97,7 +100,7 @@ class Catalog:
     def adapter_id(self, info: ModelInfo, adapter: str) -> str:
         """The id /v1/models lists for an adapter: its bare name (vLLM's), or `bundle:adapter` where the bare
         name is ambiguous (several bundles hold it, or it is some bundle's own name)."""
-        holders = [i for i in self if adapter in i.adapters]
+        holders = [i for i in self if adapter in i.adapters or adapter in i.mixes]
         return adapter if len(holders) == 1 and adapter not in self.infos else f"{info.name}:{adapter}"
 
     def resolve(self, model: str) -> tuple[ModelInfo, str | None]:
@@ -105,7 +108,7 @@ class Catalog:
         bare adapter name that several bundles hold."""
         if model in self.infos:
             return self.infos[model], None
-        holders = [info for info in self if model in info.adapters]
+        holders = [info for info in self if model in info.adapters or model in info.mixes]
         if len(holders) > 1:
             raise APIError(
                 400,

@@ -21,7 +21,12 @@ from molora.server.protocol import APIError, ChatCompletionRequest, GenerationRe
 def applies(info: ModelInfo, adapter: str | None, req: GenerationRequest) -> bool:
     """The chooser decides this request: the bundle has one, no adapter is pinned, routing is left to the server
     or asks for it by name ("hybrid"; a server without a chooser refuses that: `molora.server.generation`)."""
-    return info.chooser is not None and adapter is None and req.options.routing in ("auto", "hybrid")
+    return (
+        info.chooser is not None
+        and adapter is None
+        and req.options.mix is None
+        and req.options.routing in ("auto", "hybrid")
+    )
 
 
 def chat_question(req: ChatCompletionRequest) -> str:

@@ -74,7 +74,13 @@ OFFLOAD_CHARS = 32 << 10  # prompts longer than this are tokenised on a worker t
 REPLICA_HEADER = "X-Molora-Replica"  # which engine replica answered (molora serve --ray)
 
 # the API parameter of each part of a request's routing (molora.engine.admission.RoutingRequest), for a 400's param
-ROUTING_PARAMS = {"mode": "molora.routing", "adapter": "model", "allowed": "molora.adapters"}
+ROUTING_PARAMS = {
+    "mode": "molora.routing",
+    "adapter": "model",
+    "allowed": "molora.adapters",
+    "mix": "molora.mix",
+    "scale": "molora.scale",
+}
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,15 @@ class Generation:
         constraint: GrammarConstraint | None = None,
     ) -> list[RequestSpec]:
         opts = req.options  # its routing is checked once, by the engine's admission (RoutingError: `_submit`)
+        mix = opts.mix
+        if adapter is not None and adapter in info.mixes and adapter not in info.adapters:  # model=<named mix>
+            if mix is not None:
+                raise APIError(
+                    400,
+                    f"model {adapter!r} is a named mix; send molora.mix or that model, not both",
+                    param="molora.mix",
+                )
+            mix, adapter = adapter, None
         stop = req.stop_strings()
         logit_bias = req.token_bias(info.vocab_size)
         bad_words = _bad_words_ids(info, req.bad_words or [])
@@ -240,6 +255,8 @@ class Generation:
                         queue_timeout_s=self.limits.queue_timeout_s,
                         constraint=constraint,
                         priority=req.priority,
+                        mix=mix,
+                        scale=opts.scale,
                     )
                 )
         return specs

@@ -116,6 +116,10 @@ class MoloraOptions(_Strict):
     # arrow, arrow-token, hybrid: the named routers, the same as `molora route --router NAME` (molora.routing.names)
     routing: Literal["auto", "learned", "arrow", "arrow-token", "hybrid", "vocab", "sequence"] = "auto"
     adapters: list[Name] | None = Field(None, max_length=256)
+    # a static mix: every token on the weighted sum of these adapters' deltas ({"a": 0.7, "b": 0.3}), or the name of
+    # a registered mix (POST /v1/mixes); weights within the server's bound (molora.routing.mix)
+    mix: dict[Name, float] | Name | None = None
+    scale: float | None = None  # the pinned adapter's weight (model=<adapter>); 1: its plain delta
     return_routing: bool = False
     timeout: float | None = Field(None, gt=0.0)  # seconds; None: the server's default (capped by the server)
 
@@ -460,6 +464,15 @@ class AdapterLoadRequest(_Strict):
     bundle: str | None = None
 
 
+class MixRequest(_Strict):
+    """POST /v1/mixes: register (or replace) the named mix `name` -> `adapters` ({adapter: weight}) in `bundle` (may
+    be left out where the server serves one bundle); requests then name it as a model or as `molora.mix`."""
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}$")]
+    adapters: dict[Name, float] = Field(max_length=256)
+    bundle: str | None = None
+
+
 class LoadLoRAAdapterRequest(BaseModel):
     """vLLM's POST /v1/load_lora_adapter (same admin key and adapter-root confinement as POST /v1/adapters)."""
 
@@ -649,6 +662,7 @@ class ModelCard(BaseModel):
     parent: str | None = None
     max_model_len: int | None = None
     adapter: str | None = None  # the adapter a request naming this id pins; None for the base name
+    mix: dict[str, float] | None = Field(None, exclude_if=_absent)  # a named mix: the adapters it weighs
 
 
 class ModelList(BaseModel):

@@ -58,6 +58,8 @@ class RequestSpec:
     question: str | None = None  # routing "hybrid": the text the engine's per-request chooser reads
     tenant: str | None = None  # whose request it is (molora.server.tenants; the engine's fair share)
     priority: int = 0  # vLLM's priority field: lower first under --scheduling-policy priority
+    mix: dict[str, float] | str | None = None  # a static mix or a named mix's name (Engine.add_request)
+    scale: float | None = None  # the pinned adapter's weight (Engine.add_request)
 
 
 @dataclass(frozen=True)
@@ -294,6 +296,10 @@ class EngineRunner:
                 extra: dict[str, Any] = {"constraint": spec.constraint} if spec.constraint is not None else {}
                 if spec.question is not None:
                     extra["question"] = spec.question
+                if spec.mix is not None:
+                    extra["mix"] = spec.mix
+                if spec.scale is not None:
+                    extra["scale"] = spec.scale
                 self.engine.add_request(
                     spec.prompt_ids,
                     spec.params,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from molora.errors import AdapterDraining, BankFullError, CalibrationError, MoLoRAError
+from molora.errors import AdapterDraining, BankFullError, CalibrationError, MoLoRAError, RoutingError
 from molora.server.catalog import Catalog, ModelInfo
 from molora.server.client import EngineClient
 from molora.server.generation import Generation, Limits
@@ -142,6 +142,23 @@ class ServerState:
         """From now on new requests get 503; the ones in flight go on to the end."""
         self.draining = True
 
+    async def add_mix(self, bundle: str | None, name: str, adapters: dict[str, float]) -> ModelInfo:
+        """Register the named mix `name` -> `adapters` in `bundle` (POST /v1/mixes); 400 naming the field for a name
+        that is a served model's or an adapter's, an unknown adapter, a weight out of bounds or too many adapters."""
+        info = self.catalog.bundle(bundle)
+        if name in self.catalog.infos or name in info.adapters:
+            raise APIError(
+                400, f"mix name {name!r} is already a model's or an adapter's name; choose another", param="name"
+            )
+        try:
+            await self.client.add_mix(info.name, name, adapters)
+        except RoutingError as e:
+            raise APIError(400, str(e), param="name" if e.field == "name" else "adapters") from e
+        except MoLoRAError as e:
+            raise APIError(400, str(e), param="adapters") from e
+        info.mixes[name] = dict(adapters)
+        return info
+
     async def load_adapter(
         self, bundle: str | None, name: str, path: str, *, param: str, roots: Sequence[Path] | None = None
     ) -> ModelInfo:
@@ -157,6 +174,8 @@ class ServerState:
             )
         if name in self.catalog.infos:
             raise APIError(400, f"adapter name {name!r} is the served model's own name; choose another", param=param)
+        if name in info.mixes:
+            raise APIError(400, f"adapter name {name!r} is a named mix's; choose another", param=param)
         path_param = "path" if param == "name" else "lora_path"  # the body's own field names (/v1/adapters, vLLM's)
         resolved = resolve_adapter_path(path, roots, param=path_param)
         try:  # the client reads and checks the files off the engine thread, confined to the roots

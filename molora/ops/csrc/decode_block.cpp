@@ -16,7 +16,8 @@
 // tiles [N/16, K/32, 16, 32] for linear_amx_w8) with its float32 scales WS [N] (empty for a float weight); bias or
 // empty; a routed linear's A, B (slot-major), scale
 // (float32) run lora_fused_ on the step's tok / weight / counts (lora: the step has routing), an empty A adds
-// nothing. clock: empty, or float64 [6] to which each kernel kind's wall seconds are added (linear, lora, norm, rope,
+// nothing; counts of c * S entries (S = A's slots, c > 1) are c choice columns of a top-k step one after another
+// (tok and weight likewise), run as c calls in column order, as the Python path adds them. clock: empty, or float64 [6] to which each kernel kind's wall seconds are added (linear, lora, norm, rope,
 // attention, silu_mul: the bench's kernel share); each kernel is also a torch.profiler range named as
 // its op (as the Python path's op calls are named). Called by BoundBlock::run only, which checked the 7 linears
 // when it was bound.
@@ -61,8 +62,24 @@ static torch::Tensor decode_block(const torch::Tensor& h, const torch::Tensor& d
     else timed(0, "molora::linear_panels", [&] { linear_panels(y, x, p, bias[i]); });
     if (lora && A[i].numel())
       timed(1, "molora::lora_fused_", [&] {
-        TORCH_CHECK(lora_fused_(y, x, A[i], B[i], tok, scale[i], weight, counts),
-                    "decode_block: the LoRA kernel declined the layout of linear ", i);
+        const int64_t S = A[i].size(0), n = (int64_t)counts.size();
+        if (n <= S) {
+          TORCH_CHECK(lora_fused_(y, x, A[i], B[i], tok, scale[i], weight, counts),
+                      "decode_block: the LoRA kernel declined the layout of linear ", i);
+          return;
+        }
+        TORCH_CHECK(n % S == 0, "decode_block: ", n, " counts are neither at most S = ", S, " nor whole columns of S");
+        int64_t off = 0;
+        for (int64_t c = 0; c < n / S; ++c) {  // one top-1 call per choice column: each writes a row once
+          std::vector<int64_t> col(counts.begin() + c * S, counts.begin() + (c + 1) * S);
+          int64_t m = 0;
+          for (int64_t v : col) m += v;
+          TORCH_CHECK(off + m <= tok.numel(), "decode_block: counts name more pairs than tok has (", tok.numel(), ")");
+          const torch::Tensor w = weight.numel() ? weight.narrow(0, off, m) : weight;
+          TORCH_CHECK(lora_fused_(y, x, A[i], B[i], tok.narrow(0, off, m), scale[i], w, col),
+                      "decode_block: the LoRA kernel declined the layout of linear ", i);
+          off += m;
+        }
       });
     return y;
   };
