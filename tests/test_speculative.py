@@ -23,6 +23,7 @@ from molora.errors import MoLoRAError
 from molora.routing import ArrowConfig, ArrowRouter, VocabRouter
 from tests.conftest import make_peft_adapter, tiny_model
 from tests.test_engine import SPECS, ByteTokenizer, _prompt
+from tests.test_multimodal import BOI, tiny_bundle  # noqa: F401  (a fixture)
 
 ARCH = "qwen3"
 CFG = dict(
@@ -313,3 +314,36 @@ def test_sampled_output_with_speculation_is_distributed_as_without(paths):
     b2 = [b[i] for i in big] + [sum(b) - sum(b[i] for i in big)]
     stat = sum((x - y) ** 2 / (x + y) for x, y in zip(a2, b2) if x + y > 0)
     assert len(big) >= 3 and stat < _chi2_bound(len(a2) - 1)
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+
+def test_serve_and_generate_refuse_a_bad_speculative_config_before_loading_anything(capsys):
+    from molora.cli import main
+
+    for argv, match in (
+        (["serve", "--speculative-config", "{oops"], "not valid JSON"),
+        (["serve", "--speculative-config", '{"method": "ngram", "draft_tensor_parallel_size": 1}'], "draft_tensor"),
+        (["generate", "hi", "--speculative-config", '{"method": "medusa"}'], "method='medusa'"),
+        (["generate", "hi", "--speculative-config", '{"num_speculative_tokens": -1}'], "num_speculative_tokens=-1"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert match in err and "error" in err, err
+
+
+def test_generate_with_speculation_answers_as_the_engine_does_without(tiny_bundle, capsys):
+    """`molora generate --speculative-config` answers through the engine: the same text as the engine without it."""
+    from molora.bundle import load
+    from molora.cli import main
+    from molora.cli.generate import engine_answer
+
+    prompt = f"draw the digit 3 {BOI}"
+    plain = engine_answer(load(tiny_bundle), prompt, max_new_tokens=24)
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    assert (
+        main(["generate", prompt, "--bundle", str(tiny_bundle), "--max-tokens", "24", "--speculative-config", spec])
+        == 0
+    )
+    assert capsys.readouterr().out.strip() == plain and plain
