@@ -119,6 +119,22 @@ def test_greedy_with_speculation_equals_without_in_tokens_and_adapters(paths, mo
         assert any(len(set(o.token_adapters)) > 1 for o in plain)
 
 
+@torch.no_grad()
+def test_suffix_drafts_with_recent_outputs_keep_greedy_output(paths):
+    """The "suffix" method, drawing also on the outputs of earlier requests on the same adapter: the same tokens
+    and adapters as plain decoding, and some of its drafts accepted."""
+    sp = SamplingParams(max_new_tokens=24)
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, suffix_decoding_max_cached_requests=4)
+    plain = Engine(_mm(paths), EngineConfig(**CFG)).generate(PROMPTS, sp, adapter="a")
+    engine = Engine(_mm(paths), EngineConfig(**CFG, speculative=spec))
+    for _ in range(2):  # the second round finds the first round's outputs among the recent ones
+        got = engine.generate(PROMPTS, sp, adapter="a")
+        assert [g.new_token_ids for g in got] == [p.new_token_ids for p in plain]
+        assert [g.token_adapters for g in got] == [p.token_adapters for p in plain]
+    assert len(engine.speculator.recent["a"]) == 4
+    assert engine.stats()["speculative"]["accepted"] > 0
+
+
 @pytest.mark.slow
 @torch.no_grad()
 def test_busy_chunked_preempting_batch_with_speculation_equals_plain(paths):
