@@ -1,0 +1,66 @@
+"""The figures of docs/speculative.md from its record, docs/speculative.json.
+
+    python -m tools.make_speculative [--check]
+
+The record comes from `molora bench engine --speculative JSON --json docs/speculative.json` (molora.bench.speculative;
+the command and the machine are in the record). This script measures nothing: it renders the table between the page's
+`<!-- speculative:begin (tools/make_speculative.py) -->` and `<!-- speculative:end -->` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from molora.docblock import markers, wrap, write_block
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORD = ROOT / "docs" / "speculative.json"
+PAGE = ROOT / "docs" / "speculative.md"
+BEGIN, END = markers("speculative", "tools/make_speculative.py")
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def render(rec: dict) -> str:
+    """The block: the setup line, then one row per group (batch 1 skills, batch 1 chat, batch N skills)."""
+    spec = json.dumps(rec["speculative"])
+    lines = [
+        f"Measured with `{rec['command']}` on {rec['cpu']} ({rec['threads']} threads, {rec['dtype']}, "
+        f"{rec['items_per_skill']} items per skill at batch 1, greedy, at most {rec['new_tokens']} new tokens, stop "
+        f"at the bundle's stop ids), speculative config `{spec}`. {rec.get('note', '')}".rstrip(),
+        "",
+        "| batch | prompts | requests | output tokens | plain tok/s | speculative tok/s | speculative / plain | "
+        "drafted | accepted | mean ids per verified chunk | tokens differing | adapters differing |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key, g in rec.items():
+        if not (key.startswith("b") and isinstance(g, dict) and "speedup" in g):
+            continue
+        batch, group = key[1:].split("_", 1)
+        lines.append(
+            f"| {batch} | {group} | {g['requests']} | {g['output_tokens']} | {g['plain_tok_s']:.2f} | "
+            f"{g['spec_tok_s']:.2f} | {g['speedup']:.2f}x | {g['drafted']} | {g['accepted']} | "
+            f"{_f(g['mean_acceptance_length'], '.2f')} | {g['tokens_differing']} of {g['tokens']} | "
+            f"{g['adapters_differing']} |"
+        )
+    return wrap(BEGIN, END, "\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.make_speculative", description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="only say whether the page is stale (exit 1 if so)")
+    args = ap.parse_args(argv)
+    rec = json.loads(RECORD.read_text(encoding="utf-8"))
+    changed = write_block(PAGE, BEGIN, END, render(rec), check=args.check)
+    if args.check and changed:
+        print(f"{PAGE} is stale: run python -m tools.make_speculative")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
