@@ -32,6 +32,11 @@ scores a prompt chunk by chunk; the entries land in `Request.prompt_scores` and 
 output after its whole prompt is computed (RequestOutput.prompt_logprobs). Such a request takes no prefix-cache hits
 (molora.engine.prefix). max_new_tokens 0 ends a request once its prompt is computed (finish_reason "length").
 
+Speculative decoding (EngineConfig.speculative, vLLM's --speculative-config; molora.engine.speculative): before the
+step the `speculator` gives each decoding request a draft from its own tokens (`_draft`); the scheduler runs it as a
+chunk of 1 + k ids; the runner returns every row's logits and slots (`_verified_rows`, token_logits, token_slot_ids);
+`_commit_draft` keeps the ids plain decoding would give, each with its own row's adapter, and rolls back the rest.
+
 Faults and time: a request may carry deadlines (`add_request(timeout_s=, queue_timeout_s=)`), checked at the start
 of every step: it ends with finish_reason "timeout" and `RequestOutput.error` saying which. A step that raises is
 run again in halves until the request(s) that make it raise are found; only they end (finish_reason "error"), see
