@@ -2,9 +2,10 @@
 
     python -m tools.make_speculative [--check]
 
-The record comes from `molora bench engine --speculative JSON --json docs/speculative.json` (molora.bench.speculative;
-the command and the machine are in the record). This script measures nothing: it renders the table between the page's
-`<!-- speculative:begin (tools/make_speculative.py) -->` and `<!-- speculative:end -->` markers.
+The records come from `molora bench engine --speculative JSON --json docs/speculative.json` (molora.bench.speculative;
+the command and the machine are in each record): docs/speculative.json, and docs/speculative_loaded.json, the same
+command on the same machine while other jobs loaded its two cores. This script measures nothing: it renders the tables
+between the page's `<!-- speculative:begin (tools/make_speculative.py) -->` and `<!-- speculative:end -->` markers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from molora.docblock import markers, wrap, write_block
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "speculative.json"
+LOADED = ROOT / "docs" / "speculative_loaded.json"  # the same command on the same machine under other jobs' load
 PAGE = ROOT / "docs" / "speculative.md"
 BEGIN, END = markers("speculative", "tools/make_speculative.py")
 
@@ -25,8 +27,12 @@ def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def render(rec: dict) -> str:
-    """The block: the setup line, then one row per group (batch 1 skills, batch 1 chat, batch N skills)."""
+def render(rec: dict, *more: dict) -> str:
+    """The block: per record, the setup line, then one row per group (batch 1 skills, batch 1 chat, batch N skills)."""
+    return wrap(BEGIN, END, "\n\n".join(_table(r) for r in (rec, *more)))
+
+
+def _table(rec: dict) -> str:
     spec = json.dumps(rec["speculative"])
     lines = [
         f"Measured with `{rec['command']}` on {rec['cpu']} ({rec['threads']} threads, {rec['dtype']}, "
@@ -47,15 +53,15 @@ def render(rec: dict) -> str:
             f"{_f(g['mean_acceptance_length'], '.2f')} | {g['tokens_differing']} of {g['tokens']} | "
             f"{g['adapters_differing']} |"
         )
-    return wrap(BEGIN, END, "\n".join(lines))
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.make_speculative", description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="only say whether the page is stale (exit 1 if so)")
     args = ap.parse_args(argv)
-    rec = json.loads(RECORD.read_text(encoding="utf-8"))
-    changed = write_block(PAGE, BEGIN, END, render(rec), check=args.check)
+    recs = [json.loads(p.read_text(encoding="utf-8")) for p in (RECORD, LOADED) if p.exists()]
+    changed = write_block(PAGE, BEGIN, END, render(*recs), check=args.check)
     if args.check and changed:
         print(f"{PAGE} is stale: run python -m tools.make_speculative")
         return 1
