@@ -71,6 +71,15 @@ MODES = {
 PROMPTS = [_prompt(9, 1) * 2, _prompt(5, 2) * 3, _prompt(13, 3), _prompt(7, 4) + _prompt(3, 5) * 4]
 
 
+def _spec_engine(mm, spec=NGRAM, **kw) -> Engine:
+    """An engine with speculation in every step, however many requests decode (the default turns it off above
+    speculative.MAX_DECODES, a speed choice): these tests check exactness in batches too."""
+    engine = Engine(mm, EngineConfig(**{**CFG, **kw.pop("cfg", {})}, speculative=spec), **kw)
+    assert engine.speculator is not None
+    engine.speculator.max_decodes = 1 << 30
+    return engine
+
+
 def _router_of(mode: str) -> str:
     return mode if mode in ("learned", "carry", "arrow") else "vocab"
 
@@ -99,7 +108,7 @@ def test_greedy_with_speculation_equals_without_in_tokens_and_adapters(paths, mo
     plain = Engine(_mm(paths, _router_of(mode)), EngineConfig(**CFG)).generate(PROMPTS, sp, **kw)
     ref = {tuple(p): o.new_token_ids for p, o in zip(PROMPTS, plain)}
     for oracle in (False, True):
-        engine = Engine(_mm(paths, _router_of(mode)), EngineConfig(**CFG, speculative=NGRAM))
+        engine = _spec_engine(_mm(paths, _router_of(mode)))
         free = engine.allocator.num_free
         if oracle:
             _oracle(engine, ref)
@@ -126,7 +135,7 @@ def test_suffix_drafts_with_recent_outputs_keep_greedy_output(paths):
     sp = SamplingParams(max_new_tokens=24)
     spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, suffix_decoding_max_cached_requests=4)
     plain = Engine(_mm(paths), EngineConfig(**CFG)).generate(PROMPTS, sp, adapter="a")
-    engine = Engine(_mm(paths), EngineConfig(**CFG, speculative=spec))
+    engine = _spec_engine(_mm(paths), spec)
     for _ in range(2):  # the second round finds the first round's outputs among the recent ones
         got = engine.generate(PROMPTS, sp, adapter="a")
         assert [g.new_token_ids for g in got] == [p.new_token_ids for p in plain]
@@ -147,6 +156,8 @@ def test_busy_chunked_preempting_batch_with_speculation_equals_plain(paths):
 
     def run(spec):
         engine = Engine(_mm(paths, "carry"), EngineConfig(**busy, speculative=spec))
+        if engine.speculator is not None:
+            engine.speculator.max_decodes = 1 << 30
         ids = [engine.add_request(p, sp, **kw) for p, kw in zip(prompts, routing)]
         got = {i: ([], []) for i in ids}
         while engine.has_unfinished():
@@ -203,6 +214,23 @@ def test_stop_ids_stop_strings_max_tokens_and_abort_act_as_without_speculation(p
     assert [o.finish_reason for o in outs] == ["abort"]
     engine.check()
     assert engine.allocator.num_free == free and not engine.hotset.pins and not engine.requests
+
+
+@torch.no_grad()
+def test_speculation_runs_alone_and_stays_off_while_more_requests_decode(paths):
+    """By default drafts are made only while at most MAX_DECODES requests decode (the measured turning point): one
+    request alone speculates, four together do not, and both give plain decoding's tokens."""
+    from molora.engine.speculative import MAX_DECODES
+
+    assert MAX_DECODES == 1
+    sp = SamplingParams(max_new_tokens=16)
+    plain = Engine(_mm(paths), EngineConfig(**CFG)).generate(PROMPTS, sp, adapter="a")
+    alone = Engine(_mm(paths), EngineConfig(**CFG, speculative=NGRAM))
+    assert alone.generate([PROMPTS[1]], sp, adapter="a")[0].new_token_ids == plain[1].new_token_ids
+    assert alone.stats()["speculative"]["drafted"] > 0
+    busy = Engine(_mm(paths), EngineConfig(**CFG, speculative=NGRAM))
+    assert [o.new_token_ids for o in busy.generate(PROMPTS, sp, adapter="a")] == [o.new_token_ids for o in plain]
+    assert busy.stats()["speculative"]["drafted"] == 0
 
 
 def test_config_reads_vllm_json_and_refuses_unknown_methods_and_keys():
@@ -313,6 +341,8 @@ def test_sampled_output_with_speculation_is_distributed_as_without(paths):
 
     def draws(spec, seed0):
         engine = Engine(_mm(paths), EngineConfig(**cfg, speculative=spec))
+        if engine.speculator is not None:
+            engine.speculator.max_decodes = 1 << 30
         if spec is not None:
             _oracle(engine, ref, wrong_every=10**6)
         params = [SamplingParams(max_new_tokens=3, temperature=0.03, top_k=4, seed=seed0 + i) for i in range(N)]

@@ -19,6 +19,7 @@ from molora.docblock import markers, wrap, write_block
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "speculative.json"
 LOADED = ROOT / "docs" / "speculative_loaded.json"  # the same command on the same machine under other jobs' load
+BATCH = ROOT / "docs" / "speculative_batch.json"  # batch sizes between: where speculative.MAX_DECODES comes from
 PAGE = ROOT / "docs" / "speculative.md"
 BEGIN, END = markers("speculative", "tools/make_speculative.py")
 
@@ -27,9 +28,33 @@ def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def render(rec: dict, *more: dict) -> str:
-    """The block: per record, the setup line, then one row per group (batch 1 skills, batch 1 chat, batch N skills)."""
-    return wrap(BEGIN, END, "\n\n".join(_table(r) for r in (rec, *more)))
+def render(rec: dict, *more: dict, sweep: dict | None = None) -> str:
+    """The block: per record, the setup line, then one row per group (batch 1 skills, batch 1 chat, batch N skills);
+    then the batch-size sweep, if given."""
+    parts = [_table(r) for r in (rec, *more)] + ([_sweep(sweep)] if sweep is not None else [])
+    return wrap(BEGIN, END, "\n\n".join(parts))
+
+
+def _sweep(rec: dict) -> str:
+    """One row per batch size of the sweep record: plain and speculative tok/s on the skill prompts, their ratio."""
+    lines = [
+        f"Batch sizes between, measured with `{rec['command']}` on {rec['cpu']} ({rec['threads']} threads, "
+        f"{rec['dtype']}). {rec.get('note', '')}".rstrip(),
+        "",
+        "| batch | plain tok/s | speculative tok/s | speculative / plain | batch 1 in the same run: skills, chat | "
+        "tokens differing | adapters differing |",
+        "|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for b, run in rec["runs"].items():
+        g = run[f"b{b}_skills"]
+        one = f"{run['b1_skills']['speedup']:.2f}x, {run['b1_chat']['speedup']:.2f}x"
+        bad = sum(x["tokens_differing"] for x in run.values())
+        ads = sum(x["adapters_differing"] for x in run.values())
+        lines.append(
+            f"| {b} | {g['plain_tok_s']:.2f} | {g['spec_tok_s']:.2f} | {g['speedup']:.2f}x | {one} | "
+            f"{bad} of {sum(x['tokens'] for x in run.values())} | {ads} |"
+        )
+    return "\n".join(lines)
 
 
 def _table(rec: dict) -> str:
@@ -61,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="only say whether the page is stale (exit 1 if so)")
     args = ap.parse_args(argv)
     recs = [json.loads(p.read_text(encoding="utf-8")) for p in (RECORD, LOADED) if p.exists()]
-    changed = write_block(PAGE, BEGIN, END, render(*recs), check=args.check)
+    sweep = json.loads(BATCH.read_text(encoding="utf-8")) if BATCH.exists() else None
+    changed = write_block(PAGE, BEGIN, END, render(*recs, sweep=sweep), check=args.check)
     if args.check and changed:
         print(f"{PAGE} is stale: run python -m tools.make_speculative")
         return 1

@@ -415,11 +415,15 @@ class Engine:
 
     def _draft(self) -> None:
         """Give every decoding request its draft for this step (molora.engine.speculative), within what its
-        max_new_tokens and max_model_len leave after the next id; the scheduler takes as many as the budget allows."""
+        max_new_tokens and max_model_len leave after the next id; the scheduler takes as many as the budget allows.
+        None while more than `Speculator.max_decodes` requests decode (speculative.MAX_DECODES: where verification
+        was measured not to pay)."""
         assert self.speculator is not None
+        decoding = [r for r in self.scheduler.running if r.remaining == 1]
+        busy = len(decoding) > self.speculator.max_decodes  # measured: verification stops paying there
         for req in self.scheduler.running:
             req.draft = []
-            if req.remaining == 1:
+            if req.remaining == 1 and not busy:
                 room = min(req.params.max_new_tokens - req.num_generated, self.max_model_len - len(req.tokens)) - 1
                 req.draft = self.speculator.propose(req, room)
 

@@ -22,7 +22,8 @@ p(d), else one id drawn from p with d removed, renormalised; after a whole accep
 row), which leaves the output distribution exactly that of plain sampling. Rows after the last kept token are
 rolled back by the engine: the request's computed length, its KV blocks beyond it and its carried decisions.
 
-Speculation applies per request where it cannot change what the request would get: not to requests with a
+Speculation applies while at most MAX_DECODES requests decode in a step (the measured turning point, below), and
+per request where it cannot change what the request would get: not to requests with a
 constraint (structured output, a bundle's constrained spans), logit knobs (bias, bad words, penalties, whose
 values depend on every earlier id), or short of min_tokens; those decode one token a step. A draft never runs
 past max_new_tokens or max_model_len, and the accepted tokens go through the stop rules one by one, so stop ids,
@@ -46,6 +47,11 @@ from molora.errors import MoLoRAError
 from molora.sampling import filter_logits_rows
 
 METHODS = ("ngram", "suffix")
+# Speculate only while at most this many requests decode in a step. Measured on the default bundle (2 CPU threads,
+# docs/speculative.json, docs/speculative_batch.json): output tokens/s with speculation over without was about 2x at
+# batch 1 but 0.92x at 2, 0.96x at 4, 0.70x at 8, 0.73x at 16 and 0.60x at 32 (from two requests on, a plain decode
+# step runs the fused one-call block, which a verification chunk does not).
+MAX_DECODES = 1
 _KEYS = {
     "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
     "suffix": {
@@ -230,8 +236,9 @@ class Speculator:
     """Proposes drafts for the engine's decoding requests and keeps the counts (`stats`). The engine owns one
     when EngineConfig.speculative is set."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, max_decodes: int = MAX_DECODES) -> None:
         self.config = config
+        self.max_decodes = max_decodes  # speculate while at most this many requests decode in a step
         self.recent: dict[str | None, deque[list[int]]] = {}  # "suffix": recent outputs per adapter (pinned)
         self.drafted = self.accepted = self.verified = self.emitted = self.carry_cut = 0
 
