@@ -80,6 +80,8 @@ def measure(
     cfg = dict(max_num_seqs=batch, block_size=16, kv_budget_tokens=batch * (longest + 16), max_model_len=longest)
     cfg["enable_prefix_caching"] = False  # each variant computes every prompt, as a repetition would without a cache
     engines = {"plain": Engine(mm, EngineConfig(**cfg)), "spec": Engine(mm, EngineConfig(**cfg, speculative=spec))}
+    # speculate at every batch size: the bench measures where verification pays (speculative.MAX_DECODES comes from it)
+    engines["spec"].speculator.max_decodes = 1 << 30  # type: ignore[union-attr]
     params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=tuple(stop_ids(mm)))
     _run(engines["plain"], groups["skills"][:2], params)  # warm-up: kernels, packed weights
     _run(engines["spec"], groups["skills"][:2], params)
