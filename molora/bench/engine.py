@@ -3,6 +3,8 @@
     python -m molora.bench.engine [--quick] [--json OUT]
     python -m molora.bench.engine --shared-prefix [...]   the prefix-cache benchmark (molora.bench.prefix)
     python -m molora.bench.engine --peer llama.cpp [...]  against llama.cpp, same prompts (molora.bench.peer)
+    python -m molora.bench.engine --speculative JSON [...]  with and without speculative decoding
+                                                           (molora.bench.speculative)
 
 Setup: SmolLM2-135M (the embedded default), 4 random-weight adapters (r=16, all seven projections, written
 with `save_adapter` into a temp dir), a VocabRouter splitting the vocabulary into 4 ranges (per-token
@@ -361,6 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from molora.bench import prefix
 
         return prefix.main(argv)
+    if "--speculative" in argv:  # speculative decoding on the default bundle (molora.bench.speculative)
+        from molora.bench import speculative
+
+        return speculative.main(argv)
     if "--peer" in argv:  # llama.cpp as a peer (molora.bench.peer): its own options
         from molora.bench import peer
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from molora.cli.registry import command
 
@@ -66,31 +67,45 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='answer through the engine with speculative decoding, vLLM\'s flag: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or \'{"method": "suffix"}\' (the bundle\'s own '
+        "router or --adapter; molora.engine.speculative)",
+    )
 
 
 @command("generate", _generate_args)
 def _generate(args: argparse.Namespace) -> int:
     """One answer on a bundle (the default one unless --bundle), routed by its router or one pinned adapter."""
     from molora.bundle import load, run_prompt
+    from molora.engine.speculative import SpeculativeConfig
     from molora.errors import MoLoRAError
     from molora.sampling import bundle_constraint
 
+    speculative = SpeculativeConfig.parse(args.speculative_config) if args.speculative_config else None
     mm = load(args.bundle, base_only=args.base_only)
     routing = prompt_routing(mm, args.routing, args.adapter)(args.prompt)
-    if bundle_constraint(mm.bundle, mm.tokenizer) is not None:  # constrained spans: the engine applies them
+    spans = bundle_constraint(mm.bundle, mm.tokenizer) is not None
+    if spans or speculative is not None:  # constrained spans or speculation: the engine runs it
         if routing["router"] is not None and args.routing != "hybrid":
+            why = "constrains spans, which" if spans else "is answered with speculation, which"
             raise MoLoRAError(
-                f"bundle {mm.bundle.name!r} constrains spans, which its engine applies with the bundle's own router; "
-                f"drop --router {args.routing}"
+                f"bundle {mm.bundle.name if mm.bundle else '(base)'!r} {why} its engine applies with the bundle's own "
+                f"router; drop --router {args.routing}"
             )
         print(
             engine_answer(
                 mm,
                 args.prompt,
                 adapter=routing["adapter"],
+                routing="none" if routing["router"] is not None else "auto",  # hybrid's pick of the base model
                 max_new_tokens=args.max_tokens,
                 temperature=args.temperature,
                 seed=args.seed,
+                speculative=speculative,
             )
         )
         return 0
@@ -111,24 +126,26 @@ def engine_answer(
     prompt: str,
     *,
     adapter: str | None = None,
+    routing: str = "auto",
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     seed: int | None = None,
+    speculative: Any = None,
 ) -> str:
-    """One answer through the engine (what the server runs), e.g. for a bundle with constrained spans; the KV
-    cache sized for this one request."""
+    """One answer through the engine (what the server runs), e.g. for a bundle with constrained spans or with
+    speculative decoding (`speculative`: a SpeculativeConfig); the KV cache sized for this one request."""
     from molora.bundle import encode_prompt, stop_ids
     from molora.config import SamplingParams
     from molora.engine import Engine, EngineConfig
 
     ids = encode_prompt(mm, prompt)
     n = len(ids) + max_new_tokens
-    eng = Engine(mm, EngineConfig(max_num_seqs=1, max_model_len=n, kv_budget_tokens=n))
+    eng = Engine(mm, EngineConfig(max_num_seqs=1, max_model_len=n, kv_budget_tokens=n, speculative=speculative))
     try:
         params = SamplingParams(
             max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_token_ids=tuple(stop_ids(mm))
         )
-        return eng.generate([ids], params, adapter=adapter)[0].new_text.strip()
+        return eng.generate([ids], params, adapter=adapter, routing=routing)[0].new_text.strip()
     finally:
         eng.close()
 

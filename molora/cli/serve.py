@@ -77,6 +77,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "--no-enable-prefix-caching turns it off, as in vLLM)",
     )
     p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding without a draft model, vLLM\'s flag: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (prompt lookup) or '
+        '\'{"method": "suffix", ...}\'; greedy output stays the same, token for token (molora.engine.speculative)',
+    )
+    p.add_argument(
         "--admission",
         choices=("fcfs", "slots"),
         default="fcfs",
@@ -418,9 +426,11 @@ def _env_list(name: str) -> list[str]:
 def _serve(args: argparse.Namespace) -> int:
     """Serve the OpenAI-compatible API (model=<base> runs the base or its router; model=ADAPTER pins one adapter)."""
     from molora.engine import EngineConfig
+    from molora.engine.speculative import SpeculativeConfig
     from molora.server import serve
     from molora.server.generation import Limits
 
+    speculative = SpeculativeConfig.parse(args.speculative_config) if args.speculative_config else None
     limits = Limits(
         request_timeout_s=args.request_timeout,
         max_request_timeout_s=args.max_request_timeout,
@@ -458,7 +468,7 @@ def _serve(args: argparse.Namespace) -> int:
             folder = Path(tempfile.mkdtemp(prefix="molora-bundle-"))
             write_bundle(folder, bundle.manifest)
             args.bundle = [str(folder)]
-        return _serve_ray(args, limits, keys)
+        return _serve_ray(args, limits, keys, speculative)
     if len(args.bundle) > 1:
         raise MoLoRAError(
             f"{len(args.bundle)} bundles given; one server process serves one bundle: add --ray to serve several"
@@ -483,6 +493,7 @@ def _serve(args: argparse.Namespace) -> int:
             admission=args.admission,
             scheduling_policy=args.scheduling_policy,
             max_mix_weight=args.max_mix_weight,
+            speculative=speculative,
         ),
         limits=limits,
         stall_s=args.stall_timeout,
@@ -503,7 +514,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
+def _serve_ray(args: argparse.Namespace, limits: object, keys: dict, speculative: object = None) -> int:
     try:
         import ray  # noqa: F401
 
@@ -529,6 +540,7 @@ def _serve_ray(args: argparse.Namespace, limits: object, keys: dict) -> int:
             "admission": args.admission,
             "scheduling_policy": args.scheduling_policy,
             "max_mix_weight": args.max_mix_weight,
+            "speculative": speculative,
         },
         dtype=args.dtype,
         quantization=args.quantization,

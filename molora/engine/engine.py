@@ -32,6 +32,11 @@ scores a prompt chunk by chunk; the entries land in `Request.prompt_scores` and 
 output after its whole prompt is computed (RequestOutput.prompt_logprobs). Such a request takes no prefix-cache hits
 (molora.engine.prefix). max_new_tokens 0 ends a request once its prompt is computed (finish_reason "length").
 
+Speculative decoding (EngineConfig.speculative, vLLM's --speculative-config; molora.engine.speculative): before the
+step the `speculator` gives each decoding request a draft from its own tokens (`_draft`); the scheduler runs it as a
+chunk of 1 + k ids; the runner returns every row's logits and slots (`_verified_rows`, token_logits, token_slot_ids);
+`_commit_draft` keeps the ids plain decoding would give, each with its own row's adapter, and rolls back the rest.
+
 Faults and time: a request may carry deadlines (`add_request(timeout_s=, queue_timeout_s=)`), checked at the start
 of every step: it ends with finish_reason "timeout" and `RequestOutput.error` saying which. A step that raises is
 run again in halves until the request(s) that make it raise are found; only they end (finish_reason "error"), see
@@ -72,10 +77,18 @@ from molora.engine.offline import generate
 from molora.engine.policy import POLICIES
 from molora.engine.prefix import PrefixCache
 from molora.engine.request import IncrementalDetokenizer, Request, RequestOutput, TextState
-from molora.engine.routing import RouteState, plan_routing, record_carry, record_probe
+from molora.engine.routing import (
+    RouteState,
+    assumed_carry,
+    plan_routing,
+    record_carry,
+    record_carry_rows,
+    record_probe,
+)
 from molora.engine.runtime_adapters import AdapterManager
 from molora.engine.sampler import sample_step, score_tokens, step_logprobs
 from molora.engine.scheduler import ADMISSION, Scheduled, Scheduler
+from molora.engine.speculative import SpeculativeConfig, Speculator, accept, carry_valid, merge_outputs
 from molora.errors import MoLoRAError
 from molora.model.batch import BatchMeta
 from molora.model.graphs import DEFAULT_BUCKETS
@@ -116,8 +129,15 @@ class EngineConfig:
     # the largest |weight| of an adapter in a request's mix or a pinned adapter's scale (molora.routing.mix): a plain
     # bound on how far a request may push a delta (2: twice the trained delta, or its negation), not a measured one
     max_mix_weight: float = 2.0
+    # vLLM's --speculative-config (method "ngram" or "suffix"; molora.engine.speculative); None: off
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise MoLoRAError(
+                f"EngineConfig.speculative={self.speculative!r}: give a SpeculativeConfig "
+                "(SpeculativeConfig.parse reads vLLM's JSON) or None"
+            )
         if self.admission not in ADMISSION:
             raise MoLoRAError(f"EngineConfig.admission={self.admission!r}: choose one of {', '.join(ADMISSION)}")
         if self.scheduling_policy not in POLICIES:
@@ -225,6 +245,7 @@ class Engine:
             events=self.events,
         )
         self._suspects: list[str] = []  # adapters that gave non-finite logits this step (_quarantine)
+        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
         self.steps = self.tokens_computed = 0
@@ -412,6 +433,8 @@ class Engine:
         outputs += self.lifecycle.expire(now)
         if len(self.choosing):
             outputs += self.choosing.step(lambda r: r.request_id in self.requests)
+        if self.speculator is not None:
+            self._draft()
         scheduled = self.scheduler.schedule()
         outputs += self.lifecycle.drop_refused()
         if not scheduled:
@@ -436,6 +459,20 @@ class Engine:
         if self.isolation.faults != faults:
             self.check()  # a recovered fault must leave the scheduler, KV pool and pins consistent
         return outputs
+
+    def _draft(self) -> None:
+        """Give every decoding request its draft for this step (molora.engine.speculative), within what its
+        max_new_tokens and max_model_len leave after the next id; the scheduler takes as many as the budget allows.
+        None while more than `Speculator.max_decodes` requests decode (speculative.MAX_DECODES: where verification
+        was measured not to pay)."""
+        assert self.speculator is not None
+        decoding = [r for r in self.scheduler.running if r.remaining == 1]
+        busy = len(decoding) > self.speculator.max_decodes  # measured: verification stops paying there
+        for req in self.scheduler.running:
+            req.draft = []
+            if req.remaining == 1 and not busy:
+                room = min(req.params.max_new_tokens - req.num_generated, self.max_model_len - len(req.tokens)) - 1
+                req.draft = self.speculator.propose(req, room)
 
     def _quarantine(self) -> None:
         """Unload (force) each adapter whose finite weights still gave a request non-finite logits on its own (the
@@ -462,13 +499,17 @@ class Engine:
         each request's results on its own (an error there ends that request only)."""
         tokens, positions, meta = self._inputs(scheduled)
         routing = plan_routing(scheduled, self.hotset, self.runner.device)
-        # a request of max_new_tokens 0 samples nothing: it ends once its prompt is computed
-        rows = [i for i, s in enumerate(scheduled) if s.samples and s.request.params.max_new_tokens > 0]
+        # a request of max_new_tokens 0 samples nothing: it ends once its prompt is computed; a drafted chunk's rows
+        # come back as token_logits after the prompt rows scored (`verify`: chunk index -> its span there)
+        rows = [
+            i for i, s in enumerate(scheduled) if s.samples and s.request.params.max_new_tokens > 0 and not s.drafted
+        ]
         scored, targets, spans = self._scored_rows(scheduled)
+        verify, vrows = self._verified_rows(scheduled, len(scored))
         masks = self._fill_masks([scheduled[i].request for i in rows])  # while the step computes
         try:
             out = self.runner(
-                tokens, positions, meta, routing, logits=rows, token_logits=scored or None
+                tokens, positions, meta, routing, logits=rows, token_logits=(scored + vrows) or None
             )  # StepOutput, logits [b, V], token_logits [t, V]
         finally:
             bitmask = masks.result() if masks is not None else None  # [c, W] of constrained rows
@@ -529,6 +570,9 @@ class Engine:
                 outputs.append(self.lifecycle.end(req, "error", dead[j]))
                 continue
             try:
+                if s.drafted:
+                    outputs.append(self._commit_draft(s, off, out, verify[i]))
+                    continue
                 if routing is not None and routing.carry is not None and last_carry is not None:
                     record_carry([s], last_carry[i : i + 1])
                 if s.probe:  # a probe chunk; its prompt is computed again once the probe ends
@@ -550,6 +594,8 @@ class Engine:
                     slot = -1 if last_slots is None else picked[len(rows) + i]
                     adapter = table[slot] if slot >= 0 else None
                     outputs.append(self.lifecycle.advance(req, picked[j], adapter, logprobs[j]))
+                    if self.speculator is not None and outputs[-1].finished:
+                        self.speculator.finished(req)
                 elif s.samples and req.params.max_new_tokens == 0:
                     outputs.append(self.lifecycle.end(req, "length"))  # its prompt is computed (and scored): done
             except Exception as e:
@@ -591,11 +637,68 @@ class Engine:
             offset += s.n
         return rows, targets, spans
 
+    @staticmethod
+    def _verified_rows(scheduled: list[Scheduled], first: int) -> tuple[dict[int, tuple[int, int]], list[int]]:
+        """The rows of the drafted chunks (speculative verification): ({chunk index: its span among the token_logits
+        rows, counted from `first`}, the rows in T), every row of each such chunk."""
+        spans: dict[int, tuple[int, int]] = {}
+        rows: list[int] = []
+        offset = 0
+        for i, s in enumerate(scheduled):
+            if s.drafted:
+                spans[i] = (first + len(rows), first + len(rows) + s.n)
+                rows += range(offset, offset + s.n)
+            offset += s.n
+        return spans, rows
+
+    def _commit_draft(self, s: Scheduled, off: int, out: Any, span: tuple[int, int]) -> RequestOutput:
+        """Commit a drafted chunk (molora.engine.speculative): keep the rows whose carried decision was right
+        (`carry_valid`), accept the ids plain decoding would give from their logits, append them one by one through
+        the stop rules (publishing each full block as plain decoding does), then roll back the rest: the request's
+        computed length stops after the last kept row and the KV blocks past it go back to the pool."""
+        assert self.speculator is not None and out.token_logits is not None
+        req = s.request
+        a, b = span
+        logits = out.token_logits[a:b]  # [n, V]: row j predicts the id after chunk token j
+        if not bool(torch.isfinite(logits.sum())):
+            return self.isolation.fail(
+                req, "the model produced non-finite logits for this request (a verified draft); a corrupt adapter?"
+            )
+        draft = req.draft[: s.drafted]
+        m, computed = s.n, None
+        assumed = assumed_carry(s)
+        if assumed is not None and out.carry_rows is not None:
+            computed = out.carry_rows[off : off + s.n].tolist()  # [n] each row's decision at carry_source
+            m = carry_valid(assumed, computed)
+        emitted = accept(logits[:m], draft[: m - 1], req.params, req.generator)
+        e = len(emitted)
+        slots = out.token_slot_ids[a : a + e, 0].tolist() if out.token_slot_ids is not None else [-1] * e
+        lps: list[list[dict] | None] = [None] * e
+        if req.params.logprobs:
+            lps = step_logprobs([req] * e, logits[:e], to_device(emitted, logits.device))
+        self.speculator.record(len(draft), e, sum(1 for x, d in zip(emitted, draft) if x == d), s.n - m)
+        if computed is not None:
+            record_carry_rows(s, computed[:e])
+        table = self.mm.bank.table
+        pieces = []
+        for j, tok in enumerate(emitted):
+            req.num_computed = s.start + j + 1
+            if self.prefix is not None:
+                self.prefix.publish(req)  # before advance, which may free the table
+            pieces.append(self.lifecycle.advance(req, tok, table[slots[j]] if slots[j] >= 0 else None, lps[j]))
+            if pieces[-1].finished:
+                self.speculator.finished(req)
+                break
+        req.draft = []
+        if not pieces[-1].finished:
+            self.allocator.truncate(req.block_table, req.num_computed)
+        return merge_outputs(pieces)
+
     def _inputs(self, scheduled: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
         toks: list[int] = []
         pos: list[int] = []
         for s in scheduled:
-            toks += s.request.tokens[s.start : s.start + s.n]
+            toks += s.ids
             pos += range(s.start, s.start + s.n)
         meta = BatchMeta(
             [s.n for s in scheduled], [s.start + s.n for s in scheduled], [s.request.block_table for s in scheduled]
@@ -724,4 +827,5 @@ class Engine:
             if g is None
             else {"captured": g.captures, "replays": g.replays, "failed": len(g.failed)},
             "prefix_cache": self.prefix.stats() if self.prefix is not None else {"enabled": False},
+            "speculative": self.speculator.stats() if self.speculator is not None else {"enabled": False},
         }

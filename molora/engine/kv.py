@@ -93,6 +93,16 @@ class BlockAllocator:
                     self._free.append(block)
         table.clear()
 
+    def truncate(self, table: list[int], length: int) -> None:
+        """Release the blocks of `table` beyond the first `length` rows (a rejected speculative draft's rows). They
+        are the table's own: held by it alone and unkeyed (only full computed blocks are published)."""
+        keep = self.blocks_for(length)
+        while len(table) > keep:
+            block = table.pop()
+            assert self._ref[block] == 1 and block not in self._key, f"block {block} is shared or keyed"
+            self._ref[block] = 0
+            self._free.append(block)
+
     # ------------------------------------------------------------------------------------ content keys
     def lookup(self, key: Hashable) -> int | None:
         """The block holding `key`'s content, held or cached; None if there is none."""

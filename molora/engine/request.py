@@ -147,6 +147,8 @@ class Request:
     prompt_scores: list[dict | None] | None = None
     question: str | None = None  # routing "hybrid": the text the per-request chooser reads (molora.engine.choosing)
     chosen: dict | None = None  # the chooser's pick, until it goes out on an output (RequestOutput.chosen)
+    # speculative decoding: ids proposed to follow `tokens`, verified in the next step (molora.engine.speculative)
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -110,7 +110,7 @@ def routed_names(router: Router, hotset: HotSet) -> list[str]:
 def _token_routing(s: Scheduled, hotset: HotSet) -> tuple[Tensor, Tensor | None]:
     """Slot ids [n, k] (and weights [n, k] or None) from the request's token-id router."""
     req = s.request
-    ids = torch.tensor([req.tokens[s.start : s.start + s.n]], dtype=torch.long)  # [1, n]
+    ids = torch.tensor([s.ids], dtype=torch.long)  # [1, n] (draft ids too: routed by their ids, as when decoded)
     names = routed_names(req.route.router, hotset)
     routing = req.route.router.route(ids, names, start=s.start)
     idx = routing.adapter_ids.reshape(s.n, -1).long()  # [n, k] indices
@@ -230,10 +230,44 @@ def _token_rows(scheduled: list[Scheduled], T: int, device: torch.device, known)
 
 
 def _carried(s: Scheduled) -> tuple[int, list[int]]:
-    """The chunk's generated tokens whose predecessor's decision is known (`RouteState.route_finals`)."""
+    """The chunk's generated tokens whose predecessor's decision is known (`RouteState.route_finals`); a draft
+    row (speculative decoding) assumes the decision its chunk's first token carries (`assumed_carry`)."""
     route, P = s.request.route, len(s.request.prompt_ids)
     lo, hi = max(s.start, P), min(s.start + s.n, P + len(route.route_finals))
-    return lo, route.route_finals[lo - P : hi - P] if lo < hi else []
+    values = route.route_finals[lo - P : hi - P] if lo < hi else []
+    if s.drafted and values:
+        values = values + [values[-1]] * (s.start + s.n - hi)
+    return lo, values
+
+
+def assumed_carry(s: Scheduled) -> list[int] | None:
+    """The decisions a drafted chunk's rows were given to carry [n] (row 0's is known, each draft row assumes the
+    same), or None when its request routes without carry. What plain decoding would carry into draft row j is the
+    decision row j - 1 gets at the carry_source block in the same forward; `molora.engine.speculative.carry_valid`
+    keeps the rows up to the first whose assumption was wrong (those after are decoded again)."""
+    route = s.request.route
+    if route.mode != "learned" or getattr(route.router, "carry_blocks", 0) <= 0:
+        return None
+    lo, values = _carried(s)
+    if lo != s.start or len(values) != s.n:
+        return None
+    return values
+
+
+def record_carry_rows(s: Scheduled, values: list[int]) -> None:
+    """Keep the carry_source decisions of a drafted chunk's first len(values) rows (the rows it keeps) as what their
+    successors carry (`RouteState.route_finals`), as `record_carry` does for one row."""
+    route = s.request.route
+    if route.mode != "learned":
+        return
+    for r, v in enumerate(values):
+        i = s.start + r + 1 - route.prompt_len
+        if i < 0 or v < -1:
+            continue
+        if i < len(route.route_finals):
+            route.route_finals[i] = v
+        elif i == len(route.route_finals):
+            route.route_finals.append(v)
 
 
 def _probed(s: Scheduled) -> tuple[int, list[int]]:

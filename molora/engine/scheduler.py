@@ -81,17 +81,27 @@ MAX_BYPASS = 16  # most requests slot-aware admission moves ahead of one waiting
 @dataclass
 class Scheduled:
     """A request's share of one step: `n` tokens starting at token index `start` (= its num_computed);
-    `probe`: a chunk of the probe pass over the prompt (molora.routing.learned: Probe)."""
+    `probe`: a chunk of the probe pass over the prompt (molora.routing.learned: Probe); `drafted`: how many of the
+    n are draft ids after its last known token (`Request.draft`, speculative decoding: molora.engine.speculative)."""
 
     request: Request
     start: int
     n: int
     probe: bool = False
+    drafted: int = 0
 
     @property
     def samples(self) -> bool:
         """True if this chunk reaches the end of the known tokens, so its last position yields a new token."""
-        return not self.probe and self.start + self.n == len(self.request.tokens)
+        return not self.probe and self.start + self.n - self.drafted == len(self.request.tokens)
+
+    @property
+    def ids(self) -> list[int]:
+        """The chunk's token ids [n]: the request's known tokens, then its draft ids."""
+        req = self.request
+        if not self.drafted:
+            return req.tokens[self.start : self.start + self.n]
+        return (req.tokens + req.draft[: self.drafted])[self.start : self.start + self.n]
 
 
 class Scheduler:
@@ -148,6 +158,7 @@ class Scheduler:
         decoding = [r for r in self.running if r.remaining == 1]
         prefilling = [r for r in self.running if r.remaining > 1]
         computing: set = set()  # prefix keys of the blocks this step computes
+        spare = self.max_tokens - len(decoding)  # what draft ids may take: every decode gets its one token first
         for req in decoding + prefilling:
             budget = self.max_tokens - sum(s.n for s in out)  # a preemption may give tokens back
             if budget == 0:
@@ -162,10 +173,15 @@ class Scheduler:
             ):
                 continue  # a request ahead of it computes its next block in this step
             n = min(req.remaining, budget)
+            drafted = 0
+            if req.remaining == 1 and req.draft:  # speculative decoding: the draft ids ride along, as a small chunk
+                drafted = max(0, min(len(req.draft), spare, budget - 1))
+                spare -= drafted
+                n += drafted
             if n < req.remaining and not self.chunked_prefill:
                 continue  # its whole prompt does not fit this step: it waits for one with room
             if self._make_room(req, req.num_computed + n, out):
-                out.append(Scheduled(req, req.num_computed, n, req.probing))
+                out.append(Scheduled(req, req.num_computed, n, req.probing, drafted))
                 if self.prefix is not None:
                     computing.update(self.prefix.computing(req, req.num_computed + n))
         if self.policy.name != "fcfs" and len(self.waiting) > 1:
@@ -178,7 +194,8 @@ class Scheduler:
             self._admit(out)  # (commands, deadlines, heartbeat); the next step waits again
         self._prefetch_queue()
         for s in out:
-            self.policy.charge(s.request, s.n, output=s.n == 1 and s.start >= len(s.request.prompt_ids))
+            decode = s.n - s.drafted == 1 and s.start >= len(s.request.prompt_ids)  # with its draft rows, if any
+            self.policy.charge(s.request, s.n, output=decode)
         return out
 
     def _admit(self, out: list[Scheduled]) -> bool:

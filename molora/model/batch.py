@@ -161,7 +161,8 @@ class StepOutput:
     logits [b, V] of the rows asked for (None if none); last_slot_ids / last_weights [B, k]: the routing of
     each sequence's last token (what produced its logits); last_carry [B] and carry_rows [T]: decisions at a
     carrying router's carry_source block (-2: not routed), None without such a router. token_logits [t, V]: the
-    logits of the rows of T asked for by `token_logits=` (prompt scoring), each under its own row's routing."""
+    logits of the rows of T asked for by `token_logits=` (prompt scoring, speculative verification), each under its own
+    row's routing; token_slot_ids [t, k]: that routing (the slots of each such row's token at the last block)."""
 
     hidden: Tensor
     logits: Tensor | None = None
@@ -170,3 +171,4 @@ class StepOutput:
     last_carry: Tensor | None = None
     carry_rows: Tensor | None = None
     token_logits: Tensor | None = None
+    token_slot_ids: Tensor | None = None

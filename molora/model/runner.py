@@ -259,6 +259,7 @@ class ModelRunner:
         if scored is not None:  # each row's lm_head routing is its own token's, as for the last rows
             at = lambda t: None if t is None else t[scored]
             out.token_logits = self.logits(h_scored, at(slot_ids), at(weights))  # [t, V]
+            out.token_slot_ids = at(slot_ids)  # [t, k] or None (every row on the base model)
         return out
 
     def _one_call(self, h: Tensor, plan: AttnPlan, learned: bool) -> Any:
