@@ -36,7 +36,7 @@ class RemoteSubmission(Submission):
     ) -> None:
         super().__init__(ids, arrival, replica)
         self.stream = stream
-        self._on_close = on_close
+        self._release = on_close  # frees the replica lease (the base class keeps its on_close list)
         self._pump = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
@@ -59,7 +59,7 @@ class RemoteSubmission(Submission):
         self._pump.cancel()
         if self.unfinished:
             _cancel(self.stream)
-        self._on_close()
+        self._release()
 
 
 class RayClient(EngineClient):
