@@ -393,3 +393,58 @@ def test_generate_with_speculation_answers_as_the_engine_does_without(tiny_bundl
         == 0
     )
     assert capsys.readouterr().out.strip() == plain and plain
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_server_with_speculation_answers_as_without(paths, stream):
+    """Over HTTP (/v1/completions, greedy, a repetitive prompt so that drafts are accepted): the same token ids,
+    text and finish reason with --speculative-config as without, streamed (several ids may arrive in one chunk) or
+    not."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from molora.server import create_app
+    from tests.test_server import ToyTokenizer
+
+    def answer(spec: SpeculativeConfig | None) -> tuple[list[int], str, str | None, Engine]:
+        mm = molora.attach(
+            tiny_model(ARCH),
+            paths,
+            router=VocabRouter([(0, 50, "a"), (50, 90, "b")], default="c"),
+            target_modules=LLAMA_PROJECTIONS,
+            tokenizer=ToyTokenizer(),
+        )
+        engine = Engine(mm, EngineConfig(**CFG, speculative=spec))
+        body = {
+            "model": "tiny",
+            "prompt": PROMPTS[1],
+            "max_tokens": 20,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream,
+            "molora": {"return_routing": True},
+        }
+        with TestClient(create_app(engine, model_name="tiny")) as http:
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+        if not stream:
+            choice = r.json()["choices"][0]
+            return choice["molora"]["token_ids"], choice["text"], choice["finish_reason"], engine
+        ids: list[int] = []
+        text, finish = "", None
+        for line in r.text.splitlines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[len("data: ") :])["choices"][0]
+            ids += (choice.get("molora") or {}).get("token_ids", [])
+            text += choice["text"]
+            finish = choice["finish_reason"] or finish
+        return ids, text, finish, engine
+
+    plain_ids, plain_text, plain_finish, _ = answer(None)
+    ids, text, finish, engine = answer(NGRAM)
+    assert len(plain_ids) == 20 and plain_finish == "length"
+    assert (ids, text, finish) == (plain_ids, plain_text, plain_finish)
+    assert engine.stats()["speculative"]["accepted"] > 0  # the answer did come from verified drafts
