@@ -306,3 +306,44 @@ def test_fair_share_composes_with_slot_aware_admission(paths, admission):
         )
     order = _start_order(engine)
     assert order == (["long", "w0", "w1", "cold"] if admission == "slots" else ["long", "cold", "w0", "w1"])
+
+
+def test_fair_gives_a_waiting_tenant_without_a_seat_one_from_the_most_served_tenant(paths):
+    """Every seat held by tenant A: under fair, B's new request takes a seat from A once A is ahead of it (A's latest
+    request is preempted and recomputed, with the same tokens); under fcfs B waits for one of A's to finish; a tenant
+    holding a single seat is never preempted for another."""
+    rng = random.Random(9)
+    prompts = [_prompt(8, rng) for _ in range(3)]
+    runs = {}
+    for policy in ("fcfs", "fair"):
+        engine = _engine(paths, policy, max_num_seqs=2)
+        for i in range(2):
+            engine.add_request(prompts[i], SamplingParams(max_new_tokens=12), request_id=f"A{i}", tenant="A")
+        tokens: dict[str, list[int]] = {}
+        for _ in range(3):  # both of A's requests are decoding
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        engine.add_request(prompts[2], SamplingParams(max_new_tokens=4), request_id="B0", tenant="B")
+        steps_to_b = 0
+        while "B0" not in tokens:
+            steps_to_b += 1
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            engine.check()
+        runs[policy] = (steps_to_b, engine.stats()["num_seat_preemptions"], tokens)
+    # B becomes active at A's counter (no idle credit): a tie for one step, then A has been served more
+    assert runs["fair"][:2] == (2, 1)
+    assert runs["fcfs"][0] > 1 and runs["fcfs"][1] == 0
+    assert runs["fair"][2] == runs["fcfs"][2]  # the preempted request's recompute changed no token
+
+    lone = _engine(paths, "fair", max_num_seqs=1)
+    lone.add_request(prompts[0], SamplingParams(max_new_tokens=12), request_id="A0", tenant="A")
+    for _ in range(3):
+        lone.step()
+    lone.add_request(prompts[2], SamplingParams(max_new_tokens=4), request_id="B0", tenant="B")
+    while lone.has_unfinished():
+        lone.step()
+    assert lone.stats()["num_seat_preemptions"] == 0

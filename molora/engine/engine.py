@@ -819,6 +819,7 @@ class Engine:
             "tokens_computed": self.tokens_computed,
             "steps": self.steps,
             "num_preemptions": sched.num_preemptions,
+            "num_seat_preemptions": sched.num_seat_preemptions,
             "faults": self.isolation.faults,
             "failed_requests": self.isolation.failures,
             "deadlines_expired": dict(self.lifecycle.deadlines_expired),

@@ -12,7 +12,11 @@ Three policies (EngineConfig.scheduling_policy, vLLM's `--scheduling-policy` nam
             tokens at the input weight) is counted before the next pick, so one step's admissions alternate between
             tenants. A tenant that becomes active (a first request in flight) is lifted to the least counter of the
             active tenants (or, when none is active, to that of the last one to leave): idling earns no credit.
-            Victim: the latest arrival of the running tenant with the largest counter.
+            Victim: the latest arrival of the running tenant with the largest counter. Seats: when every seat
+            (max_num_seqs) is taken and the next waiting request's tenant has none running, the latest request of
+            the most-served tenant holding two seats or more is preempted for it, if that tenant's counter stays
+            above the waiting tenant's after paying for the work thrown away (`seat_victim`); VTC's admission order
+            alone would leave a light tenant waiting for a heavy one's request to finish.
 
 Every policy orders the whole queue, so it is work-conserving: what the first tenant cannot use (its requests are
 being read, or need more blocks or slots than are free) the scheduler still gives to the requests after it, by the
@@ -61,6 +65,11 @@ class Policy:
     def victim(self, running: Sequence[Request]) -> Request:
         """The running request to preempt when one needs a KV block and none is free."""
         return running[-1]
+
+    def seat_victim(self, running: Sequence[Request], head: Request) -> Request | None:
+        """Every seat is taken and `head`, the next waiting request, belongs to a tenant with none: the running
+        request to preempt so that it gets one, or None (fcfs and priority: none; it waits for a seat to free)."""
+        return None
 
     def check(self, in_flight: Iterable[Request]) -> None:
         """Assert the policy's own bookkeeping agrees with the requests in flight."""
@@ -131,6 +140,17 @@ class FairPolicy(Policy):
 
     def victim(self, running: Sequence[Request]) -> Request:
         return max(running, key=lambda r: (self.counters[r.tenant], r.seq))
+
+    def seat_victim(self, running: Sequence[Request], head: Request) -> Request | None:
+        """The latest request of the most-served tenant that holds two seats or more, if that tenant stays ahead of
+        `head`'s even after paying for the work the preemption throws away (its computed tokens, recomputed later):
+        a tenant with nothing running is not kept waiting for a seat by one that has been served more."""
+        seats = Counter(r.tenant for r in running)
+        held = [r for r in running if seats[r.tenant] > 1]
+        if not held:
+            return None
+        victim = self.victim(held)
+        return victim if self.counters[victim.tenant] > self.counters[head.tenant] else None
 
     def check(self, in_flight: Iterable[Request]) -> None:
         expected = Counter(r.tenant for r in in_flight)

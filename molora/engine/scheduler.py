@@ -131,6 +131,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_seat_preemptions = 0  # of those, for a waiting tenant with no seat (policy.seat_victim)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self._seq = itertools.count()  # arrival order (Request.seq)
         self.failed: list[tuple[Request, str]] = []  # (request, why) that could not start; the engine reports them
@@ -157,7 +158,10 @@ class Scheduler:
         out: list[Scheduled] = []
         decoding = [r for r in self.running if r.remaining == 1]
         prefilling = [r for r in self.running if r.remaining > 1]
+        if self.policy.name != "fcfs" and len(prefilling) > 1:  # the policy also orders who gets the step's budget
+            prefilling = self.policy.order(prefilling)
         computing: set = set()  # prefix keys of the blocks this step computes
+        self._take_seat()
         spare = self.max_tokens - len(decoding)  # what draft ids may take: every decode gets its one token first
         for req in decoding + prefilling:
             budget = self.max_tokens - sum(s.n for s in out)  # a preemption may give tokens back
@@ -197,6 +201,19 @@ class Scheduler:
             decode = s.n - s.drafted == 1 and s.start >= len(s.request.prompt_ids)  # with its draft rows, if any
             self.policy.charge(s.request, s.n, output=decode)
         return out
+
+    def _take_seat(self) -> None:
+        """Every seat taken and requests waiting: the policy may preempt one running request so that the next
+        waiting request, whose tenant has no seat, gets one this step (molora.engine.policy, `seat_victim`)."""
+        if len(self.running) < self.max_num_seqs or not self.waiting or self.policy.name == "fcfs":
+            return
+        head = self.policy.order(self.waiting)[0]
+        if any(r.tenant == head.tenant for r in self.running):
+            return
+        victim = self.policy.seat_victim(self.running, head)
+        if victim is not None:
+            self.preempt(victim)
+            self.num_seat_preemptions += 1
 
     def _admit(self, out: list[Scheduled]) -> bool:
         """Admit waiting requests into `out` (module docstring, 3.); True if one was passed over because its
