@@ -154,14 +154,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------ one step
     def schedule(self) -> list[Scheduled]:
-        budget = self.max_tokens
         out: list[Scheduled] = []
+        self._order_waiting()
+        preemptions = self.num_preemptions
+        self._take_seat()
         decoding = [r for r in self.running if r.remaining == 1]
         prefilling = [r for r in self.running if r.remaining > 1]
         if self.policy.name != "fcfs" and len(prefilling) > 1:  # the policy also orders who gets the step's budget
             prefilling = self.policy.order(prefilling)
         computing: set = set()  # prefix keys of the blocks this step computes
-        self._take_seat()
         spare = self.max_tokens - len(decoding)  # what draft ids may take: every decode gets its one token first
         for req in decoding + prefilling:
             budget = self.max_tokens - sum(s.n for s in out)  # a preemption may give tokens back
@@ -188,10 +189,8 @@ class Scheduler:
                 out.append(Scheduled(req, req.num_computed, n, req.probing, drafted))
                 if self.prefix is not None:
                     computing.update(self.prefix.computing(req, req.num_computed + n))
-        if self.policy.name != "fcfs" and len(self.waiting) > 1:
-            order = self.policy.order(self.waiting)
-            self.waiting.clear()
-            self.waiting.extend(order)
+        if self.num_preemptions != preemptions:  # preempted requests went back to the front of the queue
+            self._order_waiting()
         self._order_for_slots()
         if self._admit(out) and not out:  # nothing can run until an adapter read finishes: wait a little,
             self.hotset.wait_reads(READ_WAIT_S)  # bounded so that the engine thread stays responsive
@@ -202,12 +201,20 @@ class Scheduler:
             self.policy.charge(s.request, s.n, output=decode)
         return out
 
+    def _order_waiting(self) -> None:
+        """The waiting queue in the policy's order (fcfs: as it stands)."""
+        if self.policy.name != "fcfs" and len(self.waiting) > 1:
+            order = self.policy.order(self.waiting)
+            self.waiting.clear()
+            self.waiting.extend(order)
+
     def _take_seat(self) -> None:
-        """Every seat taken and requests waiting: the policy may preempt one running request so that the next
-        waiting request, whose tenant has no seat, gets one this step (molora.engine.policy, `seat_victim`)."""
+        """Every seat taken and requests waiting (in the policy's order): the policy may preempt one running request
+        so that the next waiting request, whose tenant has no seat, gets one this step (molora.engine.policy,
+        `seat_victim`)."""
         if len(self.running) < self.max_num_seqs or not self.waiting or self.policy.name == "fcfs":
             return
-        head = self.policy.order(self.waiting)[0]
+        head = self.waiting[0]
         if any(r.tenant == head.tenant for r in self.running):
             return
         victim = self.policy.seat_victim(self.running, head)
