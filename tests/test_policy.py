@@ -77,8 +77,8 @@ def test_fair_alternates_between_a_flooding_and_a_light_tenant(paths):
             engine.add_request(_prompt(8, rng), SamplingParams(max_new_tokens=NEW), request_id=f"B{i}", tenant="B")
         orders[policy] = _start_order(engine)
     assert orders["fcfs"] == ["A0", "A1", "A2", "A3", "A4", "A5", "B0", "B1"]
-    # equal counters tie on arrival: A0; then B0 (A has been served), A1 (tie again), B1, the rest of A
-    assert orders["fair"] == ["A0", "B0", "A1", "B1", "A2", "A3", "A4", "A5"]
+    # equal counters: the tenant with fewer requests in flight first (B0), then A0 (B has been served), B1, the rest
+    assert orders["fair"] == ["B0", "A0", "B1", "A1", "A2", "A3", "A4", "A5"]
 
 
 def test_tenant_defaults_to_the_pinned_adapter(paths):
@@ -136,8 +136,9 @@ def test_idling_earns_no_credit(paths):
         engine.add_request(_prompt(8, rng), SamplingParams(max_new_tokens=NEW), request_id=f"B{i}", tenant="B")
     assert policy.counters["B"] == policy.floor == a
     order = _start_order(engine)
-    # A2 was running when B came; then the two alternate: B is not owed the tokens A was served alone
-    assert order == ["A2", "B0", "A3", "B1", "A4", "B2", "A5"], order
+    # B starts at A's counter with fewer requests in flight, so it goes first on the tie; then the two alternate:
+    # B is not owed the tokens A was served alone
+    assert order == ["B0", "A2", "B1", "A3", "B2", "A4", "A5"], order
 
 
 def test_a_lone_tenant_gets_the_whole_engine(paths):
@@ -347,3 +348,59 @@ def test_fair_gives_a_waiting_tenant_without_a_seat_one_from_the_most_served_ten
     while lone.has_unfinished():
         lone.step()
     assert lone.stats()["num_seat_preemptions"] == 0
+
+
+def _recording(engine: Engine) -> list[list[tuple[str, int, bool]]]:
+    """Record every step's chunks as (request id, tokens, decode) through the engine's own scheduler."""
+    steps: list[list[tuple[str, int, bool]]] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        steps.append([(s.request.request_id, s.n, s.decode) for s in out])
+        return out
+
+    engine.scheduler.schedule = recorded
+    return steps
+
+
+def test_fair_holds_a_flooding_tenants_prompt_chunks_back_for_a_light_tenants_prompt(paths):
+    """A's two long prompts are being prefilled when B's short request arrives: under fair the step that computes B's
+    prompt gives A's prompt chunks no more tokens than B's, so B's first token comes the step after it arrives; under
+    fcfs A's chunks fill the budget and B waits for them. The same tokens either way, and a lone tenant (or one
+    tenant with no one lighter) keeps the whole budget."""
+    rng = random.Random(11)
+    prompts = [_prompt(60, rng) for _ in range(2)] + [_prompt(6, rng)]
+    runs = {}
+    for policy in ("fcfs", "fair"):
+        engine = _engine(paths, policy, max_num_seqs=4, max_tokens_per_step=16)
+        steps = _recording(engine)
+        for i in range(2):
+            engine.add_request(prompts[i], SamplingParams(max_new_tokens=NEW), request_id=f"A{i}", tenant="A")
+        engine.step()
+        engine.add_request(prompts[2], SamplingParams(max_new_tokens=NEW), request_id="B0", tenant="B")
+        tokens: dict[str, list[int]] = {}
+        first_b = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if first_b is None and "B0" in tokens:
+                first_b = len(steps) - 1
+            engine.check()
+        runs[policy] = (first_b, steps, tokens)
+    fair_first, fair_steps, fair_tokens = runs["fair"]
+    assert fair_first == 1  # B's whole prompt in the first step after it arrived
+    b_step = fair_steps[1]
+    a_prompt = sum(n for rid, n, decode in b_step if rid.startswith("A") and not decode)
+    assert ("B0", 6, False) in b_step and 0 < a_prompt <= 6
+    assert runs["fcfs"][0] > fair_first + 2  # fcfs: A's prompts go first
+    assert all(sum(n for _, n, _ in step) == 16 for step in runs["fcfs"][1][:3])
+    assert fair_tokens == runs["fcfs"][2]
+
+    lone = _engine(paths, "fair", max_num_seqs=4, max_tokens_per_step=16)
+    steps = _recording(lone)
+    for i in range(2):
+        lone.add_request(prompts[i], SamplingParams(max_new_tokens=NEW), request_id=f"A{i}", tenant="A")
+    while lone.has_unfinished():
+        lone.step()
+    assert all(sum(n for _, n, _ in step) == 16 for step in steps[:7])  # 120 prompt tokens in full steps

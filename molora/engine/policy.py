@@ -8,7 +8,8 @@ Three policies (EngineConfig.scheduling_policy, vLLM's `--scheduling-policy` nam
   fair      S-LoRA's Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24):
             one counter per tenant of the tokens served to it, input tokens weighted `input_weight`, output tokens
             `output_weight` (1 and 2, VTC's weights). The waiting requests are tried tenant by tenant, least counter
-            first, each tenant's own requests in arrival order; the counter a request would add (its uncomputed
+            first (on equal counters, the tenant with fewer requests in flight), each tenant's own requests in
+            arrival order; the counter a request would add (its uncomputed
             tokens at the input weight) is counted before the next pick, so one step's admissions alternate between
             tenants. A tenant that becomes active (a first request in flight) is lifted to the least counter of the
             active tenants (or, when none is active, to that of the last one to leave): idling earns no credit.
@@ -16,7 +17,12 @@ Three policies (EngineConfig.scheduling_policy, vLLM's `--scheduling-policy` nam
             (max_num_seqs) is taken and the next waiting request's tenant has none running, the latest request of
             the most-served tenant holding two seats or more is preempted for it, if that tenant's counter stays
             above the waiting tenant's after paying for the work thrown away (`seat_victim`); VTC's admission order
-            alone would leave a light tenant waiting for a heavy one's request to finish.
+            alone would leave a light tenant waiting for a heavy one's request to finish. Step share: when several
+            tenants have prompt tokens to compute in a step, the most-served of them (ahead of another) gets prompt
+            tokens only after the others have had theirs, and at most as many as they took (`held_back`; its
+            decodes run as always): a light tenant's first token does not wait for a step filled with a heavy
+            tenant's prompt chunks. When the others take none (nothing of theirs can be admitted), it gets the
+            budget as before.
 
 Every policy orders the whole queue, so it is work-conserving: what the first tenant cannot use (its requests are
 being read, or need more blocks or slots than are free) the scheduler still gives to the requests after it, by the
@@ -69,6 +75,12 @@ class Policy:
     def seat_victim(self, running: Sequence[Request], head: Request) -> Request | None:
         """Every seat is taken and `head`, the next waiting request, belongs to a tenant with none: the running
         request to preempt so that it gets one, or None (fcfs and priority: none; it waits for a seat to free)."""
+        return None
+
+    def held_back(self, prompting: Iterable[Request]) -> str | None:
+        """The tenant whose prompt tokens wait this step until the other tenants' prompts have had theirs, and then
+        get at most as many (`prompting`: the requests with prompt tokens to compute, running or waiting), or None
+        (fcfs and priority: none; every prompt takes the budget in queue order)."""
         return None
 
     def check(self, in_flight: Iterable[Request]) -> None:
@@ -126,16 +138,16 @@ class FairPolicy(Policy):
         queues: dict[str, deque[Request]] = {}
         for r in waiting:
             queues.setdefault(r.tenant, deque()).append(r)
-        heap = [(self.counters[t], q[0].seq, t) for t, q in queues.items()]
+        heap = [(self.counters[t], self.in_flight[t], q[0].seq, t) for t, q in queues.items()]
         heapq.heapify(heap)
         out: list[Request] = []
         while heap:
-            counter, _, t = heapq.heappop(heap)
+            counter, _, _, t = heapq.heappop(heap)
             q = queues[t]
             r = q.popleft()
             out.append(r)
             if q:  # what admitting r would add to its tenant's counter, before the next pick
-                heapq.heappush(heap, (counter + self.input_weight * r.remaining, q[0].seq, t))
+                heapq.heappush(heap, (counter + self.input_weight * r.remaining, self.in_flight[t], q[0].seq, t))
         return out
 
     def victim(self, running: Sequence[Request]) -> Request:
@@ -151,6 +163,18 @@ class FairPolicy(Policy):
             return None
         victim = self.victim(held)
         return victim if self.counters[victim.tenant] > self.counters[head.tenant] else None
+
+    def held_back(self, prompting: Iterable[Request]) -> str | None:
+        """The most-served of the tenants with prompt tokens to compute, if it is ahead of another of them (a larger
+        counter; on equal counters, more requests in flight: a tenant just lifted to a flooding tenant's counter is
+        not behind it): a light tenant's prompt does not share a step with a whole budget of a heavy tenant's prompt
+        chunks."""
+        tenants = {r.tenant for r in prompting}
+        if len(tenants) < 2:
+            return None
+        keys = {t: (self.counters[t], self.in_flight[t]) for t in tenants}
+        heavy = max(tenants, key=keys.__getitem__)
+        return heavy if keys[heavy] > min(keys.values()) else None
 
     def check(self, in_flight: Iterable[Request]) -> None:
         expected = Counter(r.tenant for r in in_flight)

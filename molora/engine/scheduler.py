@@ -42,7 +42,10 @@ admissions. Measured against FCFS on Zipf traffic over many adapters in molora/b
 Scheduling policy (molora.engine.policy: `fcfs`, `priority`, `fair`): each step the policy orders the waiting queue
 before admission (then the slot-aware rule applies, as above) and picks the victim of a preemption; the scheduler
 tells it what each step computes for whom (`Policy.charge`) and when a request enters and leaves. Under fcfs the
-queue is left as it stands and the victim is the request admitted last, as described above.
+queue is left as it stands and the victim is the request admitted last, as described above. The policy may hold one
+tenant's prompt tokens back in a step (`Policy.held_back`; fair: the most-served of several tenants with prompts to
+compute): its prompt chunks and admissions come after everyone else's, and take at most as many tokens as the others'
+prompts took (all the budget left if they took none); its decodes run first as always.
 
 Draining adapters (`HotSet.drain`, an unload while requests use it): when the last request in flight
 (waiting or running) that needs a draining adapter leaves (`finish`, or failing to start), the scheduler
@@ -96,6 +99,12 @@ class Scheduled:
         return not self.probe and self.start + self.n - self.drafted == len(self.request.tokens)
 
     @property
+    def decode(self) -> bool:
+        """True if this chunk decodes (one known token past the prompt, with its draft rows if any), False for a
+        prompt chunk (prefill, probe, or a recompute after preemption)."""
+        return self.n - self.drafted == 1 and self.start >= len(self.request.prompt_ids)
+
+    @property
     def ids(self) -> list[int]:
         """The chunk's token ids [n]: the request's known tokens, then its draft ids."""
         req = self.request
@@ -134,6 +143,7 @@ class Scheduler:
         self.num_seat_preemptions = 0  # of those, for a waiting tenant with no seat (policy.seat_victim)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self._seq = itertools.count()  # arrival order (Request.seq)
+        self._stopped = False  # the last admission stopped at a request it could not start (_admit)
         self.failed: list[tuple[Request, str]] = []  # (request, why) that could not start; the engine reports them
 
     def has_work(self) -> bool:
@@ -162,10 +172,36 @@ class Scheduler:
         prefilling = [r for r in self.running if r.remaining > 1]
         if self.policy.name != "fcfs" and len(prefilling) > 1:  # the policy also orders who gets the step's budget
             prefilling = self.policy.order(prefilling)
+        held = self.policy.held_back(itertools.chain(prefilling, self.waiting))
+        deferred = [r for r in prefilling if r.tenant == held]
         computing: set = set()  # prefix keys of the blocks this step computes
-        spare = self.max_tokens - len(decoding)  # what draft ids may take: every decode gets its one token first
-        for req in decoding + prefilling:
+        self._run(decoding + [r for r in prefilling if r.tenant != held], out, computing)
+        if self.num_preemptions != preemptions:  # preempted requests went back to the front of the queue
+            self._order_waiting()
+        self._order_for_slots()
+        if self._admit(out, hold=held) and not out:  # nothing can run until an adapter read finishes: wait a
+            self.hotset.wait_reads(READ_WAIT_S)  # little, bounded so that the engine thread stays responsive
+            self._admit(out, hold=held)  # (commands, deadlines, heartbeat); the next step waits again
+        if held is not None:  # the held-back tenant's prompts: after the others', at most as many tokens
+            others = sum(s.n for s in out if not s.decode and s.request.tenant != held)
+            if not others:  # the others took nothing this step: nothing to hold back for, the step as without
+                self._run(deferred, out, computing)
+                self._admit(out)
+            elif (left := self._run(deferred, out, computing, others)) and not self._stopped:
+                self._admit(out, only=held, limit=left)  # (never past a request that stopped admission)
+        self._prefetch_queue()
+        for s in out:
+            self.policy.charge(s.request, s.n, output=s.decode)
+        return out
+
+    def _run(self, reqs: list[Request], out: list[Scheduled], computing: set, limit: int | None = None) -> int | None:
+        """Give running requests their tokens for this step, in order (module docstring, 1. and 2.), at most `limit`
+        tokens in all if given; what is left of `limit`."""
+        spare = self.max_tokens - sum(r.remaining == 1 for r in reqs)  # for draft ids: every decode gets one first
+        for req in reqs:
             budget = self.max_tokens - sum(s.n for s in out)  # a preemption may give tokens back
+            if limit is not None:
+                budget = min(budget, limit)
             if budget == 0:
                 break
             if req not in self.running:  # preempted earlier in this loop
@@ -187,19 +223,11 @@ class Scheduler:
                 continue  # its whole prompt does not fit this step: it waits for one with room
             if self._make_room(req, req.num_computed + n, out):
                 out.append(Scheduled(req, req.num_computed, n, req.probing, drafted))
+                if limit is not None:
+                    limit -= n
                 if self.prefix is not None:
                     computing.update(self.prefix.computing(req, req.num_computed + n))
-        if self.num_preemptions != preemptions:  # preempted requests went back to the front of the queue
-            self._order_waiting()
-        self._order_for_slots()
-        if self._admit(out) and not out:  # nothing can run until an adapter read finishes: wait a little,
-            self.hotset.wait_reads(READ_WAIT_S)  # bounded so that the engine thread stays responsive
-            self._admit(out)  # (commands, deadlines, heartbeat); the next step waits again
-        self._prefetch_queue()
-        for s in out:
-            decode = s.n - s.drafted == 1 and s.start >= len(s.request.prompt_ids)  # with its draft rows, if any
-            self.policy.charge(s.request, s.n, output=decode)
-        return out
+        return limit
 
     def _order_waiting(self) -> None:
         """The waiting queue in the policy's order (fcfs: as it stands)."""
@@ -222,24 +250,36 @@ class Scheduler:
             self.preempt(victim)
             self.num_seat_preemptions += 1
 
-    def _admit(self, out: list[Scheduled]) -> bool:
-        """Admit waiting requests into `out` (module docstring, 3.); True if one was passed over because its
-        adapters are still being read."""
+    def _admit(
+        self, out: list[Scheduled], *, hold: str | None = None, only: str | None = None, limit: int | None = None
+    ) -> bool:
+        """Admit waiting requests into `out` (module docstring, 3.), passing over tenant `hold`'s or, given `only`,
+        every other tenant's, within `limit` tokens if given; True if one was passed over because its adapters are
+        still being read."""
         budget = self.max_tokens - sum(s.n for s in out)
+        if limit is not None:
+            budget = min(budget, limit)
         reading, i = False, 0
+        self._stopped = False  # True once a request stops admission (blocks, slots, or its whole prompt)
         in_flight = self.prefix.in_flight(self.running) if self.prefix is not None and self.waiting else set()
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
+            if req.tenant == hold or (only is not None and req.tenant != only):
+                i += 1  # its tenant's prompts wait for the others' this step (Policy.held_back)
+                continue
             n = min(req.remaining, budget)
             try:
                 if not self.hotset.fetch(req.needs):
                     reading, i = True, i + 1  # its adapters are being read: it keeps its place
                     continue
                 if self.prefix is None and not self._whole(req.remaining, n):
+                    self._stopped = True
                     break  # chunked prefill off: it waits (FCFS) for a step with room for its whole prompt
                 if self.prefix is None and not self.allocator.can_grow(req.block_table, n):
+                    self._stopped = True
                     break  # FCFS: later requests wait behind this one
                 if not self.hotset.acquire(req.needs):
+                    self._stopped = True
                     break  # every slot it could take is pinned by running requests
             except MoLoRAError as e:  # an adapter cannot be read any more: fail this request only
                 del self.waiting[i]
@@ -261,6 +301,7 @@ class Scheduler:
                     req.block_table, len(hits) * self.allocator.block_size + n, hits
                 ):
                     self.hotset.release(req.needs)
+                    self._stopped = True
                     break
                 self.allocator.share(req.block_table, hits)
                 self.prefix.take(req, hits)
