@@ -15,6 +15,11 @@ sends `--requests` requests from `--concurrency` closed-loop clients, each of on
     poison      a completion whose prompt starts with the poison marker: its step raises
     extra       a request pinned to an adapter an admin loads and unloads (drain or force) during traffic
 
+Tenants join and leave (`user`: a flooding tenant sends FLOOD_SHARE of all requests throughout, the rest come
+from tenants each active over a window of TENANT_SPAN requests, a new one every TENANT_STRIDE) and the server runs
+`--scheduling-policy fair`: the no-starvation invariant is that every `ok` request completes within the server's
+request deadline (REQUEST_TIMEOUT_S), whichever tenant sent it.
+
 Each request ends as completed, failed by design (the failure its kind exists to cause: 4xx for invalid,
 504 for a deadline, 500 engine_error for poison, a dropped stream for disconnect, 404 / 500 request_aborted
 for an extra adapter being unloaded), or failed otherwise (anything else, including a client timeout: a hung
@@ -50,6 +55,8 @@ ADMIN = "harness-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}  # an admin key is also an API key
 KINDS = {"ok": 0.62, "disconnect": 0.08, "deadline": 0.08, "invalid": 0.10, "poison": 0.04, "extra": 0.08}
 CLIENT_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 240.0  # the server's deadline for every request (Limits.request_timeout_s)
+FLOOD_SHARE, TENANT_SPAN, TENANT_STRIDE = 0.3, 400, 100  # tenants joining and leaving (module docstring)
 
 
 # ---------------------------------------------------------------------------------------------- server child
@@ -57,11 +64,12 @@ CLIENT_TIMEOUT_S = 300.0
 
 def serve_child(port: int) -> None:
     """The server with one injected fault (see the module docstring)."""
+    from molora.engine import EngineConfig
     from molora.server import serve
     from molora.server.generation import Limits
     from molora.server.launch import build_engine
 
-    engine = build_engine()
+    engine = build_engine(engine_config=EngineConfig(scheduling_policy="fair"))
     run = engine._run
 
     def faulty(scheduled):
@@ -80,7 +88,7 @@ def serve_child(port: int) -> None:
         admin_keys=[ADMIN],
         adapter_roots=[adapter_root()],
         log_level="warning",
-        limits=Limits(request_timeout_s=240, queue_timeout_s=120),
+        limits=Limits(request_timeout_s=REQUEST_TIMEOUT_S, queue_timeout_s=120),
         stall_s=STALL_S,
     )
 
@@ -133,6 +141,7 @@ def plan(n: int, seed: int, adapters: list[str], model: str) -> list[dict]:
             "chat": rng.random() < 0.7,
             "max_tokens": rng.randint(4, 16),
             "model": rng.choice([model] * 3 + [f"{model}:{a}" for a in adapters]),
+            "tenant": tenant(i, rng),
         }
         if kind == "deadline":
             job.update(timeout=round(rng.uniform(0.02, 0.6), 3), max_tokens=64)
@@ -144,6 +153,15 @@ def plan(n: int, seed: int, adapters: list[str], model: str) -> list[dict]:
             job["model"] = f"{model}:extra"
         work.append(job)
     return work
+
+
+def tenant(i: int, rng: random.Random) -> str:
+    """Job i's tenant: the flooding one with probability FLOOD_SHARE, else one of those active at i (tenant k is
+    active for jobs k * TENANT_STRIDE up to k * TENANT_STRIDE + TENANT_SPAN)."""
+    if rng.random() < FLOOD_SHARE:
+        return "flood"
+    last = i // TENANT_STRIDE
+    return f"t{rng.randint(max(0, last - TENANT_SPAN // TENANT_STRIDE + 1), last)}"
 
 
 def body(job: dict) -> tuple[str, Any]:
@@ -172,6 +190,7 @@ def body(job: dict) -> tuple[str, Any]:
             "temperature": 0,
             "stream": job["stream"],
         }
+    b["user"] = job["tenant"]
     if opts:
         b["molora"] = opts
     bad = job.get("bad")
@@ -403,6 +422,10 @@ def measure(args: argparse.Namespace) -> dict:
         outcomes.setdefault(r["kind"], {}).setdefault(r["outcome"], 0)
         outcomes[r["kind"]][r["outcome"]] += 1
     done = [r["latency"] for r in results if r["outcome"] == "completed"]
+    ok_by_tenant: dict[str, list[dict]] = {}
+    for r in results:
+        if r["kind"] == "ok":
+            ok_by_tenant.setdefault(work[r["i"]]["tenant"], []).append(r)
     otherwise = [r for r in results if r["outcome"] == "failed_otherwise"]
     return {
         "command": f"python -m tools.fault_harness --requests {args.requests} --concurrency {args.concurrency} "
@@ -434,6 +457,18 @@ def measure(args: argparse.Namespace) -> dict:
         "health_at_end": health,
         "health_probes_during_traffic": {"count": len(probes), "not_200": sum(p != 200 for p in probes)},
         "hung_step": hang,
+        "tenants": {
+            "policy": "fair",
+            "count": len({job["tenant"] for job in work}),
+            "flood_share": FLOOD_SHARE,
+            "request_deadline_s": REQUEST_TIMEOUT_S,
+            "ok_requests": sum(len(v) for v in ok_by_tenant.values()),
+            "ok_not_completed": sum(r["outcome"] != "completed" for v in ok_by_tenant.values() for r in v),
+            "worst_ok_latency_s": max((r["latency"] for v in ok_by_tenant.values() for r in v), default=None),
+            "worst_tenant_median_s": max(
+                (statistics.median(r["latency"] for r in v) for v in ok_by_tenant.values()), default=None
+            ),
+        },
     }
 
 
@@ -480,6 +515,7 @@ def render(record: dict) -> str:
             f"the stall timeout, {2 * record['hung_step']['stall_timeout_s']:g} s) and 200 again "
             f"{_s(record['hung_step']['healthy_again_after_s'])} after the request was sent; the request itself "
             f"answered {record['hung_step']['request_status']}.",
+            *tenant_lines(record),
             "",
             "Kinds: `ok` plain requests (chat or completion, streamed or not, routed or pinned); `disconnect` streams",
             "dropped after 1-3 events; `deadline` requests with `molora.timeout` of 0.02-0.6 s (some finish in time);",
@@ -488,6 +524,19 @@ def render(record: dict) -> str:
             "",
         ]
     )
+
+
+def tenant_lines(record: dict) -> list[str]:
+    t = record.get("tenants")
+    if t is None:  # a record from before tenants were part of the run
+        return []
+    return [
+        f"- Tenants (no starvation): {t['count']} tenants joining and leaving (`user`), one sending "
+        f"{t['flood_share']:.0%} of all requests throughout, under `--scheduling-policy {t['policy']}`: "
+        f"{t['ok_requests'] - t['ok_not_completed']} of {t['ok_requests']} `ok` requests completed within the "
+        f"{t['request_deadline_s']:g} s request deadline; the slowest took {_s(t['worst_ok_latency_s'])}, the "
+        f"worst tenant's median {_s(t['worst_tenant_median_s'])}."
+    ]
 
 
 def _s(seconds: float | None) -> str:
@@ -552,7 +601,8 @@ def main() -> int:
             }
         )
     )
-    return 0 if record["failed_otherwise"] == 0 and record["kv_blocks"]["leaked"] == 0 else 1
+    starved = record.get("tenants", {}).get("ok_not_completed", 0)
+    return 0 if record["failed_otherwise"] == 0 and record["kv_blocks"]["leaked"] == 0 and not starved else 1
 
 
 if __name__ == "__main__":
