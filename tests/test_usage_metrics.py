@@ -28,6 +28,44 @@ def test_bounded_labels_admit_the_busiest_while_there_is_room_and_keep_them():
     assert fresh.label("t1") == "t1" and fresh.label("t2") == OTHER and fresh.label("t1") == "t1"
 
 
+def test_a_released_name_frees_its_label_and_leaves_every_split_until_restored():
+    labels = BoundedLabels(2)
+    assert labels.split({"a": 5, "b": 9, "c": 1}) == [("b", 9), ("a", 5), (OTHER, 1)]
+    assert labels.release("a") and not labels.release("zzz")  # zzz never had a label
+    # a's counts leave the page (neither its label nor "other"); the room goes to the next name with traffic
+    assert labels.split({"a": 5, "b": 9, "c": 1}) == [("b", 9), ("c", 1)]
+    assert labels.label("a") == OTHER  # a draining request of the unloaded adapter finishing late
+    labels.restore("a")
+    assert labels.split({"a": 1, "b": 9, "c": 1}) == [("b", 9), ("c", 1), (OTHER, 1)]  # back, but the room is taken
+
+
+def test_adapters_loaded_and_unloaded_for_days_do_not_keep_the_labels(tmp_path):
+    """More adapters than there are labels come and go one after another, each with traffic: every one gets a label
+    of its own while it is loaded, and an unloaded one leaves no series behind."""
+    root = tmp_path / "adapters"
+    names = [f"x{i}" for i in range(MAX_ADAPTER_LABELS + 8)]
+    for n in names:
+        (root / n).mkdir(parents=True)
+        (root / n / "adapter_config.json").write_text("{}")
+    with TestClient(create_app(FakeEngine(), adapter_roots=[root])) as client:
+        for n in names:
+            assert client.post("/v1/adapters", json={"name": n, "path": n}).status_code == 201
+            body = {"model": f"toy:{n}", "prompt": "q", "max_tokens": 2}
+            assert client.post("/v1/completions", json=body).status_code == 200
+            text = client.get("/metrics").text
+            requests = {
+                s.labels["adapter"]: s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name == "molora_adapter_requests_total"
+            }
+            assert requests.get(n) == 1 and OTHER not in requests, (n, requests)
+            assert client.delete(f"/v1/adapters/{n}").status_code == 200
+        text = client.get("/metrics").text
+    left = {s.labels.get("adapter") for f in text_string_to_metric_families(text) for s in f.samples}
+    assert not left & set(names)
+
+
 class ManyAdapters(FakeEngine):
     """The fake engine with `n` registered adapters, each with a tier, loads, evictions and tokens in its stats."""
 

@@ -37,8 +37,8 @@ every series here (Prometheus keeps colons for recording rules). docs/serving.md
 
 Adapter removal: `molora_adapter_tokens_total{adapter=...}` comes from the engine's `tokens_by_adapter`,
 which still carries an adapter after it is unloaded. `forget_adapter(name)` hides that label set from
-later scrapes; `known_adapter(name)` (call it when an adapter is loaded) shows it again, with whatever
-count the engine then reports.
+later scrapes and gives its per-adapter label back (molora.server.usage); `known_adapter(name)` (call it when an
+adapter is loaded) shows it again, with whatever count the engine then reports.
 
 Names are those of the hand-written exposition this replaced; `prometheus_client` adds the `_total` of a
 counter itself (`Counter("molora_prompt_tokens")` is exposed as `molora_prompt_tokens_total`). What the
@@ -232,11 +232,13 @@ class ServerMetrics:
         """An adapter was removed: leave its label set out of `molora_adapter_tokens_total` from now on."""
         with self._lock:
             self._forgotten.add(name)
+        self.usage.release_adapter(name)
 
     def known_adapter(self, name: str) -> None:
         """An adapter was loaded: expose its label set again if it was forgotten (a no-op otherwise)."""
         with self._lock:
             self._forgotten.discard(name)
+        self.usage.adapters.restore(name)
 
     # -------------------------------------------------------------------------------------- read
     def tokens_per_second(self) -> float:

@@ -9,9 +9,12 @@ tokens routed to it ('base': none). Beside them, `molora_adapters{tier}` counts 
 
 Bounded cardinality: adapters and tenants each get at most `max_adapters` / `max_tenants` label values of their
 own; the rest share the label "other". A name gets its own label the first time it shows traffic while there is
-room (at a scrape, the busiest first: the top N by traffic when the room fills) and keeps it for the life of the
-server, so a counter never moves between labels and `rate()` stays right; later names count under "other". An
-adapter that is unloaded keeps its label (its series are hidden, molora.server.metrics: forget_adapter).
+room (at a scrape, the busiest first: the top N by traffic when the room fills) and keeps it while it is
+registered, so a counter never moves between labels and `rate()` stays right; later names count under "other". An
+adapter that is unloaded gives its label back (molora.server.metrics: forget_adapter): its series go, its counts
+leave every family (named or "other"), and the next name with traffic may take the room, so a server that loads and
+unloads adapters for days does not end with every label held by a name that is gone. Loaded again, the name is
+counted afresh (a counter reset, which `rate()` handles).
 
 Series budget: each tenant label writes 31 histogram series (TTFT: 12 buckets + `+Inf`, `_count`, `_sum`,
 `_created`; inter-token: 11 + 4) and 3 counters x 2 (value, `_created`) plus 2 x 2 for refusals by limit: 41, so at
@@ -47,11 +50,12 @@ class BoundedLabels:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._named: dict[str, None] = {}
+        self._gone: set[str] = set()  # released names (unloaded adapters): no label, no "other", until restored
         self._lock = threading.Lock()
 
     def label(self, name: str) -> str:
         with self._lock:
-            if name not in self._named and len(self._named) < self.limit:
+            if name not in self._named and name not in self._gone and len(self._named) < self.limit:
                 self._named[name] = None
             return name if name in self._named else OTHER
 
@@ -59,6 +63,7 @@ class BoundedLabels:
         """(label, value) pairs of `counts`: first the names with traffic take the room left, busiest first; then
         each named one (unless hidden) and, once a name is left without a label, OTHER with the sum of those."""
         with self._lock:
+            counts = {k: n for k, n in counts.items() if k not in self._gone}
             for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
                 if len(self._named) >= self.limit or n <= 0:
                     break
@@ -70,6 +75,19 @@ class BoundedLabels:
     def named(self, name: str) -> bool:
         with self._lock:
             return name in self._named
+
+    def release(self, name: str) -> bool:
+        """`name` is gone: free its label (True if it had one) and leave it out of every split until `restore`."""
+        with self._lock:
+            self._gone.add(name)
+            had = name in self._named
+            self._named.pop(name, None)
+            return had
+
+    def restore(self, name: str) -> None:
+        """`name` is back: it may get a label again like any new name."""
+        with self._lock:
+            self._gone.discard(name)
 
 
 class UsageMetrics:
@@ -143,6 +161,14 @@ class UsageMetrics:
             itl.observe(g)
         for a in {a if a is not None else "base" for a in adapters}:
             self.adapter_requests.labels(adapter=self.adapters.label(a)).inc()
+
+    def release_adapter(self, name: str) -> None:
+        """Adapter `name` was unloaded: its label is free again and its request counter's series goes."""
+        if self.adapters.release(name):
+            try:
+                self.adapter_requests.remove(name)
+            except KeyError:  # labelled at a scrape, never counted as a finished request
+                pass
 
     def refuse(self, tenant: str, limit: str) -> None:
         if limit not in TENANT_LIMITS:  # a free-form label value would grow a series per typo
