@@ -396,3 +396,15 @@ def test_lora_dir_adapters_reach_a_replica_cold_and_one_is_read_on_first_use(tmp
     assert reads == 1  # only the adapter the request used was read
     alone = Engine(molora.attach(tiny_model(ARCH), {"solo": source}), EngineConfig(**CFG))
     assert tokens == alone.generate([prompt], params, adapter="solo")[0].new_token_ids
+
+
+def test_tenant_and_priority_reach_the_replicas_engine():
+    """A request's tenant (the OpenAI `user` field here, else its pinned adapter) and its `priority` travel in the
+    request spec to the engine on the replica, as they reach a local engine."""
+    app, _, _, engines = ray_app()
+    with TestClient(app) as c:
+        body = {"model": "toy", "prompt": "q", "max_tokens": 2}
+        assert c.post("/v1/completions", json={**body, "user": "alice", "priority": -2}).status_code == 200
+        assert c.post("/v1/completions", json={**body, "model": "toy:math"}).status_code == 200
+    added = [r for e in engines for r in e.added]
+    assert [(r["tenant"], r["priority"]) for r in added] == [("alice", -2), ("math", 0)]
