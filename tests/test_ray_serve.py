@@ -172,6 +172,10 @@ def test_named_and_inline_mixes_through_ray_equal_the_in_process_server(cluster,
     assert texts[0][0] == texts[1][0] and texts[0][0] != texts[2][0]  # the named mix ran, not the inline one
     listed = {m["id"]: m.get("mix") for m in httpx.get(cluster["url"] + "/models", timeout=30).json()["data"]}
     assert listed["alpha_mix"] == mix
+    bad = {"name": "alpha_mix2", "adapters": mix, "bundle": "alpha", "router_expert": True}  # alpha has no router
+    r = httpx.post(cluster["url"] + "/mixes", json=bad, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "router_expert", r.text
+    assert "alpha_mix2" not in {m["id"] for m in httpx.get(cluster["url"] + "/models", timeout=30).json()["data"]}
 
 
 def test_repeats_of_a_bundle_stay_on_one_replica(cluster):

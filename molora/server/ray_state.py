@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from molora.errors import AdapterDraining, AdapterNotFound, BankFullError, MoLoRAError
+from molora.errors import AdapterDraining, AdapterNotFound, BankFullError, MoLoRAError, RoutingError
 from molora.server.runner import EngineRunner, RunnerStopped, Saturated
 
 log = logging.getLogger("molora.server.ray")
@@ -29,6 +29,8 @@ _ERRORS: dict[str, type[Exception]] = {
 
 
 def error_kind(e: BaseException) -> str:
+    if isinstance(e, RoutingError):  # "routing:<field>": the ingress names the request's parameter from the field
+        return f"routing:{e.field or ''}"
     for kind, cls in _ERRORS.items():  # most specific first: MoLoRAError comes last
         if isinstance(e, cls):
             return kind
@@ -36,6 +38,8 @@ def error_kind(e: BaseException) -> str:
 
 
 def raise_error(kind: str, message: str) -> None:
+    if kind.startswith("routing:"):
+        raise RoutingError(message, field=kind.removeprefix("routing:") or None)
     raise _ERRORS[kind](message)
 
 
