@@ -13,7 +13,8 @@
                                               # or {"from_tokenizer": {"adapter": ["<token prefix>", ...]}}:
                                               # ranges read from the tokenizer's vocabulary
       "slots": 8, "max_rank": 16,
-      "mixes": {"arith_words": {"arith": 0.5, "words": 0.5}}   # named static mixes (molora.routing.mix)
+      "mixes": {"arith_words": {"arith": 0.5, "words": 0.5}},  # named static mixes (molora.routing.mix)
+      "router_experts": ["arith_words"]   # mixes the router takes as experts (Engine.set_router_experts)
     }
 
 A router {"kind": "arrow", "top_k": 1, "temperature": 1.0, "granularity": "per_linear" | "per_block",
@@ -88,6 +89,7 @@ class Bundle:
     target_modules: tuple[str, ...] | None = None  # linears made routable besides the adapters' own targets
     check_base: bool = True  # refuse adapters whose base_model_name_or_path names another base
     mixes: dict = field(default_factory=dict)  # name -> {adapter: weight}, checked by the engine (Engine.add_mix)
+    router_experts: list = field(default_factory=list)  # mixes the router takes as experts (Engine.set_router_experts)
     manifest: dict = field(default_factory=dict, repr=False, compare=False)  # the parsed JSON, as given
 
     def adapter_for_task(self, task: str) -> str | None:
@@ -171,6 +173,14 @@ def parse_manifest(raw: dict, folder: Path, where: str) -> Bundle:
     for key, kind_ in (("slots", int), ("max_rank", int), ("target_modules", list), ("chat_template", str)):
         if raw.get(key) is not None and not isinstance(raw[key], kind_):
             raise BundleError(f"{path}: {key!r} must be a {kind_.__name__}, got {raw[key]!r}")
+    router_experts = raw.get("router_experts") or []
+    if not isinstance(router_experts, list) or not all(
+        isinstance(n, str) and n in (raw.get("mixes") or {}) for n in router_experts
+    ):
+        raise BundleError(
+            f'{path}: "router_experts" must list names of "mixes" (the mixes the router takes as experts), '
+            f"got {router_experts!r}"
+        )
     mixes = raw.get("mixes") or {}
     if not isinstance(mixes, dict) or not all(isinstance(m, dict) for m in mixes.values()):
         raise BundleError(f'{path}: "mixes" must map names to {{adapter: weight}} objects, got {mixes!r}')
@@ -195,6 +205,7 @@ def parse_manifest(raw: dict, folder: Path, where: str) -> Bundle:
         target_modules=tuple(raw["target_modules"]) if raw.get("target_modules") else None,
         check_base=bool(raw.get("check_base", True)),
         mixes={str(n): dict(m) for n, m in mixes.items()},
+        router_experts=router_experts,
         manifest=dict(raw),
     )
 

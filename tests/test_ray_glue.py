@@ -126,6 +126,17 @@ def test_registry_versions_and_conflicting_changes():
         reg.commit(stale)
 
 
+def test_registry_carries_named_mixes_and_their_router_expert_flag_by_version():
+    reg = Registry([BundleSpec("b", None, adapters={"a": None, "c": None})])
+    v1 = reg.with_mix("b", "m", {"a": 0.5, "c": 0.5}, router_expert=True)
+    assert reg.spec("b").mixes == {} and v1.version == 1  # nothing counts before commit
+    reg.commit(v1)
+    reg.commit(reg.with_mix("b", "m", {"a": 0.2, "c": 0.8}))  # replaced, its flag kept
+    assert reg.spec("b").mixes == {"m": {"a": 0.2, "c": 0.8}} and reg.spec("b").mix_experts == {"m": True}
+    reg.commit(reg.with_mix("b", "m", {"a": 0.2, "c": 0.8}, router_expert=False))
+    assert reg.spec("b").mix_experts == {"m": False} and reg.spec("b").version == 3
+
+
 class FakeRunner:
     def stop(self) -> None:
         pass

@@ -149,6 +149,35 @@ def test_openai_client_through_ray_equals_the_in_process_server(cluster, referen
     assert listed == {"alpha": None, "a0": "alpha", "a1": "alpha", "beta": None, "b0": "beta", "b1": "beta"}
 
 
+def test_named_and_inline_mixes_through_ray_equal_the_in_process_server(cluster, reference):
+    """POST /v1/mixes on the --ray ingress reaches the replicas (a new bundle version, as a run-time adapter): the
+    named mix, as a model and as molora.mix, and an inline mix answer token for token as on the local server."""
+    url, engine = reference
+    mix = {"a0": 0.6, "a1": -0.4}
+    for base in (cluster["url"], url):
+        r = httpx.post(base + "/mixes", json={"name": "alpha_mix", "adapters": mix, "bundle": "alpha"}, timeout=60)
+        assert r.status_code == 201, r.text
+    body = {"prompt": "w9 w10 w11 w12", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    asks = [
+        {"model": "alpha_mix"},
+        {"model": "alpha", "molora": {"mix": "alpha_mix"}},
+        {"model": "alpha", "molora": {"mix": {"a0": 0.3, "a1": 0.7}}},
+    ]
+    texts = []
+    for ask in asks:
+        got = [httpx.post(base + "/completions", json={**body, **ask}, timeout=120) for base in (cluster["url"], url)]
+        assert [g.status_code for g in got] == [200, 200], [g.text for g in got]
+        texts.append([g.json()["choices"][0]["text"] for g in got])
+        assert texts[-1][0] == texts[-1][1], ask
+    assert texts[0][0] == texts[1][0] and texts[0][0] != texts[2][0]  # the named mix ran, not the inline one
+    listed = {m["id"]: m.get("mix") for m in httpx.get(cluster["url"] + "/models", timeout=30).json()["data"]}
+    assert listed["alpha_mix"] == mix
+    bad = {"name": "alpha_mix2", "adapters": mix, "bundle": "alpha", "router_expert": True}  # alpha has no router
+    r = httpx.post(cluster["url"] + "/mixes", json=bad, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "router_expert", r.text
+    assert "alpha_mix2" not in {m["id"] for m in httpx.get(cluster["url"] + "/models", timeout=30).json()["data"]}
+
+
 def test_repeats_of_a_bundle_stay_on_one_replica(cluster):
     with httpx.Client(base_url=cluster["url"], timeout=60) as c:
         seen = {

@@ -129,3 +129,31 @@ def test_serve_flag_sets_the_engines_mix_bound(monkeypatch, capsys):
     assert seen["engine_config"].max_mix_weight == 0.5
     assert main(["serve", "--max-mix-weight", "-1"]) != 0
     assert "EngineConfig.max_mix_weight=-1.0 must be a positive finite number" in capsys.readouterr().err
+
+
+def test_a_mix_registered_as_router_expert_serves_the_routed_tokens_on_the_mix(paths):
+    """POST /v1/mixes with "router_expert": true makes the mix an expert of the bundle's learned router (here gates that
+    send every token to a): a routed request then answers as the static mix; a model without an in-network router
+    answers 400 naming router_expert, nothing registered."""
+    from molora.routing.learned import LearnedRouter, LearnedRouterConfig, decoder_layers
+
+    engine = _engine(paths)
+    mm = engine.mm
+    router = LearnedRouter(LearnedRouterConfig(("a", "b", "c"), mm.config.hidden_size, len(decoder_layers(mm.model))))
+    with torch.no_grad():
+        router.bias.fill_(-20.0)
+        router.bias[:, 0] = 5.0
+    mm.router = router
+    with TestClient(create_app(engine, model_name="tiny")) as http:
+        r = http.post("/v1/mixes", json={"name": "ab", "adapters": {"a": 0.7, "b": 0.3}, "router_expert": True})
+        assert r.status_code == 201, r.text
+        assert r.json()["router_expert"] is True
+        assert _ids(http, "tiny", {}) == _want(paths, mix={"a": 0.7, "b": 0.3})
+        models = http.get("/v1/models").json()
+        assert {m["id"] for m in models["data"]} >= {"tiny", "a", "b", "c", "ab"}
+    with TestClient(create_app(_engine(paths), model_name="tiny")) as http:
+        models = http.get("/v1/models").json()
+        body = {"name": "ab", "adapters": {"a": 0.7, "b": 0.3}, "router_expert": True}
+        err = assert_error(http.post("/v1/mixes", json=body), 400, "router_expert")
+        assert "in-network router" in err["message"]
+        assert http.get("/v1/models").json() == models

@@ -28,7 +28,7 @@ from molora.errors import AdapterDraining, BankFullError, RoutingError
 from molora.routing import ArrowRouter, VocabRouter
 from molora.routing.arrow import ArrowConfig
 from molora.routing.base import Router
-from molora.routing.mix import Mix
+from molora.routing.mix import Mix, router_experts
 from molora.routing.names import router_config
 
 if TYPE_CHECKING:
@@ -127,7 +127,9 @@ def resolve_routing(
     if routing == "vocab" and not isinstance(router, VocabRouter):
         raise RoutingError(f"routing='vocab' needs a VocabRouter; the model has {type(router).__name__}", field="mode")
     if router.in_network:
-        names = [n for n in _adapter_names(router) if n in hs.paths]
+        _adapter_names(router)  # (an in-network router without names is refused)
+        # the adapters of its experts (a mix expert's every adapter: molora.routing.mix.router_experts)
+        names = list(dict.fromkeys(a for e in router_experts(router) for a, _ in e if a in hs.paths))
         mode = "learned"
     else:
         # an adapter a fixed rule names that is no longer registered (unloaded at run time) gets its tokens on the
@@ -139,9 +141,11 @@ def resolve_routing(
         allowed = (allowed if allowed is not None else frozenset(hs.paths)) - hs.draining
     needs = tuple(n for n in names if allowed is None or n in allowed)
     if len(needs) > num_slots:
+        mixes = sorted(getattr(router, "mix_experts", None) or ())
         raise RoutingError(
-            f"this request may route to {len(needs)} adapters {list(needs)}, but the bank has "
-            f"{num_slots} slots; restrict allowed_adapters or attach with more slots",
+            f"this request may route to {len(needs)} adapters {list(needs)}"
+            + (f" (with the adapters of the router's mix experts {mixes})" if mixes else "")
+            + f", but the bank has {num_slots} slots; restrict allowed_adapters or attach with more slots",
             field="allowed",
         )
     return mode, router, allowed, needs

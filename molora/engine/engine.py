@@ -89,12 +89,12 @@ from molora.engine.runtime_adapters import AdapterManager
 from molora.engine.sampler import sample_step, score_tokens, step_logprobs
 from molora.engine.scheduler import ADMISSION, Scheduled, Scheduler
 from molora.engine.speculative import SpeculativeConfig, Speculator, accept, carry_valid, merge_outputs
-from molora.errors import MoLoRAError
+from molora.errors import MoLoRAError, RoutingError
 from molora.model.batch import BatchMeta
 from molora.model.graphs import DEFAULT_BUCKETS
 from molora.model.runner import ModelRunner
 from molora.ops.device import to_device
-from molora.routing.mix import MixBook, check_scale
+from molora.routing.mix import MixBook, check_expert_names, check_scale
 from molora.sampling import Constraint, bundle_constraint, constraint_bitmask
 
 if TYPE_CHECKING:
@@ -204,8 +204,10 @@ class Engine:
                 log.warning("decode steps run eagerly: %s", e)
         self.hotset = HotSet(mm, config.cpu_tier_bytes)
         self.mixes = MixBook()  # named mixes (add_mix; a bundle's molora.json "mixes")
+        self.router_experts: list[str] = []  # named mixes the router takes as experts (set_router_experts)
         for name, adapters in (getattr(getattr(mm, "bundle", None), "mixes", None) or {}).items():
             self.add_mix(name, adapters)
+        self.set_router_experts(getattr(getattr(mm, "bundle", None), "router_experts", None) or [])
         self.allocator = BlockAllocator(config.kv_blocks, config.block_size)
         self.prefix = (
             PrefixCache(self.allocator, self.hotset, ("model", id(mm), str(self.runner.cache.k.dtype)))
@@ -749,10 +751,51 @@ class Engine:
         return chooser_stages(self.mm, self.hotset, questions, allowed, self.scheduler.has_work)
 
     # ------------------------------------------------------------------------------------ adapters
-    def add_mix(self, name: str, adapters: Mapping[str, float]) -> None:
+    def add_mix(self, name: str, adapters: Mapping[str, float], router_expert: bool | None = None) -> None:
         """Register (or replace) a named mix that requests may give as `mix=name` (molora.routing.mix.MixBook.add:
-        a RoutingError naming the field, nothing changed, for a name that is an adapter's or a bad mix)."""
+        a RoutingError naming the field, nothing changed, for a name that is an adapter's or a bad mix).
+
+        router_expert True: the model's router takes the mix as one of its experts too (`set_router_experts`), False:
+        no longer, None: as before (a replaced expert mix keeps its place, with its new weights)."""
+        old = dict(self.mixes.items()).get(name)
         self.mixes.add(name, adapters, self.hotset.paths, self.config.max_mix_weight, self.mm.bank.num_slots)
+        experts = [n for n in self.router_experts if n != name or router_expert is not False]
+        if router_expert and name not in experts:
+            experts.append(name)
+        if experts == self.router_experts and name not in experts:
+            return
+        try:
+            self.set_router_experts(experts)
+        except MoLoRAError:
+            if old is None:
+                self.mixes.remove(name)
+            else:
+                self.mixes.add(name, dict(old), self.hotset.paths, self.config.max_mix_weight, self.mm.bank.num_slots)
+            raise
+
+    def set_router_experts(self, names: Sequence[str]) -> None:
+        """Make these named mixes experts of the model's in-network router (molora.json "router_experts"): a token the
+        router sends to one runs on that mix's weighted sum of adapter deltas, the same row as a static mix
+        (molora.routing.mix.router_experts; how each router takes a mix: LearnedRouter.set_mix_experts,
+        ArrowRouter.set_mix_experts). [] restores plain routing. A RoutingError(field="router_experts") naming the mix,
+        nothing changed, for an unknown mix, a model without an in-network router, or a mix the router cannot take
+        (its adapters not all loaded or, for the learned router, not all its own). Requests in flight keep routing by
+        the router's experts of each step; call it between requests to change what running ones run on."""
+        names = check_expert_names(names, self.mixes)
+        router = getattr(self.mm, "router", None)
+        if names and not callable(getattr(router, "set_mix_experts", None)):
+            raise RoutingError(
+                f"router_experts {names} need an in-network router (learned or arrow); this model's router is "
+                f"{type(router).__name__ if router is not None else 'none'}",
+                field="router_experts",
+            )
+        pairs = {}
+        for n in names:
+            pairs[n] = self.mixes.resolve(n, self.hotset.paths, self.config.max_mix_weight, self.mm.bank.num_slots)
+        set_experts = getattr(router, "set_mix_experts", None)
+        if callable(set_experts) and (pairs or getattr(router, "mix_experts", None)):
+            set_experts(pairs)
+        self.router_experts = names
 
     # the front door to `self.adapters` (molora.engine.runtime_adapters.AdapterManager), in vLLM's engine terms
     def read_adapter(self, name: str, path: str | Path, *, roots: Sequence[str | Path] | None = None) -> LoRAAdapter:

@@ -45,7 +45,7 @@ from molora.model.batch import RouterGroup, StepRouting
 from molora.ops.device import to_device
 from molora.routing import SequenceRouter, VocabRouter
 from molora.routing.base import Router, to_slots
-from molora.routing.mix import Mix
+from molora.routing.mix import Mix, plain_experts, router_experts
 
 MODES = ("none", "pinned", "mix", "tokens", "learned", "choosing")  # choosing: waits for the chooser, never scheduled
 
@@ -164,29 +164,59 @@ def plan_routing(scheduled: list[Scheduled], hotset: HotSet, device: torch.devic
         return StepRouting(to_device(slot_ids, device), None if weights is None else to_device(weights, device))
     carry = _token_rows(scheduled, T, device, _carried) if getattr(router, "carry_blocks", 0) > 0 else None
     fixed = _token_rows(scheduled, T, device, _probed) if getattr(router, "probe_prompt", False) else None
-    names = list(router.adapter_names)
     slot_of = {n: i for i, n in enumerate(bank.table) if n is not None}  # one pass over the slots, not one per name
+    experts = router_experts(router)
+    table, table_w = expert_table(experts, slot_of)
+    names = [e[0][0] if len(e) == 1 else "" for e in experts]  # a mix expert has no one name: masked below
     slots = [slot_of.get(n, -1) for n in names]
-    router_slots = to_device(slots, device)
+    if table_w is not None:  # an expert is usable where every adapter of it is resident
+        slots = [0 if all(a in slot_of for a, _ in e) else -1 for e in experts]
     return StepRouting(
         to_device(slot_ids, device),
         None if weights is None else to_device(weights, device),
         router=router,
-        router_slots=router_slots,
-        groups=_router_groups(groups, names, slots, T, device),
+        router_slots=to_device(table, device),
+        router_weights=None if table_w is None else to_device(table_w, device),
+        groups=_router_groups(groups, names, slots, T, device, experts if table_w is not None else None),
         carry=carry,
         fixed=fixed,
     )
 
 
+def expert_table(experts: list[Mix], slot_of: dict[str, int]) -> tuple[Tensor, Tensor | None]:
+    """The dispatch rows of a router's experts (molora.routing.mix.router_experts): index_to_slot [K] and None when
+    every expert is one adapter with weight 1 (plain routing), else slots [K, m] and weights [K, m] with m the widest
+    expert rounded up to a power of two, as a static mix's row is widened (a mix expert adds no new k to a step's
+    shapes that a static mix of its size would not add). A non-resident adapter has slot -1 (weight 0): such an
+    expert is masked out of the router's choice (`_router_groups`)."""
+    if plain_experts(experts):
+        return torch.tensor([slot_of.get(e[0][0], -1) for e in experts], dtype=torch.long), None
+    widest = max(len(e) for e in experts)
+    m = 1 << (widest - 1).bit_length()
+    slots = torch.full((len(experts), m), -1, dtype=torch.long)
+    weights = torch.zeros(len(experts), m, dtype=torch.float32)
+    for i, e in enumerate(experts):
+        for j, (a, w) in enumerate(e):
+            if a in slot_of:
+                slots[i, j], weights[i, j] = slot_of[a], w
+    return slots, weights
+
+
 def _router_groups(
-    groups: dict[frozenset[str] | None, list[Tensor]], names: list[str], slots: list[int], T: int, device: torch.device
+    groups: dict[frozenset[str] | None, list[Tensor]],
+    names: list[str],
+    slots: list[int],
+    T: int,
+    device: torch.device,
+    experts: list[Mix] | None = None,
 ) -> list[RouterGroup]:
     """The router's row groups: one `RouterGroup` of its rows and its allowed mask [K] (None: every resident adapter)
     where the step's learned requests share one allowed set, else one group of all of them with each row's mask,
     allowed [n, K], so that the router decides once per block rather than once per allowed set (with Zipf traffic
     over 1,000 adapters a decode step's 8 learned requests had 8 sets: 240 small decisions a step instead of 30)."""
     resident = [s >= 0 for s in slots]
+    if experts is not None:  # mix experts: an expert is allowed where every adapter of it is
+        return _expert_groups(groups, experts, resident, T, device)
     if len(groups) == 1:
         ((allowed, rows),) = groups.items()
         # host list, no read: a router over N adapters costs N set lookups per allowed set, not N scans of the slots
@@ -211,6 +241,32 @@ def _router_groups(
         RouterGroup(
             None if r.shape[0] == T and bool((r == torch.arange(T)).all()) else to_device(r, device),
             to_device(masks.repeat_interleave(counts, 0), device),  # [n, K], row i's mask
+        )
+    ]
+
+
+def _expert_groups(
+    groups: dict[frozenset[str] | None, list[Tensor]],
+    experts: list[Mix],
+    resident: list[bool],
+    T: int,
+    device: torch.device,
+) -> list[RouterGroup]:
+    """`_router_groups` of a router with mix experts: one group of every learned row, each row's mask [n, K] true
+    where the expert is resident and all its adapters are in the row's allowed set."""
+    masks = torch.tensor(
+        [
+            [r and (allowed is None or all(a in allowed for a, _ in e)) for e, r in zip(experts, resident)]
+            for allowed in groups
+        ],
+        dtype=torch.bool,
+    )  # [G, K]
+    counts = torch.tensor([sum(r.shape[0] for r in rows) for rows in groups.values()])
+    r = torch.cat([t for rows in groups.values() for t in rows])
+    return [
+        RouterGroup(
+            None if r.shape[0] == T and bool((r == torch.arange(T)).all()) else to_device(r, device),
+            to_device(masks.repeat_interleave(counts, 0), device),
         )
     ]
 
@@ -344,8 +400,13 @@ def token_routes(req: Any, hotset: HotSet, lo: int, hi: int, probe: bool) -> lis
         return [tuple((v, w) for v, (_, w) in zip(versions, route.mix))] * n
     if route.mode == "tokens":
         return _token_descriptors(req, hotset, lo, hi)
-    names = route.router.adapter_names
-    salt = ("gate", id(route.router), tuple(hotset.content_version(x) if x in route.needs else None for x in names))
+    # the gates' choices run on the router's experts: each one's adapters, versions and weights (a mix expert's)
+    experts = router_experts(route.router)
+    salt = (
+        "gate",
+        id(route.router),
+        tuple(tuple((a, w, hotset.content_version(a) if a in route.needs else None) for a, w in e) for e in experts),
+    )
     gate: tuple = ("gate", salt)
     P = route.prompt_len
     out: list[object] = []
@@ -371,8 +432,19 @@ def _version(hotset: HotSet, route: RouteState, name: str | None) -> int | None:
     return hotset.content_version(name) if name in route.needs else None
 
 
-def _index_version(hotset: HotSet, route: RouteState, idx: int) -> int | None:
-    return _version(hotset, route, route.router.adapter_names[idx] if idx >= 0 else None)
+def _index_version(hotset: HotSet, route: RouteState, idx: int) -> int | tuple | None:
+    """`_version` of a router index's expert: its adapter's, or for a mix expert ((v, w), ...) as a static mix's."""
+    if idx < 0:
+        return -1
+    if not getattr(route.router, "mix_experts", None):
+        return _version(hotset, route, route.router.adapter_names[idx])
+    expert = router_experts(route.router)[idx]
+    if len(expert) == 1 and expert[0][1] == 1.0:
+        return _version(hotset, route, expert[0][0])
+    versions = [_version(hotset, route, a) for a, _ in expert]
+    if any(v is None for v in versions):
+        return None
+    return tuple((v, w) for v, (_, w) in zip(versions, expert))
 
 
 def _token_descriptors(req: Any, hotset: HotSet, lo: int, hi: int) -> list | None:

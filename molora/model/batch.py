@@ -63,6 +63,9 @@ class StepRouting:
     weights: Tensor | None = None
     router: Any = None
     router_slots: Tensor | None = None
+    # mix experts (molora.routing.mix.router_experts): router_slots [K, m] and router_weights [K, m], each index's
+    # slots and weights (molora.routing.base.expert_rows); None: router_slots [K], one slot per index
+    router_weights: Tensor | None = None
     groups: list[RouterGroup] = field(default_factory=list)
     carry: Tensor | None = None
     fixed: Tensor | None = None

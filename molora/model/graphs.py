@@ -18,7 +18,9 @@ confidence or an added gate records anew). Its static buffers, written before ev
     index               [B_pad * (2+nb)] one host-to-device copy per step, viewed as
                                          write_rows [B_pad] | ctx [B_pad] | table [B_pad, nb]
     slot_ids, weights   [B_pad, k]       the fixed routing (rows past B: -1, weight 0)
-    learned routing:    router_slots [K], owned [B_pad] (the rows the router decides), allowed [B_pad, K]
+    learned routing:    router_slots [K] (with mix experts [K, m] and router_weights [K, m]: each router index's row;
+                        the key holds the table's shape, not the mixes, so changing a mix expert's weights or adapters
+                        replays the same graph), owned [B_pad] (the rows the router decides), allowed [B_pad, K]
                         (each row's allowed adapters: the step's groups spread over their rows on the device),
                         carry, fixed [B_pad] (-2 past B)
 
@@ -146,7 +148,7 @@ class DecodeGraphs:
         return (
             router is None
             or not routing.groups
-            or (isinstance(router, LearnedRouter) and router.config.top_k <= self.max_top_k)
+            or (isinstance(router, LearnedRouter) and router.config.top_k * _width(routing) <= self.max_top_k)
         )
 
     def key(self, meta: Any, routing: Any) -> Key:
@@ -164,7 +166,7 @@ class DecodeGraphs:
                 router.config,
                 router.weight.data_ptr(),
                 router.bias.data_ptr(),
-                routing.router_slots.shape[0],
+                tuple(routing.router_slots.shape),  # (K,), or (K, m) with mix experts (StepRouting.router_weights)
                 routing.carry is not None,
                 routing.fixed is not None,
             )
@@ -206,10 +208,14 @@ class DecodeGraphs:
         if learned is not None:
             router, _, _, _, K, carried, fixed = learned
             routing.router = router
-            routing.router_slots = torch.full((K,), -1, dtype=torch.long, device=dev)
+            routing.router_slots = torch.full(K, -1, dtype=torch.long, device=dev)
+            if len(K) == 2:  # mix experts: each index's slots and weights
+                routing.router_weights = torch.zeros(K, dtype=torch.float32, device=dev)
             routing.groups = [
                 RouterGroup(
-                    None, torch.ones(bp, K, dtype=torch.bool, device=dev), torch.zeros(bp, dtype=torch.bool, device=dev)
+                    None,
+                    torch.ones(bp, K[0], dtype=torch.bool, device=dev),
+                    torch.zeros(bp, dtype=torch.bool, device=dev),
                 )
             ]
             routing.carry = torch.full((bp,), -2, dtype=torch.long, device=dev) if carried else None
@@ -271,6 +277,8 @@ class DecodeGraphs:
             put(rec.weights, routing.weights, 0)
         if rec.router is not None:  # learned: which rows the router owns and what each may choose, on the device
             rec.router_slots.copy_(routing.router_slots)
+            if rec.router_weights is not None:
+                rec.router_weights.copy_(routing.router_weights)
             group = rec.groups[0]
             group.owned.zero_()
             group.allowed.fill_(True)
@@ -298,3 +306,8 @@ class DecodeGraphs:
         if logits is not False:
             out.logits = o.logits[:B].clone() if logits is True else o.logits[:B][logits]
         return out
+
+
+def _width(routing: Any) -> int:
+    """Columns per router choice: 1, or the expert table's width m with mix experts (StepRouting.router_weights)."""
+    return 1 if routing.router_weights is None else int(routing.router_weights.shape[1])

@@ -223,7 +223,10 @@ class ModelRunner:
         if per_linear:  # each routed linear decides from its own input (molora.routing.arrow: LinearRouting)
             assert routing is not None and routing.router_slots is not None
             ctx.linear = LinearRouting(
-                routing.router, routing.router_slots, [(g.rows, g.allowed) for g in routing.groups]
+                routing.router,
+                routing.router_slots,
+                [(g.rows, g.allowed) for g in routing.groups],
+                routing.router_weights,
             )
         try:
             h = self.embed(tokens)  # [T, D] the residual stream
@@ -297,8 +300,9 @@ class ModelRunner:
     def _routing_buffers(T: int, routing: StepRouting) -> tuple[Tensor, Tensor | None]:
         """Working copies [T, k] of the fixed routing, widened to the router's top-k with weights if needed."""
         router_k = getattr(routing.router, "top_k", 0) or getattr(getattr(routing.router, "config", None), "top_k", 1)
-        k = max(int(router_k), 1 if routing.slot_ids is None else routing.slot_ids.shape[1])
         assert routing.router_slots is not None, "a router's step routing has router_slots"
+        m = 1 if routing.router_weights is None else routing.router_weights.shape[1]  # columns per choice
+        k = max(int(router_k) * m, 1 if routing.slot_ids is None else routing.slot_ids.shape[1])
         device = routing.router_slots.device
         ids = torch.full((T, k), -1, dtype=torch.long, device=device)
         w = None
@@ -328,7 +332,9 @@ class ModelRunner:
             hidden = h if g.rows is None else h[g.rows]  # [n, D]
             carry = routing.carry if routing.carry is None or g.rows is None else routing.carry[g.rows]
             fixed = routing.fixed if routing.fixed is None or g.rows is None else routing.fixed[g.rows]
-            out = decide_slots(routing.router, block, hidden, routing.router_slots, g.allowed, carry, fixed)
+            out = decide_slots(
+                routing.router, block, hidden, routing.router_slots, g.allowed, carry, fixed, routing.router_weights
+            )
             if out is None:
                 continue  # keep the previous decision
             slots, w, ids = out  # [n, k'] slots (-1 = base), router order

@@ -62,6 +62,7 @@ from molora.ops.device import host_readable
 from molora.routing.arrow_linear import LinearRouting
 from molora.routing.arrow_protos import top_right_singular_vector
 from molora.routing.base import RoutedModel, Router, Routing, base_only, fill_prompt_routes
+from molora.routing.mix import Mix
 
 log = logging.getLogger("molora.routing")
 
@@ -177,6 +178,7 @@ class ArrowRouter(Router):
         self._moments: dict[str, torch.Tensor] = {}
         self._rms: dict[tuple, torch.Tensor] = {}  # (module, device, id of its prototype stack) -> [K]
         self._calib_tokens = 0
+        self.mix_experts: dict[str, Mix] = {}  # named mixes it chooses between beside its adapters (set_mix_experts)
 
     # ------------------------------------------------------------------------------------ prompt mode
     @property
@@ -226,9 +228,54 @@ class ArrowRouter(Router):
 
     @property
     def adapter_names(self) -> list[str]:
-        if self.fixed_names is not None:
-            return list(self.fixed_names)
-        return [] if self._mm is None else list(self._mm.adapter_names)
+        """Its experts in router index order: its adapters, then its mix experts (`set_mix_experts`)."""
+        own = self.fixed_names if self.fixed_names is not None else [] if self._mm is None else self._mm.adapter_names
+        return [n for n in own if n not in self.mix_experts] + list(self.mix_experts)
+
+    # ------------------------------------------------------------------------------------ mix experts
+    def set_mix_experts(self, mixes: Mapping[str, Mix]) -> None:
+        """Choose between these named mixes too (molora.json "router_experts"), each an expert of its own beside the
+        adapters. A mix's prototype at a linear is Arrow's for one adapter applied to the mix's combined delta: the top
+        right singular vector of sum_i w_i scale_i B_i A_i (over its adapters that adapt the linear), computed from the
+        adapters' weights like theirs (`refresh`). An empty mapping restores plain routing. A mix whose adapters are not
+        all loaded now is refused (RoutingError(field="router_experts") naming it), nothing changed."""
+        loaded = {} if self._mm is None else self._mm.adapters
+        for name, mix in mixes.items():
+            missing = sorted(a for a, _ in mix if self._mm is not None and a not in loaded)
+            if missing:
+                raise RoutingError(
+                    f"mix {name!r} cannot be an expert of the arrow router: its adapter(s) {missing} are not loaded "
+                    "(its prototype comes from their weights)",
+                    field="router_experts",
+                )
+        for name in [n for n in self.mix_experts if n not in mixes or mixes[n] != self.mix_experts[n]]:
+            self._protos.pop(name, None)
+        self.mix_experts = dict(mixes)
+        self._stacks.clear()
+        self._rms.clear()
+        if self._mm is not None:
+            self.refresh()
+
+    def experts(self) -> list[Mix]:
+        """Per router index: the adapter alone, or a mix expert's ((adapter, weight), ...)."""
+        return [self.mix_experts.get(n, ((n, 1.0),)) for n in self.adapter_names]
+
+    def _mix_prototypes(self, mix: Mix) -> tuple[tuple, dict[str, torch.Tensor]] | None:
+        """(what they were computed from, module -> v) of a mix expert, or None while an adapter is not resident."""
+        assert self._mm is not None
+        loaded = self._mm.adapters
+        if any(a not in loaded for a, _ in mix):
+            return None
+        key = tuple((loaded[a], w) for a, w in mix)
+        vecs = {}
+        for m in sorted({m for a, _ in mix for m in loaded[a].modules}):
+            parts = [(loaded[a].modules[m], w) for a, w in mix if m in loaded[a].modules]
+            A = torch.cat([p.A.float() for p, _ in parts])  # [sum r, d_in]
+            B = torch.cat([w * p.scale * p.B.float() for p, w in parts], 1)  # [d_out, sum r]
+            # B_cat @ A_cat = sum_i w_i s_i B_i A_i: the mix's delta, as the dispatch adds it
+            c = self.config
+            vecs[m] = top_right_singular_vector(A, B, method=c.method, iters=c.iters, seed=c.seed)
+        return key, vecs
 
     # ------------------------------------------------------------------------------------ binding
     def bind(self, mm: RoutedModel, calibration: Sequence[Sequence[int]] | None = None) -> ArrowRouter:
@@ -289,7 +336,21 @@ class ArrowRouter(Router):
             raise RoutingError("the arrow router is not bound to a model: call router.bind(mm) (molora.load does)")
         loaded = self._mm.adapters
         done = []
+        for name, mix in self.mix_experts.items():
+            old = self._protos.get(name)
+            if (
+                old is not None
+                and len(old[0]) == len(mix)
+                and all(o[0] is loaded.get(a) and o[1] == w for o, (a, w) in zip(old[0], mix))
+            ):
+                continue  # computed from these very adapters and weights
+            fresh = self._mix_prototypes(mix)
+            if fresh is not None:
+                self._protos[name] = fresh
+                done.append(name)
         for name in self.adapter_names:
+            if name in self.mix_experts:
+                continue
             adapter = loaded.get(name)
             if adapter is None or (name in self._protos and self._protos[name][0] is adapter):
                 continue  # not resident (an engine's evicted adapter keeps its prototypes) or up to date
@@ -313,6 +374,11 @@ class ArrowRouter(Router):
         from molora.routing.learned import install_gates
 
         self.bind(mm)
+        if self.mix_experts:
+            raise RoutingError(
+                f"mix experts {sorted(self.mix_experts)} run on the engine (molora.Engine, molora serve); "
+                "the transformers path routes between adapters only"
+            )
         missing = [n for n in self.adapter_names if n not in mm.bank]
         if missing:
             raise RoutingError(

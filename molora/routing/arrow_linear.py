@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from molora.errors import RoutingError
-from molora.routing.base import to_slots
+from molora.routing.base import expert_rows
 
 
 class LinearRouting:
@@ -31,9 +31,11 @@ class LinearRouting:
         router: Any,  # an ArrowRouter
         slot_map: torch.Tensor,
         groups: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] = ((None, None),),
+        slot_weights: torch.Tensor | None = None,
     ) -> None:
         self.router = router
-        self.slot_map = slot_map
+        self.slot_map = slot_map  # [K], or [K, m] with slot_weights [K, m] for mix experts (expert_rows)
+        self.slot_weights = slot_weights
         self.groups = list(groups)
         router.refresh()
 
@@ -45,10 +47,11 @@ class LinearRouting:
         fixed_w: torch.Tensor | None,
         trace: list | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        T, k = x.shape[0], self.router.top_k
+        m = 1 if self.slot_weights is None else self.slot_weights.shape[1]
+        T, k = x.shape[0], self.router.top_k * m
         if len(self.groups) == 1 and self.groups[0][0] is None:  # every row is the router's
             ids, w = self.router.decide_linear(module, x, self.groups[0][1])
-            out, weights = to_slots(self.slot_map, ids), w
+            out, weights = expert_rows(self.slot_map, self.slot_weights, ids, w)
         else:
             kk = max(k, 1 if fixed is None else fixed.shape[1])
             out = torch.full((T, kk), -1, dtype=torch.long, device=x.device)
@@ -63,10 +66,11 @@ class LinearRouting:
             for rows, allowed in self.groups:
                 r = slice(None) if rows is None else rows
                 ids, w = self.router.decide_linear(module, x[r], allowed)
-                out[r] = F.pad(to_slots(self.slot_map, ids), (0, kk - ids.shape[1]), value=-1)
+                sl, w = expert_rows(self.slot_map, self.slot_weights, ids, w)
+                out[r] = F.pad(sl, (0, kk - sl.shape[1]), value=-1)
                 if weights is not None:
-                    ww = torch.ones_like(ids, dtype=weights.dtype) if w is None else w.to(weights.dtype)
-                    weights[r] = F.pad(ww, (0, kk - ids.shape[1]))
+                    ww = torch.ones_like(sl, dtype=weights.dtype) if w is None else w.to(weights.dtype)
+                    weights[r] = F.pad(ww, (0, kk - sl.shape[1]))
             ids = None
         block = None if trace is None else self.router.traced_block(module)
         if trace is not None and block is not None:

@@ -123,6 +123,33 @@ def to_slots(index_to_slot: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([index_to_slot, index_to_slot.new_full((1,), -1)])[ids.long()]
 
 
+def expert_rows(
+    index_to_slot: torch.Tensor, index_weights: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A router's choices as dispatch rows. ids [n, k] router indices (-1 none), weights [n, k] or None (top-1).
+
+    index_weights None: index_to_slot [K] maps each index to one slot (`to_slots`): (slots [n, k], weights).
+    Else each index is an expert of up to m adapters (a mix expert, molora.routing.mix.router_experts):
+    index_to_slot [K, m] its slots (-1 padding), index_weights [K, m] their weights, and choice j of a row
+    becomes m columns with the router's weight times the expert's:
+
+        slots[t, j*m + i] = index_to_slot[ids[t, j], i]
+        w[t, j*m + i]     = weights[t, j] * index_weights[ids[t, j], i]     (weights None: 1)
+
+    so a token whose choice is a mix runs on the mix's row, as a static mix does."""
+    if index_weights is None:
+        return to_slots(index_to_slot, ids), weights
+    K, m = index_to_slot.shape
+    pad = torch.cat([index_to_slot, index_to_slot.new_full((1, m), -1)])  # [K + 1, m]: index -1 -> no slot
+    padw = torch.cat([index_weights, index_weights.new_zeros(1, m)])
+    n, k = ids.shape
+    slots = pad[ids.long()].reshape(n, k * m)  # [n, k*m]
+    w = padw[ids.long()]  # [n, k, m]
+    if weights is not None:
+        w = w * weights.to(w.dtype)[:, :, None]
+    return slots, w.reshape(n, k * m)
+
+
 def decide_slots(
     router,
     block: int,
@@ -131,15 +158,18 @@ def decide_slots(
     allowed: torch.Tensor | None = None,
     carry: torch.Tensor | None = None,
     fixed: torch.Tensor | None = None,
+    index_weights: torch.Tensor | None = None,
 ):
     """One block's in-network decision as bank slots: (slots [n, k], weights [n, k] | None, router indices
-    [n, k]), or None when the block keeps the previous decision. Used by the transformers path
-    (`RoutingContext.route_block`) and the engine's runner (`ModelRunner._decide`) alike."""
+    [n, k]), or None when the block keeps the previous decision; with index_weights (mix experts) each choice is
+    m columns (`expert_rows`). Used by the transformers path (`RoutingContext.route_block`) and the engine's runner
+    (`ModelRunner._decide`) alike."""
     out = in_network_decide(router, block, hidden, allowed, carry, fixed)
     if out is None:
         return None
     ids, weights = out
-    return to_slots(index_to_slot, ids), weights, ids
+    slots, w = expert_rows(index_to_slot, index_weights, ids, weights)
+    return slots, w, ids
 
 
 def adapter_index(names: Sequence[str], name: str | None) -> int:

@@ -64,7 +64,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,7 @@ from torch import nn
 from molora.errors import BundleError, RoutingError
 from molora.ops.device import host_readable
 from molora.routing.base import RoutedModel, Router, Routing, base_only, fill_prompt_routes
+from molora.routing.mix import Mix
 
 ROUTER_WEIGHTS = "router.safetensors"
 ROUTER_CONFIG = "router.json"
@@ -153,6 +154,43 @@ class LearnedRouter(Router, nn.Module):
         C = len(self.adapter_names) + (0 if config.composable else 1)  # joint: last class = none
         self.weight = nn.Parameter(torch.zeros(G, C, D))  # [G, C, D]
         self.bias = nn.Parameter(torch.zeros(G, C))  # [G, C]
+        self.mix_experts: dict[str, Mix] = {}  # named mixes standing in for their adapters (set_mix_experts)
+
+    # ------------------------------------------------------------------------------------- mix experts
+    def set_mix_experts(self, mixes: Mapping[str, Mix]) -> None:
+        """Take named mixes as experts (molora.json "router_experts"): a token the gates give to an adapter of a mix
+        runs on that mix (its weighted sum of adapter deltas); the gates themselves are unchanged.
+
+        Why this form: the gates were trained on classes of adapters (and "none") and know no mix. A mix of a
+        skill's adapters is what the router's choice of any of them should run, so the mix takes those adapters'
+        tokens; a class of its own would need training data for the mix, and a logit made up from its adapters'
+        logits (a weighted mean) can never beat the best of them, so such an expert would never be chosen. Hence each
+        adapter belongs to at most one mix expert, and every adapter of a mix expert must be one of the router's
+        (else the mix could never be chosen): a RoutingError(field="router_experts") naming the mix, nothing
+        changed. An empty mapping restores plain routing."""
+        owner: dict[str, str] = {}
+        for name, mix in mixes.items():
+            missing = sorted(a for a, _ in mix if a not in self.adapter_names)
+            if missing:
+                raise RoutingError(
+                    f"mix {name!r} cannot be an expert of the learned router: its adapter(s) {missing} are not among "
+                    f"the router's {self.adapter_names} (the gates choose only adapters they were trained on)",
+                    field="router_experts",
+                )
+            for a, _ in mix:
+                if a in owner:
+                    raise RoutingError(
+                        f"adapter {a!r} is in two mix experts of the learned router, {owner[a]!r} and {name!r}: a "
+                        "token the gates give to it can run on one of them only; keep one",
+                        field="router_experts",
+                    )
+                owner[a] = name
+        self.mix_experts = dict(mixes)
+
+    def experts(self) -> list[Mix]:
+        """Per router index (adapter_names order): the mix expert holding that adapter, else the adapter alone."""
+        of = {a: mix for mix in self.mix_experts.values() for a, _ in mix}
+        return [of.get(n, ((n, 1.0),)) for n in self.adapter_names]
 
     # ------------------------------------------------------------------------------------- inference
     def gate_index(self, block: int) -> int | None:
@@ -252,6 +290,11 @@ class LearnedRouter(Router, nn.Module):
 
     def prepare(self, mm: RoutedModel, input_ids: torch.Tensor) -> None:
         """Make `mm` route by this router for its next forward (installs gated blocks once)."""
+        if self.mix_experts:
+            raise RoutingError(
+                f"mix experts {sorted(self.mix_experts)} run on the engine (molora.Engine, molora serve); "
+                "the transformers path routes between adapters only"
+            )
         install_gates(mm)
         missing = [n for n in self.adapter_names if n not in mm.bank]
         if missing:

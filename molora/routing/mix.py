@@ -111,9 +111,47 @@ class MixBook:
         self._mixes[name] = mix
         return mix
 
+    def remove(self, name: str) -> None:
+        self._mixes.pop(name, None)
+
     def resolve(self, mix: object, known: Collection[str], max_weight: float, num_slots: int) -> Mix:
         """A request's mix: the name of a named mix (checked again against the adapters known now) or an
         {adapter: weight} object (`check_mix`)."""
         if isinstance(mix, str):
             return check_mix(dict(self.get(mix)), known, max_weight, num_slots, what=f"mix {mix!r}")
         return check_mix(mix, known, max_weight, num_slots)
+
+
+def router_experts(router: object) -> list[Mix]:
+    """What each index of an in-network router runs: its expert as ((adapter, weight), ...): one adapter with weight
+    1, or a named mix the router takes as an expert (`set_mix_experts` of LearnedRouter and ArrowRouter). The engine
+    turns the list into the dispatch rows of the router's choices (molora.engine.routing.expert_table)."""
+    experts = getattr(router, "experts", None)
+    if callable(experts):
+        return list(experts())
+    return [((str(n), 1.0),) for n in getattr(router, "adapter_names", ())]
+
+
+def plain_experts(experts: Iterable[Mix]) -> bool:
+    """Whether every expert is one adapter with weight 1 (the router index -> slot lookup of plain routing)."""
+    return all(len(e) == 1 and e[0][1] == 1.0 for e in experts)
+
+
+def check_expert_names(names: object, book: MixBook) -> list[str]:
+    """A router expert list (molora.json "router_experts"): a list of named mixes in `book`, each once; a
+    RoutingError(field="router_experts") naming what is wrong."""
+    if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+        raise RoutingError(
+            f'router_experts must be a list of named mixes such as ["arith_words"], got {names!r}',
+            field="router_experts",
+        )
+    unknown = sorted(n for n in names if n not in book)
+    if unknown:
+        raise RoutingError(
+            f"router_experts names unknown mix(es) {unknown}; named mixes: {book.names()} (declare them in "
+            'molora.json "mixes" or register them with POST /v1/mixes first)',
+            field="router_experts",
+        )
+    if len(set(names)) != len(names):
+        raise RoutingError(f"router_experts lists a mix twice: {list(names)}", field="router_experts")
+    return list(names)

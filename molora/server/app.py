@@ -325,8 +325,10 @@ def _add_routes(app: FastAPI, s: ServerState) -> None:
     @app.post("/v1/mixes", dependencies=[admin], status_code=201, openapi_extra=json_body(MixRequest))
     async def add_mix(request: Request) -> JSONResponse:
         req = await parse_body(request, MixRequest, s)
-        info = await s.add_mix(req.bundle, req.name, dict(req.adapters))
+        info = await s.add_mix(req.bundle, req.name, dict(req.adapters), req.router_expert)
         body = {"object": "mix", "name": req.name, "adapters": info.mixes[req.name], "bundle": info.name}
+        if req.router_expert is not None:
+            body["router_expert"] = req.router_expert
         return JSONResponse({**body, "model": s.catalog.adapter_id(info, req.name)}, status_code=201)
 
     # vLLM's runtime LoRA endpoints (what inference gateways and LoRA-aware routers call): plain-text success

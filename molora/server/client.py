@@ -90,9 +90,12 @@ class EngineClient(abc.ABC):
     async def unload_adapter(self, bundle: str, name: str, force: bool) -> str:
         """ "unloaded", or "draining" (it goes when the requests using it end); force ends them now."""
 
-    async def add_mix(self, bundle: str, name: str, adapters: dict[str, float]) -> None:
+    async def add_mix(
+        self, bundle: str, name: str, adapters: dict[str, float], router_expert: bool | None = None
+    ) -> None:
         """Register the named mix `name` -> `adapters` in `bundle`'s engine (Engine.add_mix: a RoutingError naming the
-        field for a bad one). Clients whose engines cannot take it refuse with a MoLoRAError saying so."""
+        field for a bad one; router_expert: the router takes it as an expert). Clients whose engines cannot take it
+        refuse with a MoLoRAError saying so."""
         raise MoLoRAError(f"{type(self).__name__} does not register named mixes; send the mix with each request")
 
 
@@ -145,9 +148,13 @@ class LocalClient(EngineClient):
         async with self._adapter_changes:
             return await self.runner.call(lambda: self.engine.unload_adapter(name, force=force))
 
-    async def add_mix(self, bundle: str, name: str, adapters: dict[str, float]) -> None:
+    async def add_mix(
+        self, bundle: str, name: str, adapters: dict[str, float], router_expert: bool | None = None
+    ) -> None:
         async with self._adapter_changes:  # its adapters are checked against the ones loaded now
-            await self.runner.call(lambda: self.engine.add_mix(name, adapters), timeout=self.call_timeout_s)
+            await self.runner.call(
+                lambda: self.engine.add_mix(name, adapters, router_expert), timeout=self.call_timeout_s
+            )
 
 
 async def run_stages(runner: EngineRunner, stages: Any) -> Any:

@@ -471,6 +471,9 @@ class MixRequest(_Strict):
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}$")]
     adapters: dict[Name, float] = Field(max_length=256)
     bundle: str | None = None
+    # true: the bundle's in-network router (learned or arrow) takes the mix as one of its experts, false: no longer,
+    # left out: as before (Engine.add_mix)
+    router_expert: bool | None = None
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -173,6 +173,16 @@ class RayClient(EngineClient):
             await self._command(bundle, spec, "sync")  # one replica reads and checks the files
             self.registry.commit(spec)
 
+    async def add_mix(
+        self, bundle: str, name: str, adapters: dict[str, float], router_expert: bool | None = None
+    ) -> None:
+        """A new bundle version with the mix (Registry.with_mix): one replica registers and checks it now, the others
+        before their next request (EngineReplica.sync), as a run-time adapter reaches them."""
+        async with self._admin:
+            spec = self.registry.with_mix(bundle, name, adapters, router_expert)
+            await self._command(bundle, spec, "sync")
+            self.registry.commit(spec)
+
     async def unload_adapter(self, bundle: str, name: str, force: bool) -> str:
         async with self._admin:
             spec = self.registry.without_adapter(bundle, name, force)

@@ -89,6 +89,9 @@ class EngineReplica:
                     if path is None:
                         raise AdapterNotFound(f"adapter {name!r} of bundle {spec.name!r} is not in its manifest")
                     await load_into(engine, runner, name, Path(path), roots)
+            for name, adapters in spec.mixes.items():  # after the adapters they name; registering again is harmless
+                flag = spec.mix_experts.get(name)
+                await runner.call(lambda n=name, a=adapters, f=flag: engine.add_mix(n, a, f))
             lease.version = spec.version
             return states
 

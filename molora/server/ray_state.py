@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from molora.errors import AdapterDraining, AdapterNotFound, BankFullError, MoLoRAError
+from molora.errors import AdapterDraining, AdapterNotFound, BankFullError, MoLoRAError, RoutingError
 from molora.server.runner import EngineRunner, RunnerStopped, Saturated
 
 log = logging.getLogger("molora.server.ray")
@@ -29,6 +29,8 @@ _ERRORS: dict[str, type[Exception]] = {
 
 
 def error_kind(e: BaseException) -> str:
+    if isinstance(e, RoutingError):  # "routing:<field>": the ingress names the request's parameter from the field
+        return f"routing:{e.field or ''}"
     for kind, cls in _ERRORS.items():  # most specific first: MoLoRAError comes last
         if isinstance(e, cls):
             return kind
@@ -36,6 +38,8 @@ def error_kind(e: BaseException) -> str:
 
 
 def raise_error(kind: str, message: str) -> None:
+    if kind.startswith("routing:"):
+        raise RoutingError(message, field=kind.removeprefix("routing:") or None)
     raise _ERRORS[kind](message)
 
 
@@ -50,7 +54,8 @@ class BundleSpec:
     requests end now rather than drain. roots: the folders run-time adapters must lie under. routed: the bundle
     has a router (placement: an unpinned request of a bundle without one needs no adapter). cold: adapters a replica
     registers without reading their weights (`--lora-dir`: read on first use, each confined to its own folder's
-    parent, the --lora-dir it was found in)."""
+    parent, the --lora-dir it was found in). mixes, mix_experts: the named mixes every replica registers (in this
+    order, after the adapters)."""
 
     name: str
     path: str | None
@@ -60,6 +65,10 @@ class BundleSpec:
     roots: tuple[str, ...] = ()
     routed: bool = True
     cold: frozenset[str] = frozenset()
+    # named mixes registered at run time (POST /v1/mixes): name -> {adapter: weight}, and for those whose
+    # router_expert was ever given, whether the router takes them as experts (Engine.add_mix)
+    mixes: dict[str, dict[str, float]] = field(default_factory=dict)
+    mix_experts: dict[str, bool] = field(default_factory=dict)
 
 
 class Registry:
@@ -84,6 +93,15 @@ class Registry:
             forced=s.forced - {name},
             cold=s.cold - {name},  # added at run time: read and checked whole, as any POSTed adapter
         )
+
+    def with_mix(
+        self, bundle: str, name: str, adapters: dict[str, float], router_expert: bool | None = None
+    ) -> BundleSpec:
+        """The next version with the named mix `name` registered (or replaced; not yet committed); router_expert None
+        keeps what an earlier call said."""
+        s = self.specs[bundle]
+        experts = s.mix_experts if router_expert is None else {**s.mix_experts, name: router_expert}
+        return replace(s, version=s.version + 1, mixes={**s.mixes, name: dict(adapters)}, mix_experts=experts)
 
     def without_adapter(self, bundle: str, name: str, force: bool) -> BundleSpec:
         """The next version with `name` removed (not yet committed)."""

@@ -142,18 +142,22 @@ class ServerState:
         """From now on new requests get 503; the ones in flight go on to the end."""
         self.draining = True
 
-    async def add_mix(self, bundle: str | None, name: str, adapters: dict[str, float]) -> ModelInfo:
+    async def add_mix(
+        self, bundle: str | None, name: str, adapters: dict[str, float], router_expert: bool | None = None
+    ) -> ModelInfo:
         """Register the named mix `name` -> `adapters` in `bundle` (POST /v1/mixes); 400 naming the field for a name
-        that is a served model's or an adapter's, an unknown adapter, a weight out of bounds or too many adapters."""
+        that is a served model's or an adapter's, an unknown adapter, a weight out of bounds or too many adapters, or
+        a mix the router cannot take as an expert (router_expert: Engine.add_mix)."""
         info = self.catalog.bundle(bundle)
         if name in self.catalog.infos or name in info.adapters:
             raise APIError(
                 400, f"mix name {name!r} is already a model's or an adapter's name; choose another", param="name"
             )
         try:
-            await self.client.add_mix(info.name, name, adapters)
+            await self.client.add_mix(info.name, name, adapters, router_expert)
         except RoutingError as e:
-            raise APIError(400, str(e), param="name" if e.field == "name" else "adapters") from e
+            param = {"name": "name", "router_experts": "router_expert"}.get(str(e.field), "adapters")
+            raise APIError(400, str(e), param=param) from e
         except MoLoRAError as e:
             raise APIError(400, str(e), param="adapters") from e
         info.mixes[name] = dict(adapters)
