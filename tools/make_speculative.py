@@ -92,7 +92,7 @@ def _machine(m: dict) -> str:
     load = m.get("loadavg_1_5_15")
     after = m.get("loadavg_after")
     return (
-        f"{m['cpu']} ({m['cores']} cores, {m['threads']} threads; load average {load[0] if load else '-'} at the start"
+        f"{m['cpu']} ({m['cores']} cores, threads: {m['threads']}; load average {load[0] if load else '-'} at the start"
         + (f", {after[0]} at the end" if after else "")
         + ")"
     )
@@ -110,7 +110,7 @@ def render_carry(rec: dict, default: str) -> str:
         "",
         "| prompts | requests | tok/s plain | tok/s truncate | tok/s rerun | rerun / truncate | truncate / plain | "
         "rerun / plain | ids per verified chunk (truncate, rerun) | rows cut (truncate) | reruns: passes, rows | "
-        "tokens, adapters differing |",
+        "tokens, adapters differing from plain (both treatments) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|",
     ]
     ratios = []

@@ -15,7 +15,8 @@ Drafts (vLLM's `--speculative-config` methods, no draft model):
 Verification (the engine's step): a decoding request with a draft d_1..d_k runs its last token and the draft as one
 chunk of k + 1 tokens, each routed as plain decoding routes it (molora.engine.routing: pinned, token-id router,
 learned router and Arrow per row; a carrying router's draft rows assume their predecessor's carried decision, see
-`carry_valid`); the logits of every row come back (`ModelRunner.forward(token_logits=)`). `accept` keeps the tokens
+`carry_valid`, and the rows after a wrong one are dropped or computed again: CARRY, molora's key "molora": {"carry":
+...}); the logits of every row come back (`ModelRunner.forward(token_logits=)`). `accept` keeps the tokens
 plain decoding would give: greedy keeps the longest prefix of the draft that equals the argmax and adds the argmax
 after it; with temperature > 0, rejection sampling for a deterministic draft (draft d accepted with probability
 p(d), else one id drawn from p with d removed, renormalised; after a whole accepted draft one more from the last
