@@ -102,4 +102,4 @@ def test_peer_table_has_one_row_per_group():
     )  # fmt: skip
     rows = [ln for ln in ms.render_peer(rec).splitlines() if ln.startswith(("| skills", "| chat"))]
     assert len(rows) == 2
-    assert "| 10.00 | 20.00 | 30.00 | 33.00 | 2.00x | 1.10x | 1.65x | 1.90 | 1.00, 0.90, 0.90 |" in rows[0]
+    assert "| 10.00 | 20.00 | 30.00 | 33.00 | 2.00x | 1.10x | 3.00x | 1.65x | 1.90 | 1.00, 0.90, 0.90 |" in rows[0]

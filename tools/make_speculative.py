@@ -148,7 +148,8 @@ def render_carry(rec: dict, default: str) -> str:
 
 def render_peer(rec: dict) -> str:
     """Beside llama.cpp: per group the median tok/s of the four systems over the rounds and the medians of the
-    per-round ratios, molora's ids per verified chunk and each system's greedy agreement with molora plain."""
+    per-round tok/s ratios (> 1: the first is faster), molora's ids per verified chunk and each system's greedy
+    agreement with molora plain."""
     lines = [
         f"Measured with `{rec['command']}` on {_machine(rec['machine_info'])}: llama-cpp-python "
         f"{rec['llama_cpp']['llama_cpp_python']} ({rec['llama_cpp']['api']}; drafts `{rec['llama_cpp_draft']}`) on "
@@ -157,15 +158,17 @@ def render_peer(rec: dict) -> str:
         f"order rotating, {rec['repeats']} rounds.",
         "",
         "| prompts | requests | molora tok/s | molora + ngram | llama.cpp | llama.cpp + prompt lookup | "
-        "molora ngram / plain | llama.cpp lookup / plain | llama.cpp lookup / molora ngram | molora ids per verified "
-        "chunk | greedy agreement with molora (ngram, llama.cpp, llama.cpp lookup) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "molora ngram / plain | llama.cpp lookup / plain | llama.cpp / molora, plain | "
+        "llama.cpp lookup / molora ngram | molora ids per verified chunk | "
+        "greedy agreement with molora (ngram, llama.cpp, llama.cpp lookup) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, g in rec["groups"].items():
         m, r, a = g["median_tok_s"], g["median_ratio_over_molora"], g["greedy_agreement_with_molora"]
         lines.append(
             f"| {name} | {g['requests']} | {m['molora']:.2f} | {m['molora_spec']:.2f} | {m['llama.cpp']:.2f} | "
             f"{m['llama.cpp_spec']:.2f} | {r['molora_spec']:.2f}x | {g['median_ratio_llama_spec_over_llama']:.2f}x | "
+            f"{r['llama.cpp']:.2f}x | "
             f"{g['median_ratio_llama_spec_over_molora_spec']:.2f}x | {_f(g['molora_ids_per_verified_chunk'], '.2f')} | "
             f"{a['molora_spec']:.2f}, {a['llama.cpp']:.2f}, {a['llama.cpp_spec']:.2f} |"
         )
