@@ -6,7 +6,8 @@ The records come from `molora bench engine --speculative JSON --json docs/specul
 the command and the machine are in each record): docs/speculative.json, and docs/speculative_loaded.json, the same
 command on the same machine while other jobs loaded its two cores; docs/speculative_carry.json, the two carry
 treatments (`molora bench engine --speculative JSON --carry-compare`); docs/speculative_peer.json, beside llama.cpp's
-prompt lookup (`molora bench peer --speculative JSON`, molora.bench.peer_speculative). This script measures nothing: it
+prompt lookup (`molora bench peer --speculative JSON`, molora.bench.peer_speculative); each with a `_loaded` run beside
+it, the same command while other jobs loaded the cores. This script measures nothing: it
 renders the tables between the page's `<!-- speculative:begin (tools/make_speculative.py) -->` and
 `<!-- speculative:end -->` markers, and likewise `speculative_carry` and `speculative_peer`.
 """
@@ -23,8 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "speculative.json"
 LOADED = ROOT / "docs" / "speculative_loaded.json"  # the same command on the same machine under other jobs' load
 BATCH = ROOT / "docs" / "speculative_batch.json"  # batch sizes between: where speculative.MAX_DECODES comes from
-CARRY = ROOT / "docs" / "speculative_carry.json"  # carry "truncate" against "rerun", batch 1
-PEER = ROOT / "docs" / "speculative_peer.json"  # beside llama.cpp's prompt lookup, batch 1, one LoRA
+# carry "truncate" against "rerun", batch 1: a quiet run, then the same command under other jobs' load
+CARRY = [ROOT / "docs" / "speculative_carry.json", ROOT / "docs" / "speculative_carry_loaded.json"]
+# beside llama.cpp's prompt lookup, batch 1, one LoRA: likewise
+PEER = [ROOT / "docs" / "speculative_peer.json", ROOT / "docs" / "speculative_peer_loaded.json"]
 PAGE = ROOT / "docs" / "speculative.md"
 BEGIN, END = markers("speculative", "tools/make_speculative.py")
 CARRY_BEGIN, CARRY_END = markers("speculative_carry", "tools/make_speculative.py")
@@ -106,7 +109,7 @@ def render_carry(rec: dict, default: str) -> str:
         f"Measured with `{rec['command']}` on {_machine(rec['machine_info'])}, {rec['dtype']}, "
         f"{rec['items_per_skill']} items per skill and as many chat prompts, each alone (batch 1), greedy, at most "
         f"{rec['new_tokens']} new tokens; plain, truncate and rerun on every prompt in turn, the order rotating, "
-        f"{rec['repeats']} rounds.",
+        f"{rec['repeats']} rounds. {rec.get('note', '')}".rstrip(),
         "",
         "| prompts | requests | tok/s plain | tok/s truncate | tok/s rerun | rerun / truncate | truncate / plain | "
         "rerun / plain | ids per verified chunk (truncate, rerun) | rows cut (truncate) | reruns: passes, rows | "
@@ -155,7 +158,7 @@ def render_peer(rec: dict) -> str:
         f"{rec['llama_cpp']['llama_cpp_python']} ({rec['llama_cpp']['api']}; drafts `{rec['llama_cpp_draft']}`) on "
         f"`{rec['gguf']}`, molora in float32; each prompt alone, greedy, at most {rec['new_tokens']} new tokens or a "
         f"stop id, on the bundle's `{rec['adapter']}` LoRA on both; the four systems on every prompt in turn, the "
-        f"order rotating, {rec['repeats']} rounds.",
+        f"order rotating, {rec['repeats']} rounds. {rec.get('note', '')}".rstrip(),
         "",
         "| prompts | requests | molora tok/s | molora + ngram | llama.cpp | llama.cpp + prompt lookup | "
         "molora ngram / plain | llama.cpp lookup / plain | llama.cpp / molora, plain | "
@@ -182,13 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     recs = [json.loads(p.read_text(encoding="utf-8")) for p in (RECORD, LOADED) if p.exists()]
     sweep = json.loads(BATCH.read_text(encoding="utf-8")) if BATCH.exists() else None
     changed = write_block(PAGE, BEGIN, END, render(*recs, sweep=sweep), check=args.check)
-    if CARRY.exists():
-        from molora.engine.speculative import SpeculativeConfig
+    from molora.engine.speculative import SpeculativeConfig
 
-        body = render_carry(json.loads(CARRY.read_text(encoding="utf-8")), SpeculativeConfig().carry)
+    carry = [json.loads(p.read_text(encoding="utf-8")) for p in CARRY if p.exists()]
+    if carry:
+        body = "\n\n".join(render_carry(r, SpeculativeConfig().carry) for r in carry)
         changed |= write_block(PAGE, CARRY_BEGIN, CARRY_END, wrap(CARRY_BEGIN, CARRY_END, body), check=args.check)
-    if PEER.exists():
-        body = render_peer(json.loads(PEER.read_text(encoding="utf-8")))
+    peer = [json.loads(p.read_text(encoding="utf-8")) for p in PEER if p.exists()]
+    if peer:
+        body = "\n\n".join(render_peer(r) for r in peer)
         changed |= write_block(PAGE, PEER_BEGIN, PEER_END, wrap(PEER_BEGIN, PEER_END, body), check=args.check)
     if args.check and changed:
         print(f"{PAGE} is stale: run python -m tools.make_speculative")
