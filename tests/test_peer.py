@@ -138,6 +138,10 @@ def test_absent_llama_cpp_skips_with_a_message(monkeypatch, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["skipped"] == peer.MISSING
     assert engine_bench.main(["--peer", "vllm"]) == 2
     assert "llama.cpp" in capsys.readouterr().err
+    assert peer.main(["--speculative", '{"method": "ngram"}', "--items", "1"]) == 0  # prompt lookup beside it
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["skipped"] == peer.MISSING
+    assert peer.main(["--speculative"]) == 2
+    assert "speculative config" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ a real llama.cpp (when built)
@@ -226,6 +230,34 @@ def test_llama_cpp_repeats_the_transformers_greedy_tokens_with_and_without_a_con
         assert p.generate(prompts, [6, 3, 1]) == [r[:n] for r, n in zip(ref, (6, 3, 1))]
     finally:
         p.close()
+
+
+def test_llama_cpp_prompt_lookup_gives_its_plain_greedy_tokens_with_a_lora(tmp_path):
+    """The speculative peer's llama.cpp side (molora.bench.peer_speculative.LlamaCppGreedy): with the binding's prompt
+    lookup as its draft model, the same greedy ids as without it, on a prompt that repeats (drafts are made), with
+    the LoRA on; a stop id ends the output there."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from molora.bench.peer_speculative import LlamaCppGreedy
+
+    llama = peer.load_llama_cpp()
+    if llama is None:
+        pytest.skip(peer.MISSING)
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(40.0)
+    cfg = model.config
+    base = tiny_llama_gguf(model, tmp_path / "tiny.gguf")
+    lora = lora_to_gguf(
+        tiny_adapter(tmp_path), tmp_path / "lora.gguf", cfg.num_attention_heads, cfg.num_key_value_heads, 2
+    )
+    prompt = torch.randint(3, cfg.vocab_size, (6,), generator=gen(9)).tolist() * 3
+    plain = LlamaCppGreedy(llama, base, lora, 64, 1)
+    fast = LlamaCppGreedy(llama, base, lora, 64, 1, LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=4))
+    ref = plain.generate(prompt, 12, set())
+    assert len(ref) == 12 and fast.generate(prompt, 12, set()) == ref
+    assert fast.generate(prompt, 12, set()) == ref  # a second prompt starts afresh
+    assert plain.generate(prompt, 12, {ref[4]}) == ref[: ref.index(ref[4]) + 1]
 
 
 def test_the_docs_section_renders_every_variant_of_the_committed_records():

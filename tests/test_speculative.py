@@ -30,6 +30,7 @@ CFG = dict(
     max_num_seqs=8, max_tokens_per_step=48, block_size=4, kv_budget_tokens=1024, max_model_len=128, stop_at_eos=False
 )
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
+RERUN = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, carry="rerun")
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,7 @@ MODES = {
     "base": dict(routing="none"),
     "learned": {},
     "carry": {},
+    "carry_rerun": {},  # the carrying router, draft rows after a wrong carry computed again (carry "rerun")
     "arrow": dict(routing="arrow"),
 }
 PROMPTS = [_prompt(9, 1) * 2, _prompt(5, 2) * 3, _prompt(13, 3), _prompt(7, 4) + _prompt(3, 5) * 4]
@@ -81,6 +83,8 @@ def _spec_engine(mm, spec=NGRAM, **kw) -> Engine:
 
 
 def _router_of(mode: str) -> str:
+    if mode == "carry_rerun":
+        return "carry"
     return mode if mode in ("learned", "carry", "arrow") else "vocab"
 
 
@@ -108,7 +112,7 @@ def test_greedy_with_speculation_equals_without_in_tokens_and_adapters(paths, mo
     plain = Engine(_mm(paths, _router_of(mode)), EngineConfig(**CFG)).generate(PROMPTS, sp, **kw)
     ref = {tuple(p): o.new_token_ids for p, o in zip(PROMPTS, plain)}
     for oracle in (False, True):
-        engine = _spec_engine(_mm(paths, _router_of(mode)))
+        engine = _spec_engine(_mm(paths, _router_of(mode)), RERUN if mode == "carry_rerun" else NGRAM)
         free = engine.allocator.num_free
         if oracle:
             _oracle(engine, ref)
@@ -124,7 +128,11 @@ def test_greedy_with_speculation_equals_without_in_tokens_and_adapters(paths, mo
         assert engine.allocator.num_free == free and not engine.requests
         if mode == "carry" and oracle:
             assert st["carry_cut_rows"] > 0  # some draft rows assumed a carried decision the forward did not give
-    if mode in ("vocab", "learned", "carry"):  # the comparison of adapters can tell a wrong one
+            assert st["carry_reruns"] == 0
+        if mode == "carry_rerun" and oracle:  # those rows were computed again instead, none dropped for it
+            assert st["carry_reruns"] > 0 and st["carry_rerun_rows"] >= st["carry_reruns"]
+            assert st["carry_cut_rows"] == 0
+    if mode in ("vocab", "learned", "carry", "carry_rerun"):  # the comparison of adapters can tell a wrong one
         assert any(len(set(o.token_adapters)) > 1 for o in plain)
 
 
@@ -169,9 +177,10 @@ def test_busy_chunked_preempting_batch_with_speculation_equals_plain(paths):
         return [got[i] for i in ids], engine.stats()
 
     plain, _ = run(None)
-    spec, stats = run(NGRAM)
-    assert spec == plain
-    assert stats["num_preemptions"] > 0 and stats["speculative"]["accepted"] > 0
+    for config in (NGRAM, RERUN):  # both carry treatments
+        spec, stats = run(config)
+        assert spec == plain, config.carry
+        assert stats["num_preemptions"] > 0 and stats["speculative"]["accepted"] > 0
 
 
 @torch.no_grad()
@@ -240,6 +249,9 @@ def test_config_reads_vllm_json_and_refuses_unknown_methods_and_keys():
     assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 5, 4, 2)
     s = SpeculativeConfig.parse({"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_max_tree_depth": 8})
     assert s.method == "suffix" and s.suffix_decoding_max_tree_depth == 8
+    assert s.carry == "truncate"  # the default
+    r = SpeculativeConfig.parse('{"method": "ngram", "molora": {"carry": "rerun"}}')
+    assert (r.method, r.carry) == ("ngram", "rerun")
     bad = [
         ("{not json", "not valid JSON"),
         ("[1]", "must be a JSON object"),
@@ -248,6 +260,9 @@ def test_config_reads_vllm_json_and_refuses_unknown_methods_and_keys():
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens=0"),
         ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min=5"),
         ('{"method": "suffix", "prompt_lookup_max": 2}', r"\['prompt_lookup_max'\]"),
+        ('{"molora": {"carry": "redo"}}', r"\"carry\": 'redo'.*truncate, rerun"),
+        ('{"molora": {"carry": "rerun", "depth": 2}}', r"\"molora\" key\(s\) \['depth'\]"),
+        ('{"molora": "rerun"}', r"\"molora\" must be a JSON object"),
     ]
     for text, match in bad:
         with pytest.raises(MoLoRAError, match=match):
@@ -325,6 +340,26 @@ def test_rejection_sampling_keeps_each_emitted_id_distributed_as_plain_sampling(
 
     bad = counts([wrong(p, draft, g) for _ in range(N)], 0)
     assert _chi2(bad, [N * x for x in p[0].tolist()]) > _chi2_bound(3)
+
+
+def test_rejection_sampling_verifies_on_row_by_row_as_in_one_call():
+    """Without a row after the draft no id is added, and verifying a draft in two calls (the first draft id alone
+    against row 0, the rest against the rows after it, as carry "rerun" does) draws exactly what one call draws
+    from the same generator."""
+    from molora.engine.speculative import rejection_accept
+
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.6, 0.1], [0.25, 0.25, 0.4, 0.1]])
+    assert rejection_accept(torch.eye(4)[:2], [0, 1], None) == [0, 1]  # certain draft, no row after it: no more
+    split_seen = set()
+    for seed in range(200):
+        one = rejection_accept(p, [1, 2], torch.Generator().manual_seed(seed))
+        g = torch.Generator().manual_seed(seed)
+        split = rejection_accept(p[:1], [1], g)
+        if split == [1]:
+            split += rejection_accept(p[1:], [2], g)
+        assert split == one
+        split_seen.add(len(one))
+    assert split_seen == {1, 2, 3}  # rejected at row 0, at row 1, and the whole draft accepted
 
 
 @pytest.mark.slow

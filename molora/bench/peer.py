@@ -3,6 +3,7 @@
     molora bench peer [--variants fp32 bf16 int8 int4] [--requests 16] [--prompt-len 64] [--new-tokens 32]
         [--repeats 3] [--threads 1] [--cache DIR] [--json OUT]
     molora bench engine --peer llama.cpp [same options]
+    molora bench peer --speculative JSON [...]   prompt lookup on both sides, batch 1 (molora.bench.peer_speculative)
 
 llama.cpp runs through `llama-cpp-python` (optional: `pip install 'molora[peer]'`, a source build of llama.cpp);
 without it the bench prints why it skipped and ends with a JSON line saying so (exit 0).
@@ -458,7 +459,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="let llama.cpp repack weights (AMX, CPU_REPACK); off by default: it crashed on Q8_0/Q4_0 here",
     )
     ap.add_argument("--json", metavar="OUT", help="also write the record to this file")
-    args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--speculative" in argv:  # batch 1 with prompt lookup on both sides (molora.bench.peer_speculative)
+        from molora.bench import peer_speculative
+
+        i = argv.index("--speculative")
+        if i + 1 >= len(argv):
+            print("molora bench peer: --speculative takes vLLM's speculative config JSON", file=sys.stderr)
+            return 2
+        return peer_speculative.main(argv[:i] + argv[i + 2 :], argv[i + 1])
+    args = ap.parse_args(argv)
     llama = load_llama_cpp()
     if llama is None:
         print(MISSING, file=sys.stderr)
@@ -482,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.llama_extra_bufts,
         save,
     )
-    rec = {"command": "molora bench peer " + " ".join(sys.argv[1:] if argv is None else argv), **rec}
+    rec = {"command": "molora bench peer " + " ".join(argv), **rec}
     print("\n".join(summary_lines(rec)), flush=True)
     emit(rec, args.json)
     return 0

@@ -12,12 +12,20 @@ from the validation split of molora.data.general. Two batch sizes:
 Reported per group (skills, chat; batch 1 and batch N): output tokens, seconds, tokens/s of each variant and their
 ratio, the mean acceptance length (ids emitted per verified chunk), and how many tokens and adapters differ from
 plain decoding (the goal is none). Ends with one JSON line. Knows the engine through its public API only.
+
+    python -m molora.bench.engine --speculative JSON --carry-compare [--repeats R] [--json OUT]
+
+compares the two treatments of a draft row whose carried decision was wrong (speculative config "molora": {"carry":
+...}: "truncate", "rerun") at batch 1 instead: plain, truncate and rerun on every prompt, the order rotating prompt by
+prompt, the whole round repeated R times; per group the median tokens/s of each variant over the rounds, the median
+of the per-round ratios (rerun / truncate, each / plain), ids per verified chunk, carry cuts and reruns.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -136,6 +144,78 @@ def _summary(secs: dict, outs: dict, before: dict, after: dict, scale: int = 1) 
     }
 
 
+CARRY_VARIANTS = ("plain", "truncate", "rerun")
+
+
+def measure_carry(mm: Any, spec: SpeculativeConfig, groups: dict[str, list[list[int]]], new_tokens: int, repeats: int):
+    """Batch 1, plain against the two carry treatments, interleaved and repeated (module docstring)."""
+    import dataclasses
+    import statistics
+
+    from molora.prompts import stop_ids
+
+    longest = max(len(p) for g in groups.values() for p in g) + new_tokens + 8
+    cfg = dict(max_num_seqs=1, block_size=16, kv_budget_tokens=longest + 16, max_model_len=longest)
+    cfg["enable_prefix_caching"] = False
+    engines = {"plain": Engine(mm, EngineConfig(**cfg))}
+    for carry in ("truncate", "rerun"):
+        engines[carry] = Engine(mm, EngineConfig(**cfg, speculative=dataclasses.replace(spec, carry=carry)))
+    params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=tuple(stop_ids(mm)))
+    for v in CARRY_VARIANTS:  # warm-up: kernels, packed weights
+        _run(engines[v], groups["skills"][:2], params)
+    out: dict[str, Any] = {}
+    for name, group in groups.items():
+        rounds: list[dict[str, float]] = []
+        before = {v: engines[v].stats()["speculative"] for v in ("truncate", "rerun")}
+        outs: dict[str, list[Any]] = {v: [] for v in CARRY_VARIANTS}
+        n = 0
+        for r in range(repeats):
+            secs = dict.fromkeys(CARRY_VARIANTS, 0.0)
+            for i, p in enumerate(group):
+                k = (r * len(group) + i) % 3  # rotate which variant runs first
+                for v in CARRY_VARIANTS[k:] + CARRY_VARIANTS[:k]:
+                    t, o = _run(engines[v], [p], params)
+                    secs[v] += t
+                    if r == 0:
+                        outs[v] += o
+            n = sum(len(o.new_token_ids) for o in outs["plain"])
+            rounds.append({v: n / secs[v] for v in CARRY_VARIANTS})
+            print(
+                f"  {name} round {r}: " + ", ".join(f"{v} {x:.2f} tok/s" for v, x in rounds[-1].items()),
+                file=sys.stderr,
+                flush=True,
+            )
+        med = statistics.median
+        g: dict[str, Any] = {
+            "requests": len(group),
+            "output_tokens_per_round": n,
+            "tok_s_rounds": rounds,
+            "median_tok_s": {v: round(med(x[v] for x in rounds), 2) for v in CARRY_VARIANTS},
+            "median_ratio_rerun_over_truncate": round(med(x["rerun"] / x["truncate"] for x in rounds), 4),
+            "median_ratio_truncate_over_plain": round(med(x["truncate"] / x["plain"] for x in rounds), 4),
+            "median_ratio_rerun_over_plain": round(med(x["rerun"] / x["plain"] for x in rounds), 4),
+        }
+        for v in ("truncate", "rerun"):
+            a, b = before[v], engines[v].stats()["speculative"]
+            chunks = b["verified_chunks"] - a["verified_chunks"]
+            emitted = (b["mean_acceptance_length"] or 0) * b["verified_chunks"] - (
+                a["mean_acceptance_length"] or 0
+            ) * a["verified_chunks"]
+            g[v] = {
+                "verified_chunks": chunks,
+                "ids_per_verified_chunk": round(emitted / chunks, 4) if chunks else None,
+                "drafted": b["drafted"] - a["drafted"],
+                "accepted": b["accepted"] - a["accepted"],
+                "carry_cut_rows": b["carry_cut_rows"] - a["carry_cut_rows"],
+                "carry_reruns": b["carry_reruns"] - a["carry_reruns"],
+                "carry_rerun_rows": b["carry_rerun_rows"] - a["carry_rerun_rows"],
+                **compare(outs["plain"], outs[v]),
+            }
+        out[f"b1_{name}"] = g
+        print(f"  batch 1 {name}: {json.dumps(g)}", file=sys.stderr, flush=True)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="molora bench engine --speculative", description=__doc__.split("\n")[0])
     ap.add_argument("--speculative", required=True, metavar="JSON", help="vLLM's speculative config (ngram, suffix)")
@@ -145,7 +225,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="repetitions of the large batch (default 2)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", metavar="OUT", help="also write the result JSON to this file")
-    args = ap.parse_args(argv)
+    ap.add_argument(
+        "--carry-compare",
+        action="store_true",
+        help='batch 1 only: plain against "molora": {"carry": "truncate"} and {"carry": "rerun"}, --repeats rounds',
+    )
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(argv_list)
     spec = SpeculativeConfig.parse(args.speculative)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -153,6 +239,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     mm = load(None)
     groups = prompts(mm, args.items)
+    if args.carry_compare:
+        from molora.bench.common import machine_info
+
+        res = {
+            "bench": "speculative_carry",
+            "command": "python -m molora.bench.engine " + " ".join(shlex.quote(a) for a in argv_list),
+            "machine_info": machine_info(),
+            "speculative": json.loads(args.speculative),
+            "items_per_skill": args.items,
+            "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
+            "threads": torch.get_num_threads(),
+            "dtype": str(next(mm.model.parameters()).dtype),
+            **measure_carry(mm, spec, groups, args.new_tokens, args.repeats),
+        }
+        line = json.dumps(res)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        print(line)
+        return 0
     per_skill = -(-args.batch // len(SKILLS))
     big = prompts(mm, per_skill, chat=False)["skills"][: args.batch]
     res = {

@@ -59,7 +59,7 @@ import time
 from collections import deque
 from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -654,33 +654,28 @@ class Engine:
         return spans, rows
 
     def _commit_draft(self, s: Scheduled, off: int, out: Any, span: tuple[int, int]) -> RequestOutput:
-        """Commit a drafted chunk (molora.engine.speculative): keep the rows whose carried decision was right
-        (`carry_valid`), accept the ids plain decoding would give from their logits, append them one by one through
-        the stop rules (publishing each full block as plain decoding does), then roll back the rest: the request's
-        computed length stops after the last kept row and the KV blocks past it go back to the pool."""
+        """Commit a drafted chunk (molora.engine.speculative): accept the ids plain decoding would give from the rows
+        whose carried decision was right (`_accept_draft`), append them one by one through the stop rules
+        (publishing each full block as plain decoding does), then roll back the rest: the request's computed length
+        stops after the last kept row and the KV blocks past it go back to the pool."""
         assert self.speculator is not None and out.token_logits is not None
         req = s.request
         a, b = span
         logits = out.token_logits[a:b]  # [n, V]: row j predicts the id after chunk token j
-        if not bool(torch.isfinite(logits.sum())):
+        slots = out.token_slot_ids[a:b, 0].tolist() if out.token_slot_ids is not None else [-1] * s.n
+        assumed, computed = assumed_carry(s), None
+        if assumed is not None and out.carry_rows is not None:
+            computed = out.carry_rows[off : off + s.n].tolist()  # [n] each row's decision at carry_source
+        got = self._accept_draft(s, logits, slots, assumed, computed)
+        if got is None:
             return self.isolation.fail(
                 req, "the model produced non-finite logits for this request (a verified draft); a corrupt adapter?"
             )
-        draft = req.draft[: s.drafted]
-        m, computed = s.n, None
-        assumed = assumed_carry(s)
-        if assumed is not None and out.carry_rows is not None:
-            computed = out.carry_rows[off : off + s.n].tolist()  # [n] each row's decision at carry_source
-            m = carry_valid(assumed, computed)
-        emitted = accept(logits[:m], draft[: m - 1], req.params, req.generator)
+        emitted, rows, slots = got
         e = len(emitted)
-        slots = out.token_slot_ids[a : a + e, 0].tolist() if out.token_slot_ids is not None else [-1] * e
         lps: list[list[dict] | None] = [None] * e
         if req.params.logprobs:
-            lps = step_logprobs([req] * e, logits[:e], to_device(emitted, logits.device))
-        self.speculator.record(len(draft), e, sum(1 for x, d in zip(emitted, draft) if x == d), s.n - m)
-        if computed is not None:
-            record_carry_rows(s, computed[:e])
+            lps = step_logprobs([req] * e, rows, to_device(emitted, rows.device))
         table = self.mm.bank.table
         pieces = []
         for j, tok in enumerate(emitted):
@@ -695,6 +690,64 @@ class Engine:
         if not pieces[-1].finished:
             self.allocator.truncate(req.block_table, req.num_computed)
         return merge_outputs(pieces)
+
+    def _accept_draft(
+        self,
+        s: Scheduled,
+        logits: torch.Tensor,
+        slots: list[int],
+        assumed: list[int] | None,
+        computed: list[int] | None,
+    ) -> tuple[list[int], torch.Tensor, list[int]] | None:
+        """The ids a drafted chunk emits, the logits rows [e, V] and slots [e] they came from (None: a row's logits
+        were not finite), its kept rows' carry_source decisions recorded. Rows up to the first whose assumed carry
+        was wrong (`carry_valid`; all of them without carry) are verified; the rest are dropped (carry "truncate")
+        or, when the draft id of that first wrong row is accepted, computed again from it on with the decisions
+        this pass gave (carry "rerun": that row's carry is then the one plain decoding gives, the next rows assume
+        this pass's decisions), until a pass's rows all carried right or a draft id is rejected."""
+        assert self.speculator is not None
+        req = s.request
+        draft = req.draft[: s.drafted]  # draft[i]: the id at chunk row i + 1, verified by row i's logits
+        rerun = self.speculator.config.carry == "rerun"
+        pos, emitted, used, kept = 0, [], [], []  # pos: the chunk row the current pass starts at
+        reruns = rerun_rows = 0
+        while True:
+            if not bool(torch.isfinite(logits.sum())):
+                return None
+            n = s.n - pos
+            m = n if computed is None or assumed is None else carry_valid(assumed, computed)
+            rest = draft[pos:]
+            last = m == n or not rerun
+            got = accept(logits[:m], rest[: m - 1] if last else rest[:m], req.params, req.generator)  # [<= m]
+            if computed is not None:
+                record_carry_rows(Scheduled(req, s.start + pos, n), computed[: len(got)])
+            emitted += got
+            used.append(logits[: len(got)])
+            kept += slots[: len(got)]
+            if last or got != rest[:m]:
+                cut = n - m if last else 0
+                accepted = sum(1 for x, d in zip(emitted, draft) if x == d)
+                self.speculator.record(len(draft), len(emitted), accepted, cut, reruns, rerun_rows)
+                return emitted, torch.cat(used), kept
+            assert computed is not None
+            pos += m
+            assumed = computed[m - 1 : n - 1]  # row pos's carry is exact now; the rest assume this pass's decisions
+            logits, slots, computed = self._rerun(Scheduled(req, s.start + pos, n - m, drafted=n - m), assumed)
+            reruns += 1
+            rerun_rows += n - m
+
+    def _rerun(self, s: Scheduled, carries: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Compute the rows of `s` (the tail of a drafted chunk, its KV rows already allocated) again, each carrying
+        carries[j] (speculative carry "rerun"): (logits [n, V], slots [n], carry_source decisions [n])."""
+        tokens, positions, meta = self._inputs([s])
+        routing = plan_routing([s], self.hotset, self.runner.device)
+        assert routing is not None and routing.carry is not None, "a carry rerun without a carrying router"
+        routing = replace(routing, carry=to_device(carries, self.runner.device))
+        out = self.runner(tokens, positions, meta, routing, token_logits=list(range(s.n)))
+        self.tokens_computed += s.n
+        assert out.token_logits is not None and out.carry_rows is not None
+        slots = out.token_slot_ids[:, 0].tolist() if out.token_slot_ids is not None else [-1] * s.n
+        return out.token_logits, slots, out.carry_rows.tolist()
 
     def _inputs(self, scheduled: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
         toks: list[int] = []

@@ -106,11 +106,12 @@ class Scheduled:
 
     @property
     def ids(self) -> list[int]:
-        """The chunk's token ids [n]: the request's known tokens, then its draft ids."""
+        """The chunk's token ids [n]: the request's known tokens, then its draft ids (a chunk of draft ids only: the
+        rows a verification computes again, speculative carry "rerun")."""
         req = self.request
         if not self.drafted:
             return req.tokens[self.start : self.start + self.n]
-        return (req.tokens + req.draft[: self.drafted])[self.start : self.start + self.n]
+        return (req.tokens + req.draft)[self.start : self.start + self.n]
 
 
 class Scheduler:

@@ -15,7 +15,8 @@ Drafts (vLLM's `--speculative-config` methods, no draft model):
 Verification (the engine's step): a decoding request with a draft d_1..d_k runs its last token and the draft as one
 chunk of k + 1 tokens, each routed as plain decoding routes it (molora.engine.routing: pinned, token-id router,
 learned router and Arrow per row; a carrying router's draft rows assume their predecessor's carried decision, see
-`carry_valid`); the logits of every row come back (`ModelRunner.forward(token_logits=)`). `accept` keeps the tokens
+`carry_valid`, and the rows after a wrong one are dropped or computed again: CARRY, molora's key "molora": {"carry":
+...}); the logits of every row come back (`ModelRunner.forward(token_logits=)`). `accept` keeps the tokens
 plain decoding would give: greedy keeps the longest prefix of the draft that equals the argmax and adds the argmax
 after it; with temperature > 0, rejection sampling for a deterministic draft (draft d accepted with probability
 p(d), else one id drawn from p with d removed, renormalised; after a whole accepted draft one more from the last
@@ -47,6 +48,11 @@ from molora.errors import MoLoRAError
 from molora.sampling import filter_logits_rows
 
 METHODS = ("ngram", "suffix")
+# What a carrying router's draft rows do after the first row whose assumed carry was wrong (`carry_valid`):
+# "truncate" keeps the rows before it and decodes the rest again next step; "rerun" runs the rows from it again in the
+# same step with the decisions the pass computed (`Speculator.record`, the engine's `_commit_draft`).
+CARRY = ("truncate", "rerun")
+_MOLORA_KEYS = {"carry"}
 # Speculate only while at most this many requests decode in a step. Measured on the default bundle (2 CPU threads,
 # docs/speculative.json, docs/speculative_batch.json): output tokens/s with speculation over without was about 2x at
 # batch 1 but 0.92x at 2, 0.96x at 4, 0.70x at 8, 0.73x at 16 and 0.60x at 32 (from two requests on, a plain decode
@@ -73,8 +79,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 0
+    carry: str = "truncate"  # molora's key ("molora": {"carry": ...}): see CARRY
 
     def __post_init__(self) -> None:
+        if self.carry not in CARRY:
+            raise MoLoRAError(
+                f'speculative config "molora": {{"carry": {self.carry!r}}}: choose one of {", ".join(CARRY)}'
+            )
         if self.method not in METHODS:
             raise MoLoRAError(
                 f"speculative config method={self.method!r}: choose one of {', '.join(METHODS)} "
@@ -119,13 +130,22 @@ class SpeculativeConfig:
                 f"speculative config method={method!r}: choose one of {', '.join(METHODS)} "
                 "(draft models are not supported)"
             )
-        unknown = sorted(set(data) - _KEYS[method])
+        unknown = sorted(set(data) - _KEYS[method] - {"molora"})
         if unknown:
             raise MoLoRAError(
                 f"speculative config key(s) {unknown} are not known for method {method!r}; "
-                f"known: {sorted(_KEYS[method])}"
+                f'known: {sorted(_KEYS[method])} and "molora": {{...}}'
             )
-        return cls(**data)
+        data = dict(data)
+        ours = data.pop("molora", {})
+        if not isinstance(ours, dict):
+            raise MoLoRAError(f'speculative config "molora" must be a JSON object, got {type(ours).__name__}')
+        unknown = sorted(set(ours) - _MOLORA_KEYS)
+        if unknown:
+            raise MoLoRAError(
+                f'speculative config "molora" key(s) {unknown} are not known; known: {sorted(_MOLORA_KEYS)}'
+            )
+        return cls(**data, **ours)
 
 
 # ---------------------------------------------------------------------------------------------- drafts
@@ -204,7 +224,8 @@ def rejection_accept(probs: torch.Tensor, draft: Sequence[int], generator: torch
         out.append(int(torch.multinomial(rest[None], 1, generator=generator)[0, 0]))
         return out
     k = len(draft)
-    out.append(int(torch.multinomial(probs[k : k + 1], 1, generator=generator)[0, 0]))
+    if probs.shape[0] > k:  # a row after the draft: one more id (none when the caller verifies on, `carry` "rerun")
+        out.append(int(torch.multinomial(probs[k : k + 1], 1, generator=generator)[0, 0]))
     return out
 
 
@@ -241,6 +262,7 @@ class Speculator:
         self.max_decodes = max_decodes  # speculate while at most this many requests decode in a step
         self.recent: dict[str | None, deque[list[int]]] = {}  # "suffix": recent outputs per adapter (pinned)
         self.drafted = self.accepted = self.verified = self.emitted = self.carry_cut = 0
+        self.reruns = self.rerun_rows = 0  # carry "rerun": extra passes and the rows they computed
 
     @staticmethod
     def eligible(req: Any) -> bool:
@@ -265,11 +287,16 @@ class Speculator:
         corpus = self.recent.get(req.route.adapter, ()) if c.suffix_decoding_max_cached_requests else ()
         return suffix_draft(req.tokens, k, c.suffix_decoding_max_tree_depth, corpus)
 
-    def record(self, drafted: int, emitted: int, accepted: int, cut: int = 0) -> None:
+    def record(
+        self, drafted: int, emitted: int, accepted: int, cut: int = 0, reruns: int = 0, rerun_rows: int = 0
+    ) -> None:
         """One verified chunk: `drafted` draft ids, `accepted` of them kept, `emitted` ids in all; `cut`: rows dropped
-        because the decision they assumed to carry was not the one their predecessor got (`carry_valid`)."""
+        because the decision they assumed to carry was not the one their predecessor got (`carry_valid`); `reruns`
+        passes over `rerun_rows` rows computed again instead (carry "rerun")."""
         self.verified += 1
         self.carry_cut += cut
+        self.reruns += reruns
+        self.rerun_rows += rerun_rows
         self.drafted += drafted
         self.accepted += accepted
         self.emitted += emitted
@@ -289,7 +316,10 @@ class Speculator:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "verified_chunks": self.verified,
+            "carry": self.config.carry,
             "carry_cut_rows": self.carry_cut,
+            "carry_reruns": self.reruns,
+            "carry_rerun_rows": self.rerun_rows,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             "mean_acceptance_length": self.emitted / self.verified if self.verified else None,
         }
