@@ -23,6 +23,7 @@ from molora.docblock import markers, wrap, write_block
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "speculative.json"
 LOADED = ROOT / "docs" / "speculative_loaded.json"  # the same command on the same machine under other jobs' load
+RULE = ROOT / "docs" / "speculative_rule.json"  # another CPU, with the batch-N row under the engine's own rule
 BATCH = ROOT / "docs" / "speculative_batch.json"  # batch sizes between: where speculative.MAX_DECODES comes from
 # carry "truncate" against "rerun", batch 1: a quiet run, then the same command under other jobs' load
 CARRY = [ROOT / "docs" / "speculative_carry.json", ROOT / "docs" / "speculative_carry_loaded.json"]
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.make_speculative", description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="only say whether the page is stale (exit 1 if so)")
     args = ap.parse_args(argv)
-    recs = [json.loads(p.read_text(encoding="utf-8")) for p in (RECORD, LOADED) if p.exists()]
+    recs = [json.loads(p.read_text(encoding="utf-8")) for p in (RECORD, LOADED, RULE) if p.exists()]
     sweep = json.loads(BATCH.read_text(encoding="utf-8")) if BATCH.exists() else None
     changed = write_block(PAGE, BEGIN, END, render(*recs, sweep=sweep), check=args.check)
     from molora.engine.speculative import SpeculativeConfig

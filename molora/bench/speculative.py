@@ -8,7 +8,9 @@ skills, drawn with molora.data.skills.generate (seed 7919, not the recipe's seed
 from the validation split of molora.data.general. Two batch sizes:
   batch 1    every prompt alone through Engine.generate, with and without speculation, the two variants alternating
              prompt by prompt (the first of each pair rotating)
-  batch N    all the skill prompts of one round at once (--batch, default 32), the variants alternating per repetition
+  batch N    all the skill prompts of one round at once (--batch, default 32), the variants rotating per repetition:
+             plain, speculation forced on every decoding request ("skills"), and speculation under the engine's own
+             rule (speculative.MAX_DECODES: only while that few requests decode; "skills, default rule")
 Reported per group (skills, chat; batch 1 and batch N): output tokens, seconds, tokens/s of each variant and their
 ratio, the mean acceptance length (ids emitted per verified chunk), and how many tokens and adapters differ from
 plain decoding (the goal is none). Ends with one JSON line. Knows the engine through its public API only.
@@ -90,6 +92,7 @@ def measure(
     engines = {"plain": Engine(mm, EngineConfig(**cfg)), "spec": Engine(mm, EngineConfig(**cfg, speculative=spec))}
     # speculate at every batch size: the bench measures where verification pays (speculative.MAX_DECODES comes from it)
     engines["spec"].speculator.max_decodes = 1 << 30  # type: ignore[union-attr]
+    engines["rule"] = Engine(mm, EngineConfig(**cfg, speculative=spec))  # the engine's own rule, as served
     params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=tuple(stop_ids(mm)))
     _run(engines["plain"], groups["skills"][:2], params)  # warm-up: kernels, packed weights
     _run(engines["spec"], groups["skills"][:2], params)
@@ -105,18 +108,24 @@ def measure(
                 outs[v] += o
         out[f"b1_{name}"] = _summary(secs, outs, before, engines["spec"].stats()["speculative"])
         print(f"  batch 1 {name}: {out[f'b1_{name}']}", file=sys.stderr, flush=True)
-    secs = {"plain": 0.0, "spec": 0.0}
-    outs = {"plain": [], "spec": []}
-    before = engines["spec"].stats()["speculative"]
+    variants = ("plain", "spec", "rule")
+    secs = dict.fromkeys(variants, 0.0)
+    outs = {v: [] for v in variants}
+    before = {v: engines[v].stats()["speculative"] for v in ("spec", "rule")}
     for r in range(repeats):  # batch N: the whole batch at once, the first variant rotating
-        for v in ("plain", "spec") if r % 2 == 0 else ("spec", "plain"):
+        for k in range(len(variants)):
+            v = variants[(r + k) % len(variants)]
             s, o = _run(engines[v], big, params)
             secs[v] += s
             if r == 0:
                 outs[v] = o
-    summary = _summary(secs, outs, before, engines["spec"].stats()["speculative"], scale=repeats)
-    out[f"b{batch}_skills"] = summary
-    print(f"  batch {batch} skills: {summary}", file=sys.stderr, flush=True)
+    for v, key in (("spec", f"b{batch}_skills"), ("rule", f"b{batch}_skills, default rule")):
+        pair = {"plain": secs["plain"], "spec": secs[v]}
+        summary = _summary(
+            pair, {"plain": outs["plain"], "spec": outs[v]}, before[v], engines[v].stats()["speculative"], scale=repeats
+        )
+        out[key] = summary
+        print(f"  batch {batch} {key}: {summary}", file=sys.stderr, flush=True)
     return out
 
 
