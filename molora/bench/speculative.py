@@ -244,13 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = SpeculativeConfig.parse(args.speculative)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from molora.bench.common import machine_info
     from molora.bundle import load
 
     mm = load(None)
     groups = prompts(mm, args.items)
     if args.carry_compare:
-        from molora.bench.common import machine_info
-
         res = {
             "bench": "speculative_carry",
             "command": "python -m molora.bench.engine " + " ".join(shlex.quote(a) for a in argv_list),
@@ -270,8 +269,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     per_skill = -(-args.batch // len(SKILLS))
     big = prompts(mm, per_skill, chat=False)["skills"][: args.batch]
+    machine = machine_info()
     res = {
         "bench": "speculative",
+        "command": "python -m molora.bench.engine " + " ".join(shlex.quote(a) for a in argv_list),
+        "cpu": machine["cpu"],
+        "machine_info": machine,
         "speculative": json.loads(args.speculative),
         "items_per_skill": args.items,
         "new_tokens": args.new_tokens,
