@@ -249,43 +249,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     mm = load(None)
     groups = prompts(mm, args.items)
-    if args.carry_compare:
-        res = {
-            "bench": "speculative_carry",
-            "command": "python -m molora.bench.engine " + " ".join(shlex.quote(a) for a in argv_list),
-            "machine_info": machine_info(),
-            "speculative": json.loads(args.speculative),
-            "items_per_skill": args.items,
-            "new_tokens": args.new_tokens,
-            "repeats": args.repeats,
-            "threads": torch.get_num_threads(),
-            "dtype": str(next(mm.model.parameters()).dtype),
-            **measure_carry(mm, spec, groups, args.new_tokens, args.repeats),
-        }
-        line = json.dumps(res)
-        if args.json:
-            Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
-        print(line)
-        return 0
-    per_skill = -(-args.batch // len(SKILLS))
-    big = prompts(mm, per_skill, chat=False)["skills"][: args.batch]
     machine = machine_info()
-    res = {
-        "bench": "speculative",
+    res: dict[str, Any] = {
+        "bench": "speculative_carry" if args.carry_compare else "speculative",
         "command": "python -m molora.bench.engine " + " ".join(shlex.quote(a) for a in argv_list),
         "cpu": machine["cpu"],
         "machine_info": machine,
         "speculative": json.loads(args.speculative),
         "items_per_skill": args.items,
         "new_tokens": args.new_tokens,
-        "batch": args.batch,
         "repeats": args.repeats,
         "threads": torch.get_num_threads(),
         "dtype": str(next(mm.model.parameters()).dtype),
-        **measure(mm, spec, groups, big, args.new_tokens, args.repeats),
     }
-    line = json.dumps(res)
+    if args.carry_compare:
+        res.update(measure_carry(mm, spec, groups, args.new_tokens, args.repeats))
+    else:
+        per_skill = -(-args.batch // len(SKILLS))
+        big = prompts(mm, per_skill, chat=False)["skills"][: args.batch]
+        res["batch"] = args.batch
+        res.update(measure(mm, spec, groups, big, args.new_tokens, args.repeats))
     if args.json:
-        Path(args.json).write_text(line + "\n")
-    print(line)
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps(res))
     return 0
