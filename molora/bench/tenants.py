@@ -12,7 +12,8 @@ Every request is streamed with `ignore_eos`, so each policy serves exactly the s
 OpenAI `user` field; under `priority` the flood is sent with priority 1 (vLLM's: lower first), the rest 0.
 Reported per policy: the steady tenants' TTFT p50 / p99 alone and under the flood (and their ratio), the flood's
 completion time, total output tokens over the makespan (tokens/s) and, from the server's /metrics, the engine
-steps, tokens computed (prompt and output) and the mean output tokens per step of the flood run (batch size).
+steps, tokens computed (prompt and output), the mean output tokens per step (batch size), preemptions and the time
+spent inside engine steps during the flood run.
 Ends with one JSON line. Knows the server through HTTP only.
 """
 
@@ -111,7 +112,13 @@ async def run_scenario(url: str, model: str, args: argparse.Namespace, flood: bo
 def _engine_counters(url: str) -> dict[str, float]:
     """The engine's step and token counters from /metrics (the server's base URL, without /v1)."""
     text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
-    want = ("molora_engine_steps_total", "molora_generation_tokens_total", "molora_prompt_tokens_total")
+    want = (
+        "molora_engine_steps_total",
+        "molora_generation_tokens_total",
+        "molora_prompt_tokens_total",
+        "molora_engine_preemptions_total",
+        "molora_engine_step_seconds_sum",
+    )
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -143,6 +150,8 @@ def summarize(alone: list[Shot], flood: list[Shot], counters: dict[str, float]) 
         if steps
         else None,
         "prompt_tokens": int(counters.get("molora_prompt_tokens_total", 0.0)),
+        "preemptions": int(counters.get("molora_engine_preemptions_total", 0.0)),
+        "engine_step_s": round(counters.get("molora_engine_step_seconds_sum", 0.0), 2),
         "errors": sum(bool(s.error) for s in alone + flood),
         "first_error": next((s.error for s in alone + flood if s.error), None),
     }
