@@ -99,6 +99,11 @@ def page_block(record: dict[str, Any]) -> str:
     steps = ", ".join(
         f"{p} takes {m['engine_steps']:.0f} steps"
         + (f" ({m['engine_steps'] / base - 1:+.0%} against fcfs)" if base and p != "fcfs" else "")
+        + (
+            f", {m['engine_step_s']:.1f} s inside them and {m['preemptions']:.0f} preemptions"
+            if "engine_step_s" in m  # records from before the bench read them
+            else ""
+        )
         for p, m in med.items()
     )
     fcfs_rate = [x["output_tok_s"] for x in runs.get("fcfs", [])]
