@@ -144,7 +144,6 @@ class Scheduler:
         self.num_seat_preemptions = 0  # of those, for a waiting tenant with no seat (policy.seat_victim)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self._seq = itertools.count()  # arrival order (Request.seq)
-        self._stopped = False  # the last admission stopped at a request it could not start (_admit)
         self.failed: list[tuple[Request, str]] = []  # (request, why) that could not start; the engine reports them
 
     def has_work(self) -> bool:
@@ -180,15 +179,16 @@ class Scheduler:
         if self.num_preemptions != preemptions:  # preempted requests went back to the front of the queue
             self._order_waiting()
         self._order_for_slots()
-        if self._admit(out, hold=held) and not out:  # nothing can run until an adapter read finishes: wait a
-            self.hotset.wait_reads(READ_WAIT_S)  # little, bounded so that the engine thread stays responsive
-            self._admit(out, hold=held)  # (commands, deadlines, heartbeat); the next step waits again
+        reading, stopped = self._admit(out, hold=held)
+        if reading and not out:  # nothing can run until an adapter read finishes: wait a little, bounded so
+            self.hotset.wait_reads(READ_WAIT_S)  # that the engine thread stays responsive (commands, deadlines,
+            _, stopped = self._admit(out, hold=held)  # heartbeat); the next step waits again
         if held is not None:  # the held-back tenant's prompts: after the others', at most as many tokens
             others = sum(s.n for s in out if not s.decode and s.request.tenant != held)
             if not others:  # the others took nothing this step: nothing to hold back for, the step as without
                 self._run(deferred, out, computing)
                 self._admit(out)
-            elif (left := self._run(deferred, out, computing, others)) and not self._stopped:
+            elif (left := self._run(deferred, out, computing, others)) and not stopped:
                 self._admit(out, only=held, limit=left)  # (never past a request that stopped admission)
         self._prefetch_queue()
         for s in out:
@@ -253,15 +253,15 @@ class Scheduler:
 
     def _admit(
         self, out: list[Scheduled], *, hold: str | None = None, only: str | None = None, limit: int | None = None
-    ) -> bool:
+    ) -> tuple[bool, bool]:
         """Admit waiting requests into `out` (module docstring, 3.), passing over tenant `hold`'s or, given `only`,
-        every other tenant's, within `limit` tokens if given; True if one was passed over because its adapters are
-        still being read."""
+        every other tenant's, within `limit` tokens if given. (reading, stopped): True if one was passed over because
+        its adapters are still being read; True if a request stopped admission (blocks, slots, or its whole
+        prompt), which the requests behind it may not pass."""
         budget = self.max_tokens - sum(s.n for s in out)
         if limit is not None:
             budget = min(budget, limit)
         reading, i = False, 0
-        self._stopped = False  # True once a request stops admission (blocks, slots, or its whole prompt)
         in_flight = self.prefix.in_flight(self.running) if self.prefix is not None and self.waiting else set()
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
@@ -274,13 +274,10 @@ class Scheduler:
                     reading, i = True, i + 1  # its adapters are being read: it keeps its place
                     continue
                 if self.prefix is None and not self._whole(req.remaining, n):
-                    self._stopped = True
                     break  # chunked prefill off: it waits (FCFS) for a step with room for its whole prompt
                 if self.prefix is None and not self.allocator.can_grow(req.block_table, n):
-                    self._stopped = True
                     break  # FCFS: later requests wait behind this one
                 if not self.hotset.acquire(req.needs):
-                    self._stopped = True
                     break  # every slot it could take is pinned by running requests
             except MoLoRAError as e:  # an adapter cannot be read any more: fail this request only
                 del self.waiting[i]
@@ -302,7 +299,6 @@ class Scheduler:
                     req.block_table, len(hits) * self.allocator.block_size + n, hits
                 ):
                     self.hotset.release(req.needs)
-                    self._stopped = True
                     break
                 self.allocator.share(req.block_table, hits)
                 self.prefix.take(req, hits)
@@ -314,7 +310,9 @@ class Scheduler:
             budget -= n
             if self.prefix is not None:
                 in_flight |= self.prefix.in_flight([req])
-        return reading
+        else:  # the queue, the budget or the seats ran out: no request stopped admission
+            return reading, False
+        return reading, True
 
     def _whole(self, todo: int, n: int) -> bool:
         """False if chunked prefill is off and the `n` tokens that fit this step are not all `todo`."""
