@@ -13,7 +13,7 @@ import torch
 
 import molora
 from molora.config import LLAMA_PROJECTIONS, SamplingParams
-from molora.engine import Engine, EngineConfig
+from molora.engine import Engine
 from molora.errors import RoutingError
 from molora.model.graphs import DecodeGraphs
 from molora.routing import VocabRouter
@@ -21,16 +21,8 @@ from molora.routing.arrow import ArrowConfig, ArrowRouter
 from molora.routing.learned import LearnedRouter, LearnedRouterConfig, decoder_layers
 from tests.conftest import VOCAB, gen, make_peft_adapter, tiny_model
 from tests.graph_emulator import emulated_capture
+from tests.test_mix import CFG, SPECS, TOL  # the same three unlike adapters and engine settings
 
-SPECS = {  # unlike ranks, scalings and targets: a mix adds deltas of different shapes
-    "a": dict(r=4, alpha=8, targets=("q_proj", "v_proj", "down_proj")),
-    "b": dict(r=8, alpha=4, targets=("q_proj", "k_proj", "o_proj", "up_proj")),
-    "c": dict(r=2, alpha=16, targets=("v_proj", "up_proj", "down_proj")),
-}
-CFG = EngineConfig(
-    max_num_seqs=8, max_tokens_per_step=48, block_size=4, kv_budget_tokens=1024, max_model_len=128, stop_at_eos=False
-)
-TOL = 1e-4  # float32 rounding of two summation orders over a 2-block model
 MIX = {"a": 0.7, "b": 0.3}
 
 
