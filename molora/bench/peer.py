@@ -238,6 +238,17 @@ class LlamaCppPeer:
 _LOG_CALLBACK: list[Any] = []  # the ctypes callback llama.cpp holds a pointer to: kept alive for the process
 
 
+def ready_llama_cpp(bench: str) -> ModuleType | None:
+    """`llama_cpp` with its log quiet, or None after saying why bench `bench` skips (stderr and its JSON line)."""
+    llama = load_llama_cpp()
+    if llama is None:
+        print(MISSING, file=sys.stderr)
+        emit({"bench": bench, "skipped": MISSING})
+        return None
+    quiet_llama_log(llama)
+    return llama
+
+
 def quiet_llama_log(llama: ModuleType) -> None:
     """llama.cpp's log (model loading: some hundred lines per model) to stderr from warnings up only. ggml.h's levels:
     DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (continues the previous line); the binding's own logger maps them
@@ -469,14 +480,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return peer_speculative.main(argv[:i] + argv[i + 2 :], argv[i + 1])
     args = ap.parse_args(argv)
-    llama = load_llama_cpp()
+    llama = ready_llama_cpp("peer")
     if llama is None:
-        print(MISSING, file=sys.stderr)
-        emit({"bench": "peer", "skipped": MISSING})
         return 0
     from molora.model.base import cache_root
 
-    quiet_llama_log(llama)
     cache = args.cache or cache_root() / "peer"
     save = (lambda r: Path(args.json).write_text(json.dumps(rounded(r), indent=1) + "\n")) if args.json else None
     a = args

@@ -26,7 +26,6 @@ JSON line. Owns timing and reporting only; llama.cpp is reached through molora.b
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -199,7 +198,7 @@ def main(argv: list[str], spec_json: str) -> int:
     import argparse
 
     from molora.bench.common import emit
-    from molora.bench.peer import MISSING, load_llama_cpp, quiet_llama_log
+    from molora.bench.peer import ready_llama_cpp
     from molora.model.base import cache_root
 
     ap = argparse.ArgumentParser(prog="molora bench peer --speculative", description=__doc__.split("\n")[0])
@@ -211,12 +210,9 @@ def main(argv: list[str], spec_json: str) -> int:
     ap.add_argument("--cache", type=Path, help="where the GGUF files are made (default $MOLORA_CACHE/peer)")
     ap.add_argument("--json", metavar="OUT", help="also write the record to this file")
     args = ap.parse_args(argv)
-    llama = load_llama_cpp()
+    llama = ready_llama_cpp("peer_speculative")
     if llama is None:
-        print(MISSING, file=sys.stderr)
-        emit({"bench": "peer_speculative", "skipped": MISSING})
         return 0
-    quiet_llama_log(llama)
     cache = args.cache or cache_root() / "peer"
     a = args
     rec = run(llama, spec_json, a.items, a.new_tokens, a.repeats, a.threads, a.adapter, cache)
