@@ -236,13 +236,13 @@ def test_llama_cpp_prompt_lookup_gives_its_plain_greedy_tokens_with_a_lora(tmp_p
     """The speculative peer's llama.cpp side (molora.bench.peer_speculative.LlamaCppGreedy): with the binding's prompt
     lookup as its draft model, the same greedy ids as without it, on a prompt that repeats (drafts are made), with
     the LoRA on; a stop id ends the output there."""
+    llama = peer.load_llama_cpp()
+    if llama is None:
+        pytest.skip(peer.MISSING)
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     from molora.bench.peer_speculative import LlamaCppGreedy
 
-    llama = peer.load_llama_cpp()
-    if llama is None:
-        pytest.skip(peer.MISSING)
     model = tiny_model("llama")
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(40.0)
