@@ -163,3 +163,15 @@ def save_eos_prone_base(folder) -> None:
 @pytest.fixture(params=["qwen3", "llama"])
 def arch(request) -> str:
     return request.param
+
+
+@pytest.fixture
+def panels_where_built(monkeypatch):
+    """Pack float32 weights for molora's panel GEMM wherever the kernels are built, also on a CPU without AVX-512
+    where the library packs them for MKL instead (the kernel computes the same there, only slower): the tests of
+    the panel-packed paths run on every machine."""
+    from molora.ops import fused_cpu, kernel_build
+
+    monkeypatch.setattr(
+        fused_cpu, "panels_ready", lambda: kernel_build.ready() is not None and not kernel_build.off("panels")
+    )

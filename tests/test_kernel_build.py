@@ -15,6 +15,8 @@ import pytest
 
 from molora.ops import fused_cpu, kernel_build
 
+pytestmark = pytest.mark.usefixtures("panels_where_built")  # the panel-packed paths on every CPU
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -61,6 +63,7 @@ def test_the_build_lives_under_its_key_and_registers_torch_ops(tmp_path):
         "rope_write",
         "silu_mul",
         "linear_panels",
+        "panels_fit",
         "linear_amx",
         "amx_ready",
         "bf16_dot",
@@ -186,3 +189,21 @@ def test_a_family_turned_off_declines_and_the_others_still_run(kernels_off, fami
     expect = {f: f != family for f in before}
     expect["block"] = family not in ("block", "glue", "paged", "lora")  # the one-call block runs these inside
     assert after == expect
+
+
+def test_the_panel_gemm_packs_only_where_built_for_avx512(monkeypatch):
+    """Its register tile spills without AVX-512's 32 vector registers (molora.ops.packed: measured several times
+    slower than MKL there), so the library packs float32 weights for it only where the build has AVX-512."""
+    if not fused_cpu.available():
+        pytest.skip(f"no kernel build here: {fused_cpu.unavailable_reason()}")
+    import torch
+
+    from molora.ops import cpu_kernels, packed
+
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    fit = bool(torch.ops.molora.panels_fit())
+    assert fit == ("avx512f" in flags)
+    monkeypatch.setattr(fused_cpu, "panels_ready", cpu_kernels.panels_ready)  # the library's own rule
+    assert cpu_kernels.panels_ready() == fit
+    assert packed.form(torch.zeros(32, 32)) == ("panels" if fit else "mkl")

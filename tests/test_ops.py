@@ -19,6 +19,8 @@ from molora.ops import (
 )
 from tests.conftest import gen, load_script
 
+pytestmark = pytest.mark.usefixtures("panels_where_built")  # the panel-packed paths on every CPU
+
 ROOT = Path(__file__).resolve().parents[1]
 EAGER = ("sort_group", "stacked_mask", "auto")  # gather compiles; it has its own test below
 D_IN, D_OUT, R = 24, 20, 4

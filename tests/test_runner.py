@@ -11,6 +11,8 @@ from molora.model.batch import BatchMeta, RouterGroup, StepRouting
 from molora.model.runner import ModelRunner
 from tests.conftest import VOCAB, gen, make_peft_adapter, random_model, tiny_model
 
+pytestmark = pytest.mark.usefixtures("panels_where_built")  # the panel-packed paths on every CPU
+
 TOL = 1e-4
 SPECS = {
     "a": dict(r=4, alpha=8, targets=("q_proj", "v_proj", "down_proj")),

@@ -129,7 +129,31 @@ def section(docs: Path) -> list[str]:
         + ".",
         "",
     ]
-    return lines + w8_lines(docs)
+    return lines + avx2_lines(docs) + w8_lines(docs)
+
+
+def avx2_lines(docs: Path) -> list[str]:
+    """The same bench on a CPU without AVX-512, from docs/kernel_keep_fp32_avx2.json (no lines while none exists):
+    why the panel GEMM runs only where its build has AVX-512 (`panels_fit`)."""
+    path = docs / "kernel_keep_fp32_avx2.json"
+    if not path.is_file():
+        return []
+    r = json.loads(path.read_text(encoding="utf-8"))
+    m = r["machine"]
+    cells = lambda fam: ", ".join(  # noqa: E731
+        f"{w} {r['off_over_all'][fam][w][0]:.2f}x" for w in WORKLOADS if w in r["off_over_all"].get(fam, {})
+    )
+    return [
+        f"On a CPU without AVX-512 ({m['cpu']}, flags {', '.join(m['cpu_flags'])}, {m['cores']} cores, "
+        f"{m['threads']} threads; `{r['command']}`, load average {m['loadavg_before']} before and "
+        f"{m['loadavg_after']} after), with every family built: panels off {cells('panels')}; every kernel off "
+        f"{cells('none')} (the engine ran faster without them: the panel kernel's 8 x 48 register tile needs "
+        "AVX-512's 32 vector registers and spills with AVX2's 16). The panel GEMM now runs only where it is built "
+        "for AVX-512 (`panels_fit`); elsewhere float32 weights are packed for MKL's sgemm, as with the family off. "
+        f"The other families there, against every kernel on: block {cells('block')}; lora {cells('lora')}; "
+        f"glue {cells('glue')}; paged {cells('paged')}.",
+        "",
+    ]
 
 
 def w8_lines(docs: Path) -> list[str]:

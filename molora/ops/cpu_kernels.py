@@ -63,8 +63,10 @@ def block_supports(x: Tensor) -> bool:
 
 
 def panels_ready() -> bool:
-    """Whether float32 weights may be packed for `linear_panels` here (built, its family not turned off)."""
-    return ready() is not None and not off("panels")
+    """Whether float32 weights may be packed for `linear_panels` here: built, its family not turned off, and built
+    for a CPU with AVX-512 (`panels_fit`: its register tile spills without it; molora.ops.packed: the measurement)."""
+    mod = ready()
+    return mod is not None and not off("panels") and bool(mod.panels_fit())
 
 
 def paged_decode(

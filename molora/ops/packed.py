@@ -13,10 +13,13 @@ product. Packing once pays at every T up to a few hundred rows. The packed forms
   1.47x, 1.91x, 1.57x, 1.28-1.43x, 1.22x, 1.09x and 0.99x as fast at T = 2, 8, 16, 32, 64, 128 and 512; in the
   engine (interleaved, one process) a batch-32 decode step 1.10x, a 512-token prefill step 0.88x. So the panels
   serve up to PANEL_MAX_ROWS rows and torch's own GEMM the rest: on prefill steps it measured as fast as MKL's
-  packed one (729 against 722 ms, within the noise), and no second copy of the weight is kept for them.
-- **mkl** (float32, otherwise: `torch.ops.mkl._mkl_linear`): 0.42-0.74x the time of torch.mm at T = 32,
-  0.83-0.99x at T = 512 (same shapes). One packed copy serves every row count (MKL's packed B does not depend on
-  T; torch's wrapper is told each call's T, else it falls back to an unpacked GEMM).
+  packed one (729 against 722 ms, within the noise), and no second copy of the weight is kept for them. The
+  register tile needs AVX-512's 32 vector registers: built for a CPU with AVX2 only it spills, and there the engine
+  bench ran 3.0-4.4x faster with the family off (docs/kernel_keep_fp32_avx2.json; a 119-token prefill step of the
+  default bundle took 4.8 s against 0.33 s), so there the weights go to MKL (`fused_cpu.panels_ready`).
+- **mkl** (float32, otherwise, e.g. on a CPU without AVX-512: `torch.ops.mkl._mkl_linear`): 0.42-0.74x the time of
+  torch.mm at T = 32, 0.83-0.99x at T = 512 (same shapes). One packed copy serves every row count (MKL's packed B
+  does not depend on T; torch's wrapper is told each call's T, else it falls back to an unpacked GEMM).
 - **amx** (bfloat16, on a CPU with the AMX-BF16 tile unit, D_out a multiple of 16 and D_in of 32): the weight in
   the layout of the tile unit's B operand, [D_out / 16, D_in / 32, 16, 32], and `fused_cpu.linear_amx` (csrc:
   2 x 2 accumulator tiles of 16 x 16, the weight tiles prefetched), up to PANEL_MAX_ROWS rows. torch's bf16
@@ -59,8 +62,8 @@ def available() -> bool:
 
 def form(weight: Tensor) -> str:
     """How `PackedLinear` runs `weight` [N, K] for up to PANEL_MAX_ROWS rows: "panels" (float32, N a multiple of 16,
-    molora's kernel built), "mkl" (float32, MKL's packed sgemm), "amx" (bfloat16, N a multiple of 16 and K of 32, the
-    kernel built with AMX and granted the tiles), or "torch" (nothing packs it here)."""
+    molora's kernel built for AVX-512), "mkl" (float32, MKL's packed sgemm), "amx" (bfloat16, N a multiple of 16 and
+    K of 32, the kernel built with AMX and granted the tiles), or "torch" (nothing packs it here)."""
     n, k = weight.shape
     if weight.dtype == torch.bfloat16:
         return "amx" if n % 16 == 0 and k % 32 == 0 and fused_cpu.amx() else "torch"

@@ -19,6 +19,7 @@ TORCH_LIBRARY(molora, m) {
         "Tensor write_rows, Tensor(c!) kc, Tensor(d!) vc) -> ()", &rope_write);
   m.def("silu_mul(Tensor(a!) gate, Tensor up) -> ()", &silu_mul);
   m.def("linear_panels(Tensor(a!) y, Tensor x, Tensor panels, Tensor bias) -> ()", &linear_panels);
+  m.def("panels_fit() -> bool", &panels_fit);
   m.def("amx_ready() -> bool", &amx_ready);
   m.def("linear_amx(Tensor(a!) y, Tensor x, Tensor tiles, Tensor bias) -> ()", &linear_amx);
   m.def("linear_amx_w8(Tensor(a!) y, Tensor x, Tensor tiles, Tensor scale, Tensor bias) -> ()", &linear_amx_w8);

@@ -105,6 +105,7 @@ void rope_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor
 void silu_mul(torch::Tensor g, torch::Tensor u);
 // linear_panels.cpp, linear_amx.cpp
 void linear_panels(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor bias);
+bool panels_fit();
 bool amx_ready();
 void linear_amx(torch::Tensor y, torch::Tensor x, torch::Tensor P, torch::Tensor bias);
 void linear_amx_w8(torch::Tensor y, torch::Tensor x, torch::Tensor Pq, torch::Tensor scale, torch::Tensor bias);

@@ -10,7 +10,19 @@
 // a row's result does not depend on the other rows, nor on M. Measured against MKL's packed sgemm (the
 // previous path; 2 threads, SmolLM2-135M's 7 shapes over 30 layers, alternating): 1.47x, 1.91x, 1.57x, 1.28-1.43x,
 // 1.22x, 1.09x and 0.99x as fast at M = 2, 8, 16, 32, 64, 128 and 512.
+// The 8 x 3 tile holds 24 accumulators of 16 floats plus 3 weight vectors: it fits AVX-512's 32 vector registers.
+// Built for a CPU without AVX-512 (16 registers of 8 floats) the same tile spills to the stack on every k step and
+// runs several times slower than MKL (measured: molora/ops/packed.py), so `panels_fit()` is false there and the
+// caller packs for MKL instead.
 constexpr int64_t PF_W = 32;
+
+bool panels_fit() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
 
 template <int MB, int NP>
 static inline void panel_tile(const float* x, int64_t ldx, const float* P, int64_t K, float* y, int64_t ldy,
