@@ -25,6 +25,7 @@ from molora.docblock import markers, replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "tenants_bench.json"
+VARIANTS = ROOT / "docs" / "tenants_variants.json"  # experiments/tenants_variants.py
 PAGE = ROOT / "docs" / "serving.md"
 TENANTS_BEGIN, TENANTS_END = markers("tenants", "tools/make_tenants.py")
 BENCH = [
@@ -124,14 +125,41 @@ def page_block(record: dict[str, Any]) -> str:
         throughput += ("; " if throughput else "") + (
             f"{' and '.join(differ)} stay{'s' if len(differ) == 1 else ''} outside fcfs's range (the table's ratio)"
         )
-    lines += [
-        "",
-        f"Run to run on this machine: {spread}; {throughput}. For the same tokens {steps}.",
-        "",
-        f"Record: `docs/{RECORD.name}`; renderer: `tools/make_tenants.py`.",
-        TENANTS_END,
-    ]
+    lines += ["", f"Run to run on this machine: {spread}; {throughput}. For the same tokens {steps}.", ""]
+    lines += variants_lines()
+    lines += [f"Record: `docs/{RECORD.name}`; renderer: `tools/make_tenants.py`.", TENANTS_END]
     return "\n".join(lines)
+
+
+def variants_lines() -> list[str]:
+    """The fair policy with one rule off, from docs/tenants_variants.json (experiments/tenants_variants.py; no lines
+    while it does not exist)."""
+    if not VARIANTS.is_file():
+        return []
+    v = json.loads(VARIANTS.read_text(encoding="utf-8"))
+    m = v["machine"]
+    rows = [
+        "Which rule of `fair` costs throughput (`" + v["command"] + "`, "
+        f"{len(next(iter(v['runs'].values())))} runs per variant, interleaved, on {m['cpu']} "
+        f"({', '.join(m['cpu_flags'])}), {m['cores']} cores; `noseat`: a tenant with no seat waits for one instead "
+        "of preempting; `noheld`: no step share; compare within this table only when its CPU differs from the one "
+        "above):",
+        "",
+        "| variant | steady TTFT p50 / p99 ratio | output tok/s (vs fcfs) | output tok/s, each run | engine steps, "
+        "each run | preemptions |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, med in v["median"].items():
+        runs = v["runs"][name]
+        rows.append(
+            f"| `{name}` | {_x(med['steady_ttft_p50_ratio'])} / {_x(med['steady_ttft_p99_ratio'])} | "
+            f"{med['output_tok_s']:.1f} ({_x(med.get('output_tok_s_vs_fcfs'), 2)}) | "
+            + ", ".join(f"{r['output_tok_s']:.1f}" for r in runs)
+            + " | "
+            + ", ".join(str(r["engine_steps"]) for r in runs)
+            + f" | {med['preemptions']:.0f} |"
+        )
+    return rows + ["", f"Record: `docs/{VARIANTS.name}`.", ""]
 
 
 def render(record: dict[str, Any], check: bool = False) -> int:
