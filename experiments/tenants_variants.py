@@ -16,7 +16,6 @@ medians per variant, with the machine. Measures only; the product never imports 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import socket
@@ -68,16 +67,10 @@ def one_run(variant: str, args: argparse.Namespace, bench: argparse.Namespace) -
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the {variant} server did not start (exit {proc.poll()})")
             time.sleep(1)
-        model = httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
-        asyncio.run(tenants._warm(url, model))
-        alone = asyncio.run(tenants.run_scenario(url, model, bench, False, policy))
-        before = tenants._engine_counters(url)
-        flood = asyncio.run(tenants.run_scenario(url, model, bench, True, policy))
-        after = tenants._engine_counters(url)
+        return tenants.measure(url, bench, policy)
     finally:
         proc.terminate()
         proc.wait(60)
-    return tenants.summarize(alone, flood, {k: after[k] - before.get(k, 0.0) for k in after})
 
 
 def main() -> int:

@@ -161,6 +161,18 @@ def summarize(alone: list[Shot], flood: list[Shot], counters: dict[str, float]) 
     return row
 
 
+def measure(url: str, args: argparse.Namespace, policy: str) -> dict[str, Any]:
+    """The two runs of the module docstring against the server at `url` (its base URL, with /v1), after one warm-up
+    request: `summarize`'s row, with the engine's counters of the flood run."""
+    model = httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
+    asyncio.run(_warm(url, model))
+    alone = asyncio.run(run_scenario(url, model, args, False, policy))
+    before = _engine_counters(url)
+    flood = asyncio.run(run_scenario(url, model, args, True, policy))
+    after = _engine_counters(url)
+    return summarize(alone, flood, {k: after[k] - before.get(k, 0.0) for k in after})
+
+
 def main(args: argparse.Namespace) -> int:
     policies = [p for p in args.policies.split(",") if p]
     results: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
@@ -169,16 +181,10 @@ def main(args: argparse.Namespace) -> int:
             extra = ["--scheduling-policy", policy, "--max-num-seqs", str(args.max_num_seqs)]
             server, url = start_server(args.bundle, args.max_num_seqs, extra=extra)
             try:
-                model = httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
-                asyncio.run(_warm(url, model))
-                alone = asyncio.run(run_scenario(url, model, args, False, policy))
-                before = _engine_counters(url)
-                flood = asyncio.run(run_scenario(url, model, args, True, policy))
-                after = _engine_counters(url)
+                row = measure(url, args, policy)
             finally:
                 server.terminate()
                 server.wait(60)
-            row = summarize(alone, flood, {k: after[k] - before.get(k, 0.0) for k in after})
             row.update(policy=policy, repeat=rep)
             results[policy].append(row)
             print(json.dumps(row), flush=True)
