@@ -2,11 +2,12 @@
 fcfs and priority, on the scenario of `molora bench serve --tenants` (molora.bench.tenants), interleaved.
 
     python -m experiments.tenants_variants --json docs/tenants_variants.json [--repeats 2] [--period 3]
-        [--variants fcfs,priority,fair,fair:noseat,fair:noheld] [--server-args "--max-num-batched-tokens 128"]
+        [--variants fcfs,priority,fair,fair:seat0,fair:noseat,fair:noheld] [--server-args "..."]
 
 Variants: a scheduling policy, and for fair optionally `:noseat` (FairPolicy.seat_victim answers None: a tenant with
 no seat waits for one to free instead of preempting the most-served tenant's latest request) or `:noheld`
-(FairPolicy.held_back answers None: no step share, every prompt takes the budget in the fair order). Each run starts
+(FairPolicy.held_back answers None: no step share, every prompt takes the budget in the fair order) or `:seat0` (the
+seat rule only for a tenant with no request running, as it was before it counted seats). Each run starts
 its own `molora serve` child (the variant patched in before the CLI runs), then runs the bench's two scenarios
 (steady tenants alone, then with the flood) with the bench's own defaults of the recorded command; the order of the
 variants rotates per repetition. Writes one row per run (molora.bench.tenants.summarize, plus the variant) and the
@@ -41,8 +42,15 @@ def child(variant: str, argv: list[str]) -> int:
         policy.FairPolicy.seat_victim = lambda self, running, head: None  # type: ignore[method-assign]
     elif variant == "noheld":
         policy.FairPolicy.held_back = lambda self, prompting: None  # type: ignore[method-assign]
+    elif variant == "seat0":  # the seat rule before it counted seats: only for a tenant with none running
+        rule = policy.FairPolicy.seat_victim
+
+        def seat0(self, running, head):  # type: ignore[no-untyped-def]
+            return None if any(r.tenant == head.tenant for r in running) else rule(self, running, head)
+
+        policy.FairPolicy.seat_victim = seat0  # type: ignore[method-assign]
     elif variant:
-        raise SystemExit(f"unknown fair variant {variant!r}: noseat or noheld")
+        raise SystemExit(f"unknown fair variant {variant!r}: noseat, noheld or seat0")
     return main(argv)
 
 
@@ -78,7 +86,7 @@ def main() -> int:
         i = sys.argv.index("--child")
         return child(sys.argv[i + 1], sys.argv[sys.argv.index("--") + 1 :])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", default="fcfs,priority,fair,fair:noseat,fair:noheld")
+    ap.add_argument("--variants", default="fcfs,priority,fair,fair:seat0,fair:noseat,fair:noheld")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--period", type=float, default=3.0, help="seconds between one steady tenant's requests")
     ap.add_argument("--server-args", default="", help="more `molora serve` flags for every variant")

@@ -350,6 +350,30 @@ def test_fair_gives_a_waiting_tenant_without_a_seat_one_from_the_most_served_ten
     assert lone.stats()["num_seat_preemptions"] == 0
 
 
+def test_fair_gives_a_tenant_holding_one_seat_another_from_a_tenant_holding_three(paths):
+    """Four seats: B holds one, A (more served) three. B's next request takes one of A's seats (A keeps two, as many
+    as B then holds); with A holding only two, B's next request waits for a seat instead."""
+    rng = random.Random(10)
+    for a_seats, preempted in ((3, 1), (2, 0)):
+        engine = _engine(paths, "fair", max_num_seqs=a_seats + 1)
+        engine.add_request(_prompt(8, rng), SamplingParams(max_new_tokens=40), request_id="B0", tenant="B")
+        for i in range(a_seats):
+            engine.add_request(_prompt(8, rng), SamplingParams(max_new_tokens=40), request_id=f"A{i}", tenant="A")
+        for _ in range(6):  # every seat decoding; A has been served more than B
+            engine.step()
+        engine.add_request(_prompt(8, rng), SamplingParams(max_new_tokens=4), request_id="B1", tenant="B")
+        started = None
+        for k in range(8):
+            if any(o.request_id == "B1" and o.new_token_ids for o in engine.step()):
+                started = k
+                break
+        assert engine.stats()["num_seat_preemptions"] == preempted, a_seats
+        assert (started is not None) == bool(preempted), (a_seats, started)
+        while engine.has_unfinished():
+            engine.step()
+        engine.check()
+
+
 def _recording(engine: Engine) -> list[list[tuple[str, int, bool]]]:
     """Record every step's chunks as (request id, tokens, decode) through the engine's own scheduler."""
     steps: list[list[tuple[str, int, bool]]] = []

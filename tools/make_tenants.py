@@ -142,8 +142,8 @@ def variants_lines() -> list[str]:
         "Which rule of `fair` costs throughput (`" + v["command"] + "`, "
         f"{len(next(iter(v['runs'].values())))} runs per variant, interleaved, on {m['cpu']} "
         f"({', '.join(m['cpu_flags'])}), {m['cores']} cores; `noseat`: a tenant with no seat waits for one instead "
-        "of preempting; `noheld`: no step share; compare within this table only when its CPU differs from the one "
-        "above):",
+        "of preempting; `seat0`: the seat rule only for a tenant with no request running; `noheld`: no step "
+        "share; compare within this table only when its CPU differs from the one above):",
         "",
         "| variant | steady TTFT p50 / p99 ratio | output tok/s (vs fcfs) | output tok/s, each run | engine steps, "
         "each run | preemptions |",

@@ -14,12 +14,12 @@ Three policies (EngineConfig.scheduling_policy, vLLM's `--scheduling-policy` nam
             tenants. A tenant that becomes active (a first request in flight) is lifted to the least counter of the
             active tenants (or, when none is active, to that of the last one to leave): idling earns no credit.
             Victim: the latest arrival of the running tenant with the largest counter. Seats: when every seat
-            (max_num_seqs) is taken and the next waiting request's tenant has none running, the latest request of
-            the most-served tenant holding two seats or more is preempted for it, if that tenant's counter stays
-            above the waiting tenant's after paying for the work thrown away (`seat_victim`); VTC's admission order
-            alone would leave a light tenant waiting for a heavy one's request to finish. Step share: when several
-            tenants have prompt tokens to compute in a step, the most-served of them (ahead of another) gets prompt
-            tokens only after the others have had theirs, and at most as many as they took (`held_back`; its
+            (max_num_seqs) is taken, the latest request of the most-served tenant holding at least two seats more
+            than the next waiting request's tenant is preempted for it, if that tenant's counter is above the waiting
+            tenant's (`seat_victim`; a preempted request's full KV blocks stay in the prefix cache); VTC's admission
+            order alone would leave a light tenant waiting for a heavy one's requests to finish. Step share: when
+            several tenants have prompt tokens to compute in a step, the most-served of them (ahead of another) gets
+            prompt tokens only after the others have had theirs, and at most as many as they took (`held_back`; its
             decodes run as always): a light tenant's first token does not wait for a step filled with a heavy
             tenant's prompt chunks. When the others take none (nothing of theirs can be admitted), it gets the
             budget as before.
@@ -73,8 +73,8 @@ class Policy:
         return running[-1]
 
     def seat_victim(self, running: Sequence[Request], head: Request) -> Request | None:
-        """Every seat is taken and `head`, the next waiting request, belongs to a tenant with none: the running
-        request to preempt so that it gets one, or None (fcfs and priority: none; it waits for a seat to free)."""
+        """Every seat is taken and `head` is the next waiting request: the running request to preempt so that it gets
+        one, or None (fcfs and priority: none; it waits for a seat to free)."""
         return None
 
     def held_back(self, prompting: Iterable[Request]) -> str | None:
@@ -154,11 +154,11 @@ class FairPolicy(Policy):
         return max(running, key=lambda r: (self.counters[r.tenant], r.seq))
 
     def seat_victim(self, running: Sequence[Request], head: Request) -> Request | None:
-        """The latest request of the most-served tenant that holds two seats or more, if that tenant stays ahead of
-        `head`'s even after paying for the work the preemption throws away (its computed tokens, recomputed later):
-        a tenant with nothing running is not kept waiting for a seat by one that has been served more."""
+        """The latest request of the most-served tenant that holds at least two seats more than `head`'s tenant
+        (so it still holds as many after giving one up), if that tenant's counter is above `head`'s: a tenant is
+        not kept waiting for a seat by one that has been served more and holds more seats."""
         seats = Counter(r.tenant for r in running)
-        held = [r for r in running if seats[r.tenant] > 1]
+        held = [r for r in running if seats[r.tenant] >= seats[head.tenant] + 2]
         if not held:
             return None
         victim = self.victim(held)

@@ -141,7 +141,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.num_seat_preemptions = 0  # of those, for a waiting tenant with no seat (policy.seat_victim)
+        self.num_seat_preemptions = 0  # of those, for a waiting tenant short of seats (policy.seat_victim)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self._seq = itertools.count()  # arrival order (Request.seq)
         self.failed: list[tuple[Request, str]] = []  # (request, why) that could not start; the engine reports them
@@ -239,14 +239,10 @@ class Scheduler:
 
     def _take_seat(self) -> None:
         """Every seat taken and requests waiting (in the policy's order): the policy may preempt one running request
-        so that the next waiting request, whose tenant has no seat, gets one this step (molora.engine.policy,
-        `seat_victim`)."""
+        so that the next waiting request gets one this step (molora.engine.policy, `seat_victim`)."""
         if len(self.running) < self.max_num_seqs or not self.waiting or self.policy.name == "fcfs":
             return
-        head = self.waiting[0]
-        if any(r.tenant == head.tenant for r in self.running):
-            return
-        victim = self.policy.seat_victim(self.running, head)
+        victim = self.policy.seat_victim(self.running, self.waiting[0])
         if victim is not None:
             self.preempt(victim)
             self.num_seat_preemptions += 1
