@@ -7,11 +7,12 @@ fcfs and priority, on the scenario of `molora bench serve --tenants` (molora.ben
 Variants: a scheduling policy, and for fair optionally `:noseat` (FairPolicy.seat_victim answers None: a tenant with
 no seat waits for one to free instead of preempting the most-served tenant's latest request) or `:noheld`
 (FairPolicy.held_back answers None: no step share, every prompt takes the budget in the fair order) or `:seat0` (the
-seat rule only for a tenant with no request running, as it was before it counted seats). Each run starts
-its own `molora serve` child (the variant patched in before the CLI runs), then runs the bench's two scenarios
-(steady tenants alone, then with the flood) with the bench's own defaults of the recorded command; the order of the
-variants rotates per repetition. Writes one row per run (molora.bench.tenants.summarize, plus the variant) and the
-medians per variant, with the machine. Measures only; the product never imports this file.
+seat rule only for a tenant with no request running, as it was before it counted seats). Each run starts its own
+`molora serve` child (molora.bench.tenants.measure_policy; the variant patched in before the CLI runs), then runs the
+bench's two scenarios (steady tenants alone, then with the flood) with the bench's own defaults of the recorded
+command; the order of the variants rotates per repetition. Writes one row per run (molora.bench.tenants.summarize,
+plus the variant) and the medians per variant (molora.bench.tenants.medians), with the machine. Measures only; the
+product never imports this file.
 """
 
 from __future__ import annotations
@@ -19,13 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import statistics
-import subprocess
 import sys
-import time
-
-import httpx
 
 from molora.bench import tenants
 from molora.bench.common import machine_info, rotated
@@ -56,29 +51,8 @@ def child(variant: str, argv: list[str]) -> int:
 
 def one_run(variant: str, args: argparse.Namespace, bench: argparse.Namespace) -> dict:
     policy, _, rule = variant.partition(":")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "experiments.tenants_variants", "--child", rule, "--", "serve", "--port", str(port)]
-    cmd += ["--max-queue", "64", "--scheduling-policy", policy, "--max-num-seqs", str(bench.max_num_seqs)]
-    cmd += args.server_args.split()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(url + "/models", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the {variant} server did not start (exit {proc.poll()})")
-            time.sleep(1)
-        return tenants.measure(url, bench, policy)
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    launcher = [sys.executable, "-m", "experiments.tenants_variants", "--child", rule, "--"]
+    return tenants.measure_policy(bench, policy, args.server_args.split(), launcher)
 
 
 def main() -> int:
@@ -94,7 +68,15 @@ def main() -> int:
     args = ap.parse_args()
     # the scenario of the recorded tenants bench (docs/tenants_bench.json's command)
     bench = argparse.Namespace(
-        tenants=4, per_tenant=4, period=args.period, steady_tokens=16, flood=12, flood_tokens=32, seed=0, max_num_seqs=8
+        bundle=None,
+        tenants=4,
+        per_tenant=4,
+        period=args.period,
+        steady_tokens=16,
+        flood=12,
+        flood_tokens=32,
+        seed=0,
+        max_num_seqs=8,
     )
     variants = [v for v in args.variants.split(",") if v]
     runs: dict[str, list[dict]] = {v: [] for v in variants}
@@ -105,13 +87,7 @@ def main() -> int:
             row.update(variant=v, repeat=rep)
             runs[v].append(row)
             print(json.dumps({k: row[k] for k in ("variant", "repeat", *KEYS)}), flush=True)
-    fcfs = [r["output_tok_s"] for r in runs.get("fcfs", []) if r["output_tok_s"]]
-    median = {}
-    for v, rows in runs.items():
-        med = {k: statistics.median(r[k] for r in rows if r[k] is not None) for k in KEYS}
-        if fcfs:
-            med["output_tok_s_vs_fcfs"] = round(med["output_tok_s"] / statistics.median(fcfs), 3)
-        median[v] = med
+    median = tenants.medians(runs)
     out = {
         "experiment": "tenants_variants",
         "command": "python -m experiments.tenants_variants " + " ".join(sys.argv[1:]),

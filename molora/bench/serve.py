@@ -207,17 +207,19 @@ def start_server(
     ray_replicas: int | None = None,
     ray_ingress: str = "serve",
     extra: Sequence[str] = (),
+    launcher: Sequence[str] = (),
 ) -> tuple[subprocess.Popen, str]:
     """`molora serve` in a child process (so the load generator does not share its GIL) on a free port;
     with ray_replicas, `molora serve --ray --replicas N --ray-ingress KIND` (Ray and every replica stop with
-    it)."""
+    it). launcher: the command that runs molora's CLI on the arguments after it (default: this Python's
+    molora.cli.main)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from molora.cli import main; sys.exit(main(sys.argv[1:]))",
+    cmd = list(
+        launcher or (sys.executable, "-c", "import sys; from molora.cli import main; sys.exit(main(sys.argv[1:]))")
+    )
+    cmd += [
         "serve",
         "--port",
         str(port),

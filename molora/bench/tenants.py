@@ -173,31 +173,46 @@ def measure(url: str, args: argparse.Namespace, policy: str) -> dict[str, Any]:
     return summarize(alone, flood, {k: after[k] - before.get(k, 0.0) for k in after})
 
 
-def main(args: argparse.Namespace) -> int:
-    policies = [p for p in args.policies.split(",") if p]
-    results: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
-    for rep in range(args.repeats):
-        for policy in rotated(policies, rep):
-            extra = ["--scheduling-policy", policy, "--max-num-seqs", str(args.max_num_seqs)]
-            server, url = start_server(args.bundle, args.max_num_seqs, extra=extra)
-            try:
-                row = measure(url, args, policy)
-            finally:
-                server.terminate()
-                server.wait(60)
-            row.update(policy=policy, repeat=rep)
-            results[policy].append(row)
-            print(json.dumps(row), flush=True)
+def measure_policy(
+    args: argparse.Namespace, policy: str, extra: Sequence[str] = (), launcher: Sequence[str] = ()
+) -> dict[str, Any]:
+    """`measure` on a `molora serve --scheduling-policy policy --max-num-seqs ...` child of its own (start_server,
+    with `extra` flags and its `launcher`), stopped afterwards."""
+    flags = ["--scheduling-policy", policy, "--max-num-seqs", str(args.max_num_seqs), *extra]
+    server, url = start_server(args.bundle, args.max_num_seqs, extra=flags, launcher=launcher)
+    try:
+        return measure(url, args, policy)
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def medians(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per name (a policy or variant), the median of each numeric field over its runs, and its output tok/s over
+    fcfs's when `results` holds fcfs."""
     base = results.get("fcfs")
     summary = {}
-    for policy, rows in results.items():
+    for name, rows in results.items():
         med = {
             k: _median([r[k] for r in rows if r[k] is not None]) for k in rows[0] if isinstance(rows[0][k], float | int)
         }
         if base:
             fcfs_tok = _median([r["output_tok_s"] for r in base if r["output_tok_s"]])
             med["output_tok_s_vs_fcfs"] = round(med["output_tok_s"] / fcfs_tok, 3) if fcfs_tok else None
-        summary[policy] = med
+        summary[name] = med
+    return summary
+
+
+def main(args: argparse.Namespace) -> int:
+    policies = [p for p in args.policies.split(",") if p]
+    results: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    for rep in range(args.repeats):
+        for policy in rotated(policies, rep):
+            row = measure_policy(args, policy)
+            row.update(policy=policy, repeat=rep)
+            results[policy].append(row)
+            print(json.dumps(row), flush=True)
+    summary = medians(results)
     out = {
         "bench": "serve --tenants",
         "bundle": args.bundle or "default",
