@@ -3,6 +3,7 @@ block is what tools/make_tenants.py renders from docs/tenants_bench.json (no fig
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +33,27 @@ def test_tenants_docs_render_from_their_record():
         [sys.executable, "-m", "tools.make_tenants", "--check"], capture_output=True, text=True, cwd=root
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_step_trace_splits_the_flood_run_where_the_last_steady_request_leaves(tmp_path):
+    from experiments.tenants_variants import trace_summary
+
+    def step(t, running, waiting, decode, prompt):
+        return {"t0": t, "t1": t + 0.5, "running": running, "waiting": waiting, "decode": decode, "prompt": prompt}
+
+    steps = [
+        step(0, [["steady-0", 0, 16]], [], 1, 0),  # the steady tenants alone: not the flood run
+        step(1, [[FLOOD, 1, 32], ["steady-0", 2, 16]], [FLOOD], 1, 100),
+        step(2, [[FLOOD, 1, 31], ["steady-0", 2, 15]], [FLOOD], 2, 0),
+        step(3, [[FLOOD, 1, 30], [FLOOD, 3, 32]], [FLOOD], 1, 50),
+        step(4, [[FLOOD, 1, 29], [FLOOD, 3, 31]], [FLOOD], 2, 0),
+        step(5, [[FLOOD, 1, 28], [FLOOD, 3, 30]], [], 2, 40),
+    ]
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    got = trace_summary(path)
+    assert got["contended"] == {
+        "steps": 2, "seconds": 1.0, "output_tokens": 3, "prompt_tokens": 100, "seats_per_step": 2.0
+    }  # fmt: skip
+    assert got["tail"] == {"steps": 3, "seconds": 1.5, "output_tokens": 5, "prompt_tokens": 90, "seats_per_step": 2.0}
+    assert got["flood_left_at_tail"] == 3 and got["flood_running_tokens_left_at_tail"] == [30, 32]

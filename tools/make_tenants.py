@@ -16,6 +16,7 @@ import argparse
 import datetime as dt
 import json
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from molora.docblock import markers, replace_block
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "tenants_bench.json"
 VARIANTS = ROOT / "docs" / "tenants_variants.json"  # experiments/tenants_variants.py
+TRACE = ROOT / "docs" / "tenants_trace.json"  # experiments/tenants_variants.py --trace
 PAGE = ROOT / "docs" / "serving.md"
 TENANTS_BEGIN, TENANTS_END = markers("tenants", "tools/make_tenants.py")
 BENCH = [
@@ -107,26 +109,18 @@ def page_block(record: dict[str, Any]) -> str:
         )
         for p, m in med.items()
     )
-    fcfs_rate = [x["output_tok_s"] for x in runs.get("fcfs", [])]
-
-    def overlap(rows: list[dict[str, Any]]) -> bool:
-        rates = [x["output_tok_s"] for x in rows]
-        return bool(fcfs_rate) and min(rates) <= max(fcfs_rate) and min(fcfs_rate) <= max(rates)
-
-    same = [p for p, rows in runs.items() if p != "fcfs" and overlap(rows)]
-    differ = [p for p, rows in runs.items() if p != "fcfs" and not overlap(rows)]
-    throughput = (
-        f"the tokens/s of {' and '.join(same)} overlap fcfs's from run to run, so these runs show no throughput "
-        "difference"
-        if same
-        else ""
+    fcfs_rate = {x["repeat"]: x["output_tok_s"] for x in runs.get("fcfs", [])}
+    paired = "; ".join(
+        f"{p} "
+        + ", ".join(f"{x['output_tok_s'] / fcfs_rate[x['repeat']]:.2f}" for x in rows)
+        + f" (median {statistics.median(x['output_tok_s'] / fcfs_rate[x['repeat']] for x in rows):.2f})"
+        for p, rows in runs.items()
+        if p != "fcfs" and all(x["repeat"] in fcfs_rate for x in rows)
     )
-    if differ:
-        throughput += ("; " if throughput else "") + (
-            f"{' and '.join(differ)} stay{'s' if len(differ) == 1 else ''} outside fcfs's range (the table's ratio)"
-        )
+    throughput = f"output tok/s over fcfs's in the same repetition: {paired}" if paired else ""
     lines += ["", f"Run to run on this machine: {spread}; {throughput}. For the same tokens {steps}.", ""]
     lines += variants_lines()
+    lines += trace_lines()
     lines += [f"Record: `docs/{RECORD.name}`; renderer: `tools/make_tenants.py`.", TENANTS_END]
     return "\n".join(lines)
 
@@ -160,6 +154,54 @@ def variants_lines() -> list[str]:
             + f" | {med['preemptions']:.0f} |"
         )
     return rows + ["", f"Record: `docs/{VARIANTS.name}`.", ""]
+
+
+def trace_lines() -> list[str]:
+    """Where each policy's steps go in the flood run, from docs/tenants_trace.json (experiments/tenants_variants.py
+    --trace; no lines while it does not exist): medians over runs of the part where every tenant has work and of the
+    tail after the last steady request left."""
+    if not TRACE.is_file():
+        return []
+    v = json.loads(TRACE.read_text(encoding="utf-8"))
+    m = v["machine"]
+
+    def med(rows: list[dict[str, Any]], part: str, key: str) -> float:
+        return statistics.median(r["trace_summary"][part][key] for r in rows)
+
+    rows = [
+        "Where the steps go (`" + v["command"] + f"`, {len(next(iter(v['runs'].values())))} runs per policy, "
+        f"interleaved, on {m['cpu']}, {m['cores']} cores; every engine step recorded in the server; medians over "
+        "runs). "
+        "*Contended*: from the flood's arrival until the last steady request leaves the scheduler; *tail*: the "
+        "flood's last requests after that"
+        + (
+            "; `fair:drain`: each tenant's waiting requests longest left first, and a waiting request takes the seat "
+            "of its own tenant's running request with the fewest tokens left (`experiments/tenants_variants.py`)"
+            if "fair:drain" in v["runs"]
+            else ""
+        )
+        + ":",
+        "",
+        "| policy | output tok/s, whole run (vs fcfs); each run | engine steps, each run; preemptions | contended: "
+        "steps, s, output tok/s, seats in use | tail: steps, s, output tokens, seats in use | flood requests left at "
+        "the tail |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, runs in v["runs"].items():
+        c_tok, c_s = med(runs, "contended", "output_tokens"), med(runs, "contended", "seconds")
+        rows.append(
+            f"| `{name}` | {v['median'][name]['output_tok_s']:.1f} "
+            f"({_x(v['median'][name].get('output_tok_s_vs_fcfs'), 2)}); "
+            + ", ".join(f"{r['output_tok_s']:.1f}" for r in runs)
+            + " | "
+            + ", ".join(str(r["engine_steps"]) for r in runs)
+            + f"; {v['median'][name]['preemptions']:.0f} | {med(runs, 'contended', 'steps'):.0f}, "
+            f"{c_s:.1f}, {c_tok / c_s:.1f}, {med(runs, 'contended', 'seats_per_step'):.1f} | "
+            f"{med(runs, 'tail', 'steps'):.0f}, {med(runs, 'tail', 'seconds'):.1f}, "
+            f"{med(runs, 'tail', 'output_tokens'):.0f}, {med(runs, 'tail', 'seats_per_step'):.1f} | "
+            f"{statistics.median(r['trace_summary']['flood_left_at_tail'] for r in runs):.0f} |"
+        )
+    return rows + ["", f"Record: `docs/{TRACE.name}`.", ""]
 
 
 def render(record: dict[str, Any], check: bool = False) -> int:
