@@ -144,16 +144,21 @@ def variants_lines() -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for name, med in v["median"].items():
-        runs = v["runs"][name]
+        rate, each, steps = _run_cells(med, v["runs"][name])
         rows.append(
-            f"| `{name}` | {_x(med['steady_ttft_p50_ratio'])} / {_x(med['steady_ttft_p99_ratio'])} | "
-            f"{med['output_tok_s']:.1f} ({_x(med.get('output_tok_s_vs_fcfs'), 2)}) | "
-            + ", ".join(f"{r['output_tok_s']:.1f}" for r in runs)
-            + " | "
-            + ", ".join(str(r["engine_steps"]) for r in runs)
-            + f" | {med['preemptions']:.0f} |"
+            f"| `{name}` | {_x(med['steady_ttft_p50_ratio'])} / {_x(med['steady_ttft_p99_ratio'])} | {rate} | {each} | "
+            f"{steps} | {med['preemptions']:.0f} |"
         )
     return rows + ["", f"Record: `docs/{VARIANTS.name}`.", ""]
+
+
+def _run_cells(med: dict[str, Any], runs: list[dict[str, Any]]) -> tuple[str, str, str]:
+    """A variant's median output tok/s (and its ratio to fcfs's), each run's tok/s, each run's engine steps."""
+    return (
+        f"{med['output_tok_s']:.1f} ({_x(med.get('output_tok_s_vs_fcfs'), 2)})",
+        ", ".join(f"{r['output_tok_s']:.1f}" for r in runs),
+        ", ".join(str(r["engine_steps"]) for r in runs),
+    )
 
 
 def trace_lines() -> list[str]:
@@ -189,14 +194,11 @@ def trace_lines() -> list[str]:
     ]
     for name, runs in v["runs"].items():
         c_tok, c_s = med(runs, "contended", "output_tokens"), med(runs, "contended", "seconds")
+        rate, each, steps = _run_cells(v["median"][name], runs)
         rows.append(
-            f"| `{name}` | {v['median'][name]['output_tok_s']:.1f} "
-            f"({_x(v['median'][name].get('output_tok_s_vs_fcfs'), 2)}); "
-            + ", ".join(f"{r['output_tok_s']:.1f}" for r in runs)
-            + " | "
-            + ", ".join(str(r["engine_steps"]) for r in runs)
-            + f"; {v['median'][name]['preemptions']:.0f} | {med(runs, 'contended', 'steps'):.0f}, "
-            f"{c_s:.1f}, {c_tok / c_s:.1f}, {med(runs, 'contended', 'seats_per_step'):.1f} | "
+            f"| `{name}` | {rate}; {each} | {steps}; {v['median'][name]['preemptions']:.0f} | "
+            f"{med(runs, 'contended', 'steps'):.0f}, {c_s:.1f}, {c_tok / c_s:.1f}, "
+            f"{med(runs, 'contended', 'seats_per_step'):.1f} | "
             f"{med(runs, 'tail', 'steps'):.0f}, {med(runs, 'tail', 'seconds'):.1f}, "
             f"{med(runs, 'tail', 'output_tokens'):.0f}, {med(runs, 'tail', 'seats_per_step'):.1f} | "
             f"{statistics.median(r['trace_summary']['flood_left_at_tail'] for r in runs):.0f} |"
