@@ -185,7 +185,7 @@ def trace_lines() -> list[str]:
             if "fair:drain" in v["runs"]
             else ""
         )
-        + ":",
+        + ". Each run is listed: its tok/s move with the machine's load, its engine steps much less:",
         "",
         "| policy | output tok/s, whole run (vs fcfs); each run | engine steps, each run; preemptions | contended: "
         "steps, s, output tok/s, seats in use | tail: steps, s, output tokens, seats in use | flood requests left at "
