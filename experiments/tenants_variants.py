@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from molora.bench import tenants
-from molora.bench.common import machine_info, rotated
+from molora.bench.common import emit, machine_info, rotated
 
 KEYS = ("steady_ttft_p50_ratio", "steady_ttft_p99_ratio", "output_tok_s", "makespan_s", "engine_steps", "preemptions")
 
@@ -215,10 +215,7 @@ def main() -> int:
         "runs": runs,
         "median": median,
     }
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=2)
-    print(json.dumps(median))
+    emit(out, args.json)
     return 0
 
 

@@ -110,12 +110,13 @@ def page_block(record: dict[str, Any]) -> str:
         for p, m in med.items()
     )
     fcfs_rate = {x["repeat"]: x["output_tok_s"] for x in runs.get("fcfs", [])}
-    paired = "; ".join(
-        f"{p} "
-        + ", ".join(f"{x['output_tok_s'] / fcfs_rate[x['repeat']]:.2f}" for x in rows)
-        + f" (median {statistics.median(x['output_tok_s'] / fcfs_rate[x['repeat']] for x in rows):.2f})"
+    ratios = {
+        p: [x["output_tok_s"] / fcfs_rate[x["repeat"]] for x in rows]
         for p, rows in runs.items()
         if p != "fcfs" and all(x["repeat"] in fcfs_rate for x in rows)
+    }
+    paired = "; ".join(
+        f"{p} {', '.join(f'{r:.2f}' for r in rs)} (median {statistics.median(rs):.2f})" for p, rs in ratios.items()
     )
     throughput = f"output tok/s over fcfs's in the same repetition: {paired}" if paired else ""
     lines += ["", f"Run to run on this machine: {spread}; {throughput}. For the same tokens {steps}.", ""]

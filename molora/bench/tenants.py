@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from molora.bench.common import rotated
+from molora.bench.common import emit, rotated
 from molora.bench.serve import make_prompts, pct, start_server
 from molora.bench.sse import SSEStream
 
@@ -227,10 +227,7 @@ def main(args: argparse.Namespace) -> int:
         "runs": results,
         "median": summary,
     }
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=2)
-    print(json.dumps(out))
+    emit(out, args.json)
     return 0 if all(r["errors"] == 0 for rows in results.values() for r in rows) else 1
 
 
